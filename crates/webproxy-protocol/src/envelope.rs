@@ -1,0 +1,594 @@
+//! The request envelope: parsing and validation of what callers publish.
+//!
+//! Parsing is field by field over a JSON object rather than one derived struct, so that
+//! an invalid envelope still yields its `id` and `reply_to` (to answer the caller) and
+//! an error message that names the offending field.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+use thiserror::Error;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use url::Url;
+
+use serde::{Deserialize, Serialize};
+
+use crate::headers::{Headers, is_hop_by_hop};
+use crate::subjects::{Subjects, validate_id};
+use crate::{MAX_METADATA_BYTES, PROTOCOL_VERSION};
+
+/// The HTTP methods webproxy sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Method {
+    Get,
+    Head,
+    Post,
+    Put,
+    Patch,
+    Delete,
+    Options,
+}
+
+impl Method {
+    pub const ALL: [Method; 7] = [
+        Method::Get,
+        Method::Head,
+        Method::Post,
+        Method::Put,
+        Method::Patch,
+        Method::Delete,
+        Method::Options,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Get => "GET",
+            Method::Head => "HEAD",
+            Method::Post => "POST",
+            Method::Put => "PUT",
+            Method::Patch => "PATCH",
+            Method::Delete => "DELETE",
+            Method::Options => "OPTIONS",
+        }
+    }
+
+    /// Parses a method name in any case.
+    pub fn parse(s: &str) -> Option<Method> {
+        Method::ALL
+            .into_iter()
+            .find(|m| m.as_str().eq_ignore_ascii_case(s))
+    }
+
+    /// Whether repeating the request has the same effect as sending it once
+    /// (RFC 9110 section 9.2.2), so that an attempt that may have reached the upstream
+    /// can be repeated.
+    pub fn is_idempotent(self) -> bool {
+        !matches!(self, Method::Post | Method::Patch)
+    }
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A request envelope as a caller writes it: the unvalidated wire shape. The service
+/// reads envelopes with [`parse_request`]; clients build and serialize this.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestEnvelope {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub v: Option<u8>,
+    pub id: String,
+    pub method: String,
+    pub url: String,
+    #[serde(default, skip_serializing_if = "Headers::is_empty")]
+    pub headers: Headers,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+}
+
+/// A validated request envelope.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: String,
+    pub method: Method,
+    /// As normalised by the WHATWG URL parser; this is what rules match and what is sent.
+    pub url: Url,
+    /// Header pairs in envelope order, hop-by-hop headers removed.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// A custom reply subject, when the caller gave one other than the default.
+    pub reply_to: Option<String>,
+    pub timeout: Option<Duration>,
+    pub deadline: Option<OffsetDateTime>,
+    /// Echoed verbatim in the reply.
+    pub metadata: Option<Box<RawValue>>,
+}
+
+/// Why a payload is not a valid request.
+#[derive(Debug, Clone, Error)]
+pub enum ParseError {
+    /// Not a JSON object: nothing in it can be answered.
+    #[error("payload is not a JSON object: {reason}")]
+    Undecodable { reason: String },
+    /// A JSON object with an invalid field.
+    #[error("invalid field `{}`: {}", .0.field, .0.message)]
+    Invalid(Box<InvalidEnvelope>),
+}
+
+/// An envelope with an invalid field. `id` and `reply_to` are set when they are
+/// themselves valid, so the caller can still be answered.
+#[derive(Debug, Clone)]
+pub struct InvalidEnvelope {
+    pub field: &'static str,
+    pub message: String,
+    pub id: Option<String>,
+    pub reply_to: Option<String>,
+    /// The raw `id` value when it was a string, valid or not, for the reply body.
+    pub raw_id: Option<String>,
+    pub metadata: Option<Box<RawValue>>,
+}
+
+/// Parses and validates a request envelope published under `subjects`' prefix.
+pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, ParseError> {
+    // Fields stay raw until read, so `metadata` is echoed byte for byte.
+    let raw: BTreeMap<String, &RawValue> = match serde_json::from_slice(payload) {
+        Ok(raw) => raw,
+        Err(e) => {
+            let reason = match serde_json::from_slice::<Value>(payload) {
+                Ok(other) => format!("expected a JSON object, found {}", json_kind(&other)),
+                Err(_) => format!("not valid JSON: {e}"),
+            };
+            return Err(ParseError::Undecodable { reason });
+        }
+    };
+    let object: Map<String, Value> = raw
+        .iter()
+        .filter(|(name, _)| name.as_str() != "metadata")
+        .map(|(name, value)| {
+            let value = serde_json::from_str(value.get()).unwrap_or(Value::Null);
+            (name.clone(), value)
+        })
+        .collect();
+    let metadata = parse_metadata(raw.get("metadata").copied());
+    let raw_id = object.get("id").and_then(Value::as_str).map(str::to_string);
+    let valid_id = raw_id.clone().filter(|id| validate_id(id).is_ok());
+    // reply_to is checked against the id's own default subject; with no valid id only
+    // a subject outside the reserved prefixes can be used.
+    let reply_to_check = parse_reply_to(&object, subjects, valid_id.as_deref().unwrap_or(""));
+    let fail = |field: &'static str, message: String| {
+        ParseError::Invalid(Box::new(InvalidEnvelope {
+            field,
+            message,
+            id: valid_id.clone(),
+            reply_to: reply_to_check.clone().ok().flatten(),
+            raw_id: raw_id.clone(),
+            metadata: metadata.clone().ok().flatten(),
+        }))
+    };
+
+    let id = match object.get("id") {
+        None => return Err(fail("id", "is required".into())),
+        Some(Value::String(id)) => {
+            validate_id(id).map_err(|e| fail("id", e.to_string()))?;
+            id.clone()
+        }
+        Some(other) => {
+            return Err(fail(
+                "id",
+                format!("must be a string, found {}", json_kind(other)),
+            ));
+        }
+    };
+    match object.get("v") {
+        None => {}
+        Some(Value::Number(n)) if n.as_u64() == Some(u64::from(PROTOCOL_VERSION)) => {}
+        Some(other) => {
+            return Err(fail(
+                "v",
+                format!("must be the number {PROTOCOL_VERSION}, found {other}"),
+            ));
+        }
+    }
+    let reply_to = reply_to_check.clone().map_err(|m| fail("reply_to", m))?;
+    let metadata = metadata.clone().map_err(|m| fail("metadata", m))?;
+    let method = match object.get("method") {
+        None => return Err(fail("method", "is required".into())),
+        Some(Value::String(m)) => Method::parse(m).ok_or_else(|| {
+            fail(
+                "method",
+                format!("{m:?} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+            )
+        })?,
+        Some(other) => {
+            return Err(fail(
+                "method",
+                format!("must be a string, found {}", json_kind(other)),
+            ));
+        }
+    };
+    let url = match object.get("url") {
+        None => return Err(fail("url", "is required".into())),
+        Some(Value::String(u)) => parse_url(u).map_err(|m| fail("url", m))?,
+        Some(other) => {
+            return Err(fail(
+                "url",
+                format!("must be a string, found {}", json_kind(other)),
+            ));
+        }
+    };
+    let headers = parse_headers(object.get("headers")).map_err(|m| fail("headers", m))?;
+    let body = match (object.get("body"), object.get("body_base64")) {
+        (Some(_), Some(_)) => {
+            return Err(fail(
+                "body",
+                "`body` and `body_base64` are mutually exclusive".into(),
+            ));
+        }
+        (Some(Value::String(text)), None) => text.as_bytes().to_vec(),
+        (Some(other), None) => {
+            return Err(fail(
+                "body",
+                format!("must be a string, found {}", json_kind(other)),
+            ));
+        }
+        (None, Some(Value::String(b64))) => BASE64
+            .decode(b64)
+            .map_err(|e| fail("body_base64", format!("is not valid base64: {e}")))?,
+        (None, Some(other)) => {
+            return Err(fail(
+                "body_base64",
+                format!("must be a string, found {}", json_kind(other)),
+            ));
+        }
+        (None, None) => Vec::new(),
+    };
+    let timeout = match object.get("timeout_ms") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(ms) if ms > 0 => Some(Duration::from_millis(ms)),
+            _ => {
+                return Err(fail(
+                    "timeout_ms",
+                    format!("must be a positive whole number of milliseconds, found {n}"),
+                ));
+            }
+        },
+        Some(other) => {
+            return Err(fail(
+                "timeout_ms",
+                format!("must be a number, found {}", json_kind(other)),
+            ));
+        }
+    };
+    let deadline = match object.get("deadline") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(OffsetDateTime::parse(d, &Rfc3339).map_err(|e| {
+            fail(
+                "deadline",
+                format!("{d:?} is not an RFC 3339 date-time: {e}"),
+            )
+        })?),
+        Some(other) => {
+            return Err(fail(
+                "deadline",
+                format!("must be an RFC 3339 string, found {}", json_kind(other)),
+            ));
+        }
+    };
+    Ok(Request {
+        id,
+        method,
+        url,
+        headers,
+        body,
+        reply_to,
+        timeout,
+        deadline,
+        metadata,
+    })
+}
+
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// `Ok(None)` when absent or the id's own default subject.
+fn parse_reply_to(
+    object: &Map<String, Value>,
+    subjects: &Subjects,
+    id: &str,
+) -> Result<Option<String>, String> {
+    match object.get("reply_to") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(subject)) => {
+            subjects
+                .check_reply_to(subject, id)
+                .map_err(|e| e.to_string())?;
+            if !id.is_empty() && *subject == subjects.reply(id) {
+                Ok(None)
+            } else {
+                Ok(Some(subject.clone()))
+            }
+        }
+        Some(other) => Err(format!("must be a string, found {}", json_kind(other))),
+    }
+}
+
+fn parse_metadata(raw: Option<&RawValue>) -> Result<Option<Box<RawValue>>, String> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    if raw.get().len() > MAX_METADATA_BYTES {
+        return Err(format!(
+            "is {} bytes serialized, more than the limit of {MAX_METADATA_BYTES}",
+            raw.get().len()
+        ));
+    }
+    Ok(Some(raw.to_owned()))
+}
+
+fn parse_url(text: &str) -> Result<Url, String> {
+    let url = Url::parse(text).map_err(|e| format!("{text:?} is not an absolute URL: {e}"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?} is not http or https", url.scheme()));
+    }
+    if url.host().is_none() {
+        return Err(format!("{text:?} has no host"));
+    }
+    Ok(url)
+}
+
+fn is_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+fn check_header_value(name: &str, value: &str) -> Result<(), String> {
+    if value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
+        Err(format!("the value of {name:?} contains CR, LF or NUL"))
+    } else {
+        Ok(())
+    }
+}
+
+fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String> {
+    let object = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(object)) => object,
+        Some(other) => return Err(format!("must be an object, found {}", json_kind(other))),
+    };
+    let mut pairs = Vec::with_capacity(object.len());
+    for (name, value) in object {
+        if !is_token(name) {
+            return Err(format!("{name:?} is not a valid header name"));
+        }
+        let values: Vec<&str> = match value {
+            Value::String(v) => vec![v.as_str()],
+            Value::Array(items) => items
+                .iter()
+                .map(|item| {
+                    item.as_str().ok_or_else(|| {
+                        format!(
+                            "the values of {name:?} must be strings, found {}",
+                            json_kind(item)
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            other => {
+                return Err(format!(
+                    "the value of {name:?} must be a string or an array of strings, found {}",
+                    json_kind(other)
+                ));
+            }
+        };
+        for v in values {
+            check_header_value(name, v)?;
+            if !is_hop_by_hop(name) {
+                pairs.push((name.clone(), v.to_string()));
+            }
+        }
+    }
+    Ok(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subjects() -> Subjects {
+        Subjects::new("webproxy").expect("valid prefix")
+    }
+
+    fn parse(json: &str) -> Result<Request, ParseError> {
+        parse_request(json.as_bytes(), &subjects())
+    }
+
+    fn invalid_field(json: &str) -> (&'static str, String, Option<String>, Option<String>) {
+        match parse(json) {
+            Err(ParseError::Invalid(e)) => (e.field, e.message, e.id, e.reply_to),
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn full_envelope() {
+        let req = parse(
+            r#"{"v":1,"id":"order-42","method":"post","url":"HTTPS://API.Example.com:443/orders?x=1",
+                "headers":{"Content-Type":"application/json","X-Multi":["a","b"],"Connection":"close"},
+                "body":"{\"qty\": 1}","reply_to":"app.replies.42","timeout_ms":5000,
+                "deadline":"2026-11-30T12:00:00Z","metadata":{"order":42, "b":[1, 2]},"extra":true}"#,
+        )
+        .expect("valid");
+        assert_eq!(req.id, "order-42");
+        assert_eq!(req.method, Method::Post);
+        assert_eq!(req.url.as_str(), "https://api.example.com/orders?x=1");
+        assert_eq!(
+            req.headers,
+            vec![
+                ("Content-Type".to_string(), "application/json".to_string()),
+                ("X-Multi".to_string(), "a".to_string()),
+                ("X-Multi".to_string(), "b".to_string()),
+            ]
+        );
+        assert_eq!(req.body, br#"{"qty": 1}"#);
+        assert_eq!(req.reply_to.as_deref(), Some("app.replies.42"));
+        assert_eq!(req.timeout, Some(Duration::from_millis(5000)));
+        assert!(req.deadline.is_some());
+        assert_eq!(
+            req.metadata.map(|m| m.get().to_string()),
+            Some(r#"{"order":42, "b":[1, 2]}"#.to_string())
+        );
+    }
+
+    #[test]
+    fn minimal_envelope_and_binary_body() {
+        let req = parse(
+            r#"{"id":"a","method":"GET","url":"http://127.0.0.1:8080/x","body_base64":"AAH/"}"#,
+        )
+        .expect("valid");
+        assert_eq!(req.body, vec![0, 1, 255]);
+        assert!(req.reply_to.is_none());
+        assert!(req.metadata.is_none());
+    }
+
+    #[test]
+    fn default_reply_subject_given_explicitly_is_no_custom_reply_to() {
+        let req =
+            parse(r#"{"id":"a","method":"GET","url":"http://h/","reply_to":"webproxy.reply.a"}"#)
+                .expect("valid");
+        assert!(req.reply_to.is_none());
+    }
+
+    #[test]
+    fn undecodable_payloads() {
+        for payload in ["", "not json", "[1,2]", "\"id\"", "42", "{\"id\": \"a\""] {
+            assert!(
+                matches!(parse(payload), Err(ParseError::Undecodable { .. })),
+                "{payload:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_invalid_field_is_named() {
+        let cases: [(&str, &str); 21] = [
+            (r#"{"method":"GET","url":"http://h/"}"#, "id"),
+            (r#"{"id":7,"method":"GET","url":"http://h/"}"#, "id"),
+            (r#"{"id":"a.b","method":"GET","url":"http://h/"}"#, "id"),
+            (
+                r#"{"id":"a","v":"1","method":"GET","url":"http://h/"}"#,
+                "v",
+            ),
+            (r#"{"id":"a","v":2,"method":"GET","url":"http://h/"}"#, "v"),
+            (r#"{"id":"a","url":"http://h/"}"#, "method"),
+            (r#"{"id":"a","method":"BREW","url":"http://h/"}"#, "method"),
+            (r#"{"id":"a","method":"GET"}"#, "url"),
+            (r#"{"id":"a","method":"GET","url":"/relative"}"#, "url"),
+            (r#"{"id":"a","method":"GET","url":"ftp://h/"}"#, "url"),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","headers":[]}"#,
+                "headers",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","headers":{"X":1}}"#,
+                "headers",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","headers":{"X":"a\nb"}}"#,
+                "headers",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","headers":{"X Y":"a"}}"#,
+                "headers",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","body":"x","body_base64":"eA=="}"#,
+                "body",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","body_base64":"!!"}"#,
+                "body_base64",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","reply_to":"webproxy.request.default"}"#,
+                "reply_to",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","reply_to":"x.*"}"#,
+                "reply_to",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","timeout_ms":-5}"#,
+                "timeout_ms",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","deadline":"tomorrow"}"#,
+                "deadline",
+            ),
+            (
+                r#"{"id":"a","method":"GET","url":"http://h/","metadata":"__BIG__"}"#,
+                "metadata",
+            ),
+        ];
+        let big = "m".repeat(MAX_METADATA_BYTES + 1);
+        for (json, expected) in cases {
+            let json = json.replace("__BIG__", &big);
+            let (field, message, _, _) = invalid_field(&json);
+            assert_eq!(field, expected, "{json}: {message}");
+        }
+    }
+
+    #[test]
+    fn invalid_envelope_keeps_what_is_needed_to_answer() {
+        let (_, _, id, reply_to) =
+            invalid_field(r#"{"id":"a","method":"BREW","url":"http://h/","reply_to":"app.r"}"#);
+        assert_eq!(id.as_deref(), Some("a"));
+        assert_eq!(reply_to.as_deref(), Some("app.r"));
+        let (_, _, id, reply_to) =
+            invalid_field(r#"{"id":"a b","method":"GET","url":"http://h/","reply_to":"app.r"}"#);
+        assert_eq!(id, None);
+        assert_eq!(reply_to.as_deref(), Some("app.r"));
+        let (_, _, _, reply_to) = invalid_field(
+            r#"{"id":"a b","method":"GET","url":"http://h/","reply_to":"webproxy.reply.x"}"#,
+        );
+        assert_eq!(reply_to, None);
+    }
+
+    #[test]
+    fn idempotent_methods() {
+        assert!(Method::Get.is_idempotent());
+        assert!(Method::Put.is_idempotent());
+        assert!(Method::Delete.is_idempotent());
+        assert!(!Method::Post.is_idempotent());
+        assert!(!Method::Patch.is_idempotent());
+    }
+}

@@ -1,0 +1,265 @@
+//! The reply envelope (one final answer per conversation) and the dead-letter record.
+
+use std::fmt;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use crate::PROTOCOL_VERSION;
+use crate::headers::Headers;
+
+/// How a conversation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Response,
+    Error,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Response => "response",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+/// The closed set of error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidRequest,
+    Denied,
+    Expired,
+    UpstreamError,
+    RetriesExhausted,
+    TransportError,
+    ResponseTooLarge,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::Denied => "denied",
+            ErrorCode::Expired => "expired",
+            ErrorCode::UpstreamError => "upstream_error",
+            ErrorCode::RetriesExhausted => "retries_exhausted",
+            ErrorCode::TransportError => "transport_error",
+            ErrorCode::ResponseTooLarge => "response_too_large",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error outcome's details.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+}
+
+/// A response body as it travels: UTF-8 text as `body`, anything else as `body_base64`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ReplyBody {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
+}
+
+impl ReplyBody {
+    /// Text when the bytes are valid UTF-8 (an empty body is `""`), base64 otherwise.
+    pub fn encode(bytes: Vec<u8>) -> ReplyBody {
+        match String::from_utf8(bytes) {
+            Ok(text) => ReplyBody {
+                body: Some(text),
+                body_base64: None,
+            },
+            Err(e) => ReplyBody {
+                body: None,
+                body_base64: Some(BASE64.encode(e.as_bytes())),
+            },
+        }
+    }
+
+    /// The body's bytes, whichever way it was encoded.
+    pub fn decode(&self) -> Result<Vec<u8>, base64::DecodeError> {
+        match (&self.body, &self.body_base64) {
+            (Some(text), _) => Ok(text.as_bytes().to_vec()),
+            (None, Some(b64)) => BASE64.decode(b64),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
+}
+
+/// The final reply of a conversation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Reply {
+    pub v: u8,
+    pub id: String,
+    pub outcome: Outcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headers: Option<Headers>,
+    #[serde(flatten)]
+    pub body: ReplyBody,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+    /// HTTP attempts started, a refused connection included.
+    pub attempts: u32,
+    pub duration_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Box<RawValue>>,
+}
+
+impl Reply {
+    /// A `response` reply.
+    pub fn response(
+        id: String,
+        status: u16,
+        headers: Headers,
+        body: ReplyBody,
+        attempts: u32,
+        duration_ms: u64,
+        metadata: Option<Box<RawValue>>,
+    ) -> Reply {
+        Reply {
+            v: PROTOCOL_VERSION,
+            id,
+            outcome: Outcome::Response,
+            status: Some(status),
+            headers: Some(headers),
+            body,
+            error: None,
+            attempts,
+            duration_ms,
+            metadata,
+        }
+    }
+
+    /// An `error` reply.
+    pub fn error(
+        id: String,
+        error: ErrorBody,
+        attempts: u32,
+        duration_ms: u64,
+        metadata: Option<Box<RawValue>>,
+    ) -> Reply {
+        Reply {
+            v: PROTOCOL_VERSION,
+            id,
+            outcome: Outcome::Error,
+            status: None,
+            headers: None,
+            body: ReplyBody::default(),
+            error: Some(error),
+            attempts,
+            duration_ms,
+            metadata,
+        }
+    }
+}
+
+/// One attempt in a conversation's history, as dead letters record it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// RFC 3339 start time.
+    pub at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// The transport failure kind and message, when there was no HTTP status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    pub duration_ms: u64,
+}
+
+/// What is copied to `<prefix>.dead.<pool>` when a conversation ends in an error or a
+/// payload cannot be decoded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub pool: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub generation: u64,
+    pub error: ErrorBody,
+    /// The original request, when the payload was a JSON object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envelope: Option<Box<RawValue>>,
+    /// The original payload, when it was not a JSON object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_base64: Option<String>,
+    #[serde(default)]
+    pub attempts: Vec<AttemptRecord>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+}
+
+/// The start of a response body for an error message: at most `max` bytes, cut on a
+/// character boundary, lossy for non-UTF-8 bytes.
+pub fn excerpt(body: &[u8], max: usize) -> String {
+    let text = String::from_utf8_lossy(&body[..body.len().min(max)]);
+    let mut text = text.into_owned();
+    if body.len() > max {
+        text.push('…');
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_encoding() {
+        let text = ReplyBody::encode(b"hello".to_vec());
+        assert_eq!(text.body.as_deref(), Some("hello"));
+        let empty = ReplyBody::encode(Vec::new());
+        assert_eq!(empty.body.as_deref(), Some(""));
+        let binary = ReplyBody::encode(vec![0xff, 0, 1]);
+        assert_eq!(binary.body_base64.as_deref(), Some("/wAB"));
+        assert_eq!(binary.decode().expect("base64"), vec![0xff, 0, 1]);
+    }
+
+    #[test]
+    fn reply_json_shape() {
+        let reply = Reply::error(
+            "order-42".into(),
+            ErrorBody {
+                code: ErrorCode::Denied,
+                message: "no".into(),
+                status: None,
+            },
+            0,
+            1,
+            serde_json::value::to_raw_value(&serde_json::json!({"order": 42})).ok(),
+        );
+        let json = serde_json::to_string(&reply).expect("serializes");
+        assert_eq!(
+            json,
+            r#"{"v":1,"id":"order-42","outcome":"error","error":{"code":"denied","message":"no"},"attempts":0,"duration_ms":1,"metadata":{"order":42}}"#
+        );
+        let back: Reply = serde_json::from_str(&json).expect("parses");
+        assert_eq!(back.error.map(|e| e.code), Some(ErrorCode::Denied));
+    }
+
+    #[test]
+    fn excerpt_cuts_and_marks() {
+        assert_eq!(excerpt(b"short", 10), "short");
+        assert_eq!(excerpt(b"0123456789abc", 10), "0123456789…");
+    }
+}

@@ -1,0 +1,264 @@
+//! Subject, stream and consumer names, all derived from one configurable prefix so
+//! that two deployments with different prefixes can share a NATS account.
+
+use thiserror::Error;
+
+/// A name that breaks its character rules; the message says which rule.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{0}")]
+pub struct InvalidName(pub String);
+
+fn is_token_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == '-'
+}
+
+/// A conversation id: 1 to 128 characters of `[A-Za-z0-9_-]`, so it is one subject token.
+pub fn validate_id(id: &str) -> Result<(), InvalidName> {
+    if id.is_empty() || id.len() > 128 {
+        return Err(InvalidName(format!(
+            "must be 1 to 128 characters long, got {}",
+            id.len()
+        )));
+    }
+    if let Some(c) = id.chars().find(|c| !is_token_char(*c)) {
+        return Err(InvalidName(format!(
+            "may contain only A-Z, a-z, 0-9, '_' and '-', found {c:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// A pool name: 1 to 32 of `[a-z0-9_-]`.
+pub fn validate_pool_name(pool: &str) -> Result<(), InvalidName> {
+    let ok = !pool.is_empty()
+        && pool.len() <= 32
+        && pool
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidName(format!(
+            "pool name {pool:?} must be 1 to 32 characters of a-z, 0-9, '_' and '-'"
+        )))
+    }
+}
+
+/// The subject prefix: one or more dot-separated tokens of `[A-Za-z0-9_-]`.
+pub fn validate_prefix(prefix: &str) -> Result<(), InvalidName> {
+    let ok = !prefix.is_empty()
+        && prefix
+            .split('.')
+            .all(|t| !t.is_empty() && t.chars().all(is_token_char));
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidName(format!(
+            "prefix {prefix:?} must be dot-separated tokens of A-Z, a-z, 0-9, '_' and '-'"
+        )))
+    }
+}
+
+/// A literal NATS subject: non-empty tokens, no wildcards, no white space.
+pub fn validate_subject_literal(subject: &str) -> Result<(), InvalidName> {
+    if subject.is_empty() {
+        return Err(InvalidName("must not be empty".into()));
+    }
+    for token in subject.split('.') {
+        if token.is_empty() {
+            return Err(InvalidName(format!("{subject:?} has an empty token")));
+        }
+        if token.contains(['*', '>']) {
+            return Err(InvalidName(format!("{subject:?} contains a wildcard")));
+        }
+        if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(InvalidName(format!("{subject:?} contains white space")));
+        }
+    }
+    Ok(())
+}
+
+/// Every subject, stream and consumer name of one deployment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+    stream_prefix: String,
+}
+
+impl Subjects {
+    /// Names under `prefix`; see [`validate_prefix`].
+    pub fn new(prefix: &str) -> Result<Self, InvalidName> {
+        validate_prefix(prefix)?;
+        Ok(Subjects {
+            prefix: prefix.to_string(),
+            stream_prefix: prefix.replace('.', "_").to_ascii_uppercase(),
+        })
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Where callers publish requests for `pool`.
+    pub fn request(&self, pool: &str) -> String {
+        format!("{}.request.{pool}", self.prefix)
+    }
+
+    /// Where the service parks a request waiting for its next attempt.
+    pub fn retry(&self, pool: &str) -> String {
+        format!("{}.retry.{pool}", self.prefix)
+    }
+
+    /// Where the final reply of conversation `id` is stored.
+    pub fn reply(&self, id: &str) -> String {
+        format!("{}.reply.{id}", self.prefix)
+    }
+
+    /// Where failed conversations of `pool` are copied.
+    pub fn dead(&self, pool: &str) -> String {
+        format!("{}.dead.{pool}", self.prefix)
+    }
+
+    /// Every reply subject, for the replies stream and wildcard subscribers.
+    pub fn reply_wildcard(&self) -> String {
+        format!("{}.reply.>", self.prefix)
+    }
+
+    /// Every dead-letter subject.
+    pub fn dead_wildcard(&self) -> String {
+        format!("{}.dead.>", self.prefix)
+    }
+
+    /// The work stream of `pool`, e.g. `WEBPROXY_POOL_DEFAULT`.
+    pub fn pool_stream(&self, pool: &str) -> String {
+        format!("{}_POOL_{}", self.stream_prefix, pool.to_ascii_uppercase())
+    }
+
+    /// The stream that stores final replies.
+    pub fn replies_stream(&self) -> String {
+        format!("{}_REPLIES", self.stream_prefix)
+    }
+
+    /// The stream that stores dead letters.
+    pub fn dead_stream(&self) -> String {
+        format!("{}_DEAD", self.stream_prefix)
+    }
+
+    /// The durable consumer of `pool`'s request subject, e.g. `webproxy-default`.
+    pub fn pool_consumer(&self, pool: &str) -> String {
+        format!("{}-{pool}", self.prefix.replace('.', "_"))
+    }
+
+    /// The durable consumer of `pool`'s retry subject.
+    pub fn retry_consumer(&self, pool: &str) -> String {
+        format!("{}-{pool}-retry", self.prefix.replace('.', "_"))
+    }
+
+    /// The pool a subject under `<prefix>.request.` names, if it is one.
+    pub fn pool_of_request_subject<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".request.")
+    }
+
+    /// Whether a caller may name `subject` as its `reply_to`: a literal subject outside
+    /// the service's own namespace (except exactly its own default reply subject) and
+    /// outside the server's reserved prefixes.
+    pub fn check_reply_to(&self, subject: &str, id: &str) -> Result<(), InvalidName> {
+        validate_subject_literal(subject)?;
+        if subject == self.reply(id) {
+            return Ok(());
+        }
+        let own = format!("{}.", self.prefix);
+        for reserved in [own.as_str(), "$JS.", "$SYS.", "$KV."] {
+            if subject.starts_with(reserved) {
+                return Err(InvalidName(format!(
+                    "{subject:?} is under the reserved prefix {reserved:?}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subjects() -> Subjects {
+        Subjects::new("webproxy").expect("valid prefix")
+    }
+
+    #[test]
+    fn names_derive_from_prefix() {
+        let s = subjects();
+        assert_eq!(s.request("default"), "webproxy.request.default");
+        assert_eq!(s.retry("p1"), "webproxy.retry.p1");
+        assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
+        assert_eq!(s.dead("p1"), "webproxy.dead.p1");
+        assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");
+        assert_eq!(s.replies_stream(), "WEBPROXY_REPLIES");
+        assert_eq!(s.dead_stream(), "WEBPROXY_DEAD");
+        assert_eq!(s.pool_consumer("default"), "webproxy-default");
+        let dotted = Subjects::new("acme.wp").expect("valid prefix");
+        assert_eq!(dotted.pool_stream("a-b"), "ACME_WP_POOL_A-B");
+        assert_eq!(dotted.pool_consumer("a"), "acme_wp-a");
+    }
+
+    #[test]
+    fn pool_of_request_subject() {
+        let s = subjects();
+        assert_eq!(s.pool_of_request_subject("webproxy.request.p1"), Some("p1"));
+        assert_eq!(s.pool_of_request_subject("other.request.p1"), None);
+    }
+
+    #[test]
+    fn ids() {
+        assert!(validate_id("order-42_A").is_ok());
+        assert!(validate_id("").is_err());
+        assert!(validate_id(&"a".repeat(128)).is_ok());
+        assert!(validate_id(&"a".repeat(129)).is_err());
+        assert!(validate_id("a.b").is_err());
+        assert!(validate_id("a*").is_err());
+        assert!(validate_id("a b").is_err());
+        assert!(validate_id("a:b").is_err());
+    }
+
+    #[test]
+    fn pool_names() {
+        assert!(validate_pool_name("default").is_ok());
+        assert!(validate_pool_name("netsuite_1-a").is_ok());
+        assert!(validate_pool_name("Default").is_err());
+        assert!(validate_pool_name("").is_err());
+        assert!(validate_pool_name(&"p".repeat(33)).is_err());
+        assert!(validate_pool_name("a.b").is_err());
+    }
+
+    #[test]
+    fn prefixes() {
+        assert!(validate_prefix("webproxy").is_ok());
+        assert!(validate_prefix("acme.webproxy").is_ok());
+        assert!(validate_prefix("a..b").is_err());
+        assert!(validate_prefix("a.*").is_err());
+        assert!(validate_prefix("").is_err());
+    }
+
+    #[test]
+    fn reply_to_rules() {
+        let s = subjects();
+        assert!(s.check_reply_to("app.replies.42", "x").is_ok());
+        assert!(s.check_reply_to("webproxy.reply.x", "x").is_ok());
+        assert!(s.check_reply_to("webproxy.reply.y", "x").is_err());
+        assert!(s.check_reply_to("webproxy.request.default", "x").is_err());
+        assert!(s.check_reply_to("$JS.API.STREAM.DELETE.X", "x").is_err());
+        assert!(s.check_reply_to("$SYS.x", "x").is_err());
+        assert!(s.check_reply_to("$KV.b.k", "x").is_err());
+        assert!(s.check_reply_to("app.*", "x").is_err());
+        assert!(s.check_reply_to("app.>", "x").is_err());
+        assert!(s.check_reply_to("app..x", "x").is_err());
+        assert!(s.check_reply_to("app x", "x").is_err());
+        assert!(s.check_reply_to("", "x").is_err());
+        // a subject that merely starts with the prefix's letters is the caller's own
+        assert!(s.check_reply_to("webproxyish.replies", "x").is_ok());
+    }
+}
