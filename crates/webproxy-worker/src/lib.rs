@@ -1,0 +1,305 @@
+//! One outbound HTTP attempt: a shared reqwest client, a per-attempt timeout, a cap on
+//! the response size, and a typed outcome. No NATS, no retries: what to do with the
+//! outcome is the dispatcher's decision.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use thiserror::Error;
+use url::Url;
+
+/// Why the HTTP client could not be built.
+#[derive(Debug, Error)]
+#[error("cannot build the HTTP client: {0}")]
+pub struct BuildError(#[from] reqwest::Error);
+
+/// Settings of the shared client.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The largest response body accepted; more is `TooLarge`.
+    pub max_response_bytes: usize,
+}
+
+/// The request of one attempt.
+#[derive(Debug, Clone)]
+pub struct AttemptRequest<'a> {
+    pub method: &'a str,
+    pub url: &'a Url,
+    pub headers: &'a [(String, String)],
+    pub body: Bytes,
+    pub timeout: Duration,
+}
+
+/// A complete HTTP response.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    /// Names lower case, in the order received, a repeated header once per value.
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+impl HttpResponse {
+    /// The first value of header `name` (lower case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// What kind of transport failure ended an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// The connection was refused or could not be made.
+    Connect,
+    /// The host name did not resolve.
+    Dns,
+    /// The attempt ran out of time.
+    Timeout,
+    /// The connection broke after it was made.
+    Reset,
+    /// The TLS handshake failed (certificate, protocol).
+    Tls,
+    Other,
+}
+
+impl FailureKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::Connect => "connect",
+            FailureKind::Dns => "dns",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Reset => "reset",
+            FailureKind::Tls => "tls",
+            FailureKind::Other => "other",
+        }
+    }
+}
+
+impl fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An attempt that produced no HTTP response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportFailure {
+    pub kind: FailureKind,
+    /// Whether the request may have reached the upstream: false only when no
+    /// connection was ever established.
+    pub may_have_reached_upstream: bool,
+    pub message: String,
+}
+
+/// The outcome of one attempt.
+#[derive(Debug, Clone)]
+pub enum AttemptOutcome {
+    Response(HttpResponse),
+    Failed(TransportFailure),
+    /// The response body exceeded `max_response_bytes`.
+    TooLarge {
+        status: u16,
+        limit: usize,
+    },
+}
+
+/// Performs attempts over one shared connection pool.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    client: reqwest::Client,
+    max_response_bytes: usize,
+}
+
+impl Worker {
+    pub fn new(config: &WorkerConfig) -> Result<Worker, BuildError> {
+        // reqwest is built without a default crypto provider so that it shares ring with
+        // async-nats instead of compiling a second one; installing twice is harmless.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            // Environment proxy settings would send requests somewhere no rule names.
+            .no_proxy()
+            .pool_idle_timeout(Duration::from_secs(90))
+            .connect_timeout(Duration::from_secs(10))
+            .build()?;
+        Ok(Worker {
+            client,
+            max_response_bytes: config.max_response_bytes,
+        })
+    }
+
+    /// Performs one attempt. Never panics on what the network sends.
+    pub async fn attempt(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
+        let timeout = request.timeout;
+        match tokio::time::timeout(timeout, self.attempt_inner(request)).await {
+            Ok(outcome) => outcome,
+            Err(_) => AttemptOutcome::Failed(TransportFailure {
+                kind: FailureKind::Timeout,
+                may_have_reached_upstream: true,
+                message: format!("no complete response within {}", fmt_duration(timeout)),
+            }),
+        }
+    }
+
+    async fn attempt_inner(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
+        let started = Instant::now();
+        let method = match reqwest::Method::from_bytes(request.method.as_bytes()) {
+            Ok(m) => m,
+            Err(e) => return failed_other(format!("invalid method: {e}")),
+        };
+        let mut builder = self
+            .client
+            .request(method, request.url.clone())
+            .timeout(request.timeout);
+        for (name, value) in request.headers {
+            builder = builder.header(name.as_str(), value.as_str());
+        }
+        if !request.body.is_empty() {
+            builder = builder.body(request.body);
+        }
+        let mut response = match builder.send().await {
+            Ok(r) => r,
+            Err(e) => return AttemptOutcome::Failed(classify(&e, request.timeout, started)),
+        };
+        let status = response.status().as_u16();
+        let limit = self.max_response_bytes;
+        if response
+            .content_length()
+            .is_some_and(|len| len > limit as u64)
+        {
+            return AttemptOutcome::TooLarge { status, limit };
+        }
+        let headers = response
+            .headers()
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_string(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        let mut body = BytesMut::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    if body.len() + chunk.len() > limit {
+                        return AttemptOutcome::TooLarge { status, limit };
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return AttemptOutcome::Failed(classify(&e, request.timeout, started));
+                }
+            }
+        }
+        AttemptOutcome::Response(HttpResponse {
+            status,
+            headers,
+            body: body.freeze(),
+        })
+    }
+}
+
+fn failed_other(message: String) -> AttemptOutcome {
+    AttemptOutcome::Failed(TransportFailure {
+        kind: FailureKind::Other,
+        may_have_reached_upstream: false,
+        message,
+    })
+}
+
+fn fmt_duration(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+/// Maps a reqwest error to a failure kind by walking its source chain.
+fn classify(error: &reqwest::Error, timeout: Duration, started: Instant) -> TransportFailure {
+    let chain = error_chain(error);
+    let connected = !error.is_connect();
+    let kind = if error.is_timeout() {
+        FailureKind::Timeout
+    } else if chain.iter().any(|e| is_tls(*e)) {
+        FailureKind::Tls
+    } else if chain.iter().any(|e| e.to_string().starts_with("dns error")) {
+        FailureKind::Dns
+    } else if let Some(kind) = chain.iter().find_map(|e| io_kind(*e)) {
+        match kind {
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::AddrNotAvailable => {
+                FailureKind::Connect
+            }
+            std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::BrokenPipe
+            | std::io::ErrorKind::UnexpectedEof => FailureKind::Reset,
+            std::io::ErrorKind::TimedOut => FailureKind::Timeout,
+            _ if !connected => FailureKind::Connect,
+            _ => FailureKind::Other,
+        }
+    } else if chain.iter().any(|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(|h| h.is_incomplete_message() || h.is_closed() || h.is_canceled())
+    }) {
+        FailureKind::Reset
+    } else if !connected {
+        FailureKind::Connect
+    } else {
+        FailureKind::Other
+    };
+    let detail = chain
+        .iter()
+        .skip(1)
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(": ");
+    let message = match kind {
+        FailureKind::Timeout => format!(
+            "no complete response within {} (after {} ms)",
+            fmt_duration(timeout),
+            started.elapsed().as_millis()
+        ),
+        _ if detail.is_empty() => error.to_string(),
+        _ => format!("{kind}: {detail}"),
+    };
+    TransportFailure {
+        kind,
+        may_have_reached_upstream: connected,
+        message,
+    }
+}
+
+/// The error and its causes, looking inside `io::Error`s too: their `source()` skips the
+/// error they wrap, which is where rustls and refused connections report.
+fn error_chain(error: &reqwest::Error) -> Vec<&(dyn StdError + 'static)> {
+    let mut chain: Vec<&(dyn StdError + 'static)> = Vec::new();
+    let mut next: Option<&(dyn StdError + 'static)> = Some(error);
+    while let Some(current) = next {
+        chain.push(current);
+        next = match current
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn StdError + 'static)),
+            None => current.source(),
+        };
+    }
+    chain
+}
+
+fn is_tls(error: &(dyn StdError + 'static)) -> bool {
+    error.downcast_ref::<rustls::Error>().is_some()
+}
+
+fn io_kind(error: &(dyn StdError + 'static)) -> Option<std::io::ErrorKind> {
+    error.downcast_ref::<std::io::Error>().map(|io| io.kind())
+}
