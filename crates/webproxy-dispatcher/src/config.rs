@@ -1,0 +1,276 @@
+//! The service's configuration as typed structs, and its validation into the form the
+//! dispatcher runs on (rules compiled, pools checked).
+//!
+//! Top-level defaults live in `config/default.toml`, which the binary loads as figment's
+//! lowest layer; only the fields of repeated items (pools, rules) have defaults in code.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use webproxy_protocol::{Subjects, validate_pool_name};
+
+use crate::rules::{RequestRule, RequestRules, RuleAction};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub nats: NatsConfig,
+    pub streams: StreamsConfig,
+    pub http: HttpConfig,
+    pub outbound: OutboundConfig,
+    pub service: ServiceConfig,
+    #[serde(default)]
+    pub pools: BTreeMap<String, PoolConfig>,
+    #[serde(default)]
+    pub request_rules: Vec<RequestRuleConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsConfig {
+    /// One server URL, or several separated by commas.
+    pub url: String,
+}
+
+impl NatsConfig {
+    /// The server URLs, trimmed.
+    pub fn urls(&self) -> Vec<String> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamsConfig {
+    pub prefix: String,
+    pub replicas: usize,
+    #[serde(with = "humantime_serde")]
+    pub reply_max_age: Duration,
+    pub reply_max_bytes: i64,
+    #[serde(with = "humantime_serde")]
+    pub dead_max_age: Duration,
+    pub dead_max_bytes: i64,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboundConfig {
+    pub max_response_bytes: ByteLimit,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// How long the server waits for an ack before it redelivers; attempts send
+    /// progress acks every third of it.
+    #[serde(with = "humantime_serde")]
+    pub ack_wait: Duration,
+    /// How long a stopping instance waits for its attempts in flight.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+/// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum ByteLimit {
+    #[serde(serialize_with = "serialize_auto")]
+    Auto,
+    Bytes(u64),
+}
+
+fn serialize_auto<S: serde::Serializer>(s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str("auto")
+}
+
+impl<'de> Deserialize<'de> for ByteLimit {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct LimitVisitor;
+        impl Visitor<'_> for LimitVisitor {
+            type Value = ByteLimit;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\" or a number of bytes")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ByteLimit, E> {
+                Ok(ByteLimit::Bytes(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ByteLimit, E> {
+                u64::try_from(v)
+                    .map(ByteLimit::Bytes)
+                    .map_err(|_| E::custom("must not be negative"))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ByteLimit, E> {
+                if v == "auto" {
+                    Ok(ByteLimit::Auto)
+                } else {
+                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(LimitVisitor)
+    }
+}
+
+fn default_max_in_flight() -> u64 {
+    256
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The pool consumer's `max_ack_pending`: concurrent attempts across all instances.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u64,
+    /// The most messages that may wait on the pool's request subject (and, separately,
+    /// on its retry subject); absent means unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<u64>,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            max_in_flight: default_max_in_flight(),
+            max_waiting: None,
+        }
+    }
+}
+
+/// `"*"` or one HTTP method.
+fn default_method() -> String {
+    "*".into()
+}
+fn default_action() -> RuleAction {
+    RuleAction::Accept
+}
+fn default_pool() -> String {
+    "default".into()
+}
+fn default_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_retries() -> u32 {
+    3
+}
+fn default_retry_delay() -> Duration {
+    Duration::from_secs(1)
+}
+fn default_backoff_factor() -> f64 {
+    2.0
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestRuleConfig {
+    pub name: String,
+    #[serde(default = "default_method")]
+    pub method: String,
+    pub url_pattern: String,
+    #[serde(default = "default_action")]
+    pub action: RuleAction,
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    #[serde(default = "default_max_retries")]
+    pub max_retries: u32,
+    #[serde(default = "default_retry_delay", with = "humantime_serde")]
+    pub retry_delay: Duration,
+    #[serde(default = "default_backoff_factor")]
+    pub backoff_factor: f64,
+}
+
+/// A configuration that cannot run; the message names the key.
+#[derive(Debug, Error)]
+#[error("{key}: {message}")]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+/// A validated configuration: what `serve` runs on and `check-config` prints.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    pub subjects: Subjects,
+    pub pools: BTreeMap<String, PoolConfig>,
+    pub rules: RequestRules,
+}
+
+impl Config {
+    /// Checks everything that can be checked without a server and compiles the rules.
+    pub fn validate(self) -> Result<Settings, ConfigError> {
+        let subjects = Subjects::new(&self.streams.prefix)
+            .map_err(|e| config_error("streams.prefix", e.to_string()))?;
+        if self.nats.urls().is_empty() {
+            return Err(config_error("nats.url", "names no server"));
+        }
+        if !(1..=5).contains(&self.streams.replicas) {
+            return Err(config_error("streams.replicas", "must be from 1 to 5"));
+        }
+        if self.service.ack_wait < Duration::from_millis(300) {
+            return Err(config_error("service.ack_wait", "must be at least 300ms"));
+        }
+        let mut pools = self.pools.clone();
+        pools.entry("default".into()).or_default();
+        for (name, pool) in &pools {
+            validate_pool_name(name).map_err(|e| config_error(format!("pools.{name}"), e.0))?;
+            if pool.max_in_flight == 0 || pool.max_in_flight > i64::MAX as u64 {
+                return Err(config_error(
+                    format!("pools.{name}.max_in_flight"),
+                    "must be at least 1",
+                ));
+            }
+            if pool.max_waiting == Some(0) {
+                return Err(config_error(
+                    format!("pools.{name}.max_waiting"),
+                    "must be at least 1 (leave it out for unlimited)",
+                ));
+            }
+        }
+        let mut rules = Vec::with_capacity(self.request_rules.len());
+        for (index, rule) in self.request_rules.iter().enumerate() {
+            let key = |field: &str| format!("request_rules[{index}] ({}).{field}", rule.name);
+            if !pools.contains_key(&rule.pool) {
+                return Err(config_error(
+                    key("pool"),
+                    format!("unknown pool {:?}; define [pools.{}]", rule.pool, rule.pool),
+                ));
+            }
+            rules.push(
+                RequestRule::compile(rule)
+                    .map_err(|(field, message)| config_error(key(field), message))?,
+            );
+        }
+        Ok(Settings {
+            subjects,
+            pools,
+            rules: RequestRules::new(rules),
+            config: self,
+        })
+    }
+}

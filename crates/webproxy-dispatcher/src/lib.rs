@@ -1,0 +1,18 @@
+//! Consumes webproxy's work streams: provisions streams and consumers, matches request
+//! rules, decides what happens to each message, performs attempts through the worker,
+//! publishes replies and dead letters, and acks.
+//!
+//! Decisions (`rules`, `decision`, `outbox`) are pure; effects live in `runtime` and
+//! `provision`.
+
+pub mod config;
+pub mod decision;
+pub mod health;
+pub mod outbox;
+pub mod provision;
+pub mod rules;
+pub mod runtime;
+
+pub use config::{Config, ConfigError, Settings};
+pub use health::Health;
+pub use runtime::{Dispatcher, connect};

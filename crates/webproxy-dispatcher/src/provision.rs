@@ -1,0 +1,205 @@
+//! Creates or updates the streams and consumers of the pools in this instance's config,
+//! idempotently, and touches no other pool: in a rolling deploy an old instance must not
+//! take away a new pool.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use thiserror::Error;
+use tracing::warn;
+
+use crate::config::{PoolConfig, Settings};
+
+/// Provisioning failed; the message names the stream or consumer.
+#[derive(Debug, Error)]
+#[error("cannot provision {what}: {source}")]
+pub struct ProvisionError {
+    pub what: String,
+    #[source]
+    pub source: async_nats::Error,
+}
+
+fn provision_error(
+    what: impl Into<String>,
+    source: impl Into<async_nats::Error>,
+) -> ProvisionError {
+    ProvisionError {
+        what: what.into(),
+        source: source.into(),
+    }
+}
+
+/// The oldest server webproxy runs against: it needs multi-filter consumers, create
+/// actions and TERM with a reason.
+pub const MIN_SERVER_VERSION: (u64, u64) = (2, 10);
+
+/// Whether a server version string (`"2.10.4"`, `"v2.15.1"`) is new enough.
+pub fn server_version_supported(version: &str) -> bool {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split(['.', '-'])
+        .map(|p| p.parse::<u64>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) >= MIN_SERVER_VERSION,
+        _ => false,
+    }
+}
+
+/// The work stream of one pool: its request and retry subjects, as a work queue.
+pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) -> stream::Config {
+    let subjects = &settings.subjects;
+    let max_waiting = config
+        .max_waiting
+        .map_or(-1, |m| i64::try_from(m).unwrap_or(i64::MAX));
+    stream::Config {
+        name: subjects.pool_stream(pool),
+        description: Some(format!("webproxy pool {pool}: requests and parked retries")),
+        subjects: vec![subjects.request(pool), subjects.retry(pool)],
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::File,
+        num_replicas: settings.config.streams.replicas,
+        max_messages_per_subject: max_waiting,
+        // Per-subject discard-new rejects a publish into a full queue at once, so
+        // callers feel back-pressure.
+        discard: stream::DiscardPolicy::New,
+        discard_new_per_subject: config.max_waiting.is_some(),
+        ..Default::default()
+    }
+}
+
+/// The durable pull consumer of one pool's request subject.
+pub fn pool_consumer_config(
+    settings: &Settings,
+    pool: &str,
+    config: &PoolConfig,
+) -> consumer::pull::Config {
+    let subjects = &settings.subjects;
+    consumer::pull::Config {
+        durable_name: Some(subjects.pool_consumer(pool)),
+        description: Some(format!("webproxy pool {pool}: the concurrency limit")),
+        filter_subject: subjects.request(pool),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: settings.config.service.ack_wait,
+        max_ack_pending: i64::try_from(config.max_in_flight).unwrap_or(i64::MAX),
+        // Unlimited: poison messages are counted and ended by the dispatcher itself.
+        max_deliver: -1,
+        ..Default::default()
+    }
+}
+
+fn limits_stream(
+    name: String,
+    subject: String,
+    description: &str,
+    max_age: Duration,
+    max_bytes: i64,
+    replicas: usize,
+) -> stream::Config {
+    stream::Config {
+        name,
+        description: Some(description.to_string()),
+        subjects: vec![subject],
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        num_replicas: replicas,
+        max_age,
+        max_bytes,
+        discard: stream::DiscardPolicy::Old,
+        ..Default::default()
+    }
+}
+
+/// The stream that stores final replies.
+pub fn replies_stream_config(settings: &Settings) -> stream::Config {
+    let streams = &settings.config.streams;
+    limits_stream(
+        settings.subjects.replies_stream(),
+        settings.subjects.reply_wildcard(),
+        "webproxy final replies, one per conversation",
+        streams.reply_max_age,
+        streams.reply_max_bytes,
+        streams.replicas,
+    )
+}
+
+/// The stream that stores dead letters.
+pub fn dead_stream_config(settings: &Settings) -> stream::Config {
+    let streams = &settings.config.streams;
+    limits_stream(
+        settings.subjects.dead_stream(),
+        settings.subjects.dead_wildcard(),
+        "webproxy dead letters: conversations that ended in an error",
+        streams.dead_max_age,
+        streams.dead_max_bytes,
+        streams.replicas,
+    )
+}
+
+/// Creates or updates every stream and consumer of this instance's config and returns
+/// the pool consumers, by pool name.
+pub async fn provision(
+    js: &jetstream::Context,
+    settings: &Settings,
+) -> Result<Vec<(String, consumer::PullConsumer)>, ProvisionError> {
+    for config in [
+        replies_stream_config(settings),
+        dead_stream_config(settings),
+    ] {
+        let name = config.name.clone();
+        js.create_or_update_stream(config)
+            .await
+            .map_err(|e| provision_error(format!("stream {name}"), e))?;
+    }
+    let mut consumers = Vec::new();
+    for (pool, pool_config) in &settings.pools {
+        let stream_config = pool_stream_config(settings, pool, pool_config);
+        let stream_name = stream_config.name.clone();
+        js.create_or_update_stream(stream_config)
+            .await
+            .map_err(|e| provision_error(format!("stream {stream_name}"), e))?;
+        let wanted = pool_consumer_config(settings, pool, pool_config);
+        let name = wanted.durable_name.clone().unwrap_or_default();
+        let what = format!("consumer {name} on {stream_name}");
+        let stream = js
+            .get_stream_no_info(&stream_name)
+            .await
+            .map_err(|e| provision_error(what.clone(), e))?;
+        if let Ok(info) = stream.consumer_info(&name).await {
+            let current = &info.config;
+            if current.max_ack_pending != wanted.max_ack_pending
+                || current.ack_wait != wanted.ack_wait
+            {
+                warn!(
+                    consumer = %name,
+                    server_max_ack_pending = current.max_ack_pending,
+                    local_max_in_flight = wanted.max_ack_pending,
+                    server_ack_wait = ?current.ack_wait,
+                    local_ack_wait = ?wanted.ack_wait,
+                    "the server's consumer config differs from this instance's; updating it (last writer wins)"
+                );
+            }
+        }
+        let consumer: consumer::PullConsumer = stream
+            .create_consumer(wanted)
+            .await
+            .map_err(|e| provision_error(what, e))?;
+        consumers.push((pool.clone(), consumer));
+    }
+    Ok(consumers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert!(server_version_supported("2.10.0"));
+        assert!(server_version_supported("2.15.1"));
+        assert!(server_version_supported("v3.0.0"));
+        assert!(server_version_supported("2.11.0-beta.1"));
+        assert!(!server_version_supported("2.9.10"));
+        assert!(!server_version_supported("1.4.1"));
+        assert!(!server_version_supported("garbage"));
+    }
+}
