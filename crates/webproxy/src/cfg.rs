@@ -1,0 +1,226 @@
+//! Loads the configuration in figment layers, lowest first: the compiled-in
+//! `config/default.toml`, the `--config` file, then `WEBPROXY_` environment variables
+//! with `__` between levels.
+
+use std::path::Path;
+
+use anyhow::{Context as _, bail};
+use figment::Figment;
+use figment::providers::{Env, Format as _, Toml};
+use serde::Serialize;
+use webproxy_dispatcher::{Config, Settings};
+
+/// Every key with its default, commented.
+pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
+
+/// The layers, unvalidated.
+pub fn figment(path: Option<&Path>) -> anyhow::Result<Figment> {
+    let mut figment = Figment::from(Toml::string(DEFAULT_CONFIG));
+    if let Some(path) = path {
+        if !path.is_file() {
+            bail!(
+                "config file {} does not exist or is not a file",
+                path.display()
+            );
+        }
+        figment = figment.merge(Toml::file_exact(path));
+    }
+    Ok(figment.merge(Env::prefixed("WEBPROXY_").split("__")))
+}
+
+/// Loads and validates the configuration; errors name the key.
+pub fn load(path: Option<&Path>) -> anyhow::Result<Settings> {
+    let config: Config = figment(path)?
+        .extract()
+        .map_err(|e| anyhow::anyhow!(describe(e)))
+        .context("invalid configuration")?;
+    config.validate().context("invalid configuration")
+}
+
+/// figment's errors, one line each, with the key path spelled out.
+fn describe(error: figment::Error) -> String {
+    error
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            let source = e
+                .metadata
+                .as_ref()
+                .and_then(|m| m.source.as_ref())
+                .map(|s| format!(" (from {s})"))
+                .unwrap_or_default();
+            if key.is_empty() {
+                format!("{}{source}", e.kind)
+            } else {
+                format!("{key}: {}{source}", e.kind)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[derive(Serialize)]
+struct EffectiveRule<'a> {
+    name: &'a str,
+    method: &'a str,
+    url_pattern: &'a str,
+    action: webproxy_dispatcher::rules::RuleAction,
+    pool: &'a str,
+    #[serde(with = "humantime_serde_compat")]
+    timeout: std::time::Duration,
+    retry: &'a webproxy_dispatcher::rules::RetryPolicy,
+}
+
+mod humantime_serde_compat {
+    pub fn serialize<S: serde::Serializer>(
+        d: &std::time::Duration,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+}
+
+#[derive(Serialize)]
+struct Effective<'a> {
+    nats: &'a webproxy_dispatcher::config::NatsConfig,
+    streams: &'a webproxy_dispatcher::config::StreamsConfig,
+    pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::config::PoolConfig>,
+    request_rules: Vec<EffectiveRule<'a>>,
+}
+
+/// Prints the effective pools and rules, as `check-config` does.
+pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
+    let rules = settings
+        .rules
+        .iter()
+        .map(|r| EffectiveRule {
+            name: &r.name,
+            method: r.method.map_or("*", |m| m.as_str()),
+            url_pattern: r.pattern.as_str(),
+            action: r.action,
+            pool: &r.pool,
+            timeout: r.timeout,
+            retry: &r.retry,
+        })
+        .collect();
+    let effective = Effective {
+        nats: &settings.config.nats,
+        streams: &settings.config.streams,
+        pools: &settings.pools,
+        request_rules: rules,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&effective)?);
+        return Ok(());
+    }
+    println!("configuration is valid");
+    println!("prefix: {}", settings.subjects.prefix());
+    println!("pools:");
+    for (name, pool) in &settings.pools {
+        let waiting = pool
+            .max_waiting
+            .map_or("unlimited".to_string(), |m| m.to_string());
+        println!(
+            "  {name}: max_in_flight={} max_waiting={waiting} subject={}",
+            pool.max_in_flight,
+            settings.subjects.request(name)
+        );
+    }
+    if effective.request_rules.is_empty() {
+        println!("request rules: none (every request is denied)");
+    } else {
+        println!("request rules (a rule naming the method beats \"*\"; then file order):");
+        for rule in &effective.request_rules {
+            println!(
+                "  {}: {} {} {:?} -> {} pool={} timeout={} max_retries={} retry_delay={} backoff_factor={}",
+                rule.name,
+                rule.method,
+                rule.url_pattern,
+                rule.action,
+                match rule.action {
+                    webproxy_dispatcher::rules::RuleAction::Accept => "accept",
+                    webproxy_dispatcher::rules::RuleAction::Deny => "deny",
+                },
+                rule.pool,
+                humantime::format_duration(rule.timeout),
+                rule.retry.max_retries,
+                humantime::format_duration(rule.retry.retry_delay),
+                rule.retry.backoff_factor
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+
+    use super::*;
+
+    fn load_text(text: &str) -> anyhow::Result<Settings> {
+        let mut file = tempfile::NamedTempFile::new()?;
+        file.write_all(text.as_bytes())?;
+        load(Some(file.path()))
+    }
+
+    fn error_of(text: &str) -> String {
+        match load_text(text) {
+            Ok(_) => panic!("expected an error for {text}"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn defaults_alone_are_valid() {
+        let settings = load(None).expect("defaults load");
+        assert_eq!(settings.subjects.prefix(), "webproxy");
+        assert_eq!(settings.pools["default"].max_in_flight, 256);
+        assert_eq!(settings.rules.iter().count(), 0);
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/webproxy.toml");
+        let settings = load(Some(&path)).expect("example loads");
+        assert!(settings.pools.contains_key("default"));
+        assert!(settings.rules.iter().count() > 0);
+    }
+
+    #[test]
+    fn bad_pattern_names_the_rule_and_key() {
+        let e = error_of("[[request_rules]]\nname = \"broken\"\nurl_pattern = \"(\"\n");
+        assert!(e.contains("request_rules[0] (broken).url_pattern"), "{e}");
+        assert!(e.contains("regex"), "{e}");
+    }
+
+    #[test]
+    fn unknown_pool_names_the_rule_and_pool() {
+        let e = error_of("[[request_rules]]\nname = \"r\"\nurl_pattern = \".\"\npool = \"nope\"\n");
+        assert!(e.contains("request_rules[0] (r).pool"), "{e}");
+        assert!(e.contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn bad_duration_names_the_key() {
+        let e = error_of("[service]\nack_wait = \"soon\"\n");
+        assert!(e.contains("service.ack_wait"), "{e}");
+        let e = error_of(
+            "[[request_rules]]\nname = \"r\"\nurl_pattern = \".\"\ntimeout = \"5 parsecs\"\n",
+        );
+        assert!(e.contains("request_rules.0.timeout"), "{e}");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = error_of("[nats]\nurl = \"nats://127.0.0.1:4222\"\nsurl = 1\n");
+        assert!(e.contains("surl"), "{e}");
+    }
+
+    #[test]
+    fn default_pool_exists_beside_others() {
+        let settings = load_text("[pools.p1]\nmax_in_flight = 1\n").expect("loads");
+        assert!(settings.pools.contains_key("default"));
+        assert_eq!(settings.pools["p1"].max_in_flight, 1);
+    }
+}

@@ -1,0 +1,165 @@
+//! `webproxy serve`: connect, provision, consume until a signal, drain with a deadline.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use webproxy_dispatcher::config::ByteLimit;
+use webproxy_dispatcher::outbox::max_response_bytes_for;
+use webproxy_dispatcher::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
+use webproxy_dispatcher::{Dispatcher, Health, Settings, connect};
+use webproxy_worker::{Worker, WorkerConfig};
+
+use crate::health;
+
+pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    let settings = Arc::new(settings);
+    let health_state = Arc::new(Health::default());
+    let listen = settings.config.http.listen;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on http.listen = {listen}"))?;
+    health::spawn(listener, health_state.clone());
+    info!(%listen, "health listener up");
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+
+    let Some(client) = connect_until_up(&settings, &health_state, &shutdown).await? else {
+        return Ok(());
+    };
+    let server = server_info(&client).await?;
+    if !server_version_supported(&server.version) {
+        bail!(
+            "nats-server {} is too old: webproxy needs {}.{} or newer",
+            server.version,
+            MIN_SERVER_VERSION.0,
+            MIN_SERVER_VERSION.1
+        );
+    }
+    if !server.jetstream {
+        bail!("nats-server {} has JetStream disabled", server.version);
+    }
+    let max_payload = server.max_payload;
+    let max_response_bytes =
+        effective_max_response_bytes(settings.config.outbound.max_response_bytes, max_payload)?;
+    info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
+
+    let js = async_nats::jetstream::new(client.clone());
+    let consumers = provision(&js, &settings).await?;
+    let worker = Worker::new(&WorkerConfig { max_response_bytes })?;
+    let dispatcher = Dispatcher::new(settings.clone(), client.clone(), worker, max_payload);
+    info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
+    dispatcher
+        .run(
+            consumers,
+            health_state,
+            shutdown,
+            settings.config.service.shutdown_grace,
+        )
+        .await;
+    if let Err(e) = client.flush().await {
+        warn!(error = %e, "could not flush the NATS connection");
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// The server's INFO, which arrives just after the connection is made.
+async fn server_info(client: &async_nats::Client) -> anyhow::Result<async_nats::ServerInfo> {
+    client
+        .flush()
+        .await
+        .context("cannot reach the NATS server")?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(info) = client.try_server_info() {
+            return Ok(info);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the NATS server sent no INFO within 10s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `[outbound] max_response_bytes`, resolved against the server's `max_payload`.
+fn effective_max_response_bytes(
+    configured: ByteLimit,
+    max_payload: usize,
+) -> anyhow::Result<usize> {
+    let largest = max_response_bytes_for(max_payload);
+    match configured {
+        ByteLimit::Auto => Ok(largest),
+        ByteLimit::Bytes(n) if n <= largest as u64 => Ok(usize::try_from(n).unwrap_or(largest)),
+        ByteLimit::Bytes(n) => bail!(
+            "outbound.max_response_bytes = {n} is too large: with the server's max_payload of {max_payload} bytes a reply can carry at most {largest} bytes of body"
+        ),
+    }
+}
+
+/// Connects, retrying with backoff while the server is unreachable; `None` when a
+/// signal arrives first.
+async fn connect_until_up(
+    settings: &Settings,
+    health: &Arc<Health>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<async_nats::Client>> {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match connect(settings, health.clone()).await {
+            Ok(client) => return Ok(Some(client)),
+            Err(e) => {
+                warn!(url = %settings.config.nats.url, error = %e, "cannot connect to NATS; retrying")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.cancelled() => return Ok(None),
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// The one signal handler: SIGTERM or SIGINT starts the drain.
+async fn stop_on_signal(shutdown: CancellationToken) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = terminate => info!("SIGTERM: draining"),
+        _ = tokio::signal::ctrl_c() => info!("SIGINT: draining"),
+    }
+    shutdown.cancel();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn response_limit_is_derived_and_capped() {
+        let mib = 1024 * 1024;
+        assert_eq!(
+            effective_max_response_bytes(ByteLimit::Auto, mib).expect("auto"),
+            max_response_bytes_for(mib)
+        );
+        assert_eq!(
+            effective_max_response_bytes(ByteLimit::Bytes(1000), mib).expect("small"),
+            1000
+        );
+        let e =
+            effective_max_response_bytes(ByteLimit::Bytes(mib as u64), mib).expect_err("too big");
+        assert!(e.to_string().contains("outbound.max_response_bytes"), "{e}");
+    }
+}
