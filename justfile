@@ -1,0 +1,79 @@
+# Developer and CI entry points for webproxy. `just test` is what CI runs.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# Shell prefix putting a nats-server >= 2.10 first on PATH. A plain assignment
+# (not `export PATH="$(...)"`) so a failing script aborts the recipe under -e.
+# Kept as text rather than a backtick variable so `just fmt` never installs it.
+_nats_path := 'nats_dir="$(bash scripts/ensure-nats-server.sh | tail -n1)"; export PATH="$nats_dir:$PATH"'
+
+# List the recipes.
+default:
+    @{{ just_executable() }} --justfile {{ justfile() }} --list
+
+# Run webproxy against a local JetStream nats-server on 127.0.0.1:4222 (started here unless one is already listening).
+run:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    {{ _nats_path }}
+    listening() { (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; }
+    nats_pid=""
+    stop_nats() {
+        [[ -n "$nats_pid" ]] || return 0
+        # TERM first so JetStream flushes its store; KILL only if it hangs.
+        kill -TERM "$nats_pid" 2>/dev/null || true
+        for _ in $(seq 100); do
+            kill -0 "$nats_pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$nats_pid" 2>/dev/null || true
+        wait "$nats_pid" 2>/dev/null || true
+        nats_pid=""
+    }
+    trap stop_nats EXIT
+    # Turn Ctrl-C/TERM into a normal exit so the EXIT trap always stops nats-server.
+    trap 'exit 130' INT TERM
+    if listening; then
+        echo "using the nats-server already listening on 127.0.0.1:4222" >&2
+    else
+        mkdir -p .nats/data
+        nats-server -js -sd .nats/data -a 127.0.0.1 -p 4222 >>.nats/nats-server.log 2>&1 &
+        nats_pid=$!
+        echo "started nats-server (pid $nats_pid, log .nats/nats-server.log)" >&2
+        for _ in $(seq 100); do
+            listening && break
+            if ! kill -0 "$nats_pid" 2>/dev/null; then
+                echo "nats-server exited early:" >&2
+                tail -n 20 .nats/nats-server.log >&2
+                exit 1
+            fi
+            sleep 0.1
+        done
+        if ! listening; then
+            echo "nats-server did not accept connections on 127.0.0.1:4222 within 10s" >&2
+            exit 1
+        fi
+    fi
+    cargo run --release -p webproxy -- serve --config config/webproxy.toml
+
+# (nextest cannot run doctests, hence the separate `cargo test --doc` pass.)
+
+# Format check, clippy, build the binaries the integration tests spawn, then run every test.
+test:
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets -- -D warnings
+    cargo build --workspace --bins
+    {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo nextest run --workspace && cargo test --workspace --doc; else cargo test --workspace; fi
+
+# Run the integration tests `runs` times in a row, stopping at the first failure, to shake out flakes.
+soak runs="10":
+    cargo build --workspace --bins
+    {{ _nats_path }}; for i in $(seq {{ runs }}); do echo "=== soak run $i/{{ runs }}" >&2; cargo test -p webproxy-tests --tests; done
+
+# Format every crate in place.
+fmt:
+    cargo fmt --all
+
+# Clippy over the whole workspace, warnings are errors.
+lint:
+    cargo clippy --workspace --all-targets -- -D warnings

@@ -1,0 +1,52 @@
+//! Shared fixtures for webproxy's integration tests: a private nats-server per
+//! test, the `webproxy serve` binary as a subprocess, an in-process HTTP
+//! upstream that counts what it sees, and bounded polling helpers.
+//!
+//! Nothing here is shared between tests (ports, store dirs and config files are
+//! all per-fixture), so tests can run in parallel. Everything listens on and
+//! talks to 127.0.0.1 only.
+
+mod nats;
+mod service;
+mod upstream;
+mod wait;
+
+use std::sync::Once;
+
+pub use nats::NatsServer;
+pub use service::{Service, webproxy_bin};
+pub use upstream::Upstream;
+pub use wait::{free_port, wait_for, wait_until};
+
+/// A reqwest client for talking to fixtures: no proxy, so a developer's
+/// `HTTP_PROXY` can never route loopback test traffic off the machine.
+pub fn http_client() -> reqwest::Client {
+    install_crypto_provider();
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("build reqwest client")
+}
+
+/// The workspace builds reqwest with `rustls-no-provider`, and building any
+/// client (even a plain-http one) panics unless a process-wide provider exists.
+fn install_crypto_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Err only means another provider is already installed, which is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// The last `max` bytes of `text` (on a char boundary), for panic messages
+/// that should show the end of a log without flooding the terminal.
+fn tail(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}

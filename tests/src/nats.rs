@@ -1,0 +1,294 @@
+//! A real nats-server per test: JetStream on, 127.0.0.1 only, a port of its
+//! own and a store dir of its own, killed when dropped.
+
+use std::fs::{self, File};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// Covers a cold start on a loaded 2-core CI machine with room to spare.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// A running `nats-server` (the first one on PATH; `just test` puts a recent
+/// enough one there) with its config, log and JetStream store in a tempdir.
+pub struct NatsServer {
+    dir: TempDir,
+    store_dir: PathBuf,
+    ports_dir: PathBuf,
+    config_path: PathBuf,
+    log_path: PathBuf,
+    output_path: PathBuf,
+    extra_config: String,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a JetStream-enabled server on a random 127.0.0.1 port.
+    pub fn start() -> NatsServer {
+        Self::start_with("")
+    }
+
+    /// Like [`NatsServer::start`], with `extra_config` (nats-server config
+    /// syntax, e.g. an `authorization { .. }` block) appended to the config.
+    /// It must not set `listen`, `jetstream`, `log_file` or `ports_file_dir`.
+    pub fn start_with(extra_config: &str) -> NatsServer {
+        let dir = tempfile::Builder::new()
+            .prefix("webproxy-nats-")
+            .tempdir()
+            .expect("create a tempdir for nats-server");
+        let ports_dir = dir.path().join("ports");
+        fs::create_dir(&ports_dir).expect("create nats-server ports dir");
+        let mut server = NatsServer {
+            store_dir: dir.path().join("jetstream"),
+            config_path: dir.path().join("nats-server.conf"),
+            log_path: dir.path().join("nats-server.log"),
+            output_path: dir.path().join("nats-server.out"),
+            ports_dir,
+            extra_config: extra_config.to_owned(),
+            port: 0,
+            child: None,
+            dir,
+        };
+        server.spawn(None);
+        server
+    }
+
+    /// `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The JetStream store dir; it survives [`NatsServer::restart`].
+    pub fn store_dir(&self) -> &Path {
+        &self.store_dir
+    }
+
+    /// The server's own log (it survives restarts, so it tells the whole story).
+    pub fn logs(&self) -> String {
+        let mut logs = read_lossy(&self.log_path);
+        // Config errors are printed before the log file is opened.
+        let output = read_lossy(&self.output_path);
+        if !output.trim().is_empty() {
+            logs.push_str("\n--- nats-server stdout/stderr ---\n");
+            logs.push_str(&output);
+        }
+        logs
+    }
+
+    /// Kills the server (SIGKILL, like a crash) and starts it again on the
+    /// same port with the same store dir; returns once it accepts connections.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn(Some(self.port));
+    }
+
+    /// SIGKILLs the server and reaps it. Clients see a dropped connection.
+    /// A no-op if it is not running.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Err means it already exited, which is what we want anyway.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// An unauthenticated client, retrying for up to 10 s while the server
+    /// comes up.
+    pub async fn client(&self) -> async_nats::Client {
+        self.client_with(async_nats::ConnectOptions::new).await
+    }
+
+    /// A client built from fresh `options()` on each attempt (credentials for
+    /// servers started with an `authorization` block), retrying for up to 10 s.
+    pub async fn client_with<F>(&self, mut options: F) -> async_nats::Client
+    where
+        F: FnMut() -> async_nats::ConnectOptions,
+    {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            match options().connect(self.url()).await {
+                Ok(client) => return client,
+                Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL_INTERVAL).await,
+                Err(error) => panic!(
+                    "could not connect to nats-server at {} within {START_TIMEOUT:?}: {error}\n{}",
+                    self.url(),
+                    self.log_tail()
+                ),
+            }
+        }
+    }
+
+    /// Writes the config (random port on first start, the known port on
+    /// restarts), starts the process and waits until it accepts connections.
+    fn spawn(&mut self, port: Option<u16>) {
+        self.write_config(port);
+        // A SIGKILLed server leaves its ports file behind; drop it so only the
+        // new process's file can be found.
+        for entry in fs::read_dir(&self.ports_dir).expect("list nats-server ports dir") {
+            let path = entry.expect("read nats-server ports dir entry").path();
+            fs::remove_file(&path).expect("remove stale nats-server ports file");
+        }
+        let output = File::options()
+            .create(true)
+            .append(true)
+            .open(&self.output_path)
+            .expect("open nats-server output file");
+        let child = Command::new("nats-server")
+            .arg("-c")
+            .arg(&self.config_path)
+            .stdin(Stdio::null())
+            .stdout(output.try_clone().expect("clone nats-server output file"))
+            .stderr(output)
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "could not run `nats-server` from PATH: {error}. Run tests via `just test`, \
+                     or put the directory printed by scripts/ensure-nats-server.sh first on PATH"
+                )
+            });
+        let pid = child.id();
+        // Owned by self from here on, so a panic below still kills it on drop.
+        self.child = Some(child);
+
+        let found = self.wait_for_ports_file(pid);
+        if let Some(expected) = port {
+            assert_eq!(
+                found,
+                expected,
+                "restarted nats-server came up on another port\n{}",
+                self.log_tail()
+            );
+        }
+        self.port = found;
+        self.wait_accepting();
+    }
+
+    fn write_config(&self, port: Option<u16>) {
+        // -1 lets the server pick a free port itself: no window in which
+        // another test could grab one we picked.
+        let listen = match port {
+            Some(port) => format!("127.0.0.1:{port}"),
+            None => "127.0.0.1:-1".to_owned(),
+        };
+        let config = format!(
+            "listen: {listen}\n\
+             jetstream {{\n  store_dir: {store}\n}}\n\
+             log_file: {log}\n\
+             ports_file_dir: {ports}\n\
+             \n{extra}\n",
+            listen = quote(&listen),
+            store = quote_path(&self.store_dir),
+            log = quote_path(&self.log_path),
+            ports = quote_path(&self.ports_dir),
+            extra = self.extra_config,
+        );
+        fs::write(&self.config_path, config).expect("write nats-server config");
+    }
+
+    /// The server writes `<exe>_<pid>.ports` (JSON, `{"nats":["nats://host:port"],..}`)
+    /// once it listens; matching on the pid ignores how the binary was invoked.
+    fn wait_for_ports_file(&mut self, pid: u32) -> u16 {
+        let suffix = format!("_{pid}.ports");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Some(port) = self.read_ports_file(&suffix) {
+                return port;
+            }
+            self.panic_if_exited("before reporting its port");
+            if Instant::now() >= deadline {
+                panic!(
+                    "nats-server (pid {pid}) wrote no ports file in {} within {START_TIMEOUT:?}\n{}",
+                    self.ports_dir.display(),
+                    self.log_tail()
+                );
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+    }
+
+    /// `None` until the file exists and parses (it may be caught half-written).
+    fn read_ports_file(&self, suffix: &str) -> Option<u16> {
+        let path = fs::read_dir(&self.ports_dir)
+            .ok()?
+            .filter_map(Result::ok)
+            .map(|entry| entry.path())
+            .find(|path| {
+                path.file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| name.ends_with(suffix))
+            })?;
+        let ports: serde_json::Value = serde_json::from_slice(&fs::read(path).ok()?).ok()?;
+        let url = ports.get("nats")?.get(0)?.as_str()?;
+        url.rsplit(':').next()?.parse().ok()
+    }
+
+    /// The ports file is a strong hint; a completed TCP connect is the proof.
+    fn wait_accepting(&mut self) {
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return;
+            }
+            self.panic_if_exited("before accepting connections");
+            if Instant::now() >= deadline {
+                panic!(
+                    "nats-server did not accept connections on {addr} within {START_TIMEOUT:?}\n{}",
+                    self.log_tail()
+                );
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+    }
+
+    fn panic_if_exited(&mut self, when: &str) {
+        let Some(child) = self.child.as_mut() else {
+            return;
+        };
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "nats-server exited ({status}) {when}; config {}\n{}",
+                self.config_path.display(),
+                self.log_tail()
+            );
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        format!(
+            "--- nats-server log ({}) ---\n{}",
+            self.dir.path().display(),
+            crate::tail(&self.logs(), 16 * 1024)
+        )
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn read_lossy(path: &Path) -> String {
+    fs::read(path)
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default()
+}
+
+/// A double-quoted nats-server config string; its escapes are JSON's.
+fn quote(text: &str) -> String {
+    serde_json::to_string(text).expect("serialize a string")
+}
+
+fn quote_path(path: &Path) -> String {
+    quote(path.to_str().expect("tempdir paths are UTF-8"))
+}

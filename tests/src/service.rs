@@ -1,0 +1,264 @@
+//! `webproxy serve` as a subprocess with its own config, log and HTTP port.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tempfile::TempDir;
+use tokio::time::Instant;
+
+use crate::NatsServer;
+
+/// Generous because the first start on a cold 2-core machine also creates
+/// streams and consumers.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Proxy settings would let the service route loopback upstream traffic off
+/// the machine; tests must only ever talk to 127.0.0.1.
+const PROXY_VARS: &[&str] = &[
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+];
+
+/// The `webproxy` binary under test: `$WEBPROXY_BIN` if set, else the one in
+/// the same target profile dir as the running test executable.
+pub fn webproxy_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("WEBPROXY_BIN") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "WEBPROXY_BIN={} is not a file",
+            path.display()
+        );
+        return path;
+    }
+    let exe = std::env::current_exe().expect("path of the running test executable");
+    // Integration tests live in target/<profile>/deps/; the binary one level up.
+    let mut dir = exe
+        .parent()
+        .expect("test executable has a parent dir")
+        .to_path_buf();
+    if dir.file_name().is_some_and(|name| name == "deps") {
+        dir.pop();
+    }
+    let path = dir.join(format!("webproxy{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.is_file(),
+        "{} not found: run `cargo build -p webproxy` first (`just test` does), \
+         or set WEBPROXY_BIN",
+        path.display()
+    );
+    path
+}
+
+/// A running `webproxy serve`, killed when dropped.
+pub struct Service {
+    // Held so the config and log outlive the process.
+    _dir: TempDir,
+    config_path: PathBuf,
+    log_path: PathBuf,
+    port: u16,
+    pid: u32,
+    // A Mutex so `&self` methods can check for (and reap) an exit, and so a
+    // signal is never sent to a pid that has been reaped and reused.
+    child: Mutex<Child>,
+}
+
+impl Service {
+    /// Starts the service against `nats` and waits until `/readyz` is 200.
+    /// `config` is appended verbatim after the generated `[nats]` and `[http]`
+    /// tables, so it must start with a table header of its own.
+    pub async fn start(nats: &NatsServer, config: &str) -> Service {
+        Self::start_with_url(&nats.url(), config).await
+    }
+
+    /// Like [`Service::start`] with an explicit NATS URL (e.g. a cluster seed
+    /// list).
+    pub async fn start_with_url(nats_url: &str, config: &str) -> Service {
+        for table in ["[nats]", "[http]"] {
+            assert!(
+                !config.lines().any(|line| line.trim() == table),
+                "Service config must not contain {table}: the fixture writes it"
+            );
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("webproxy-service-")
+            .tempdir()
+            .expect("create a tempdir for webproxy");
+        let config_path = dir.path().join("webproxy.toml");
+        let log_path = dir.path().join("webproxy.log");
+        let port = crate::free_port();
+        let text = format!(
+            "[nats]\nurl = {url}\n\n[http]\nlisten = \"127.0.0.1:{port}\"\n\n{config}\n",
+            url = toml::Value::String(nats_url.to_owned()),
+        );
+        fs::write(&config_path, text).expect("write webproxy config");
+
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .expect("open webproxy log file");
+        let mut command = Command::new(webproxy_bin());
+        command
+            .arg("serve")
+            .arg("--config")
+            .arg(&config_path)
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("clone webproxy log file"))
+            .stderr(log);
+        if std::env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", "info");
+        }
+        for var in PROXY_VARS {
+            command.env_remove(var);
+        }
+        // The service's settings must come from the config file the test
+        // wrote, not from whatever WEBPROXY_* the developer has exported.
+        for (var, _) in std::env::vars_os() {
+            if var.to_str().is_some_and(|var| var.starts_with("WEBPROXY_")) {
+                command.env_remove(var);
+            }
+        }
+        let child = command.spawn().expect("spawn webproxy");
+
+        let service = Service {
+            _dir: dir,
+            config_path,
+            log_path,
+            port,
+            pid: child.id(),
+            child: Mutex::new(child),
+        };
+        service.wait_ready(READY_TIMEOUT).await;
+        service
+    }
+
+    /// `http://127.0.0.1:PORT`, the service's health/metrics listener.
+    pub fn health_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// Everything the process wrote to stdout and stderr so far.
+    pub fn logs(&self) -> String {
+        fs::read(&self.log_path)
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// SIGKILL, like a crash, and reap. A no-op if it already exited.
+    pub fn kill(&mut self) {
+        let child = self.child.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // Err means it already exited, which is what we want anyway.
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// SIGTERM, asking for a graceful shutdown; see [`Service::wait_exit`].
+    /// A no-op if the process already exited.
+    pub fn terminate(&self) {
+        let mut child = self.lock_child();
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        // Sent while holding the lock: the pid can't be reaped (and reused)
+        // in between.
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid.to_string()])
+            .status()
+            .expect("run `kill -TERM`");
+        assert!(
+            status.success(),
+            "`kill -TERM {}` failed: {status}",
+            self.pid
+        );
+    }
+
+    /// The exit status once the process exits, or `None` if it is still
+    /// running after `timeout`.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exit_status() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// Polls `GET /readyz` until it answers 200; panics with the service's
+    /// logs if `timeout` passes or the process exits first.
+    pub async fn wait_ready(&self, timeout: Duration) {
+        let client = crate::http_client();
+        let url = format!("{}/readyz", self.health_url());
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exit_status() {
+                panic!(
+                    "webproxy exited ({status}) before {url} returned 200\n{}",
+                    self.log_tail()
+                );
+            }
+            let attempt = client
+                .get(&url)
+                .timeout(Duration::from_secs(1))
+                .send()
+                .await;
+            let last = match attempt {
+                Ok(response) if response.status() == reqwest::StatusCode::OK => return,
+                Ok(response) => format!("HTTP {}", response.status()),
+                Err(error) => error.to_string(),
+            };
+            if Instant::now() >= deadline {
+                panic!(
+                    "webproxy not ready after {timeout:?}: {url} last gave {last}\n{}",
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    fn exit_status(&self) -> Option<ExitStatus> {
+        self.lock_child().try_wait().ok().flatten()
+    }
+
+    fn lock_child(&self) -> MutexGuard<'_, Child> {
+        // A panicking test must not turn every later call (and Drop) into a
+        // second panic.
+        self.child.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn log_tail(&self) -> String {
+        format!(
+            "config {}\n--- webproxy log ---\n{}",
+            self.config_path.display(),
+            crate::tail(&self.logs(), 32 * 1024)
+        )
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

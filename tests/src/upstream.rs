@@ -1,0 +1,201 @@
+//! An in-process HTTP upstream on 127.0.0.1 that records every request it
+//! sees, so tests can assert on what webproxy actually sent.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{any, get};
+use tokio::task::JoinHandle;
+
+/// A running upstream; the server task stops when this is dropped.
+pub struct Upstream {
+    addr: SocketAddr,
+    stats: Arc<Stats>,
+    server: JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct Stats {
+    total: AtomicUsize,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    arrivals: Mutex<HashMap<String, Vec<Instant>>>,
+}
+
+impl Stats {
+    fn arrivals(&self) -> MutexGuard<'_, HashMap<String, Vec<Instant>>> {
+        self.arrivals.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Upstream {
+    /// Starts the upstream with the default routes:
+    ///
+    /// - `ANY /echo`: 200, JSON `{method, path, query, headers: {name: [values]}, body, body_len}`
+    /// - `ANY /status/{code}`: that status, body `status {code}`
+    /// - `ANY /delay/{ms}`: 200 `ok` after `ms` milliseconds
+    /// - `GET /binary`: 200, bytes `[0, 1, 2, 255, 254]`, `application/octet-stream`
+    /// - `GET /multi`: 200 `multi`, `x-multi: a`, `x-multi: b`, `x-single: one`
+    /// - `GET /bytes/{n}`: 200, `n` bytes of `x` (for size limits)
+    /// - `ANY /hang`: never answers
+    pub async fn start() -> Upstream {
+        Self::start_with(default_routes()).await
+    }
+
+    /// Starts the upstream with custom routes; requests are counted all the same.
+    pub async fn start_with(router: Router) -> Upstream {
+        let stats = Arc::new(Stats::default());
+        let app = router.layer(middleware::from_fn_with_state(stats.clone(), count));
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .expect("bind upstream on 127.0.0.1:0");
+        let addr = listener.local_addr().expect("upstream local address");
+        let server = tokio::spawn(async move {
+            if let Err(error) = axum::serve(listener, app).await {
+                eprintln!("upstream on {addr} stopped: {error}");
+            }
+        });
+        Upstream {
+            addr,
+            stats,
+            server,
+        }
+    }
+
+    /// `http://127.0.0.1:PORT{path}`; `path` starts with `/`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Requests seen so far, on any path.
+    pub fn hits(&self) -> usize {
+        self.stats.total.load(Ordering::SeqCst)
+    }
+
+    /// Requests seen so far on exactly `path` (no query string).
+    pub fn hits_for(&self, path: &str) -> usize {
+        self.stats.arrivals().get(path).map_or(0, Vec::len)
+    }
+
+    /// The most requests that were ever being handled at the same time.
+    pub fn max_concurrent(&self) -> usize {
+        self.stats.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// When each request on `path` arrived, oldest first.
+    pub fn hit_times(&self, path: &str) -> Vec<Instant> {
+        self.stats.arrivals().get(path).cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn count(State(stats): State<Arc<Stats>>, request: Request, next: Next) -> Response {
+    stats
+        .arrivals()
+        .entry(request.uri().path().to_owned())
+        .or_default()
+        .push(Instant::now());
+    stats.total.fetch_add(1, Ordering::SeqCst);
+    // A guard rather than a decrement after `.await`: a request the client
+    // abandons (e.g. on /hang) is dropped mid-handler and must stop counting.
+    let _in_flight = InFlight::enter(stats);
+    next.run(request).await
+}
+
+struct InFlight(Arc<Stats>);
+
+impl InFlight {
+    fn enter(stats: Arc<Stats>) -> InFlight {
+        let now = stats.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        stats.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        InFlight(stats)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn default_routes() -> Router {
+    Router::new()
+        .route("/echo", any(echo))
+        .route("/status/{code}", any(status))
+        .route("/delay/{ms}", any(delay))
+        .route("/binary", get(binary))
+        .route("/multi", get(multi))
+        .route("/bytes/{n}", get(bytes))
+        .route("/hang", any(hang))
+        // Tests send large bodies on purpose (size limits are webproxy's job).
+        .layer(DefaultBodyLimit::disable())
+}
+
+async fn echo(method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let mut header_values: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for (name, value) in &headers {
+        header_values
+            .entry(name.as_str())
+            .or_default()
+            .push(String::from_utf8_lossy(value.as_bytes()).into_owned());
+    }
+    Json(serde_json::json!({
+        "method": method.as_str(),
+        "path": uri.path(),
+        "query": uri.query().unwrap_or(""),
+        "headers": header_values,
+        "body": String::from_utf8_lossy(&body),
+        "body_len": body.len(),
+    }))
+    .into_response()
+}
+
+async fn status(Path(code): Path<u16>) -> Response {
+    match StatusCode::from_u16(code) {
+        Ok(status) => (status, format!("status {code}")).into_response(),
+        Err(_) => (StatusCode::BAD_REQUEST, format!("bad status {code}")).into_response(),
+    }
+}
+
+async fn delay(Path(ms): Path<u64>) -> &'static str {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    "ok"
+}
+
+async fn binary() -> impl IntoResponse {
+    (
+        [(CONTENT_TYPE, "application/octet-stream")],
+        vec![0u8, 1, 2, 255, 254],
+    )
+}
+
+async fn multi() -> impl IntoResponse {
+    let mut headers = HeaderMap::new();
+    headers.append("x-multi", HeaderValue::from_static("a"));
+    headers.append("x-multi", HeaderValue::from_static("b"));
+    headers.insert("x-single", HeaderValue::from_static("one"));
+    (headers, "multi")
+}
+
+async fn bytes(Path(n): Path<usize>) -> Vec<u8> {
+    vec![b'x'; n]
+}
+
+async fn hang() -> Response {
+    std::future::pending().await
+}
