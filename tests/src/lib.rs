@@ -6,6 +6,7 @@
 //! all per-fixture), so tests can run in parallel. Everything listens on and
 //! talks to 127.0.0.1 only.
 
+pub mod caller;
 mod nats;
 mod service;
 mod upstream;

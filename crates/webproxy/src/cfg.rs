@@ -8,6 +8,7 @@ use anyhow::{Context as _, bail};
 use figment::Figment;
 use figment::providers::{Env, Format as _, Toml};
 use serde::Serialize;
+use webproxy_dispatcher::rules::RuleAction;
 use webproxy_dispatcher::{Config, Settings};
 
 /// Every key with its default, commented.
@@ -64,20 +65,10 @@ struct EffectiveRule<'a> {
     name: &'a str,
     method: &'a str,
     url_pattern: &'a str,
-    action: webproxy_dispatcher::rules::RuleAction,
+    action: RuleAction,
     pool: &'a str,
-    #[serde(with = "humantime_serde_compat")]
-    timeout: std::time::Duration,
+    timeout: String,
     retry: &'a webproxy_dispatcher::rules::RetryPolicy,
-}
-
-mod humantime_serde_compat {
-    pub fn serialize<S: serde::Serializer>(
-        d: &std::time::Duration,
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
 }
 
 #[derive(Serialize)]
@@ -99,7 +90,7 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
             url_pattern: r.pattern.as_str(),
             action: r.action,
             pool: &r.pool,
-            timeout: r.timeout,
+            timeout: humantime::format_duration(r.timeout).to_string(),
             retry: &r.retry,
         })
         .collect();
@@ -131,18 +122,17 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
     } else {
         println!("request rules (a rule naming the method beats \"*\"; then file order):");
         for rule in &effective.request_rules {
+            let action = match rule.action {
+                RuleAction::Accept => "accept",
+                RuleAction::Deny => "deny",
+            };
             println!(
-                "  {}: {} {} {:?} -> {} pool={} timeout={} max_retries={} retry_delay={} backoff_factor={}",
+                "  {}: {} {} -> {action} pool={} timeout={} max_retries={} retry_delay={} backoff_factor={}",
                 rule.name,
                 rule.method,
                 rule.url_pattern,
-                rule.action,
-                match rule.action {
-                    webproxy_dispatcher::rules::RuleAction::Accept => "accept",
-                    webproxy_dispatcher::rules::RuleAction::Deny => "deny",
-                },
                 rule.pool,
-                humantime::format_duration(rule.timeout),
+                rule.timeout,
                 rule.retry.max_retries,
                 humantime::format_duration(rule.retry.retry_delay),
                 rule.retry.backoff_factor
@@ -153,6 +143,8 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
 }
 
 #[cfg(test)]
+// figment::Jail's closures must return figment's own (large) error type.
+#[allow(clippy::result_large_err)]
 mod tests {
     use std::io::Write as _;
 
@@ -215,6 +207,29 @@ mod tests {
     fn unknown_key_is_named() {
         let e = error_of("[nats]\nurl = \"nats://127.0.0.1:4222\"\nsurl = 1\n");
         assert!(e.contains("surl"), "{e}");
+    }
+
+    #[test]
+    fn environment_overrides_file_and_defaults() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("webproxy.toml", "[nats]\nurl = \"nats://file:4222\"\n")?;
+            jail.set_env("WEBPROXY_NATS__URL", "nats://env:4222");
+            jail.set_env("WEBPROXY_POOLS__P1__MAX_IN_FLIGHT", "3");
+            let settings = load(Some(Path::new("webproxy.toml"))).map_err(|e| e.to_string())?;
+            assert_eq!(settings.config.nats.url, "nats://env:4222");
+            assert_eq!(settings.pools["p1"].max_in_flight, 3);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_environment_key_is_rejected() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("WEBPROXY_SERVICE_HOST", "10.0.0.1");
+            let e = format!("{:#}", load(None).err().ok_or("accepted")?);
+            assert!(e.contains("service_host"), "{e}");
+            Ok(())
+        });
     }
 
     #[test]

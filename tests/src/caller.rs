@@ -1,0 +1,141 @@
+//! A caller's side of the protocol for tests: a running service with its upstream and
+//! client, raw publishes, and readers for stored replies and dead letters.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer};
+use bytes::Bytes;
+use webproxy_client::{Client, new_id};
+use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
+
+use crate::{NatsServer, Service, Upstream, wait_for};
+
+/// How long a test waits for a reply that should come at once; generous for a loaded
+/// 2-core CI machine.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A request rule that accepts everything under `upstream`, in TOML.
+pub fn accept_rule(name: &str, upstream: &Upstream) -> String {
+    format!(
+        "[[request_rules]]\nname = \"{name}\"\nurl_pattern = '^{}'\n",
+        regex_escape(&upstream.url("/"))
+    )
+}
+
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let escape = "\\.+*?()|[]{}^$".contains(c);
+            escape.then_some('\\').into_iter().chain(std::iter::once(c))
+        })
+        .collect()
+}
+
+/// A request envelope with a fresh id.
+pub fn envelope(method: &str, url: &str) -> RequestEnvelope {
+    RequestEnvelope {
+        id: new_id(),
+        method: method.into(),
+        url: url.into(),
+        ..Default::default()
+    }
+}
+
+/// A nats-server, an upstream, a service configured with `config`, and a client.
+pub struct Harness {
+    pub nats: NatsServer,
+    pub upstream: Upstream,
+    pub service: Service,
+    pub client: Client,
+    pub js: jetstream::Context,
+    pub subjects: Subjects,
+}
+
+impl Harness {
+    /// Starts everything; `config` is given the upstream so it can name its URL.
+    pub async fn start(config: impl FnOnce(&Upstream) -> String) -> Harness {
+        Self::start_with_upstream(Upstream::start().await, config).await
+    }
+
+    pub async fn start_with_upstream(
+        upstream: Upstream,
+        config: impl FnOnce(&Upstream) -> String,
+    ) -> Harness {
+        let nats = NatsServer::start();
+        let service = Service::start(&nats, &config(&upstream)).await;
+        let nats_client = nats.client().await;
+        let client = Client::new(nats_client.clone(), "webproxy").expect("client");
+        Harness {
+            js: jetstream::new(nats_client),
+            subjects: Subjects::new("webproxy").expect("prefix"),
+            nats,
+            upstream,
+            service,
+            client,
+        }
+    }
+
+    /// Sends `envelope` to the default pool and waits for its reply.
+    pub async fn request(&self, envelope: &RequestEnvelope) -> Reply {
+        self.client
+            .request("default", envelope, REPLY_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
+            })
+    }
+
+    /// Publishes raw bytes to a pool's request subject with JetStream.
+    pub async fn publish_raw(&self, pool: &str, msg_id: &str, payload: impl Into<Bytes>) {
+        let publish = jetstream::message::PublishMessage::build()
+            .payload(payload.into())
+            .message_id(msg_id);
+        self.js
+            .send_publish(self.subjects.request(pool), publish)
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+
+    /// Every dead letter stored so far, with its headers.
+    pub async fn dead_letters(&self) -> Vec<(HeaderMap, DeadLetter)> {
+        let mut stream = self
+            .js
+            .get_stream("WEBPROXY_DEAD")
+            .await
+            .expect("dead stream");
+        let last = stream.info().await.expect("info").state.last_sequence;
+        let mut letters = Vec::new();
+        for seq in 1..=last {
+            if let Ok(message) = stream.get_raw_message(seq).await {
+                let letter = serde_json::from_slice(&message.payload).expect("dead letter json");
+                letters.push((message.headers, letter));
+            }
+        }
+        letters
+    }
+
+    /// Waits until `count` dead letters are stored and returns them.
+    pub async fn wait_dead_letters(&self, count: usize) -> Vec<(HeaderMap, DeadLetter)> {
+        wait_for(REPLY_TIMEOUT, &format!("{count} dead letters"), || async {
+            let letters = self.dead_letters().await;
+            (letters.len() >= count).then_some(letters)
+        })
+        .await
+    }
+
+    /// The pool consumer's state on the server.
+    pub async fn pool_consumer(&self, pool: &str) -> consumer::Info {
+        let stream = self
+            .js
+            .get_stream(self.subjects.pool_stream(pool))
+            .await
+            .expect("pool stream");
+        stream
+            .consumer_info(format!("webproxy-{pool}"))
+            .await
+            .expect("consumer info")
+    }
+}

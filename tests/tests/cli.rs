@@ -1,0 +1,141 @@
+//! The command line as users run it: `webproxy send` against a live service, and
+//! `webproxy check-config` on good and bad files.
+
+use std::process::Output;
+
+use serde_json::Value;
+use tokio::process::Command;
+use webproxy_tests::caller::{Harness, accept_rule};
+use webproxy_tests::webproxy_bin;
+
+async fn webproxy(args: &[&str]) -> Output {
+    Command::new(webproxy_bin())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .expect("run webproxy")
+}
+
+fn stdout_json(output: &Output) -> Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {}\nstderr: {}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+#[tokio::test]
+async fn send_prints_the_reply_and_exits_by_outcome() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let nats = h.nats.url();
+    let url = h.upstream.url("/echo");
+    let output = webproxy(&[
+        "send",
+        "--nats",
+        &nats,
+        "-H",
+        "X-Trace: abc",
+        "-d",
+        "hello",
+        "POST",
+        &url,
+    ])
+    .await;
+    assert!(output.status.success(), "{output:?}");
+    let reply = stdout_json(&output);
+    assert_eq!(reply["outcome"], "response");
+    assert_eq!(reply["status"], 200);
+    let echo: Value = serde_json::from_str(reply["body"].as_str().expect("body")).expect("echo");
+    assert_eq!(echo["method"], "POST");
+    assert_eq!(echo["body"], "hello");
+    assert_eq!(echo["headers"]["x-trace"], serde_json::json!(["abc"]));
+
+    let data = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(data.path(), [0u8, 1, 255]).expect("write");
+    let path = data.path().to_str().expect("utf8 path");
+    let output = webproxy(&[
+        "send",
+        "--nats",
+        &nats,
+        "--json",
+        "--data-file",
+        path,
+        "PUT",
+        &url,
+    ])
+    .await;
+    assert!(output.status.success(), "{output:?}");
+    let echo: Value =
+        serde_json::from_str(stdout_json(&output)["body"].as_str().expect("body")).expect("echo");
+    assert_eq!(echo["body_len"], 3);
+
+    let denied = webproxy(&[
+        "send",
+        "--nats",
+        &nats,
+        "GET",
+        "http://127.0.0.1:9/elsewhere",
+    ])
+    .await;
+    assert!(!denied.status.success(), "{denied:?}");
+    assert_eq!(stdout_json(&denied)["error"]["code"], "denied");
+
+    let no_pool = webproxy(&["send", "--nats", &nats, "--pool", "nope", "GET", &url]).await;
+    assert!(!no_pool.status.success());
+    assert!(
+        String::from_utf8_lossy(&no_pool.stderr).contains("no pool \"nope\""),
+        "{no_pool:?}"
+    );
+}
+
+async fn check_config(text: &str) -> Output {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), text).expect("write");
+    webproxy(&[
+        "check-config",
+        "--config",
+        file.path().to_str().expect("utf8"),
+    ])
+    .await
+}
+
+#[tokio::test]
+async fn check_config_names_the_bad_key() {
+    let cases = [
+        (
+            "[[request_rules]]\nname = \"orders\"\nurl_pattern = \"(unclosed\"\n",
+            "request_rules[0] (orders).url_pattern",
+        ),
+        (
+            "[[request_rules]]\nname = \"orders\"\nurl_pattern = \".\"\npool = \"ghost\"\n",
+            "request_rules[0] (orders).pool",
+        ),
+        ("[service]\nack_wait = \"a while\"\n", "service.ack_wait"),
+        ("[nats]\nuri = \"nats://x\"\n", "uri"),
+    ];
+    for (text, key) in cases {
+        let output = check_config(text).await;
+        assert!(!output.status.success(), "{text} was accepted");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(key), "{text}: {stderr}");
+    }
+}
+
+#[tokio::test]
+async fn check_config_prints_effective_pools_and_rules() {
+    let output = check_config(
+        "[pools.partner]\nmax_in_flight = 1\n\n[[request_rules]]\nname = \"partner\"\nmethod = \"post\"\nurl_pattern = '^https://partner\\.example/'\npool = \"partner\"\n",
+    )
+    .await;
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("default: max_in_flight=256"), "{stdout}");
+    assert!(stdout.contains("partner: max_in_flight=1"), "{stdout}");
+    assert!(
+        stdout.contains("partner: POST ^https://partner\\.example/"),
+        "{stdout}"
+    );
+}

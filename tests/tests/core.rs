@@ -1,0 +1,295 @@
+//! The core request path end to end: a real nats-server, the real `webproxy serve`
+//! binary and a real HTTP upstream. Every reply is read the way a caller reads it.
+
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use serde_json::{Value, json};
+use webproxy_client::Error as ClientError;
+use webproxy_protocol::{ErrorCode, HeaderValue, Outcome, Reply, header};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope};
+use webproxy_tests::{NatsServer, Service, http_client, wait_until};
+
+fn echo_of(reply: &Reply) -> Value {
+    assert_eq!(reply.outcome, Outcome::Response, "{reply:?}");
+    serde_json::from_str(reply.body.body.as_deref().expect("text body")).expect("echo json")
+}
+
+#[tokio::test]
+async fn get_post_put_round_trips_with_headers() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+
+    let mut get = envelope("get", &h.upstream.url("/echo?q=1"));
+    get.headers
+        .insert("X-Single".into(), HeaderValue::One("one".into()));
+    get.headers.insert(
+        "X-Multi".into(),
+        HeaderValue::Many(vec!["a".into(), "b".into()]),
+    );
+    let reply = h.request(&get).await;
+    assert_eq!(reply.id, get.id);
+    assert_eq!(reply.status, Some(200));
+    assert_eq!(reply.attempts, 1);
+    let echo = echo_of(&reply);
+    assert_eq!(echo["method"], "GET");
+    assert_eq!(echo["query"], "q=1");
+    assert_eq!(echo["headers"]["x-single"], json!(["one"]));
+    assert_eq!(echo["headers"]["x-multi"], json!(["a", "b"]));
+
+    for method in ["POST", "PUT"] {
+        let mut request = envelope(method, &h.upstream.url("/echo"));
+        request.body = Some(format!("{{\"method\": \"{method}\"}}"));
+        request.headers.insert(
+            "Content-Type".into(),
+            HeaderValue::One("application/json".into()),
+        );
+        let echo = echo_of(&h.request(&request).await);
+        assert_eq!(echo["method"], method);
+        assert_eq!(echo["body"], format!("{{\"method\": \"{method}\"}}"));
+        assert_eq!(echo["headers"]["content-type"], json!(["application/json"]));
+    }
+
+    let multi = h.request(&envelope("GET", &h.upstream.url("/multi"))).await;
+    let headers = multi.headers.expect("response headers");
+    assert_eq!(
+        headers["x-multi"],
+        HeaderValue::Many(vec!["a".into(), "b".into()])
+    );
+    assert_eq!(headers["x-single"], HeaderValue::One("one".into()));
+    assert_eq!(multi.body.body.as_deref(), Some("multi"));
+}
+
+#[tokio::test]
+async fn utf8_and_binary_bodies_both_ways() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+
+    let mut text = envelope("POST", &h.upstream.url("/echo"));
+    text.body = Some("grüße, 世界".into());
+    let echo = echo_of(&h.request(&text).await);
+    assert_eq!(echo["body"], "grüße, 世界");
+
+    let mut binary = envelope("POST", &h.upstream.url("/echo"));
+    binary.body_base64 = Some("AAH//g==".into()); // 00 01 ff fe
+    let echo = echo_of(&h.request(&binary).await);
+    assert_eq!(echo["body_len"], 4);
+
+    let reply = h
+        .request(&envelope("GET", &h.upstream.url("/binary")))
+        .await;
+    assert_eq!(reply.body.body, None);
+    assert_eq!(reply.body.body_base64.as_deref(), Some("AAEC//4="));
+    assert_eq!(
+        reply.body.decode().expect("base64"),
+        vec![0, 1, 2, 255, 254]
+    );
+
+    let head = h
+        .request(&envelope("HEAD", &h.upstream.url("/multi")))
+        .await;
+    assert_eq!(head.body.body.as_deref(), Some(""));
+}
+
+#[tokio::test]
+async fn metadata_is_echoed_verbatim() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let id = webproxy_client::new_id();
+    // Raw JSON with an order and spacing a re-serialisation would change.
+    let payload = format!(
+        r#"{{"id":"{id}","method":"GET","url":"{}","metadata":{{"z": 1, "a": [true, null], "n": 1.50}}}}"#,
+        h.upstream.url("/echo")
+    );
+    let mut replies =
+        h.js.client()
+            .subscribe(format!("webproxy.reply.{id}"))
+            .await
+            .expect("subscribe");
+    h.publish_raw("default", &id, payload).await;
+    let message = tokio::time::timeout(REPLY_TIMEOUT, replies.next())
+        .await
+        .expect("reply in time")
+        .expect("reply");
+    let text = std::str::from_utf8(&message.payload).expect("utf8");
+    assert!(
+        text.contains(r#""metadata":{"z": 1, "a": [true, null], "n": 1.50}"#),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let mut request = envelope("GET", &h.upstream.url("/echo"));
+    request.reply_to = Some(format!("app.replies.{}", request.id));
+    let mut copies =
+        h.js.client()
+            .subscribe(format!("app.replies.{}", request.id))
+            .await
+            .expect("subscribe");
+    let reply = h.request(&request).await;
+    assert_eq!(reply.status, Some(200));
+
+    let copy = tokio::time::timeout(REPLY_TIMEOUT, copies.next())
+        .await
+        .expect("copy in time")
+        .expect("copy");
+    let copied: Reply = serde_json::from_slice(&copy.payload).expect("reply json");
+    assert_eq!(copied.id, request.id);
+    let headers = copy.headers.expect("headers");
+    assert_eq!(
+        headers.get(header::OUTCOME).map(|v| v.as_str()),
+        Some("response")
+    );
+    assert_eq!(
+        headers.get(header::GENERATION).map(|v| v.as_str()),
+        Some("0")
+    );
+
+    let stored = h
+        .client
+        .reply(&request.id)
+        .await
+        .expect("lookup")
+        .expect("stored reply");
+    assert_eq!(stored.id, request.id);
+    assert_eq!(stored.status, Some(200));
+    let stream =
+        h.js.get_stream("WEBPROXY_REPLIES")
+            .await
+            .expect("replies stream");
+    let raw = stream
+        .get_last_raw_message_by_subject(&format!("webproxy.reply.{}", request.id))
+        .await
+        .expect("stored message");
+    assert_eq!(
+        raw.headers.get(header::OUTCOME).map(|v| v.as_str()),
+        Some("response")
+    );
+    assert_eq!(
+        raw.headers.get(header::MSG_ID).map(|v| v.as_str()),
+        Some(format!("{}:0:reply", request.id).as_str())
+    );
+}
+
+#[tokio::test]
+async fn everything_is_denied_without_rules() {
+    let h = Harness::start(|_| String::new()).await;
+    let reply = h.request(&envelope("GET", &h.upstream.url("/echo"))).await;
+    assert_eq!(reply.outcome, Outcome::Error);
+    let error = reply.error.expect("error");
+    assert_eq!(error.code, ErrorCode::Denied);
+    assert!(
+        error.message.contains("no request rule accepts GET"),
+        "{}",
+        error.message
+    );
+    assert_eq!(reply.attempts, 0);
+    assert_eq!(h.upstream.hits(), 0);
+    let letters = h.wait_dead_letters(1).await;
+    assert_eq!(letters[0].1.error.code, ErrorCode::Denied);
+    assert_eq!(
+        letters[0].0.get(header::ERROR_CODE).map(|v| v.as_str()),
+        Some("denied")
+    );
+}
+
+#[tokio::test]
+async fn explicit_deny_rule_wins_for_what_it_matches() {
+    let h = Harness::start(|up| {
+        format!(
+            "[[request_rules]]\nname = \"no-admin\"\nurl_pattern = '/admin'\naction = \"deny\"\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let denied = h
+        .request(&envelope("GET", &h.upstream.url("/admin/echo")))
+        .await;
+    let error = denied.error.expect("denied");
+    assert_eq!(error.code, ErrorCode::Denied);
+    assert!(error.message.contains("no-admin"), "{}", error.message);
+    let allowed = h.request(&envelope("GET", &h.upstream.url("/echo"))).await;
+    assert_eq!(allowed.status, Some(200));
+    assert_eq!(h.upstream.hits_for("/admin/echo"), 0);
+}
+
+/// A rule naming the method beats a `*` rule, whichever comes first in the file.
+#[tokio::test]
+async fn exact_method_beats_wildcard_in_both_orders() {
+    for exact_first in [true, false] {
+        let h = Harness::start(|up| {
+            let base = regex_escape_url(&up.url("/"));
+            let wildcard = format!(
+                "[[request_rules]]\nname = \"any-deny\"\nurl_pattern = '^{base}'\naction = \"deny\"\n"
+            );
+            let exact = format!(
+                "[[request_rules]]\nname = \"post-ok\"\nmethod = \"POST\"\nurl_pattern = '^{base}'\n"
+            );
+            if exact_first {
+                format!("{exact}{wildcard}")
+            } else {
+                format!("{wildcard}{exact}")
+            }
+        })
+        .await;
+        let post = h.request(&envelope("POST", &h.upstream.url("/echo"))).await;
+        assert_eq!(
+            post.status,
+            Some(200),
+            "exact_first={exact_first}: {post:?}"
+        );
+        let get = h.request(&envelope("GET", &h.upstream.url("/echo"))).await;
+        assert_eq!(
+            get.error.map(|e| e.code),
+            Some(ErrorCode::Denied),
+            "exact_first={exact_first}"
+        );
+    }
+}
+
+fn regex_escape_url(url: &str) -> String {
+    url.replace('.', "\\.")
+}
+
+#[tokio::test]
+async fn publish_to_unknown_pool_fails() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let result = h
+        .client
+        .submit("nope", &envelope("GET", &h.upstream.url("/echo")))
+        .await;
+    assert!(
+        matches!(result, Err(ClientError::NoSuchPool { ref pool, .. }) if pool == "nope"),
+        "{result:?}"
+    );
+}
+
+#[tokio::test]
+async fn health_endpoints_read_state_only() {
+    let mut nats = NatsServer::start();
+    let service = Service::start(&nats, "").await;
+    let http = http_client();
+    let status = |path: &'static str| {
+        let http = http.clone();
+        let url = format!("{}{path}", service.health_url());
+        async move { http.get(url).send().await.map(|r| r.status().as_u16()).ok() }
+    };
+    assert_eq!(status("/healthz").await, Some(200));
+    assert_eq!(status("/readyz").await, Some(200));
+
+    nats.kill();
+    wait_until(
+        Duration::from_secs(20),
+        "readyz 503 without NATS",
+        || async { status("/readyz").await == Some(503) },
+    )
+    .await;
+    assert_eq!(status("/healthz").await, Some(200));
+
+    nats.restart();
+    wait_until(
+        Duration::from_secs(30),
+        "readyz 200 after reconnect",
+        || async { status("/readyz").await == Some(200) },
+    )
+    .await;
+}
