@@ -56,14 +56,13 @@ run:
     fi
     cargo run --release -p webproxy -- serve --config config/webproxy.toml
 
-# (nextest cannot run doctests, hence the separate `cargo test --doc` pass.)
-
 # Format check, clippy, build the binaries the integration tests spawn, then run every test.
 test:
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     cargo build --workspace --bins
-    {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo nextest run --workspace && cargo test --workspace --doc; else cargo test --workspace; fi
+    # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
+    {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace; else cargo test --workspace; fi
 
 # Run the integration tests `runs` times in a row, stopping at the first failure, to shake out flakes.
 soak runs="10":
