@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::{self, stream::LastRawMessageErrorKind};
 use bytes::Bytes;
 use futures::StreamExt as _;
@@ -98,21 +99,44 @@ impl Client {
         Ok(envelope.id.clone())
     }
 
+    /// The NATS connection.
+    pub fn nats(&self) -> &async_nats::Client {
+        &self.nats
+    }
+
     /// The stored final reply of conversation `id`, if there is one.
     pub async fn reply(&self, id: &str) -> Result<Option<Reply>, Error> {
-        let stream = self
-            .js
-            .get_stream_no_info(self.subjects.replies_stream())
-            .await
-            .map_err(|e| Error::Lookup(e.to_string()))?;
-        match stream
-            .get_last_raw_message_by_subject(&self.subjects.reply(id))
-            .await
-        {
-            Ok(message) => decode(&message.payload).map(Some),
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-            Err(e) => Err(Error::Lookup(e.to_string())),
+        match self.reply_message(id).await? {
+            Some(message) => decode(&message.payload).map(Some),
+            None => Ok(None),
         }
+    }
+
+    /// The stored reply message of conversation `id` with its headers
+    /// (`Webproxy-Outcome`, `Webproxy-Generation`), if there is one.
+    pub async fn reply_message(&self, id: &str) -> Result<Option<StreamMessage>, Error> {
+        stored_reply_message(&self.js, &self.subjects, id).await
+    }
+}
+
+/// The stored reply message of conversation `id`, read from the stream leader through
+/// the message-get API (a direct get may be answered by a lagging replica).
+pub async fn stored_reply_message(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    id: &str,
+) -> Result<Option<StreamMessage>, Error> {
+    let stream = js
+        .get_stream_no_info(subjects.replies_stream())
+        .await
+        .map_err(|e| Error::Lookup(e.to_string()))?;
+    match stream
+        .get_last_raw_message_by_subject(&subjects.reply(id))
+        .await
+    {
+        Ok(message) => Ok(Some(message)),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(Error::Lookup(e.to_string())),
     }
 }
 

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::{self, Deserializer, Visitor};
@@ -14,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use webproxy_protocol::{Subjects, validate_pool_name};
 
+use crate::response_rules::{ResponseRule, ResponseRuleConfig};
 use crate::rules::{RequestRule, RequestRules, RuleAction};
 
 /// The whole configuration file.
@@ -29,6 +31,9 @@ pub struct Config {
     pub pools: BTreeMap<String, PoolConfig>,
     #[serde(default)]
     pub request_rules: Vec<RequestRuleConfig>,
+    /// Global response rules; first match in file order wins.
+    #[serde(default)]
+    pub response_rules: Vec<ResponseRuleConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -142,6 +147,14 @@ pub struct PoolConfig {
     /// on its retry subject); absent means unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_waiting: Option<u64>,
+    /// A request that waited longer than this before its first attempt is answered
+    /// `expired` instead of being sent late.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub queue_timeout: Option<Duration>,
 }
 
 impl Default for PoolConfig {
@@ -149,6 +162,7 @@ impl Default for PoolConfig {
         PoolConfig {
             max_in_flight: default_max_in_flight(),
             max_waiting: None,
+            queue_timeout: None,
         }
     }
 }
@@ -175,6 +189,17 @@ fn default_retry_delay() -> Duration {
 fn default_backoff_factor() -> f64 {
     2.0
 }
+fn default_max_retry_delay() -> Duration {
+    Duration::from_secs(300)
+}
+
+/// `true` for `Idempotency-Key`, or a header name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum IdempotencyHeader {
+    Enabled(bool),
+    Name(String),
+}
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -195,6 +220,17 @@ pub struct RequestRuleConfig {
     pub retry_delay: Duration,
     #[serde(default = "default_backoff_factor")]
     pub backoff_factor: f64,
+    #[serde(default = "default_max_retry_delay", with = "humantime_serde")]
+    pub max_retry_delay: Duration,
+    #[serde(default)]
+    pub jitter: f64,
+    #[serde(default)]
+    pub retry_non_idempotent: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_header: Option<IdempotencyHeader>,
+    /// Replaces the global response rules for requests this rule matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_rules: Option<Vec<ResponseRuleConfig>>,
 }
 
 /// A configuration that cannot run; the message names the key.
@@ -252,6 +288,16 @@ impl Config {
                 ));
             }
         }
+        let global_response_rules = self
+            .response_rules
+            .iter()
+            .enumerate()
+            .map(|(index, rule)| {
+                ResponseRule::compile(rule).map_err(|(field, message)| {
+                    config_error(format!("response_rules[{index}].{field}"), message)
+                })
+            })
+            .collect::<Result<Arc<[_]>, _>>()?;
         let mut rules = Vec::with_capacity(self.request_rules.len());
         for (index, rule) in self.request_rules.iter().enumerate() {
             let key = |field: &str| format!("request_rules[{index}] ({}).{field}", rule.name);
@@ -262,8 +308,8 @@ impl Config {
                 ));
             }
             rules.push(
-                RequestRule::compile(rule)
-                    .map_err(|(field, message)| config_error(key(field), message))?,
+                RequestRule::compile(rule, &global_response_rules)
+                    .map_err(|(field, message)| config_error(key(&field), message))?,
             );
         }
         Ok(Settings {

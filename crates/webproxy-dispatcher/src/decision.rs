@@ -2,9 +2,13 @@
 //! what an attempt's outcome means for the conversation. The effects (HTTP, publish,
 //! ack) are carried out elsewhere, so every decision here is unit-tested without a server.
 
-use webproxy_protocol::{ErrorBody, ErrorCode, Request};
-use webproxy_worker::{AttemptOutcome, HttpResponse};
+use std::time::{Duration, SystemTime};
 
+use webproxy_protocol::{ErrorBody, ErrorCode, Method, Request, excerpt};
+use webproxy_worker::{AttemptOutcome, FailureKind, HttpResponse, TransportFailure};
+
+use crate::response_rules::{ResponseAction, classify};
+use crate::retry::parse_retry_after;
 use crate::rules::{RequestRule, RequestRules, RuleAction};
 
 /// Whether a parsed request may be attempted.
@@ -44,27 +48,187 @@ pub fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
     }
 }
 
-/// What an attempt's outcome means for the conversation.
+/// Why a request may not start its next attempt, if it may not: the deadline has
+/// passed, or it waited in the queue longer than the pool's `queue_timeout` before its
+/// first attempt (`queued` is how long it waited and the limit).
+pub fn expiry(
+    now: SystemTime,
+    deadline: Option<SystemTime>,
+    queued: Option<(Duration, Duration)>,
+) -> Option<ErrorBody> {
+    if let Some(deadline) = deadline
+        && now > deadline
+    {
+        let late = now.duration_since(deadline).unwrap_or_default();
+        return Some(ErrorBody {
+            code: ErrorCode::Expired,
+            message: format!(
+                "the deadline passed {} ms before the attempt could start",
+                late.as_millis()
+            ),
+            status: None,
+        });
+    }
+    match queued {
+        Some((waited, limit)) if waited > limit => Some(ErrorBody {
+            code: ErrorCode::Expired,
+            message: format!(
+                "waited {} ms in the pool's queue, longer than its queue_timeout of {} ms",
+                waited.as_millis(),
+                limit.as_millis()
+            ),
+            status: None,
+        }),
+        _ => None,
+    }
+}
+
+/// What an attempt's outcome means for the conversation; the retry decision as a type,
+/// apart from the code that acts on it.
 #[derive(Debug)]
 pub enum Verdict {
     /// Deliver this response to the caller.
     Respond(HttpResponse),
     /// End the conversation with this error.
     Fail(ErrorBody),
+    /// Attempt again after `after`; `last` describes the failure for the final error if
+    /// the retries run out later.
+    Retry { after: Duration, last: LastFailure },
 }
 
-/// Judges one attempt's outcome. Until response rules exist, every HTTP response is
-/// delivered, and a transport failure ends the conversation after one attempt.
-pub fn judge(outcome: AttemptOutcome) -> Verdict {
+/// The failure that made an attempt retryable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastFailure {
+    pub status: Option<u16>,
+    pub description: String,
+}
+
+/// What `judge` needs to know besides the outcome.
+#[derive(Debug, Clone)]
+pub struct AttemptContext<'a> {
+    pub rule: &'a RequestRule,
+    pub method: Method,
+    /// The request carries an idempotency key (the caller's `Idempotency-Key`, or the
+    /// header the rule adds), so the upstream can absorb a repeat.
+    pub has_idempotency_key: bool,
+    /// The number of the attempt just made, from 1.
+    pub attempt: u32,
+    pub now: SystemTime,
+    pub deadline: Option<SystemTime>,
+    /// Uniform in [-1, 1], for the rule's jitter.
+    pub jitter_unit: f64,
+}
+
+/// How much of an upstream body an error message quotes.
+pub const BODY_EXCERPT_BYTES: usize = 256;
+
+/// Judges one attempt's outcome under the rule's response rules and retry policy.
+pub fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
     match outcome {
-        AttemptOutcome::Response(response) => Verdict::Respond(response),
-        AttemptOutcome::Failed(failure) => Verdict::Fail(ErrorBody {
-            code: ErrorCode::RetriesExhausted,
-            message: format!("{} failure: {}", failure.kind, failure.message),
-            status: None,
-        }),
+        AttemptOutcome::Response(response) => {
+            match classify(
+                &context.rule.response_rules,
+                response.status,
+                &response.body,
+            ) {
+                ResponseAction::Respond => Verdict::Respond(response),
+                ResponseAction::Error => Verdict::Fail(upstream_error(&response)),
+                ResponseAction::Retry => {
+                    let retry_after = matches!(response.status, 429 | 503)
+                        .then(|| response.header("retry-after"))
+                        .flatten()
+                        .and_then(|v| parse_retry_after(v, context.now));
+                    let last = LastFailure {
+                        status: Some(response.status),
+                        description: format!(
+                            "the upstream answered {}: {}",
+                            response.status,
+                            excerpt(&response.body, BODY_EXCERPT_BYTES)
+                        ),
+                    };
+                    retry_or_give_up(context, last, retry_after)
+                }
+            }
+        }
         AttemptOutcome::TooLarge { status, limit } => Verdict::Fail(too_large(status, limit)),
+        AttemptOutcome::Failed(failure) => {
+            let description = format!("{} failure: {}", failure.kind, failure.message);
+            if transport_failure_is_retryable(&failure, context) {
+                let last = LastFailure {
+                    status: None,
+                    description,
+                };
+                return retry_or_give_up(context, last, None);
+            }
+            let message = if failure.may_have_reached_upstream
+                && matches!(failure.kind, FailureKind::Timeout | FailureKind::Reset)
+            {
+                format!(
+                    "{description}; the request may have reached the upstream, and {} is retried after that only when the rule sets retry_non_idempotent or the request carries an Idempotency-Key",
+                    context.method
+                )
+            } else {
+                format!("{description}; retrying cannot fix this")
+            };
+            Verdict::Fail(ErrorBody {
+                code: ErrorCode::TransportError,
+                message,
+                status: None,
+            })
+        }
     }
+}
+
+/// Connect and DNS failures never reached the upstream, so every method may repeat
+/// them. A timeout or reset after the request was sent may have been acted on, so only
+/// requests that are safe to repeat are. TLS and other failures are not transient.
+fn transport_failure_is_retryable(
+    failure: &TransportFailure,
+    context: &AttemptContext<'_>,
+) -> bool {
+    match failure.kind {
+        FailureKind::Connect | FailureKind::Dns => true,
+        FailureKind::Timeout | FailureKind::Reset => {
+            !failure.may_have_reached_upstream
+                || context.method.is_idempotent()
+                || context.rule.retry_non_idempotent
+                || context.has_idempotency_key
+        }
+        FailureKind::Tls | FailureKind::Other => false,
+    }
+}
+
+fn retry_or_give_up(
+    context: &AttemptContext<'_>,
+    last: LastFailure,
+    retry_after: Option<Duration>,
+) -> Verdict {
+    let policy = &context.rule.retry;
+    if context.attempt >= policy.max_attempts() {
+        return Verdict::Fail(ErrorBody {
+            code: ErrorCode::RetriesExhausted,
+            message: format!(
+                "gave up after {} attempts; the last: {}",
+                context.attempt, last.description
+            ),
+            status: last.status,
+        });
+    }
+    let scheduled = policy.delay_after(context.attempt, context.jitter_unit);
+    let after = policy.with_retry_after(scheduled, retry_after);
+    if let Some(deadline) = context.deadline
+        && context.now + after > deadline
+    {
+        return Verdict::Fail(ErrorBody {
+            code: ErrorCode::Expired,
+            message: format!(
+                "the next attempt would start after the deadline; the last failure: {}",
+                last.description
+            ),
+            status: last.status,
+        });
+    }
+    Verdict::Retry { after, last }
 }
 
 /// The error for a response whose body exceeds `limit` bytes.
@@ -78,32 +242,38 @@ pub fn too_large(status: u16, limit: usize) -> ErrorBody {
     }
 }
 
+/// The error for a response that a response rule classifies as an error.
+pub fn upstream_error(response: &HttpResponse) -> ErrorBody {
+    ErrorBody {
+        code: ErrorCode::UpstreamError,
+        message: format!(
+            "the upstream answered {}: {}",
+            response.status,
+            excerpt(&response.body, BODY_EXCERPT_BYTES)
+        ),
+        status: Some(response.status),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::sync::Arc;
 
     use webproxy_protocol::{Subjects, parse_request};
-    use webproxy_worker::{FailureKind, TransportFailure};
 
     use super::*;
-    use crate::config::RequestRuleConfig;
+    use crate::response_rules::{ResponseRule, ResponseRuleConfig};
+    use crate::rules::tests::rule_config;
 
     fn rules(specs: &[(&str, &str, &str, RuleAction)]) -> RequestRules {
         RequestRules::new(
             specs
                 .iter()
                 .map(|(name, method, pattern, action)| {
-                    RequestRule::compile(&RequestRuleConfig {
-                        name: (*name).into(),
-                        method: (*method).into(),
-                        url_pattern: (*pattern).into(),
-                        action: *action,
-                        pool: "default".into(),
-                        timeout: Duration::from_secs(1),
-                        max_retries: 0,
-                        retry_delay: Duration::from_secs(1),
-                        backoff_factor: 1.0,
-                    })
+                    RequestRule::compile(
+                        &rule_config(name, method, pattern, *action),
+                        &Arc::from([]),
+                    )
                     .expect("valid rule")
                 })
                 .collect(),
@@ -152,28 +322,276 @@ mod tests {
         ));
     }
 
+    const T0: Duration = Duration::from_secs(1_800_000_000);
+
+    fn at(ms: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + T0 + Duration::from_millis(ms)
+    }
+
     #[test]
-    fn transport_failure_ends_the_conversation() {
-        let verdict = judge(AttemptOutcome::Failed(TransportFailure {
-            kind: FailureKind::Connect,
-            may_have_reached_upstream: false,
-            message: "refused".into(),
-        }));
-        match verdict {
+    fn expiry_by_deadline_and_queue_timeout() {
+        assert!(expiry(at(0), None, None).is_none());
+        assert!(expiry(at(0), Some(at(1)), None).is_none());
+        let late = expiry(at(2), Some(at(1)), None).expect("expired");
+        assert_eq!(late.code, ErrorCode::Expired);
+        let secs = Duration::from_secs;
+        assert!(expiry(at(0), None, Some((secs(29), secs(30)))).is_none());
+        let waited = expiry(at(0), None, Some((secs(31), secs(30)))).expect("expired");
+        assert!(
+            waited.message.contains("queue_timeout"),
+            "{}",
+            waited.message
+        );
+    }
+
+    fn rule_with(max_retries: u32, response_rules: &[(&str, &str, Option<&str>)]) -> RequestRule {
+        let mut config = rule_config("r", "*", ".", RuleAction::Accept);
+        config.max_retries = max_retries;
+        config.retry_delay = Duration::from_millis(300);
+        config.backoff_factor = 2.0;
+        let global: Arc<[ResponseRule]> = response_rules
+            .iter()
+            .map(|(status, action, body)| {
+                let config: ResponseRuleConfig = toml::from_str(&format!(
+                    "status = {status:?}\naction = {action:?}\n{}",
+                    body.map(|b| format!("body_pattern = {b:?}"))
+                        .unwrap_or_default()
+                ))
+                .expect("toml");
+                ResponseRule::compile(&config).expect("rule")
+            })
+            .collect();
+        RequestRule::compile(&config, &global).expect("rule")
+    }
+
+    fn context<'a>(rule: &'a RequestRule, method: Method, attempt: u32) -> AttemptContext<'a> {
+        AttemptContext {
+            rule,
+            method,
+            has_idempotency_key: false,
+            attempt,
+            now: at(0),
+            deadline: None,
+            jitter_unit: 0.0,
+        }
+    }
+
+    fn response(status: u16, headers: &[(&str, &str)], body: &str) -> AttemptOutcome {
+        AttemptOutcome::Response(HttpResponse {
+            status,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            body: body.as_bytes().to_vec().into(),
+        })
+    }
+
+    fn failure(kind: FailureKind, reached: bool) -> AttemptOutcome {
+        AttemptOutcome::Failed(TransportFailure {
+            kind,
+            may_have_reached_upstream: reached,
+            message: "boom".into(),
+        })
+    }
+
+    #[test]
+    fn default_rules_retry_5xx_on_schedule_then_give_up() {
+        let rule = rule_with(3, &[]);
+        match judge(response(503, &[], "busy"), &context(&rule, Method::Get, 1)) {
+            Verdict::Retry { after, last } => {
+                assert_eq!(after, Duration::from_millis(300));
+                assert_eq!(last.status, Some(503));
+            }
+            other => panic!("{other:?}"),
+        }
+        match judge(response(503, &[], "busy"), &context(&rule, Method::Get, 2)) {
+            Verdict::Retry { after, .. } => assert_eq!(after, Duration::from_millis(600)),
+            other => panic!("{other:?}"),
+        }
+        match judge(response(503, &[], "busy"), &context(&rule, Method::Get, 4)) {
             Verdict::Fail(e) => {
                 assert_eq!(e.code, ErrorCode::RetriesExhausted);
-                assert!(e.message.contains("connect"));
+                assert_eq!(e.status, Some(503));
+                assert!(e.message.contains("4 attempts"), "{}", e.message);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            judge(response(404, &[], ""), &context(&rule, Method::Get, 1)),
+            Verdict::Respond(_)
+        ));
+    }
+
+    #[test]
+    fn retry_after_stretches_the_wait_for_429_and_503_only() {
+        let rule = rule_with(3, &[]);
+        for status in [429, 503] {
+            match judge(
+                response(status, &[("retry-after", "1")], ""),
+                &context(&rule, Method::Get, 1),
+            ) {
+                Verdict::Retry { after, .. } => assert_eq!(after, Duration::from_secs(1)),
+                other => panic!("{other:?}"),
+            }
+        }
+        match judge(
+            response(500, &[("retry-after", "1")], ""),
+            &context(&rule, Method::Get, 1),
+        ) {
+            Verdict::Retry { after, .. } => assert_eq!(after, Duration::from_millis(300)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn error_action_and_body_patterns() {
+        let rule = rule_with(
+            3,
+            &[
+                ("500", "retry", Some("ConcurrentRequestLimit")),
+                ("500-599", "error", None),
+            ],
+        );
+        assert!(matches!(
+            judge(
+                response(500, &[], "ExceededConcurrentRequestLimitFault"),
+                &context(&rule, Method::Post, 1)
+            ),
+            Verdict::Retry { .. }
+        ));
+        match judge(
+            response(500, &[], "InvalidLogin"),
+            &context(&rule, Method::Post, 1),
+        ) {
+            Verdict::Fail(e) => {
+                assert_eq!(e.code, ErrorCode::UpstreamError);
+                assert_eq!(e.status, Some(500));
+                assert!(e.message.contains("InvalidLogin"), "{}", e.message);
             }
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
+    fn transport_failures_by_kind_and_method() {
+        let rule = rule_with(3, &[]);
+        let retries = |outcome, method, key| {
+            let mut c = context(&rule, method, 1);
+            c.has_idempotency_key = key;
+            matches!(judge(outcome, &c), Verdict::Retry { .. })
+        };
+        // nothing reached the upstream: every method
+        assert!(retries(
+            failure(FailureKind::Connect, false),
+            Method::Post,
+            false
+        ));
+        assert!(retries(
+            failure(FailureKind::Dns, false),
+            Method::Patch,
+            false
+        ));
+        assert!(retries(
+            failure(FailureKind::Timeout, false),
+            Method::Post,
+            false
+        ));
+        // may have reached it: only what is safe to repeat
+        for method in [
+            Method::Get,
+            Method::Head,
+            Method::Options,
+            Method::Put,
+            Method::Delete,
+        ] {
+            assert!(
+                retries(failure(FailureKind::Timeout, true), method, false),
+                "{method}"
+            );
+            assert!(
+                retries(failure(FailureKind::Reset, true), method, false),
+                "{method}"
+            );
+        }
+        for method in [Method::Post, Method::Patch] {
+            assert!(
+                !retries(failure(FailureKind::Timeout, true), method, false),
+                "{method}"
+            );
+            assert!(
+                !retries(failure(FailureKind::Reset, true), method, false),
+                "{method}"
+            );
+            assert!(
+                retries(failure(FailureKind::Timeout, true), method, true),
+                "{method}"
+            );
+        }
+        assert!(!retries(
+            failure(FailureKind::Tls, true),
+            Method::Get,
+            false
+        ));
+        assert!(!retries(
+            failure(FailureKind::Other, true),
+            Method::Get,
+            false
+        ));
+        match judge(
+            failure(FailureKind::Timeout, true),
+            &context(&rule, Method::Post, 1),
+        ) {
+            Verdict::Fail(e) => {
+                assert_eq!(e.code, ErrorCode::TransportError);
+                assert!(
+                    e.message.contains("may have reached the upstream"),
+                    "{}",
+                    e.message
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut lenient = rule_with(3, &[]);
+        lenient.retry_non_idempotent = true;
+        assert!(matches!(
+            judge(
+                failure(FailureKind::Timeout, true),
+                &context(&lenient, Method::Post, 1)
+            ),
+            Verdict::Retry { .. }
+        ));
+    }
+
+    #[test]
+    fn a_retry_due_after_the_deadline_expires_now() {
+        let rule = rule_with(3, &[]);
+        let mut c = context(&rule, Method::Get, 1);
+        c.deadline = Some(at(200));
+        match judge(response(503, &[], "busy"), &c) {
+            Verdict::Fail(e) => {
+                assert_eq!(e.code, ErrorCode::Expired);
+                assert_eq!(e.status, Some(503));
+            }
+            other => panic!("{other:?}"),
+        }
+        c.deadline = Some(at(1000));
+        assert!(matches!(
+            judge(response(503, &[], "busy"), &c),
+            Verdict::Retry { .. }
+        ));
+    }
+
+    #[test]
     fn too_large_keeps_the_status() {
-        match judge(AttemptOutcome::TooLarge {
-            status: 200,
-            limit: 10,
-        }) {
+        let rule = rule_with(3, &[]);
+        match judge(
+            AttemptOutcome::TooLarge {
+                status: 200,
+                limit: 10,
+            },
+            &context(&rule, Method::Get, 1),
+        ) {
             Verdict::Fail(e) => {
                 assert_eq!(e.code, ErrorCode::ResponseTooLarge);
                 assert_eq!(e.status, Some(200));

@@ -10,6 +10,8 @@ pub mod decision;
 pub mod health;
 pub mod outbox;
 pub mod provision;
+pub mod response_rules;
+pub mod retry;
 pub mod rules;
 pub mod runtime;
 

@@ -87,6 +87,36 @@ pub fn pool_consumer_config(
     }
 }
 
+/// The most parked retries a pool holds at once; a parked retry waiting out its delay
+/// holds one of these, never a slot of the pool's concurrency limit.
+pub const MAX_PARKED: i64 = 100_000;
+
+/// The durable pull consumer of one pool's retry subject.
+pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull::Config {
+    let subjects = &settings.subjects;
+    consumer::pull::Config {
+        durable_name: Some(subjects.retry_consumer(pool)),
+        description: Some(format!("webproxy pool {pool}: parked retries")),
+        filter_subject: subjects.retry(pool),
+        ack_policy: consumer::AckPolicy::Explicit,
+        // Handling a parked retry is a NAK or a republish: quick, so a short wait is
+        // enough and a crashed instance's retries come back soon.
+        ack_wait: Duration::from_secs(30),
+        max_ack_pending: MAX_PARKED,
+        max_deliver: -1,
+        ..Default::default()
+    }
+}
+
+/// A pool's two consumers.
+pub struct PoolConsumers {
+    pub pool: String,
+    /// The request subject: `max_ack_pending` is the concurrency limit.
+    pub work: consumer::PullConsumer,
+    /// The retry subject: parked retries waiting to be due.
+    pub parked: consumer::PullConsumer,
+}
+
 fn limits_stream(
     name: String,
     subject: String,
@@ -136,11 +166,11 @@ pub fn dead_stream_config(settings: &Settings) -> stream::Config {
 }
 
 /// Creates or updates every stream and consumer of this instance's config and returns
-/// the pool consumers, by pool name.
+/// the pools' consumers.
 pub async fn provision(
     js: &jetstream::Context,
     settings: &Settings,
-) -> Result<Vec<(String, consumer::PullConsumer)>, ProvisionError> {
+) -> Result<Vec<PoolConsumers>, ProvisionError> {
     for config in [
         replies_stream_config(settings),
         dead_stream_config(settings),
@@ -179,11 +209,24 @@ pub async fn provision(
                 );
             }
         }
-        let consumer: consumer::PullConsumer = stream
+        let work: consumer::PullConsumer = stream
             .create_consumer(wanted)
             .await
             .map_err(|e| provision_error(what, e))?;
-        consumers.push((pool.clone(), consumer));
+        let retry = retry_consumer_config(settings, pool);
+        let what = format!(
+            "consumer {} on {stream_name}",
+            retry.durable_name.as_deref().unwrap_or_default()
+        );
+        let parked: consumer::PullConsumer = stream
+            .create_consumer(retry)
+            .await
+            .map_err(|e| provision_error(what, e))?;
+        consumers.push(PoolConsumers {
+            pool: pool.clone(),
+            work,
+            parked,
+        });
     }
     Ok(consumers)
 }

@@ -1,13 +1,19 @@
 //! Request rules (the seed's RequestFilter table): which requests are accepted, into
 //! which pool, with which timeout and retry policy. Matching is pure.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Method;
 
-use crate::config::RequestRuleConfig;
+use crate::config::{IdempotencyHeader, RequestRuleConfig};
+use crate::response_rules::ResponseRule;
+use crate::retry::RetryPolicy;
+
+/// The header name upstreams that support idempotency keys commonly honour.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
 /// What a matching rule does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -15,15 +21,6 @@ use crate::config::RequestRuleConfig;
 pub enum RuleAction {
     Accept,
     Deny,
-}
-
-/// How often and how fast a rule's requests are retried.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RetryPolicy {
-    pub max_retries: u32,
-    #[serde(with = "humantime_serde")]
-    pub retry_delay: Duration,
-    pub backoff_factor: f64,
 }
 
 /// A compiled request rule.
@@ -38,19 +35,37 @@ pub struct RequestRule {
     /// Per attempt.
     pub timeout: Duration,
     pub retry: RetryPolicy,
+    /// Whether POST and PATCH may be repeated after a failure that may have reached
+    /// the upstream.
+    pub retry_non_idempotent: bool,
+    /// A header sent on every attempt with `<id>:<generation>`.
+    pub idempotency_header: Option<String>,
+    /// The rule's own response rules, or the global ones.
+    pub response_rules: Arc<[ResponseRule]>,
 }
 
 impl RequestRule {
-    /// Compiles a rule; an error names the field.
-    pub fn compile(config: &RequestRuleConfig) -> Result<RequestRule, (&'static str, String)> {
+    /// Compiles a rule; an error names the field. `global_response_rules` apply unless
+    /// the rule has a list of its own.
+    pub fn compile(
+        config: &RequestRuleConfig,
+        global_response_rules: &Arc<[ResponseRule]>,
+    ) -> Result<RequestRule, (String, String)> {
+        Self::compile_fields(config, global_response_rules).map_err(|(f, m)| (f.to_string(), m))
+    }
+
+    fn compile_fields(
+        config: &RequestRuleConfig,
+        global_response_rules: &Arc<[ResponseRule]>,
+    ) -> Result<RequestRule, (String, String)> {
         if config.name.trim().is_empty() {
-            return Err(("name", "must not be empty".into()));
+            return Err(("name".into(), "must not be empty".into()));
         }
         let method = if config.method == "*" {
             None
         } else {
             Some(Method::parse(&config.method).ok_or((
-                "method",
+                "method".to_string(),
                 format!(
                     "{:?} is not \"*\" or one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS",
                     config.method
@@ -58,13 +73,47 @@ impl RequestRule {
             ))?)
         };
         let pattern = Regex::new(&config.url_pattern)
-            .map_err(|e| ("url_pattern", format!("invalid regex: {e}")))?;
+            .map_err(|e| ("url_pattern".to_string(), format!("invalid regex: {e}")))?;
         if config.timeout.is_zero() {
-            return Err(("timeout", "must be more than 0".into()));
+            return Err(("timeout".into(), "must be more than 0".into()));
         }
         if !(config.backoff_factor.is_finite() && config.backoff_factor >= 1.0) {
-            return Err(("backoff_factor", "must be a number of at least 1.0".into()));
+            return Err((
+                "backoff_factor".into(),
+                "must be a number of at least 1.0".into(),
+            ));
         }
+        if !(config.jitter.is_finite() && (0.0..=1.0).contains(&config.jitter)) {
+            return Err(("jitter".into(), "must be a fraction from 0.0 to 1.0".into()));
+        }
+        let response_rules = match &config.response_rules {
+            None => global_response_rules.clone(),
+            Some(list) => list
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    ResponseRule::compile(r)
+                        .map_err(|(field, m)| (format!("response_rules[{i}].{field}"), m))
+                })
+                .collect::<Result<Arc<[_]>, _>>()?,
+        };
+        let idempotency_header = match &config.idempotency_header {
+            None | Some(IdempotencyHeader::Enabled(false)) => None,
+            Some(IdempotencyHeader::Enabled(true)) => Some(IDEMPOTENCY_KEY.to_string()),
+            Some(IdempotencyHeader::Name(name)) => {
+                if name.is_empty()
+                    || !name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+                {
+                    return Err((
+                        "idempotency_header".into(),
+                        format!("{name:?} is not a valid header name"),
+                    ));
+                }
+                Some(name.clone())
+            }
+        };
         Ok(RequestRule {
             name: config.name.clone(),
             method,
@@ -76,7 +125,12 @@ impl RequestRule {
                 max_retries: config.max_retries,
                 retry_delay: config.retry_delay,
                 backoff_factor: config.backoff_factor,
+                max_retry_delay: config.max_retry_delay,
+                jitter: config.jitter,
             },
+            retry_non_idempotent: config.retry_non_idempotent,
+            idempotency_header,
+            response_rules,
         })
     }
 }
@@ -121,22 +175,26 @@ impl RequestRules {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    pub(crate) fn rule_config(
+        name: &str,
+        method: &str,
+        pattern: &str,
+        action: RuleAction,
+    ) -> RequestRuleConfig {
+        let mut config: RequestRuleConfig = toml::from_str(&format!(
+            "name = {name:?}\nmethod = {method:?}\nurl_pattern = {pattern:?}"
+        ))
+        .expect("rule toml");
+        config.action = action;
+        config
+    }
+
     fn rule(name: &str, method: &str, pattern: &str, action: RuleAction) -> RequestRule {
-        RequestRule::compile(&RequestRuleConfig {
-            name: name.into(),
-            method: method.into(),
-            url_pattern: pattern.into(),
-            action,
-            pool: "default".into(),
-            timeout: Duration::from_secs(30),
-            max_retries: 3,
-            retry_delay: Duration::from_secs(1),
-            backoff_factor: 2.0,
-        })
-        .expect("valid rule")
+        RequestRule::compile(&rule_config(name, method, pattern, action), &Arc::from([]))
+            .expect("valid rule")
     }
 
     #[test]
@@ -205,34 +263,64 @@ mod tests {
         assert!(rules.find(Method::Delete, "https://a/").is_none());
     }
 
+    fn field_error(config: &RequestRuleConfig) -> String {
+        RequestRule::compile(config, &Arc::from([]))
+            .map(|_| ())
+            .unwrap_err()
+            .0
+    }
+
     #[test]
     fn bad_fields_are_named() {
-        let mut config = RequestRuleConfig {
-            name: "r".into(),
-            method: "*".into(),
-            url_pattern: "(".into(),
-            action: RuleAction::Accept,
-            pool: "default".into(),
-            timeout: Duration::from_secs(1),
-            max_retries: 0,
-            retry_delay: Duration::from_secs(1),
-            backoff_factor: 1.0,
-        };
-        assert_eq!(
-            RequestRule::compile(&config).map(|_| ()).unwrap_err().0,
-            "url_pattern"
-        );
+        let mut config = rule_config("r", "*", "(", RuleAction::Accept);
+        assert_eq!(field_error(&config), "url_pattern");
         config.url_pattern = ".".into();
         config.method = "BREW".into();
-        assert_eq!(
-            RequestRule::compile(&config).map(|_| ()).unwrap_err().0,
-            "method"
-        );
+        assert_eq!(field_error(&config), "method");
         config.method = "get".into();
         config.backoff_factor = 0.5;
-        assert_eq!(
-            RequestRule::compile(&config).map(|_| ()).unwrap_err().0,
-            "backoff_factor"
-        );
+        assert_eq!(field_error(&config), "backoff_factor");
+        config.backoff_factor = 1.0;
+        config.jitter = 1.5;
+        assert_eq!(field_error(&config), "jitter");
+        config.jitter = 0.0;
+        config.idempotency_header = Some(IdempotencyHeader::Name("bad header".into()));
+        assert_eq!(field_error(&config), "idempotency_header");
+        config.idempotency_header = None;
+        config.response_rules = Some(vec![
+            toml::from_str("status = \"5xx\"\naction = \"retry\"").expect("toml"),
+        ]);
+        assert_eq!(field_error(&config), "response_rules[0].status");
+    }
+
+    #[test]
+    fn idempotency_header_forms() {
+        let mut config = rule_config("r", "*", ".", RuleAction::Accept);
+        let compile = |c: &RequestRuleConfig| {
+            RequestRule::compile(c, &Arc::from([]))
+                .expect("valid")
+                .idempotency_header
+        };
+        assert_eq!(compile(&config), None);
+        config.idempotency_header = Some(IdempotencyHeader::Enabled(true));
+        assert_eq!(compile(&config).as_deref(), Some("Idempotency-Key"));
+        config.idempotency_header = Some(IdempotencyHeader::Enabled(false));
+        assert_eq!(compile(&config), None);
+        config.idempotency_header = Some(IdempotencyHeader::Name("X-Request-Key".into()));
+        assert_eq!(compile(&config).as_deref(), Some("X-Request-Key"));
+    }
+
+    #[test]
+    fn own_response_rules_replace_the_global_ones() {
+        let global: Arc<[ResponseRule]> = Arc::from([ResponseRule::compile(
+            &toml::from_str("status = \"500\"\naction = \"error\"").expect("toml"),
+        )
+        .expect("rule")]);
+        let mut config = rule_config("r", "*", ".", RuleAction::Accept);
+        let inherited = RequestRule::compile(&config, &global).expect("valid");
+        assert_eq!(inherited.response_rules.len(), 1);
+        config.response_rules = Some(Vec::new());
+        let own = RequestRule::compile(&config, &global).expect("valid");
+        assert!(own.response_rules.is_empty());
     }
 }

@@ -40,4 +40,8 @@ pub mod header {
     /// Unix time in milliseconds of the caller's original publish, carried on
     /// every hop so that queue waits count from it.
     pub const FIRST_PUBLISHED: &str = "Webproxy-First-Published";
+    /// The attempts made so far (a JSON array of attempt records), on parked retries.
+    pub const ATTEMPTS: &str = "Webproxy-Attempts";
+    /// Unix time in milliseconds when a parked retry is due.
+    pub const DUE: &str = "Webproxy-Due";
 }

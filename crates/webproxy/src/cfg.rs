@@ -68,7 +68,7 @@ struct EffectiveRule<'a> {
     action: RuleAction,
     pool: &'a str,
     timeout: String,
-    retry: &'a webproxy_dispatcher::rules::RetryPolicy,
+    retry: &'a webproxy_dispatcher::retry::RetryPolicy,
 }
 
 #[derive(Serialize)]
@@ -127,7 +127,7 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
                 RuleAction::Deny => "deny",
             };
             println!(
-                "  {}: {} {} -> {action} pool={} timeout={} max_retries={} retry_delay={} backoff_factor={}",
+                "  {}: {} {} -> {action} pool={} timeout={} max_retries={} retry_delay={} backoff_factor={} max_retry_delay={} jitter={}",
                 rule.name,
                 rule.method,
                 rule.url_pattern,
@@ -135,7 +135,9 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
                 rule.timeout,
                 rule.retry.max_retries,
                 humantime::format_duration(rule.retry.retry_delay),
-                rule.retry.backoff_factor
+                rule.retry.backoff_factor,
+                humantime::format_duration(rule.retry.max_retry_delay),
+                rule.retry.jitter
             );
         }
     }

@@ -1,0 +1,434 @@
+//! One message of a pool's request subject, from parse to ack: the caller's request,
+//! a retry that came due, or a redelivery.
+
+use std::borrow::Cow;
+use std::time::{Duration, Instant, SystemTime};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
+use serde_json::value::RawValue;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use tracing::{debug, info, warn};
+use webproxy_client::stored_reply_message;
+use webproxy_protocol::{
+    AttemptRecord, ErrorBody, ErrorCode, ParseError, Request, header, parse_request,
+};
+use webproxy_worker::{AttemptOutcome, AttemptRequest};
+
+use super::Shared;
+use super::publish::{
+    Ending, copy_to_reply_to, from_unix_ms, publish_dead_letter, publish_ending, publish_stored,
+    unix_ms,
+};
+use crate::decision::{Admission, AttemptContext, Verdict, admit, expiry, judge};
+use crate::outbox::{EncodedReply, ReplyContext, error_reply, invalid_request, response_reply};
+use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
+
+fn header_str<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
+    headers.and_then(|h| h.get(name)).map(|v| v.as_str())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// What the hop headers say about a message's conversation so far.
+pub(super) struct Hop {
+    pub generation: u64,
+    /// The attempts already made (empty for the caller's own request).
+    pub attempts: Vec<AttemptRecord>,
+    /// The caller's original publish, when a hop carried it.
+    pub first_published: Option<SystemTime>,
+}
+
+impl Hop {
+    pub fn read(headers: Option<&HeaderMap>) -> Hop {
+        Hop {
+            generation: header_str(headers, header::GENERATION)
+                .and_then(|g| g.parse().ok())
+                .unwrap_or(0),
+            attempts: header_str(headers, header::ATTEMPTS)
+                .and_then(|a| serde_json::from_str(a).ok())
+                .unwrap_or_default(),
+            first_published: header_str(headers, header::FIRST_PUBLISHED)
+                .and_then(|t| t.parse().ok())
+                .map(from_unix_ms),
+        }
+    }
+}
+
+/// One conversation's state while its message is handled.
+struct Conversation<'a> {
+    pool: &'a str,
+    /// A valid id: its reply is stored under `<prefix>.reply.<id>`.
+    id: Option<String>,
+    /// The id as given, for the reply body even when it is invalid.
+    raw_id: String,
+    reply_to: Option<String>,
+    generation: u64,
+    payload: Bytes,
+    /// The caller's original publish: `duration_ms` counts from it.
+    since: SystemTime,
+    attempts: Vec<AttemptRecord>,
+    rule: &'a str,
+}
+
+impl Conversation<'_> {
+    fn context<'m>(&'m self, metadata: Option<&'m RawValue>) -> ReplyContext<'m> {
+        ReplyContext {
+            id: &self.raw_id,
+            attempts: u32::try_from(self.attempts.len()).unwrap_or(u32::MAX),
+            duration_ms: millis(
+                SystemTime::now()
+                    .duration_since(self.since)
+                    .unwrap_or_default(),
+            ),
+            metadata,
+        }
+    }
+
+    fn ending(&self) -> Ending<'_> {
+        Ending {
+            pool: self.pool,
+            id: self.id.as_deref(),
+            reply_to: self.reply_to.as_deref(),
+            generation: self.generation,
+            payload: &self.payload,
+            attempts: &self.attempts,
+        }
+    }
+}
+
+pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
+    let hop = Hop::read(message.headers.as_ref());
+    let (delivered, published) = match message.info() {
+        Ok(info) => (info.delivered, SystemTime::from(info.published)),
+        Err(e) => {
+            warn!(pool, error = %e, "message without JetStream metadata; terminating it");
+            ack(&message, AckKind::Term).await;
+            return;
+        }
+    };
+    let mut conversation = Conversation {
+        pool,
+        id: None,
+        raw_id: String::new(),
+        reply_to: None,
+        generation: hop.generation,
+        payload: message.payload.clone(),
+        since: hop.first_published.unwrap_or(published),
+        attempts: hop.attempts,
+        rule: "none",
+    };
+    let request = match parse_request(&message.payload, &shared.settings.subjects) {
+        Ok(request) => request,
+        Err(ParseError::Undecodable { reason }) => {
+            let error = ErrorBody {
+                code: ErrorCode::InvalidRequest,
+                message: format!("payload is not a request envelope: {reason}"),
+                status: None,
+            };
+            publish_dead_letter(shared, &message, &conversation.ending(), &error).await;
+            info!(
+                pool,
+                outcome = "error",
+                code = "invalid_request",
+                "undecodable payload dead-lettered"
+            );
+            ack(&message, AckKind::Term).await;
+            return;
+        }
+        Err(ParseError::Invalid(invalid)) => {
+            conversation.id = invalid.id;
+            conversation.raw_id = invalid.raw_id.unwrap_or_default();
+            conversation.reply_to = invalid.reply_to;
+            let reply = error_reply(
+                &conversation.context(invalid.metadata.as_deref()),
+                invalid_request(invalid.field, &invalid.message),
+            );
+            finish(shared, &message, &conversation, reply).await;
+            return;
+        }
+    };
+    conversation.id = Some(request.id.clone());
+    conversation.raw_id = request.id.clone();
+    conversation.reply_to = request.reply_to.clone();
+
+    // A retry or a redelivery may belong to a conversation that already ended (a crash
+    // between storing the reply and acking): its stored reply is the answer.
+    if (!conversation.attempts.is_empty() || delivered > 1)
+        && answered_already(shared, &message, &conversation).await
+    {
+        return;
+    }
+
+    let metadata = request.metadata.as_deref();
+    let rule = match admit(&request, &shared.settings.rules) {
+        Admission::Reject { error, rule } => {
+            if let Some(rule) = rule {
+                conversation.rule = &rule.name;
+            }
+            let reply = error_reply(&conversation.context(metadata), error);
+            finish(shared, &message, &conversation, reply).await;
+            return;
+        }
+        Admission::Attempt(rule) => rule,
+    };
+    conversation.rule = &rule.name;
+
+    let now = SystemTime::now();
+    let deadline = request.deadline.map(SystemTime::from);
+    let queued = match shared
+        .settings
+        .pools
+        .get(pool)
+        .and_then(|p| p.queue_timeout)
+    {
+        Some(limit) if conversation.attempts.is_empty() => Some((
+            now.duration_since(conversation.since).unwrap_or_default(),
+            limit,
+        )),
+        _ => None,
+    };
+    if let Some(error) = expiry(now, deadline, queued) {
+        let error = with_last_failure(error, conversation.attempts.last());
+        let reply = error_reply(&conversation.context(metadata), error);
+        finish(shared, &message, &conversation, reply).await;
+        return;
+    }
+
+    let (outcome, record) =
+        attempt(shared, &message, &request, rule, conversation.generation).await;
+    conversation.attempts.push(record);
+    let context = AttemptContext {
+        rule,
+        method: request.method,
+        has_idempotency_key: rule.idempotency_header.is_some()
+            || request
+                .headers
+                .iter()
+                .any(|(name, _)| name.eq_ignore_ascii_case(IDEMPOTENCY_KEY)),
+        attempt: u32::try_from(conversation.attempts.len()).unwrap_or(u32::MAX),
+        now: SystemTime::now(),
+        deadline,
+        jitter_unit: fastrand::f64() * 2.0 - 1.0,
+    };
+    let reply = match judge(outcome, &context) {
+        Verdict::Respond(response) => response_reply(
+            &conversation.context(metadata),
+            &response,
+            shared.max_payload,
+        ),
+        Verdict::Fail(error) => error_reply(&conversation.context(metadata), error),
+        Verdict::Retry { after, last } => {
+            debug!(id = %conversation.raw_id, pool, after_ms = millis(after), last = %last.description, "parking for a retry");
+            park(shared, &message, &conversation, after).await;
+            return;
+        }
+    };
+    finish(shared, &message, &conversation, reply).await;
+}
+
+/// An `expired` error that says what the last attempt's failure was, if there was one.
+fn with_last_failure(mut error: ErrorBody, last: Option<&AttemptRecord>) -> ErrorBody {
+    if let Some(last) = last {
+        match (&last.failure, last.status) {
+            (Some(failure), _) => {
+                error.message = format!("{}; the last failure: {failure}", error.message)
+            }
+            (None, Some(status)) => {
+                error.message = format!("{}; the last attempt got status {status}", error.message);
+                error.status = Some(status);
+            }
+            (None, None) => {}
+        }
+    }
+    error
+}
+
+/// Whether the conversation's final reply of this generation or a later one is stored
+/// already; if so the message is acked without another attempt (the reply is copied to
+/// a custom `reply_to` again, in case the first copy was lost with the instance).
+async fn answered_already(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+) -> bool {
+    let Some(id) = conversation.id.as_deref() else {
+        return false;
+    };
+    let stored = match stored_reply_message(&shared.js, &shared.settings.subjects, id).await {
+        Ok(Some(stored)) => stored,
+        Ok(None) => return false,
+        Err(e) => {
+            // Unknown: attempting again is the at-least-once side of the trade-off.
+            warn!(id, error = %e, "cannot look up the stored reply; attempting anyway");
+            return false;
+        }
+    };
+    let stored_generation = header_str(Some(&stored.headers), header::GENERATION)
+        .and_then(|g| g.parse::<u64>().ok())
+        .unwrap_or(0);
+    if stored_generation < conversation.generation {
+        return false;
+    }
+    if let Some(reply_to) = conversation.reply_to.as_deref() {
+        copy_to_reply_to(
+            shared,
+            reply_to,
+            stored.headers.clone(),
+            stored.payload.clone(),
+        )
+        .await;
+    }
+    info!(
+        id,
+        pool = conversation.pool,
+        generation = conversation.generation,
+        "final reply already stored; acking without another attempt"
+    );
+    ack(message, AckKind::Ack).await;
+    true
+}
+
+/// Runs one attempt, telling the server every third of `ack_wait` that the message is
+/// still in progress, so it is never redelivered while its attempt runs.
+async fn attempt(
+    shared: &Shared,
+    message: &jetstream::Message,
+    request: &Request,
+    rule: &RequestRule,
+    generation: u64,
+) -> (AttemptOutcome, AttemptRecord) {
+    let at = OffsetDateTime::now_utc()
+        .format(&Rfc3339)
+        .unwrap_or_default();
+    let started = Instant::now();
+    let headers: Cow<'_, [(String, String)]> = match &rule.idempotency_header {
+        None => Cow::Borrowed(&request.headers),
+        Some(name) => {
+            // The rule's key replaces a caller's header of the same name.
+            let mut headers: Vec<_> = request
+                .headers
+                .iter()
+                .filter(|(n, _)| !n.eq_ignore_ascii_case(name))
+                .cloned()
+                .collect();
+            headers.push((name.clone(), format!("{}:{generation}", request.id)));
+            Cow::Owned(headers)
+        }
+    };
+    let timeout = request
+        .timeout
+        .map_or(rule.timeout, |t| t.min(rule.timeout));
+    let attempt = shared.worker.attempt(AttemptRequest {
+        method: request.method.as_str(),
+        url: &request.url,
+        headers: &headers,
+        body: Bytes::from(request.body.clone()),
+        timeout,
+    });
+    tokio::pin!(attempt);
+    let period = shared.settings.config.service.ack_wait / 3;
+    let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let outcome = loop {
+        tokio::select! {
+            outcome = &mut attempt => break outcome,
+            _ = progress.tick() => {
+                if let Err(e) = message.ack_with(AckKind::Progress).await {
+                    debug!(error = %e, "progress ack failed");
+                }
+            }
+        }
+    };
+    let (status, failure) = match &outcome {
+        AttemptOutcome::Response(r) => (Some(r.status), None),
+        AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
+        AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
+    };
+    let record = AttemptRecord {
+        at,
+        status,
+        failure,
+        duration_ms: millis(started.elapsed()),
+    };
+    (outcome, record)
+}
+
+/// Parks the request on the pool's retry subject until it is due, then acks it here:
+/// a waiting request must not hold a concurrency slot.
+async fn park(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+    after: Duration,
+) {
+    let Some(id) = conversation.id.as_deref() else {
+        return;
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert(header::ID, id);
+    headers.insert(
+        header::GENERATION,
+        conversation.generation.to_string().as_str(),
+    );
+    headers.insert(
+        header::FIRST_PUBLISHED,
+        unix_ms(conversation.since).to_string().as_str(),
+    );
+    headers.insert(
+        header::DUE,
+        unix_ms(SystemTime::now() + after).to_string().as_str(),
+    );
+    headers.insert(
+        header::ATTEMPTS,
+        serde_json::to_string(&conversation.attempts)
+            .unwrap_or_default()
+            .as_str(),
+    );
+    let subject = shared.settings.subjects.retry(conversation.pool);
+    let msg_id = format!(
+        "{id}:{}:park:{}",
+        conversation.generation,
+        conversation.attempts.len()
+    );
+    publish_stored(
+        shared,
+        message,
+        &subject,
+        Some(&msg_id),
+        &headers,
+        &conversation.payload,
+    )
+    .await;
+    ack(message, AckKind::Ack).await;
+}
+
+/// Stores the reply and dead letter, then acks.
+async fn finish(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+    reply: EncodedReply,
+) {
+    publish_ending(shared, message, &conversation.ending(), &reply).await;
+    info!(
+        id = %conversation.raw_id,
+        pool = conversation.pool,
+        rule = conversation.rule,
+        outcome = if reply.error.is_some() { "error" } else { "response" },
+        code = reply.error.as_ref().map_or("none", |e| e.code.as_str()),
+        attempts = conversation.attempts.len(),
+        duration_ms = millis(SystemTime::now().duration_since(conversation.since).unwrap_or_default()),
+        "conversation finished"
+    );
+    ack(message, AckKind::Ack).await;
+}
+
+pub(super) async fn ack(message: &jetstream::Message, kind: AckKind) {
+    if let Err(e) = message.ack_with(kind).await {
+        warn!(error = %e, "ack failed; the server will redeliver the message");
+    }
+}

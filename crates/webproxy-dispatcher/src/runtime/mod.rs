@@ -1,0 +1,237 @@
+//! The effects: pulls each pool's messages, runs the decisions of `decision`, performs
+//! attempts with the worker, parks retries, publishes replies and dead letters, and acks.
+//!
+//! A message is always answered, dead-lettered, parked, or left unacked for
+//! redelivery; it is never acked before what it produced is stored.
+
+mod handle;
+mod parked;
+mod publish;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::connection;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self};
+use futures::StreamExt as _;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+use webproxy_worker::Worker;
+
+use crate::config::Settings;
+use crate::health::Health;
+use crate::provision::PoolConsumers;
+
+/// The most messages one pull asks for.
+const MAX_PULL: usize = 256;
+/// How long one pull request waits for messages on the server.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// Connects to NATS, keeping `health` in step with the connection state.
+pub async fn connect(
+    settings: &Settings,
+    health: Arc<Health>,
+) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let events = health.clone();
+    let client = async_nats::ConnectOptions::new()
+        .name("webproxy")
+        .retry_on_initial_connect()
+        .event_callback(move |event| {
+            let events = events.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => events.set_nats_connected(true),
+                    async_nats::Event::Disconnected => events.set_nats_connected(false),
+                    other => debug!(event = %other, "nats event"),
+                }
+            }
+        })
+        .connect(settings.config.nats.urls())
+        .await?;
+    health.set_nats_connected(client.connection_state() == connection::State::Connected);
+    Ok(client)
+}
+
+/// Everything a message handler needs, shared by all of them.
+struct Shared {
+    settings: Arc<Settings>,
+    client: async_nats::Client,
+    js: jetstream::Context,
+    worker: Worker,
+    max_payload: usize,
+}
+
+/// Consumes every pool of this instance until told to stop.
+pub struct Dispatcher {
+    shared: Arc<Shared>,
+}
+
+impl Dispatcher {
+    pub fn new(
+        settings: Arc<Settings>,
+        client: async_nats::Client,
+        worker: Worker,
+        max_payload: usize,
+    ) -> Dispatcher {
+        let js = jetstream::new(client.clone());
+        Dispatcher {
+            shared: Arc::new(Shared {
+                settings,
+                client,
+                js,
+                worker,
+                max_payload,
+            }),
+        }
+    }
+
+    /// Runs the pool loops until `shutdown` is cancelled, then waits up to `grace` for
+    /// the attempts in flight. Attempts still running at the deadline are left unacked,
+    /// so the server redelivers them elsewhere.
+    pub async fn run(
+        &self,
+        consumers: Vec<PoolConsumers>,
+        health: Arc<Health>,
+        shutdown: CancellationToken,
+        grace: Duration,
+    ) {
+        let attempts = TaskTracker::new();
+        let mut pulls = Vec::new();
+        for PoolConsumers { pool, work, parked } in consumers {
+            let shared = self.shared.clone();
+            let limit = self
+                .shared
+                .settings
+                .pools
+                .get(&pool)
+                .map_or(1, |p| p.max_in_flight);
+            pulls.push(tokio::spawn(parked::park_loop(
+                shared.clone(),
+                Arc::from(pool.as_str()),
+                parked,
+                attempts.clone(),
+                shutdown.clone(),
+            )));
+            let permits = Arc::new(Semaphore::new(
+                usize::try_from(limit)
+                    .unwrap_or(usize::MAX)
+                    .min(Semaphore::MAX_PERMITS),
+            ));
+            pulls.push(tokio::spawn(pull_loop(
+                shared,
+                Arc::from(pool.as_str()),
+                work,
+                permits,
+                attempts.clone(),
+                shutdown.clone(),
+            )));
+        }
+        health.set_provisioned();
+        shutdown.cancelled().await;
+        health.set_draining();
+        for pull in pulls {
+            let _ = pull.await;
+        }
+        attempts.close();
+        let in_flight = attempts.len();
+        info!(in_flight, grace = ?grace, "draining");
+        // Handlers hold their messages with progress acks while they retry a publish;
+        // at the deadline they are dropped unacked and the server redelivers them.
+        if tokio::time::timeout(grace, attempts.wait()).await.is_err() {
+            warn!(
+                left = attempts.len(),
+                "shutdown grace ran out; leaving the remaining attempts unacked for redelivery"
+            );
+        }
+    }
+}
+
+/// Waits a backoff that grows with `failures`; false when `shutdown` comes first.
+async fn back_off(failures: u32, shutdown: &CancellationToken) -> bool {
+    let backoff = Duration::from_millis(100 * u64::from(failures.min(20)));
+    tokio::select! {
+        _ = tokio::time::sleep(backoff) => true,
+        _ = shutdown.cancelled() => false,
+    }
+}
+
+/// The stream's next item, or `None` once `shutdown` is cancelled; an ended stream is
+/// `Some(None)`.
+async fn next_or_stop<S: futures::Stream + Unpin>(
+    stream: &mut S,
+    shutdown: &CancellationToken,
+) -> Option<Option<S::Item>> {
+    tokio::select! {
+        next = stream.next() => Some(next),
+        _ = shutdown.cancelled() => None,
+    }
+}
+
+/// Pulls as many messages as there are free local slots and starts each at once: a
+/// message buffered here would hold a cluster-wide slot that an idle instance could use.
+async fn pull_loop(
+    shared: Arc<Shared>,
+    pool: Arc<str>,
+    consumer: PullConsumer,
+    permits: Arc<Semaphore>,
+    attempts: TaskTracker,
+    shutdown: CancellationToken,
+) {
+    let mut failures = 0u32;
+    loop {
+        let mut held = tokio::select! {
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+            _ = shutdown.cancelled() => return,
+        };
+        while held.num_permits() < MAX_PULL {
+            match permits.clone().try_acquire_owned() {
+                Ok(p) => held.merge(p),
+                Err(_) => break,
+            }
+        }
+        let request = consumer
+            .batch()
+            .max_messages(held.num_permits())
+            .expires(PULL_EXPIRES)
+            .messages();
+        let mut batch = tokio::select! {
+            batch = request => match batch {
+                Ok(b) => { failures = 0; b }
+                Err(e) => {
+                    failures += 1;
+                    warn!(pool = %pool, error = %e, "pull request failed; retrying");
+                    drop(held);
+                    if back_off(failures, &shutdown).await { continue } else { return }
+                }
+            },
+            _ = shutdown.cancelled() => return,
+        };
+        loop {
+            let Some(next) = next_or_stop(&mut batch, &shutdown).await else {
+                return;
+            };
+            match next {
+                Some(Ok(message)) => {
+                    let permit = held.split(1);
+                    let shared = shared.clone();
+                    let pool = pool.clone();
+                    attempts.spawn(async move {
+                        handle::handle(&shared, &pool, message).await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(e)) => {
+                    debug!(pool = %pool, error = %e, "pull ended");
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}

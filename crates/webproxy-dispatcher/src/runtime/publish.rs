@@ -1,0 +1,167 @@
+//! Publishing what a conversation produces into JetStream, holding the message it came
+//! from meanwhile: a publish is retried until the server confirms it, with progress
+//! acks so the held message is not redelivered elsewhere in the meantime.
+
+use std::time::{Duration, SystemTime};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
+use tracing::{debug, warn};
+use webproxy_protocol::{AttemptRecord, ErrorBody, header};
+
+use super::Shared;
+use crate::outbox::{EncodedReply, dead_letter};
+
+/// After this many failed tries a retried publish is logged at warn level, once.
+const QUIET_TRIES: u32 = 3;
+
+/// Publishes into a stream and waits for the server to store it, retrying with backoff
+/// until it does; meanwhile `hold` gets progress acks, which keep it from being
+/// redelivered and do not raise its delivery count. If the process stops first, `hold`
+/// stays unacked and the server redelivers it.
+pub async fn publish_stored(
+    shared: &Shared,
+    hold: &jetstream::Message,
+    subject: &str,
+    msg_id: Option<&str>,
+    headers: &HeaderMap,
+    payload: &Bytes,
+) {
+    let mut delay = Duration::from_millis(50);
+    let mut tries = 0u32;
+    loop {
+        let mut publish = PublishMessage::build()
+            .payload(payload.clone())
+            .headers(headers.clone());
+        if let Some(msg_id) = msg_id {
+            publish = publish.message_id(msg_id);
+        }
+        let result: Result<(), async_nats::Error> = async {
+            shared
+                .js
+                .send_publish(subject.to_string(), publish)
+                .await?
+                .await?;
+            Ok(())
+        }
+        .await;
+        let Err(e) = result else { return };
+        tries += 1;
+        if tries == QUIET_TRIES {
+            warn!(subject, error = %e, "publish keeps failing; holding the message and retrying");
+        } else {
+            debug!(subject, error = %e, tries, "publish failed; retrying");
+        }
+        if let Err(e) = hold.ack_with(AckKind::Progress).await {
+            debug!(error = %e, "progress ack failed");
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Unix milliseconds, the form times take in hop headers.
+pub fn unix_ms(time: SystemTime) -> u64 {
+    time.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The inverse of [`unix_ms`].
+pub fn from_unix_ms(ms: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+/// What a conversation needs to publish its end.
+pub struct Ending<'a> {
+    pub pool: &'a str,
+    /// A valid id: the reply is stored under `<prefix>.reply.<id>`.
+    pub id: Option<&'a str>,
+    pub reply_to: Option<&'a str>,
+    pub generation: u64,
+    pub payload: &'a Bytes,
+    pub attempts: &'a [AttemptRecord],
+}
+
+/// Stores the final reply, copies it to a custom `reply_to`, and stores the dead letter
+/// of an error. Returns once all of it is stored.
+pub async fn publish_ending(
+    shared: &Shared,
+    hold: &jetstream::Message,
+    ending: &Ending<'_>,
+    reply: &EncodedReply,
+) {
+    let outcome = if reply.error.is_some() {
+        "error"
+    } else {
+        "response"
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert(header::OUTCOME, outcome);
+    headers.insert(header::GENERATION, ending.generation.to_string().as_str());
+    if let Some(id) = ending.id {
+        let subject = shared.settings.subjects.reply(id);
+        let msg_id = format!("{id}:{}:reply", ending.generation);
+        publish_stored(
+            shared,
+            hold,
+            &subject,
+            Some(&msg_id),
+            &headers,
+            &reply.payload,
+        )
+        .await;
+    }
+    if let Some(reply_to) = ending.reply_to {
+        copy_to_reply_to(shared, reply_to, headers, reply.payload.clone()).await;
+    }
+    if let Some(error) = &reply.error {
+        publish_dead_letter(shared, hold, ending, error).await;
+    }
+}
+
+/// The core-NATS copy of a reply for a caller's own `reply_to`.
+pub async fn copy_to_reply_to(shared: &Shared, reply_to: &str, headers: HeaderMap, payload: Bytes) {
+    if let Err(e) = shared
+        .client
+        .publish_with_headers(reply_to.to_string(), headers, payload)
+        .await
+    {
+        warn!(reply_to, error = %e, "could not publish the reply copy");
+    }
+}
+
+/// Stores a dead letter for a conversation that ended in `error`.
+pub async fn publish_dead_letter(
+    shared: &Shared,
+    hold: &jetstream::Message,
+    ending: &Ending<'_>,
+    error: &ErrorBody,
+) {
+    let payload = dead_letter(
+        ending.pool,
+        ending.id,
+        ending.generation,
+        error.clone(),
+        ending.payload,
+        ending.attempts.to_vec(),
+        shared.max_payload,
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(header::ERROR_CODE, error.code.as_str());
+    headers.insert(header::GENERATION, ending.generation.to_string().as_str());
+    if let Some(id) = ending.id {
+        headers.insert(header::ID, id);
+    }
+    let subject = shared.settings.subjects.dead(ending.pool);
+    // Dead letters are an audit trail: no message id, so a replayed conversation that
+    // fails again is recorded again rather than taken for a duplicate.
+    publish_stored(shared, hold, &subject, None, &headers, &payload).await;
+    debug!(
+        pool = ending.pool,
+        id = ending.id.unwrap_or(""),
+        code = error.code.as_str(),
+        "dead-lettered"
+    );
+}
