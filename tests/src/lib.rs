@@ -16,7 +16,7 @@ use std::sync::Once;
 
 pub use nats::NatsServer;
 pub use service::{Service, webproxy_bin};
-pub use upstream::Upstream;
+pub use upstream::{Upstream, default_routes};
 pub use wait::{free_port, wait_for, wait_until};
 
 /// A reqwest client for talking to fixtures: no proxy, so a developer's

@@ -133,7 +133,8 @@ impl Drop for InFlight {
     }
 }
 
-fn default_routes() -> Router {
+/// The routes `Upstream::start` serves, for tests that add their own beside them.
+pub fn default_routes() -> Router {
     Router::new()
         .route("/echo", any(echo))
         .route("/status/{code}", any(status))

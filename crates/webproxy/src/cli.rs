@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{cfg, send, serve};
+use crate::{cfg, dead, send, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -37,6 +37,41 @@ enum Command {
     },
     /// Send one request through a running service and print its reply.
     Send(SendArgs),
+    /// List or replay dead letters: conversations that ended in an error.
+    Dead {
+        #[command(subcommand)]
+        command: DeadCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadCommand {
+    /// List dead letters, oldest first.
+    List {
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// Only this pool's.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Republish dead-lettered conversations as fresh requests: the same id, a new
+    /// generation, a new attempt budget. The dead letters stay.
+    Replay {
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// Only this pool's.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only this conversation.
+        #[arg(long)]
+        id: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Options of every subcommand that talks to NATS.
@@ -98,6 +133,20 @@ impl Cli {
                 Ok(ExitCode::SUCCESS)
             }
             Command::Send(args) => send::run(args).await,
+            Command::Dead { command } => {
+                match command {
+                    DeadCommand::List { nats, pool, json } => {
+                        dead::list(&nats, pool.as_deref(), json).await?
+                    }
+                    DeadCommand::Replay {
+                        nats,
+                        pool,
+                        id,
+                        json,
+                    } => dead::replay(&nats, pool.as_deref(), id.as_deref(), json).await?,
+                }
+                Ok(ExitCode::SUCCESS)
+            }
         }
     }
 }

@@ -3,6 +3,7 @@
 
 mod cfg;
 mod cli;
+mod dead;
 mod health;
 mod send;
 mod serve;

@@ -1,0 +1,222 @@
+//! `webproxy dead list` and `webproxy dead replay`: read the dead-letter stream, and
+//! republish failed conversations as fresh requests of a new generation. Dead letters
+//! stay where they are, as an audit trail.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt as _;
+use serde::Serialize;
+use webproxy_client::Client;
+use webproxy_protocol::{DeadLetter, header};
+
+use crate::cli::NatsArgs;
+use crate::send;
+
+/// One stored dead letter.
+#[derive(Debug, Serialize)]
+pub struct StoredLetter {
+    pub sequence: u64,
+    /// RFC 3339, when it was stored.
+    pub stored_at: String,
+    #[serde(flatten)]
+    pub letter: DeadLetter,
+}
+
+/// Every dead letter, of one pool or all, oldest first.
+pub async fn read_letters(
+    client: &Client,
+    pool: Option<&str>,
+) -> anyhow::Result<Vec<StoredLetter>> {
+    let subjects = client.subjects();
+    let js = jetstream::new(client.nats().clone());
+    let stream = js
+        .get_stream(subjects.dead_stream())
+        .await
+        .with_context(|| format!("cannot open stream {}", subjects.dead_stream()))?;
+    let filter = pool.map_or_else(|| subjects.dead_wildcard(), |p| subjects.dead(p));
+    // An ephemeral consumer that acks nothing reads without changing the stream.
+    let reader: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            filter_subject: filter,
+            ack_policy: consumer::AckPolicy::None,
+            inactive_threshold: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .context("cannot create a reader on the dead-letter stream")?;
+    let mut letters = Vec::new();
+    loop {
+        let mut batch = reader
+            .fetch()
+            .max_messages(500)
+            .messages()
+            .await
+            .context("cannot read dead letters")?;
+        let mut got = 0;
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(|e| anyhow::anyhow!("cannot read a dead letter: {e}"))?;
+            got += 1;
+            let info = message
+                .info()
+                .map_err(|e| anyhow::anyhow!("dead letter without metadata: {e}"))?;
+            let (sequence, stored_at) = (
+                info.stream_sequence,
+                info.published
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .unwrap_or_default(),
+            );
+            match serde_json::from_slice::<DeadLetter>(&message.payload) {
+                Ok(letter) => letters.push(StoredLetter {
+                    sequence,
+                    stored_at,
+                    letter,
+                }),
+                Err(e) => eprintln!("warning: dead letter {sequence} is not readable: {e}"),
+            }
+        }
+        if got == 0 {
+            break;
+        }
+    }
+    Ok(letters)
+}
+
+pub async fn list(args: &NatsArgs, pool: Option<&str>, json: bool) -> anyhow::Result<()> {
+    let client = send::connect(args).await?;
+    let letters = read_letters(&client, pool).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&letters)?);
+        return Ok(());
+    }
+    if letters.is_empty() {
+        println!("no dead letters");
+        return Ok(());
+    }
+    println!(
+        "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  message",
+        "seq", "stored", "pool", "id", "gen", "code"
+    );
+    for stored in &letters {
+        let letter = &stored.letter;
+        println!(
+            "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  {}",
+            stored.sequence,
+            stored.stored_at,
+            letter.pool,
+            letter.id.as_deref().unwrap_or("-"),
+            letter.generation,
+            letter.error.code.as_str(),
+            letter.error.message
+        );
+    }
+    Ok(())
+}
+
+/// What a replay did with one conversation.
+#[derive(Debug, Serialize)]
+struct Replayed {
+    id: String,
+    pool: String,
+    generation: u64,
+}
+
+pub async fn replay(
+    args: &NatsArgs,
+    pool: Option<&str>,
+    id: Option<&str>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let client = send::connect(args).await?;
+    let letters = read_letters(&client, pool).await?;
+    // The newest letter of each conversation is the one to replay; the highest
+    // generation seen, in letters or the stored reply, decides the next one.
+    let mut latest: BTreeMap<String, (&StoredLetter, u64)> = BTreeMap::new();
+    let mut skipped = Vec::new();
+    for stored in &letters {
+        let letter = &stored.letter;
+        let Some(letter_id) = letter.id.as_deref() else {
+            skipped.push(format!(
+                "seq {}: no conversation id (the payload was not a request)",
+                stored.sequence
+            ));
+            continue;
+        };
+        if id.is_some_and(|wanted| wanted != letter_id) {
+            continue;
+        }
+        let entry = latest
+            .entry(letter_id.to_string())
+            .or_insert((stored, letter.generation));
+        entry.1 = entry.1.max(letter.generation);
+        if stored.sequence > entry.0.sequence {
+            entry.0 = stored;
+        }
+    }
+    if let Some(wanted) = id
+        && !latest.contains_key(wanted)
+    {
+        bail!(
+            "no dead letter for id {wanted:?}{}",
+            pool.map(|p| format!(" in pool {p}")).unwrap_or_default()
+        );
+    }
+    let js = jetstream::new(client.nats().clone());
+    let mut replayed = Vec::new();
+    for (letter_id, (stored, highest)) in latest {
+        let letter = &stored.letter;
+        let Some(envelope) = letter.envelope.as_ref().filter(|_| !letter.truncated) else {
+            skipped.push(format!(
+                "{letter_id}: the dead letter does not hold the whole request"
+            ));
+            continue;
+        };
+        let stored_generation = match client.reply_message(&letter_id).await? {
+            Some(message) => message
+                .headers
+                .get(header::GENERATION)
+                .and_then(|g| g.as_str().parse::<u64>().ok())
+                .unwrap_or(0),
+            None => 0,
+        };
+        let generation = highest.max(stored_generation) + 1;
+        let mut headers = HeaderMap::new();
+        headers.insert(header::GENERATION, generation.to_string().as_str());
+        let publish = jetstream::message::PublishMessage::build()
+            .payload(envelope.get().as_bytes().to_vec().into())
+            .headers(headers)
+            .message_id(format!("{letter_id}:{generation}:replay"));
+        let subject = client.subjects().request(&letter.pool);
+        js.send_publish(subject.clone(), publish)
+            .await
+            .with_context(|| format!("cannot replay {letter_id} to {subject}"))?
+            .await
+            .with_context(|| format!("{subject} did not store the replay of {letter_id}"))?;
+        replayed.push(Replayed {
+            id: letter_id,
+            pool: letter.pool.clone(),
+            generation,
+        });
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"replayed": replayed, "skipped": skipped})
+        );
+    } else {
+        for r in &replayed {
+            println!(
+                "replayed {} to pool {} as generation {}",
+                r.id, r.pool, r.generation
+            );
+        }
+        for s in &skipped {
+            println!("skipped {s}");
+        }
+        println!("{} replayed, {} skipped", replayed.len(), skipped.len());
+    }
+    Ok(())
+}
