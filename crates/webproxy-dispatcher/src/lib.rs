@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod decision;
+pub mod gauges;
 pub mod health;
 pub mod outbox;
 pub mod provision;
@@ -16,5 +17,6 @@ pub mod rules;
 pub mod runtime;
 
 pub use config::{Config, ConfigError, Settings};
+pub use gauges::Gauges;
 pub use health::Health;
 pub use runtime::{Dispatcher, connect};

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{cfg, dead, send, serve};
+use crate::{cfg, dead, pools, send, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -37,10 +37,35 @@ enum Command {
     },
     /// Send one request through a running service and print its reply.
     Send(SendArgs),
+    /// Each pool's limit, waiting, in-flight and parked messages, and oldest wait.
+    #[command(args_conflicts_with_subcommands = true)]
+    Pools {
+        #[command(subcommand)]
+        command: Option<PoolsCommand>,
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List or replay dead letters: conversations that ended in an error.
     Dead {
         #[command(subcommand)]
         command: DeadCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PoolsCommand {
+    /// Delete a pool's stream and consumers. Refused while messages wait in it, unless
+    /// --dead-letter, which answers and dead-letters them first.
+    Remove {
+        name: String,
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// End the pool's waiting messages with an `internal` error and dead-letter them.
+        #[arg(long)]
+        dead_letter: bool,
     },
 }
 
@@ -133,6 +158,21 @@ impl Cli {
                 Ok(ExitCode::SUCCESS)
             }
             Command::Send(args) => send::run(args).await,
+            Command::Pools {
+                command,
+                nats,
+                json,
+            } => {
+                match command {
+                    None => pools::list(&nats, json).await?,
+                    Some(PoolsCommand::Remove {
+                        name,
+                        nats,
+                        dead_letter,
+                    }) => pools::remove(&nats, &name, dead_letter).await?,
+                }
+                Ok(ExitCode::SUCCESS)
+            }
             Command::Dead { command } => {
                 match command {
                     DeadCommand::List { nats, pool, json } => {

@@ -49,40 +49,56 @@ pub async fn read_letters(
         .await
         .context("cannot create a reader on the dead-letter stream")?;
     let mut letters = Vec::new();
+    for_each_message(&reader, async |message| {
+        let info = message
+            .info()
+            .map_err(|e| anyhow::anyhow!("dead letter without metadata: {e}"))?;
+        let (sequence, stored_at) = (
+            info.stream_sequence,
+            info.published
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default(),
+        );
+        match serde_json::from_slice::<DeadLetter>(&message.payload) {
+            Ok(letter) => letters.push(StoredLetter {
+                sequence,
+                stored_at,
+                letter,
+            }),
+            Err(e) => eprintln!("warning: dead letter {sequence} is not readable: {e}"),
+        }
+        Ok(())
+    })
+    .await?;
+    Ok(letters)
+}
+
+/// Hands every message `reader` has now to `each`, in batches, and returns how many
+/// there were. `fetch` returns what is there without waiting, so an empty batch is
+/// the end.
+pub async fn for_each_message(
+    reader: &consumer::PullConsumer,
+    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<()>,
+) -> anyhow::Result<u64> {
+    let mut count = 0;
     loop {
         let mut batch = reader
             .fetch()
             .max_messages(500)
             .messages()
             .await
-            .context("cannot read dead letters")?;
+            .context("cannot read from the stream")?;
         let mut got = 0;
         while let Some(message) = batch.next().await {
-            let message = message.map_err(|e| anyhow::anyhow!("cannot read a dead letter: {e}"))?;
+            let message = message.map_err(|e| anyhow::anyhow!("cannot read a message: {e}"))?;
             got += 1;
-            let info = message
-                .info()
-                .map_err(|e| anyhow::anyhow!("dead letter without metadata: {e}"))?;
-            let (sequence, stored_at) = (
-                info.stream_sequence,
-                info.published
-                    .format(&time::format_description::well_known::Rfc3339)
-                    .unwrap_or_default(),
-            );
-            match serde_json::from_slice::<DeadLetter>(&message.payload) {
-                Ok(letter) => letters.push(StoredLetter {
-                    sequence,
-                    stored_at,
-                    letter,
-                }),
-                Err(e) => eprintln!("warning: dead letter {sequence} is not readable: {e}"),
-            }
+            each(message).await?;
         }
         if got == 0 {
-            break;
+            return Ok(count);
         }
+        count += got;
     }
-    Ok(letters)
 }
 
 pub async fn list(args: &NatsArgs, pool: Option<&str>, json: bool) -> anyhow::Result<()> {

@@ -19,8 +19,7 @@ use webproxy_worker::{AttemptOutcome, AttemptRequest};
 
 use super::Shared;
 use super::publish::{
-    Ending, copy_to_reply_to, from_unix_ms, publish_dead_letter, publish_ending, publish_stored,
-    unix_ms,
+    Ending, Outlet, copy_to_reply_to, from_unix_ms, publish_ending, publish_stored, unix_ms,
 };
 use crate::decision::{Admission, AttemptContext, Verdict, admit, expiry, judge};
 use crate::outbox::{EncodedReply, ReplyContext, error_reply, invalid_request, response_reply};
@@ -111,50 +110,47 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
             return;
         }
     };
+    let request = match parse_request(&message.payload, &shared.outlet.subjects) {
+        Ok(request) => request,
+        Err(e) => {
+            // Undecodable payloads are terminated: nothing can answer them, and a
+            // redelivery would only fail again.
+            let (error, kind) = match e {
+                ParseError::Undecodable { reason } => (
+                    ErrorBody {
+                        code: ErrorCode::InvalidRequest,
+                        message: format!("payload is not a request envelope: {reason}"),
+                        status: None,
+                    },
+                    AckKind::Term,
+                ),
+                ParseError::Invalid(invalid) => (
+                    invalid_request(invalid.field, &invalid.message),
+                    AckKind::Ack,
+                ),
+            };
+            end_unattempted(&shared.outlet, pool, &message, error).await;
+            info!(
+                pool,
+                outcome = "error",
+                code = "invalid_request",
+                "invalid request answered and dead-lettered"
+            );
+            ack(&message, kind).await;
+            return;
+        }
+    };
     let mut conversation = Conversation {
         pool,
-        id: None,
-        raw_id: String::new(),
-        reply_to: None,
+        id: Some(request.id.clone()),
+        raw_id: request.id.clone(),
+        reply_to: request.reply_to.clone(),
         generation: hop.generation,
         payload: message.payload.clone(),
         since: hop.first_published.unwrap_or(published),
         attempts: hop.attempts,
         rule: "none",
     };
-    let request = match parse_request(&message.payload, &shared.settings.subjects) {
-        Ok(request) => request,
-        Err(ParseError::Undecodable { reason }) => {
-            let error = ErrorBody {
-                code: ErrorCode::InvalidRequest,
-                message: format!("payload is not a request envelope: {reason}"),
-                status: None,
-            };
-            publish_dead_letter(shared, &message, &conversation.ending(), &error).await;
-            info!(
-                pool,
-                outcome = "error",
-                code = "invalid_request",
-                "undecodable payload dead-lettered"
-            );
-            ack(&message, AckKind::Term).await;
-            return;
-        }
-        Err(ParseError::Invalid(invalid)) => {
-            conversation.id = invalid.id;
-            conversation.raw_id = invalid.raw_id.unwrap_or_default();
-            conversation.reply_to = invalid.reply_to;
-            let reply = error_reply(
-                &conversation.context(invalid.metadata.as_deref()),
-                invalid_request(invalid.field, &invalid.message),
-            );
-            finish(shared, &message, &conversation, reply).await;
-            return;
-        }
-    };
-    conversation.id = Some(request.id.clone());
-    conversation.raw_id = request.id.clone();
-    conversation.reply_to = request.reply_to.clone();
 
     // A retry or a redelivery may belong to a conversation that already ended (a crash
     // between storing the reply and acking): its stored reply is the answer.
@@ -180,10 +176,12 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
 
     let now = SystemTime::now();
     let deadline = request.deadline.map(SystemTime::from);
+    // The queue that counts is the rule's pool's, where the request runs; a moved
+    // request's wait counts from the caller's publish all the same.
     let queued = match shared
         .settings
         .pools
-        .get(pool)
+        .get(&rule.pool)
         .and_then(|p| p.queue_timeout)
     {
         Some(limit) if conversation.attempts.is_empty() => Some((
@@ -196,6 +194,10 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         let error = with_last_failure(error, conversation.attempts.last());
         let reply = error_reply(&conversation.context(metadata), error);
         finish(shared, &message, &conversation, reply).await;
+        return;
+    }
+    if rule.pool != pool {
+        move_to_pool(shared, &message, &conversation, &rule.pool).await;
         return;
     }
 
@@ -219,7 +221,7 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         Verdict::Respond(response) => response_reply(
             &conversation.context(metadata),
             &response,
-            shared.max_payload,
+            shared.outlet.max_payload,
         ),
         Verdict::Fail(error) => error_reply(&conversation.context(metadata), error),
         Verdict::Retry { after, last } => {
@@ -229,6 +231,51 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         }
     };
     finish(shared, &message, &conversation, reply).await;
+}
+
+/// Ends a conversation that was never attempted with `error`: the caller is answered
+/// when the payload names a valid id or `reply_to`, and the payload is dead-lettered.
+/// Used where a message must leave the stream unattempted (a pool being removed, a
+/// poison message).
+pub async fn end_unattempted(
+    outlet: &Outlet,
+    pool: &str,
+    message: &jetstream::Message,
+    error: ErrorBody,
+) {
+    let hop = Hop::read(message.headers.as_ref());
+    let since = hop
+        .first_published
+        .or_else(|| message.info().ok().map(|i| SystemTime::from(i.published)))
+        .unwrap_or_else(SystemTime::now);
+    let mut conversation = Conversation {
+        pool,
+        id: None,
+        raw_id: String::new(),
+        reply_to: None,
+        generation: hop.generation,
+        payload: message.payload.clone(),
+        since,
+        attempts: hop.attempts,
+        rule: "none",
+    };
+    let metadata = match parse_request(&message.payload, &outlet.subjects) {
+        Ok(request) => {
+            conversation.id = Some(request.id.clone());
+            conversation.raw_id = request.id;
+            conversation.reply_to = request.reply_to;
+            request.metadata
+        }
+        Err(ParseError::Invalid(invalid)) => {
+            conversation.id = invalid.id;
+            conversation.raw_id = invalid.raw_id.unwrap_or_default();
+            conversation.reply_to = invalid.reply_to;
+            invalid.metadata
+        }
+        Err(ParseError::Undecodable { .. }) => None,
+    };
+    let reply = error_reply(&conversation.context(metadata.as_deref()), error);
+    publish_ending(outlet, message, &conversation.ending(), &reply).await;
 }
 
 /// An `expired` error that says what the last attempt's failure was, if there was one.
@@ -259,7 +306,7 @@ async fn answered_already(
     let Some(id) = conversation.id.as_deref() else {
         return false;
     };
-    let stored = match stored_reply_message(&shared.js, &shared.settings.subjects, id).await {
+    let stored = match stored_reply_message(&shared.outlet.js, &shared.outlet.subjects, id).await {
         Ok(Some(stored)) => stored,
         Ok(None) => return false,
         Err(e) => {
@@ -276,7 +323,7 @@ async fn answered_already(
     }
     if let Some(reply_to) = conversation.reply_to.as_deref() {
         copy_to_reply_to(
-            shared,
+            &shared.outlet,
             reply_to,
             stored.headers.clone(),
             stored.payload.clone(),
@@ -357,17 +404,59 @@ async fn attempt(
     (outcome, record)
 }
 
-/// Parks the request on the pool's retry subject until it is due, then acks it here:
-/// a waiting request must not hold a concurrency slot.
-async fn park(
+/// Moves a request that arrived on another pool's subject to its rule's pool, so that
+/// publishing everything to one pool cannot bypass another pool's limit.
+async fn move_to_pool(
     shared: &Shared,
     message: &jetstream::Message,
     conversation: &Conversation<'_>,
-    after: Duration,
+    target: &str,
+) {
+    let subject = shared.outlet.subjects.request(target);
+    hand_off(
+        shared,
+        message,
+        conversation,
+        &subject,
+        &format!("to:{target}"),
+        None,
+    )
+    .await;
+    debug!(id = %conversation.raw_id, from = conversation.pool, to = target, "moved to the rule's pool");
+}
+
+/// Republishes the conversation's request as its next hop, under the message id
+/// `<id>:<generation>:<hop>`, and acks this message once the hop is stored.
+async fn hand_off(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+    subject: &str,
+    hop: &str,
+    due: Option<SystemTime>,
 ) {
     let Some(id) = conversation.id.as_deref() else {
         return;
     };
+    let mut headers = hop_headers(id, conversation);
+    if let Some(due) = due {
+        headers.insert(header::DUE, unix_ms(due).to_string().as_str());
+    }
+    let msg_id = format!("{id}:{}:{hop}", conversation.generation);
+    publish_stored(
+        &shared.outlet,
+        message,
+        subject,
+        Some(&msg_id),
+        &headers,
+        &conversation.payload,
+    )
+    .await;
+    ack(message, AckKind::Ack).await;
+}
+
+/// The headers every hop of a conversation carries: what `Hop::read` reads back.
+fn hop_headers(id: &str, conversation: &Conversation<'_>) -> HeaderMap {
     let mut headers = HeaderMap::new();
     headers.insert(header::ID, id);
     headers.insert(
@@ -378,32 +467,36 @@ async fn park(
         header::FIRST_PUBLISHED,
         unix_ms(conversation.since).to_string().as_str(),
     );
-    headers.insert(
-        header::DUE,
-        unix_ms(SystemTime::now() + after).to_string().as_str(),
-    );
-    headers.insert(
-        header::ATTEMPTS,
-        serde_json::to_string(&conversation.attempts)
-            .unwrap_or_default()
-            .as_str(),
-    );
-    let subject = shared.settings.subjects.retry(conversation.pool);
-    let msg_id = format!(
-        "{id}:{}:park:{}",
-        conversation.generation,
-        conversation.attempts.len()
-    );
-    publish_stored(
+    if !conversation.attempts.is_empty() {
+        headers.insert(
+            header::ATTEMPTS,
+            serde_json::to_string(&conversation.attempts)
+                .unwrap_or_default()
+                .as_str(),
+        );
+    }
+    headers
+}
+
+/// Parks the request on the pool's retry subject until it is due, then acks it here:
+/// a waiting request must not hold a concurrency slot.
+async fn park(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+    after: Duration,
+) {
+    let subject = shared.outlet.subjects.retry(conversation.pool);
+    let hop = format!("park:{}", conversation.attempts.len());
+    hand_off(
         shared,
         message,
+        conversation,
         &subject,
-        Some(&msg_id),
-        &headers,
-        &conversation.payload,
+        &hop,
+        Some(SystemTime::now() + after),
     )
     .await;
-    ack(message, AckKind::Ack).await;
 }
 
 /// Stores the reply and dead letter, then acks.
@@ -413,7 +506,7 @@ async fn finish(
     conversation: &Conversation<'_>,
     reply: EncodedReply,
 ) {
-    publish_ending(shared, message, &conversation.ending(), &reply).await;
+    publish_ending(&shared.outlet, message, &conversation.ending(), &reply).await;
     info!(
         id = %conversation.raw_id,
         pool = conversation.pool,

@@ -8,12 +8,14 @@ mod handle;
 mod parked;
 mod publish;
 
+pub use handle::end_unattempted;
+pub use publish::Outlet;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::connection;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::{self};
 use futures::StreamExt as _;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -22,6 +24,7 @@ use tracing::{debug, info, warn};
 use webproxy_worker::Worker;
 
 use crate::config::Settings;
+use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::provision::PoolConsumers;
 
@@ -58,10 +61,9 @@ pub async fn connect(
 /// Everything a message handler needs, shared by all of them.
 struct Shared {
     settings: Arc<Settings>,
-    client: async_nats::Client,
-    js: jetstream::Context,
+    gauges: Arc<Gauges>,
+    outlet: Outlet,
     worker: Worker,
-    max_payload: usize,
 }
 
 /// Consumes every pool of this instance until told to stop.
@@ -76,16 +78,19 @@ impl Dispatcher {
         worker: Worker,
         max_payload: usize,
     ) -> Dispatcher {
-        let js = jetstream::new(client.clone());
         Dispatcher {
             shared: Arc::new(Shared {
+                gauges: Arc::new(Gauges::new(settings.pools.keys())),
+                outlet: Outlet::new(client, settings.subjects.clone(), max_payload),
                 settings,
-                client,
-                js,
                 worker,
-                max_payload,
             }),
         }
+    }
+
+    /// The per-pool gauges, for the metrics endpoint.
+    pub fn gauges(&self) -> Arc<Gauges> {
+        self.shared.gauges.clone()
     }
 
     /// Runs the pool loops until `shutdown` is cancelled, then waits up to `grace` for
@@ -108,6 +113,13 @@ impl Dispatcher {
                 .pools
                 .get(&pool)
                 .map_or(1, |p| p.max_in_flight);
+            pulls.push(tokio::spawn(refresh_gauges(
+                shared.clone(),
+                pool.clone(),
+                work.clone(),
+                parked.clone(),
+                shutdown.clone(),
+            )));
             pulls.push(tokio::spawn(parked::park_loop(
                 shared.clone(),
                 Arc::from(pool.as_str()),
@@ -145,6 +157,36 @@ impl Dispatcher {
                 left = attempts.len(),
                 "shutdown grace ran out; leaving the remaining attempts unacked for redelivery"
             );
+        }
+    }
+}
+
+/// How often the cluster-wide gauges of a pool are read from its consumers.
+const GAUGE_REFRESH: Duration = Duration::from_secs(5);
+
+/// Reads a pool's waiting and parked counts from its consumers on a fixed interval.
+async fn refresh_gauges(
+    shared: Arc<Shared>,
+    pool: String,
+    work: PullConsumer,
+    parked: PullConsumer,
+    shutdown: CancellationToken,
+) {
+    let Some(gauge) = shared.gauges.pool(&pool) else {
+        return;
+    };
+    let mut interval = tokio::time::interval(GAUGE_REFRESH);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match (work.get_info().await, parked.get_info().await) {
+            (Ok(work), Ok(parked)) => gauge.set_queued(
+                work.num_pending,
+                parked.num_pending + parked.num_ack_pending as u64,
+            ),
+            (Err(e), _) | (_, Err(e)) => debug!(pool, error = %e, "cannot refresh pool gauges"),
         }
     }
 }
@@ -222,6 +264,7 @@ async fn pull_loop(
                     let shared = shared.clone();
                     let pool = pool.clone();
                     attempts.spawn(async move {
+                        let _in_flight = shared.gauges.pool(&pool).map(|g| g.start());
                         handle::handle(&shared, &pool, message).await;
                         drop(permit);
                     });

@@ -97,9 +97,9 @@ async fn release_when_due(shared: &Shared, pool: &str, message: jetstream::Messa
             }
         }
     }
-    let subject = shared.settings.subjects.request(pool);
+    let subject = shared.outlet.subjects.request(pool);
     publish_stored(
-        shared,
+        &shared.outlet,
         &message,
         &subject,
         Some(&msg_id),

@@ -11,8 +11,31 @@ use bytes::Bytes;
 use tracing::{debug, warn};
 use webproxy_protocol::{AttemptRecord, ErrorBody, header};
 
-use super::Shared;
+use webproxy_protocol::Subjects;
+
 use crate::outbox::{EncodedReply, dead_letter};
+
+/// Where a conversation's products go: the NATS connection and the names and limits
+/// that shape what is published.
+#[derive(Debug, Clone)]
+pub struct Outlet {
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub subjects: Subjects,
+    /// The server's `max_payload`: replies and dead letters are built to fit it.
+    pub max_payload: usize,
+}
+
+impl Outlet {
+    pub fn new(client: async_nats::Client, subjects: Subjects, max_payload: usize) -> Outlet {
+        Outlet {
+            js: jetstream::new(client.clone()),
+            client,
+            subjects,
+            max_payload,
+        }
+    }
+}
 
 /// After this many failed tries a retried publish is logged at warn level, once.
 const QUIET_TRIES: u32 = 3;
@@ -22,7 +45,7 @@ const QUIET_TRIES: u32 = 3;
 /// redelivered and do not raise its delivery count. If the process stops first, `hold`
 /// stays unacked and the server redelivers it.
 pub async fn publish_stored(
-    shared: &Shared,
+    outlet: &Outlet,
     hold: &jetstream::Message,
     subject: &str,
     msg_id: Option<&str>,
@@ -39,7 +62,7 @@ pub async fn publish_stored(
             publish = publish.message_id(msg_id);
         }
         let result: Result<(), async_nats::Error> = async {
-            shared
+            outlet
                 .js
                 .send_publish(subject.to_string(), publish)
                 .await?
@@ -87,7 +110,7 @@ pub struct Ending<'a> {
 /// Stores the final reply, copies it to a custom `reply_to`, and stores the dead letter
 /// of an error. Returns once all of it is stored.
 pub async fn publish_ending(
-    shared: &Shared,
+    outlet: &Outlet,
     hold: &jetstream::Message,
     ending: &Ending<'_>,
     reply: &EncodedReply,
@@ -101,10 +124,10 @@ pub async fn publish_ending(
     headers.insert(header::OUTCOME, outcome);
     headers.insert(header::GENERATION, ending.generation.to_string().as_str());
     if let Some(id) = ending.id {
-        let subject = shared.settings.subjects.reply(id);
+        let subject = outlet.subjects.reply(id);
         let msg_id = format!("{id}:{}:reply", ending.generation);
         publish_stored(
-            shared,
+            outlet,
             hold,
             &subject,
             Some(&msg_id),
@@ -114,16 +137,16 @@ pub async fn publish_ending(
         .await;
     }
     if let Some(reply_to) = ending.reply_to {
-        copy_to_reply_to(shared, reply_to, headers, reply.payload.clone()).await;
+        copy_to_reply_to(outlet, reply_to, headers, reply.payload.clone()).await;
     }
     if let Some(error) = &reply.error {
-        publish_dead_letter(shared, hold, ending, error).await;
+        publish_dead_letter(outlet, hold, ending, error).await;
     }
 }
 
 /// The core-NATS copy of a reply for a caller's own `reply_to`.
-pub async fn copy_to_reply_to(shared: &Shared, reply_to: &str, headers: HeaderMap, payload: Bytes) {
-    if let Err(e) = shared
+pub async fn copy_to_reply_to(outlet: &Outlet, reply_to: &str, headers: HeaderMap, payload: Bytes) {
+    if let Err(e) = outlet
         .client
         .publish_with_headers(reply_to.to_string(), headers, payload)
         .await
@@ -134,7 +157,7 @@ pub async fn copy_to_reply_to(shared: &Shared, reply_to: &str, headers: HeaderMa
 
 /// Stores a dead letter for a conversation that ended in `error`.
 pub async fn publish_dead_letter(
-    shared: &Shared,
+    outlet: &Outlet,
     hold: &jetstream::Message,
     ending: &Ending<'_>,
     error: &ErrorBody,
@@ -146,7 +169,7 @@ pub async fn publish_dead_letter(
         error.clone(),
         ending.payload,
         ending.attempts.to_vec(),
-        shared.max_payload,
+        outlet.max_payload,
     );
     let mut headers = HeaderMap::new();
     headers.insert(header::ERROR_CODE, error.code.as_str());
@@ -154,10 +177,10 @@ pub async fn publish_dead_letter(
     if let Some(id) = ending.id {
         headers.insert(header::ID, id);
     }
-    let subject = shared.settings.subjects.dead(ending.pool);
+    let subject = outlet.subjects.dead(ending.pool);
     // Dead letters are an audit trail: no message id, so a replayed conversation that
     // fails again is recorded again rather than taken for a duplicate.
-    publish_stored(shared, hold, &subject, None, &headers, &payload).await;
+    publish_stored(outlet, hold, &subject, None, &headers, &payload).await;
     debug!(
         pool = ending.pool,
         id = ending.id.unwrap_or(""),

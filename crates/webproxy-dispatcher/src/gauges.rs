@@ -1,0 +1,99 @@
+//! Per-pool gauges kept in memory, for the metrics endpoint to export: attempts in
+//! flight on this instance (live), and the pool's waiting and parked messages across
+//! the cluster (refreshed from consumer info on a fixed interval, whatever the number
+//! of readers).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One pool's gauges.
+#[derive(Debug, Default)]
+pub struct PoolGauge {
+    in_flight: AtomicU64,
+    waiting: AtomicU64,
+    parked: AtomicU64,
+}
+
+impl PoolGauge {
+    /// Attempts and other handling running on this instance now.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Messages waiting in the pool's queue, cluster-wide, as last refreshed.
+    pub fn waiting(&self) -> u64 {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// Retries parked on the pool's retry subject, cluster-wide, as last refreshed.
+    pub fn parked(&self) -> u64 {
+        self.parked.load(Ordering::Relaxed)
+    }
+
+    /// Counts one message as in flight until the guard is dropped.
+    pub fn start(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self)
+    }
+
+    pub fn set_queued(&self, waiting: u64, parked: u64) {
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.parked.store(parked, Ordering::Relaxed);
+    }
+}
+
+/// Keeps a message counted in flight while it lives.
+#[derive(Debug)]
+pub struct InFlight<'a>(&'a PoolGauge);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The gauges of every pool of this instance.
+#[derive(Debug, Default)]
+pub struct Gauges {
+    pools: BTreeMap<String, PoolGauge>,
+}
+
+impl Gauges {
+    pub fn new<'a>(pools: impl IntoIterator<Item = &'a String>) -> Gauges {
+        Gauges {
+            pools: pools
+                .into_iter()
+                .map(|p| (p.clone(), PoolGauge::default()))
+                .collect(),
+        }
+    }
+
+    pub fn pool(&self, name: &str) -> Option<&PoolGauge> {
+        self.pools.get(name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &PoolGauge)> {
+        self.pools.iter().map(|(n, g)| (n.as_str(), g))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_flight_counts_while_the_guard_lives() {
+        let gauges = Gauges::new(&["default".to_string()]);
+        let pool = gauges.pool("default").expect("pool");
+        let first = pool.start();
+        let second = pool.start();
+        assert_eq!(pool.in_flight(), 2);
+        drop(first);
+        assert_eq!(pool.in_flight(), 1);
+        drop(second);
+        assert_eq!(pool.in_flight(), 0);
+        pool.set_queued(5, 2);
+        assert_eq!((pool.waiting(), pool.parked()), (5, 2));
+        assert!(gauges.pool("other").is_none());
+    }
+}

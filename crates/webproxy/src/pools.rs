@@ -1,0 +1,191 @@
+//! `webproxy pools`: each pool's limit and queue, read from JetStream; and
+//! `webproxy pools remove`, which deletes a pool that no longer has waiting work.
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context as _, bail};
+use async_nats::jetstream::{self, consumer, stream};
+use futures::TryStreamExt as _;
+use serde::Serialize;
+use webproxy_client::Client;
+use webproxy_dispatcher::runtime::{Outlet, end_unattempted};
+use webproxy_protocol::{ErrorBody, ErrorCode};
+
+use crate::cli::NatsArgs;
+use crate::dead::for_each_message;
+use crate::send;
+
+/// One pool as the server sees it.
+#[derive(Debug, Serialize)]
+struct PoolState {
+    pool: String,
+    /// The pool consumer's `max_ack_pending`.
+    max_in_flight: i64,
+    waiting: u64,
+    in_flight: usize,
+    parked: u64,
+    /// How long the oldest waiting request has waited, in milliseconds.
+    oldest_waiting_ms: Option<u64>,
+}
+
+/// The pools that exist on the server under this prefix, whatever config made them.
+async fn pool_names(client: &Client, js: &jetstream::Context) -> anyhow::Result<Vec<String>> {
+    let stream_prefix = client.subjects().pool_stream("");
+    let names: Vec<String> = js
+        .stream_names()
+        .try_collect()
+        .await
+        .context("cannot list streams")?;
+    let mut pools: Vec<String> = names
+        .iter()
+        .filter_map(|n| n.strip_prefix(stream_prefix.as_str()))
+        .map(str::to_ascii_lowercase)
+        .collect();
+    pools.sort();
+    Ok(pools)
+}
+
+async fn pool_state(
+    client: &Client,
+    js: &jetstream::Context,
+    pool: &str,
+) -> anyhow::Result<PoolState> {
+    let subjects = client.subjects();
+    let stream = js
+        .get_stream_no_info(subjects.pool_stream(pool))
+        .await
+        .with_context(|| format!("cannot open the stream of pool {pool}"))?;
+    let work = stream
+        .consumer_info(subjects.pool_consumer(pool))
+        .await
+        .with_context(|| format!("cannot read consumer {}", subjects.pool_consumer(pool)))?;
+    let parked = stream
+        .consumer_info(subjects.retry_consumer(pool))
+        .await
+        .map(|i| i.num_pending + i.num_ack_pending as u64)
+        .unwrap_or(0);
+    let oldest = stream
+        .raw_message_builder()
+        .next_by_subject(subjects.request(pool))
+        .sequence(work.delivered.stream_sequence + 1)
+        .send()
+        .await
+        .ok()
+        .map(|message| {
+            SystemTime::now()
+                .duration_since(SystemTime::from(message.time))
+                .unwrap_or_default()
+        });
+    Ok(PoolState {
+        pool: pool.to_string(),
+        max_in_flight: work.config.max_ack_pending,
+        waiting: work.num_pending,
+        in_flight: work.num_ack_pending,
+        parked,
+        oldest_waiting_ms: oldest.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    })
+}
+
+pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
+    let client = send::connect(args).await?;
+    let js = jetstream::new(client.nats().clone());
+    let mut states = Vec::new();
+    for pool in pool_names(&client, &js).await? {
+        states.push(pool_state(&client, &js, &pool).await?);
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&states)?);
+        return Ok(());
+    }
+    println!(
+        "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
+        "pool", "max_in_flight", "waiting", "in_flight", "parked", "oldest_waiting"
+    );
+    for s in &states {
+        let oldest = s.oldest_waiting_ms.map_or("-".to_string(), |ms| {
+            humantime::format_duration(Duration::from_millis(ms)).to_string()
+        });
+        println!(
+            "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
+            s.pool, s.max_in_flight, s.waiting, s.in_flight, s.parked, oldest
+        );
+    }
+    Ok(())
+}
+
+pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::Result<()> {
+    if pool == "default" {
+        bail!("pool default always exists and cannot be removed");
+    }
+    let client = send::connect(args).await?;
+    let js = jetstream::new(client.nats().clone());
+    let subjects = client.subjects().clone();
+    let stream_name = subjects.pool_stream(pool);
+    let mut stream = js
+        .get_stream(&stream_name)
+        .await
+        .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
+    let waiting = stream
+        .info()
+        .await
+        .context("cannot read the pool's stream")?
+        .state
+        .messages;
+    if waiting > 0 && !dead_letter {
+        bail!(
+            "pool {pool} still holds {waiting} messages (waiting, in flight or parked); remove it from every instance's config and let it drain, or pass --dead-letter to dead-letter them"
+        );
+    }
+    // The pool's own consumers go first, so no instance takes more work from it; a
+    // work-queue stream also allows only one consumer per subject.
+    for name in [subjects.pool_consumer(pool), subjects.retry_consumer(pool)] {
+        if let Err(e) = stream.delete_consumer(&name).await {
+            eprintln!("warning: cannot delete consumer {name}: {e}");
+        }
+    }
+    if waiting > 0 {
+        let ended = dead_letter_all(&client, &stream, pool).await?;
+        println!("dead-lettered {ended} messages of pool {pool}");
+    }
+    js.delete_stream(&stream_name)
+        .await
+        .with_context(|| format!("cannot delete stream {stream_name}"))?;
+    println!("removed pool {pool}");
+    Ok(())
+}
+
+/// Ends every message left in a pool with an `internal` error: the caller is answered
+/// and the request is dead-lettered, so it can be replayed into another pool.
+async fn dead_letter_all(
+    client: &Client,
+    stream: &stream::Stream,
+    pool: &str,
+) -> anyhow::Result<u64> {
+    let max_payload = client.nats().server_info().max_payload;
+    let outlet = Outlet::new(
+        client.nats().clone(),
+        client.subjects().clone(),
+        max_payload,
+    );
+    let reader: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            ack_policy: consumer::AckPolicy::Explicit,
+            inactive_threshold: Duration::from_secs(60),
+            ..Default::default()
+        })
+        .await
+        .context("cannot read the pool's messages")?;
+    for_each_message(&reader, async |message| {
+        let error = ErrorBody {
+            code: ErrorCode::Internal,
+            message: format!("pool {pool} was removed before this request was attempted"),
+            status: None,
+        };
+        end_unattempted(&outlet, pool, &message, error).await;
+        message
+            .double_ack()
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot ack a dead-lettered message: {e}"))
+    })
+    .await
+}

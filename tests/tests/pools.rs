@@ -1,0 +1,270 @@
+//! Pools: one concurrency limit per pool, held across every running instance by the
+//! JetStream server, with excess requests queued in the stream. Several real
+//! `webproxy serve` processes share one nats-server here.
+
+use std::time::{Duration, Instant};
+
+use webproxy_client::{Client, Error as ClientError};
+use webproxy_protocol::{ErrorCode, Outcome, Reply};
+use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope};
+use webproxy_tests::{NatsServer, Service, Upstream, wait_until, webproxy_bin};
+
+struct Cluster {
+    nats: NatsServer,
+    upstream: Upstream,
+    services: Vec<Service>,
+    client: Client,
+}
+
+async fn cluster(instances: usize, config: impl Fn(&Upstream) -> String) -> Cluster {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let text = config(&upstream);
+    let mut services = Vec::new();
+    for _ in 0..instances {
+        services.push(Service::start(&nats, &text).await);
+    }
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    Cluster {
+        nats,
+        upstream,
+        services,
+        client,
+    }
+}
+
+impl Cluster {
+    /// Sends `count` requests for `path` to `pool` at once and waits for every reply.
+    async fn burst(&self, pool: &str, path: &str, count: usize) -> Vec<Reply> {
+        let url = self.upstream.url(path);
+        let replies = futures::future::join_all((0..count).map(|_| {
+            let request = envelope("GET", &url);
+            async move {
+                self.client
+                    .request(pool, &request, Duration::from_secs(60))
+                    .await
+            }
+        }))
+        .await;
+        replies
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|e| {
+                    let logs: Vec<_> = self.services.iter().map(Service::logs).collect();
+                    panic!("no reply: {e}\n{}", logs.join("\n----\n"))
+                })
+            })
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_share_a_limit_of_three() {
+    let c = cluster(3, |up| {
+        format!(
+            "[pools.default]\nmax_in_flight = 3\n\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let started = Instant::now();
+    let replies = c.burst("default", "/delay/100", 60).await;
+    let elapsed = started.elapsed();
+    assert!(replies.iter().all(|r| r.status == Some(200)), "{replies:?}");
+    assert_eq!(c.upstream.hits_for("/delay/100"), 60);
+    assert!(
+        c.upstream.max_concurrent() <= 3,
+        "limit broken: {}",
+        c.upstream.max_concurrent()
+    );
+    assert_eq!(c.upstream.max_concurrent(), 3, "slots unused");
+    // Ideal: 60 x 0.1 s / 3 = 2 s. Three times that catches a limit held but starved.
+    assert!(elapsed < Duration::from_secs(6), "took {elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_of_one_holds_across_two_instances() {
+    let c = cluster(2, |up| {
+        format!(
+            "[pools.default]\nmax_in_flight = 1\n\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let replies = c.burst("default", "/delay/50", 20).await;
+    assert!(replies.iter().all(|r| r.status == Some(200)), "{replies:?}");
+    assert_eq!(c.upstream.hits_for("/delay/50"), 20);
+    assert_eq!(c.upstream.max_concurrent(), 1);
+}
+
+/// An attempt three times as long as `ack_wait` is kept from redelivery by progress
+/// acks: the upstream sees it once, and the limit holds meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_attempt_is_not_redelivered_while_it_runs() {
+    let c = cluster(2, |up| {
+        format!(
+            "[service]\nack_wait = \"1s\"\n\n[pools.default]\nmax_in_flight = 1\n\n{}timeout = \"20s\"\n",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let long = envelope("GET", &c.upstream.url("/delay/3000"));
+    let short = envelope("GET", &c.upstream.url("/delay/10"));
+    let (long_reply, short_reply) =
+        tokio::join!(c.client.request("default", &long, REPLY_TIMEOUT), async {
+            wait_until(
+                Duration::from_secs(10),
+                "the long attempt to start",
+                || async { c.upstream.hits_for("/delay/3000") == 1 },
+            )
+            .await;
+            c.client.request("default", &short, REPLY_TIMEOUT).await
+        });
+    assert_eq!(long_reply.expect("long reply").status, Some(200));
+    assert_eq!(short_reply.expect("short reply").status, Some(200));
+    assert_eq!(
+        c.upstream.hits_for("/delay/3000"),
+        1,
+        "redelivered while running"
+    );
+    assert_eq!(c.upstream.max_concurrent(), 1);
+}
+
+/// Publishing to the default pool does not bypass the limit of the rule's pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_is_moved_to_its_rules_pool() {
+    let c = cluster(1, |up| {
+        let base = up.url("/").replace('.', "\\.");
+        format!(
+            "[pools.p1]\nmax_in_flight = 1\n\n[[request_rules]]\nname = \"slow\"\nurl_pattern = '^{base}delay/'\npool = \"p1\"\n\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let replies = c.burst("default", "/delay/100", 5).await;
+    assert!(replies.iter().all(|r| r.status == Some(200)), "{replies:?}");
+    assert_eq!(c.upstream.max_concurrent(), 1, "ran outside p1's limit");
+    // and the default pool's own requests still run side by side
+    let replies = c.burst("default", "/echo", 5).await;
+    assert!(replies.iter().all(|r| r.status == Some(200)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_expires_a_request_waiting_behind_a_saturated_pool() {
+    let c = cluster(1, |up| {
+        format!(
+            "[pools.default]\nmax_in_flight = 1\n\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    c.client
+        .submit("default", &envelope("GET", &c.upstream.url("/delay/2000")))
+        .await
+        .expect("submit");
+    wait_until(Duration::from_secs(10), "the slot to be taken", || async {
+        c.upstream.hits_for("/delay/2000") == 1
+    })
+    .await;
+    let mut waiting = envelope("GET", &c.upstream.url("/echo"));
+    let deadline = time::OffsetDateTime::now_utc() + Duration::from_millis(500);
+    waiting.deadline = Some(
+        deadline
+            .format(&time::format_description::well_known::Rfc3339)
+            .expect("format"),
+    );
+    let reply = c
+        .client
+        .request("default", &waiting, REPLY_TIMEOUT)
+        .await
+        .expect("reply");
+    assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::Expired));
+    assert_eq!(reply.attempts, 0);
+    assert_eq!(c.upstream.hits_for("/echo"), 0);
+}
+
+async fn webproxy(args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(webproxy_bin())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .expect("run webproxy")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_are_listed_and_removed() {
+    let mut c = cluster(1, |up| {
+        format!(
+            "[pools.p1]\nmax_in_flight = 2\n\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    // With no instance consuming, requests wait in the pool.
+    c.services[0].kill();
+    let nats = c.nats.url();
+    let mut replies = c
+        .nats
+        .client()
+        .await
+        .subscribe("webproxy.reply.>")
+        .await
+        .expect("subscribe");
+    for _ in 0..3 {
+        c.client
+            .submit("p1", &envelope("GET", &c.upstream.url("/echo")))
+            .await
+            .expect("submit");
+    }
+
+    let listed = webproxy(&["pools", "--nats", &nats, "--json"]).await;
+    assert!(listed.status.success(), "{listed:?}");
+    let pools: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("json");
+    let p1 = pools
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["pool"] == "p1"))
+        .unwrap_or_else(|| panic!("p1 not listed: {pools}"));
+    assert_eq!(p1["max_in_flight"], 2);
+    assert_eq!(p1["waiting"], 3);
+    assert_eq!(p1["in_flight"], 0);
+    assert!(p1["oldest_waiting_ms"].is_u64(), "{p1}");
+    assert!(
+        pools
+            .as_array()
+            .is_some_and(|a| a.iter().any(|p| p["pool"] == "default"))
+    );
+
+    let refused = webproxy(&["pools", "remove", "p1", "--nats", &nats]).await;
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("3 messages"),
+        "{refused:?}"
+    );
+
+    let removed = webproxy(&["pools", "remove", "p1", "--dead-letter", "--nats", &nats]).await;
+    assert!(removed.status.success(), "{removed:?}");
+    for _ in 0..3 {
+        let message = tokio::time::timeout(REPLY_TIMEOUT, futures::StreamExt::next(&mut replies))
+            .await
+            .expect("a reply for each waiting request")
+            .expect("reply");
+        let reply: Reply = serde_json::from_slice(&message.payload).expect("reply");
+        assert_eq!(reply.outcome, Outcome::Error);
+        assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::Internal));
+    }
+    let js = async_nats::jetstream::new(c.nats.client().await);
+    let mut dead = js.get_stream("WEBPROXY_DEAD").await.expect("dead stream");
+    assert_eq!(dead.info().await.expect("info").state.messages, 3);
+
+    let result = c
+        .client
+        .submit("p1", &envelope("GET", &c.upstream.url("/echo")))
+        .await;
+    assert!(
+        matches!(result, Err(ClientError::NoSuchPool { .. })),
+        "{result:?}"
+    );
+    let default_refused = webproxy(&["pools", "remove", "default", "--nats", &nats]).await;
+    assert!(!default_refused.status.success());
+}
