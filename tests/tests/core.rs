@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 use webproxy_client::Error as ClientError;
 use webproxy_protocol::{ErrorCode, HeaderValue, Outcome, Reply, header};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope};
-use webproxy_tests::{NatsServer, Service, http_client, wait_until};
+use webproxy_tests::{NatsServer, Service, http_client, wait_for, wait_until};
 
 fn echo_of(reply: &Reply) -> Value {
     assert_eq!(reply.outcome, Outcome::Response, "{reply:?}");
@@ -144,12 +144,11 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
         Some("0")
     );
 
-    let stored = h
-        .client
-        .reply(&request.id)
-        .await
-        .expect("lookup")
-        .expect("stored reply");
+    // A live subscriber can see the reply a moment before the stream has stored it.
+    let stored = wait_for(Duration::from_secs(10), "the stored reply", || async {
+        h.client.reply(&request.id).await.expect("lookup")
+    })
+    .await;
     assert_eq!(stored.id, request.id);
     assert_eq!(stored.status, Some(200));
     let stream =

@@ -408,13 +408,16 @@ async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
         .and_then(|hd| hd.get(webproxy_protocol::header::GENERATION))
         .map(|v| v.as_str().to_string());
     assert_eq!(generation.as_deref(), Some("1"));
-    let stored = h
-        .client
-        .reply(&request.id)
-        .await
-        .expect("lookup")
-        .expect("stored");
-    assert_eq!(stored.status, Some(200));
+    // A live subscriber can see the reply a moment before the stream has stored it.
+    webproxy_tests::wait_until(
+        Duration::from_secs(10),
+        "the replay's reply to be stored",
+        || async {
+            let stored = h.client.reply(&request.id).await.expect("lookup");
+            stored.is_some_and(|r| r.status == Some(200))
+        },
+    )
+    .await;
     // The dead letter stays as an audit trail.
     assert_eq!(h.dead_letters().await.len(), 1);
 }
