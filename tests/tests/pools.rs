@@ -268,3 +268,59 @@ async fn pools_are_listed_and_removed() {
     let default_refused = webproxy(&["pools", "remove", "default", "--nats", &nats]).await;
     assert!(!default_refused.status.success());
 }
+
+/// A new `max_in_flight` updates the consumer in place: same consumer, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changing_the_limit_updates_the_consumer_in_place() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let config = |limit: u32| {
+        format!(
+            "[pools.default]\nmax_in_flight = {limit}\n\n{}",
+            accept_rule("local", &upstream)
+        )
+    };
+    let mut first = Service::start(&nats, &config(2)).await;
+    let js = async_nats::jetstream::new(nats.client().await);
+    let stream = js
+        .get_stream("WEBPROXY_POOL_DEFAULT")
+        .await
+        .expect("pool stream");
+    let before = stream
+        .consumer_info("webproxy-default")
+        .await
+        .expect("consumer");
+    assert_eq!(before.config.max_ack_pending, 2);
+    first.kill();
+
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let waiting: Vec<_> = (0..3)
+        .map(|_| envelope("GET", &upstream.url("/echo")))
+        .collect();
+    for request in &waiting {
+        client.submit("default", request).await.expect("submit");
+    }
+    let second = Service::start(&nats, &config(5)).await;
+    let after = stream
+        .consumer_info("webproxy-default")
+        .await
+        .expect("consumer");
+    assert_eq!(after.config.max_ack_pending, 5);
+    assert_eq!(after.created, before.created, "the consumer was recreated");
+    assert!(
+        second.logs().contains("differs from this instance"),
+        "no warning about the changed config:\n{}",
+        second.logs()
+    );
+    for request in &waiting {
+        let reply = wait_for_reply(&client, &request.id).await;
+        assert_eq!(reply.status, Some(200));
+    }
+}
+
+async fn wait_for_reply(client: &Client, id: &str) -> Reply {
+    webproxy_tests::wait_for(REPLY_TIMEOUT, "a stored reply", || async {
+        client.reply(id).await.expect("lookup")
+    })
+    .await
+}
