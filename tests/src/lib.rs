@@ -7,6 +7,7 @@
 //! talks to 127.0.0.1 only.
 
 pub mod caller;
+mod cluster;
 mod nats;
 mod service;
 mod upstream;
@@ -14,6 +15,7 @@ mod wait;
 
 use std::sync::Once;
 
+pub use cluster::NatsCluster;
 pub use nats::NatsServer;
 pub use service::{Service, webproxy_bin};
 pub use upstream::{Upstream, default_routes};

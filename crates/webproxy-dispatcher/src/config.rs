@@ -90,6 +90,9 @@ pub struct ServiceConfig {
     /// How long a stopping instance waits for its attempts in flight.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// A pool message delivered more often than this crashed or stalled an instance
+    /// that many times: it is answered `internal` and dead-lettered, not attempted.
+    pub max_deliver: u32,
 }
 
 /// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
@@ -270,6 +273,9 @@ impl Config {
         }
         if self.service.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
+        }
+        if self.service.max_deliver == 0 {
+            return Err(config_error("service.max_deliver", "must be at least 1"));
         }
         let mut pools = self.pools.clone();
         pools.entry("default".into()).or_default();

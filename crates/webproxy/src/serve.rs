@@ -16,7 +16,8 @@ use crate::health;
 
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let settings = Arc::new(settings);
-    let health_state = Arc::new(Health::default());
+    // Margin under ack_wait: the last progress ack may have gone out a third of it ago.
+    let health_state = Arc::new(Health::new(settings.config.service.ack_wait / 2));
     let listen = settings.config.http.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -48,17 +49,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
 
     let js = async_nats::jetstream::new(client.clone());
-    let consumers = provision(&js, &settings).await?;
+    let Some(consumers) = provision_until_done(&js, &settings, &shutdown).await else {
+        return Ok(());
+    };
     let worker = Worker::new(&WorkerConfig { max_response_bytes })?;
-    let dispatcher = Dispatcher::new(settings.clone(), client.clone(), worker, max_payload);
+    let dispatcher = Dispatcher::new(
+        settings.clone(),
+        client.clone(),
+        worker,
+        max_payload,
+        health_state.clone(),
+    );
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
-        .run(
-            consumers,
-            health_state,
-            shutdown,
-            settings.config.service.shutdown_grace,
-        )
+        .run(consumers, shutdown, settings.config.service.shutdown_grace)
         .await;
     if let Err(e) = client.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
@@ -97,6 +101,27 @@ fn effective_max_response_bytes(
         ByteLimit::Bytes(n) => bail!(
             "outbound.max_response_bytes = {n} is too large: with the server's max_payload of {max_payload} bytes a reply can carry at most {largest} bytes of body"
         ),
+    }
+}
+
+/// Provisions, retrying with backoff: JetStream can be briefly unavailable, for example
+/// while a cluster elects its leaders. `None` when a signal arrives first.
+async fn provision_until_done(
+    js: &async_nats::jetstream::Context,
+    settings: &Settings,
+    shutdown: &CancellationToken,
+) -> Option<Vec<webproxy_dispatcher::provision::PoolConsumers>> {
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match provision(js, settings).await {
+            Ok(consumers) => return Some(consumers),
+            Err(e) => warn!(error = %e, "provisioning failed; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.cancelled() => return None,
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
     }
 }
 

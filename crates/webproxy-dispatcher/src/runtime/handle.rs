@@ -72,6 +72,8 @@ struct Conversation<'a> {
     since: SystemTime,
     attempts: Vec<AttemptRecord>,
     rule: &'a str,
+    /// The connection's redelivery epoch when handling began; see `ack_current`.
+    epoch: u64,
 }
 
 impl Conversation<'_> {
@@ -101,6 +103,7 @@ impl Conversation<'_> {
 }
 
 pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
+    let epoch = shared.health.redelivery_epoch();
     let hop = Hop::read(message.headers.as_ref());
     let (delivered, published) = match message.info() {
         Ok(info) => (info.delivered, SystemTime::from(info.published)),
@@ -150,6 +153,7 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         since: hop.first_published.unwrap_or(published),
         attempts: hop.attempts,
         rule: "none",
+        epoch,
     };
 
     // A retry or a redelivery may belong to a conversation that already ended (a crash
@@ -157,6 +161,22 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
     if (!conversation.attempts.is_empty() || delivered > 1)
         && answered_already(shared, &message, &conversation).await
     {
+        return;
+    }
+    // The service never NAKs on a pool consumer, so only crashes and stalls raise the
+    // delivery count; past the limit the message is what keeps killing instances.
+    let max_deliver = shared.settings.config.service.max_deliver;
+    if delivered > i64::from(max_deliver) {
+        let error = ErrorBody {
+            code: ErrorCode::Internal,
+            message: format!(
+                "delivered {delivered} times without finishing (more than [service] max_deliver = {max_deliver}): it crashed or stalled an instance each time, so it is not attempted again"
+            ),
+            status: None,
+        };
+        warn!(id = %conversation.raw_id, pool, delivered, "poison message: answering internal and dead-lettering it");
+        end_unattempted(&shared.outlet, pool, &message, error).await;
+        ack_current(shared, &message, &conversation, AckKind::Term).await;
         return;
     }
 
@@ -258,6 +278,7 @@ pub async fn end_unattempted(
         since,
         attempts: hop.attempts,
         rule: "none",
+        epoch: 0,
     };
     let metadata = match parse_request(&message.payload, &outlet.subjects) {
         Ok(request) => {
@@ -517,7 +538,24 @@ async fn finish(
         duration_ms = millis(SystemTime::now().duration_since(conversation.since).unwrap_or_default()),
         "conversation finished"
     );
-    ack(message, AckKind::Ack).await;
+    ack_current(shared, message, conversation, AckKind::Ack).await;
+}
+
+/// Acks, unless the connection was lost long enough meanwhile for the server to have
+/// redelivered the message: acks count by stream sequence alone, so a stale delivery's
+/// ack would free the slot that the redelivered copy still holds. That copy finds the
+/// stored reply (or the stored hop, by its message id) and acks for both.
+async fn ack_current(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+    kind: AckKind,
+) {
+    if shared.health.redelivery_epoch() != conversation.epoch {
+        info!(id = %conversation.raw_id, pool = conversation.pool, "the NATS connection was lost for longer than the ack wait allows; leaving this possibly stale delivery unacked");
+        return;
+    }
+    ack(message, kind).await;
 }
 
 pub(super) async fn ack(message: &jetstream::Message, kind: AckKind) {

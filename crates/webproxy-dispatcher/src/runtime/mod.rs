@@ -61,6 +61,7 @@ pub async fn connect(
 /// Everything a message handler needs, shared by all of them.
 struct Shared {
     settings: Arc<Settings>,
+    health: Arc<Health>,
     gauges: Arc<Gauges>,
     outlet: Outlet,
     worker: Worker,
@@ -77,6 +78,7 @@ impl Dispatcher {
         client: async_nats::Client,
         worker: Worker,
         max_payload: usize,
+        health: Arc<Health>,
     ) -> Dispatcher {
         Dispatcher {
             shared: Arc::new(Shared {
@@ -84,6 +86,7 @@ impl Dispatcher {
                 outlet: Outlet::new(client, settings.subjects.clone(), max_payload),
                 settings,
                 worker,
+                health,
             }),
         }
     }
@@ -99,7 +102,6 @@ impl Dispatcher {
     pub async fn run(
         &self,
         consumers: Vec<PoolConsumers>,
-        health: Arc<Health>,
         shutdown: CancellationToken,
         grace: Duration,
     ) {
@@ -141,9 +143,9 @@ impl Dispatcher {
                 shutdown.clone(),
             )));
         }
-        health.set_provisioned();
+        self.shared.health.set_provisioned();
         shutdown.cancelled().await;
-        health.set_draining();
+        self.shared.health.set_draining();
         for pull in pulls {
             let _ = pull.await;
         }
