@@ -19,7 +19,7 @@ pub use cluster::NatsCluster;
 pub use nats::NatsServer;
 pub use service::{Service, webproxy_bin};
 pub use upstream::{Upstream, default_routes};
-pub use wait::{free_port, wait_for, wait_until};
+pub use wait::{closed_port, free_port, wait_for, wait_until};
 
 /// A reqwest client for talking to fixtures: no proxy, so a developer's
 /// `HTTP_PROXY` can never route loopback test traffic off the machine.

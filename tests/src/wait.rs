@@ -52,3 +52,14 @@ pub fn free_port() -> u16 {
         .expect("local address of a bound listener")
         .port()
 }
+
+/// A 127.0.0.1 port that refuses connections for as long as the returned socket lives:
+/// bound (so no other test can take it) but never listening.
+pub fn closed_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("create a socket");
+    socket
+        .bind((Ipv4Addr::LOCALHOST, 0).into())
+        .expect("bind 127.0.0.1:0");
+    let port = socket.local_addr().expect("local address").port();
+    (socket, port)
+}

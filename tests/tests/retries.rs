@@ -118,7 +118,7 @@ async fn always_failing_endpoint_exhausts_retries_and_is_dead_lettered() {
 
 #[tokio::test]
 async fn closed_port_and_timeouts_are_retried_then_exhausted() {
-    let closed = webproxy_tests::free_port();
+    let (_reserved, closed) = webproxy_tests::closed_port();
     let closed_url = format!("http://127.0.0.1:{closed}/nothing");
     let h = Harness::start_with_upstream(upstream().await, |up| {
         format!(

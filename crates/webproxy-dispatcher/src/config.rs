@@ -27,6 +27,8 @@ pub struct Config {
     pub http: HttpConfig,
     pub outbound: OutboundConfig,
     pub service: ServiceConfig,
+    pub log: LogConfig,
+    pub telemetry: TelemetryConfig,
     #[serde(default)]
     pub pools: BTreeMap<String, PoolConfig>,
     #[serde(default)]
@@ -93,6 +95,34 @@ pub struct ServiceConfig {
     /// A pool message delivered more often than this crashed or stalled an instance
     /// that many times: it is answered `internal` and dead-lettered, not attempted.
     pub max_deliver: u32,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A tracing filter (`info`, `webproxy=debug,info`); `RUST_LOG` overrides it.
+    pub level: String,
+}
+
+/// `auto` is text on a terminal and JSON otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Auto,
+    Json,
+    Text,
+}
+
+/// Trace export.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// The OTLP/HTTP base URL (`http://collector:4318`); empty turns export off. Spans
+    /// and context propagation exist either way.
+    pub otlp_endpoint: String,
+    pub service_name: String,
 }
 
 /// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
@@ -273,6 +303,14 @@ impl Config {
         }
         if self.service.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
+        }
+        let endpoint = self.telemetry.otlp_endpoint.trim();
+        let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+        if !endpoint.is_empty() && !is_http {
+            return Err(config_error(
+                "telemetry.otlp_endpoint",
+                format!("{endpoint:?} is not an http or https URL"),
+            ));
         }
         if self.service.max_deliver == 0 {
             return Err(config_error("service.max_deliver", "must be at least 1"));

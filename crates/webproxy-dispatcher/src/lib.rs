@@ -9,14 +9,51 @@ pub mod config;
 pub mod decision;
 pub mod gauges;
 pub mod health;
+pub mod metrics;
 pub mod outbox;
 pub mod provision;
 pub mod response_rules;
 pub mod retry;
 pub mod rules;
 pub mod runtime;
+pub mod trace;
 
 pub use config::{Config, ConfigError, Settings};
 pub use gauges::Gauges;
 pub use health::Health;
+pub use metrics::Metrics;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The service's observable state, shared by the dispatcher (which updates it) and the
+/// health listener (which reads it without any I/O).
+#[derive(Debug, Clone)]
+pub struct Instruments {
+    pub health: Arc<Health>,
+    pub metrics: Arc<Metrics>,
+    pub gauges: Arc<Gauges>,
+}
+
+impl Instruments {
+    pub fn new(settings: &Settings) -> Instruments {
+        Instruments {
+            // A margin under ack_wait: the last progress ack may have gone out a third
+            // of it earlier.
+            health: Arc::new(Health::new(settings.config.service.ack_wait / 2)),
+            metrics: Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
+            gauges: Arc::new(Gauges::new(settings.pools.keys())),
+        }
+    }
+
+    /// The Prometheus exposition.
+    pub fn render_metrics(&self) -> String {
+        self.metrics.render(&self.gauges, &self.health)
+    }
+
+    /// How long a disconnect must last to leave deliveries possibly stale.
+    pub fn stale_after(&self) -> Duration {
+        self.health.stale_after()
+    }
+}
 pub use runtime::{Dispatcher, connect};

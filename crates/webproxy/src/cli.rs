@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{cfg, dead, pools, send, serve};
+use anyhow::Context as _;
+
+use crate::{cfg, dead, pools, send, serve, telemetry};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -136,20 +138,20 @@ pub struct SendArgs {
     pub url: String,
 }
 
-impl Cli {
-    /// The service logs its work; the command-line tools only their warnings.
-    pub fn default_log_level(&self) -> &'static str {
-        match self.command {
-            Command::Serve { .. } => "info",
-            _ => "warn",
-        }
-    }
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Runtime::new().context("cannot start the async runtime")
+}
 
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+impl Cli {
+    /// Runs the command. Telemetry is set up before the async runtime starts and torn
+    /// down after it ends (see `telemetry`).
+    pub fn run(self) -> anyhow::Result<ExitCode> {
         match self.command {
             Command::Serve { config } => {
                 let settings = cfg::load(config.as_deref())?;
-                serve::run(settings).await?;
+                let _telemetry =
+                    telemetry::init_service(&settings.config.log, &settings.config.telemetry)?;
+                runtime()?.block_on(serve::run(settings))?;
                 Ok(ExitCode::SUCCESS)
             }
             Command::CheckConfig { config, json } => {
@@ -157,36 +159,48 @@ impl Cli {
                 cfg::print_effective(&settings, json)?;
                 Ok(ExitCode::SUCCESS)
             }
-            Command::Send(args) => send::run(args).await,
-            Command::Pools {
-                command,
-                nats,
-                json,
-            } => {
-                match command {
-                    None => pools::list(&nats, json).await?,
-                    Some(PoolsCommand::Remove {
-                        name,
-                        nats,
-                        dead_letter,
-                    }) => pools::remove(&nats, &name, dead_letter).await?,
-                }
-                Ok(ExitCode::SUCCESS)
+            command => {
+                let _telemetry = telemetry::init_cli();
+                runtime()?.block_on(run_tool(command))
             }
-            Command::Dead { command } => {
-                match command {
-                    DeadCommand::List { nats, pool, json } => {
-                        dead::list(&nats, pool.as_deref(), json).await?
-                    }
-                    DeadCommand::Replay {
-                        nats,
-                        pool,
-                        id,
-                        json,
-                    } => dead::replay(&nats, pool.as_deref(), id.as_deref(), json).await?,
-                }
-                Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Send(args) => send::run(args).await,
+        Command::Pools {
+            command,
+            nats,
+            json,
+        } => {
+            match command {
+                None => pools::list(&nats, json).await?,
+                Some(PoolsCommand::Remove {
+                    name,
+                    nats,
+                    dead_letter,
+                }) => pools::remove(&nats, &name, dead_letter).await?,
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Dead { command } => {
+            match command {
+                DeadCommand::List { nats, pool, json } => {
+                    dead::list(&nats, pool.as_deref(), json).await?
+                }
+                DeadCommand::Replay {
+                    nats,
+                    pool,
+                    id,
+                    json,
+                } => dead::replay(&nats, pool.as_deref(), id.as_deref(), json).await?,
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Serve { .. } | Command::CheckConfig { .. } => {
+            unreachable!("handled before the runtime starts")
         }
     }
 }

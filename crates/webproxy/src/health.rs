@@ -1,38 +1,47 @@
-//! The health listener. Probes read in-memory state only: a load balancer's health
-//! checks must never open sessions or take pooled resources (the seed's outage).
-
-use std::sync::Arc;
+//! The health and metrics listener. Probes and scrapes read in-memory state only: a
+//! load balancer's health checks must never open sessions or take pooled resources
+//! (the seed's outage).
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use webproxy_dispatcher::Health;
+use webproxy_dispatcher::Instruments;
 
 /// `GET /healthz`: the process is alive. `GET /readyz`: connected to NATS, consumers
-/// provisioned, and not draining.
-pub fn router(health: Arc<Health>) -> Router {
+/// provisioned, and not draining. `GET /metrics`: Prometheus text format.
+pub fn router(instruments: Instruments) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/readyz",
-            get(|State(health): State<Arc<Health>>| async move {
-                if health.is_ready() {
+            get(|State(instruments): State<Instruments>| async move {
+                if instruments.health.is_ready() {
                     (StatusCode::OK, "ready\n")
                 } else {
                     (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
                 }
             }),
         )
-        .with_state(health)
+        .route(
+            "/metrics",
+            get(|State(instruments): State<Instruments>| async move {
+                (
+                    [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+                    instruments.render_metrics(),
+                )
+            }),
+        )
+        .with_state(instruments)
 }
 
 /// Serves the health endpoints on `listener` until the process ends; they must keep
 /// answering (503) while the service drains.
-pub fn spawn(listener: TcpListener, health: Arc<Health>) {
+pub fn spawn(listener: TcpListener, instruments: Instruments) {
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router(health)).await {
+        if let Err(e) = axum::serve(listener, router(instruments)).await {
             tracing::error!(error = %e, "health listener failed");
         }
     });

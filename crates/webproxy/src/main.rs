@@ -1,5 +1,5 @@
-//! The webproxy binary: parse the command line, load the configuration, set up
-//! logging, and run the chosen command until it ends or a signal stops it.
+//! The webproxy binary: parse the command line and run the chosen command until it
+//! ends or a signal stops it.
 
 mod cfg;
 mod cli;
@@ -15,16 +15,7 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
-    let _telemetry = telemetry::init(cli.default_log_level());
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(cli.run()) {
+    match cli::Cli::parse().run() {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");

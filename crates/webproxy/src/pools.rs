@@ -1,6 +1,7 @@
 //! `webproxy pools`: each pool's limit and queue, read from JetStream; and
 //! `webproxy pools remove`, which deletes a pool that no longer has waiting work.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, bail};
@@ -8,6 +9,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::TryStreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
+use webproxy_dispatcher::Metrics;
 use webproxy_dispatcher::runtime::{Outlet, end_unattempted};
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
@@ -166,6 +168,7 @@ async fn dead_letter_all(
         client.nats().clone(),
         client.subjects().clone(),
         max_payload,
+        Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
     );
     let reader: consumer::PullConsumer = stream
         .create_consumer(consumer::pull::Config {

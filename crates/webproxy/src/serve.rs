@@ -9,20 +9,20 @@ use tracing::{info, warn};
 use webproxy_dispatcher::config::ByteLimit;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
 use webproxy_dispatcher::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
-use webproxy_dispatcher::{Dispatcher, Health, Settings, connect};
+use webproxy_dispatcher::{Dispatcher, Health, Instruments, Settings, connect};
 use webproxy_worker::{Worker, WorkerConfig};
 
 use crate::health;
 
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let settings = Arc::new(settings);
-    // Margin under ack_wait: the last progress ack may have gone out a third of it ago.
-    let health_state = Arc::new(Health::new(settings.config.service.ack_wait / 2));
+    let instruments = Instruments::new(&settings);
+    let health_state = instruments.health.clone();
     let listen = settings.config.http.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on http.listen = {listen}"))?;
-    health::spawn(listener, health_state.clone());
+    health::spawn(listener, instruments.clone());
     info!(%listen, "health listener up");
 
     let shutdown = CancellationToken::new();
@@ -58,7 +58,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         client.clone(),
         worker,
         max_payload,
-        health_state.clone(),
+        instruments,
     );
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher

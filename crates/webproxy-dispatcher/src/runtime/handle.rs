@@ -1,7 +1,6 @@
 //! One message of a pool's request subject, from parse to ack: the caller's request,
 //! a retry that came due, or a redelivery.
 
-use std::borrow::Cow;
 use std::time::{Duration, Instant, SystemTime};
 
 use async_nats::HeaderMap;
@@ -10,7 +9,8 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
-use tracing::{debug, info, warn};
+use tracing::{Instrument as _, Span, debug, field, info, info_span, warn};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use webproxy_client::stored_reply_message;
 use webproxy_protocol::{
     AttemptRecord, ErrorBody, ErrorCode, ParseError, Request, header, parse_request,
@@ -22,11 +22,19 @@ use super::publish::{
     Ending, Outlet, copy_to_reply_to, from_unix_ms, publish_ending, publish_stored, unix_ms,
 };
 use crate::decision::{Admission, AttemptContext, Verdict, admit, expiry, judge};
+use crate::metrics::status_class;
 use crate::outbox::{EncodedReply, ReplyContext, error_reply, invalid_request, response_reply};
 use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
+use crate::trace;
 
 fn header_str<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
     headers.and_then(|h| h.get(name)).map(|v| v.as_str())
+}
+
+/// Span fields as i64: OpenTelemetry has no unsigned integers, and u64 fields would be
+/// exported as strings.
+fn as_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -93,6 +101,7 @@ impl Conversation<'_> {
     fn ending(&self) -> Ending<'_> {
         Ending {
             pool: self.pool,
+            rule: self.rule,
             id: self.id.as_deref(),
             reply_to: self.reply_to.as_deref(),
             generation: self.generation,
@@ -102,7 +111,27 @@ impl Conversation<'_> {
     }
 }
 
+/// Handles one message inside a span whose parent is the caller's trace context, so
+/// that the caller's trace continues through webproxy (a request without one starts a
+/// new trace).
 pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
+    let span = info_span!(
+        "request",
+        otel.name = "webproxy request",
+        otel.kind = "consumer",
+        pool,
+        id = field::Empty,
+        rule = field::Empty,
+        generation = field::Empty,
+        delivered = field::Empty,
+        queue_wait_ms = field::Empty,
+        backoff_ms = field::Empty,
+    );
+    let _ = span.set_parent(trace::extract(message.headers.as_ref()));
+    handle_message(shared, pool, message).instrument(span).await;
+}
+
+async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message) {
     let epoch = shared.health.redelivery_epoch();
     let hop = Hop::read(message.headers.as_ref());
     let (delivered, published) = match message.info() {
@@ -155,6 +184,10 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         rule: "none",
         epoch,
     };
+    let span = Span::current();
+    span.record("id", conversation.raw_id.as_str());
+    span.record("generation", as_i64(conversation.generation));
+    span.record("delivered", delivered);
 
     // A retry or a redelivery may belong to a conversation that already ended (a crash
     // between storing the reply and acking): its stored reply is the answer.
@@ -193,6 +226,7 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         Admission::Attempt(rule) => rule,
     };
     conversation.rule = &rule.name;
+    Span::current().record("rule", rule.name.as_str());
 
     let now = SystemTime::now();
     let deadline = request.deadline.map(SystemTime::from);
@@ -221,8 +255,14 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         return;
     }
 
-    let (outcome, record) =
-        attempt(shared, &message, &request, rule, conversation.generation).await;
+    if conversation.attempts.is_empty() {
+        let wait = SystemTime::now()
+            .duration_since(conversation.since)
+            .unwrap_or_default();
+        shared.outlet.metrics.queue_wait(pool, wait);
+        Span::current().record("queue_wait_ms", as_i64(millis(wait)));
+    }
+    let (outcome, record) = attempt(shared, &message, &request, rule, &conversation).await;
     conversation.attempts.push(record);
     let context = AttemptContext {
         rule,
@@ -368,60 +408,94 @@ async fn attempt(
     message: &jetstream::Message,
     request: &Request,
     rule: &RequestRule,
-    generation: u64,
+    conversation: &Conversation<'_>,
 ) -> (AttemptOutcome, AttemptRecord) {
-    let at = OffsetDateTime::now_utc()
-        .format(&Rfc3339)
-        .unwrap_or_default();
-    let started = Instant::now();
-    let headers: Cow<'_, [(String, String)]> = match &rule.idempotency_header {
-        None => Cow::Borrowed(&request.headers),
-        Some(name) => {
+    let number = conversation.attempts.len() + 1;
+    let span = info_span!(
+        "attempt",
+        otel.name = %format_args!("{} {}", request.method, request.url.host_str().unwrap_or("")),
+        otel.kind = "client",
+        id = %request.id,
+        pool = conversation.pool,
+        rule = %rule.name,
+        attempt = as_i64(number as u64),
+        http.request.method = request.method.as_str(),
+        server.address = request.url.host_str().unwrap_or(""),
+        http.response.status_code = field::Empty,
+        failure = field::Empty,
+        duration_ms = field::Empty,
+    );
+    let (outcome, record) = async {
+        let at = OffsetDateTime::now_utc()
+            .format(&Rfc3339)
+            .unwrap_or_default();
+        let started = Instant::now();
+        let mut headers = request.headers.clone();
+        if let Some(name) = &rule.idempotency_header {
             // The rule's key replaces a caller's header of the same name.
-            let mut headers: Vec<_> = request
-                .headers
-                .iter()
-                .filter(|(n, _)| !n.eq_ignore_ascii_case(name))
-                .cloned()
-                .collect();
-            headers.push((name.clone(), format!("{}:{generation}", request.id)));
-            Cow::Owned(headers)
+            headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+            headers.push((
+                name.clone(),
+                format!("{}:{}", request.id, conversation.generation),
+            ));
         }
-    };
-    let timeout = request
-        .timeout
-        .map_or(rule.timeout, |t| t.min(rule.timeout));
-    let attempt = shared.worker.attempt(AttemptRequest {
-        method: request.method.as_str(),
-        url: &request.url,
-        headers: &headers,
-        body: Bytes::from(request.body.clone()),
-        timeout,
-    });
-    tokio::pin!(attempt);
-    let period = shared.settings.config.service.ack_wait / 3;
-    let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    let outcome = loop {
-        tokio::select! {
-            outcome = &mut attempt => break outcome,
-            _ = progress.tick() => {
-                if let Err(e) = message.ack_with(AckKind::Progress).await {
-                    debug!(error = %e, "progress ack failed");
+        // The upstream continues the trace from this attempt's span.
+        trace::inject_http(&span.context(), &mut headers);
+        let timeout = request
+            .timeout
+            .map_or(rule.timeout, |t| t.min(rule.timeout));
+        let attempt = shared.worker.attempt(AttemptRequest {
+            method: request.method.as_str(),
+            url: &request.url,
+            headers: &headers,
+            body: Bytes::from(request.body.clone()),
+            timeout,
+        });
+        tokio::pin!(attempt);
+        let period = shared.settings.config.service.ack_wait / 3;
+        let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let outcome = loop {
+            tokio::select! {
+                outcome = &mut attempt => break outcome,
+                _ = progress.tick() => {
+                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                        debug!(error = %e, "progress ack failed");
+                    }
                 }
             }
-        }
+        };
+        let (status, failure) = match &outcome {
+            AttemptOutcome::Response(r) => (Some(r.status), None),
+            AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
+            AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
+        };
+        let record = AttemptRecord {
+            at,
+            status,
+            failure,
+            duration_ms: millis(started.elapsed()),
+        };
+        (outcome, record)
+    }
+    .instrument(span.clone())
+    .await;
+    match (record.status, &record.failure) {
+        (Some(status), _) => span.record("http.response.status_code", i64::from(status)),
+        (None, Some(failure)) => span.record("failure", failure.as_str()),
+        (None, None) => &span,
     };
-    let (status, failure) = match &outcome {
-        AttemptOutcome::Response(r) => (Some(r.status), None),
-        AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
-        AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
+    span.record("duration_ms", as_i64(record.duration_ms));
+    let result = match &outcome {
+        AttemptOutcome::Response(r) => status_class(r.status),
+        AttemptOutcome::TooLarge { status, .. } => status_class(*status),
+        AttemptOutcome::Failed(f) => f.kind.as_str(),
     };
-    let record = AttemptRecord {
-        at,
-        status,
-        failure,
-        duration_ms: millis(started.elapsed()),
-    };
+    shared.outlet.metrics.attempt(
+        conversation.pool,
+        &rule.name,
+        result,
+        Duration::from_millis(record.duration_ms),
+    );
     (outcome, record)
 }
 
@@ -460,6 +534,7 @@ async fn hand_off(
         return;
     };
     let mut headers = hop_headers(id, conversation);
+    trace::forward(message.headers.as_ref(), &mut headers);
     if let Some(due) = due {
         headers.insert(header::DUE, unix_ms(due).to_string().as_str());
     }
@@ -509,6 +584,7 @@ async fn park(
 ) {
     let subject = shared.outlet.subjects.retry(conversation.pool);
     let hop = format!("park:{}", conversation.attempts.len());
+    Span::current().record("backoff_ms", as_i64(millis(after)));
     hand_off(
         shared,
         message,

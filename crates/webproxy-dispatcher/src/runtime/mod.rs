@@ -23,6 +23,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 use webproxy_worker::Worker;
 
+use crate::Instruments;
 use crate::config::Settings;
 use crate::gauges::Gauges;
 use crate::health::Health;
@@ -78,22 +79,22 @@ impl Dispatcher {
         client: async_nats::Client,
         worker: Worker,
         max_payload: usize,
-        health: Arc<Health>,
+        instruments: Instruments,
     ) -> Dispatcher {
         Dispatcher {
             shared: Arc::new(Shared {
-                gauges: Arc::new(Gauges::new(settings.pools.keys())),
-                outlet: Outlet::new(client, settings.subjects.clone(), max_payload),
+                gauges: instruments.gauges,
+                outlet: Outlet::new(
+                    client,
+                    settings.subjects.clone(),
+                    max_payload,
+                    instruments.metrics,
+                ),
                 settings,
                 worker,
-                health,
+                health: instruments.health,
             }),
         }
-    }
-
-    /// The per-pool gauges, for the metrics endpoint.
-    pub fn gauges(&self) -> Arc<Gauges> {
-        self.shared.gauges.clone()
     }
 
     /// Runs the pool loops until `shutdown` is cancelled, then waits up to `grace` for

@@ -2,6 +2,7 @@
 //! from meanwhile: a publish is retried until the server confirms it, with progress
 //! acks so the held message is not redelivered elsewhere in the meantime.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_nats::HeaderMap;
@@ -11,9 +12,12 @@ use bytes::Bytes;
 use tracing::{debug, warn};
 use webproxy_protocol::{AttemptRecord, ErrorBody, header};
 
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use webproxy_protocol::Subjects;
 
+use crate::metrics::Metrics;
 use crate::outbox::{EncodedReply, dead_letter};
+use crate::trace;
 
 /// Where a conversation's products go: the NATS connection and the names and limits
 /// that shape what is published.
@@ -24,15 +28,23 @@ pub struct Outlet {
     pub subjects: Subjects,
     /// The server's `max_payload`: replies and dead letters are built to fit it.
     pub max_payload: usize,
+    /// Conversations and dead letters are counted where they are published.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Outlet {
-    pub fn new(client: async_nats::Client, subjects: Subjects, max_payload: usize) -> Outlet {
+    pub fn new(
+        client: async_nats::Client,
+        subjects: Subjects,
+        max_payload: usize,
+        metrics: Arc<Metrics>,
+    ) -> Outlet {
         Outlet {
             js: jetstream::new(client.clone()),
             client,
             subjects,
             max_payload,
+            metrics,
         }
     }
 }
@@ -99,6 +111,8 @@ pub fn from_unix_ms(ms: u64) -> SystemTime {
 /// What a conversation needs to publish its end.
 pub struct Ending<'a> {
     pub pool: &'a str,
+    /// The rule that decided, `none` when no rule matched: a metrics label.
+    pub rule: &'a str,
     /// A valid id: the reply is stored under `<prefix>.reply.<id>`.
     pub id: Option<&'a str>,
     pub reply_to: Option<&'a str>,
@@ -123,6 +137,8 @@ pub async fn publish_ending(
     let mut headers = HeaderMap::new();
     headers.insert(header::OUTCOME, outcome);
     headers.insert(header::GENERATION, ending.generation.to_string().as_str());
+    // The caller continues its trace from the reply.
+    trace::inject_nats(&tracing::Span::current().context(), &mut headers);
     if let Some(id) = ending.id {
         let subject = outlet.subjects.reply(id);
         let msg_id = format!("{id}:{}:reply", ending.generation);
@@ -142,6 +158,11 @@ pub async fn publish_ending(
     if let Some(error) = &reply.error {
         publish_dead_letter(outlet, hold, ending, error).await;
     }
+    outlet.metrics.request_finished(
+        ending.pool,
+        ending.rule,
+        reply.error.as_ref().map(|e| e.code.as_str()),
+    );
 }
 
 /// The core-NATS copy of a reply for a caller's own `reply_to`.
@@ -181,6 +202,7 @@ pub async fn publish_dead_letter(
     // Dead letters are an audit trail: no message id, so a replayed conversation that
     // fails again is recorded again rather than taken for a duplicate.
     publish_stored(outlet, hold, &subject, None, &headers, &payload).await;
+    outlet.metrics.dead_letter(ending.pool, error.code.as_str());
     debug!(
         pool = ending.pool,
         id = ending.id.unwrap_or(""),

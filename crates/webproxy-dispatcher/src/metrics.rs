@@ -1,0 +1,288 @@
+//! Prometheus metrics. Label values come from the configuration (pool and rule names)
+//! and from closed sets (outcomes, codes, result classes), never from URLs or ids, so
+//! cardinality stays bounded.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::gauges::Gauges;
+use crate::health::Health;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    pool: String,
+    rule: String,
+    outcome: &'static str,
+    code: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AttemptLabels {
+    pool: String,
+    rule: String,
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleLabels {
+    pool: String,
+    rule: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    pool: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeadLabels {
+    pool: String,
+    code: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// From 1 ms to about 65 s: HTTP attempts and queue waits both span that range.
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// Every metric webproxy exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    attempts: Family<AttemptLabels, Counter>,
+    attempt_duration: HistogramFamily<RuleLabels>,
+    queue_wait: HistogramFamily<PoolLabels>,
+    in_flight: Family<PoolLabels, Gauge>,
+    pool_waiting: Family<PoolLabels, Gauge>,
+    pool_parked: Family<PoolLabels, Gauge>,
+    dead_letters: Family<DeadLabels, Counter>,
+    nats_connected: Gauge,
+}
+
+impl Metrics {
+    pub fn new(version: &str) -> Metrics {
+        let mut registry = Registry::with_prefix("webproxy");
+        let requests = Family::default();
+        registry.register(
+            "requests",
+            "Conversations ended, by pool, rule (\"none\" when no rule matched), outcome and error code (\"none\" for responses)",
+            requests.clone(),
+        );
+        let attempts = Family::default();
+        registry.register(
+            "attempts",
+            "HTTP attempts, by pool, rule and result: a status class (2xx..5xx) or a transport failure kind",
+            attempts.clone(),
+        );
+        let attempt_duration: HistogramFamily<RuleLabels> =
+            Family::new_with_constructor(seconds_histogram);
+        registry.register(
+            "attempt_duration_seconds",
+            "Duration of HTTP attempts",
+            attempt_duration.clone(),
+        );
+        let queue_wait: HistogramFamily<PoolLabels> =
+            Family::new_with_constructor(seconds_histogram);
+        registry.register(
+            "queue_wait_seconds",
+            "Time from the caller's publish to the first attempt",
+            queue_wait.clone(),
+        );
+        let in_flight = Family::default();
+        registry.register(
+            "in_flight",
+            "Messages being handled by this instance now; sum across pods",
+            in_flight.clone(),
+        );
+        let pool_waiting = Family::default();
+        registry.register(
+            "pool_waiting",
+            "Requests waiting in the pool's queue, cluster-wide: every pod reports the same value, so aggregate with max, not sum",
+            pool_waiting.clone(),
+        );
+        let pool_parked = Family::default();
+        registry.register(
+            "pool_parked",
+            "Retries parked waiting for their due time, cluster-wide: every pod reports the same value, so aggregate with max, not sum",
+            pool_parked.clone(),
+        );
+        let dead_letters = Family::default();
+        registry.register(
+            "dead_letters",
+            "Dead letters written, by pool and error code",
+            dead_letters.clone(),
+        );
+        let nats_connected = Gauge::default();
+        registry.register(
+            "nats_connected",
+            "1 while this instance is connected to NATS",
+            nats_connected.clone(),
+        );
+        let build_info: Family<BuildLabels, Gauge> = Family::default();
+        build_info
+            .get_or_create(&BuildLabels {
+                version: version.to_string(),
+            })
+            .set(1);
+        registry.register("build_info", "The running version", build_info);
+        Metrics {
+            registry,
+            requests,
+            attempts,
+            attempt_duration,
+            queue_wait,
+            in_flight,
+            pool_waiting,
+            pool_parked,
+            dead_letters,
+            nats_connected,
+        }
+    }
+
+    /// A conversation ended with `code` (`None` for a response).
+    pub fn request_finished(&self, pool: &str, rule: &str, code: Option<&'static str>) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                pool: pool.to_string(),
+                rule: rule.to_string(),
+                outcome: if code.is_some() { "error" } else { "response" },
+                code: code.unwrap_or("none"),
+            })
+            .inc();
+    }
+
+    /// An HTTP attempt ended with `result` after `duration`.
+    pub fn attempt(&self, pool: &str, rule: &str, result: &'static str, duration: Duration) {
+        self.attempts
+            .get_or_create(&AttemptLabels {
+                pool: pool.to_string(),
+                rule: rule.to_string(),
+                result,
+            })
+            .inc();
+        self.attempt_duration
+            .get_or_create(&RuleLabels {
+                pool: pool.to_string(),
+                rule: rule.to_string(),
+            })
+            .observe(duration.as_secs_f64());
+    }
+
+    /// A request waited `wait` from its publish to its first attempt.
+    pub fn queue_wait(&self, pool: &str, wait: Duration) {
+        self.queue_wait
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
+            })
+            .observe(wait.as_secs_f64());
+    }
+
+    pub fn dead_letter(&self, pool: &str, code: &'static str) {
+        self.dead_letters
+            .get_or_create(&DeadLabels {
+                pool: pool.to_string(),
+                code,
+            })
+            .inc();
+    }
+
+    /// The Prometheus text exposition, with the gauges read now.
+    pub fn render(&self, gauges: &Gauges, health: &Health) -> String {
+        for (pool, gauge) in gauges.iter() {
+            let labels = PoolLabels {
+                pool: pool.to_string(),
+            };
+            let set = |family: &Family<PoolLabels, Gauge>, value: u64| {
+                family
+                    .get_or_create(&labels)
+                    .set(i64::try_from(value).unwrap_or(i64::MAX));
+            };
+            set(&self.in_flight, gauge.in_flight());
+            set(&self.pool_waiting, gauge.waiting());
+            set(&self.pool_parked, gauge.parked());
+        }
+        self.nats_connected.set(i64::from(health.nats_connected()));
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// The `result` label of an attempt that got an HTTP status.
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_the_agreed_names_and_labels() {
+        let metrics = Metrics::new("1.2.3");
+        metrics.request_finished("default", "orders", None);
+        metrics.request_finished("default", "none", Some("denied"));
+        metrics.attempt(
+            "default",
+            "orders",
+            status_class(503),
+            Duration::from_millis(20),
+        );
+        metrics.queue_wait("default", Duration::from_millis(5));
+        metrics.dead_letter("default", "denied");
+        let gauges = Gauges::new(&["default".to_string()]);
+        let pool = gauges.pool("default").expect("pool");
+        let _busy = pool.start();
+        pool.set_queued(7, 2);
+        let health = Health::new(Duration::from_secs(5));
+        health.set_nats_connected(true);
+        let text = metrics.render(&gauges, &health);
+        for line in [
+            r#"webproxy_requests_total{pool="default",rule="orders",outcome="response",code="none"} 1"#,
+            r#"webproxy_requests_total{pool="default",rule="none",outcome="error",code="denied"} 1"#,
+            r#"webproxy_attempts_total{pool="default",rule="orders",result="5xx"} 1"#,
+            r#"webproxy_attempt_duration_seconds_count{pool="default",rule="orders"} 1"#,
+            r#"webproxy_queue_wait_seconds_count{pool="default"} 1"#,
+            r#"webproxy_in_flight{pool="default"} 1"#,
+            r#"webproxy_pool_waiting{pool="default"} 7"#,
+            r#"webproxy_pool_parked{pool="default"} 2"#,
+            r#"webproxy_dead_letters_total{pool="default",code="denied"} 1"#,
+            "webproxy_nats_connected 1",
+            r#"webproxy_build_info{version="1.2.3"} 1"#,
+        ] {
+            assert!(text.contains(line), "missing {line}\n{text}");
+        }
+        assert!(text.contains("aggregate with max"), "{text}");
+    }
+
+    #[test]
+    fn status_classes() {
+        assert_eq!(status_class(204), "2xx");
+        assert_eq!(status_class(302), "3xx");
+        assert_eq!(status_class(429), "4xx");
+        assert_eq!(status_class(599), "5xx");
+        assert_eq!(status_class(101), "other");
+    }
+}
