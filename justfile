@@ -64,6 +64,10 @@ test:
     # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
     {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace; else cargo test --workspace; fi
 
+# Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
+schema:
+    UPDATE_SCHEMA=1 cargo test -p webproxy-protocol --test schema
+
 # Run the integration tests `runs` times in a row, stopping at the first failure, to shake out flakes.
 soak runs="10":
     cargo build --workspace --bins
