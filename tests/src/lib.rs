@@ -8,6 +8,7 @@
 
 pub mod caller;
 mod nats;
+mod relay;
 mod service;
 mod upstream;
 mod wait;
@@ -15,6 +16,7 @@ mod wait;
 use std::sync::Once;
 
 pub use nats::NatsServer;
+pub use relay::Relay;
 pub use service::{Service, webproxy_bin};
 pub use upstream::Upstream;
 pub use wait::{free_port, wait_for, wait_until};
