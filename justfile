@@ -57,7 +57,7 @@ run:
     cargo run --release -p webproxy -- serve --config config/webproxy.toml
 
 # Format check, clippy, build the binaries the integration tests spawn, then run every test, the clients' last.
-test: && test-python
+test: && test-python test-node
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     cargo build --workspace --bins
@@ -70,6 +70,12 @@ test-python:
     [[ -x .venv-clients/bin/python ]] || python3 -m venv .venv-clients
     .venv-clients/bin/python -m pip install --quiet --disable-pip-version-check -r clients/python/requirements-dev.txt
     {{ _nats_path }}; cd clients/python && ../../.venv-clients/bin/python -m pytest
+
+# The Node client's tests: the schema, and a live webproxy on a real nats-server. Dependencies from its lockfile.
+test-node:
+    cargo build -p webproxy --bin webproxy
+    cd clients/node && npm ci --no-audit --no-fund
+    {{ _nats_path }}; cd clients/node && node --test
 
 # Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
 schema:
