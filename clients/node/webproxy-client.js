@@ -55,7 +55,7 @@ export class Reply {
   get outcome() {
     return this.raw.outcome;
   }
-  /** Whether the upstream answered (with any status: a 500 is a response). */
+  /** Whether this is the upstream's HTTP response rather than an error outcome. */
   get ok() {
     return this.raw.outcome === "response";
   }

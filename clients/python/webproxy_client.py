@@ -116,7 +116,7 @@ class Reply:
 
     @property
     def ok(self) -> bool:
-        """Whether the upstream answered (with any status: a 500 is a response)."""
+        """Whether this is the upstream's HTTP response rather than an error outcome."""
         return self.outcome == "response"
 
     @property
