@@ -266,7 +266,12 @@ class Client:
                 raise ReplyTimeout(id, wait)
             return stored
         finally:
-            await sub.unsubscribe()
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                # A closed connection has dropped the subscription already; the
+                # exception that got us here is the one to report.
+                pass
 
     async def submit(
         self, method: str, url: str, *, pool: str = DEFAULT_POOL, **fields: Any
