@@ -56,13 +56,30 @@ run:
     fi
     cargo run --release -p webproxy -- serve --config config/webproxy.toml
 
-# Format check, clippy, build the binaries the integration tests spawn, then run every test.
-test:
+# Format check, clippy, build the binaries the integration tests spawn, then run every test, the clients' last.
+test: && test-python test-node
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     cargo build --workspace --bins
     # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
     {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace; else cargo test --workspace; fi
+
+# The Python client's tests: the schema, and a live webproxy on a real nats-server. Dependencies (pinned) go into .venv-clients/.
+test-python:
+    cargo build -p webproxy --bin webproxy
+    [[ -x .venv-clients/bin/python ]] || python3 -m venv .venv-clients
+    .venv-clients/bin/python -m pip install --quiet --disable-pip-version-check -r clients/python/requirements-dev.txt
+    {{ _nats_path }}; cd clients/python && ../../.venv-clients/bin/python -m pytest
+
+# The Node client's tests: the schema, and a live webproxy on a real nats-server. Dependencies from its lockfile.
+test-node:
+    cargo build -p webproxy --bin webproxy
+    cd clients/node && npm ci --no-audit --no-fund
+    {{ _nats_path }}; cd clients/node && node --test
+
+# Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
+schema:
+    UPDATE_SCHEMA=1 cargo test -p webproxy-protocol --test schema
 
 # Run the integration tests `runs` times in a row, stopping at the first failure, to shake out flakes.
 soak runs="10":

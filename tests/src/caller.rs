@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
-use webproxy_client::{Client, new_id};
+use webproxy_client::{Client, Request, new_id};
 use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
 
 use crate::{NatsServer, Service, Upstream, wait_for};
@@ -78,12 +78,10 @@ impl Harness {
 
     /// Sends `envelope` to the default pool and waits for its reply.
     pub async fn request(&self, envelope: &RequestEnvelope) -> Reply {
-        self.client
-            .request("default", envelope, REPLY_TIMEOUT)
-            .await
-            .unwrap_or_else(|e| {
-                panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
-            })
+        let request = Request::from_envelope(envelope.clone()).wait(REPLY_TIMEOUT);
+        self.client.request(&request).await.unwrap_or_else(|e| {
+            panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
+        })
     }
 
     /// Publishes raw bytes to a pool's request subject with JetStream.
@@ -138,4 +136,9 @@ impl Harness {
             .await
             .expect("consumer info")
     }
+}
+
+/// `envelope` as a client request to `pool`.
+pub fn to(pool: &str, envelope: &RequestEnvelope) -> Request {
+    Request::from_envelope(envelope.clone()).pool(pool)
 }

@@ -9,6 +9,7 @@
 pub mod caller;
 mod cluster;
 mod nats;
+mod relay;
 mod service;
 mod upstream;
 mod wait;
@@ -17,6 +18,7 @@ use std::sync::Once;
 
 pub use cluster::NatsCluster;
 pub use nats::NatsServer;
+pub use relay::Relay;
 pub use service::{Service, webproxy_bin};
 pub use upstream::{Upstream, default_routes};
 pub use wait::{closed_port, free_port, wait_for, wait_until};

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use serde_json::{Value, json};
-use webproxy_client::Error as ClientError;
+use webproxy_client::{Error as ClientError, Request};
 use webproxy_protocol::{ErrorCode, HeaderValue, Outcome, Reply, header};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope};
 use webproxy_tests::{NatsServer, Service, http_client, wait_for, wait_until};
@@ -252,10 +252,8 @@ fn regex_escape_url(url: &str) -> String {
 #[tokio::test]
 async fn publish_to_unknown_pool_fails() {
     let h = Harness::start(|up| accept_rule("local", up)).await;
-    let result = h
-        .client
-        .submit("nope", &envelope("GET", &h.upstream.url("/echo")))
-        .await;
+    let request = Request::from(envelope("GET", &h.upstream.url("/echo"))).pool("nope");
+    let result = h.client.submit(&request).await;
     assert!(
         matches!(result, Err(ClientError::NoSuchPool { ref pool, .. }) if pool == "nope"),
         "{result:?}"

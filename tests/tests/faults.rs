@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures::StreamExt as _;
 use webproxy_client::Client;
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
-use webproxy_tests::caller::{accept_rule, envelope};
+use webproxy_tests::caller::{accept_rule, envelope, to};
 use webproxy_tests::{
     NatsCluster, NatsServer, Service, Upstream, http_client, wait_for, wait_until,
 };
@@ -139,7 +139,12 @@ async fn submit_all(client: &Client, upstream: &Upstream, path: &str, count: usi
     let mut ids = Vec::with_capacity(count);
     for _ in 0..count {
         let request = envelope("GET", &upstream.url(path));
-        ids.push(client.submit("default", &request).await.expect("submit"));
+        ids.push(
+            client
+                .submit(&to("default", &request))
+                .await
+                .expect("submit"),
+        );
     }
     ids
 }
@@ -340,7 +345,7 @@ async fn poison_input_is_dead_lettered_and_valid_requests_are_answered() {
             if i < valid {
                 ids.push(
                     client
-                        .submit("default", &envelope("GET", &url))
+                        .submit(&to("default", &envelope("GET", &url)))
                         .await
                         .expect("submit"),
                 );
@@ -418,7 +423,10 @@ async fn a_message_that_keeps_killing_instances_is_ended_as_poison() {
         .await
         .expect("subscribe");
     let mut service = Service::start(&nats, &config).await;
-    client.submit("default", &request).await.expect("submit");
+    client
+        .submit(&to("default", &request))
+        .await
+        .expect("submit");
     for delivery in 1..=2 {
         if delivery > 1 {
             service = Service::start(&nats, &config).await;
@@ -477,7 +485,10 @@ async fn a_parked_retry_survives_a_restart() {
     let mut first = Service::start(&nats, &config).await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     let request = envelope("GET", &upstream.url("/status/503"));
-    client.submit("default", &request).await.expect("submit");
+    client
+        .submit(&to("default", &request))
+        .await
+        .expect("submit");
     // Killed only once the retry is parked and the request acked; a kill before that
     // is the crash test's case, where the attempt is legitimately repeated.
     let js = jetstream::new(nats.client().await);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use webproxy_client::{Client, Error as ClientError};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
-use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope};
+use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
 use webproxy_tests::{NatsServer, Service, Upstream, wait_until, webproxy_bin};
 
 struct Cluster {
@@ -41,7 +41,7 @@ impl Cluster {
             let request = envelope("GET", &url);
             async move {
                 self.client
-                    .request(pool, &request, Duration::from_secs(60))
+                    .request(&to(pool, &request).wait(Duration::from_secs(60)))
                     .await
             }
         }))
@@ -110,16 +110,18 @@ async fn a_long_attempt_is_not_redelivered_while_it_runs() {
     .await;
     let long = envelope("GET", &c.upstream.url("/delay/3000"));
     let short = envelope("GET", &c.upstream.url("/delay/10"));
-    let (long_reply, short_reply) =
-        tokio::join!(c.client.request("default", &long, REPLY_TIMEOUT), async {
-            wait_until(
-                Duration::from_secs(10),
-                "the long attempt to start",
-                || async { c.upstream.hits_for("/delay/3000") == 1 },
-            )
-            .await;
-            c.client.request("default", &short, REPLY_TIMEOUT).await
-        });
+    let long = to("default", &long).wait(REPLY_TIMEOUT);
+    let (long_reply, short_reply) = tokio::join!(c.client.request(&long), async {
+        wait_until(
+            Duration::from_secs(10),
+            "the long attempt to start",
+            || async { c.upstream.hits_for("/delay/3000") == 1 },
+        )
+        .await;
+        c.client
+            .request(&to("default", &short).wait(REPLY_TIMEOUT))
+            .await
+    });
     assert_eq!(long_reply.expect("long reply").status, Some(200));
     assert_eq!(short_reply.expect("short reply").status, Some(200));
     assert_eq!(
@@ -159,7 +161,10 @@ async fn a_deadline_expires_a_request_waiting_behind_a_saturated_pool() {
     })
     .await;
     c.client
-        .submit("default", &envelope("GET", &c.upstream.url("/delay/2000")))
+        .submit(&to(
+            "default",
+            &envelope("GET", &c.upstream.url("/delay/2000")),
+        ))
         .await
         .expect("submit");
     wait_until(Duration::from_secs(10), "the slot to be taken", || async {
@@ -175,7 +180,7 @@ async fn a_deadline_expires_a_request_waiting_behind_a_saturated_pool() {
     );
     let reply = c
         .client
-        .request("default", &waiting, REPLY_TIMEOUT)
+        .request(&to("default", &waiting).wait(REPLY_TIMEOUT))
         .await
         .expect("reply");
     assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::Expired));
@@ -213,7 +218,7 @@ async fn pools_are_listed_and_removed() {
         .expect("subscribe");
     for _ in 0..3 {
         c.client
-            .submit("p1", &envelope("GET", &c.upstream.url("/echo")))
+            .submit(&to("p1", &envelope("GET", &c.upstream.url("/echo"))))
             .await
             .expect("submit");
     }
@@ -259,7 +264,7 @@ async fn pools_are_listed_and_removed() {
 
     let result = c
         .client
-        .submit("p1", &envelope("GET", &c.upstream.url("/echo")))
+        .submit(&to("p1", &envelope("GET", &c.upstream.url("/echo"))))
         .await;
     assert!(
         matches!(result, Err(ClientError::NoSuchPool { .. })),
@@ -298,7 +303,10 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         .map(|_| envelope("GET", &upstream.url("/echo")))
         .collect();
     for request in &waiting {
-        client.submit("default", request).await.expect("submit");
+        client
+            .submit(&to("default", request))
+            .await
+            .expect("submit");
     }
     let second = Service::start(&nats, &config(5)).await;
     let after = stream

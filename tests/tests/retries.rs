@@ -12,7 +12,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{any, get};
 use webproxy_protocol::{ErrorCode, HeaderValue, Outcome};
-use webproxy_tests::caller::{Harness, accept_rule, envelope};
+use webproxy_tests::caller::{Harness, accept_rule, envelope, to};
 use webproxy_tests::{Upstream, default_routes};
 
 /// Upstream routes for retry tests, beside the default ones:
@@ -300,7 +300,10 @@ async fn queue_timeout_expires_a_request_stuck_behind_a_busy_pool() {
     })
     .await;
     let slow = envelope("GET", &h.upstream.url("/delay/2000"));
-    h.client.submit("default", &slow).await.expect("submit");
+    h.client
+        .submit(&to("default", &slow))
+        .await
+        .expect("submit");
     webproxy_tests::wait_until(
         Duration::from_secs(10),
         "the slow request to start",
@@ -326,7 +329,10 @@ async fn a_parked_retry_does_not_block_its_pool() {
     })
     .await;
     let failing = envelope("GET", &h.upstream.url("/status/503"));
-    h.client.submit("default", &failing).await.expect("submit");
+    h.client
+        .submit(&to("default", &failing))
+        .await
+        .expect("submit");
     webproxy_tests::wait_until(
         Duration::from_secs(10),
         "the first failing attempt",

@@ -17,6 +17,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use url::Url;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::headers::{Headers, is_hop_by_hop};
@@ -81,27 +82,41 @@ impl fmt::Display for Method {
 
 /// A request envelope as a caller writes it: the unvalidated wire shape. The service
 /// reads envelopes with [`parse_request`]; clients build and serialize this.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+///
+/// The `schemars` attributes give each field the constraints `parse_request` enforces,
+/// for the published JSON Schema (see `schema.rs`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct RequestEnvelope {
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::version")]
     pub v: Option<u8>,
+    #[schemars(schema_with = "crate::schema::id")]
     pub id: String,
+    #[schemars(schema_with = "crate::schema::method")]
     pub method: String,
+    #[schemars(schema_with = "crate::schema::url")]
     pub url: String,
     #[serde(default, skip_serializing_if = "Headers::is_empty")]
+    #[schemars(schema_with = "crate::schema::request_headers")]
     pub headers: Headers,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::text_body")]
     pub body: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::base64_body")]
     pub body_base64: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::reply_to")]
     pub reply_to: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::timeout_ms")]
     pub timeout_ms: Option<u64>,
-    /// RFC 3339.
+    // RFC 3339.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::deadline")]
     pub deadline: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::metadata")]
     pub metadata: Option<Value>,
 }
 

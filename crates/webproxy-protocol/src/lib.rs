@@ -7,6 +7,7 @@
 mod envelope;
 mod headers;
 mod reply;
+pub mod schema;
 mod subjects;
 
 pub use envelope::{InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, parse_request};

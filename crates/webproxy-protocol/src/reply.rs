@@ -4,6 +4,7 @@ use std::fmt;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -11,7 +12,7 @@ use crate::PROTOCOL_VERSION;
 use crate::headers::Headers;
 
 /// How a conversation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     Response,
@@ -28,7 +29,7 @@ impl Outcome {
 }
 
 /// The closed set of error codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     InvalidRequest,
@@ -63,7 +64,7 @@ impl fmt::Display for ErrorCode {
 }
 
 /// An error outcome's details.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {
     pub code: ErrorCode,
     pub message: String,
@@ -72,10 +73,12 @@ pub struct ErrorBody {
 }
 
 /// A response body as it travels: UTF-8 text as `body`, anything else as `body_base64`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ReplyBody {
+    /// The body when it is UTF-8 text (an empty body is `""`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body: Option<String>,
+    /// Any other body, in standard base64.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body_base64: Option<String>,
 }
@@ -106,13 +109,17 @@ impl ReplyBody {
 }
 
 /// The final reply of a conversation.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct Reply {
+    #[schemars(schema_with = "crate::schema::reply_version")]
     pub v: u8,
+    /// The request's id (for an `invalid_request` reply, the id as it was given).
     pub id: String,
     pub outcome: Outcome,
+    /// The upstream's HTTP status, on a response.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
+    /// The response headers, names lower case; a repeated header is an array.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub headers: Option<Headers>,
     #[serde(flatten)]
@@ -121,8 +128,11 @@ pub struct Reply {
     pub error: Option<ErrorBody>,
     /// HTTP attempts started, a refused connection included.
     pub attempts: u32,
+    /// How long the service spent on the conversation, in milliseconds.
     pub duration_ms: u64,
+    /// The request's `metadata`, byte for byte.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::any_json")]
     pub metadata: Option<Box<RawValue>>,
 }
 
@@ -175,7 +185,7 @@ impl Reply {
 }
 
 /// One attempt in a conversation's history, as dead letters record it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AttemptRecord {
     /// RFC 3339 start time.
     pub at: String,
@@ -189,7 +199,7 @@ pub struct AttemptRecord {
 
 /// What is copied to `<prefix>.dead.<pool>` when a conversation ends in an error or a
 /// payload cannot be decoded.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct DeadLetter {
     pub pool: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -199,6 +209,7 @@ pub struct DeadLetter {
     pub error: ErrorBody,
     /// The original request, when the payload was a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::schema::any_json")]
     pub envelope: Option<Box<RawValue>>,
     /// The original payload, when it was not a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]

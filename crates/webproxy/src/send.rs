@@ -3,8 +3,7 @@
 use std::process::ExitCode;
 
 use anyhow::{Context as _, bail};
-use webproxy_client::{Client, new_id};
-use webproxy_protocol::{HeaderValue, Headers, Outcome, RequestEnvelope};
+use webproxy_client::{Client, Outcome, Request};
 
 use crate::cfg;
 use crate::cli::{NatsArgs, SendArgs};
@@ -23,50 +22,26 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
     Ok(Client::new(nats, settings.subjects.prefix())?)
 }
 
-fn parse_headers(raw: &[String]) -> anyhow::Result<Headers> {
-    let mut headers = Headers::new();
-    for line in raw {
+pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
+    let mut request = Request::new(args.method.clone(), args.url.clone())
+        .pool(args.pool.clone())
+        .wait(args.timeout);
+    for line in &args.headers {
         let Some((name, value)) = line.split_once(':') else {
             bail!("header {line:?} is not `Name: value`");
         };
-        let (name, value) = (name.trim().to_string(), value.trim().to_string());
-        match headers.remove(&name) {
-            None => headers.insert(name, HeaderValue::One(value)),
-            Some(HeaderValue::One(first)) => {
-                headers.insert(name, HeaderValue::Many(vec![first, value]))
-            }
-            Some(HeaderValue::Many(mut all)) => {
-                all.push(value);
-                headers.insert(name, HeaderValue::Many(all))
-            }
-        };
+        request = request.header(name.trim(), value.trim());
     }
-    Ok(headers)
-}
-
-pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
-    let mut envelope = RequestEnvelope {
-        id: new_id(),
-        method: args.method.clone(),
-        url: args.url.clone(),
-        headers: parse_headers(&args.headers)?,
-        body: args.data.clone(),
-        ..Default::default()
-    };
+    if let Some(text) = &args.data {
+        request = request.body(text.clone());
+    }
     if let Some(path) = &args.data_file {
         let bytes = std::fs::read(path)
             .with_context(|| format!("cannot read --data-file {}", path.display()))?;
-        match String::from_utf8(bytes) {
-            Ok(text) => envelope.body = Some(text),
-            Err(e) => {
-                use base64::Engine as _;
-                envelope.body_base64 =
-                    Some(base64::engine::general_purpose::STANDARD.encode(e.as_bytes()));
-            }
-        }
+        request = request.body_bytes(bytes);
     }
     let client = connect(&args.nats).await?;
-    let reply = client.request(&args.pool, &envelope, args.timeout).await?;
+    let reply = client.request(&request).await?;
     let printed = if args.json {
         serde_json::to_string(&reply)?
     } else {

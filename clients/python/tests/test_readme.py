@@ -1,0 +1,110 @@
+"""The READMEs, checked against a live webproxy: the client README's example runs as
+written, and a client written from the top-level README's ten protocol lines alone,
+on core NATS calls only (as in a language with no JetStream support), works."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import nats.errors
+
+from live_env import LiveEnv
+
+PYTHON_DIR = Path(__file__).resolve().parents[1]
+REPO = PYTHON_DIR.parents[1]
+REPLY_WAIT = 20.0
+
+
+def code_block(readme: Path, language: str) -> str:
+    text = readme.read_text()
+    return text.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_example_runs(live: LiveEnv):
+    code = code_block(PYTHON_DIR / "README.md", "python")
+    # The example's addresses, pointed at the live service and upstream instead.
+    for placeholder in ("nats://127.0.0.1:4222", "https://example.com/"):
+        assert placeholder in code
+    code = code.replace("nats://127.0.0.1:4222", live.nats_url)
+    code = code.replace("https://example.com/", live.url("/readme"))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "200 path /readme\n", result.stdout + result.stderr
+
+
+def test_a_client_from_the_readme_protocol_alone(live: LiveEnv):
+    async def main():
+        nc = await nats.connect(live.nats_url)
+        try:
+            id = "readme-" + os.urandom(8).hex()
+            # 2. Subscribe first.
+            sub = await nc.subscribe(f"webproxy.reply.{id}")
+            # 3./4. Publish as a request with Nats-Msg-Id; the answer is the ack.
+            envelope = json.dumps({"id": id, "method": "GET", "url": live.url("/core")})
+            ack = await nc.request(
+                "webproxy.request.default", envelope.encode(),
+                headers={"Nats-Msg-Id": id}, timeout=5,
+            )
+            ack = json.loads(ack.data)
+            assert "stream" in ack and "seq" in ack and "error" not in ack, ack
+            # 5./6. One reply, with its outcome header.
+            message = await sub.next_msg(timeout=REPLY_WAIT)
+            assert message.headers["Webproxy-Outcome"] == "response"
+            reply = json.loads(message.data)
+            assert reply["outcome"] == "response" and reply["status"] == 200, reply
+            assert reply["body"] == "path /core"
+
+            # 4. The same id again: a duplicate.
+            again = await nc.request(
+                "webproxy.request.default", envelope.encode(),
+                headers={"Nats-Msg-Id": id}, timeout=5,
+            )
+            assert json.loads(again.data).get("duplicate") is True
+
+            # 8. The stored reply, and none for an unknown id.
+            get = "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES"
+            found = await nc.request(
+                get, json.dumps({"last_by_subj": f"webproxy.reply.{id}"}).encode(), timeout=5
+            )
+            stored = json.loads(base64.b64decode(json.loads(found.data)["message"]["data"]))
+            assert stored == reply
+            missing = await nc.request(
+                get, json.dumps({"last_by_subj": "webproxy.reply.never-sent"}).encode(), timeout=5
+            )
+            assert json.loads(missing.data)["error"]["err_code"] == 10037
+
+            # 7. An error outcome: a denied request.
+            denied_id = id + "-denied"
+            denied_sub = await nc.subscribe(f"webproxy.reply.{denied_id}")
+            denied = json.dumps({"id": denied_id, "method": "GET", "url": live.url("/forbidden")})
+            await nc.request(
+                "webproxy.request.default", denied.encode(),
+                headers={"Nats-Msg-Id": denied_id}, timeout=5,
+            )
+            message = await denied_sub.next_msg(timeout=REPLY_WAIT)
+            assert message.headers["Webproxy-Outcome"] == "error"
+            assert json.loads(message.data)["error"]["code"] == "denied"
+
+            # 4. No such pool: no responders.
+            try:
+                await nc.request("webproxy.request.nope", envelope.encode(), timeout=5)
+                raise AssertionError("a publish to a missing pool was answered")
+            except nats.errors.NoRespondersError:
+                pass
+        finally:
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
