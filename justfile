@@ -56,11 +56,13 @@ run:
     fi
     cargo run --release -p webproxy -- serve --config config/webproxy.toml
 
-# Format check, clippy, build the binaries the integration tests spawn, then run every test, the clients' last.
+# Format check, clippy, build the binaries the integration tests spawn, check deploy/, then run every test, the clients' last.
 test: && test-python test-node
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     cargo build --workspace --bins
+    # With the binary just built: `just deploy-check`'s own build would compile another feature set.
+    bash scripts/deploy-check.sh
     # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
     {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace; else cargo test --workspace; fi
 
@@ -80,6 +82,11 @@ test-node:
 # Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
 schema:
     UPDATE_SCHEMA=1 cargo test -p webproxy-protocol --test schema
+
+# Check deploy/ offline: Dockerfile lint, the Kubernetes base against Kubernetes and KEDA schemas, NATS values, dashboard, and the config against the Deployment.
+deploy-check:
+    cargo build -p webproxy
+    bash scripts/deploy-check.sh --verbose
 
 # Run the integration tests `runs` times in a row, stopping at the first failure, to shake out flakes.
 soak runs="10":

@@ -1,0 +1,602 @@
+"""Offline checks of deploy/: run by scripts/deploy-check.sh inside .venv-deploy.
+
+Each check prints `ok: ...` or `FAIL: ...`; the exit status is 1 if any failed. Nothing
+here talks to a cluster: the Kubernetes base is rendered with `kubectl kustomize`, built-in
+kinds are validated against kubernetes-validate's schemas, the KEDA ScaledObject and the
+NATS Helm values against the schemas in deploy/schemas, and the webproxy config in the
+ConfigMap with the real `webproxy check-config`, then checked against the Deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+KUBE = DEPLOY / "kubernetes"
+SCHEMAS = DEPLOY / "schemas"
+
+# The oldest Kubernetes the base supports (PodDisruptionBudget's
+# unhealthyPodEvictionPolicy is GA from 1.31) and the newest kubernetes-validate ships.
+K8S_VERSIONS = ("1.31.0", "1.37.0")
+
+# Every kind the base must render, each exactly once, and where its schema comes from.
+BUILTIN_KINDS = {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}
+CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda-scaledobject.schema.json"}
+
+CONTAINER = "webproxy"
+CONFIG_KEY = "webproxy.toml"
+PROBES = {"readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+
+# The metrics the service exports (issue 8), with their labels. The dashboard and the
+# PromQL in docs/operations.md may use nothing else.
+METRICS = {
+    "webproxy_requests_total": {"pool", "rule", "outcome", "code"},
+    "webproxy_attempts_total": {"pool", "rule", "result"},
+    "webproxy_attempt_duration_seconds": {"pool", "rule"},
+    "webproxy_queue_wait_seconds": {"pool"},
+    "webproxy_in_flight": {"pool"},
+    "webproxy_pool_waiting": {"pool"},
+    "webproxy_pool_parked": {"pool"},
+    "webproxy_dead_letters_total": {"pool", "code"},
+    "webproxy_nats_connected": set(),
+    "webproxy_build_info": {"version"},
+}
+HISTOGRAMS = {"webproxy_attempt_duration_seconds", "webproxy_queue_wait_seconds"}
+# Gauges every pod reports with the same cluster-wide value: summing them over pods
+# multiplies the value by the replica count.
+CLUSTER_WIDE = {"webproxy_pool_waiting", "webproxy_pool_parked"}
+# A Kubernetes resource quantity: 128Mi, 100m, 1.5, 2e3.
+QUANTITY = r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?"
+# Labels Prometheus adds to every scraped series.
+TARGET_LABELS = {"instance", "job", "pod", "namespace"}
+
+
+class Report:
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.passed = 0
+        self.failures = 0
+
+    def check(self, ok: bool, what: str, detail: str = "") -> bool:
+        if ok:
+            self.passed += 1
+            if self.verbose:
+                print(f"ok: {what}")
+        else:
+            self.failures += 1
+            print(f"FAIL: {what}{': ' + detail if detail else ''}")
+        return ok
+
+
+def load_yaml_docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def render(kubectl: str, report: Report) -> list[dict]:
+    result = subprocess.run(
+        [kubectl, "kustomize", str(KUBE)], capture_output=True, text=True, check=False
+    )
+    if not report.check(result.returncode == 0, "kustomize renders deploy/kubernetes", result.stderr.strip()):
+        return []
+    return load_yaml_docs(result.stdout)
+
+
+def check_kustomization_lists_every_file(report: Report) -> None:
+    """A manifest left out of kustomization.yaml would never be applied or validated."""
+    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    listed = set(kustomization.get("resources", []))
+    for generator in kustomization.get("configMapGenerator", []):
+        listed.update(f.split("=", 1)[-1] for f in generator.get("files", []))
+    present = {p.name for p in KUBE.iterdir() if p.is_file() and p.name != "kustomization.yaml"}
+    report.check(
+        listed == present,
+        "kustomization.yaml lists exactly the files in deploy/kubernetes",
+        f"not listed: {sorted(present - listed)}, missing: {sorted(listed - present)}",
+    )
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    return {d["kind"]: d for d in docs}
+
+
+def schema_errors(schema_path: Path, instance: object) -> list[str]:
+    schema = json.loads(schema_path.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in jsonschema.Draft202012Validator(schema).iter_errors(instance)
+    ]
+
+
+def check_schemas(docs: list[dict], report: Report) -> None:
+    kinds = [d.get("kind") for d in docs]
+    expected = BUILTIN_KINDS | {kind for _, kind in CRD_SCHEMAS}
+    report.check(
+        sorted(kinds) == sorted(expected),
+        "the base renders one of each expected kind",
+        f"rendered {sorted(map(str, kinds))}, expected {sorted(expected)}",
+    )
+    for doc in docs:
+        name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        crd_schema = CRD_SCHEMAS.get((doc.get("apiVersion"), doc.get("kind")))
+        if crd_schema is not None:
+            errors = schema_errors(crd_schema, doc)
+            report.check(not errors, f"{name} matches {crd_schema.relative_to(REPO)}", "; ".join(errors))
+        elif doc.get("kind") in BUILTIN_KINDS:
+            for version in K8S_VERSIONS:
+                try:
+                    kubernetes_validate.validate(doc, version, strict=True)
+                    report.check(True, f"{name} is valid for Kubernetes {version} (strict)")
+                except kubernetes_validate.ValidationError as e:
+                    path = ".".join(map(str, e.path))
+                    report.check(False, f"{name} is valid for Kubernetes {version} (strict)", f"{path}: {e.message}")
+                except kubernetes_validate.SchemaNotFoundError as e:
+                    report.check(False, f"{name} has a Kubernetes {version} schema", e.message)
+        else:
+            report.check(False, f"{name} has a schema to validate it against", "unknown kind")
+
+
+def check_nats_values(report: Report) -> dict:
+    path = DEPLOY / "nats" / "values.yaml"
+    values = yaml.safe_load(path.read_text())
+    errors = schema_errors(SCHEMAS / "nats-values.schema.json", values)
+    report.check(not errors, "deploy/nats/values.yaml matches deploy/schemas/nats-values.schema.json", "; ".join(errors))
+    return values
+
+
+# humantime's units, as the service parses durations.
+DURATION_UNITS = {
+    **dict.fromkeys(("ms", "msec", "millis"), 0.001),
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600),
+    **dict.fromkeys(("d", "day", "days"), 86400),
+}
+
+
+def seconds(duration: str) -> float:
+    """A humantime duration such as "30s" or "1m 30s", in seconds."""
+    parts = re.findall(r"(\d+)\s*([a-z]+)", duration)
+    if not parts or re.sub(r"(\d+)\s*([a-z]+)|\s", "", duration) or any(u not in DURATION_UNITS for _, u in parts):
+        raise ValueError(f"cannot read duration {duration!r}")
+    return sum(int(n) * DURATION_UNITS[unit] for n, unit in parts)
+
+
+def merged(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def effective_config(text: str) -> dict:
+    """The file over the compiled-in defaults, as the service layers them (environment
+    variables aside: the pod sets none)."""
+    return merged(tomllib.loads((REPO / "config" / "default.toml").read_text()), tomllib.loads(text))
+
+
+def check_config(webproxy: str, label: str, text: str, report: Report) -> dict | None:
+    """Runs the real `webproxy check-config --json` on the text."""
+    # WEBPROXY_ variables are configuration too; a developer's own must not leak in.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBPROXY_")}
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(text)
+        f.flush()
+        result = subprocess.run(
+            [webproxy, "check-config", "--config", f.name, "--json"],
+            capture_output=True, text=True, env=env, check=False,
+        )
+    if not report.check(result.returncode == 0, f"webproxy check-config accepts {label}", result.stderr.strip()):
+        return None
+    return json.loads(result.stdout)
+
+
+def host_port(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def container_port(container: dict, port: int | str) -> int | None:
+    """A numeric port, or the number of the container port with that name."""
+    if isinstance(port, int):
+        return port
+    return next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == port), None)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    match = selector.get("matchLabels", {})
+    return bool(match) and all(labels.get(k) == v for k, v in match.items())
+
+
+def dockerfile_facts() -> tuple[list[str], set[int], str | None]:
+    """The final ENTRYPOINT, the EXPOSEd ports and the last USER of deploy/Dockerfile."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    entrypoints = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", text, re.M)
+    exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.+)$", text, re.M) for p in re.findall(r"\d+", line)}
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    return (json.loads(entrypoints[-1]) if entrypoints else []), exposed, (users[-1] if users else None)
+
+
+def check_listen(label: str, config: dict, exposed: set[int], report: Report) -> int:
+    """http.listen must be reachable from outside the container, on the EXPOSEd port."""
+    listen = config["http"]["listen"]
+    host, port = host_port(listen)
+    report.check(
+        host not in ("127.0.0.1", "localhost", "::1"),
+        f"{label}: http.listen is reachable from outside the container",
+        f"{listen} is loopback: kubelet probes and Prometheus cannot reach it",
+    )
+    report.check(port in exposed, f"{label}: the Dockerfile EXPOSEs port {port}", f"it exposes {sorted(exposed)}")
+    return port
+
+
+def check_deployment_agrees(docs: list[dict], nats_values: dict, webproxy: str, report: Report) -> None:
+    """The ConfigMap's config is valid and agrees with the Deployment, the image and the
+    other resources."""
+    kinds = by_kind(docs)
+    deployment, configmap = kinds.get("Deployment"), kinds.get("ConfigMap")
+    if not (deployment and configmap):
+        report.check(False, "the base has a Deployment and a ConfigMap to compare")
+        return
+    text = configmap.get("data", {}).get(CONFIG_KEY)
+    if not report.check(text is not None, f"the ConfigMap has {CONFIG_KEY}"):
+        return
+    checked = check_config(webproxy, "the ConfigMap's webproxy.toml", text, report)
+    config = effective_config(text)
+    spec = deployment["spec"]["template"]["spec"]
+    container = next((c for c in spec["containers"] if c["name"] == CONTAINER), None)
+    if not report.check(container is not None, f"the Deployment has a container named {CONTAINER}"):
+        return
+
+    entrypoint, exposed, image_user = dockerfile_facts()
+    port = check_listen("the ConfigMap's webproxy.toml", config, exposed, report)
+    check_ports_and_probes(container, port, kinds.get("Service", {}), report)
+    check_shutdown(spec, config, report)
+    check_config_mount(spec, container, configmap, entrypoint, report)
+    check_pod_security(spec, container, image_user, report)
+    check_selectors(kinds, report)
+    check_network_policy(kinds.get("NetworkPolicy", {}), port, config, report)
+    if checked is not None:
+        check_nats_and_scaling(kinds, checked, config, nats_values, report)
+
+
+def check_ports_and_probes(container: dict, port: int, service: dict, report: Report) -> None:
+    http_port = container_port(container, "http")
+    report.check(http_port == port, "the container port `http` is http.listen's port", f"{http_port} != {port}")
+    for probe, path in PROBES.items():
+        get = container.get(probe, {}).get("httpGet", {})
+        report.check(get.get("path") == path, f"{probe} asks {path}", f"it asks {get.get('path')}")
+        report.check(
+            container_port(container, get.get("port")) == port,
+            f"{probe} probes http.listen's port {port}",
+            f"it probes {get.get('port')}",
+        )
+    service_ports = service.get("spec", {}).get("ports", [])
+    report.check(
+        any(container_port(container, p.get("targetPort", p.get("port"))) == port for p in service_ports),
+        f"the Service forwards to port {port}",
+        f"ports: {service_ports}",
+    )
+
+
+def check_shutdown(spec: dict, config: dict, report: Report) -> None:
+    try:
+        grace = seconds(config["service"]["shutdown_grace"])
+    except ValueError as e:
+        report.check(False, "service.shutdown_grace is readable", str(e))
+        return
+    termination = spec.get("terminationGracePeriodSeconds", 30)
+    report.check(
+        termination > grace,
+        f"terminationGracePeriodSeconds ({termination}) is above service.shutdown_grace ({grace:g}s)",
+        "Kubernetes would SIGKILL attempts still inside their grace",
+    )
+    report.check(
+        spec.get("enableServiceLinks") is False,
+        "enableServiceLinks is false",
+        "a Service named webproxy injects WEBPROXY_* variables the config loader rejects",
+    )
+
+
+def check_config_mount(spec: dict, container: dict, configmap: dict, entrypoint: list[str], report: Report) -> None:
+    """The image's entrypoint reads its config where the ConfigMap is mounted."""
+    config_path = entrypoint[entrypoint.index("--config") + 1] if "--config" in entrypoint else None
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    mounted = {
+        f"{m['mountPath'].rstrip('/')}/{CONFIG_KEY}": volumes.get(m["name"], {}).get("configMap", {}).get("name")
+        for m in container.get("volumeMounts", [])
+    }
+    report.check(
+        mounted.get(config_path) == configmap["metadata"]["name"],
+        f"the ConfigMap is mounted where the image's entrypoint reads its config ({config_path})",
+        f"mounts: {mounted}",
+    )
+
+
+def check_pod_security(spec: dict, container: dict, image_user: str | None, report: Report) -> None:
+    pod, own = spec.get("securityContext", {}), container.get("securityContext", {})
+
+    def setting(key: str) -> object:
+        return own.get(key, pod.get(key))
+
+    restricted = {
+        "runAsNonRoot": setting("runAsNonRoot") is True,
+        "readOnlyRootFilesystem": own.get("readOnlyRootFilesystem") is True,
+        "allowPrivilegeEscalation false": own.get("allowPrivilegeEscalation") is False,
+        "capabilities drop ALL": own.get("capabilities", {}).get("drop") == ["ALL"],
+        "seccompProfile RuntimeDefault": (setting("seccompProfile") or {}).get("type") == "RuntimeDefault",
+    }
+    report.check(all(restricted.values()), "the container runs restricted", f"missing: {[k for k, v in restricted.items() if not v]}")
+    # runAsNonRoot can verify only a numeric image user; the pod's must be the same one.
+    run_as = f"{setting('runAsUser')}:{setting('runAsGroup')}"
+    report.check(
+        image_user is not None and re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", image_user) is not None and image_user == run_as,
+        f"the image's USER is the pod's non-root runAsUser:runAsGroup ({run_as})",
+        f"the Dockerfile's last USER is {image_user}",
+    )
+    # kubernetes-validate's schemas leave quantities unchecked; the API server does not.
+    quantities = {
+        f"{kind}.{resource}": value
+        for kind, resources in container.get("resources", {}).items()
+        for resource, value in resources.items()
+    }
+    bad = {k: v for k, v in quantities.items() if not re.fullmatch(QUANTITY, str(v))}
+    report.check(bool(quantities) and not bad, "the container's resources are valid quantities", f"{bad or 'none set'}")
+
+
+def check_selectors(kinds: dict, report: Report) -> None:
+    """A selector that misses the pods fails silently: no endpoints, no budget, no policy."""
+    deployment = kinds["Deployment"]
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+    for kind, selector in (
+        ("Deployment", deployment["spec"]["selector"]),
+        ("Service", kinds.get("Service", {}).get("spec", {}).get("selector", {})),
+        ("PodDisruptionBudget", kinds.get("PodDisruptionBudget", {}).get("spec", {}).get("selector", {})),
+        ("NetworkPolicy", kinds.get("NetworkPolicy", {}).get("spec", {}).get("podSelector", {})),
+    ):
+        # A Service's selector is a plain map; the others are label selectors.
+        selector = selector if "matchLabels" in selector else {"matchLabels": selector}
+        report.check(selects(selector, labels), f"the {kind} selects the webproxy pods", f"{selector} vs {labels}")
+
+
+def check_network_policy(policy: dict, port: int, config: dict, report: Report) -> None:
+    spec = policy.get("spec", {})
+    ingress_ports = {p.get("port") for rule in spec.get("ingress", []) for p in rule.get("ports", [])}
+    report.check(ingress_ports == {port}, f"the NetworkPolicy admits port {port} alone", f"it admits {ingress_ports}")
+    nats = urlsplit(config["nats"]["url"].split(",")[0])
+    nats_namespace = nats.hostname.split(".")[1] if nats.hostname and "." in nats.hostname else None
+    allowed = [
+        rule
+        for rule in spec.get("egress", [])
+        if any(p.get("port") == nats.port for p in rule.get("ports", []))
+        and any(
+            peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == nats_namespace
+            for peer in rule.get("to", [])
+        )
+    ]
+    report.check(
+        bool(allowed),
+        f"the NetworkPolicy lets webproxy reach NATS at namespace {nats_namespace}, port {nats.port}",
+        f"nats.url = {config['nats']['url']}",
+    )
+    blocks = [peer["ipBlock"] for rule in spec.get("egress", []) for peer in rule.get("to", []) if "ipBlock" in peer]
+    private = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16"}
+    report.check(
+        all(private <= set(b.get("except", [])) for b in blocks) and bool(blocks),
+        "the NetworkPolicy's internet egress excludes every private and link-local range",
+        f"ipBlocks: {blocks}",
+    )
+
+
+def budget(value: int | str) -> int:
+    """A PodDisruptionBudget count; a percentage counts as its number, enough to tell
+    zero from non-zero."""
+    return int(str(value).rstrip("%"))
+
+
+def check_nats_and_scaling(kinds: dict, checked: dict, config: dict, nats_values: dict, report: Report) -> None:
+    cluster = nats_values.get("config", {}).get("cluster", {})
+    nodes = cluster.get("replicas", 1) if cluster.get("enabled") else 1
+    replicas = checked["streams"]["replicas"]
+    report.check(
+        replicas <= nodes,
+        f"[streams] replicas ({replicas}) fits the NATS cluster ({nodes} nodes)",
+        "JetStream cannot place more replicas than it has servers",
+    )
+
+    scaled = kinds.get("ScaledObject", {}).get("spec", {})
+    deployment = kinds["Deployment"]
+    target = scaled.get("scaleTargetRef", {})
+    report.check(
+        target.get("kind", "Deployment") == "Deployment" and target.get("name") == deployment["metadata"]["name"],
+        "the ScaledObject scales the webproxy Deployment",
+        f"it targets {target}",
+    )
+    low, high = scaled.get("minReplicaCount", 0), scaled.get("maxReplicaCount", 100)
+    report.check(
+        low <= deployment["spec"].get("replicas", 1) <= high,
+        "the Deployment's replicas lie within the ScaledObject's range",
+        f"{deployment['spec'].get('replicas')} not in [{low}, {high}]",
+    )
+    pdb = kinds.get("PodDisruptionBudget", {}).get("spec", {})
+    report.check(
+        budget(pdb.get("maxUnavailable", 0)) >= 1 or budget(pdb.get("minAvailable", low)) < low,
+        "the PodDisruptionBudget lets a node drain evict a pod at minReplicaCount",
+        f"{pdb}",
+    )
+
+    prefix = checked["streams"]["prefix"]
+    stream_prefix = prefix.replace(".", "_").upper()
+    consumer_prefix = prefix.replace(".", "_")
+    monitor_port = nats_values.get("config", {}).get("monitor", {}).get("port")
+    for trigger in scaled.get("triggers", []):
+        meta = trigger.get("metadata", {})
+        if trigger.get("type") != "nats-jetstream":
+            continue
+        pool = next((p for p in checked["pools"] if f"{stream_prefix}_POOL_{p.upper()}" == meta.get("stream")), None)
+        report.check(pool is not None, f"the KEDA trigger's stream {meta.get('stream')} is a configured pool's", f"pools: {list(checked['pools'])}")
+        if pool is not None:
+            report.check(
+                meta.get("consumer") == f"{consumer_prefix}-{pool}",
+                f"the KEDA trigger's consumer is pool {pool}'s",
+                f"{meta.get('consumer')} != {consumer_prefix}-{pool}",
+            )
+        endpoint = meta.get("natsServerMonitoringEndpoint", "")
+        host, _, endpoint_port = endpoint.rpartition(":")
+        report.check(
+            endpoint_port == str(monitor_port),
+            f"the KEDA trigger reads NATS monitoring port {monitor_port}",
+            f"it reads {endpoint}",
+        )
+        nats_host = urlsplit(config["nats"]["url"].split(",")[0]).hostname or ""
+        report.check(
+            host.split(".")[1:2] == nats_host.split(".")[1:2],
+            "the KEDA trigger and nats.url name the same NATS namespace",
+            f"{host} vs {nats_host}",
+        )
+
+
+def strip_strings(expr: str) -> str:
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+
+
+def promql_problems(expr: str) -> list[str]:
+    """What can be checked of a PromQL expression without Prometheus: balanced brackets,
+    known metrics and labels, and cluster-wide gauges aggregated with max."""
+    problems = []
+    bare = strip_strings(expr)
+    depth = []
+    pairs = {")": "(", "]": "[", "}": "{"}
+    for ch in bare:
+        if ch in "([{":
+            depth.append(ch)
+        elif ch in pairs and (not depth or depth.pop() != pairs[ch]):
+            problems.append(f"unbalanced {ch!r}")
+            break
+    if depth:
+        problems.append(f"unclosed {depth[-1]!r}")
+
+    used = set()
+    for name in re.findall(r"\bwebproxy_[a-z0-9_]+", bare):
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        if name in METRICS and name not in HISTOGRAMS:
+            used.add((name, name))
+        elif base in HISTOGRAMS and base != name:
+            used.add((name, base))
+        else:
+            problems.append(f"unknown metric {name}")
+    known_labels = set(TARGET_LABELS)
+    for name, base in used:
+        known_labels |= METRICS[base] | ({"le"} if name.endswith("_bucket") else set())
+    for name, matchers in re.findall(r"\b(webproxy_[a-z0-9_]+)\s*\{([^}]*)\}", bare):
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        allowed = METRICS.get(base, set()) | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
+        for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", matchers):
+            if label not in allowed:
+                problems.append(f"{name} has no label {label}")
+    for labels in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", bare):
+        for label in re.findall(r"[a-zA-Z_][a-zA-Z0-9_]*", labels):
+            if label not in known_labels:
+                problems.append(f"grouping by unknown label {label}")
+    if any(m in bare for m in CLUSTER_WIDE) and (re.search(r"\bsum\b", bare) or not re.search(r"\bmax\b", bare)):
+        problems.append("waiting/parked gauges are cluster-wide: aggregate them with max, not sum")
+    if "histogram_quantile" in bare and not re.search(r"_bucket\b", bare):
+        problems.append("histogram_quantile needs the _bucket series")
+    return problems
+
+
+def check_dashboard(report: Report) -> None:
+    path = DEPLOY / "grafana" / "webproxy-dashboard.json"
+    try:
+        dashboard = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        report.check(False, f"{path.relative_to(REPO)} is JSON", str(e))
+        return
+    variables = {v.get("name"): v for v in dashboard.get("templating", {}).get("list", [])}
+    datasource = variables.get("datasource", {})
+    report.check(
+        datasource.get("type") == "datasource" and datasource.get("query") == "prometheus",
+        "the dashboard has a Prometheus ${datasource} variable",
+        f"{datasource}",
+    )
+    report.check(variables.get("pool", {}).get("type") == "query", "the dashboard has a pool variable")
+    panels = dashboard.get("panels", [])
+    ids = [p.get("id") for p in panels]
+    report.check(len(ids) == len(set(ids)) and None not in ids, "dashboard panel ids are unique", f"{ids}")
+    used = set()
+    for panel in panels:
+        title = panel.get("title")
+        sources = [panel.get("datasource")] + [t.get("datasource") for t in panel.get("targets", []) if "datasource" in t]
+        report.check(
+            all(s == {"type": "prometheus", "uid": "${datasource}"} for s in sources),
+            f"panel {title!r} queries ${{datasource}}",
+            f"{sources}",
+        )
+        for target in panel.get("targets", []):
+            expr = target.get("expr", "")
+            metrics = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"\bwebproxy_[a-z0-9_]+", expr)}
+            used |= metrics
+            problems = promql_problems(expr)
+            if any("pool" in METRICS.get(m, ()) for m in metrics) and 'pool=~"$pool"' not in expr:
+                problems.append('a pool metric not filtered by pool=~"$pool"')
+            report.check(not problems, f"panel {title!r} query {target.get('refId')} is sound", f"{expr}: {problems}")
+    report.check(set(METRICS) <= used, "the dashboard shows every metric", f"unused: {sorted(set(METRICS) - used)}")
+
+
+def check_docs_promql(report: Report) -> None:
+    path = REPO / "docs" / "operations.md"
+    blocks = re.findall(r"```promql\n(.*?)```", path.read_text(), re.S)
+    report.check(bool(blocks), f"{path.relative_to(REPO)} has PromQL to check")
+    for block in blocks:
+        # A block holds one expression per paragraph; `#` lines are comments.
+        for expr in re.split(r"\n\s*\n", block):
+            expr = "\n".join(line for line in expr.splitlines() if not line.lstrip().startswith("#")).strip()
+            if expr:
+                problems = promql_problems(expr)
+                report.check(not problems, f"operations.md: {' '.join(expr.split())[:70]}", f"{problems}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--webproxy", required=True, help="the webproxy binary, for check-config")
+    parser.add_argument("--kubectl", required=True, help="kubectl, for its built-in kustomize")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
+    args = parser.parse_args()
+
+    report = Report(args.verbose)
+    check_kustomization_lists_every_file(report)
+    docs = render(args.kubectl, report)
+    check_schemas(docs, report)
+    nats_values = check_nats_values(report)
+    image_config = (DEPLOY / "image-config.toml").read_text()
+    check_config(args.webproxy, "deploy/image-config.toml", image_config, report)
+    _, exposed, _ = dockerfile_facts()
+    check_listen("deploy/image-config.toml", effective_config(image_config), exposed, report)
+    if docs:
+        check_deployment_agrees(docs, nats_values, args.webproxy, report)
+    check_dashboard(report)
+    check_docs_promql(report)
+
+    if report.failures:
+        print(f"deploy-check: {report.failures} of {report.passed + report.failures} checks failed", file=sys.stderr)
+        return 1
+    print(f"deploy-check: all {report.passed} checks of deploy/ hold")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
