@@ -73,6 +73,10 @@ pub struct HttpConfig {
 #[serde(deny_unknown_fields)]
 pub struct OutboundConfig {
     pub max_response_bytes: ByteLimit,
+    /// The address guard; see `crate::security`.
+    pub allow_private_networks: bool,
+    pub allow_cidrs: Vec<String>,
+    pub deny_cidrs: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -205,7 +209,7 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+pub(crate) fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         key: key.into(),
         message: message.into(),
@@ -219,6 +223,8 @@ pub struct Settings {
     pub subjects: Subjects,
     pub pools: BTreeMap<String, PoolConfig>,
     pub rules: RequestRules,
+    /// What may leave this instance, and how.
+    pub outbound: crate::security::Outbound,
 }
 
 impl Config {
@@ -235,6 +241,7 @@ impl Config {
         if self.service.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
         }
+        let outbound = crate::security::Outbound::compile(&self.outbound)?;
         let mut pools = self.pools.clone();
         pools.entry("default".into()).or_default();
         for (name, pool) in &pools {
@@ -270,6 +277,7 @@ impl Config {
             subjects,
             pools,
             rules: RequestRules::new(rules),
+            outbound,
             config: self,
         })
     }

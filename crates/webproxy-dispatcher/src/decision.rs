@@ -64,6 +64,17 @@ pub fn judge(outcome: AttemptOutcome) -> Verdict {
             status: None,
         }),
         AttemptOutcome::TooLarge { status, limit } => Verdict::Fail(too_large(status, limit)),
+        AttemptOutcome::HeadersTooLarge { status, message } => Verdict::Fail(ErrorBody {
+            code: ErrorCode::ResponseTooLarge,
+            message,
+            status,
+        }),
+        // A refused destination never becomes reachable by trying again.
+        AttemptOutcome::Denied { message } => Verdict::Fail(ErrorBody {
+            code: ErrorCode::Denied,
+            message,
+            status: None,
+        }),
     }
 }
 

@@ -12,6 +12,7 @@ pub mod outbox;
 pub mod provision;
 pub mod rules;
 pub mod runtime;
+pub mod security;
 
 pub use config::{Config, ConfigError, Settings};
 pub use health::Health;

@@ -331,7 +331,7 @@ async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
         .timeout
         .map_or(rule.timeout, |t| t.min(rule.timeout));
     let outcome = attempt_with_progress(shared, &message, &request, timeout).await;
-    conversation.attempts.push(outcome.1);
+    conversation.attempts.extend(outcome.1);
     let reply = match judge(outcome.0) {
         Verdict::Respond(response) => response_reply(
             &conversation.context(metadata),
@@ -350,7 +350,7 @@ async fn attempt_with_progress(
     message: &jetstream::Message,
     request: &Request,
     timeout: Duration,
-) -> (AttemptOutcome, AttemptRecord) {
+) -> (AttemptOutcome, Option<AttemptRecord>) {
     let at = now_rfc3339();
     let started = Instant::now();
     let attempt = shared.worker.attempt(AttemptRequest {
@@ -376,7 +376,10 @@ async fn attempt_with_progress(
     let (status, failure) = match &outcome {
         AttemptOutcome::Response(r) => (Some(r.status), None),
         AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
+        AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
         AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
+        // Refused before any connection: no attempt was started.
+        AttemptOutcome::Denied { .. } => return (outcome, None),
     };
     let record = AttemptRecord {
         at,
@@ -384,7 +387,7 @@ async fn attempt_with_progress(
         failure,
         duration_ms: millis(started.elapsed()),
     };
-    (outcome, record)
+    (outcome, Some(record))
 }
 
 /// Publishes the final reply (stored, then the custom copy), the dead letter of an

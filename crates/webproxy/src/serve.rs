@@ -49,7 +49,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let js = async_nats::jetstream::new(client.clone());
     let consumers = provision(&js, &settings).await?;
-    let worker = Worker::new(&WorkerConfig { max_response_bytes })?;
+    let mut worker_config = WorkerConfig::new(max_response_bytes);
+    worker_config.guard = settings.outbound.guard.clone();
+    let worker = Worker::new(&worker_config)?;
     let dispatcher = Dispatcher::new(settings.clone(), client.clone(), worker, max_payload);
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
