@@ -77,6 +77,13 @@ pub struct OutboundConfig {
     pub allow_private_networks: bool,
     pub allow_cidrs: Vec<String>,
     pub deny_cidrs: Vec<String>,
+    /// Request limits: larger requests get `invalid_request`.
+    pub max_request_bytes: u64,
+    /// Header count and size limits, for requests and responses alike.
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    /// Headers dropped from every request, whatever the caller sends.
+    pub deny_request_headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -199,6 +206,15 @@ pub struct RequestRuleConfig {
     pub retry_delay: Duration,
     #[serde(default = "default_backoff_factor")]
     pub backoff_factor: f64,
+    /// How many redirects the whole chain may follow; 0 returns the 3xx.
+    #[serde(default)]
+    pub follow_redirects: u32,
+    /// Headers set from secrets, replacing any the caller sends.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub inject_headers: BTreeMap<String, crate::secrets::SecretSource>,
+    /// Headers dropped from this rule's requests, on top of the global list.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_request_headers: Vec<String>,
 }
 
 /// A configuration that cannot run; the message names the key.

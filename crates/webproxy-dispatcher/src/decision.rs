@@ -114,6 +114,9 @@ mod tests {
                         max_retries: 0,
                         retry_delay: Duration::from_secs(1),
                         backoff_factor: 1.0,
+                        follow_redirects: 0,
+                        inject_headers: Default::default(),
+                        deny_request_headers: Vec::new(),
                     })
                     .expect("valid rule")
                 })

@@ -7,13 +7,17 @@
 
 pub mod config;
 pub mod decision;
+pub mod egress;
 pub mod health;
 pub mod outbox;
 pub mod provision;
+pub mod redirect;
 pub mod rules;
 pub mod runtime;
+pub mod secrets;
 pub mod security;
 
 pub use config::{Config, ConfigError, Settings};
 pub use health::Health;
+pub use ipnet;
 pub use runtime::{Dispatcher, connect};

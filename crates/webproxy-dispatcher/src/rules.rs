@@ -38,6 +38,8 @@ pub struct RequestRule {
     /// Per attempt.
     pub timeout: Duration,
     pub retry: RetryPolicy,
+    /// Redirects, injected credentials and dropped headers.
+    pub security: crate::security::RuleSecurity,
 }
 
 impl RequestRule {
@@ -77,6 +79,7 @@ impl RequestRule {
                 retry_delay: config.retry_delay,
                 backoff_factor: config.backoff_factor,
             },
+            security: crate::security::RuleSecurity::compile(config)?,
         })
     }
 }
@@ -88,7 +91,10 @@ pub struct RequestRules {
 }
 
 impl RequestRules {
-    pub fn new(rules: Vec<RequestRule>) -> Self {
+    pub fn new(mut rules: Vec<RequestRule>) -> Self {
+        for (index, rule) in rules.iter_mut().enumerate() {
+            rule.security.index = index;
+        }
         RequestRules { rules }
     }
 
@@ -135,6 +141,9 @@ mod tests {
             max_retries: 3,
             retry_delay: Duration::from_secs(1),
             backoff_factor: 2.0,
+            follow_redirects: 0,
+            inject_headers: Default::default(),
+            deny_request_headers: Vec::new(),
         })
         .expect("valid rule")
     }
@@ -217,6 +226,9 @@ mod tests {
             max_retries: 0,
             retry_delay: Duration::from_secs(1),
             backoff_factor: 1.0,
+            follow_redirects: 0,
+            inject_headers: Default::default(),
+            deny_request_headers: Vec::new(),
         };
         assert_eq!(
             RequestRule::compile(&config).map(|_| ()).unwrap_err().0,

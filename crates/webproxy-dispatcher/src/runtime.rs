@@ -22,14 +22,16 @@ use tracing::{debug, info, warn};
 use webproxy_protocol::{
     AttemptRecord, ErrorBody, ErrorCode, ParseError, Request, header, parse_request,
 };
-use webproxy_worker::{AttemptOutcome, AttemptRequest, Worker};
+use webproxy_worker::{AttemptOutcome, Worker};
 
 use crate::config::Settings;
 use crate::decision::{Admission, Verdict, admit, judge};
+use crate::egress::Egress;
 use crate::health::Health;
 use crate::outbox::{
     EncodedReply, ReplyContext, dead_letter, error_reply, invalid_request, response_reply,
 };
+use crate::secrets::Secrets;
 
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
@@ -71,6 +73,7 @@ struct Shared {
     js: jetstream::Context,
     worker: Worker,
     max_payload: usize,
+    secrets: Arc<Secrets>,
 }
 
 /// Consumes every pool of this instance until told to stop.
@@ -84,6 +87,7 @@ impl Dispatcher {
         client: async_nats::Client,
         worker: Worker,
         max_payload: usize,
+        secrets: Arc<Secrets>,
     ) -> Dispatcher {
         let js = jetstream::new(client.clone());
         Dispatcher {
@@ -93,6 +97,7 @@ impl Dispatcher {
                 js,
                 worker,
                 max_payload,
+                secrets,
             }),
         }
     }
@@ -327,10 +332,15 @@ async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
         Admission::Attempt(rule) => rule,
     };
     conversation.rule = &rule.name;
+    if let Err(error) = crate::security::check_request(&request, &shared.settings.outbound) {
+        let reply = error_reply(&conversation.context(metadata), error);
+        finish(shared, &message, &conversation, reply).await;
+        return;
+    }
     let timeout = request
         .timeout
         .map_or(rule.timeout, |t| t.min(rule.timeout));
-    let outcome = attempt_with_progress(shared, &message, &request, timeout).await;
+    let outcome = attempt_with_progress(shared, &message, rule, &request, timeout).await;
     conversation.attempts.extend(outcome.1);
     let reply = match judge(outcome.0) {
         Verdict::Respond(response) => response_reply(
@@ -348,24 +358,25 @@ async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
 async fn attempt_with_progress(
     shared: &Shared,
     message: &jetstream::Message,
+    rule: &crate::rules::RequestRule,
     request: &Request,
     timeout: Duration,
 ) -> (AttemptOutcome, Option<AttemptRecord>) {
     let at = now_rfc3339();
     let started = Instant::now();
-    let attempt = shared.worker.attempt(AttemptRequest {
-        method: request.method.as_str(),
-        url: &request.url,
-        headers: &request.headers,
-        body: Bytes::from(request.body.clone()),
-        timeout,
-    });
+    let egress = Egress {
+        worker: &shared.worker,
+        rules: &shared.settings.rules,
+        outbound: &shared.settings.outbound,
+        secrets: &shared.secrets,
+    };
+    let attempt = egress.perform(rule, request, timeout);
     tokio::pin!(attempt);
     let period = shared.settings.config.service.ack_wait / 3;
     let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    let outcome = loop {
+    let chain = loop {
         tokio::select! {
-            outcome = &mut attempt => break outcome,
+            chain = &mut attempt => break chain,
             _ = progress.tick() => {
                 if let Err(e) = message.ack_with(AckKind::Progress).await {
                     debug!(error = %e, "progress ack failed");
@@ -373,13 +384,17 @@ async fn attempt_with_progress(
             }
         }
     };
+    let outcome = chain.outcome;
+    if !chain.connected {
+        // Refused before any connection: no attempt was started.
+        return (outcome, None);
+    }
     let (status, failure) = match &outcome {
         AttemptOutcome::Response(r) => (Some(r.status), None),
         AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
         AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
         AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
-        // Refused before any connection: no attempt was started.
-        AttemptOutcome::Denied { .. } => return (outcome, None),
+        AttemptOutcome::Denied { message } => (None, Some(format!("denied: {message}"))),
     };
     let record = AttemptRecord {
         at,
@@ -446,17 +461,29 @@ async fn publish_dead_letter(
     conversation: &Conversation<'_>,
     error: &ErrorBody,
 ) -> bool {
+    // The caller's envelope never holds an injected secret unless the caller already
+    // knew it, but the dead letter is webproxy's own copy: nothing secret goes in.
+    let redactor = shared.secrets.redactor();
+    let code = error.code;
+    let mut error = error.clone();
+    error.message = redactor.redact(&error.message).into_owned();
+    let mut attempts = conversation.attempts.clone();
+    for attempt in &mut attempts {
+        if let Some(failure) = &mut attempt.failure {
+            *failure = redactor.redact(failure).into_owned();
+        }
+    }
     let payload = dead_letter(
         conversation.pool,
         conversation.id.as_deref(),
         conversation.generation,
-        error.clone(),
-        conversation.payload,
-        conversation.attempts.clone(),
+        error,
+        &redactor.redact_payload(conversation.payload),
+        attempts,
         shared.max_payload,
     );
     let mut headers = HeaderMap::new();
-    headers.insert(header::ERROR_CODE, error.code.as_str());
+    headers.insert(header::ERROR_CODE, code.as_str());
     headers.insert(
         header::GENERATION,
         conversation.generation.to_string().as_str(),

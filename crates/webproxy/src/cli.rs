@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
+use webproxy_dispatcher::secrets::{Redactor, Secrets};
 
 use crate::{cfg, send, serve};
 
@@ -85,15 +87,19 @@ impl Cli {
         }
     }
 
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self, redactor: Redactor) -> anyhow::Result<ExitCode> {
         match self.command {
             Command::Serve { config } => {
                 let settings = cfg::load(config.as_deref())?;
-                serve::run(settings).await?;
+                serve::run(settings, redactor).await?;
                 Ok(ExitCode::SUCCESS)
             }
             Command::CheckConfig { config, json } => {
                 let settings = cfg::load(config.as_deref())?;
+                // Every secret must be readable for the configuration to be valid; the
+                // values are never printed.
+                Secrets::load(&settings.rules, redactor)
+                    .context("invalid configuration: cannot read an injected secret")?;
                 cfg::print_effective(&settings, json)?;
                 Ok(ExitCode::SUCCESS)
             }

@@ -14,7 +14,9 @@ use clap::Parser as _;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    let _telemetry = telemetry::init(cli.default_log_level());
+    // Shared with the logger, which redacts the secrets loaded later.
+    let redactor = webproxy_dispatcher::secrets::Redactor::default();
+    let _telemetry = telemetry::init(cli.default_log_level(), redactor.clone());
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -22,7 +24,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(cli.run()) {
+    match runtime.block_on(cli.run(redactor)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
