@@ -13,6 +13,7 @@
 pub mod caller;
 mod nats;
 mod service;
+mod tls;
 mod upstream;
 mod wait;
 
@@ -20,6 +21,7 @@ use std::sync::Once;
 
 pub use nats::NatsServer;
 pub use service::{ALLOW_PRIVATE_NETWORKS, Service, ServiceOptions, webproxy_bin};
+pub use tls::TestCa;
 pub use upstream::{Upstream, default_routes};
 pub use wait::{free_port, wait_for, wait_until};
 

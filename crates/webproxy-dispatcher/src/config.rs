@@ -36,6 +36,23 @@ pub struct Config {
 pub struct NatsConfig {
     /// One server URL, or several separated by commas.
     pub url: String,
+    /// Authentication and TLS; see `crate::nats_auth`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nkey_seed_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<crate::nats_auth::Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<crate::nats_auth::Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<std::path::PathBuf>,
 }
 
 impl NatsConfig {
@@ -251,6 +268,7 @@ impl Config {
         if self.nats.urls().is_empty() {
             return Err(config_error("nats.url", "names no server"));
         }
+        crate::nats_auth::check(&self.nats)?;
         if !(1..=5).contains(&self.streams.replicas) {
             return Err(config_error("streams.replicas", "must be from 1 to 5"));
         }

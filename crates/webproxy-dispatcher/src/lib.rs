@@ -9,6 +9,7 @@ pub mod config;
 pub mod decision;
 pub mod egress;
 pub mod health;
+pub mod nats_auth;
 pub mod outbox;
 pub mod provision;
 pub mod redirect;

@@ -47,7 +47,8 @@ pub async fn connect(
     health: Arc<Health>,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let events = health.clone();
-    let client = async_nats::ConnectOptions::new()
+    let client = crate::nats_auth::connect_options(&settings.config.nats)
+        .await?
         .name("webproxy")
         .retry_on_initial_connect()
         .event_callback(move |event| {

@@ -254,36 +254,39 @@ fn read_all(
 /// share the list, so the logger's copy sees values loaded or reloaded later.
 #[derive(Debug, Clone, Default)]
 pub struct Redactor {
-    secrets: Arc<RwLock<Arc<Vec<String>>>>,
+    state: Arc<RwLock<RedactorState>>,
+}
+
+#[derive(Debug, Default)]
+struct RedactorState {
+    /// Set once at start (NATS token, password, seed).
+    fixed: Vec<String>,
+    /// The injected secrets, replaced on reload.
+    injected: Vec<String>,
+    /// Both, and their JSON-escaped forms, longest first.
+    needles: Arc<Vec<String>>,
 }
 
 impl Redactor {
-    /// Replaces the values to redact.
+    /// Replaces the injected values to redact.
     pub fn set(&self, secrets: Vec<String>) {
-        let mut needles: Vec<String> = Vec::new();
-        for secret in secrets.into_iter().filter(|s| !s.is_empty()) {
-            // Inside JSON (log lines, dead letters) a value may appear escaped.
-            let escaped = serde_json::to_string(&secret).unwrap_or_default();
-            let escaped = escaped
-                .strip_prefix('"')
-                .and_then(|e| e.strip_suffix('"'))
-                .unwrap_or_default()
-                .to_string();
-            if !escaped.is_empty() && escaped != secret {
-                needles.push(escaped);
-            }
-            needles.push(secret);
-        }
-        // Longest first, so a secret containing another is replaced whole.
-        needles.sort_by_key(|n| std::cmp::Reverse(n.len()));
-        needles.dedup();
-        *self.secrets.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(needles);
+        let mut state = self.state.write().unwrap_or_else(PoisonError::into_inner);
+        state.injected = secrets;
+        state.needles = Arc::new(needles(state.fixed.iter().chain(&state.injected)));
+    }
+
+    /// Adds values that are redacted for the life of the process.
+    pub fn add_fixed(&self, secrets: Vec<String>) {
+        let mut state = self.state.write().unwrap_or_else(PoisonError::into_inner);
+        state.fixed.extend(secrets);
+        state.needles = Arc::new(needles(state.fixed.iter().chain(&state.injected)));
     }
 
     fn needles(&self) -> Arc<Vec<String>> {
-        self.secrets
+        self.state
             .read()
             .unwrap_or_else(PoisonError::into_inner)
+            .needles
             .clone()
     }
 
@@ -352,6 +355,26 @@ impl Redactor {
             _ => {}
         }
     }
+}
+
+/// The strings to look for: each secret and, inside JSON (log lines, dead letters),
+/// its escaped form; longest first, so a secret containing another is replaced whole.
+fn needles<'a>(secrets: impl Iterator<Item = &'a String>) -> Vec<String> {
+    let mut needles: Vec<String> = Vec::new();
+    for secret in secrets.filter(|s| !s.is_empty()) {
+        let escaped = serde_json::to_string(secret).unwrap_or_default();
+        let escaped = escaped
+            .strip_prefix('"')
+            .and_then(|e| e.strip_suffix('"'))
+            .unwrap_or_default();
+        if !escaped.is_empty() && escaped != secret {
+            needles.push(escaped.to_string());
+        }
+        needles.push(secret.clone());
+    }
+    needles.sort_by_key(|n| std::cmp::Reverse(n.len()));
+    needles.dedup();
+    needles
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -484,6 +507,12 @@ mod tests {
             format!(r#"{{"v":"{REDACTED}"}}"#).as_bytes()
         );
         assert!(matches!(redactor.redact("clean"), Cow::Borrowed(_)));
+        redactor.add_fixed(vec!["nats-pw".into()]);
+        redactor.set(vec!["new".into()]);
+        assert_eq!(
+            redactor.redact("nats-pw tok new"),
+            format!("{REDACTED} tok {REDACTED}")
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ use anyhow::{Context as _, bail};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use webproxy_dispatcher::config::ByteLimit;
+use webproxy_dispatcher::nats_auth;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
 use webproxy_dispatcher::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
 use webproxy_dispatcher::secrets::{Redactor, Secrets};
@@ -16,6 +17,7 @@ use webproxy_worker::{Worker, WorkerConfig};
 use crate::health;
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
+    redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
     let secrets = Arc::new(
         Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
     );
