@@ -78,6 +78,8 @@ pub struct StreamsConfig {
     #[serde(with = "humantime_serde")]
     pub dead_max_age: Duration,
     pub dead_max_bytes: i64,
+    /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
+    pub reply_to_allow: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -264,7 +266,11 @@ impl Config {
     /// Checks everything that can be checked without a server and compiles the rules.
     pub fn validate(self) -> Result<Settings, ConfigError> {
         let subjects = Subjects::new(&self.streams.prefix)
-            .map_err(|e| config_error("streams.prefix", e.to_string()))?;
+            .map_err(|e| config_error("streams.prefix", e.to_string()))?
+            .with_reply_to_allow(&self.streams.reply_to_allow)
+            .map_err(|(i, e)| {
+                config_error(format!("streams.reply_to_allow[{i}]"), e.to_string())
+            })?;
         if self.nats.urls().is_empty() {
             return Err(config_error("nats.url", "names no server"));
         }
