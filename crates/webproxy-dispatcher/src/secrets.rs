@@ -357,22 +357,28 @@ impl Redactor {
     }
 }
 
-/// The strings to look for: each secret and, inside JSON (log lines, dead letters),
-/// its escaped form; longest first, so a secret containing another is replaced whole.
+/// The strings to look for: each secret as it is, as `Debug` prints it, and both as
+/// they appear inside a JSON string (JSON log lines, dead letters); longest first, so
+/// a secret containing another is replaced whole.
 fn needles<'a>(secrets: impl Iterator<Item = &'a String>) -> Vec<String> {
-    let mut needles: Vec<String> = Vec::new();
-    for secret in secrets.filter(|s| !s.is_empty()) {
-        let escaped = serde_json::to_string(secret).unwrap_or_default();
-        let escaped = escaped
+    let json = |text: &str| {
+        let quoted = serde_json::to_string(text).unwrap_or_default();
+        quoted
             .strip_prefix('"')
             .and_then(|e| e.strip_suffix('"'))
-            .unwrap_or_default();
-        if !escaped.is_empty() && escaped != secret {
-            needles.push(escaped.to_string());
-        }
+            .unwrap_or_default()
+            .to_string()
+    };
+    let mut needles: Vec<String> = Vec::new();
+    for secret in secrets.filter(|s| !s.is_empty()) {
+        let debug = secret.escape_debug().to_string();
+        needles.push(json(&debug));
+        needles.push(json(secret));
+        needles.push(debug);
         needles.push(secret.clone());
     }
-    needles.sort_by_key(|n| std::cmp::Reverse(n.len()));
+    needles.retain(|n| !n.is_empty());
+    needles.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
     needles.dedup();
     needles
 }

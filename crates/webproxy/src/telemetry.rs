@@ -32,26 +32,42 @@ pub fn init(default_level: &str, redactor: Redactor) -> TelemetryGuard {
     TelemetryGuard { _private: () }
 }
 
-/// Hands each log event a buffer that is redacted and written to stderr whole when
-/// the event is done (the formatter writes one event per writer).
+/// Where a finished, redacted log line goes.
+type Sink = fn(&[u8]);
+
+fn to_stderr(line: &[u8]) {
+    // A log line that cannot be written has nowhere else to go.
+    let _ = std::io::stderr().lock().write_all(line);
+}
+
+/// Hands each log event a buffer that is redacted and written whole when the event is
+/// done (the formatter writes one event per writer).
 struct RedactingStderr {
     redactor: Redactor,
+}
+
+impl RedactingStderr {
+    fn line(&self, sink: Sink) -> RedactedLine {
+        RedactedLine {
+            buffer: Vec::new(),
+            redactor: self.redactor.clone(),
+            sink,
+        }
+    }
 }
 
 impl<'a> MakeWriter<'a> for RedactingStderr {
     type Writer = RedactedLine;
 
     fn make_writer(&'a self) -> RedactedLine {
-        RedactedLine {
-            buffer: Vec::new(),
-            redactor: self.redactor.clone(),
-        }
+        self.line(to_stderr)
     }
 }
 
 struct RedactedLine {
     buffer: Vec<u8>,
     redactor: Redactor,
+    sink: Sink,
 }
 
 impl Write for RedactedLine {
@@ -67,11 +83,75 @@ impl Write for RedactedLine {
 
 impl Drop for RedactedLine {
     fn drop(&mut self) {
-        if self.buffer.is_empty() {
-            return;
+        if !self.buffer.is_empty() {
+            (self.sink)(&self.redactor.redact_bytes(&self.buffer));
         }
-        let line = self.redactor.redact_bytes(&self.buffer);
-        // A log line that cannot be written has nowhere else to go.
-        let _ = std::io::stderr().lock().write_all(&line);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    static CAPTURED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+    fn capture(line: &[u8]) {
+        CAPTURED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(line);
+    }
+
+    struct Capturing(RedactingStderr);
+
+    impl<'a> MakeWriter<'a> for Capturing {
+        type Writer = RedactedLine;
+        fn make_writer(&'a self) -> RedactedLine {
+            self.0.line(capture)
+        }
+    }
+
+    #[test]
+    fn secrets_are_redacted_from_every_line_at_every_level_in_text_and_json() {
+        let redactor = Redactor::default();
+        let writer = RedactingStderr {
+            redactor: redactor.clone(),
+        };
+        let text = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(Capturing(writer))
+            .finish();
+        let json = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .json()
+            .with_writer(Capturing(RedactingStderr {
+                redactor: redactor.clone(),
+            }))
+            .finish();
+        // Set after the logger exists, as serve does once the config is loaded.
+        redactor.set(vec!["tok\"en-42".into()]);
+        for subscriber in [
+            Box::new(text) as Box<dyn tracing::Subscriber + Send + Sync>,
+            Box::new(json),
+        ] {
+            tracing::subscriber::with_default(subscriber, || {
+                tracing::trace!(header = "Bearer tok\"en-42", "trace");
+                tracing::debug!("debug tok\"en-42");
+                tracing::error!(value = ?"tok\"en-42", "error");
+            });
+        }
+        let captured = String::from_utf8(
+            CAPTURED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+        )
+        .expect("utf8");
+        assert_eq!(captured.lines().count(), 6, "{captured}");
+        assert!(!captured.contains("en-42"), "{captured}");
+        assert_eq!(captured.matches("[REDACTED]").count(), 6, "{captured}");
     }
 }
