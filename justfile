@@ -69,8 +69,7 @@ soak runs="10":
     cargo build --workspace --bins
     {{ _nats_path }}; for i in $(seq {{ runs }}); do echo "=== soak run $i/{{ runs }}" >&2; cargo test -p webproxy-tests --tests; done
 
-# Fuzz each target for `seconds` (cargo-fuzz, nightly toolchain; not part of `just test`).
-# A crash is saved under fuzz/artifacts/<target>/; turn each into a regression test.
+# Fuzz each target for `seconds` (cargo-fuzz, nightly; not in `just test`); crashes land in fuzz/artifacts/ and become regression tests.
 fuzz seconds="60":
     #!/usr/bin/env bash
     set -euo pipefail
