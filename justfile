@@ -93,6 +93,22 @@ soak runs="10":
     cargo build --workspace --bins
     {{ _nats_path }}; for i in $(seq {{ runs }}); do echo "=== soak run $i/{{ runs }}" >&2; cargo test -p webproxy-tests --tests; done
 
+# Fuzz each target for `seconds` (cargo-fuzz, nightly; not in `just test`); crashes land in fuzz/artifacts/ and become regression tests.
+fuzz seconds="60":
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if ! rustup toolchain list | grep -q '^nightly'; then
+        rustup toolchain install nightly --profile minimal
+    fi
+    command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked
+    cd fuzz
+    for target in envelope guard_url; do
+        echo "=== fuzzing $target for {{ seconds }}s" >&2
+        # corpus/ collects what the fuzzer finds (ignored by git); seeds/ are committed.
+        mkdir -p "corpus/$target"
+        cargo +nightly fuzz run "$target" "corpus/$target" "seeds/$target" -- -max_total_time={{ seconds }}
+    done
+
 # Format every crate in place.
 fmt:
     cargo fmt --all

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use webproxy_client::{Client, Request, new_id};
 use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
 
-use crate::{NatsServer, Service, Upstream, wait_for};
+use crate::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
 
 /// How long a test waits for a reply that should come at once; generous for a loaded
 /// 2-core CI machine.
@@ -62,8 +62,17 @@ impl Harness {
         upstream: Upstream,
         config: impl FnOnce(&Upstream) -> String,
     ) -> Harness {
+        Self::start_with_options(upstream, ServiceOptions::default(), config).await
+    }
+
+    /// Starts everything, the service with `options` (e.g. [`ServiceOptions::guarded`]).
+    pub async fn start_with_options(
+        upstream: Upstream,
+        options: ServiceOptions,
+        config: impl FnOnce(&Upstream) -> String,
+    ) -> Harness {
         let nats = NatsServer::start();
-        let service = Service::start(&nats, &config(&upstream)).await;
+        let service = Service::start_with(&nats.url(), &config(&upstream), options).await;
         let nats_client = nats.client().await;
         let client = Client::new(nats_client.clone(), "webproxy").expect("client");
         Harness {

@@ -4,13 +4,18 @@
 //!
 //! Nothing here is shared between tests (ports, store dirs and config files are
 //! all per-fixture), so tests can run in parallel. Everything listens on and
-//! talks to 127.0.0.1 only.
+//! talks to loopback only (127.0.0.0/8, ::1).
+//!
+//! The service's address guard denies loopback by default, so [`Service::start`]
+//! sets `WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS=true`; guard tests start it with
+//! [`ServiceOptions::guarded`] and open exactly what they need in the config.
 
 pub mod caller;
 mod cluster;
 mod nats;
 mod relay;
 mod service;
+mod tls;
 mod upstream;
 mod wait;
 
@@ -19,7 +24,8 @@ use std::sync::Once;
 pub use cluster::NatsCluster;
 pub use nats::NatsServer;
 pub use relay::Relay;
-pub use service::{Service, webproxy_bin};
+pub use service::{ALLOW_PRIVATE_NETWORKS, Service, ServiceOptions, webproxy_bin};
+pub use tls::TestCa;
 pub use upstream::{Upstream, default_routes};
 pub use wait::{closed_port, free_port, wait_for, wait_until};
 

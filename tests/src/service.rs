@@ -71,10 +71,51 @@ pub struct Service {
     child: Mutex<Child>,
 }
 
+/// The variable that lets the service reach the tests' loopback upstreams, which
+/// the address guard denies by default.
+pub const ALLOW_PRIVATE_NETWORKS: &str = "WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS";
+
+/// How a [`Service`] is started beyond its config file.
+#[derive(Debug, Clone)]
+pub struct ServiceOptions {
+    /// Sets `WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS=true` (the default), so the
+    /// service may reach loopback upstreams. Guard tests turn it off and configure the
+    /// guard in the config file instead.
+    pub allow_private_networks: bool,
+    /// Extra `WEBPROXY_*` (or other) variables for the process, set last.
+    pub env: Vec<(String, String)>,
+}
+
+impl Default for ServiceOptions {
+    fn default() -> Self {
+        ServiceOptions {
+            allow_private_networks: true,
+            env: Vec::new(),
+        }
+    }
+}
+
+impl ServiceOptions {
+    /// The guard as the config file says (denying loopback unless it opens it).
+    pub fn guarded() -> Self {
+        ServiceOptions {
+            allow_private_networks: false,
+            env: Vec::new(),
+        }
+    }
+
+    /// Adds an environment variable.
+    pub fn env(mut self, name: &str, value: &str) -> Self {
+        self.env.push((name.to_owned(), value.to_owned()));
+        self
+    }
+}
+
 impl Service {
     /// Starts the service against `nats` and waits until `/readyz` is 200.
     /// `config` is appended verbatim after the generated `[nats]` and `[http]`
-    /// tables, so it must start with a table header of its own.
+    /// tables, so it must start with a table header of its own. The service may
+    /// reach loopback upstreams (see [`ServiceOptions`]).
     pub async fn start(nats: &NatsServer, config: &str) -> Service {
         Self::start_with_url(&nats.url(), config).await
     }
@@ -82,6 +123,11 @@ impl Service {
     /// Like [`Service::start`] with an explicit NATS URL (e.g. a cluster seed
     /// list).
     pub async fn start_with_url(nats_url: &str, config: &str) -> Service {
+        Self::start_with(nats_url, config, ServiceOptions::default()).await
+    }
+
+    /// Like [`Service::start_with_url`] with explicit options.
+    pub async fn start_with(nats_url: &str, config: &str, options: ServiceOptions) -> Service {
         for table in ["[nats]", "[http]"] {
             assert!(
                 !config.lines().any(|line| line.trim() == table),
@@ -127,6 +173,12 @@ impl Service {
             if var.to_str().is_some_and(|var| var.starts_with("WEBPROXY_")) {
                 command.env_remove(var);
             }
+        }
+        if options.allow_private_networks {
+            command.env(ALLOW_PRIVATE_NETWORKS, "true");
+        }
+        for (name, value) in &options.env {
+            command.env(name, value);
         }
         let child = command.spawn().expect("spawn webproxy");
 

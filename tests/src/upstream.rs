@@ -54,11 +54,21 @@ impl Upstream {
 
     /// Starts the upstream with custom routes; requests are counted all the same.
     pub async fn start_with(router: Router) -> Upstream {
+        Self::start_on(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), router).await
+    }
+
+    /// Starts the upstream on `addr`, which must be a loopback address (127.0.0.0/8
+    /// or ::1): tests never listen on or send to anything else. Port 0 picks one.
+    pub async fn start_on(addr: SocketAddr, router: Router) -> Upstream {
+        assert!(
+            addr.ip().is_loopback(),
+            "upstreams listen on loopback only, not {addr}"
+        );
         let stats = Arc::new(Stats::default());
         let app = router.layer(middleware::from_fn_with_state(stats.clone(), count));
-        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .expect("bind upstream on 127.0.0.1:0");
+            .unwrap_or_else(|e| panic!("bind upstream on {addr}: {e}"));
         let addr = listener.local_addr().expect("upstream local address");
         let server = tokio::spawn(async move {
             if let Err(error) = axum::serve(listener, app).await {
@@ -72,9 +82,15 @@ impl Upstream {
         }
     }
 
-    /// `http://127.0.0.1:PORT{path}`; `path` starts with `/`.
+    /// `http://127.0.0.1:PORT{path}` (`[::1]` for an IPv6 upstream); `path` starts
+    /// with `/`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// Requests seen so far, on any path.
@@ -133,7 +149,7 @@ impl Drop for InFlight {
     }
 }
 
-/// The routes `Upstream::start` serves, for tests that add their own beside them.
+/// The default routes (see [`Upstream::start`]), to extend or to serve elsewhere.
 pub fn default_routes() -> Router {
     Router::new()
         .route("/echo", any(echo))

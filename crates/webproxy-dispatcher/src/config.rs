@@ -43,6 +43,23 @@ pub struct Config {
 pub struct NatsConfig {
     /// One server URL, or several separated by commas.
     pub url: String,
+    /// Authentication and TLS; see `crate::nats_auth`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nkey_seed_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<crate::nats_auth::Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<crate::nats_auth::Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<std::path::PathBuf>,
 }
 
 impl NatsConfig {
@@ -68,6 +85,8 @@ pub struct StreamsConfig {
     #[serde(with = "humantime_serde")]
     pub dead_max_age: Duration,
     pub dead_max_bytes: i64,
+    /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
+    pub reply_to_allow: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -80,6 +99,17 @@ pub struct HttpConfig {
 #[serde(deny_unknown_fields)]
 pub struct OutboundConfig {
     pub max_response_bytes: ByteLimit,
+    /// The address guard; see `crate::security`.
+    pub allow_private_networks: bool,
+    pub allow_cidrs: Vec<String>,
+    pub deny_cidrs: Vec<String>,
+    /// Request limits: larger requests get `invalid_request`.
+    pub max_request_bytes: u64,
+    /// Header count and size limits, for requests and responses alike.
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    /// Headers dropped from every request, whatever the caller sends.
+    pub deny_request_headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -264,6 +294,15 @@ pub struct RequestRuleConfig {
     /// Replaces the global response rules for requests this rule matches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_rules: Option<Vec<ResponseRuleConfig>>,
+    /// How many redirects the whole chain may follow; 0 returns the 3xx.
+    #[serde(default)]
+    pub follow_redirects: u32,
+    /// Headers set from secrets, replacing any the caller sends.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub inject_headers: BTreeMap<String, crate::secrets::SecretSource>,
+    /// Headers dropped from this rule's requests, on top of the global list.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_request_headers: Vec<String>,
 }
 
 /// A configuration that cannot run; the message names the key.
@@ -274,7 +313,7 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+pub(crate) fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         key: key.into(),
         message: message.into(),
@@ -288,16 +327,23 @@ pub struct Settings {
     pub subjects: Subjects,
     pub pools: BTreeMap<String, PoolConfig>,
     pub rules: RequestRules,
+    /// What may leave this instance, and how.
+    pub outbound: crate::security::Outbound,
 }
 
 impl Config {
     /// Checks everything that can be checked without a server and compiles the rules.
     pub fn validate(self) -> Result<Settings, ConfigError> {
         let subjects = Subjects::new(&self.streams.prefix)
-            .map_err(|e| config_error("streams.prefix", e.to_string()))?;
+            .map_err(|e| config_error("streams.prefix", e.to_string()))?
+            .with_reply_to_allow(&self.streams.reply_to_allow)
+            .map_err(|(i, e)| {
+                config_error(format!("streams.reply_to_allow[{i}]"), e.to_string())
+            })?;
         if self.nats.urls().is_empty() {
             return Err(config_error("nats.url", "names no server"));
         }
+        crate::nats_auth::check(&self.nats)?;
         if !(1..=5).contains(&self.streams.replicas) {
             return Err(config_error("streams.replicas", "must be from 1 to 5"));
         }
@@ -315,6 +361,7 @@ impl Config {
         if self.service.max_deliver == 0 {
             return Err(config_error("service.max_deliver", "must be at least 1"));
         }
+        let outbound = crate::security::Outbound::compile(&self.outbound)?;
         let mut pools = self.pools.clone();
         pools.entry("default".into()).or_default();
         for (name, pool) in &pools {
@@ -360,6 +407,7 @@ impl Config {
             subjects,
             pools,
             rules: RequestRules::new(rules),
+            outbound,
             config: self,
         })
     }

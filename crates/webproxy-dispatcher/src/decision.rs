@@ -176,6 +176,17 @@ pub fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
                 status: None,
             })
         }
+        AttemptOutcome::HeadersTooLarge { status, message } => Verdict::Fail(ErrorBody {
+            code: ErrorCode::ResponseTooLarge,
+            message,
+            status,
+        }),
+        // A refused destination never becomes reachable by trying again.
+        AttemptOutcome::Denied { message } => Verdict::Fail(ErrorBody {
+            code: ErrorCode::Denied,
+            message,
+            status: None,
+        }),
     }
 }
 

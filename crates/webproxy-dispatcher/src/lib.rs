@@ -7,20 +7,26 @@
 
 pub mod config;
 pub mod decision;
+pub mod egress;
 pub mod gauges;
 pub mod health;
 pub mod metrics;
+pub mod nats_auth;
 pub mod outbox;
 pub mod provision;
+pub mod redirect;
 pub mod response_rules;
 pub mod retry;
 pub mod rules;
 pub mod runtime;
+pub mod secrets;
+pub mod security;
 pub mod trace;
 
 pub use config::{Config, ConfigError, Settings};
 pub use gauges::Gauges;
 pub use health::Health;
+pub use ipnet;
 pub use metrics::Metrics;
 
 use std::sync::Arc;

@@ -42,6 +42,8 @@ pub struct RequestRule {
     pub idempotency_header: Option<String>,
     /// The rule's own response rules, or the global ones.
     pub response_rules: Arc<[ResponseRule]>,
+    /// Redirects, injected credentials and dropped headers.
+    pub security: crate::security::RuleSecurity,
 }
 
 impl RequestRule {
@@ -131,6 +133,8 @@ impl RequestRule {
             retry_non_idempotent: config.retry_non_idempotent,
             idempotency_header,
             response_rules,
+            security: crate::security::RuleSecurity::compile(config)
+                .map_err(|(field, message)| (field.to_string(), message))?,
         })
     }
 }
@@ -142,7 +146,10 @@ pub struct RequestRules {
 }
 
 impl RequestRules {
-    pub fn new(rules: Vec<RequestRule>) -> Self {
+    pub fn new(mut rules: Vec<RequestRule>) -> Self {
+        for (index, rule) in rules.iter_mut().enumerate() {
+            rule.security.index = index;
+        }
         RequestRules { rules }
     }
 

@@ -16,8 +16,8 @@ pub use reply::{
     AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody, excerpt,
 };
 pub use subjects::{
-    InvalidName, Subjects, validate_id, validate_pool_name, validate_prefix,
-    validate_subject_literal,
+    InvalidName, Subjects, subject_matches, validate_id, validate_pool_name, validate_prefix,
+    validate_subject_literal, validate_subject_pattern,
 };
 
 /// The protocol version this crate speaks; replies carry it as `"v": 1`.

@@ -78,11 +78,54 @@ pub fn validate_subject_literal(subject: &str) -> Result<(), InvalidName> {
     Ok(())
 }
 
+/// A subject pattern: non-empty tokens, `*` matching one token and `>` (last only)
+/// matching one or more.
+pub fn validate_subject_pattern(pattern: &str) -> Result<(), InvalidName> {
+    let tokens: Vec<&str> = pattern.split('.').collect();
+    for (i, token) in tokens.iter().enumerate() {
+        if token.is_empty() {
+            return Err(InvalidName(format!("{pattern:?} has an empty token")));
+        }
+        if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(InvalidName(format!("{pattern:?} contains white space")));
+        }
+        let wildcard = *token == "*" || *token == ">";
+        if !wildcard && token.contains(['*', '>']) {
+            return Err(InvalidName(format!(
+                "{pattern:?}: a wildcard must be a whole token"
+            )));
+        }
+        if *token == ">" && i + 1 != tokens.len() {
+            return Err(InvalidName(format!(
+                "{pattern:?}: `>` may only be the last token"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the literal `subject` matches `pattern` as NATS matches subscriptions.
+pub fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for token in pattern.split('.') {
+        match (token, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            (_, None) => return false,
+            ("*", Some(_)) => {}
+            (literal, Some(actual)) if literal == actual => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
+}
+
 /// Every subject, stream and consumer name of one deployment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subjects {
     prefix: String,
     stream_prefix: String,
+    /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
+    reply_to_allow: Vec<String>,
 }
 
 impl Subjects {
@@ -92,7 +135,22 @@ impl Subjects {
         Ok(Subjects {
             prefix: prefix.to_string(),
             stream_prefix: prefix.replace('.', "_").to_ascii_uppercase(),
+            reply_to_allow: Vec::new(),
         })
+    }
+
+    /// Confines custom `reply_to` subjects to `patterns` (on top of the reserved
+    /// prefixes); empty allows any unreserved subject. Each is checked with
+    /// [`validate_subject_pattern`]; the error gives the index.
+    pub fn with_reply_to_allow(
+        mut self,
+        patterns: &[String],
+    ) -> Result<Self, (usize, InvalidName)> {
+        for (i, pattern) in patterns.iter().enumerate() {
+            validate_subject_pattern(pattern).map_err(|e| (i, e))?;
+        }
+        self.reply_to_allow = patterns.to_vec();
+        Ok(self)
     }
 
     pub fn prefix(&self) -> &str {
@@ -177,6 +235,16 @@ impl Subjects {
                 )));
             }
         }
+        if !self.reply_to_allow.is_empty()
+            && !self
+                .reply_to_allow
+                .iter()
+                .any(|pattern| subject_matches(pattern, subject))
+        {
+            return Err(InvalidName(format!(
+                "{subject:?} matches none of the allowed reply subjects ([streams] reply_to_allow)"
+            )));
+        }
         Ok(())
     }
 }
@@ -260,5 +328,49 @@ mod tests {
         assert!(s.check_reply_to("", "x").is_err());
         // a subject that merely starts with the prefix's letters is the caller's own
         assert!(s.check_reply_to("webproxyish.replies", "x").is_ok());
+    }
+
+    #[test]
+    fn reply_to_allow_confines_custom_subjects() {
+        let s = subjects()
+            .with_reply_to_allow(&["callers.*.replies.>".into(), "app.inbox".into()])
+            .expect("valid patterns");
+        assert!(s.check_reply_to("callers.a.replies.42", "x").is_ok());
+        assert!(s.check_reply_to("app.inbox", "x").is_ok());
+        let e = s
+            .check_reply_to("callers.a.other.42", "x")
+            .expect_err("not allowed");
+        assert!(e.0.contains("reply_to_allow"), "{e}");
+        assert!(s.check_reply_to("callers.a.replies", "x").is_err());
+        assert!(s.check_reply_to("app.inbox.1", "x").is_err());
+        // The reserved prefixes stay refused even when a pattern would match them.
+        let broad = subjects()
+            .with_reply_to_allow(&[">".into()])
+            .expect("valid");
+        assert!(
+            broad
+                .check_reply_to("webproxy.request.default", "x")
+                .is_err()
+        );
+        // The default reply subject needs no pattern.
+        assert!(s.check_reply_to("webproxy.reply.x", "x").is_ok());
+    }
+
+    #[test]
+    fn subject_patterns() {
+        for ok in ["a", "a.*", "a.>", "*.b.>", ">"] {
+            assert!(validate_subject_pattern(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a..b", "a.>.b", "a.b*", "a.>x", "a b"] {
+            assert!(validate_subject_pattern(bad).is_err(), "{bad}");
+        }
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*.c", "a.b.c.d"));
+        assert!(!subject_matches("a.*", "a"));
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.>", "a"));
+        assert!(subject_matches("a", "a"));
+        assert!(!subject_matches("a", "a.b"));
+        assert!(subject_matches(">", "x.y"));
     }
 }

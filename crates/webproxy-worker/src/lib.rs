@@ -1,14 +1,22 @@
-//! One outbound HTTP attempt: a shared reqwest client, a per-attempt timeout, a cap on
-//! the response size, and a typed outcome. No NATS, no retries: what to do with the
-//! outcome is the dispatcher's decision.
+//! One outbound HTTP attempt: a shared reqwest client, the address guard on every
+//! address it connects to, a per-attempt timeout, caps on the response's size and
+//! headers, and a typed outcome. No NATS, no retries: what to do with the outcome is
+//! the dispatcher's decision.
+
+pub mod guard;
+pub mod resolve;
 
 use std::error::Error as StdError;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
 use url::Url;
+
+pub use crate::guard::{Denied, GuardPolicy};
+use crate::resolve::GuardedResolver;
 
 /// Why the HTTP client could not be built.
 #[derive(Debug, Error)]
@@ -20,6 +28,24 @@ pub struct BuildError(#[from] reqwest::Error);
 pub struct WorkerConfig {
     /// The largest response body accepted; more is `TooLarge`.
     pub max_response_bytes: usize,
+    /// Which addresses may be connected to.
+    pub guard: GuardPolicy,
+    /// The most response headers accepted; more is `HeadersTooLarge`.
+    pub max_response_headers: usize,
+    /// The most bytes of response header names and values accepted.
+    pub max_response_header_bytes: usize,
+}
+
+impl WorkerConfig {
+    /// The default guard (private networks denied) and header limits.
+    pub fn new(max_response_bytes: usize) -> WorkerConfig {
+        WorkerConfig {
+            max_response_bytes,
+            guard: GuardPolicy::default(),
+            max_response_headers: 100,
+            max_response_header_bytes: 64 * 1024,
+        }
+    }
 }
 
 /// The request of one attempt.
@@ -106,6 +132,16 @@ pub enum AttemptOutcome {
         status: u16,
         limit: usize,
     },
+    /// The response's headers exceeded a limit; `status` is unknown when the HTTP
+    /// parser refused them.
+    HeadersTooLarge {
+        status: Option<u16>,
+        message: String,
+    },
+    /// The address guard refused the destination: no connection was made to it.
+    Denied {
+        message: String,
+    },
 }
 
 /// Performs attempts over one shared connection pool.
@@ -113,6 +149,9 @@ pub enum AttemptOutcome {
 pub struct Worker {
     client: reqwest::Client,
     max_response_bytes: usize,
+    max_response_headers: usize,
+    max_response_header_bytes: usize,
+    guard: Arc<GuardPolicy>,
 }
 
 impl Worker {
@@ -120,17 +159,36 @@ impl Worker {
         // reqwest is built without a default crypto provider so that it shares ring with
         // async-nats instead of compiling a second one; installing twice is harmless.
         let _ = rustls::crypto::ring::default_provider().install_default();
+        let guard = Arc::new(config.guard.clone());
         let client = reqwest::Client::builder()
+            // Redirects are followed by the dispatcher, hop by hop, so that every hop
+            // is matched against the rules and guarded again.
             .redirect(reqwest::redirect::Policy::none())
-            // Environment proxy settings would send requests somewhere no rule names.
+            // Environment proxy settings would send requests somewhere no rule names,
+            // and past the guard: the proxy's address is not the destination's.
             .no_proxy()
+            .dns_resolver(GuardedResolver::new(guard.clone()))
+            .http1_max_headers(config.max_response_headers)
+            .http2_max_header_list_size(
+                u32::try_from(config.max_response_header_bytes + 32 * config.max_response_headers)
+                    .unwrap_or(u32::MAX),
+            )
             .pool_idle_timeout(Duration::from_secs(90))
             .connect_timeout(Duration::from_secs(10))
             .build()?;
         Ok(Worker {
             client,
             max_response_bytes: config.max_response_bytes,
+            max_response_headers: config.max_response_headers,
+            max_response_header_bytes: config.max_response_header_bytes,
+            guard,
         })
+    }
+
+    /// The guard's decision on `url`'s host when it is an IP literal, which reqwest
+    /// connects to without asking the resolver.
+    pub fn check_url(&self, url: &Url) -> Result<(), Denied> {
+        guard::check_url(url, &self.guard)
     }
 
     /// Performs one attempt. Never panics on what the network sends.
@@ -148,6 +206,11 @@ impl Worker {
 
     async fn attempt_inner(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
         let started = Instant::now();
+        if let Err(denied) = self.check_url(request.url) {
+            return AttemptOutcome::Denied {
+                message: denied.to_string(),
+            };
+        }
         let method = match reqwest::Method::from_bytes(request.method.as_bytes()) {
             Ok(m) => m,
             Err(e) => return failed_other(format!("invalid method: {e}")),
@@ -164,9 +227,19 @@ impl Worker {
         }
         let mut response = match builder.send().await {
             Ok(r) => r,
-            Err(e) => return AttemptOutcome::Failed(classify(&e, request.timeout, started)),
+            Err(e) => return self.send_failed(&e, request.timeout, started),
         };
         let status = response.status().as_u16();
+        if let Err(message) = check_response_headers(
+            response.headers(),
+            self.max_response_headers,
+            self.max_response_header_bytes,
+        ) {
+            return AttemptOutcome::HeadersTooLarge {
+                status: Some(status),
+                message,
+            };
+        }
         let limit = self.max_response_bytes;
         if response
             .content_length()
@@ -205,6 +278,64 @@ impl Worker {
             body: body.freeze(),
         })
     }
+}
+
+impl Worker {
+    /// The outcome of a request that got no response: a guard denial at connect time,
+    /// a response head the HTTP parser refused as too large, or a transport failure.
+    fn send_failed(
+        &self,
+        error: &reqwest::Error,
+        timeout: Duration,
+        started: Instant,
+    ) -> AttemptOutcome {
+        let chain = error_chain(error);
+        if let Some(denied) = chain.iter().find_map(|e| e.downcast_ref::<Denied>()) {
+            return AttemptOutcome::Denied {
+                message: denied.to_string(),
+            };
+        }
+        // hyper's `is_parse_too_large` exists only with its server feature; its
+        // message for an over-long head is stable.
+        if chain.iter().any(|e| {
+            e.downcast_ref::<hyper::Error>()
+                .is_some_and(|h| h.is_parse() && h.to_string().contains("too large"))
+        }) {
+            return AttemptOutcome::HeadersTooLarge {
+                status: None,
+                message: format!(
+                    "the upstream's response head is larger than the HTTP parser accepts (more than {} headers, [outbound] max_headers)",
+                    self.max_response_headers
+                ),
+            };
+        }
+        AttemptOutcome::Failed(classify(error, timeout, started))
+    }
+}
+
+/// Checks a response's headers against the count and size limits; the error names
+/// the limit.
+fn check_response_headers(
+    headers: &reqwest::header::HeaderMap,
+    max_headers: usize,
+    max_bytes: usize,
+) -> Result<(), String> {
+    if headers.len() > max_headers {
+        return Err(format!(
+            "the upstream sent {} response headers, more than [outbound] max_headers = {max_headers}",
+            headers.len()
+        ));
+    }
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if bytes > max_bytes {
+        return Err(format!(
+            "the upstream sent {bytes} bytes of response headers, more than [outbound] max_header_bytes = {max_bytes}"
+        ));
+    }
+    Ok(())
 }
 
 fn failed_other(message: String) -> AttemptOutcome {

@@ -8,7 +8,9 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use url::Url;
-use webproxy_worker::{AttemptOutcome, AttemptRequest, FailureKind, Worker, WorkerConfig};
+use webproxy_worker::{
+    AttemptOutcome, AttemptRequest, FailureKind, GuardPolicy, Worker, WorkerConfig,
+};
 
 async fn serve(app: Router) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -17,8 +19,11 @@ async fn serve(app: Router) -> String {
     format!("http://{addr}")
 }
 
+/// A worker that may reach the loopback upstreams these tests start.
 fn worker(max_response_bytes: usize) -> Worker {
-    Worker::new(&WorkerConfig { max_response_bytes }).expect("client")
+    let mut config = WorkerConfig::new(max_response_bytes);
+    config.guard.allow_private_networks = true;
+    Worker::new(&config).expect("client")
 }
 
 async fn attempt(worker: &Worker, method: &str, url: &str, timeout: Duration) -> AttemptOutcome {
@@ -172,4 +177,146 @@ async fn tls_to_a_plain_server_is_tls() {
     let url = base.replace("http://", "https://");
     let f = failure(attempt(&worker(1024), "GET", &url, Duration::from_secs(5)).await);
     assert_eq!(f.kind, FailureKind::Tls, "{f:?}");
+}
+
+/// A server on one port of 127.0.0.1, 127.0.0.2, 127.0.0.3 and [::1] (loopback only)
+/// that counts connections, so a denial that still connected shows.
+async fn counting_server() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let first = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = first.local_addr().expect("addr").port();
+    let mut listeners = vec![first];
+    for host in ["127.0.0.2", "127.0.0.3", "[::1]"] {
+        listeners.push(
+            TcpListener::bind(format!("{host}:{port}"))
+                .await
+                .unwrap_or_else(|e| panic!("bind {host}:{port}: {e}")),
+        );
+    }
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for listener in listeners {
+        let seen = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut buf = [0u8; 4096];
+                let _ = socket.read(&mut buf).await;
+                let _ = socket
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            }
+        });
+    }
+    (port, count)
+}
+
+fn guarded(guard: GuardPolicy) -> Worker {
+    let mut config = WorkerConfig::new(1024);
+    config.guard = guard;
+    Worker::new(&config).expect("client")
+}
+
+#[tokio::test]
+async fn guard_denies_literals_and_resolved_names_without_connecting() {
+    let (port, count) = counting_server().await;
+    let worker = guarded(GuardPolicy::default());
+    for host in ["127.0.0.1", "localhost", "2130706433", "0.0.0.0"] {
+        let outcome = attempt(
+            &worker,
+            "GET",
+            &format!("http://{host}:{port}/"),
+            Duration::from_secs(5),
+        )
+        .await;
+        match outcome {
+            AttemptOutcome::Denied { message } => {
+                assert!(message.contains("is in"), "{host}: {message}")
+            }
+            other => panic!("{host}: expected Denied, got {other:?}"),
+        }
+    }
+    assert_eq!(count.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn guard_allow_cidrs_open_exactly_the_listed_address() {
+    let (port, count) = counting_server().await;
+    let worker = guarded(GuardPolicy {
+        allow: vec!["127.0.0.2/32".parse().expect("cidr")],
+        ..GuardPolicy::default()
+    });
+    let open = attempt(
+        &worker,
+        "GET",
+        &format!("http://127.0.0.2:{port}/"),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        matches!(open, AttemptOutcome::Response(ref r) if r.status == 200),
+        "{open:?}"
+    );
+    let closed = attempt(
+        &worker,
+        "GET",
+        &format!("http://127.0.0.3:{port}/"),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        matches!(closed, AttemptOutcome::Denied { .. }),
+        "{closed:?}"
+    );
+    assert_eq!(count.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn too_many_response_headers_is_headers_too_large() {
+    let base = serve(Router::new().route(
+        "/many",
+        get(|| async {
+            let mut headers = axum::http::HeaderMap::new();
+            for i in 0..20 {
+                headers.insert(
+                    axum::http::HeaderName::try_from(format!("x-h{i}")).expect("name"),
+                    axum::http::HeaderValue::from_static("v"),
+                );
+            }
+            (headers, "many")
+        }),
+    ))
+    .await;
+    let mut config = WorkerConfig::new(1024);
+    config.guard.allow_private_networks = true;
+    config.max_response_headers = 10;
+    let worker = Worker::new(&config).expect("client");
+    let outcome = attempt(
+        &worker,
+        "GET",
+        &format!("{base}/many"),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        matches!(outcome, AttemptOutcome::HeadersTooLarge { .. }),
+        "{outcome:?}"
+    );
+
+    let mut config = WorkerConfig::new(1024);
+    config.guard.allow_private_networks = true;
+    config.max_response_header_bytes = 40;
+    let worker = Worker::new(&config).expect("client");
+    match attempt(
+        &worker,
+        "GET",
+        &format!("{base}/many"),
+        Duration::from_secs(5),
+    )
+    .await
+    {
+        AttemptOutcome::HeadersTooLarge { status, message } => {
+            assert_eq!(status, Some(200));
+            assert!(message.contains("max_header_bytes"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

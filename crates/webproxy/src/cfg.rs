@@ -69,12 +69,20 @@ struct EffectiveRule<'a> {
     pool: &'a str,
     timeout: String,
     retry: &'a webproxy_dispatcher::retry::RetryPolicy,
+    follow_redirects: u32,
+    /// Where each injected header comes from; never its value.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    inject_headers:
+        std::collections::BTreeMap<&'a str, &'a webproxy_dispatcher::secrets::SecretSource>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    deny_request_headers: &'a [String],
 }
 
 #[derive(Serialize)]
 struct Effective<'a> {
     nats: &'a webproxy_dispatcher::config::NatsConfig,
     streams: &'a webproxy_dispatcher::config::StreamsConfig,
+    outbound: &'a webproxy_dispatcher::config::OutboundConfig,
     pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::config::PoolConfig>,
     request_rules: Vec<EffectiveRule<'a>>,
 }
@@ -92,11 +100,20 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
             pool: &r.pool,
             timeout: humantime::format_duration(r.timeout).to_string(),
             retry: &r.retry,
+            follow_redirects: r.security.follow_redirects,
+            inject_headers: r
+                .security
+                .inject
+                .iter()
+                .map(|(name, source)| (name.as_str(), source))
+                .collect(),
+            deny_request_headers: &r.security.deny_request_headers,
         })
         .collect();
     let effective = Effective {
         nats: &settings.config.nats,
         streams: &settings.config.streams,
+        outbound: &settings.config.outbound,
         pools: &settings.pools,
         request_rules: rules,
     };
@@ -106,6 +123,23 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
     }
     println!("configuration is valid");
     println!("prefix: {}", settings.subjects.prefix());
+    let guard = &settings.outbound.guard;
+    let nets = |nets: &[webproxy_dispatcher::ipnet::IpNet]| {
+        nets.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "address guard: private networks {}; allow [{}]; deny [{}]",
+        if guard.allow_private_networks {
+            "allowed"
+        } else {
+            "denied"
+        },
+        nets(&guard.allow),
+        nets(&guard.deny)
+    );
     println!("pools:");
     for (name, pool) in &settings.pools {
         let waiting = pool
@@ -139,6 +173,20 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
                 humantime::format_duration(rule.retry.max_retry_delay),
                 rule.retry.jitter
             );
+            if rule.follow_redirects > 0 {
+                println!("    follows up to {} redirects", rule.follow_redirects);
+            }
+            for (name, source) in &rule.inject_headers {
+                let prefix = if source.prefix.is_empty() {
+                    String::new()
+                } else {
+                    format!(" after the prefix {:?}", source.prefix)
+                };
+                println!("    injects {name} from the {source}{prefix} (value not shown)");
+            }
+            if !rule.deny_request_headers.is_empty() {
+                println!("    drops headers {}", rule.deny_request_headers.join(", "));
+            }
         }
     }
     Ok(())

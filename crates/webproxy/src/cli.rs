@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
-
 use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use webproxy_dispatcher::secrets::{Redactor, Secrets};
 
 use crate::{cfg, dead, pools, send, serve, telemetry};
 
@@ -149,13 +149,22 @@ impl Cli {
         match self.command {
             Command::Serve { config } => {
                 let settings = cfg::load(config.as_deref())?;
-                let _telemetry =
-                    telemetry::init_service(&settings.config.log, &settings.config.telemetry)?;
-                runtime()?.block_on(serve::run(settings))?;
+                // Shared with the logger, which redacts the secrets serve loads.
+                let redactor = Redactor::default();
+                let _telemetry = telemetry::init_service(
+                    &settings.config.log,
+                    &settings.config.telemetry,
+                    redactor.clone(),
+                )?;
+                runtime()?.block_on(serve::run(settings, redactor))?;
                 Ok(ExitCode::SUCCESS)
             }
             Command::CheckConfig { config, json } => {
                 let settings = cfg::load(config.as_deref())?;
+                // Every secret must be readable for the configuration to be valid; the
+                // values are never printed.
+                Secrets::load(&settings.rules, Redactor::default())
+                    .context("invalid configuration: cannot read an injected secret")?;
                 cfg::print_effective(&settings, json)?;
                 Ok(ExitCode::SUCCESS)
             }

@@ -11,6 +11,7 @@ use serde::Serialize;
 use webproxy_client::Client;
 use webproxy_dispatcher::Metrics;
 use webproxy_dispatcher::runtime::{Outlet, end_unattempted};
+use webproxy_dispatcher::secrets::Redactor;
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
 use crate::cli::NatsArgs;
@@ -169,6 +170,9 @@ async fn dead_letter_all(
         client.subjects().clone(),
         max_payload,
         Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
+        // The CLI loads no secrets: the waiting requests are dead-lettered as the
+        // callers sent them.
+        Redactor::default(),
     );
     let reader: consumer::PullConsumer = stream
         .create_consumer(consumer::pull::Config {

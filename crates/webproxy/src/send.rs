@@ -16,7 +16,10 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
         .clone()
         .unwrap_or_else(|| settings.config.nats.url.clone());
     let urls: Vec<String> = url.split(',').map(|u| u.trim().to_string()).collect();
-    let nats = async_nats::connect(urls)
+    let nats = webproxy_dispatcher::nats_auth::connect_options(&settings.config.nats)
+        .await
+        .context("cannot read the NATS credentials")?
+        .connect(urls)
         .await
         .with_context(|| format!("cannot connect to NATS at {url}"))?;
     Ok(Client::new(nats, settings.subjects.prefix())?)

@@ -5,16 +5,22 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 use webproxy_dispatcher::config::ByteLimit;
+use webproxy_dispatcher::nats_auth;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
 use webproxy_dispatcher::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
+use webproxy_dispatcher::secrets::{Redactor, Secrets};
 use webproxy_dispatcher::{Dispatcher, Health, Instruments, Settings, connect};
 use webproxy_worker::{Worker, WorkerConfig};
 
 use crate::health;
 
-pub async fn run(settings: Settings) -> anyhow::Result<()> {
+pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
+    redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
+    let secrets = Arc::new(
+        Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
+    );
     let settings = Arc::new(settings);
     let instruments = Instruments::new(&settings);
     let health_state = instruments.health.clone();
@@ -27,6 +33,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
+    tokio::spawn(reload_on_hangup(settings.clone(), secrets.clone()));
 
     let Some(client) = connect_until_up(&settings, &health_state, &shutdown).await? else {
         return Ok(());
@@ -52,13 +59,19 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let Some(consumers) = provision_until_done(&js, &settings, &shutdown).await else {
         return Ok(());
     };
-    let worker = Worker::new(&WorkerConfig { max_response_bytes })?;
+    let worker = Worker::new(&WorkerConfig {
+        max_response_bytes,
+        guard: settings.outbound.guard.clone(),
+        max_response_headers: settings.outbound.max_headers,
+        max_response_header_bytes: settings.outbound.max_header_bytes,
+    })?;
     let dispatcher = Dispatcher::new(
         settings.clone(),
         client.clone(),
         worker,
         max_payload,
         instruments,
+        secrets,
     );
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
@@ -145,6 +158,26 @@ async fn connect_until_up(
             _ = shutdown.cancelled() => return Ok(None),
         }
         delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// SIGHUP re-reads the secret files of `inject_headers`; a file that cannot be read
+/// keeps every old value in use and is logged.
+async fn reload_on_hangup(settings: Arc<Settings>, secrets: Arc<Secrets>) {
+    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "cannot listen for SIGHUP; secret files will not be reloaded");
+            return;
+        }
+    };
+    while hangups.recv().await.is_some() {
+        match secrets.reload_files(&settings.rules) {
+            Ok(files) => info!(files, "SIGHUP: secret files reloaded"),
+            Err(e) => {
+                error!(error = %e, "SIGHUP: secret files not reloaded; the old values stay in use")
+            }
+        }
     }
 }
 

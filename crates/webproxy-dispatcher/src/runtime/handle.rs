@@ -15,13 +15,14 @@ use webproxy_client::stored_reply_message;
 use webproxy_protocol::{
     AttemptRecord, ErrorBody, ErrorCode, ParseError, Request, header, parse_request,
 };
-use webproxy_worker::{AttemptOutcome, AttemptRequest};
+use webproxy_worker::AttemptOutcome;
 
 use super::Shared;
 use super::publish::{
     Ending, Outlet, copy_to_reply_to, from_unix_ms, publish_ending, publish_stored, unix_ms,
 };
 use crate::decision::{Admission, AttemptContext, Verdict, admit, expiry, judge};
+use crate::egress::Egress;
 use crate::metrics::status_class;
 use crate::outbox::{EncodedReply, ReplyContext, error_reply, invalid_request, response_reply};
 use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
@@ -147,7 +148,7 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
         Err(e) => {
             // Undecodable payloads are terminated: nothing can answer them, and a
             // redelivery would only fail again.
-            let (error, kind) = match e {
+            let (error, kind, id) = match e {
                 ParseError::Undecodable { reason } => (
                     ErrorBody {
                         code: ErrorCode::InvalidRequest,
@@ -155,18 +156,23 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
                         status: None,
                     },
                     AckKind::Term,
+                    None,
                 ),
                 ParseError::Invalid(invalid) => (
                     invalid_request(invalid.field, &invalid.message),
                     AckKind::Ack,
+                    invalid.raw_id,
                 ),
             };
             end_unattempted(&shared.outlet, pool, &message, error).await;
             info!(
+                id = id.as_deref().unwrap_or(""),
                 pool,
+                rule = "none",
                 outcome = "error",
                 code = "invalid_request",
-                "invalid request answered and dead-lettered"
+                attempts = 0,
+                "conversation finished"
             );
             ack(&message, kind).await;
             return;
@@ -227,6 +233,11 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
     };
     conversation.rule = &rule.name;
     Span::current().record("rule", rule.name.as_str());
+    if let Err(error) = crate::security::check_request(&request, &shared.settings.outbound) {
+        let reply = error_reply(&conversation.context(metadata), error);
+        finish(shared, &message, &conversation, reply).await;
+        return;
+    }
 
     let now = SystemTime::now();
     let deadline = request.deadline.map(SystemTime::from);
@@ -263,7 +274,7 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
         Span::current().record("queue_wait_ms", as_i64(millis(wait)));
     }
     let (outcome, record) = attempt(shared, &message, &request, rule, &conversation).await;
-    conversation.attempts.push(record);
+    conversation.attempts.extend(record);
     let context = AttemptContext {
         rule,
         method: request.method,
@@ -409,7 +420,7 @@ async fn attempt(
     request: &Request,
     rule: &RequestRule,
     conversation: &Conversation<'_>,
-) -> (AttemptOutcome, AttemptRecord) {
+) -> (AttemptOutcome, Option<AttemptRecord>) {
     let number = conversation.attempts.len() + 1;
     let span = info_span!(
         "attempt",
@@ -430,33 +441,32 @@ async fn attempt(
             .format(&Rfc3339)
             .unwrap_or_default();
         let started = Instant::now();
-        let mut headers = request.headers.clone();
+        // Webproxy's own headers replace a caller's of the same name: the rule's
+        // idempotency key, and the attempt span's context for the upstream to continue.
+        let mut own_headers = Vec::new();
         if let Some(name) = &rule.idempotency_header {
-            // The rule's key replaces a caller's header of the same name.
-            headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
-            headers.push((
+            own_headers.push((
                 name.clone(),
                 format!("{}:{}", request.id, conversation.generation),
             ));
         }
-        // The upstream continues the trace from this attempt's span.
-        trace::inject_http(&span.context(), &mut headers);
+        trace::inject_http(&span.context(), &mut own_headers);
+        let egress = Egress {
+            worker: &shared.worker,
+            rules: &shared.settings.rules,
+            outbound: &shared.settings.outbound,
+            secrets: &shared.secrets,
+        };
         let timeout = request
             .timeout
             .map_or(rule.timeout, |t| t.min(rule.timeout));
-        let attempt = shared.worker.attempt(AttemptRequest {
-            method: request.method.as_str(),
-            url: &request.url,
-            headers: &headers,
-            body: Bytes::from(request.body.clone()),
-            timeout,
-        });
+        let attempt = egress.perform(rule, request, &own_headers, timeout);
         tokio::pin!(attempt);
         let period = shared.settings.config.service.ack_wait / 3;
         let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        let outcome = loop {
+        let chain = loop {
             tokio::select! {
-                outcome = &mut attempt => break outcome,
+                chain = &mut attempt => break chain,
                 _ = progress.tick() => {
                     if let Err(e) = message.ack_with(AckKind::Progress).await {
                         debug!(error = %e, "progress ack failed");
@@ -464,21 +474,30 @@ async fn attempt(
                 }
             }
         };
-        let (status, failure) = match &outcome {
+        let (status, failure) = match &chain.outcome {
             AttemptOutcome::Response(r) => (Some(r.status), None),
             AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
+            AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
             AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
+            AttemptOutcome::Denied { message } => (None, Some(format!("denied: {message}"))),
         };
-        let record = AttemptRecord {
+        // A destination refused before any connection was never attempted.
+        let record = chain.connected.then(|| AttemptRecord {
             at,
             status,
             failure,
             duration_ms: millis(started.elapsed()),
-        };
-        (outcome, record)
+        });
+        (chain.outcome, record)
     }
     .instrument(span.clone())
     .await;
+    let Some(record) = record else {
+        if let AttemptOutcome::Denied { message } = &outcome {
+            span.record("failure", format!("denied: {message}").as_str());
+        }
+        return (outcome, None);
+    };
     match (record.status, &record.failure) {
         (Some(status), _) => span.record("http.response.status_code", i64::from(status)),
         (None, Some(failure)) => span.record("failure", failure.as_str()),
@@ -488,7 +507,9 @@ async fn attempt(
     let result = match &outcome {
         AttemptOutcome::Response(r) => status_class(r.status),
         AttemptOutcome::TooLarge { status, .. } => status_class(*status),
+        AttemptOutcome::HeadersTooLarge { status, .. } => status.map_or("other", status_class),
         AttemptOutcome::Failed(f) => f.kind.as_str(),
+        AttemptOutcome::Denied { .. } => "other",
     };
     shared.outlet.metrics.attempt(
         conversation.pool,
@@ -496,7 +517,7 @@ async fn attempt(
         result,
         Duration::from_millis(record.duration_ms),
     );
-    (outcome, record)
+    (outcome, Some(record))
 }
 
 /// Moves a request that arrived on another pool's subject to its rule's pool, so that
@@ -539,13 +560,21 @@ async fn hand_off(
         headers.insert(header::DUE, unix_ms(due).to_string().as_str());
     }
     let msg_id = format!("{id}:{}:{hop}", conversation.generation);
+    // A parked or moved copy is webproxy's own: no secret it knows goes in.
+    let payload = Bytes::from(
+        shared
+            .outlet
+            .redactor
+            .redact_payload(&conversation.payload)
+            .into_owned(),
+    );
     publish_stored(
         &shared.outlet,
         message,
         subject,
         Some(&msg_id),
         &headers,
-        &conversation.payload,
+        &payload,
     )
     .await;
     ack(message, AckKind::Ack).await;

@@ -28,6 +28,7 @@ use crate::config::Settings;
 use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::provision::PoolConsumers;
+use crate::secrets::Secrets;
 
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
@@ -40,7 +41,8 @@ pub async fn connect(
     health: Arc<Health>,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let events = health.clone();
-    let client = async_nats::ConnectOptions::new()
+    let client = crate::nats_auth::connect_options(&settings.config.nats)
+        .await?
         .name("webproxy")
         .retry_on_initial_connect()
         .event_callback(move |event| {
@@ -66,6 +68,8 @@ struct Shared {
     gauges: Arc<Gauges>,
     outlet: Outlet,
     worker: Worker,
+    /// Injected credentials, per rule.
+    secrets: Arc<Secrets>,
 }
 
 /// Consumes every pool of this instance until told to stop.
@@ -80,6 +84,7 @@ impl Dispatcher {
         worker: Worker,
         max_payload: usize,
         instruments: Instruments,
+        secrets: Arc<Secrets>,
     ) -> Dispatcher {
         Dispatcher {
             shared: Arc::new(Shared {
@@ -89,10 +94,12 @@ impl Dispatcher {
                     settings.subjects.clone(),
                     max_payload,
                     instruments.metrics,
+                    secrets.redactor().clone(),
                 ),
                 settings,
                 worker,
                 health: instruments.health,
+                secrets,
             }),
         }
     }

@@ -17,6 +17,7 @@ use webproxy_protocol::Subjects;
 
 use crate::metrics::Metrics;
 use crate::outbox::{EncodedReply, dead_letter};
+use crate::secrets::Redactor;
 use crate::trace;
 
 /// Where a conversation's products go: the NATS connection and the names and limits
@@ -30,6 +31,9 @@ pub struct Outlet {
     pub max_payload: usize,
     /// Conversations and dead letters are counted where they are published.
     pub metrics: Arc<Metrics>,
+    /// Webproxy's own copies of a request (dead letters, parked retries) never hold a
+    /// secret it knows.
+    pub redactor: Redactor,
 }
 
 impl Outlet {
@@ -38,6 +42,7 @@ impl Outlet {
         subjects: Subjects,
         max_payload: usize,
         metrics: Arc<Metrics>,
+        redactor: Redactor,
     ) -> Outlet {
         Outlet {
             js: jetstream::new(client.clone()),
@@ -45,6 +50,7 @@ impl Outlet {
             subjects,
             max_payload,
             metrics,
+            redactor,
         }
     }
 }
@@ -183,13 +189,24 @@ pub async fn publish_dead_letter(
     ending: &Ending<'_>,
     error: &ErrorBody,
 ) {
+    // The caller's envelope holds an injected secret only if the caller already knew
+    // it, but the dead letter is webproxy's own copy: nothing secret goes in.
+    let redactor = &outlet.redactor;
+    let mut redacted = error.clone();
+    redacted.message = redactor.redact(&error.message).into_owned();
+    let mut attempts = ending.attempts.to_vec();
+    for attempt in &mut attempts {
+        if let Some(failure) = &mut attempt.failure {
+            *failure = redactor.redact(failure).into_owned();
+        }
+    }
     let payload = dead_letter(
         ending.pool,
         ending.id,
         ending.generation,
-        error.clone(),
-        ending.payload,
-        ending.attempts.to_vec(),
+        redacted,
+        &redactor.redact_payload(ending.payload),
+        attempts,
         outlet.max_payload,
     );
     let mut headers = HeaderMap::new();

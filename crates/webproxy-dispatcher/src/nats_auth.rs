@@ -1,0 +1,260 @@
+//! How webproxy (and `webproxy send`) authenticates to NATS and secures the
+//! connection: one of a credentials file, an NKey seed file, a token, or a user and
+//! password, and TLS with a CA and an optional client certificate. Files are checked
+//! when the configuration is loaded, so an error names the key and the path.
+
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::config::{ConfigError, NatsConfig, config_error};
+use crate::secrets::REDACTED;
+
+/// A configured secret (a token or password): shown as [`REDACTED`] when printed or
+/// serialized, so `check-config` and debug output never carry it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+        String::deserialize(d).map(Secret)
+    }
+}
+
+/// Checks the combination of keys and that every named file can be read.
+pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
+    let methods = [
+        ("nats.credentials_file", nats.credentials_file.is_some()),
+        ("nats.nkey_seed_file", nats.nkey_seed_file.is_some()),
+        ("nats.token", nats.token.is_some()),
+        ("nats.user", nats.user.is_some() || nats.password.is_some()),
+    ];
+    let set: Vec<&str> = methods
+        .iter()
+        .filter(|(_, on)| *on)
+        .map(|(k, _)| *k)
+        .collect();
+    if set.len() > 1 {
+        return Err(config_error(
+            set[1],
+            format!(
+                "set only one way to authenticate, not both {} and {}",
+                set[0], set[1]
+            ),
+        ));
+    }
+    match (&nats.user, &nats.password) {
+        (Some(_), None) => return Err(config_error("nats.password", "is required with nats.user")),
+        (None, Some(_)) => return Err(config_error("nats.user", "is required with nats.password")),
+        (Some(user), Some(_)) if user.is_empty() => {
+            return Err(config_error("nats.user", "must not be empty"));
+        }
+        _ => {}
+    }
+    if nats.token.as_ref().is_some_and(|t| t.expose().is_empty()) {
+        return Err(config_error("nats.token", "must not be empty"));
+    }
+    match (&nats.tls_cert_file, &nats.tls_key_file) {
+        (Some(_), None) => {
+            return Err(config_error(
+                "nats.tls_key_file",
+                "is required with nats.tls_cert_file",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(config_error(
+                "nats.tls_cert_file",
+                "is required with nats.tls_key_file",
+            ));
+        }
+        _ => {}
+    }
+    for (key, path) in [
+        ("nats.credentials_file", &nats.credentials_file),
+        ("nats.nkey_seed_file", &nats.nkey_seed_file),
+        ("nats.tls_ca_file", &nats.tls_ca_file),
+        ("nats.tls_cert_file", &nats.tls_cert_file),
+        ("nats.tls_key_file", &nats.tls_key_file),
+    ] {
+        if let Some(path) = path {
+            readable(key, path)?;
+        }
+    }
+    Ok(())
+}
+
+fn readable(key: &str, path: &Path) -> Result<(), ConfigError> {
+    if !path.is_file() {
+        return Err(config_error(
+            key,
+            format!("{} does not exist or is not a file", path.display()),
+        ));
+    }
+    std::fs::File::open(path)
+        .map(|_| ())
+        .map_err(|e| config_error(key, format!("cannot read {}: {e}", path.display())))
+}
+
+/// The secret values of the NATS settings (token, password, NKey seed), for the
+/// redactor.
+pub fn secret_values(nats: &NatsConfig) -> Vec<String> {
+    let mut values: Vec<String> = [&nats.token, &nats.password]
+        .into_iter()
+        .flatten()
+        .map(|s| s.expose().to_string())
+        .collect();
+    if let Some(seed) = nats.nkey_seed_file.as_deref().and_then(read_seed) {
+        values.push(seed);
+    }
+    values
+}
+
+fn read_seed(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// Connect options carrying the authentication and TLS settings.
+pub async fn connect_options(nats: &NatsConfig) -> std::io::Result<async_nats::ConnectOptions> {
+    let mut options = async_nats::ConnectOptions::new();
+    if let Some(path) = &nats.credentials_file {
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(|e| named(path, e))?;
+    }
+    if let Some(path) = &nats.nkey_seed_file {
+        let seed = std::fs::read_to_string(path).map_err(|e| named(path, e))?;
+        options = options.nkey(seed.trim().to_string());
+    }
+    if let Some(token) = &nats.token {
+        options = options.token(token.expose().to_string());
+    }
+    if let (Some(user), Some(password)) = (&nats.user, &nats.password) {
+        options = options.user_and_password(user.clone(), password.expose().to_string());
+    }
+    if let Some(ca) = &nats.tls_ca_file {
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let (Some(cert), Some(key)) = (&nats.tls_cert_file, &nats.tls_key_file) {
+        options = options
+            .add_client_certificate(cert.clone(), key.clone())
+            .require_tls(true);
+    }
+    Ok(options)
+}
+
+fn named(path: &Path, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    fn nats() -> NatsConfig {
+        NatsConfig {
+            url: "nats://127.0.0.1:4222".into(),
+            credentials_file: None,
+            nkey_seed_file: None,
+            token: None,
+            user: None,
+            password: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+        }
+    }
+
+    #[test]
+    fn nothing_set_is_valid() {
+        assert!(check(&nats()).is_ok());
+    }
+
+    #[test]
+    fn one_method_at_a_time() {
+        let mut config = nats();
+        config.token = Some(Secret::new("t"));
+        config.user = Some("u".into());
+        config.password = Some(Secret::new("p"));
+        let e = check(&config).expect_err("two methods");
+        assert_eq!(e.key, "nats.user");
+        assert!(e.message.contains("nats.token"), "{e}");
+    }
+
+    #[test]
+    fn user_and_password_go_together() {
+        let mut config = nats();
+        config.user = Some("u".into());
+        assert_eq!(
+            check(&config).expect_err("no password").key,
+            "nats.password"
+        );
+        config.user = None;
+        config.password = Some(Secret::new("p"));
+        assert_eq!(check(&config).expect_err("no user").key, "nats.user");
+    }
+
+    #[test]
+    fn cert_and_key_go_together_and_files_must_exist() {
+        let file = tempfile_path();
+        let mut config = nats();
+        config.tls_cert_file = Some(file.clone());
+        assert_eq!(check(&config).expect_err("no key").key, "nats.tls_key_file");
+        config.tls_key_file = Some("/nonexistent/key.pem".into());
+        let e = check(&config).expect_err("missing file");
+        assert_eq!(e.key, "nats.tls_key_file");
+        assert!(e.message.contains("/nonexistent/key.pem"), "{e}");
+        config.tls_key_file = Some(file.clone());
+        assert!(check(&config).is_ok());
+        config.credentials_file = Some("/nonexistent/x.creds".into());
+        assert_eq!(
+            check(&config).expect_err("missing").key,
+            "nats.credentials_file"
+        );
+        let _ = std::fs::remove_file(file);
+    }
+
+    fn tempfile_path() -> PathBuf {
+        let path = std::env::temp_dir().join(format!("webproxy-nats-auth-{}", std::process::id()));
+        std::fs::write(&path, "x").expect("write");
+        path
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let mut config = nats();
+        config.password = Some(Secret::new("hunter2"));
+        config.user = Some("u".into());
+        let json = serde_json::to_string(&config).expect("json");
+        assert!(!json.contains("hunter2"), "{json}");
+        assert!(!format!("{config:?}").contains("hunter2"));
+        assert_eq!(secret_values(&config), ["hunter2"]);
+    }
+}

@@ -1,0 +1,374 @@
+//! The security settings compiled into the form the service runs on (the address
+//! guard's policy, request and header limits, dropped headers, a rule's redirect
+//! budget and injections), and the pure decisions on them: whether a request is within
+//! the limits, and which headers a hop sends.
+
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+use url::Url;
+use webproxy_protocol::{ErrorBody, Request};
+use webproxy_worker::GuardPolicy;
+
+use crate::config::{ConfigError, OutboundConfig, RequestRuleConfig, config_error};
+use crate::outbox::invalid_request;
+use crate::secrets::{Injection, SecretSource};
+
+/// What may leave this instance.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    pub guard: GuardPolicy,
+    pub max_request_bytes: u64,
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    /// Lower case.
+    pub deny_request_headers: Vec<String>,
+}
+
+impl Outbound {
+    pub fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
+        if config.max_headers == 0 {
+            return Err(config_error("outbound.max_headers", "must be at least 1"));
+        }
+        if config.max_header_bytes == 0 {
+            return Err(config_error(
+                "outbound.max_header_bytes",
+                "must be at least 1",
+            ));
+        }
+        Ok(Outbound {
+            guard: GuardPolicy {
+                allow_private_networks: config.allow_private_networks,
+                allow: parse_cidrs("outbound.allow_cidrs", &config.allow_cidrs)?,
+                deny: parse_cidrs("outbound.deny_cidrs", &config.deny_cidrs)?,
+            },
+            max_request_bytes: config.max_request_bytes,
+            max_headers: config.max_headers,
+            max_header_bytes: config.max_header_bytes,
+            deny_request_headers: header_names(&config.deny_request_headers)
+                .map_err(|(i, m)| config_error(format!("outbound.deny_request_headers[{i}]"), m))?,
+        })
+    }
+}
+
+/// A request rule's security settings.
+#[derive(Debug, Clone, Default)]
+pub struct RuleSecurity {
+    /// The rule's position in the file, which keys its secrets.
+    pub index: usize,
+    /// The redirect budget of a whole chain that starts under this rule.
+    pub follow_redirects: u32,
+    /// Header name (as configured) and where its value comes from.
+    pub inject: Vec<(String, SecretSource)>,
+    /// Lower case; on top of `[outbound] deny_request_headers`.
+    pub deny_request_headers: Vec<String>,
+}
+
+impl RuleSecurity {
+    /// Compiles a rule's security keys; an error names the field.
+    pub fn compile(config: &RequestRuleConfig) -> Result<RuleSecurity, (&'static str, String)> {
+        let deny_request_headers = header_names(&config.deny_request_headers)
+            .map_err(|(i, m)| ("deny_request_headers", format!("item {i}: {m}")))?;
+        let mut inject = Vec::with_capacity(config.inject_headers.len());
+        let mut seen = BTreeMap::new();
+        for (name, source) in &config.inject_headers {
+            if !is_token(name) {
+                return Err(("inject_headers", format!("{name:?} is not a header name")));
+            }
+            if seen.insert(name.to_ascii_lowercase(), ()).is_some() {
+                return Err(("inject_headers", format!("{name:?} is set twice")));
+            }
+            source
+                .validate()
+                .map_err(|m| ("inject_headers", format!("{name}: {m}")))?;
+            if source
+                .prefix
+                .bytes()
+                .any(|b| b == b'\r' || b == b'\n' || b == 0)
+            {
+                return Err((
+                    "inject_headers",
+                    format!("{name}: the prefix contains CR, LF or NUL"),
+                ));
+            }
+            inject.push((name.clone(), source.clone()));
+        }
+        Ok(RuleSecurity {
+            index: 0,
+            follow_redirects: config.follow_redirects,
+            inject,
+            deny_request_headers,
+        })
+    }
+}
+
+/// Whether a request is within the request limits; the error is `invalid_request`
+/// naming the limit. Counted on the caller's headers as received.
+pub fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
+    if request.body.len() as u64 > outbound.max_request_bytes {
+        return Err(invalid_request(
+            "body",
+            &format!(
+                "is {} bytes, more than [outbound] max_request_bytes = {}",
+                request.body.len(),
+                outbound.max_request_bytes
+            ),
+        ));
+    }
+    if request.headers.len() > outbound.max_headers {
+        return Err(invalid_request(
+            "headers",
+            &format!(
+                "has {} headers, more than [outbound] max_headers = {}",
+                request.headers.len(),
+                outbound.max_headers
+            ),
+        ));
+    }
+    let bytes: usize = request
+        .headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len())
+        .sum();
+    if bytes > outbound.max_header_bytes {
+        return Err(invalid_request(
+            "headers",
+            &format!(
+                "has {bytes} bytes of names and values, more than [outbound] max_header_bytes = {}",
+                outbound.max_header_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Caller headers that carry the caller's own credentials, which do not follow a
+/// redirect to another origin.
+const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "cookie", "cookie2", "proxy-authorization"];
+
+/// The headers one hop sends: the caller's, less the globally and rule-denied ones,
+/// less any the rule injects (an injected header replaces the caller's, never merges),
+/// less the caller's credentials once the chain has left its first origin; then the
+/// rule's injections.
+pub fn outgoing_headers(
+    caller: &[(String, String)],
+    outbound: &Outbound,
+    rule: &RuleSecurity,
+    injections: &[Injection],
+    left_first_origin: bool,
+) -> Vec<(String, String)> {
+    let dropped = |name: &str| {
+        let lower = name.to_ascii_lowercase();
+        outbound.deny_request_headers.contains(&lower)
+            || rule.deny_request_headers.contains(&lower)
+            || injections
+                .iter()
+                .any(|i| i.header.eq_ignore_ascii_case(name))
+            || (left_first_origin && CREDENTIAL_HEADERS.contains(&lower.as_str()))
+    };
+    caller
+        .iter()
+        .filter(|(name, _)| !dropped(name))
+        .cloned()
+        .chain(
+            injections
+                .iter()
+                .map(|i| (i.header.clone(), i.value.clone())),
+        )
+        .collect()
+}
+
+/// Whether two URLs share scheme, host and port.
+pub fn same_origin(a: &Url, b: &Url) -> bool {
+    a.origin() == b.origin()
+}
+
+fn is_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// Header names, lower-cased; an error gives the index.
+fn header_names(names: &[String]) -> Result<Vec<String>, (usize, String)> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            if is_token(name) {
+                Ok(name.to_ascii_lowercase())
+            } else {
+                Err((i, format!("{name:?} is not a header name")))
+            }
+        })
+        .collect()
+}
+
+/// CIDRs, or single addresses taken as one-address networks.
+fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(index, text)| {
+            let text = text.trim();
+            text.parse::<IpNet>()
+                .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
+                .map(|net| net.trunc())
+                .map_err(|_| {
+                    config_error(
+                        format!("{key}[{index}]"),
+                        format!("{text:?} is not a CIDR (like \"10.0.0.0/8\") or an IP address"),
+                    )
+                })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ByteLimit;
+
+    fn outbound(allow: &[&str], deny: &[&str]) -> OutboundConfig {
+        OutboundConfig {
+            max_response_bytes: ByteLimit::Auto,
+            allow_private_networks: false,
+            allow_cidrs: allow.iter().map(|s| s.to_string()).collect(),
+            deny_cidrs: deny.iter().map(|s| s.to_string()).collect(),
+            max_request_bytes: 10,
+            max_headers: 2,
+            max_header_bytes: 20,
+            deny_request_headers: vec!["Proxy-Authorization".into(), "X-Forwarded-Host".into()],
+        }
+    }
+
+    fn request(headers: &[(&str, &str)], body: &str) -> Request {
+        let headers: serde_json::Map<String, serde_json::Value> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), serde_json::Value::String(v.to_string())))
+            .collect();
+        let json = serde_json::json!({
+            "id": "a", "method": "POST", "url": "http://h/", "headers": headers, "body": body
+        });
+        webproxy_protocol::parse_request(
+            json.to_string().as_bytes(),
+            &webproxy_protocol::Subjects::new("webproxy").expect("prefix"),
+        )
+        .expect("valid")
+    }
+
+    fn compiled() -> Outbound {
+        Outbound::compile(&outbound(&[], &[])).expect("valid")
+    }
+
+    #[test]
+    fn request_limits_name_the_limit() {
+        assert!(check_request(&request(&[("A", "1")], "0123456789"), &compiled()).is_ok());
+        let e = check_request(&request(&[], "0123456789x"), &compiled()).expect_err("body");
+        assert_eq!(e.code, webproxy_protocol::ErrorCode::InvalidRequest);
+        assert!(
+            e.message.contains("max_request_bytes = 10"),
+            "{}",
+            e.message
+        );
+        let e = check_request(
+            &request(&[("A", "1"), ("B", "2"), ("C", "3")], ""),
+            &compiled(),
+        )
+        .expect_err("count");
+        assert!(e.message.contains("max_headers = 2"), "{}", e.message);
+        // 9 + 12 = 21 bytes of names and values.
+        let e = check_request(&request(&[("X-Long-Na", "123456789012")], ""), &compiled())
+            .expect_err("bytes");
+        assert!(e.message.contains("max_header_bytes = 20"), "{}", e.message);
+        assert!(check_request(&request(&[("X-Long-Na", "12345678901")], ""), &compiled()).is_ok());
+    }
+
+    fn injection(header: &str, value: &str) -> Injection {
+        crate::secrets::tests_support::injection(header, value)
+    }
+
+    #[test]
+    fn outgoing_headers_drop_denied_replace_injected_and_strip_credentials_off_origin() {
+        let caller: Vec<(String, String)> = [
+            ("proxy-authorization", "x"),
+            ("X-Forwarded-Host", "evil"),
+            ("X-Rule-Denied", "y"),
+            ("authorization", "caller's"),
+            ("Cookie", "c=1"),
+            ("X-Api-Key", "caller-key"),
+            ("Accept", "text/plain"),
+        ]
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+        let rule = RuleSecurity {
+            deny_request_headers: vec!["x-rule-denied".into()],
+            ..RuleSecurity::default()
+        };
+        let injected = [injection("X-API-KEY", "secret")];
+        let same = outgoing_headers(&caller, &compiled(), &rule, &injected, false);
+        let names: Vec<&str> = same.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["authorization", "Cookie", "Accept", "X-API-KEY"]);
+        assert_eq!(same[3].1, "secret");
+
+        let elsewhere = outgoing_headers(&caller, &compiled(), &rule, &[], true);
+        let names: Vec<&str> = elsewhere.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["X-Api-Key", "Accept"]);
+    }
+
+    #[test]
+    fn rule_security_is_checked() {
+        let mut config: RequestRuleConfig = toml::from_str(
+            "name = \"r\"\nurl_pattern = \".\"\nfollow_redirects = 2\n\
+             deny_request_headers = [\"X-A\"]\n\
+             [inject_headers]\nAuthorization = { env = \"T\", prefix = \"Bearer \" }\n",
+        )
+        .expect("toml");
+        let security = RuleSecurity::compile(&config).expect("valid");
+        assert_eq!(security.follow_redirects, 2);
+        assert_eq!(security.deny_request_headers, ["x-a"]);
+        assert_eq!(security.inject[0].0, "Authorization");
+        config.deny_request_headers = vec!["bad name".into()];
+        assert_eq!(
+            RuleSecurity::compile(&config).map(|_| ()).unwrap_err().0,
+            "deny_request_headers"
+        );
+        config.deny_request_headers.clear();
+        config.inject_headers.insert(
+            "X-B".into(),
+            SecretSource {
+                env: None,
+                file: None,
+                prefix: String::new(),
+            },
+        );
+        assert_eq!(
+            RuleSecurity::compile(&config).map(|_| ()).unwrap_err().0,
+            "inject_headers"
+        );
+    }
+
+    #[test]
+    fn cidrs_and_single_addresses_parse() {
+        let compiled =
+            Outbound::compile(&outbound(&["127.0.0.2/32", "10.1.2.3", "::1"], &[])).expect("valid");
+        let nets: Vec<String> = compiled.guard.allow.iter().map(|n| n.to_string()).collect();
+        assert_eq!(nets, ["127.0.0.2/32", "10.1.2.3/32", "::1/128"]);
+    }
+
+    #[test]
+    fn host_bits_are_dropped() {
+        let compiled = Outbound::compile(&outbound(&[], &["10.1.2.3/8"])).expect("valid");
+        assert_eq!(compiled.guard.deny[0].to_string(), "10.0.0.0/8");
+    }
+
+    #[test]
+    fn a_bad_cidr_names_the_key_and_index() {
+        let e = Outbound::compile(&outbound(&["10.0.0.0/8", "ten"], &[])).expect_err("bad");
+        assert_eq!(e.key, "outbound.allow_cidrs[1]");
+        let e = Outbound::compile(&outbound(&[], &["10.0.0.0/33"])).expect_err("bad");
+        assert_eq!(e.key, "outbound.deny_cidrs[0]");
+    }
+}

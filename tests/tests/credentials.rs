@@ -1,0 +1,211 @@
+//! Credential injection end to end: the upstream sees the secret, the caller's own
+//! header is replaced, file secrets reload on SIGHUP, and no secret value appears in
+//! the reply, the dead letter, the logs (at trace level) or `check-config`'s output.
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use axum::routing::get;
+use webproxy_protocol::{ErrorCode, HeaderValue as Hv};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope};
+use webproxy_tests::{ServiceOptions, Upstream, default_routes, wait_for, webproxy_bin};
+
+const ENV_SECRET: &str = "env-secret-7f3a9c";
+const FILE_SECRET_1: &str = "file-secret-one-41d2";
+const FILE_SECRET_2: &str = "file-secret-two-88e0";
+
+/// What the upstream saw on `/auth`: every `authorization` and `x-api-key` value.
+type Seen = Arc<Mutex<Vec<(Vec<String>, Vec<String>)>>>;
+
+/// `/auth` records the credential headers and answers without repeating them.
+async fn recording_upstream() -> (Upstream, Seen) {
+    let seen: Seen = Arc::default();
+    let record = seen.clone();
+    let upstream = Upstream::start_with(default_routes().route(
+        "/auth",
+        get(move |headers: HeaderMap| {
+            let record = record.clone();
+            async move {
+                let values = |name: &str| {
+                    headers
+                        .get_all(name)
+                        .iter()
+                        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                        .collect::<Vec<_>>()
+                };
+                record
+                    .lock()
+                    .expect("lock")
+                    .push((values("authorization"), values("x-api-key")));
+                "recorded"
+            }
+        }),
+    ))
+    .await;
+    (upstream, seen)
+}
+
+fn rule(upstream: &Upstream, secret_file: &std::path::Path) -> String {
+    format!(
+        "[outbound]\nmax_response_bytes = 1000\n\n\
+         [[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\n\
+         [request_rules.inject_headers]\n\
+         Authorization = {{ env = \"PARTNER_TOKEN\", prefix = \"Bearer \" }}\n\
+         X-Api-Key = {{ file = {} }}\n",
+        upstream.url("/").replace('.', "\\."),
+        toml_string(secret_file.to_str().expect("utf8 path")),
+    )
+}
+
+fn toml_string(text: &str) -> String {
+    serde_json::to_string(text).expect("string")
+}
+
+fn assert_no_secret(what: &str, text: &str) {
+    for secret in [ENV_SECRET, FILE_SECRET_1, FILE_SECRET_2] {
+        assert!(
+            !text.contains(secret),
+            "{what} contains the secret {secret}:\n{text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn secrets_reach_the_upstream_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret_file = dir.path().join("api-key");
+    std::fs::write(&secret_file, format!("{FILE_SECRET_1}\n")).expect("write secret");
+    let (upstream, seen) = recording_upstream().await;
+    let options = ServiceOptions::default()
+        .env("PARTNER_TOKEN", ENV_SECRET)
+        .env("RUST_LOG", "trace");
+    let h = Harness::start_with_options(upstream, options, |up| rule(up, &secret_file)).await;
+
+    // The caller's own Authorization is replaced, never merged.
+    let mut request = envelope("GET", &h.upstream.url("/auth"));
+    request.headers.insert(
+        "Authorization".into(),
+        Hv::One("Bearer caller-guess".into()),
+    );
+    let reply = h.request(&request).await;
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+    assert_eq!(
+        seen.lock().expect("lock").last().cloned(),
+        Some((
+            vec![format!("Bearer {ENV_SECRET}")],
+            vec![FILE_SECRET_1.to_string()]
+        ))
+    );
+
+    // An error under the same rule: its reply and dead letter are webproxy's own words.
+    let too_large = h
+        .request(&envelope("GET", &h.upstream.url("/bytes/5000")))
+        .await;
+    assert_eq!(
+        too_large.error.as_ref().map(|e| e.code),
+        Some(ErrorCode::ResponseTooLarge)
+    );
+    let letters = h.wait_dead_letters(1).await;
+    let letter = serde_json::to_string(&letters[0].1).expect("json");
+
+    // SIGHUP re-reads the file; the environment secret stays as read at start.
+    std::fs::write(&secret_file, format!("{FILE_SECRET_2}\n")).expect("rewrite secret");
+    let status = Command::new("kill")
+        .args(["-HUP", &h.service.pid().to_string()])
+        .status()
+        .expect("kill -HUP");
+    assert!(status.success());
+    wait_for(REPLY_TIMEOUT, "the secret files to be reloaded", || async {
+        h.service
+            .logs()
+            .contains("secret files reloaded")
+            .then_some(())
+    })
+    .await;
+    let reply = h.request(&envelope("GET", &h.upstream.url("/auth"))).await;
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+    assert_eq!(
+        seen.lock().expect("lock").last().cloned(),
+        Some((
+            vec![format!("Bearer {ENV_SECRET}")],
+            vec![FILE_SECRET_2.to_string()]
+        ))
+    );
+
+    for reply in [&too_large, &reply] {
+        assert_no_secret("a reply", &serde_json::to_string(reply).expect("json"));
+    }
+    assert_no_secret("the dead letter", &letter);
+    let logs = h.service.logs();
+    // The trace level really was on, so the grep covers every level.
+    assert!(logs.contains("TRACE"), "no trace lines in the log");
+    assert_no_secret("the service log", &logs);
+}
+
+#[tokio::test]
+async fn check_config_names_sources_and_never_prints_values() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret_file = dir.path().join("api-key");
+    std::fs::write(&secret_file, FILE_SECRET_1).expect("write secret");
+    let upstream = Upstream::start().await;
+    let config = dir.path().join("webproxy.toml");
+    std::fs::write(&config, rule(&upstream, &secret_file)).expect("write config");
+    let config = config.to_str().expect("utf8");
+
+    for json in [false, true] {
+        let mut args = vec!["check-config", "--config", config];
+        if json {
+            args.push("--json");
+        }
+        let output = Command::new(webproxy_bin())
+            .args(&args)
+            .env("PARTNER_TOKEN", ENV_SECRET)
+            .output()
+            .expect("run check-config");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{output:?}");
+        assert!(stdout.contains("PARTNER_TOKEN"), "{stdout}");
+        assert!(stdout.contains("api-key"), "{stdout}");
+        assert_no_secret("check-config output", &stdout);
+        assert_no_secret(
+            "check-config stderr",
+            &String::from_utf8_lossy(&output.stderr),
+        );
+    }
+
+    // A missing variable or file stops check-config and serve, naming rule and source.
+    for (env, missing) in [(None, "PARTNER_TOKEN"), (Some(ENV_SECRET), "api-key")] {
+        if env.is_some() {
+            std::fs::remove_file(&secret_file).expect("remove secret");
+        }
+        for command in ["check-config", "serve"] {
+            let mut cmd = Command::new(webproxy_bin());
+            cmd.args([command, "--config", config])
+                .env_remove("PARTNER_TOKEN")
+                .env("WEBPROXY_NATS__URL", "nats://127.0.0.1:1")
+                .env("WEBPROXY_HTTP__LISTEN", "127.0.0.1:0");
+            if let Some(value) = env {
+                cmd.env("PARTNER_TOKEN", value);
+            }
+            let output = tokio::time::timeout(
+                Duration::from_secs(20),
+                tokio::process::Command::from(cmd).output(),
+            )
+            .await
+            .expect("exits at once")
+            .expect("run");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(
+                !output.status.success(),
+                "{command} started without {missing}"
+            );
+            assert!(stderr.contains(missing), "{command}: {stderr}");
+            assert!(
+                stderr.contains("request_rules[0] (partner).inject_headers"),
+                "{command}: {stderr}"
+            );
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! Reply isolation with the example server config in deploy/nats: two callers each
+//! publish requests and receive their replies under their own prefix, and neither can
+//! read the other's replies or the stored replies.
+
+use futures::StreamExt as _;
+use tokio::sync::mpsc;
+use webproxy_client::Client;
+use webproxy_protocol::Reply;
+use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
+use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
+
+const AUTHORIZATION: &str = include_str!("../../deploy/nats/authorization.conf");
+
+/// A caller connected as `user`, with its inbox under its own prefix, and the server
+/// errors (permission violations) its connection reports.
+async fn caller(
+    nats: &NatsServer,
+    user: &'static str,
+    prefix: &'static str,
+) -> (async_nats::Client, mpsc::UnboundedReceiver<String>) {
+    let (errors, reported) = mpsc::unbounded_channel();
+    let client = nats
+        .client_with(|| {
+            let errors = errors.clone();
+            async_nats::ConnectOptions::with_user_and_password(user.into(), format!("{user}-pw"))
+                .custom_inbox_prefix(format!("{prefix}._INBOX"))
+                .event_callback(move |event| {
+                    let errors = errors.clone();
+                    async move {
+                        if let async_nats::Event::ServerError(e) = event {
+                            let _ = errors.send(e.to_string());
+                        }
+                    }
+                })
+        })
+        .await;
+    (client, reported)
+}
+
+async fn violation(reported: &mut mpsc::UnboundedReceiver<String>, subject: &str) -> String {
+    tokio::time::timeout(REPLY_TIMEOUT, async {
+        loop {
+            match reported.recv().await {
+                Some(e) if e.contains("Permissions Violation") && e.contains(subject) => return e,
+                Some(_) => {}
+                None => panic!("the connection closed before reporting a violation for {subject}"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no permission violation for {subject}"))
+}
+
+#[tokio::test]
+async fn callers_cannot_read_each_others_replies() {
+    let nats = NatsServer::start_with(&format!(
+        "WEBPROXY_NATS_PASSWORD: \"webproxy-pw\"\n\
+         CALLER_A_NATS_PASSWORD: \"caller_a-pw\"\n\
+         CALLER_B_NATS_PASSWORD: \"caller_b-pw\"\n\n{AUTHORIZATION}"
+    ));
+    let upstream = Upstream::start().await;
+    let options = ServiceOptions::default()
+        .env("WEBPROXY_NATS__USER", "webproxy")
+        .env("WEBPROXY_NATS__PASSWORD", "webproxy-pw");
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        accept_rule("local", &upstream)
+    );
+    let service = Service::start_with(&nats.url(), &config, options).await;
+
+    let (a, mut a_errors) = caller(&nats, "caller_a", "callers.a").await;
+    let (b, _) = caller(&nats, "caller_b", "callers.b").await;
+
+    // A tries to listen to B's replies and to the stored replies: both refused.
+    let mut a_snoops_b = a.subscribe("callers.b.replies.>").await.expect("subscribe");
+    violation(&mut a_errors, "callers.b.replies.>").await;
+    let mut a_snoops_stored = a.subscribe("webproxy.reply.>").await.expect("subscribe");
+    violation(&mut a_errors, "webproxy.reply.>").await;
+    // ...and to read the replies stream through the JetStream API.
+    a.publish("$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES", "{}".into())
+        .await
+        .expect("publish");
+    violation(&mut a_errors, "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES").await;
+
+    // Each caller gets its own reply under its own prefix.
+    let mut replies = Vec::new();
+    for (client, prefix) in [(&a, "callers.a"), (&b, "callers.b")] {
+        let mut request = envelope("GET", &upstream.url("/echo"));
+        let subject = format!("{prefix}.replies.{}", request.id);
+        request.reply_to = Some(subject.clone());
+        let mut inbox = client.subscribe(subject).await.expect("subscribe");
+        Client::new(client.clone(), "webproxy")
+            .expect("client")
+            .submit(&to("default", &request))
+            .await
+            .unwrap_or_else(|e| panic!("{prefix}: submit: {e}\n{}", service.logs()));
+        let message = tokio::time::timeout(REPLY_TIMEOUT, inbox.next())
+            .await
+            .unwrap_or_else(|_| panic!("{prefix}: no reply\n{}", service.logs()))
+            .expect("reply");
+        let reply: Reply = serde_json::from_slice(&message.payload).expect("reply json");
+        assert_eq!(reply.id, request.id);
+        assert_eq!(reply.status, Some(200), "{prefix}: {reply:?}");
+        replies.push(reply);
+    }
+
+    // Everything the server routed to A before this round trip has arrived by now.
+    a.flush().await.expect("flush");
+    let leaked =
+        |sub: &mut async_nats::Subscriber| futures::FutureExt::now_or_never(sub.next()).flatten();
+    assert!(leaked(&mut a_snoops_b).is_none(), "A received B's reply");
+    assert!(
+        leaked(&mut a_snoops_stored).is_none(),
+        "A received a stored reply"
+    );
+
+    // The service's own permissions are enough to ack what it handled: nothing is
+    // left pending for redelivery.
+    let webproxy = nats
+        .client_with(|| {
+            async_nats::ConnectOptions::with_user_and_password(
+                "webproxy".into(),
+                "webproxy-pw".into(),
+            )
+        })
+        .await;
+    let js = async_nats::jetstream::new(webproxy);
+    wait_for(REPLY_TIMEOUT, "every request to be acked", || {
+        let js = js.clone();
+        async move {
+            let stream = js.get_stream_no_info("WEBPROXY_POOL_DEFAULT").await.ok()?;
+            let info = stream.consumer_info("webproxy-default").await.ok()?;
+            (info.num_ack_pending == 0 && info.delivered.stream_sequence == 2).then_some(())
+        }
+    })
+    .await;
+
+    // A reply_to in A's space but outside the allowed patterns is refused: the
+    // conversation ends with invalid_request and no copy goes there.
+    let mut other = a.subscribe("callers.a.other.>").await.expect("subscribe");
+    let mut outside = envelope("GET", &upstream.url("/echo"));
+    outside.reply_to = Some("callers.a.other.1".into());
+    Client::new(a.clone(), "webproxy")
+        .expect("client")
+        .submit(&to("default", &outside))
+        .await
+        .expect("submitted");
+    wait_for(
+        REPLY_TIMEOUT,
+        "the refused conversation to finish",
+        || async {
+            service
+                .logs()
+                .lines()
+                .any(|line| {
+                    line.contains(&outside.id)
+                        && line.contains("conversation finished")
+                        && line.contains("invalid_request")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    a.flush().await.expect("flush");
+    assert!(
+        leaked(&mut other).is_none(),
+        "a reply_to outside reply_to_allow got a copy"
+    );
+}
