@@ -116,3 +116,8 @@ fmt:
 # Clippy over the whole workspace, warnings are errors.
 lint:
     cargo clippy --workspace --all-targets -- -D warnings
+
+# Measure webproxy (release build) against direct HTTP calls and a broker-only loop; prints a table and writes target/bench/latest.json.
+bench *args:
+    cargo build --release -p webproxy -p webproxy-bench
+    {{ _nats_path }}; target/release/webproxy-bench {{ args }}

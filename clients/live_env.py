@@ -186,6 +186,8 @@ class LiveEnv:
         config.write_text(
             f'[nats]\nurl = "{self.nats_url}"\n\n'
             f'[http]\nlisten = "127.0.0.1:{http_port}"\n\n'
+            # The upstream is on loopback, which the address guard denies by default.
+            '[outbound]\nallow_private_networks = true\n\n'
             '[[request_rules]]\nname = "forbidden"\nurl_pattern = "/forbidden"\naction = "deny"\n\n'
             f"[[request_rules]]\nname = \"upstream\"\nurl_pattern = '^{_escape(self.upstream_url)}/'\n\n"
             f"[[request_rules]]\nname = \"closed-port\"\nurl_pattern = '^{_escape(self.closed_url)}/'\n"
