@@ -358,3 +358,26 @@ async fn log_format_follows_the_config() {
         }
     }
 }
+
+/// Spans are filtered apart from logs: at log level `warn` the caller's trace still
+/// reaches the upstream and the reply.
+#[tokio::test]
+async fn a_quiet_log_level_does_not_stop_propagation() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let _service = Service::start_with(
+        &nats.url(),
+        &accept_rule("local", &upstream),
+        webproxy_tests::ServiceOptions::default().env("RUST_LOG", "warn"),
+    )
+    .await;
+    let client = nats.client().await;
+    let reply = send_with_headers(
+        &client,
+        &envelope("GET", &upstream.url("/echo")),
+        caller_headers(),
+    )
+    .await;
+    assert_eq!(parse_traceparent(&upstream_traceparent(&reply)).0, TRACE_ID);
+    assert_eq!(parse_traceparent(&reply_traceparent(&reply)).0, TRACE_ID);
+}

@@ -14,7 +14,10 @@ use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing::Level;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
@@ -80,18 +83,26 @@ pub fn init_service(
         provider = provider.with_batch_exporter(exporter);
     }
     let provider = provider.build();
-    let traces = tracing_opentelemetry::layer().with_tracer(provider.tracer("webproxy"));
-    let registry = tracing_subscriber::registry()
-        .with(filter(&log.level))
-        .with(traces);
+    // Spans are filtered apart from logs: a quieter log level must not stop the
+    // caller's trace context from reaching the upstream and the reply.
+    let spans = Targets::new()
+        .with_target("webproxy_dispatcher", Level::INFO)
+        .with_target("webproxy", Level::INFO);
+    let traces = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("webproxy"))
+        .with_filter(spans);
+    let registry = tracing_subscriber::registry().with(traces);
     // Colour codes only where a person reads them, never in a log file.
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(RedactingStderr { redactor })
         .with_ansi(std::io::stderr().is_terminal());
+    let logs = filter(&log.level);
     if json(log.format) {
-        registry.with(fmt.json().flatten_event(true)).init();
+        registry
+            .with(fmt.json().flatten_event(true).with_filter(logs))
+            .init();
     } else {
-        registry.with(fmt).init();
+        registry.with(fmt.with_filter(logs)).init();
     }
     Ok(TelemetryGuard {
         provider: Some(provider),

@@ -273,7 +273,8 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
         shared.outlet.metrics.queue_wait(pool, wait);
         Span::current().record("queue_wait_ms", as_i64(millis(wait)));
     }
-    let (outcome, record) = attempt(shared, &message, &request, rule, &conversation).await;
+    let (outcome, record) =
+        Box::pin(attempt(shared, &message, &request, rule, &conversation)).await;
     conversation.attempts.extend(record);
     let context = AttemptContext {
         rule,
@@ -460,8 +461,9 @@ async fn attempt(
         let timeout = request
             .timeout
             .map_or(rule.timeout, |t| t.min(rule.timeout));
-        let attempt = egress.perform(rule, request, &own_headers, timeout);
-        tokio::pin!(attempt);
+        // Boxed, like the other large awaits here: the HTTP client's future is big,
+        // and inline it would make every handler's state (moved on each spawn) big too.
+        let mut attempt = Box::pin(egress.perform(rule, request, &own_headers, timeout));
         let period = shared.settings.config.service.ack_wait / 3;
         let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         let chain = loop {
@@ -632,7 +634,13 @@ async fn finish(
     conversation: &Conversation<'_>,
     reply: EncodedReply,
 ) {
-    publish_ending(&shared.outlet, message, &conversation.ending(), &reply).await;
+    Box::pin(publish_ending(
+        &shared.outlet,
+        message,
+        &conversation.ending(),
+        &reply,
+    ))
+    .await;
     info!(
         id = %conversation.raw_id,
         pool = conversation.pool,

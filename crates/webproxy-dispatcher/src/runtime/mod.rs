@@ -234,22 +234,16 @@ async fn pull_loop(
 ) {
     let mut failures = 0u32;
     loop {
-        let mut held = tokio::select! {
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => return,
-            },
-            _ = shutdown.cancelled() => return,
-        };
-        while held.num_permits() < MAX_PULL {
-            match permits.clone().try_acquire_owned() {
-                Ok(p) => held.merge(p),
-                Err(_) => break,
-            }
-        }
+        // As many as can start now, and never fewer than one: a pull already waiting
+        // at the server lets the next message go out the moment a slot frees, instead
+        // of a round trip later. It cannot overfill this instance: the server holds
+        // deliveries to max_ack_pending, which is the number of local permits, so a
+        // message delivered while all are taken waits only for the permit that its
+        // predecessor's ack is releasing.
+        let wanted = permits.available_permits().clamp(1, MAX_PULL);
         let request = consumer
             .batch()
-            .max_messages(held.num_permits())
+            .max_messages(wanted)
             .expires(PULL_EXPIRES)
             .messages();
         let mut batch = tokio::select! {
@@ -258,7 +252,6 @@ async fn pull_loop(
                 Err(e) => {
                     failures += 1;
                     warn!(pool = %pool, error = %e, "pull request failed; retrying");
-                    drop(held);
                     if back_off(failures, &shutdown).await { continue } else { return }
                 }
             },
@@ -268,23 +261,29 @@ async fn pull_loop(
             let Some(next) = next_or_stop(&mut batch, &shutdown).await else {
                 return;
             };
-            match next {
-                Some(Ok(message)) => {
-                    let permit = held.split(1);
-                    let shared = shared.clone();
-                    let pool = pool.clone();
-                    attempts.spawn(async move {
-                        let _in_flight = shared.gauges.pool(&pool).map(|g| g.start());
-                        handle::handle(&shared, &pool, message).await;
-                        drop(permit);
-                    });
-                }
+            let message = match next {
+                Some(Ok(message)) => message,
                 Some(Err(e)) => {
                     debug!(pool = %pool, error = %e, "pull ended");
                     break;
                 }
                 None => break,
-            }
+            };
+            let permit = tokio::select! {
+                permit = permits.clone().acquire_owned() => match permit {
+                    Ok(p) => p,
+                    Err(_) => return,
+                },
+                // Unacked, the message goes back to the server after ack_wait.
+                _ = shutdown.cancelled() => return,
+            };
+            let shared = shared.clone();
+            let pool = pool.clone();
+            attempts.spawn(async move {
+                let _in_flight = shared.gauges.pool(&pool).map(|g| g.start());
+                Box::pin(handle::handle(&shared, &pool, message)).await;
+                drop(permit);
+            });
         }
     }
 }
