@@ -209,3 +209,49 @@ async fn check_config_names_sources_and_never_prints_values() {
         }
     }
 }
+
+/// A parked retry is webproxy's own copy of a request, like a dead letter: neither
+/// holds a secret value, even one the caller put in its own envelope.
+#[tokio::test]
+async fn parked_retries_and_dead_letters_hold_no_secret() {
+    use futures::StreamExt as _;
+
+    let upstream = Upstream::start().await;
+    let options = ServiceOptions::default().env("PARTNER_TOKEN", ENV_SECRET);
+    let h = Harness::start_with_options(upstream, options, |up| {
+        format!(
+            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\nmax_retries = 1\nretry_delay = \"100ms\"\n\
+             [request_rules.inject_headers]\nAuthorization = {{ env = \"PARTNER_TOKEN\", prefix = \"Bearer \" }}\n",
+            up.url("/").replace('.', "\\.")
+        )
+    })
+    .await;
+    let mut parked =
+        h.js.client()
+            .subscribe("webproxy.retry.>")
+            .await
+            .expect("subscribe");
+    let mut request = envelope("GET", &h.upstream.url("/status/503"));
+    request
+        .headers
+        .insert("X-Note".into(), Hv::One(format!("I know {ENV_SECRET}")));
+    let reply = h.request(&request).await;
+    assert_eq!(
+        reply.error.as_ref().map(|e| e.code),
+        Some(ErrorCode::RetriesExhausted)
+    );
+    let copy = tokio::time::timeout(REPLY_TIMEOUT, parked.next())
+        .await
+        .expect("a parked retry")
+        .expect("message");
+    assert_no_secret("the parked retry", &String::from_utf8_lossy(&copy.payload));
+    assert!(
+        String::from_utf8_lossy(&copy.payload).contains("[REDACTED]"),
+        "the parked copy was not redacted"
+    );
+    let letters = h.wait_dead_letters(1).await;
+    assert_no_secret(
+        "the dead letter",
+        &serde_json::to_string(&letters[0].1).expect("json"),
+    );
+}
