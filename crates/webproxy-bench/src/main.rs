@@ -361,10 +361,13 @@ async fn main() -> anyhow::Result<()> {
         move || broker(js.clone(), replies.clone())
     };
 
+    // At the highest level, so that every mode has its connections open before any
+    // measurement: otherwise the first run at a new level pays for opening them.
     eprintln!("warming up");
-    closed_loop(16, Duration::from_secs(2), proxied_op.clone()).await;
-    closed_loop(16, Duration::from_secs(1), broker_op.clone()).await;
-    closed_loop(16, Duration::from_secs(1), direct_op.clone()).await;
+    let warm = args.levels.iter().copied().max().unwrap_or(16);
+    closed_loop(warm, Duration::from_secs(2), proxied_op.clone()).await;
+    closed_loop(warm, Duration::from_secs(1), broker_op.clone()).await;
+    closed_loop(warm, Duration::from_secs(1), direct_op.clone()).await;
 
     println!("machine: {}", machine());
     println!(

@@ -15,7 +15,8 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 // glibc's malloc and free took about a seventh of the service's CPU under load
-// (`just bench`, profiled with perf); mimalloc's thread-local free lists cost far less.
+// (`just bench`, profiled with perf). With mimalloc, throughput at concurrency 256
+// was 5 to 20% higher in runs side by side, for about 20 MiB more peak RSS.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
