@@ -186,6 +186,8 @@ class LiveEnv:
         config.write_text(
             f'[nats]\nurl = "{self.nats_url}"\n\n'
             f'[http]\nlisten = "127.0.0.1:{http_port}"\n\n'
+            # Small stream limits: JetStream reserves them against free disk.
+            '[streams]\nreply_max_bytes = 67108864\ndead_max_bytes = 67108864\n\n'
             # The upstream is on loopback, which the address guard denies by default.
             '[outbound]\nallow_private_networks = true\n\n'
             '[[request_rules]]\nname = "forbidden"\nurl_pattern = "/forbidden"\naction = "deny"\n\n'

@@ -75,6 +75,9 @@ pub struct Service {
 /// the address guard denies by default.
 pub const ALLOW_PRIVATE_NETWORKS: &str = "WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS";
 
+/// The replies and dead-letter streams' max_bytes in tests (64 MiB).
+const TEST_STREAM_MAX_BYTES: &str = "67108864";
+
 /// How a [`Service`] is started beyond its config file.
 #[derive(Debug, Clone)]
 pub struct ServiceOptions {
@@ -176,6 +179,16 @@ impl Service {
         }
         if options.allow_private_networks {
             command.env(ALLOW_PRIVATE_NETWORKS, "true");
+        }
+        // JetStream reserves a stream's max_bytes against free disk when it creates the
+        // stream; the 1 GiB defaults of the replies and dead-letter streams, times the
+        // servers of tests running in parallel, would fail on a machine with little
+        // free disk. Tests store a few megabytes at most.
+        for var in [
+            "WEBPROXY_STREAMS__REPLY_MAX_BYTES",
+            "WEBPROXY_STREAMS__DEAD_MAX_BYTES",
+        ] {
+            command.env(var, TEST_STREAM_MAX_BYTES);
         }
         for (name, value) in &options.env {
             command.env(name, value);
