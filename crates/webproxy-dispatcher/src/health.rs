@@ -52,10 +52,6 @@ impl Health {
         }
     }
 
-    pub fn stale_after(&self) -> Duration {
-        self.stale_after
-    }
-
     pub fn set_provisioned(&self) {
         self.provisioned.store(true, Ordering::Relaxed);
     }

@@ -30,7 +30,6 @@ pub use ipnet;
 pub use metrics::Metrics;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The service's observable state, shared by the dispatcher (which updates it) and the
 /// health listener (which reads it without any I/O).
@@ -55,11 +54,6 @@ impl Instruments {
     /// The Prometheus exposition.
     pub fn render_metrics(&self) -> String {
         self.metrics.render(&self.gauges, &self.health)
-    }
-
-    /// How long a disconnect must last to leave deliveries possibly stale.
-    pub fn stale_after(&self) -> Duration {
-        self.health.stale_after()
     }
 }
 pub use runtime::{Dispatcher, connect};

@@ -212,13 +212,6 @@ impl Subjects {
         format!("{}-{pool}-retry", self.prefix.replace('.', "_"))
     }
 
-    /// The pool a subject under `<prefix>.request.` names, if it is one.
-    pub fn pool_of_request_subject<'a>(&self, subject: &'a str) -> Option<&'a str> {
-        subject
-            .strip_prefix(self.prefix.as_str())?
-            .strip_prefix(".request.")
-    }
-
     /// Whether a caller may name `subject` as its `reply_to`: a literal subject outside
     /// the service's own namespace (except exactly its own default reply subject) and
     /// outside the server's reserved prefixes.
@@ -271,13 +264,6 @@ mod tests {
         let dotted = Subjects::new("acme.wp").expect("valid prefix");
         assert_eq!(dotted.pool_stream("a-b"), "ACME_WP_POOL_A-B");
         assert_eq!(dotted.pool_consumer("a"), "acme_wp-a");
-    }
-
-    #[test]
-    fn pool_of_request_subject() {
-        let s = subjects();
-        assert_eq!(s.pool_of_request_subject("webproxy.request.p1"), Some("p1"));
-        assert_eq!(s.pool_of_request_subject("other.request.p1"), None);
     }
 
     #[test]

@@ -214,8 +214,16 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
             status: None,
         };
         warn!(id = %conversation.raw_id, pool, delivered, "poison message: answering internal and dead-lettering it");
-        end_unattempted(&shared.outlet, pool, &message, error).await;
-        ack_current(shared, &message, &conversation, AckKind::Term).await;
+        let metadata = request.metadata.as_deref();
+        fail(
+            shared,
+            &message,
+            &conversation,
+            metadata,
+            error,
+            AckKind::Term,
+        )
+        .await;
         return;
     }
 
@@ -225,8 +233,15 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
             if let Some(rule) = rule {
                 conversation.rule = &rule.name;
             }
-            let reply = error_reply(&conversation.context(metadata), error);
-            finish(shared, &message, &conversation, reply).await;
+            fail(
+                shared,
+                &message,
+                &conversation,
+                metadata,
+                error,
+                AckKind::Ack,
+            )
+            .await;
             return;
         }
         Admission::Attempt(rule) => rule,
@@ -234,31 +249,42 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
     conversation.rule = &rule.name;
     Span::current().record("rule", rule.name.as_str());
     if let Err(error) = crate::security::check_request(&request, &shared.settings.outbound) {
-        let reply = error_reply(&conversation.context(metadata), error);
-        finish(shared, &message, &conversation, reply).await;
+        fail(
+            shared,
+            &message,
+            &conversation,
+            metadata,
+            error,
+            AckKind::Ack,
+        )
+        .await;
         return;
     }
 
     let now = SystemTime::now();
     let deadline = request.deadline.map(SystemTime::from);
+    let first_attempt = conversation.attempts.is_empty();
+    let waited = now.duration_since(conversation.since).unwrap_or_default();
     // The queue that counts is the rule's pool's, where the request runs; a moved
     // request's wait counts from the caller's publish all the same.
-    let queued = match shared
+    let queued = shared
         .settings
         .pools
         .get(&rule.pool)
         .and_then(|p| p.queue_timeout)
-    {
-        Some(limit) if conversation.attempts.is_empty() => Some((
-            now.duration_since(conversation.since).unwrap_or_default(),
-            limit,
-        )),
-        _ => None,
-    };
+        .filter(|_| first_attempt)
+        .map(|limit| (waited, limit));
     if let Some(error) = expiry(now, deadline, queued) {
         let error = with_last_failure(error, conversation.attempts.last());
-        let reply = error_reply(&conversation.context(metadata), error);
-        finish(shared, &message, &conversation, reply).await;
+        fail(
+            shared,
+            &message,
+            &conversation,
+            metadata,
+            error,
+            AckKind::Ack,
+        )
+        .await;
         return;
     }
     if rule.pool != pool {
@@ -266,12 +292,9 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
         return;
     }
 
-    if conversation.attempts.is_empty() {
-        let wait = SystemTime::now()
-            .duration_since(conversation.since)
-            .unwrap_or_default();
-        shared.outlet.metrics.queue_wait(pool, wait);
-        Span::current().record("queue_wait_ms", as_i64(millis(wait)));
+    if first_attempt {
+        shared.outlet.metrics.queue_wait(pool, waited);
+        Span::current().record("queue_wait_ms", as_i64(millis(waited)));
     }
     let (outcome, record) =
         Box::pin(attempt(shared, &message, &request, rule, &conversation)).await;
@@ -302,7 +325,20 @@ async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message
             return;
         }
     };
-    finish(shared, &message, &conversation, reply).await;
+    finish(shared, &message, &conversation, reply, AckKind::Ack).await;
+}
+
+/// Ends the conversation with `error` as its reply.
+async fn fail(
+    shared: &Shared,
+    message: &jetstream::Message,
+    conversation: &Conversation<'_>,
+    metadata: Option<&RawValue>,
+    error: ErrorBody,
+    ack_kind: AckKind,
+) {
+    let reply = error_reply(&conversation.context(metadata), error);
+    finish(shared, message, conversation, reply, ack_kind).await;
 }
 
 /// Ends a conversation that was never attempted with `error`: the caller is answered
@@ -633,6 +669,7 @@ async fn finish(
     message: &jetstream::Message,
     conversation: &Conversation<'_>,
     reply: EncodedReply,
+    ack_kind: AckKind,
 ) {
     Box::pin(publish_ending(
         &shared.outlet,
@@ -651,7 +688,7 @@ async fn finish(
         duration_ms = millis(SystemTime::now().duration_since(conversation.since).unwrap_or_default()),
         "conversation finished"
     );
-    ack_current(shared, message, conversation, AckKind::Ack).await;
+    ack_current(shared, message, conversation, ack_kind).await;
 }
 
 /// Acks, unless the connection was lost long enough meanwhile for the server to have
