@@ -151,3 +151,17 @@ impl Harness {
 pub fn to(pool: &str, envelope: &RequestEnvelope) -> Request {
     Request::from_envelope(envelope.clone()).pool(pool)
 }
+
+/// The next message on `subscriber` within `within`; panics naming `what` when none
+/// comes in time or the subscription ends.
+pub async fn next_message(
+    subscriber: &mut async_nats::Subscriber,
+    within: std::time::Duration,
+    what: &str,
+) -> async_nats::Message {
+    use futures::StreamExt as _;
+    tokio::time::timeout(within, subscriber.next())
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within {within:?}"))
+        .unwrap_or_else(|| panic!("the subscription for {what} ended"))
+}

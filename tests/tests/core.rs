@@ -3,11 +3,10 @@
 
 use std::time::Duration;
 
-use futures::StreamExt as _;
 use serde_json::{Value, json};
 use webproxy_client::{Error as ClientError, Request};
 use webproxy_protocol::{ErrorCode, HeaderValue, Outcome, Reply, header};
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message};
 use webproxy_tests::{NatsServer, Service, http_client, wait_for, wait_until};
 
 fn echo_of(reply: &Reply) -> Value {
@@ -104,10 +103,7 @@ async fn metadata_is_echoed_verbatim() {
             .await
             .expect("subscribe");
     h.publish_raw("default", &id, payload).await;
-    let message = tokio::time::timeout(REPLY_TIMEOUT, replies.next())
-        .await
-        .expect("reply in time")
-        .expect("reply");
+    let message = next_message(&mut replies, REPLY_TIMEOUT, "reply in time").await;
     let text = std::str::from_utf8(&message.payload).expect("utf8");
     assert!(
         text.contains(r#""metadata":{"z": 1, "a": [true, null], "n": 1.50}"#),
@@ -128,10 +124,7 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
     let reply = h.request(&request).await;
     assert_eq!(reply.status, Some(200));
 
-    let copy = tokio::time::timeout(REPLY_TIMEOUT, copies.next())
-        .await
-        .expect("copy in time")
-        .expect("copy");
+    let copy = next_message(&mut copies, REPLY_TIMEOUT, "copy in time").await;
     let copied: Reply = serde_json::from_slice(&copy.payload).expect("reply json");
     assert_eq!(copied.id, request.id);
     let headers = copy.headers.expect("headers");

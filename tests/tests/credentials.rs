@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::http::HeaderMap;
 use axum::routing::get;
 use webproxy_protocol::{ErrorCode, HeaderValue as Hv};
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message};
 use webproxy_tests::{ServiceOptions, Upstream, default_routes, wait_for, webproxy_bin};
 
 const ENV_SECRET: &str = "env-secret-7f3a9c";
@@ -214,8 +214,6 @@ async fn check_config_names_sources_and_never_prints_values() {
 /// holds a secret value, even one the caller put in its own envelope.
 #[tokio::test]
 async fn parked_retries_and_dead_letters_hold_no_secret() {
-    use futures::StreamExt as _;
-
     let upstream = Upstream::start().await;
     let options = ServiceOptions::default().env("PARTNER_TOKEN", ENV_SECRET);
     let h = Harness::start_with_options(upstream, options, |up| {
@@ -240,10 +238,7 @@ async fn parked_retries_and_dead_letters_hold_no_secret() {
         reply.error.as_ref().map(|e| e.code),
         Some(ErrorCode::RetriesExhausted)
     );
-    let copy = tokio::time::timeout(REPLY_TIMEOUT, parked.next())
-        .await
-        .expect("a parked retry")
-        .expect("message");
+    let copy = next_message(&mut parked, REPLY_TIMEOUT, "a parked retry").await;
     assert_no_secret("the parked retry", &String::from_utf8_lossy(&copy.payload));
     assert!(
         String::from_utf8_lossy(&copy.payload).contains("[REDACTED]"),

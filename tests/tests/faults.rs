@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures::StreamExt as _;
 use webproxy_client::Client;
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
-use webproxy_tests::caller::{accept_rule, envelope, to};
+use webproxy_tests::caller::{accept_rule, envelope, next_message, to};
 use webproxy_tests::{
     NatsCluster, NatsServer, Service, Upstream, http_client, wait_for, wait_until,
 };
@@ -440,10 +440,7 @@ async fn a_message_that_keeps_killing_instances_is_ended_as_poison() {
         service.kill();
     }
     let _last = Service::start(&nats, &config).await;
-    let message = tokio::time::timeout(RECOVERY, replies.next())
-        .await
-        .expect("a final reply")
-        .expect("reply");
+    let message = next_message(&mut replies, RECOVERY, "a final reply").await;
     let reply: Reply = serde_json::from_slice(&message.payload).expect("reply");
     assert_eq!(reply.outcome, Outcome::Error);
     let error = reply.error.expect("error");

@@ -6,7 +6,7 @@ use futures::StreamExt as _;
 use serde_json::json;
 use webproxy_client::new_id;
 use webproxy_protocol::{ErrorCode, Outcome, Reply, header};
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message};
 use webproxy_tests::wait_until;
 
 /// `(what breaks, the field the reply must name, the envelope with `ID` and `URL`)`.
@@ -139,10 +139,7 @@ async fn invalid_envelopes_are_answered_dead_lettered_and_not_redelivered() {
             .to_string(),
     )
     .await;
-    let message = tokio::time::timeout(REPLY_TIMEOUT, custom.next())
-        .await
-        .expect("reply on reply_to")
-        .expect("reply");
+    let message = next_message(&mut custom, REPLY_TIMEOUT, "reply on reply_to").await;
     let reply: Reply = serde_json::from_slice(&message.payload).expect("reply json");
     assert_eq!(reply.id, "not a token");
     let error = reply.error.expect("error");

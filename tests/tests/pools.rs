@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use webproxy_client::{Client, Error as ClientError};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
-use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
+use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
 use webproxy_tests::{NatsServer, Service, Upstream, wait_until, webproxy_bin};
 
 struct Cluster {
@@ -250,10 +250,12 @@ async fn pools_are_listed_and_removed() {
     let removed = webproxy(&["pools", "remove", "p1", "--dead-letter", "--nats", &nats]).await;
     assert!(removed.status.success(), "{removed:?}");
     for _ in 0..3 {
-        let message = tokio::time::timeout(REPLY_TIMEOUT, futures::StreamExt::next(&mut replies))
-            .await
-            .expect("a reply for each waiting request")
-            .expect("reply");
+        let message = next_message(
+            &mut replies,
+            REPLY_TIMEOUT,
+            "a reply for each waiting request",
+        )
+        .await;
         let reply: Reply = serde_json::from_slice(&message.payload).expect("reply");
         assert_eq!(reply.outcome, Outcome::Error);
         assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::Internal));

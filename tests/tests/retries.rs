@@ -12,7 +12,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{any, get};
 use webproxy_protocol::{ErrorCode, HeaderValue, Outcome};
-use webproxy_tests::caller::{Harness, accept_rule, envelope, to};
+use webproxy_tests::caller::{Harness, accept_rule, envelope, next_message, to};
 use webproxy_tests::{Upstream, default_routes};
 
 /// Upstream routes for retry tests, beside the default ones:
@@ -367,8 +367,6 @@ async fn webproxy(args: &[&str]) -> std::process::Output {
 
 #[tokio::test]
 async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
-    use futures::StreamExt as _;
-
     let h = Harness::start_with_upstream(upstream().await, |up| rule(up, "max_retries = 0")).await;
     let request = envelope("GET", &h.upstream.url("/flaky/1"));
     let failed = h.request(&request).await;
@@ -401,10 +399,12 @@ async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
             .expect("subscribe");
     let replayed = webproxy(&["dead", "replay", "--nats", &nats, "--id", &request.id]).await;
     assert!(replayed.status.success(), "{replayed:?}");
-    let message = tokio::time::timeout(Duration::from_secs(20), replies.next())
-        .await
-        .expect("a reply to the replay")
-        .expect("reply");
+    let message = next_message(
+        &mut replies,
+        Duration::from_secs(20),
+        "a reply to the replay",
+    )
+    .await;
     let reply: webproxy_protocol::Reply = serde_json::from_slice(&message.payload).expect("reply");
     assert_eq!(reply.status, Some(200), "{reply:?}");
     assert_eq!(reply.attempts, 1);

@@ -12,7 +12,6 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
-use futures::StreamExt as _;
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
@@ -20,7 +19,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
 use serde_json::Value;
 use webproxy_protocol::Reply;
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message};
 use webproxy_tests::{NatsServer, Service, Upstream, http_client, wait_until};
 
 const TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
@@ -57,10 +56,7 @@ async fn send_with_headers(
         .expect("publish")
         .await
         .expect("stored");
-    tokio::time::timeout(REPLY_TIMEOUT, replies.next())
-        .await
-        .expect("a reply in time")
-        .expect("reply")
+    next_message(&mut replies, REPLY_TIMEOUT, "a reply in time").await
 }
 
 fn caller_headers() -> HeaderMap {
