@@ -21,6 +21,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::headers::{Headers, is_hop_by_hop};
+use crate::reply::{MAX_QUOTED_CHARS, quote};
 use crate::subjects::{Subjects, validate_id};
 use crate::{MAX_METADATA_BYTES, PROTOCOL_VERSION};
 
@@ -184,7 +185,11 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         })
         .collect();
     let metadata = parse_metadata(raw.get("metadata").copied());
-    let raw_id = object.get("id").and_then(Value::as_str).map(str::to_string);
+    // An invalid id is echoed in the reply only as far as an error text quotes values.
+    let raw_id = object
+        .get("id")
+        .and_then(Value::as_str)
+        .map(|id| id.chars().take(MAX_QUOTED_CHARS).collect::<String>());
     let valid_id = raw_id.clone().filter(|id| validate_id(id).is_ok());
     // reply_to is checked against the id's own default subject; with no valid id only
     // a subject outside the reserved prefixes can be used.
@@ -230,7 +235,7 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         Some(Value::String(m)) => Method::parse(m).ok_or_else(|| {
             fail(
                 "method",
-                format!("{m:?} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+                format!("{} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS", quote(m)),
             )
         })?,
         Some(other) => {
@@ -299,7 +304,7 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         Some(Value::String(d)) => Some(OffsetDateTime::parse(d, &Rfc3339).map_err(|e| {
             fail(
                 "deadline",
-                format!("{d:?} is not an RFC 3339 date-time: {e}"),
+                format!("{} is not an RFC 3339 date-time: {e}", quote(d)),
             )
         })?),
         Some(other) => {
@@ -334,6 +339,9 @@ fn json_kind(value: &Value) -> &'static str {
 }
 
 /// `Ok(None)` when absent or the id's own default subject.
+/// The longest custom `reply_to` subject.
+pub const MAX_REPLY_TO_BYTES: usize = 256;
+
 fn parse_reply_to(
     object: &Map<String, Value>,
     subjects: &Subjects,
@@ -342,6 +350,13 @@ fn parse_reply_to(
     match object.get("reply_to") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(subject)) => {
+            // The stored reply carries it as a header: bounded like every other value.
+            if subject.len() > MAX_REPLY_TO_BYTES {
+                return Err(format!(
+                    "must be at most {MAX_REPLY_TO_BYTES} bytes, got {}",
+                    subject.len()
+                ));
+            }
             subjects
                 .check_reply_to(subject, id)
                 .map_err(|e| e.to_string())?;
@@ -369,12 +384,12 @@ fn parse_metadata(raw: Option<&RawValue>) -> Result<Option<Box<RawValue>>, Strin
 }
 
 fn parse_url(text: &str) -> Result<Url, String> {
-    let url = Url::parse(text).map_err(|e| format!("{text:?} is not an absolute URL: {e}"))?;
+    let url = Url::parse(text).map_err(|e| format!("{} is not an absolute URL: {e}", quote(text)))?;
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(format!("scheme {:?} is not http or https", url.scheme()));
+        return Err(format!("scheme {} is not http or https", quote(url.scheme())));
     }
     if url.host().is_none() {
-        return Err(format!("{text:?} has no host"));
+        return Err(format!("{} has no host", quote(text)));
     }
     Ok(url)
 }
@@ -388,7 +403,7 @@ fn is_token(name: &str) -> bool {
 
 fn check_header_value(name: &str, value: &str) -> Result<(), String> {
     if value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
-        Err(format!("the value of {name:?} contains CR, LF or NUL"))
+        Err(format!("the value of {} contains CR, LF or NUL", quote(name)))
     } else {
         Ok(())
     }
@@ -403,7 +418,7 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
     let mut pairs = Vec::with_capacity(object.len());
     for (name, value) in object {
         if !is_token(name) {
-            return Err(format!("{name:?} is not a valid header name"));
+            return Err(format!("{} is not a valid header name", quote(name)));
         }
         let values: Vec<&str> = match value {
             Value::String(v) => vec![v.as_str()],
@@ -412,7 +427,8 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
                 .map(|item| {
                     item.as_str().ok_or_else(|| {
                         format!(
-                            "the values of {name:?} must be strings, found {}",
+                            "the values of {} must be strings, found {}",
+                            quote(name),
                             json_kind(item)
                         )
                     })
@@ -420,7 +436,8 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
                 .collect::<Result<_, _>>()?,
             other => {
                 return Err(format!(
-                    "the value of {name:?} must be a string or an array of strings, found {}",
+                    "the value of {} must be a string or an array of strings, found {}",
+                    quote(name),
                     json_kind(other)
                 ));
             }

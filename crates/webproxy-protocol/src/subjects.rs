@@ -3,6 +3,8 @@
 
 use thiserror::Error;
 
+use crate::origin::Origin;
+
 /// A name that breaks its character rules; the message says which rule.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{0}")]
@@ -162,14 +164,43 @@ impl Subjects {
         format!("{}.request.{pool}", self.prefix)
     }
 
-    /// Where the service parks a request waiting for its next attempt.
-    pub fn retry(&self, pool: &str) -> String {
-        format!("{}.retry.{pool}", self.prefix)
+    /// Where the service parks one conversation's request until its next attempt is
+    /// due. Service-only: callers' permissions deny it.
+    pub fn retry(&self, pool: &str, token: &str) -> String {
+        format!("{}.retry.{pool}.{token}", self.prefix)
     }
 
-    /// Where the final reply of conversation `id` is stored.
+    /// Every parked retry of `pool`: the retry consumer's filter.
+    pub fn retry_filter(&self, pool: &str) -> String {
+        format!("{}.retry.{pool}.>", self.prefix)
+    }
+
+    /// Where the service hands one conversation's request to `pool` again: a move to
+    /// the rule's pool, a retry that came due, or a replay. Service-only.
+    pub fn hop(&self, pool: &str, token: &str) -> String {
+        format!("{}.hop.{pool}.{token}", self.prefix)
+    }
+
+    /// Every hop into `pool`: with the request subject, the pool consumer's filter.
+    pub fn hop_filter(&self, pool: &str) -> String {
+        format!("{}.hop.{pool}.>", self.prefix)
+    }
+
+    /// The live reply of conversations with id `id`, published with core NATS and not
+    /// stored. Any caller may reuse an id, so a caller keeps only the replies whose
+    /// `Webproxy-Origin` is its own.
     pub fn reply(&self, id: &str) -> String {
         format!("{}.reply.{id}", self.prefix)
+    }
+
+    /// The stored reply of exactly one conversation: `<prefix>.reply.<id>.<STREAM>.<seq>`.
+    pub fn stored_reply(&self, id: &str, origin: &Origin) -> String {
+        format!("{}.reply.{id}.{}.{}", self.prefix, origin.stream, origin.seq)
+    }
+
+    /// What the replies stream captures: stored replies only, never the live copies.
+    pub fn stored_reply_wildcard(&self) -> String {
+        format!("{}.reply.*.*.*", self.prefix)
     }
 
     /// Where failed conversations of `pool` are copied.
@@ -200,6 +231,11 @@ impl Subjects {
     /// The stream that stores dead letters.
     pub fn dead_stream(&self) -> String {
         format!("{}_DEAD", self.stream_prefix)
+    }
+
+    /// The KV bucket of progress records (conversations that parked or moved).
+    pub fn progress_bucket(&self) -> String {
+        format!("{}_PROGRESS", self.stream_prefix)
     }
 
     /// The durable consumer of `pool`'s request subject, e.g. `webproxy-default`.
@@ -254,7 +290,21 @@ mod tests {
     fn names_derive_from_prefix() {
         let s = subjects();
         assert_eq!(s.request("default"), "webproxy.request.default");
-        assert_eq!(s.retry("p1"), "webproxy.retry.p1");
+        assert_eq!(s.retry("p1", "t0"), "webproxy.retry.p1.t0");
+        assert_eq!(s.retry_filter("p1"), "webproxy.retry.p1.>");
+        assert_eq!(s.hop("p1", "t0"), "webproxy.hop.p1.t0");
+        assert_eq!(s.hop_filter("p1"), "webproxy.hop.p1.>");
+        let origin = Origin::new("WEBPROXY_POOL_P1", 7);
+        assert_eq!(
+            s.stored_reply("order-42", &origin),
+            "webproxy.reply.order-42.WEBPROXY_POOL_P1.7"
+        );
+        assert!(subject_matches(
+            &s.stored_reply_wildcard(),
+            &s.stored_reply("order-42", &origin)
+        ));
+        assert!(!subject_matches(&s.stored_reply_wildcard(), &s.reply("order-42")));
+        assert_eq!(s.progress_bucket(), "WEBPROXY_PROGRESS");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");
