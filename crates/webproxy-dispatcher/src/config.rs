@@ -87,6 +87,10 @@ pub struct StreamsConfig {
     pub dead_max_bytes: i64,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
+    /// The pool streams' duplicate window: a caller's publish retried with the same
+    /// `Nats-Msg-Id` within it is stored once and gets the same origin.
+    #[serde(with = "humantime_serde")]
+    pub duplicate_window: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -350,6 +354,17 @@ impl Config {
         if self.service.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
         }
+        // A hop republished after a lost ack comes back within ack_wait; twice that
+        // keeps the republish inside the window, where JetStream drops it as a duplicate.
+        if self.streams.duplicate_window < self.service.ack_wait * 2 {
+            return Err(config_error(
+                "streams.duplicate_window",
+                format!(
+                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
+                    self.service.ack_wait, self.streams.duplicate_window
+                ),
+            ));
+        }
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
         if !endpoint.is_empty() && !is_http {
@@ -410,5 +425,46 @@ impl Config {
             outbound,
             config: self,
         })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::Config;
+
+    fn merge(base: &mut toml::Table, over: toml::Table) {
+        for (key, value) in over {
+            match (base.get_mut(&key), value) {
+                (Some(toml::Value::Table(base)), toml::Value::Table(over)) => merge(base, over),
+                (_, value) => {
+                    base.insert(key, value);
+                }
+            }
+        }
+    }
+
+    /// The compiled-in defaults with `extra` (TOML) laid over them, as the binary's
+    /// configuration layers do.
+    pub(crate) fn config_from(extra: &str) -> Config {
+        let mut base: toml::Table =
+            toml::from_str(include_str!("../../../config/default.toml")).expect("defaults");
+        merge(&mut base, toml::from_str(extra).expect("test TOML"));
+        toml::Value::Table(base).try_into().expect("a config")
+    }
+
+    #[test]
+    fn a_duplicate_window_under_twice_ack_wait_is_refused() {
+        let error = config_from("[streams]\nduplicate_window = \"20s\"")
+            .validate()
+            .expect_err("20s < 2 x 15s");
+        assert!(
+            error.to_string().contains("streams.duplicate_window"),
+            "{error}"
+        );
+        assert!(
+            config_from("[streams]\nduplicate_window = \"30s\"")
+                .validate()
+                .is_ok()
+        );
     }
 }

@@ -235,7 +235,10 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         Some(Value::String(m)) => Method::parse(m).ok_or_else(|| {
             fail(
                 "method",
-                format!("{} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS", quote(m)),
+                format!(
+                    "{} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS",
+                    quote(m)
+                ),
             )
         })?,
         Some(other) => {
@@ -384,9 +387,13 @@ fn parse_metadata(raw: Option<&RawValue>) -> Result<Option<Box<RawValue>>, Strin
 }
 
 fn parse_url(text: &str) -> Result<Url, String> {
-    let url = Url::parse(text).map_err(|e| format!("{} is not an absolute URL: {e}", quote(text)))?;
+    let url =
+        Url::parse(text).map_err(|e| format!("{} is not an absolute URL: {e}", quote(text)))?;
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(format!("scheme {} is not http or https", quote(url.scheme())));
+        return Err(format!(
+            "scheme {} is not http or https",
+            quote(url.scheme())
+        ));
     }
     if url.host().is_none() {
         return Err(format!("{} has no host", quote(text)));
@@ -403,7 +410,10 @@ fn is_token(name: &str) -> bool {
 
 fn check_header_value(name: &str, value: &str) -> Result<(), String> {
     if value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
-        Err(format!("the value of {} contains CR, LF or NUL", quote(name)))
+        Err(format!(
+            "the value of {} contains CR, LF or NUL",
+            quote(name)
+        ))
     } else {
         Ok(())
     }

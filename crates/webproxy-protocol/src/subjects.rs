@@ -195,7 +195,10 @@ impl Subjects {
 
     /// The stored reply of exactly one conversation: `<prefix>.reply.<id>.<STREAM>.<seq>`.
     pub fn stored_reply(&self, id: &str, origin: &Origin) -> String {
-        format!("{}.reply.{id}.{}.{}", self.prefix, origin.stream, origin.seq)
+        format!(
+            "{}.reply.{id}.{}.{}",
+            self.prefix, origin.stream, origin.seq
+        )
     }
 
     /// What the replies stream captures: stored replies only, never the live copies.
@@ -303,7 +306,10 @@ mod tests {
             &s.stored_reply_wildcard(),
             &s.stored_reply("order-42", &origin)
         ));
-        assert!(!subject_matches(&s.stored_reply_wildcard(), &s.reply("order-42")));
+        assert!(!subject_matches(
+            &s.stored_reply_wildcard(),
+            &s.reply("order-42")
+        ));
         assert_eq!(s.progress_bucket(), "WEBPROXY_PROGRESS");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");

@@ -9,7 +9,10 @@ use tracing::{error, info, warn};
 use webproxy_dispatcher::config::ByteLimit;
 use webproxy_dispatcher::nats_auth;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
-use webproxy_dispatcher::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
+use webproxy_dispatcher::provision::{
+    MIN_SERVER_VERSION, Provisioned, provision, server_version_supported,
+};
+use webproxy_dispatcher::runtime::Progress;
 use webproxy_dispatcher::secrets::{Redactor, Secrets};
 use webproxy_dispatcher::{Dispatcher, Health, Instruments, Settings, connect};
 use webproxy_worker::{Worker, WorkerConfig};
@@ -56,7 +59,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
 
     let js = async_nats::jetstream::new(client.clone());
-    let Some(consumers) = provision_until_done(&js, &settings, &shutdown).await else {
+    let Some(provisioned) = provision_until_done(&js, &settings, &shutdown).await else {
         return Ok(());
     };
     let worker = Worker::new(&WorkerConfig {
@@ -72,10 +75,15 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         max_payload,
         instruments,
         secrets,
+        Progress::new(provisioned.progress),
     );
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
-        .run(consumers, shutdown, settings.config.service.shutdown_grace)
+        .run(
+            provisioned.pools,
+            shutdown,
+            settings.config.service.shutdown_grace,
+        )
         .await;
     if let Err(e) = client.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
@@ -123,11 +131,11 @@ async fn provision_until_done(
     js: &async_nats::jetstream::Context,
     settings: &Settings,
     shutdown: &CancellationToken,
-) -> Option<Vec<webproxy_dispatcher::provision::PoolConsumers>> {
+) -> Option<Provisioned> {
     let mut delay = Duration::from_millis(200);
     loop {
         match provision(js, settings).await {
-            Ok(consumers) => return Some(consumers),
+            Ok(provisioned) => return Some(provisioned),
             Err(e) => warn!(error = %e, "provisioning failed; retrying"),
         }
         tokio::select! {
