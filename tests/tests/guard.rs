@@ -58,7 +58,11 @@ async fn loopback_in_every_spelling_is_denied_by_default() {
         ("0x7f.0.0.1", "127.0.0.1", "loopback"),
         ("0x7f000001", "127.0.0.1", "loopback"),
         ("127.1", "127.0.0.1", "loopback"),
-        ("[::ffff:127.0.0.1]", "127.0.0.1", "loopback, as the IPv4 address embedded"),
+        (
+            "[::ffff:127.0.0.1]",
+            "127.0.0.1",
+            "loopback, as the IPv4 address embedded",
+        ),
         ("0.0.0.0", "0.0.0.0", "unspecified"),
         // A name resolved by the system resolver (/etc/hosts) to loopback: the reply
         // does not tell what it resolved to.
@@ -73,9 +77,11 @@ async fn loopback_in_every_spelling_is_denied_by_default() {
     // The log has what the caller is not told.
     let logs = h.service.logs();
     assert!(
-        logs.lines().any(|line| line.contains("the address guard refused a destination")
-            && line.contains("localhost")
-            && line.contains("loopback")),
+        logs.lines().any(
+            |line| line.contains("the address guard refused a destination")
+                && line.contains("localhost")
+                && line.contains("loopback")
+        ),
         "the denial of localhost is not logged with its address:\n{logs}"
     );
     assert_eq!(h.upstream.hits(), 0, "a denied request reached 127.0.0.1");
@@ -131,7 +137,11 @@ async fn an_allow_on_an_embedding_prefix_opens_no_embedded_loopback() {
         let reply = h.request(&envelope("GET", &url)).await;
         assert_denied(&reply, &url, "127.0.0.1", "loopback");
     }
-    assert_eq!(h.upstream.hits(), 0, "an embedded loopback address was called");
+    assert_eq!(
+        h.upstream.hits(),
+        0,
+        "an embedded loopback address was called"
+    );
 }
 
 #[tokio::test]

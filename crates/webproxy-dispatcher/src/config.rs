@@ -300,6 +300,14 @@ pub struct RequestRuleConfig {
     /// Headers set from secrets, replacing any the caller sends.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub inject_headers: BTreeMap<String, crate::secrets::SecretSource>,
+    /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
+    /// exactly with every hop sent under it; required with `inject_headers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// Allows an `http://` origin (a loopback or test upstream): injected credentials
+    /// would travel in clear.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_http: bool,
     /// Headers dropped from this rule's requests, on top of the global list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny_request_headers: Vec<String>,
@@ -329,6 +337,25 @@ pub struct Settings {
     pub rules: RequestRules,
     /// What may leave this instance, and how.
     pub outbound: crate::security::Outbound,
+}
+
+impl Settings {
+    /// What `check-config` (and `serve`, at start) warns about: a configuration that
+    /// runs, but probably not as meant. Each names the key.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = self.rules.warnings();
+        let nats = &self.config.nats;
+        let authenticated = nats.credentials_file.is_some()
+            || nats.nkey_seed_file.is_some()
+            || nats.token.is_some()
+            || nats.user.is_some();
+        if authenticated && self.config.streams.reply_to_allow.is_empty() {
+            warnings.push(
+                "streams.reply_to_allow is empty although [nats] names credentials: NATS permissions probably confine the callers, yet a request's reply_to may name any unreserved subject, another caller's or another deployment's replies included; list the callers' reply subjects, e.g. [\"callers.*.replies.>\"]".into(),
+            );
+        }
+        warnings
+    }
 }
 
 impl Config {

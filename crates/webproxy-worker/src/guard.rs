@@ -127,13 +127,7 @@ pub struct Range {
     pub class: Class,
 }
 
-const fn v4(
-    [a, b, c, d]: [u8; 4],
-    len: u8,
-    name: &'static str,
-    kind: Kind,
-    class: Class,
-) -> Range {
+const fn v4([a, b, c, d]: [u8; 4], len: u8, name: &'static str, kind: Kind, class: Class) -> Range {
     Range {
         net: IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(a, b, c, d), len)),
         name,
@@ -188,7 +182,13 @@ pub const IPV4_RANGES: &[Range] = &[
         Kind::Unspecified,
         Always,
     ),
-    v4([10, 0, 0, 0], 8, "private (RFC 1918)", Kind::Private, Private),
+    v4(
+        [10, 0, 0, 0],
+        8,
+        "private (RFC 1918)",
+        Kind::Private,
+        Private,
+    ),
     v4(
         [100, 64, 0, 0],
         10,
@@ -198,7 +198,13 @@ pub const IPV4_RANGES: &[Range] = &[
     ),
     v4([127, 0, 0, 0], 8, "loopback", Kind::Loopback, Private),
     v4([169, 254, 0, 0], 16, "link-local", Kind::LinkLocal, Always),
-    v4([172, 16, 0, 0], 12, "private (RFC 1918)", Kind::Private, Private),
+    v4(
+        [172, 16, 0, 0],
+        12,
+        "private (RFC 1918)",
+        Kind::Private,
+        Private,
+    ),
     v4(
         [192, 0, 0, 0],
         24,
@@ -227,7 +233,13 @@ pub const IPV4_RANGES: &[Range] = &[
         Kind::Private,
         Private,
     ),
-    v4([198, 18, 0, 0], 15, "benchmarking", Kind::Benchmarking, Always),
+    v4(
+        [198, 18, 0, 0],
+        15,
+        "benchmarking",
+        Kind::Benchmarking,
+        Always,
+    ),
     v4(
         [198, 51, 100, 0],
         24,
@@ -274,7 +286,13 @@ pub const IPV6_RANGES: &[Range] = &[
         Kind::Unspecified,
         Always,
     ),
-    v6([0, 0, 0, 0, 0, 0, 0, 1], 128, "loopback", Kind::Loopback, Private),
+    v6(
+        [0, 0, 0, 0, 0, 0, 0, 1],
+        128,
+        "loopback",
+        Kind::Loopback,
+        Private,
+    ),
     v6(
         [0x64, 0xff9b, 1, 0, 0, 0, 0, 0],
         48,

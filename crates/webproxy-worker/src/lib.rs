@@ -142,6 +142,12 @@ pub enum AttemptOutcome {
     Denied {
         message: String,
     },
+    /// The request cannot be sent as it is (a redirect to a URL webproxy refuses, such
+    /// as one with user information): nothing was sent for it. Never produced by
+    /// [`Worker::attempt`]; the dispatcher uses it for a hop it refuses to take.
+    Invalid {
+        message: String,
+    },
 }
 
 /// Performs attempts over one shared connection pool.

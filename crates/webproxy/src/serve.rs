@@ -18,6 +18,9 @@ use crate::health;
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
+    for warning in settings.warnings() {
+        warn!("configuration: {warning}");
+    }
     let secrets = Arc::new(
         Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
     );
