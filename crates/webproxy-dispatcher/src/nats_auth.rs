@@ -8,6 +8,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use webproxy_protocol::SERVICE_INBOX;
+
 use crate::config::{ConfigError, NatsConfig, config_error};
 use crate::secrets::REDACTED;
 
@@ -138,9 +140,23 @@ fn read_seed(path: &Path) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// Connect options carrying the authentication and TLS settings.
+/// webproxy's own inbox prefix, `_WEBPROXY_INBOX.<random>`: JetStream API responses,
+/// publish acks and pulled messages arrive under it. Every subject under
+/// [`SERVICE_INBOX`] is refused as a caller's `reply_to`, so no caller can inject
+/// messages there, and NATS permissions can give the service exactly this prefix
+/// instead of the `_INBOX.>` every caller shares.
+pub fn service_inbox_prefix() -> String {
+    let token: String = std::iter::repeat_with(fastrand::alphanumeric)
+        .take(16)
+        .collect();
+    format!("{SERVICE_INBOX}.{token}")
+}
+
+/// Connect options carrying the authentication and TLS settings, and webproxy's
+/// private inbox prefix (every connection made with the service's own `[nats]`
+/// settings: `serve` and the operator commands).
 pub async fn connect_options(nats: &NatsConfig) -> std::io::Result<async_nats::ConnectOptions> {
-    let mut options = async_nats::ConnectOptions::new();
+    let mut options = async_nats::ConnectOptions::new().custom_inbox_prefix(service_inbox_prefix());
     if let Some(path) = &nats.credentials_file {
         options = options
             .credentials_file(path)
@@ -245,6 +261,23 @@ mod tests {
         let path = std::env::temp_dir().join(format!("webproxy-nats-auth-{}", std::process::id()));
         std::fs::write(&path, "x").expect("write");
         path
+    }
+
+    #[test]
+    fn the_service_inbox_is_private_and_reserved() {
+        let prefix = service_inbox_prefix();
+        let (first, random) = prefix.split_once('.').expect("two tokens");
+        assert_eq!(first, "_WEBPROXY_INBOX");
+        assert_eq!(random.len(), 16);
+        assert!(
+            random.bytes().all(|b| b.is_ascii_alphanumeric()),
+            "{prefix}"
+        );
+        assert_ne!(prefix, service_inbox_prefix());
+        let subjects = webproxy_protocol::Subjects::new("webproxy").expect("prefix");
+        // What async-nats puts under the prefix: one more token per inbox.
+        let inbox = format!("{prefix}.AbC123");
+        assert!(subjects.check_reply_to(&inbox, "x").is_err());
     }
 
     #[test]
