@@ -38,10 +38,14 @@ pub struct Config {
     pub response_rules: Vec<ResponseRuleConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
+/// URL without its credentials and the token and password as `[REDACTED]`.
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsConfig {
-    /// One server URL, or several separated by commas.
+    /// One server URL, or several separated by commas; a URL may carry credentials
+    /// (`nats://user:password@host`, `nats://token@host`).
+    #[serde(serialize_with = "serialize_redacted_urls")]
     pub url: String,
     /// Authentication and TLS; see `crate::nats_auth`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -60,6 +64,26 @@ pub struct NatsConfig {
     pub tls_cert_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<std::path::PathBuf>,
+}
+
+fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::nats_auth::redact_url_credentials(url))
+}
+
+impl fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &crate::nats_auth::redact_url_credentials(&self.url))
+            .field("credentials_file", &self.credentials_file)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("token", &self.token)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
 }
 
 impl NatsConfig {

@@ -153,7 +153,8 @@ async fn connect_until_up(
         match connect(settings, health.clone()).await {
             Ok(client) => return Ok(Some(client)),
             Err(e) => {
-                warn!(url = %settings.config.nats.url, error = %e, "cannot connect to NATS; retrying")
+                let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+                warn!(%url, error = %e, "cannot connect to NATS; retrying")
             }
         }
         tokio::select! {
