@@ -38,10 +38,14 @@ pub struct Config {
     pub response_rules: Vec<ResponseRuleConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
+/// URL without its credentials and the token and password as `[REDACTED]`.
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsConfig {
-    /// One server URL, or several separated by commas.
+    /// One server URL, or several separated by commas; a URL may carry credentials
+    /// (`nats://user:password@host`, `nats://token@host`).
+    #[serde(serialize_with = "serialize_redacted_urls")]
     pub url: String,
     /// Authentication and TLS; see `crate::nats_auth`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -60,6 +64,26 @@ pub struct NatsConfig {
     pub tls_cert_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<std::path::PathBuf>,
+}
+
+fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::nats_auth::redact_url_credentials(url))
+}
+
+impl fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &crate::nats_auth::redact_url_credentials(&self.url))
+            .field("credentials_file", &self.credentials_file)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("token", &self.token)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
 }
 
 impl NatsConfig {
@@ -304,6 +328,14 @@ pub struct RequestRuleConfig {
     /// Headers set from secrets, replacing any the caller sends.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub inject_headers: BTreeMap<String, crate::secrets::SecretSource>,
+    /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
+    /// exactly with every hop sent under it; required with `inject_headers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// Allows an `http://` origin (a loopback or test upstream): injected credentials
+    /// would travel in clear.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_http: bool,
     /// Headers dropped from this rule's requests, on top of the global list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny_request_headers: Vec<String>,
@@ -333,6 +365,25 @@ pub struct Settings {
     pub rules: RequestRules,
     /// What may leave this instance, and how.
     pub outbound: crate::security::Outbound,
+}
+
+impl Settings {
+    /// What `check-config` (and `serve`, at start) warns about: a configuration that
+    /// runs, but probably not as meant. Each names the key.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = self.rules.warnings();
+        let nats = &self.config.nats;
+        let authenticated = nats.credentials_file.is_some()
+            || nats.nkey_seed_file.is_some()
+            || nats.token.is_some()
+            || nats.user.is_some();
+        if authenticated && self.config.streams.reply_to_allow.is_empty() {
+            warnings.push(
+                "streams.reply_to_allow is empty although [nats] names credentials: NATS permissions probably confine the callers, yet a request's reply_to may name any unreserved subject, another caller's or another deployment's replies included; list the callers' reply subjects, e.g. [\"callers.*.replies.>\"]".into(),
+            );
+        }
+        warnings
+    }
 }
 
 impl Config {

@@ -121,6 +121,12 @@ pub fn subject_matches(pattern: &str, subject: &str) -> bool {
     subject_tokens.next().is_none()
 }
 
+/// The first token of the private inbox prefix webproxy's own connections use
+/// (`_WEBPROXY_INBOX.<random>`), so that no caller's `reply_to` can name the subjects
+/// on which the service receives its JetStream API responses and publish acks.
+/// Callers keep the NATS default, `_INBOX.`.
+pub const SERVICE_INBOX: &str = "_WEBPROXY_INBOX";
+
 /// Every subject, stream and consumer name of one deployment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subjects {
@@ -252,18 +258,29 @@ impl Subjects {
     }
 
     /// Whether a caller may name `subject` as its `reply_to`: a literal subject outside
-    /// the service's own namespace (except exactly its own default reply subject) and
-    /// outside the server's reserved prefixes.
+    /// the service's own namespace (except exactly its own default reply subject),
+    /// outside every server subject (those that start with `$`: `$JS.`, `$SYS.`,
+    /// `$KV.`, `$O.`, `$MQTT.`, `$SRV.`, ...) and outside webproxy's private inboxes
+    /// ([`SERVICE_INBOX`]), and matching `reply_to_allow` when that is set.
     pub fn check_reply_to(&self, subject: &str, id: &str) -> Result<(), InvalidName> {
         validate_subject_literal(subject)?;
         if subject == self.reply(id) {
             return Ok(());
         }
-        let own = format!("{}.", self.prefix);
-        for reserved in [own.as_str(), "$JS.", "$SYS.", "$KV."] {
-            if subject.starts_with(reserved) {
+        if subject.starts_with('$') {
+            return Err(InvalidName(format!(
+                "{subject:?} is a server subject: every subject that starts with '$' is reserved"
+            )));
+        }
+        let first_token = |prefix: &str| {
+            subject
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        };
+        for reserved in [self.prefix.as_str(), SERVICE_INBOX] {
+            if first_token(reserved) {
                 return Err(InvalidName(format!(
-                    "{subject:?} is under the reserved prefix {reserved:?}"
+                    "{subject:?} is under the reserved prefix \"{reserved}.\""
                 )));
             }
         }
@@ -363,6 +380,30 @@ mod tests {
         assert!(s.check_reply_to("$JS.API.STREAM.DELETE.X", "x").is_err());
         assert!(s.check_reply_to("$SYS.x", "x").is_err());
         assert!(s.check_reply_to("$KV.b.k", "x").is_err());
+        // Every server subject, not only the ones listed before.
+        for subject in [
+            "$O.bucket.x",
+            "$MQTT.sess.x",
+            "$SRV.PING",
+            "$G",
+            "$anything.x",
+        ] {
+            let e = s.check_reply_to(subject, "x").expect_err(subject);
+            assert!(e.0.contains("'$'"), "{e}");
+        }
+        // webproxy's own inboxes, whatever follows the private prefix.
+        for subject in [
+            "_WEBPROXY_INBOX.a1b2.c3",
+            "_WEBPROXY_INBOX.x",
+            "_WEBPROXY_INBOX",
+        ] {
+            let e = s.check_reply_to(subject, "x").expect_err(subject);
+            assert!(e.0.contains("_WEBPROXY_INBOX."), "{e}");
+        }
+        assert!(s.check_reply_to("webproxy", "x").is_err());
+        // Callers' own inboxes stay usable, and look-alike prefixes are not reserved.
+        assert!(s.check_reply_to("_INBOX.abc.1", "x").is_ok());
+        assert!(s.check_reply_to("_WEBPROXY_INBOXES.x", "x").is_ok());
         assert!(s.check_reply_to("app.*", "x").is_err());
         assert!(s.check_reply_to("app.>", "x").is_err());
         assert!(s.check_reply_to("app..x", "x").is_err());

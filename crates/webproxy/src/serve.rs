@@ -21,6 +21,9 @@ use crate::health;
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
+    for warning in settings.warnings() {
+        warn!("configuration: {warning}");
+    }
     let secrets = Arc::new(
         Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
     );
@@ -158,7 +161,8 @@ async fn connect_until_up(
         match connect(settings, health.clone()).await {
             Ok(client) => return Ok(Some(client)),
             Err(e) => {
-                warn!(url = %settings.config.nats.url, error = %e, "cannot connect to NATS; retrying")
+                let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+                warn!(%url, error = %e, "cannot connect to NATS; retrying")
             }
         }
         tokio::select! {

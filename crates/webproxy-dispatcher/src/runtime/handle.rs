@@ -434,6 +434,7 @@ async fn attempt(
             AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
             AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
             AttemptOutcome::Denied { message } => (None, Some(format!("denied: {message}"))),
+            AttemptOutcome::Invalid { message } => (None, Some(format!("invalid: {message}"))),
         };
         // A destination refused before any connection was never attempted.
         let record = chain.connected.then(|| AttemptRecord {
@@ -463,7 +464,7 @@ async fn attempt(
         AttemptOutcome::TooLarge { status, .. } => status_class(*status),
         AttemptOutcome::HeadersTooLarge { status, .. } => status.map_or("other", status_class),
         AttemptOutcome::Failed(f) => f.kind.as_str(),
-        AttemptOutcome::Denied { .. } => "other",
+        AttemptOutcome::Denied { .. } | AttemptOutcome::Invalid { .. } => "other",
     };
     shared.outlet.metrics.attempt(
         conversation.pool,
