@@ -314,6 +314,31 @@ pub async fn provision(
     })
 }
 
+/// Recreates `pool`'s work consumer, as provisioning made it, after it was found
+/// missing: only while its stream exists, so a pool that `pools remove` deleted stays
+/// deleted.
+pub async fn recreate_pool_consumer(
+    js: &jetstream::Context,
+    settings: &Settings,
+    pool: &str,
+) -> Result<consumer::PullConsumer, ProvisionError> {
+    let config = settings.pools.get(pool).cloned().unwrap_or_default();
+    let stream_name = settings.subjects.pool_stream(pool);
+    let stream = js
+        .get_stream(&stream_name)
+        .await
+        .map_err(|e| provision_error(format!("stream {stream_name}"), e))?;
+    let wanted = pool_consumer_config(settings, pool, &config);
+    let what = format!(
+        "consumer {} on {stream_name}",
+        wanted.durable_name.as_deref().unwrap_or_default()
+    );
+    stream
+        .create_consumer(wanted)
+        .await
+        .map_err(|e| provision_error(what, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
