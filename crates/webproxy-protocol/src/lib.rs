@@ -6,12 +6,14 @@
 
 mod envelope;
 mod headers;
+mod origin;
 mod reply;
 pub mod schema;
 mod subjects;
 
 pub use envelope::{InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, parse_request};
 pub use headers::{HeaderValue, Headers, collect_headers, is_hop_by_hop};
+pub use origin::{InvalidOrigin, Origin};
 pub use reply::{
     AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody, excerpt,
 };
@@ -28,12 +30,16 @@ pub const MAX_METADATA_BYTES: usize = 64 * 1024;
 
 /// NATS header names that are part of the protocol.
 pub mod header {
-    /// JetStream's deduplication id; clients set it to the conversation id.
+    /// JetStream's deduplication id; clients set a fresh random one per conversation
+    /// (not the envelope id) and reuse it only to retry that same publish.
     pub const MSG_ID: &str = "Nats-Msg-Id";
     /// `response` or `error`, on every reply.
     pub const OUTCOME: &str = "Webproxy-Outcome";
     /// The conversation's generation: 0 for the caller's request, +1 per replay.
     pub const GENERATION: &str = "Webproxy-Generation";
+    /// The conversation's origin, `<STREAM>:<seq>` (see [`crate::Origin`]), on every
+    /// reply: a caller keeps only the replies whose origin is its own.
+    pub const ORIGIN: &str = "Webproxy-Origin";
     /// The conversation id, on dead letters.
     pub const ID: &str = "Webproxy-Id";
     /// The final error code, on dead letters.
