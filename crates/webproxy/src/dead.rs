@@ -190,7 +190,13 @@ pub async fn replay(
             ));
             continue;
         };
-        let stored_generation = match client.reply_message(&letter_id).await? {
+        let stored_generation = match webproxy_client::stored_reply_message(
+            &js,
+            client.subjects(),
+            &letter_id,
+        )
+        .await?
+        {
             Some(message) => message
                 .headers
                 .get(header::GENERATION)
