@@ -54,7 +54,7 @@ DEFAULT_WAIT = 30.0
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _POOL = re.compile(r"[a-z0-9_-]{1,32}")
 # A conversation's origin: its pool stream (one subject token) and stream sequence.
-_ORIGIN = re.compile(r"[A-Za-z0-9_-]{1,255}:[0-9]{1,20}")
+_ORIGIN = re.compile(r"[A-Za-z0-9_-]{1,255}:[1-9][0-9]{0,19}")
 # A literal subject: non-empty tokens, no wildcards, no white space.
 _SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
 # A Nats-Msg-Id set by the caller: printable, no white space.

@@ -225,7 +225,7 @@ def test_a_stored_reply_is_looked_up_only_by_a_valid_origin():
     client = Client(fake)
     assert run(client.reply("order-42", ORIGIN)).status == 200
     assert run(client.reply("order-42", "WEBPROXY_POOL_DEFAULT:1")) is None
-    for bad in ("", "WEBPROXY_POOL_DEFAULT", "A.B:1", "*:1", ">:1", "S:1:2", "S:-1", "S:x"):
+    for bad in ("", "WEBPROXY_POOL_DEFAULT", "A.B:1", "*:1", ">:1", "S:1:2", "S:-1", "S:x", "S:0", "S:01"):
         with pytest.raises(webproxy_client.InvalidRequest):
             run(client.reply("order-42", bad))
     with pytest.raises(webproxy_client.InvalidRequest):

@@ -13,7 +13,7 @@ mod subjects;
 
 pub use envelope::{InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, parse_request};
 pub use headers::{HeaderValue, Headers, collect_headers, is_hop_by_hop};
-pub use origin::{InvalidOrigin, Origin};
+pub use origin::Origin;
 pub use reply::{
     AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody, excerpt,
 };
@@ -30,15 +30,15 @@ pub const MAX_METADATA_BYTES: usize = 64 * 1024;
 
 /// NATS header names that are part of the protocol.
 pub mod header {
-    /// JetStream's deduplication id; clients set a fresh random one per conversation
-    /// (not the envelope id) and reuse it only to retry that same publish.
+    /// JetStream's deduplication id. Clients send a fresh random one per conversation
+    /// and reuse it only when they retry that same publish.
     pub const MSG_ID: &str = "Nats-Msg-Id";
     /// `response` or `error`, on every reply.
     pub const OUTCOME: &str = "Webproxy-Outcome";
     /// The conversation's generation: 0 for the caller's request, +1 per replay.
     pub const GENERATION: &str = "Webproxy-Generation";
-    /// The conversation's origin, `<STREAM>:<seq>` (see [`crate::Origin`]), on every
-    /// reply: a caller keeps only the replies whose origin is its own.
+    /// The conversation's origin, `<STREAM>:<seq>`, on replies and dead letters. A
+    /// caller keeps only the replies whose origin is its own publish's.
     pub const ORIGIN: &str = "Webproxy-Origin";
     /// The conversation id, on dead letters.
     pub const ID: &str = "Webproxy-Id";

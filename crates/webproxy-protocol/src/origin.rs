@@ -1,28 +1,19 @@
 //! A conversation's origin: the pool stream and stream sequence of the caller's
-//! publish, written `<STREAM>:<seq>` (e.g. `WEBPROXY_POOL_DEFAULT:1733025600000123`).
+//! publish. One stored request message is one conversation, so every piece of state the
+//! service keeps is keyed on the origin (and the generation), never on the
+//! caller-chosen id.
 
 use std::fmt;
 use std::str::FromStr;
 
-use thiserror::Error;
+use crate::subjects::InvalidName;
 
-/// The pool stream and sequence that stored a caller's request: one stored request
-/// message is one conversation. The caller learns it from the JetStream publish ack;
-/// replies carry it in the `Webproxy-Origin` header.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// `<STREAM>:<seq>`, e.g. `WEBPROXY_POOL_DEFAULT:1733025600000123`. A caller learns it
+/// from the JetStream publish ack (`stream`, `seq`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Origin {
-    /// The pool stream, e.g. `WEBPROXY_POOL_DEFAULT`.
     pub stream: String,
-    /// The request's sequence in that stream.
     pub seq: u64,
-}
-
-/// Text that is not `<STREAM>:<seq>`; the message says why.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("invalid origin {text:?}: {why}")]
-pub struct InvalidOrigin {
-    pub text: String,
-    pub why: &'static str,
 }
 
 impl Origin {
@@ -32,6 +23,19 @@ impl Origin {
             seq,
         }
     }
+
+    /// The progress record's key for `generation`: `<STREAM>.<seq>.<generation>`, in
+    /// the characters KV keys allow.
+    pub fn record_key(&self, generation: u64) -> String {
+        format!("{}.{}.{generation}", self.stream, self.seq)
+    }
+
+    /// The id shared by everything one generation of this conversation stores:
+    /// `<STREAM>:<seq>:<generation>`. It is the `Idempotency-Key` sent upstream and the
+    /// stem of the reply and dead-letter message ids.
+    pub fn generation_key(&self, generation: u64) -> String {
+        format!("{self}:{generation}")
+    }
 }
 
 impl fmt::Display for Origin {
@@ -40,35 +44,32 @@ impl fmt::Display for Origin {
     }
 }
 
-impl FromStr for Origin {
-    type Err = InvalidOrigin;
-
-    /// Parses `<STREAM>:<seq>`. The stream must be one subject token of
-    /// `[A-Za-z0-9_-]` (as every pool stream name is), so that an origin can name a
-    /// subject and never a wildcard; the sequence is decimal digits only.
-    fn from_str(text: &str) -> Result<Origin, InvalidOrigin> {
-        let invalid = |why| InvalidOrigin {
-            text: text.to_string(),
-            why,
-        };
-        let (stream, seq) = text.split_once(':').ok_or(invalid("no ':'"))?;
-        if stream.is_empty() || stream.len() > 255 {
-            return Err(invalid("the stream must be 1 to 255 characters long"));
-        }
-        if !stream
+/// A stream name as JetStream allows it and a subject token can carry it.
+fn valid_stream_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        {
-            return Err(invalid(
-                "the stream may contain only A-Z, a-z, 0-9, '_' and '-'",
-            ));
-        }
-        if seq.is_empty() || !seq.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(invalid("the sequence must be decimal digits"));
+}
+
+impl FromStr for Origin {
+    type Err = InvalidName;
+
+    fn from_str(text: &str) -> Result<Origin, InvalidName> {
+        let (stream, seq) = text
+            .rsplit_once(':')
+            .ok_or_else(|| InvalidName(format!("origin {text:.64?} is not <STREAM>:<seq>")))?;
+        if !valid_stream_name(stream) {
+            return Err(InvalidName(format!(
+                "origin stream {stream:.64?} is not a stream name"
+            )));
         }
         let seq = seq
-            .parse()
-            .map_err(|_| invalid("the sequence is out of range"))?;
+            .parse::<u64>()
+            .ok()
+            .filter(|s| *s > 0)
+            .ok_or_else(|| InvalidName(format!("origin sequence {seq:.32?} is not a positive number")))?;
         Ok(Origin::new(stream, seq))
     }
 }
@@ -78,43 +79,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn formats_as_stream_colon_sequence() {
+    fn text_form_round_trips() {
         let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 1_733_025_600_000_123);
         assert_eq!(origin.to_string(), "WEBPROXY_POOL_DEFAULT:1733025600000123");
+        assert_eq!(origin.to_string().parse::<Origin>(), Ok(origin.clone()));
+        assert_eq!(
+            origin.record_key(2),
+            "WEBPROXY_POOL_DEFAULT.1733025600000123.2"
+        );
+        assert_eq!(
+            origin.generation_key(0),
+            "WEBPROXY_POOL_DEFAULT:1733025600000123:0"
+        );
     }
 
     #[test]
-    fn parses_what_it_formats() {
-        for origin in [
-            Origin::new("WEBPROXY_POOL_DEFAULT", 1),
-            Origin::new("ACME_WP_POOL_A-B", u64::MAX),
-        ] {
-            assert_eq!(origin.to_string().parse(), Ok(origin));
+    fn malformed_origins_are_refused() {
+        for bad in ["", "S", "S:", ":1", "S:0", "S:-1", "S:x", "A.B:1", "A B:1", "S:1:2"] {
+            assert!(bad.parse::<Origin>().is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn refuses_what_is_not_stream_colon_sequence() {
-        for bad in [
-            "",
-            "WEBPROXY_POOL_DEFAULT",
-            ":1",
-            "WEBPROXY_POOL_DEFAULT:",
-            "WEBPROXY_POOL_DEFAULT:-1",
-            "WEBPROXY_POOL_DEFAULT:+1",
-            "WEBPROXY_POOL_DEFAULT: 1",
-            "WEBPROXY_POOL_DEFAULT:1x",
-            "WEBPROXY_POOL_DEFAULT:18446744073709551616",
-            "WEBPROXY_POOL_DEFAULT:1:2",
-            "A.B:1",
-            "*:1",
-            ">:1",
-            "A B:1",
-        ] {
-            let error = bad.parse::<Origin>().expect_err(bad);
-            assert_eq!(error.text, bad);
-        }
-        let long = format!("{}:1", "S".repeat(256));
-        assert!(long.parse::<Origin>().is_err());
     }
 }
