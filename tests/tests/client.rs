@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use serde_json::{Value, json};
-use webproxy_client::{
-    Client, Error, ErrorCode, Origin, Outcome, Request, new_id, new_msg_id, stored_reply_subject,
-};
+use webproxy_client::{Client, Error, ErrorCode, Origin, Outcome, Request, new_id, new_msg_id};
 use webproxy_protocol::header;
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule};
 use webproxy_tests::{Relay, free_port, wait_for, wait_until};
@@ -104,7 +102,9 @@ async fn submitted_reply_is_fetched_once_stored() {
         .expect("stored");
     assert_eq!(
         message.subject.as_str(),
-        stored_reply_subject(h.client.subjects(), &submitted.id, &submitted.origin)
+        h.client
+            .subjects()
+            .stored_reply(&submitted.id, &submitted.origin)
     );
     assert_eq!(
         origin_of(Some(&message.headers)),

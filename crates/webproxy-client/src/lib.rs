@@ -139,12 +139,6 @@ pub fn new_msg_id() -> Result<String, Error> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The subject that stores the final reply of the conversation `origin` with
-/// envelope id `id`: `<prefix>.reply.<id>.<STREAM>.<seq>`.
-pub fn stored_reply_subject(subjects: &Subjects, id: &str, origin: &Origin) -> String {
-    format!("{}.{}.{}", subjects.reply(id), origin.stream, origin.seq)
-}
-
 /// Whether a reply message with `headers` answers the conversation `origin`.
 /// A reply without the header is someone else's too.
 pub fn is_own_reply(headers: Option<&HeaderMap>, origin: &Origin) -> bool {
@@ -534,8 +528,8 @@ fn check_msg_id(msg_id: &str) -> Result<(), Error> {
 }
 
 /// The stored reply message of the conversation `origin` with envelope id `id`: the
-/// last message on exactly its own subject ([`stored_reply_subject`]), read from the
-/// stream leader through the message-get API (a direct get may be answered by a
+/// last message on exactly its own subject ([`Subjects::stored_reply`]), read from
+/// the stream leader through the message-get API (a direct get may be answered by a
 /// lagging replica).
 pub async fn stored_reply(
     js: &jetstream::Context,
@@ -543,19 +537,7 @@ pub async fn stored_reply(
     id: &str,
     origin: &Origin,
 ) -> Result<Option<StreamMessage>, Error> {
-    last_message(js, subjects, &stored_reply_subject(subjects, id, origin)).await
-}
-
-/// The newest message on `<prefix>.reply.<id>`, whichever conversation stored it: the
-/// lookup of the service before issue 12, kept only until the dispatcher stops using
-/// it. Callers use [`stored_reply`].
-#[doc(hidden)]
-pub async fn stored_reply_message(
-    js: &jetstream::Context,
-    subjects: &Subjects,
-    id: &str,
-) -> Result<Option<StreamMessage>, Error> {
-    last_message(js, subjects, &subjects.reply(id)).await
+    last_message(js, subjects, &subjects.stored_reply(id, origin)).await
 }
 
 async fn last_message(
@@ -671,7 +653,7 @@ mod tests {
         let subjects = Subjects::new("webproxy").expect("prefix");
         let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 1_733_025_600_000_123);
         assert_eq!(
-            stored_reply_subject(&subjects, "order-42", &origin),
+            subjects.stored_reply("order-42", &origin),
             "webproxy.reply.order-42.WEBPROXY_POOL_DEFAULT.1733025600000123"
         );
     }

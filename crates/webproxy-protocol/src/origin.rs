@@ -65,11 +65,11 @@ impl FromStr for Origin {
                 "origin stream {stream:.64?} is not a stream name"
             )));
         }
-        let seq = seq
-            .parse::<u64>()
-            .ok()
-            .filter(|s| *s > 0)
-            .ok_or_else(|| InvalidName(format!("origin sequence {seq:.32?} is not a positive number")))?;
+        let seq = seq.parse::<u64>().ok().filter(|s| *s > 0).ok_or_else(|| {
+            InvalidName(format!(
+                "origin sequence {seq:.32?} is not a positive number"
+            ))
+        })?;
         Ok(Origin::new(stream, seq))
     }
 }
@@ -95,7 +95,9 @@ mod tests {
 
     #[test]
     fn malformed_origins_are_refused() {
-        for bad in ["", "S", "S:", ":1", "S:0", "S:-1", "S:x", "A.B:1", "A B:1", "S:1:2"] {
+        for bad in [
+            "", "S", "S:", ":1", "S:0", "S:-1", "S:x", "A.B:1", "A B:1", "S:1:2",
+        ] {
             assert!(bad.parse::<Origin>().is_err(), "{bad}");
         }
     }
