@@ -349,7 +349,9 @@ impl Client {
     /// before publishing, and only a live reply whose `Webproxy-Origin` is this
     /// conversation's counts. A reply that could have been missed is read from this
     /// conversation's stored subject instead: on a duplicate publish ack, after the
-    /// connection was re-made, and when the wait runs out.
+    /// connection was re-made, and when the wait runs out. (A `reply_to` the service
+    /// refuses gets no copy: its `invalid_request` answer goes to the live subject and
+    /// the store only, so it is read from the store when the wait runs out.)
     pub async fn request_answer(&self, request: &Request) -> Result<Answer, Error> {
         let id = &request.envelope.id;
         check_id(id)?;
