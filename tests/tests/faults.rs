@@ -79,16 +79,22 @@ impl Observed {
 async fn stored_replies(js: &jetstream::Context) -> Option<BTreeMap<String, u64>> {
     let stream = js.get_stream("WEBPROXY_REPLIES").await.ok()?;
     let mut info = stream.info_with_subjects("webproxy.reply.>").await.ok()?;
-    let mut counts = BTreeMap::new();
+    // The subjects come in pages of a map that may grow meanwhile, so a subject can
+    // come twice: each is counted once.
+    let mut subjects = BTreeMap::new();
     while let Some(entry) = info.next().await {
         let (subject, count) = entry.ok()?;
+        subjects.insert(subject, count as u64);
+    }
+    let mut counts = BTreeMap::new();
+    for (subject, count) in subjects {
         let id = subject
             .trim_start_matches("webproxy.reply.")
             .split('.')
             .next()
             .unwrap_or_default()
             .to_string();
-        *counts.entry(id).or_default() += count as u64;
+        *counts.entry(id).or_default() += count;
     }
     Some(counts)
 }
