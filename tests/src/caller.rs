@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
-use webproxy_client::{Client, Request, new_id};
+use webproxy_client::{Answer, Client, Request, new_id};
 use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
 
 use crate::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
@@ -87,10 +87,19 @@ impl Harness {
 
     /// Sends `envelope` to the default pool and waits for its reply.
     pub async fn request(&self, envelope: &RequestEnvelope) -> Reply {
+        self.request_answer(envelope).await.reply
+    }
+
+    /// Sends `envelope` to the default pool and waits for its reply, returned with
+    /// the conversation's origin.
+    pub async fn request_answer(&self, envelope: &RequestEnvelope) -> Answer {
         let request = Request::from_envelope(envelope.clone()).wait(REPLY_TIMEOUT);
-        self.client.request(&request).await.unwrap_or_else(|e| {
-            panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
-        })
+        self.client
+            .request_answer(&request)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
+            })
     }
 
     /// Publishes raw bytes to a pool's request subject with JetStream.
