@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use webproxy_client::new_id;
 
+use crate::caller::REPLY_TIMEOUT;
 use crate::{NatsServer, ServiceOptions};
 
 /// The users and permissions the repository ships, as the tests run them.
@@ -223,9 +224,21 @@ impl Caller {
     }
 
     /// Sends a request as a well-behaved caller does: subscribes to the envelope's
-    /// `reply_to` first, publishes with a fresh random message id and no headers, and
-    /// returns the conversation's origin and the subscription.
+    /// `reply_to` first, then publishes with a fresh random message id (and no
+    /// headers), retrying a publish the server refuses (a full queue) with the same id
+    /// for up to [`REPLY_TIMEOUT`]. Returns the conversation's origin and the
+    /// subscription.
     pub async fn send(&self, pool: &str, envelope: &serde_json::Value) -> (Origin, Subscriber) {
+        self.send_with(pool, envelope, &HeaderMap::new()).await
+    }
+
+    /// Like [`Caller::send`], with `headers` on the request message.
+    pub async fn send_with(
+        &self,
+        pool: &str,
+        envelope: &serde_json::Value,
+        headers: &HeaderMap,
+    ) -> (Origin, Subscriber) {
         let reply_to = envelope["reply_to"]
             .as_str()
             .expect("a caller's envelope names its reply_to");
@@ -236,13 +249,15 @@ impl Caller {
             .expect("subscribe to the reply_to");
         // The subscription reaches the server before the request can be answered.
         self.nats.flush().await.expect("flush");
-        let ack = self
-            .publish(pool, &new_id(), &HeaderMap::new(), envelope.to_string())
-            .await;
-        assert!(
-            !ack.duplicate,
-            "a fresh message id was a duplicate: {ack:?}"
-        );
+        let msg_id = new_id();
+        let payload = Bytes::from(envelope.to_string());
+        let what = format!("pool {pool} to store {msg_id} from {}", self.space);
+        let ack = crate::wait_for(REPLY_TIMEOUT, &what, || async {
+            self.try_publish(pool, &msg_id, headers, payload.clone())
+                .await
+                .ok()
+        })
+        .await;
         (Origin::of(&ack), inbox)
     }
 }
