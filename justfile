@@ -68,14 +68,14 @@ test: && test-python test-node
 
 # The Python client's tests: the schema, and a live webproxy on a real nats-server. Dependencies (pinned) go into .venv-clients/.
 test-python:
-    cargo build -p webproxy --bin webproxy
+    cargo build --workspace --bins
     [[ -x .venv-clients/bin/python ]] || python3 -m venv .venv-clients
     .venv-clients/bin/python -m pip install --quiet --disable-pip-version-check -r clients/python/requirements-dev.txt
     {{ _nats_path }}; cd clients/python && ../../.venv-clients/bin/python -m pytest
 
 # The Node client's tests: the schema, and a live webproxy on a real nats-server. Dependencies from its lockfile.
 test-node:
-    cargo build -p webproxy --bin webproxy
+    cargo build --workspace --bins
     cd clients/node && npm ci --no-audit --no-fund
     {{ _nats_path }}; cd clients/node && node --test
 

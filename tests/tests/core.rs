@@ -204,38 +204,90 @@ async fn explicit_deny_rule_wins_for_what_it_matches() {
     assert_eq!(h.upstream.hits_for("/admin/echo"), 0);
 }
 
-/// A rule naming the method beats a `*` rule, whichever comes first in the file.
+/// The first rule whose method and pattern match decides, deny or accept: a deny on
+/// `/admin/` above a POST accept for everything holds for POST too (before, the
+/// method-specific accept won and `POST /admin/users/42/delete` was sent), and an
+/// exception to the deny is written above it.
 #[tokio::test]
-async fn exact_method_beats_wildcard_in_both_orders() {
-    for exact_first in [true, false] {
-        let h = Harness::start(|up| {
-            let base = regex_escape_url(&up.url("/"));
-            let wildcard = format!(
-                "[[request_rules]]\nname = \"any-deny\"\nurl_pattern = '^{base}'\naction = \"deny\"\n"
-            );
-            let exact = format!(
-                "[[request_rules]]\nname = \"post-ok\"\nmethod = \"POST\"\nurl_pattern = '^{base}'\n"
-            );
-            if exact_first {
-                format!("{exact}{wildcard}")
-            } else {
-                format!("{wildcard}{exact}")
-            }
-        })
+async fn rules_match_in_file_order_deny_before_accept() {
+    let h = Harness::start(|up| {
+        let base = regex_escape_url(&up.url("/"));
+        format!(
+            "[[request_rules]]\nname = \"echo-exception\"\nmethod = \"GET\"\nurl_pattern = '^{base}admin/echo$'\n\
+             [[request_rules]]\nname = \"no-admin\"\nurl_pattern = '^{base}admin/'\naction = \"deny\"\n\
+             [[request_rules]]\nname = \"post-ok\"\nmethod = \"POST\"\nurl_pattern = '^{base}'\n"
+        )
+    })
+    .await;
+    let delete = h
+        .request(&envelope("POST", &h.upstream.url("/admin/users/42/delete")))
         .await;
-        let post = h.request(&envelope("POST", &h.upstream.url("/echo"))).await;
-        assert_eq!(
-            post.status,
-            Some(200),
-            "exact_first={exact_first}: {post:?}"
-        );
-        let get = h.request(&envelope("GET", &h.upstream.url("/echo"))).await;
-        assert_eq!(
-            get.error.map(|e| e.code),
-            Some(ErrorCode::Denied),
-            "exact_first={exact_first}"
-        );
+    let error = delete.error.expect("denied");
+    assert_eq!(error.code, ErrorCode::Denied);
+    assert!(error.message.contains("\"no-admin\""), "{}", error.message);
+    let post = h.request(&envelope("POST", &h.upstream.url("/echo"))).await;
+    assert_eq!(post.status, Some(200), "{post:?}");
+    // The exception above the deny: GET only, exactly that path.
+    let exception = h
+        .request(&envelope("GET", &h.upstream.url("/admin/echo")))
+        .await;
+    // The upstream has no such route: its 404 shows the request reached it.
+    assert_eq!(exception.outcome, Outcome::Response, "{exception:?}");
+    let not_excepted = h
+        .request(&envelope("POST", &h.upstream.url("/admin/echo")))
+        .await;
+    assert_eq!(not_excepted.error.map(|e| e.code), Some(ErrorCode::Denied));
+    assert_eq!(h.upstream.hits_for("/admin/users/42/delete"), 0);
+    assert_eq!(h.upstream.hits_for("/admin/echo"), 1);
+}
+
+/// The URL matched is the URL sent: unreserved escapes are decoded before matching
+/// (so `/%61dmin/` meets the deny on `/admin/`) and sent decoded; forms an upstream
+/// may read differently from the matcher, and user information, are refused.
+#[tokio::test]
+async fn urls_are_canonical_before_matching_and_sending() {
+    let h = Harness::start(|up| {
+        let base = regex_escape_url(&up.url("/"));
+        format!(
+            "[[request_rules]]\nname = \"no-admin\"\nurl_pattern = '^{base}admin/'\naction = \"deny\"\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let escaped = h
+        .request(&envelope("GET", &h.upstream.url("/%61dmin/echo")))
+        .await;
+    let error = escaped.error.expect("denied");
+    assert_eq!(error.code, ErrorCode::Denied, "{error:?}");
+    assert!(error.message.contains("/admin/echo"), "{}", error.message);
+
+    let decoded = h
+        .request(&envelope("GET", &h.upstream.url("/%65cho")))
+        .await;
+    assert_eq!(echo_of(&decoded)["path"], "/echo");
+
+    let port = h.upstream.addr().port();
+    for (url, why) in [
+        (h.upstream.url("//admin/echo"), "empty path segment"),
+        (h.upstream.url("/x/..//admin/echo"), "empty path segment"),
+        (h.upstream.url("/x%2F..%2Fadmin/echo"), "%2F"),
+        (
+            format!("http://u:p@127.0.0.1:{port}/echo"),
+            "user information",
+        ),
+        (
+            format!("http://token@127.0.0.1:{port}/echo"),
+            "user information",
+        ),
+        (format!("http://localhost.:{port}/echo"), "ends with a dot"),
+    ] {
+        let reply = h.request(&envelope("GET", &url)).await;
+        let error = reply.error.unwrap_or_else(|| panic!("{url} was sent"));
+        assert_eq!(error.code, ErrorCode::InvalidRequest, "{url}: {error:?}");
+        assert!(error.message.contains(why), "{url}: {}", error.message);
+        assert_eq!(reply.attempts, 0);
     }
+    assert_eq!(h.upstream.hits(), 1, "only the decoded /echo was sent");
 }
 
 fn regex_escape_url(url: &str) -> String {

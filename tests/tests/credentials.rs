@@ -2,6 +2,7 @@
 //! header is replaced, file secrets reload on SIGHUP, and no secret value appears in
 //! the reply, the dead letter, the logs (at trace level) or `check-config`'s output.
 
+use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,28 +22,35 @@ type Seen = Arc<Mutex<Vec<(Vec<String>, Vec<String>)>>>;
 
 /// `/auth` records the credential headers and answers without repeating them.
 async fn recording_upstream() -> (Upstream, Seen) {
+    recording_upstream_on("127.0.0.1:0".parse().expect("addr")).await
+}
+
+async fn recording_upstream_on(addr: SocketAddr) -> (Upstream, Seen) {
     let seen: Seen = Arc::default();
     let record = seen.clone();
-    let upstream = Upstream::start_with(default_routes().route(
-        "/auth",
-        get(move |headers: HeaderMap| {
-            let record = record.clone();
-            async move {
-                let values = |name: &str| {
-                    headers
-                        .get_all(name)
-                        .iter()
-                        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-                        .collect::<Vec<_>>()
-                };
-                record
-                    .lock()
-                    .expect("lock")
-                    .push((values("authorization"), values("x-api-key")));
-                "recorded"
-            }
-        }),
-    ))
+    let upstream = Upstream::start_on(
+        addr,
+        default_routes().route(
+            "/auth",
+            get(move |headers: HeaderMap| {
+                let record = record.clone();
+                async move {
+                    let values = |name: &str| {
+                        headers
+                            .get_all(name)
+                            .iter()
+                            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                            .collect::<Vec<_>>()
+                    };
+                    record
+                        .lock()
+                        .expect("lock")
+                        .push((values("authorization"), values("x-api-key")));
+                    "recorded"
+                }
+            }),
+        ),
+    )
     .await;
     (upstream, seen)
 }
@@ -50,12 +58,22 @@ async fn recording_upstream() -> (Upstream, Seen) {
 fn rule(upstream: &Upstream, secret_file: &std::path::Path) -> String {
     format!(
         "[outbound]\nmax_response_bytes = 1000\n\n\
-         [[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\n\
+         [[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\n{}\
          [request_rules.inject_headers]\n\
          Authorization = {{ env = \"PARTNER_TOKEN\", prefix = \"Bearer \" }}\n\
          X-Api-Key = {{ file = {} }}\n",
         upstream.url("/").replace('.', "\\."),
+        origin_of(upstream),
         toml_string(secret_file.to_str().expect("utf8 path")),
+    )
+}
+
+/// The keys that bind an injecting rule to the loopback upstream's origin: plain http
+/// needs `allow_http`.
+fn origin_of(upstream: &Upstream) -> String {
+    format!(
+        "origin = \"http://{}\"\nallow_http = true\n",
+        upstream.addr()
     )
 }
 
@@ -218,9 +236,10 @@ async fn parked_retries_and_dead_letters_hold_no_secret() {
     let options = ServiceOptions::default().env("PARTNER_TOKEN", ENV_SECRET);
     let h = Harness::start_with_options(upstream, options, |up| {
         format!(
-            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\nmax_retries = 1\nretry_delay = \"100ms\"\n\
+            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\nmax_retries = 1\nretry_delay = \"100ms\"\n{}\
              [request_rules.inject_headers]\nAuthorization = {{ env = \"PARTNER_TOKEN\", prefix = \"Bearer \" }}\n",
-            up.url("/").replace('.', "\\.")
+            up.url("/").replace('.', "\\."),
+            origin_of(up),
         )
     })
     .await;
@@ -249,4 +268,105 @@ async fn parked_retries_and_dead_letters_hold_no_secret() {
         "the dead letter",
         &serde_json::to_string(&letters[0].1).expect("json"),
     );
+}
+
+/// An injecting rule is bound to its origin: whatever its pattern matches, a request
+/// to another scheme, host or port is denied, never sent without the header. The
+/// rule here is as loose as the issue's bad examples (unanchored, no trailing `/`),
+/// so only the origin stands between the secret and the other upstreams, all on
+/// loopback: `?u=`, `#`, `@` and a longer host (`127.0.0.23` for `127.0.0.2`, the
+/// `.evil` form). The `x` form needs a name resolving to loopback and is covered by
+/// the unit tests of the origin check.
+#[tokio::test]
+async fn an_injecting_rule_sends_to_its_origin_only() {
+    let (partner, seen) = recording_upstream_on("127.0.0.2:0".parse().expect("addr")).await;
+    let port = partner.addr().port();
+    let (evil, evil_seen) =
+        recording_upstream_on(SocketAddr::new("127.0.0.3".parse().expect("ip"), port)).await;
+    let (longer, longer_seen) =
+        recording_upstream_on(SocketAddr::new("127.0.0.23".parse().expect("ip"), port)).await;
+    let options = ServiceOptions::default().env("PARTNER_TOKEN", ENV_SECRET);
+    let h = Harness::start_with_options(partner, options, |up| {
+        format!(
+            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '127\\.0\\.0\\.2'\n{}\
+             [request_rules.inject_headers]\nAuthorization = {{ env = \"PARTNER_TOKEN\" }}\n",
+            origin_of(up)
+        )
+    })
+    .await;
+    let reply = h.request(&envelope("GET", &h.upstream.url("/auth"))).await;
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+    assert_eq!(seen.lock().expect("lock").len(), 1);
+
+    let partner_url = h.upstream.url("/");
+    for (url, code) in [
+        (
+            format!("{}?u={partner_url}", evil.url("/auth")),
+            ErrorCode::Denied,
+        ),
+        (longer.url("/auth"), ErrorCode::Denied),
+        (
+            format!("{}#{partner_url}", evil.url("/auth")),
+            ErrorCode::Denied,
+        ),
+        (
+            format!("http://127.0.0.2:{port}@127.0.0.3:{port}/auth"),
+            ErrorCode::InvalidRequest,
+        ),
+    ] {
+        let reply = h.request(&envelope("GET", &url)).await;
+        let error = reply.error.unwrap_or_else(|| panic!("{url} was sent"));
+        assert_eq!(error.code, code, "{url}: {error:?}");
+        assert_eq!(reply.attempts, 0, "{url}");
+        if code == ErrorCode::Denied && url.contains("?u=") {
+            assert!(
+                error
+                    .message
+                    .contains(&format!("bound to origin http://127.0.0.2:{port}")),
+                "{url}: {}",
+                error.message
+            );
+        }
+    }
+    assert_eq!(
+        evil.hits(),
+        0,
+        "a request under the partner rule left its origin"
+    );
+    assert_eq!(
+        longer.hits(),
+        0,
+        "a request under the partner rule left its origin"
+    );
+    assert!(evil_seen.lock().expect("lock").is_empty());
+    assert!(longer_seen.lock().expect("lock").is_empty());
+}
+
+/// `check-config` refuses an injecting rule without an origin, or with a plain http
+/// origin and no `allow_http`, naming the rule and what to add.
+#[tokio::test]
+async fn check_config_refuses_an_injecting_rule_without_an_https_origin() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("webproxy.toml");
+    let rule =
+        "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^https://api\\.partner\\.com/'\n";
+    let inject = "[request_rules.inject_headers]\nAuthorization = { env = \"PARTNER_TOKEN\" }\n";
+    for (origin, expected) in [
+        ("", "add origin = \"https://api.partner.com\""),
+        ("origin = \"http://api.partner.com\"\n", "allow_http = true"),
+    ] {
+        std::fs::write(&config, format!("{rule}{origin}{inject}")).expect("write config");
+        let output = Command::new(webproxy_bin())
+            .args(["check-config", "--config", config.to_str().expect("utf8")])
+            .env("PARTNER_TOKEN", ENV_SECRET)
+            .output()
+            .expect("run check-config");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{origin:?} was accepted");
+        assert!(
+            stderr.contains("request_rules[0] (partner).origin"),
+            "{stderr}"
+        );
+        assert!(stderr.contains(expected), "{stderr}");
+    }
 }

@@ -42,6 +42,11 @@ fn echo_of(reply: &Reply) -> Value {
     serde_json::from_str(reply.body.body.as_deref().expect("text body")).expect("echo json")
 }
 
+/// Binds an injecting rule to a loopback upstream's origin (plain http).
+fn origin_of(upstream: &Upstream) -> String {
+    format!("origin = \"http://{}\"\nallow_http = true", upstream.addr())
+}
+
 fn rule(name: &str, upstream: &Upstream, extra: &str) -> String {
     format!(
         "[[request_rules]]\nname = \"{name}\"\nurl_pattern = '^{}'\n{extra}\n",
@@ -141,13 +146,7 @@ async fn every_hop_is_matched_and_guarded_again() {
         .await;
     let error = reply.error.as_ref().expect("denied");
     assert_eq!(error.code, ErrorCode::Denied, "{error:?}");
-    assert!(
-        error
-            .message
-            .contains("address 127.0.0.1 is in the loopback range"),
-        "{}",
-        error.message
-    );
+    assert_eq!(error.message, "destination not allowed (loopback)");
     assert_eq!(reply.attempts, 1, "the first hop was an attempt");
 
     // The same through the decimal spelling of 127.0.0.1.
@@ -236,7 +235,11 @@ async fn injected_credentials_stay_with_their_rule_and_origin() {
         format!(
             "[outbound]\nallow_cidrs = [\"127.0.0.2/32\", \"127.0.0.3/32\"]\n\n{}\
              [request_rules.inject_headers]\nX-Api-Key = {{ env = \"PARTNER_KEY\" }}\n\n{}",
-            rule("partner", up, "follow_redirects = 3"),
+            rule(
+                "partner",
+                up,
+                &format!("follow_redirects = 3\n{}", origin_of(up))
+            ),
             rule("other", &other, ""),
         )
     })
@@ -280,4 +283,82 @@ async fn injected_credentials_stay_with_their_rule_and_origin() {
             ("other".to_string(), Vec::new()),
         ]
     );
+}
+
+/// A redirect hop that the injecting rule's pattern matches but whose origin is not
+/// the rule's is denied: it is neither sent with the credential nor without it.
+#[tokio::test]
+async fn a_hop_outside_the_injecting_rules_origin_is_denied() {
+    let seen: Seen = Arc::default();
+    let first = Upstream::start_on(
+        "127.0.0.2:0".parse().expect("addr"),
+        recording(seen.clone(), "first"),
+    )
+    .await;
+    let port = first.addr().port();
+    let other = Upstream::start_on(
+        SocketAddr::new("127.0.0.3".parse().expect("ip"), port),
+        recording(seen.clone(), "other"),
+    )
+    .await;
+    let options = ServiceOptions::default().env("PARTNER_KEY", "k-123");
+    let h = Harness::start_with_options(first, options, |up| {
+        // Loose on purpose: the pattern matches both loopback upstreams.
+        format!(
+            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^http://127\\.0\\.0\\.'\nfollow_redirects = 2\n{}\n\
+             [request_rules.inject_headers]\nX-Api-Key = {{ env = \"PARTNER_KEY\" }}\n",
+            origin_of(up)
+        )
+    })
+    .await;
+    let reply = h
+        .request(&envelope("GET", &to(&h.upstream, 307, &other.url("/who"))))
+        .await;
+    let error = reply.error.expect("denied");
+    assert_eq!(error.code, ErrorCode::Denied, "{error:?}");
+    assert!(
+        error
+            .message
+            .contains(&format!("bound to origin http://127.0.0.2:{port}")),
+        "{}",
+        error.message
+    );
+    assert_eq!(reply.attempts, 1, "the first hop was an attempt");
+    assert_eq!(other.hits(), 0, "a hop left the injecting rule's origin");
+}
+
+/// A redirect to a URL webproxy would refuse from a caller is refused the same way:
+/// user information, an empty path segment or an encoded `/` end the chain with
+/// `invalid_request`.
+#[tokio::test]
+async fn a_redirect_to_an_invalid_url_is_invalid_request() {
+    let h = Harness::start_with_upstream(Upstream::start_with(redirecting()).await, |up| {
+        rule("local", up, "follow_redirects = 2")
+    })
+    .await;
+    let port = h.upstream.addr().port();
+    for (target, why) in [
+        (
+            format!("http://u:secret@127.0.0.1:{port}/echo"),
+            "user information",
+        ),
+        (
+            format!("http://u@127.0.0.1:{port}/echo"),
+            "user information",
+        ),
+        (h.upstream.url("//echo"), "empty path segment"),
+        (h.upstream.url("/x%2Fecho"), "%2F"),
+    ] {
+        let reply = h
+            .request(&envelope("GET", &to(&h.upstream, 302, &target)))
+            .await;
+        let error = reply
+            .error
+            .unwrap_or_else(|| panic!("{target} was followed"));
+        assert_eq!(error.code, ErrorCode::InvalidRequest, "{target}: {error:?}");
+        assert!(error.message.contains(why), "{target}: {}", error.message);
+        assert!(!error.message.contains("secret"), "{}", error.message);
+        assert_eq!(reply.attempts, 1, "the first hop was an attempt");
+    }
+    assert_eq!(h.upstream.hits_for("/echo"), 0);
 }

@@ -72,8 +72,8 @@ async fn callers_cannot_read_each_others_replies() {
     );
 
     // The service's own permissions are enough to ack what it handled: nothing is
-    // left pending for redelivery.
-    let (webproxy, _) = connect_as(&nats, SERVICE_USER, None).await;
+    // left pending for redelivery. They give it its private inbox prefix only.
+    let (webproxy, _) = connect_as(&nats, SERVICE_USER, Some("_WEBPROXY_INBOX.test")).await;
     let js = async_nats::jetstream::new(webproxy);
     wait_for(REPLY_TIMEOUT, "every request to be acked", || {
         let js = js.clone();
@@ -116,4 +116,56 @@ async fn callers_cannot_read_each_others_replies() {
         leaked(&mut other).is_none(),
         "a reply_to outside reply_to_allow got a copy"
     );
+}
+
+/// Under the example permissions the service may subscribe only to its private inbox
+/// prefix, not to the `_INBOX.>` callers share; and no caller can aim a `reply_to`
+/// at that prefix or at any `$` subject: such a conversation ends `invalid_request`
+/// and nothing is published there.
+#[tokio::test]
+async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start().await;
+    let options = service_as(SERVICE_USER);
+    let service = Service::start_with(&nats.url(), &accept_rule("local", &upstream), options).await;
+
+    // The service's user may not listen on the inboxes callers share.
+    let (as_service, mut reported) =
+        connect_as(&nats, SERVICE_USER, Some("_WEBPROXY_INBOX.probe")).await;
+    let _shared = as_service.subscribe("_INBOX.>").await.expect("subscribe");
+    violation(&mut reported, "_INBOX.>", REPLY_TIMEOUT).await;
+
+    // Caller A aims its reply_to at the service's inbox and at server subjects.
+    let (a, _) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
+    let client = Client::new(a.clone(), "webproxy").expect("client");
+    for subject in [
+        "_WEBPROXY_INBOX.guess.1",
+        "$O.bucket.x",
+        "$MQTT.sess.x",
+        "$SRV.PING",
+    ] {
+        let mut request = envelope("GET", &upstream.url("/echo"));
+        request.reply_to = Some(subject.to_string());
+        client
+            .submit(&to("default", &request))
+            .await
+            .unwrap_or_else(|e| panic!("{subject}: submit: {e}\n{}", service.logs()));
+        wait_for(
+            REPLY_TIMEOUT,
+            &format!("{subject} to be refused"),
+            || async {
+                service
+                    .logs()
+                    .lines()
+                    .any(|line| {
+                        line.contains(&request.id)
+                            && line.contains("conversation finished")
+                            && line.contains("invalid_request")
+                    })
+                    .then_some(())
+            },
+        )
+        .await;
+    }
+    assert_eq!(upstream.hits(), 0, "a refused conversation was attempted");
 }

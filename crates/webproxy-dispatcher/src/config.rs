@@ -38,10 +38,14 @@ pub struct Config {
     pub response_rules: Vec<ResponseRuleConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
+/// URL without its credentials and the token and password as `[REDACTED]`.
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsConfig {
-    /// One server URL, or several separated by commas.
+    /// One server URL, or several separated by commas; a URL may carry credentials
+    /// (`nats://user:password@host`, `nats://token@host`).
+    #[serde(serialize_with = "serialize_redacted_urls")]
     pub url: String,
     /// Authentication and TLS; see `crate::nats_auth`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -60,6 +64,26 @@ pub struct NatsConfig {
     pub tls_cert_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<std::path::PathBuf>,
+}
+
+fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::nats_auth::redact_url_credentials(url))
+}
+
+impl fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &crate::nats_auth::redact_url_credentials(&self.url))
+            .field("credentials_file", &self.credentials_file)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("token", &self.token)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
 }
 
 impl NatsConfig {
@@ -87,6 +111,10 @@ pub struct StreamsConfig {
     pub dead_max_bytes: i64,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
+    /// The pool streams' duplicate window: a caller's publish retried with the same
+    /// `Nats-Msg-Id` within it is stored once and gets the same origin.
+    #[serde(with = "humantime_serde")]
+    pub duplicate_window: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -300,6 +328,14 @@ pub struct RequestRuleConfig {
     /// Headers set from secrets, replacing any the caller sends.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub inject_headers: BTreeMap<String, crate::secrets::SecretSource>,
+    /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
+    /// exactly with every hop sent under it; required with `inject_headers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// Allows an `http://` origin (a loopback or test upstream): injected credentials
+    /// would travel in clear.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_http: bool,
     /// Headers dropped from this rule's requests, on top of the global list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny_request_headers: Vec<String>,
@@ -331,6 +367,25 @@ pub struct Settings {
     pub outbound: crate::security::Outbound,
 }
 
+impl Settings {
+    /// What `check-config` (and `serve`, at start) warns about: a configuration that
+    /// runs, but probably not as meant. Each names the key.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = self.rules.warnings();
+        let nats = &self.config.nats;
+        let authenticated = nats.credentials_file.is_some()
+            || nats.nkey_seed_file.is_some()
+            || nats.token.is_some()
+            || nats.user.is_some();
+        if authenticated && self.config.streams.reply_to_allow.is_empty() {
+            warnings.push(
+                "streams.reply_to_allow is empty although [nats] names credentials: NATS permissions probably confine the callers, yet a request's reply_to may name any unreserved subject, another caller's or another deployment's replies included; list the callers' reply subjects, e.g. [\"callers.*.replies.>\"]".into(),
+            );
+        }
+        warnings
+    }
+}
+
 impl Config {
     /// Checks everything that can be checked without a server and compiles the rules.
     pub fn validate(self) -> Result<Settings, ConfigError> {
@@ -349,6 +404,17 @@ impl Config {
         }
         if self.service.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
+        }
+        // A hop republished after a lost ack comes back within ack_wait; twice that
+        // keeps the republish inside the window, where JetStream drops it as a duplicate.
+        if self.streams.duplicate_window < self.service.ack_wait * 2 {
+            return Err(config_error(
+                "streams.duplicate_window",
+                format!(
+                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
+                    self.service.ack_wait, self.streams.duplicate_window
+                ),
+            ));
         }
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
@@ -410,5 +476,46 @@ impl Config {
             outbound,
             config: self,
         })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::Config;
+
+    fn merge(base: &mut toml::Table, over: toml::Table) {
+        for (key, value) in over {
+            match (base.get_mut(&key), value) {
+                (Some(toml::Value::Table(base)), toml::Value::Table(over)) => merge(base, over),
+                (_, value) => {
+                    base.insert(key, value);
+                }
+            }
+        }
+    }
+
+    /// The compiled-in defaults with `extra` (TOML) laid over them, as the binary's
+    /// configuration layers do.
+    pub(crate) fn config_from(extra: &str) -> Config {
+        let mut base: toml::Table =
+            toml::from_str(include_str!("../../../config/default.toml")).expect("defaults");
+        merge(&mut base, toml::from_str(extra).expect("test TOML"));
+        toml::Value::Table(base).try_into().expect("a config")
+    }
+
+    #[test]
+    fn a_duplicate_window_under_twice_ack_wait_is_refused() {
+        let error = config_from("[streams]\nduplicate_window = \"20s\"")
+            .validate()
+            .expect_err("20s < 2 x 15s");
+        assert!(
+            error.to_string().contains("streams.duplicate_window"),
+            "{error}"
+        );
+        assert!(
+            config_from("[streams]\nduplicate_window = \"30s\"")
+                .validate()
+                .is_ok()
+        );
     }
 }

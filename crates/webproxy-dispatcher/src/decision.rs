@@ -24,27 +24,56 @@ pub enum Admission<'r> {
     Attempt(&'r RequestRule),
 }
 
-/// Matches a request against the rules: no match, or a deny rule, is `denied`.
+/// Matches a request against the rules: no match, a deny rule, or an accept rule
+/// bound to another origin is `denied`.
 pub fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
-    let target = format!("{} {}", request.method, request.url);
-    match rules.find(request.method, request.url.as_str()) {
-        None => Admission::Reject {
+    match target(rules, request.method, &request.url) {
+        Ok(rule) => Admission::Attempt(rule),
+        Err(refusal) => Admission::Reject {
             error: ErrorBody {
                 code: ErrorCode::Denied,
-                message: format!("no request rule accepts {target}"),
+                message: refusal.message,
                 status: None,
             },
-            rule: None,
+            rule: refusal.rule,
         },
-        Some(rule) if rule.action == RuleAction::Deny => Admission::Reject {
-            error: ErrorBody {
-                code: ErrorCode::Denied,
-                message: format!("request rule {:?} denies {target}", rule.name),
-                status: None,
-            },
-            rule: Some(rule),
+    }
+}
+
+/// Why nothing may be sent to a URL.
+#[derive(Debug)]
+pub struct Refusal<'r> {
+    pub message: String,
+    /// The rule that matched (a deny rule, or an accept rule bound to another
+    /// origin), if one did.
+    pub rule: Option<&'r RequestRule>,
+}
+
+/// The rule under which `method url` may be sent, for the first hop and every
+/// redirect hop alike: the first matching rule must accept, and an accept rule with
+/// an origin must name exactly the URL's scheme, host and port.
+pub fn target<'r>(
+    rules: &'r RequestRules,
+    method: Method,
+    url: &url::Url,
+) -> Result<&'r RequestRule, Refusal<'r>> {
+    let refused = |message: String, rule| Err(Refusal { message, rule });
+    match rules.find(method, url.as_str()) {
+        None => refused(format!("no request rule accepts {method} {url}"), None),
+        Some(rule) if rule.action == RuleAction::Deny => refused(
+            format!("request rule {:?} denies {method} {url}", rule.name),
+            Some(rule),
+        ),
+        Some(rule) => match rule.security.check_origin(url) {
+            Ok(()) => Ok(rule),
+            Err(why) => refused(
+                format!(
+                    "request rule {:?} matches {method} {url} but {why}",
+                    rule.name
+                ),
+                Some(rule),
+            ),
         },
-        Some(rule) => Admission::Attempt(rule),
     }
 }
 
@@ -184,6 +213,11 @@ pub fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
         // A refused destination never becomes reachable by trying again.
         AttemptOutcome::Denied { message } => Verdict::Fail(ErrorBody {
             code: ErrorCode::Denied,
+            message,
+            status: None,
+        }),
+        AttemptOutcome::Invalid { message } => Verdict::Fail(ErrorBody {
+            code: ErrorCode::InvalidRequest,
             message,
             status: None,
         }),

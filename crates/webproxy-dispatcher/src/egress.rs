@@ -1,7 +1,7 @@
 //! One attempt as the caller sees it: the request sent with its rule's headers, and
 //! the redirects its rule allows followed hop by hop. Every hop is matched against the
-//! request rules again, checked by the address guard again (in the worker), and gets
-//! only the headers its own rule injects. The decisions are pure (`security`,
+//! request rules again (its rule's origin included), checked by the address guard
+//! again (in the worker), and gets only the headers its own rule injects. The decisions are pure (`security`,
 //! `redirect`); this module carries them out.
 
 use std::time::Duration;
@@ -11,8 +11,9 @@ use tokio::time::Instant;
 use webproxy_protocol::Request;
 use webproxy_worker::{AttemptOutcome, AttemptRequest, FailureKind, TransportFailure, Worker};
 
+use crate::decision::target;
 use crate::redirect::{Redirect, is_content_header, redirect};
-use crate::rules::{RequestRule, RequestRules, RuleAction};
+use crate::rules::{RequestRule, RequestRules};
 use crate::secrets::Secrets;
 use crate::security::{Outbound, outgoing_headers, same_origin};
 
@@ -125,6 +126,13 @@ impl Egress<'_> {
                         redirects,
                     };
                 }
+                Redirect::Invalid(message) => {
+                    return Chain {
+                        outcome: AttemptOutcome::Invalid { message },
+                        connected,
+                        redirects,
+                    };
+                }
                 Redirect::Follow(hop) => Some(hop),
             };
             let Some(hop) = next else {
@@ -134,19 +142,12 @@ impl Egress<'_> {
                     redirects,
                 };
             };
-            rule = match self.rules.find(hop.method, hop.url.as_str()) {
-                Some(next_rule) if next_rule.action == RuleAction::Accept => next_rule,
-                found => {
-                    let why = match found {
-                        Some(deny) => format!("request rule {:?} denies", deny.name),
-                        None => "no request rule accepts".to_string(),
-                    };
+            rule = match target(self.rules, hop.method, &hop.url) {
+                Ok(next_rule) => next_rule,
+                Err(refusal) => {
                     return Chain {
                         outcome: AttemptOutcome::Denied {
-                            message: format!(
-                                "redirect from {url}: {why} {} {}",
-                                hop.method, hop.url
-                            ),
+                            message: format!("redirect from {url}: {}", refusal.message),
                         },
                         connected,
                         redirects,
@@ -171,7 +172,7 @@ impl Egress<'_> {
         let message = match outcome {
             AttemptOutcome::Failed(failure) => &mut failure.message,
             AttemptOutcome::HeadersTooLarge { message, .. } => message,
-            AttemptOutcome::Denied { message } => message,
+            AttemptOutcome::Denied { message } | AttemptOutcome::Invalid { message } => message,
             AttemptOutcome::Response(_) | AttemptOutcome::TooLarge { .. } => return,
         };
         *message = redactor.redact(message).into_owned();

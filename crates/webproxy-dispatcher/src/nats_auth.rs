@@ -8,6 +8,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use webproxy_protocol::SERVICE_INBOX;
+
 use crate::config::{ConfigError, NatsConfig, config_error};
 use crate::secrets::REDACTED;
 
@@ -118,8 +120,9 @@ fn readable(key: &str, path: &Path) -> Result<(), ConfigError> {
         .map_err(|e| config_error(key, format!("cannot read {}: {e}", path.display())))
 }
 
-/// The secret values of the NATS settings (token, password, NKey seed), for the
-/// redactor.
+/// The secret values of the NATS settings, for the redactor: the token, the
+/// password, the NKey seed, the seed inside a `.creds` file, and the credentials in
+/// the server URLs.
 pub fn secret_values(nats: &NatsConfig) -> Vec<String> {
     let mut values: Vec<String> = [&nats.token, &nats.password]
         .into_iter()
@@ -129,7 +132,79 @@ pub fn secret_values(nats: &NatsConfig) -> Vec<String> {
     if let Some(seed) = nats.nkey_seed_file.as_deref().and_then(read_seed) {
         values.push(seed);
     }
+    if let Some(seed) = nats
+        .credentials_file
+        .as_deref()
+        .and_then(|path| std::fs::read_to_string(path).ok())
+        .and_then(|text| creds_seed(&text))
+    {
+        values.push(seed);
+    }
+    values.extend(url_credentials(&nats.url));
     values
+}
+
+/// The NKey seed in the text of a `.creds` file: the line inside its
+/// `-----BEGIN USER NKEY SEED-----` block (the JWT beside it is signed, not secret).
+pub fn creds_seed(text: &str) -> Option<String> {
+    let mut lines = text.lines().map(str::trim);
+    lines
+        .find(|line| line.starts_with("---") && line.contains("BEGIN") && line.contains("SEED"))?;
+    lines
+        .find(|line| !line.is_empty())
+        .filter(|line| !line.starts_with("---"))
+        .map(str::to_string)
+}
+
+/// The secrets in NATS server URLs (`nats://user:password@host`, or
+/// `nats://token@host` where the user part is the token), raw and percent-decoded.
+/// A user name beside a password is not secret and is kept.
+pub fn url_credentials(urls: &str) -> Vec<String> {
+    let mut values = Vec::new();
+    for url in urls.split(',') {
+        let Some((userinfo, _)) = authority(url.trim()).and_then(|a| a.rsplit_once('@')) else {
+            continue;
+        };
+        let secret = match userinfo.split_once(':') {
+            Some((_, password)) => password,
+            None => userinfo,
+        };
+        if secret.is_empty() {
+            continue;
+        }
+        values.push(secret.to_string());
+        let decoded =
+            url::form_urlencoded::parse(format!("x={}", secret.replace('+', "%2B")).as_bytes())
+                .next()
+                .map(|(_, v)| v.into_owned());
+        if let Some(decoded) = decoded.filter(|d| d != secret && !d.is_empty()) {
+            values.push(decoded);
+        }
+    }
+    values
+}
+
+/// The URLs with their user information replaced by [`REDACTED`], for display.
+pub fn redact_url_credentials(urls: &str) -> String {
+    urls.split(',')
+        .map(str::trim)
+        .map(
+            |url| match authority(url).and_then(|a| a.rsplit_once('@')) {
+                Some((userinfo, _)) => {
+                    url.replacen(&format!("{userinfo}@"), &format!("{REDACTED}@"), 1)
+                }
+                None => url.to_string(),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The authority of a URL (`nats://user:pw@host:4222/` gives `user:pw@host:4222`), or
+/// of a bare `host:port`.
+fn authority(url: &str) -> Option<&str> {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    rest.split(['/', '?', '#']).next()
 }
 
 fn read_seed(path: &Path) -> Option<String> {
@@ -138,9 +213,23 @@ fn read_seed(path: &Path) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// Connect options carrying the authentication and TLS settings.
+/// webproxy's own inbox prefix, `_WEBPROXY_INBOX.<random>`: JetStream API responses,
+/// publish acks and pulled messages arrive under it. Every subject under
+/// [`SERVICE_INBOX`] is refused as a caller's `reply_to`, so no caller can inject
+/// messages there, and NATS permissions can give the service exactly this prefix
+/// instead of the `_INBOX.>` every caller shares.
+pub fn service_inbox_prefix() -> String {
+    let token: String = std::iter::repeat_with(fastrand::alphanumeric)
+        .take(16)
+        .collect();
+    format!("{SERVICE_INBOX}.{token}")
+}
+
+/// Connect options carrying the authentication and TLS settings, and webproxy's
+/// private inbox prefix (every connection made with the service's own `[nats]`
+/// settings: `serve` and the operator commands).
 pub async fn connect_options(nats: &NatsConfig) -> std::io::Result<async_nats::ConnectOptions> {
-    let mut options = async_nats::ConnectOptions::new();
+    let mut options = async_nats::ConnectOptions::new().custom_inbox_prefix(service_inbox_prefix());
     if let Some(path) = &nats.credentials_file {
         options = options
             .credentials_file(path)
@@ -245,6 +334,69 @@ mod tests {
         let path = std::env::temp_dir().join(format!("webproxy-nats-auth-{}", std::process::id()));
         std::fs::write(&path, "x").expect("write");
         path
+    }
+
+    #[test]
+    fn the_service_inbox_is_private_and_reserved() {
+        let prefix = service_inbox_prefix();
+        let (first, random) = prefix.split_once('.').expect("two tokens");
+        assert_eq!(first, "_WEBPROXY_INBOX");
+        assert_eq!(random.len(), 16);
+        assert!(
+            random.bytes().all(|b| b.is_ascii_alphanumeric()),
+            "{prefix}"
+        );
+        assert_ne!(prefix, service_inbox_prefix());
+        let subjects = webproxy_protocol::Subjects::new("webproxy").expect("prefix");
+        // What async-nats puts under the prefix: one more token per inbox.
+        let inbox = format!("{prefix}.AbC123");
+        assert!(subjects.check_reply_to(&inbox, "x").is_err());
+    }
+
+    #[test]
+    fn nats_url_credentials_are_found_and_hidden() {
+        let urls = "nats://alice:pa%2Fss@n1:4222, tls://s3cr3t-token@n2:4222,nats://n3:4222";
+        assert_eq!(url_credentials(urls), ["pa%2Fss", "pa/ss", "s3cr3t-token"]);
+        let shown = redact_url_credentials(urls);
+        assert_eq!(
+            shown,
+            "nats://[REDACTED]@n1:4222,tls://[REDACTED]@n2:4222,nats://n3:4222"
+        );
+        let mut config = nats();
+        config.url = urls.into();
+        for text in [
+            format!("{config:?}"),
+            serde_json::to_string(&config).expect("json"),
+        ] {
+            assert!(
+                !text.contains("pa%2Fss") && !text.contains("s3cr3t-token"),
+                "{text}"
+            );
+            assert!(text.contains("n3:4222"), "{text}");
+        }
+        let values = secret_values(&config);
+        assert!(values.contains(&"s3cr3t-token".to_string()), "{values:?}");
+        assert!(url_credentials("nats://127.0.0.1:4222").is_empty());
+    }
+
+    #[test]
+    fn the_seed_of_a_creds_file_is_found_and_redacted() {
+        let creds = "-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QiLCJhbGciOiJlZDI1NTE5LW5rZXkifQ.e30.sig\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\
+             NKEY Seed printed below can be used to sign and prove identity.\n\n\
+             -----BEGIN USER NKEY SEED-----\nSUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4\n------END USER NKEY SEED------\n";
+        let seed = "SUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4";
+        assert_eq!(creds_seed(creds).as_deref(), Some(seed));
+        assert_eq!(creds_seed("no seed here"), None);
+        let dir = std::env::temp_dir().join(format!("webproxy-creds-{}", std::process::id()));
+        std::fs::write(&dir, creds).expect("write");
+        let mut config = nats();
+        config.credentials_file = Some(dir.clone());
+        let redactor = crate::secrets::Redactor::default();
+        redactor.add_fixed(secret_values(&config));
+        let line = format!("connecting with {seed} failed");
+        assert_eq!(redactor.redact(&line), "connecting with [REDACTED] failed");
+        let _ = std::fs::remove_file(dir);
     }
 
     #[test]

@@ -6,9 +6,11 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use webproxy_protocol::{
-    AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Reply, ReplyBody, collect_headers,
+    DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers,
 };
 use webproxy_worker::HttpResponse;
+
+use crate::hop::AttemptHistory;
 
 /// Room kept for NATS headers (message id, outcome, generation, trace context) when a
 /// payload is checked against `max_payload`.
@@ -30,6 +32,21 @@ pub struct ReplyContext<'a> {
     pub attempts: u32,
     pub duration_ms: u64,
     pub metadata: Option<&'a RawValue>,
+    /// The server's `max_payload`: every reply is built to fit it.
+    pub max_payload: usize,
+}
+
+/// The most characters of an error message: its quoted values are cut already, and
+/// this bounds what they are quoted in.
+pub const MAX_ERROR_MESSAGE_CHARS: usize = 1000;
+
+/// `error` with its message cut to [`MAX_ERROR_MESSAGE_CHARS`].
+fn bounded(mut error: ErrorBody) -> ErrorBody {
+    if let Some((cut, _)) = error.message.char_indices().nth(MAX_ERROR_MESSAGE_CHARS) {
+        error.message.truncate(cut);
+        error.message.push('…');
+    }
+    error
 }
 
 /// A reply, encoded.
@@ -45,14 +62,44 @@ fn encode(reply: &Reply) -> Bytes {
     Bytes::from(serde_json::to_vec(reply).unwrap_or_default())
 }
 
-/// An error reply.
+/// An error reply. One that would still not fit `max_payload` (echoed metadata near
+/// its limit on a small server) is replaced by [`minimal_reply`].
 pub fn error_reply(context: &ReplyContext<'_>, error: ErrorBody) -> EncodedReply {
+    let error = bounded(error);
     let reply = Reply::error(
         context.id.to_string(),
         error.clone(),
         context.attempts,
         context.duration_ms,
         context.metadata.map(RawValue::to_owned),
+    );
+    let payload = encode(&reply);
+    if payload.len() + HEADER_ALLOWANCE > context.max_payload {
+        return minimal_reply(context, error.code);
+    }
+    EncodedReply {
+        payload,
+        error: Some(error),
+    }
+}
+
+/// The smallest error reply: the id (at most a few hundred characters), the code and a
+/// fixed message, no metadata. What replaces any reply that cannot be published.
+pub fn minimal_reply(context: &ReplyContext<'_>, code: ErrorCode) -> EncodedReply {
+    let error = ErrorBody {
+        code,
+        message: format!(
+            "the full {} reply did not fit within the server's max_payload; see the dead letter",
+            code.as_str()
+        ),
+        status: None,
+    };
+    let reply = Reply::error(
+        context.id.to_string(),
+        error.clone(),
+        context.attempts,
+        context.duration_ms,
+        None,
     );
     EncodedReply {
         payload: encode(&reply),
@@ -62,11 +109,8 @@ pub fn error_reply(context: &ReplyContext<'_>, error: ErrorBody) -> EncodedReply
 
 /// A response reply, or `response_too_large` without the body when the encoded reply
 /// would not fit in `max_payload`.
-pub fn response_reply(
-    context: &ReplyContext<'_>,
-    response: &HttpResponse,
-    max_payload: usize,
-) -> EncodedReply {
+pub fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse) -> EncodedReply {
+    let max_payload = context.max_payload;
     let headers = collect_headers(
         response
             .headers
@@ -101,34 +145,41 @@ pub fn response_reply(
     }
 }
 
+/// What a dead letter records.
+#[derive(Debug)]
+pub struct LetterParts<'a> {
+    pub pool: &'a str,
+    pub id: Option<&'a str>,
+    pub origin: Option<&'a Origin>,
+    pub generation: u64,
+    pub error: ErrorBody,
+    pub payload: &'a [u8],
+    pub attempts: &'a AttemptHistory,
+}
+
 /// A dead letter for a conversation that ended in `error`. The original payload is kept
 /// as `envelope` when it is a JSON object and as `payload_base64` otherwise; when it
 /// would make the dead letter exceed `max_payload`, a base64 prefix of it is kept and
 /// the letter says `truncated`.
-pub fn dead_letter(
-    pool: &str,
-    id: Option<&str>,
-    generation: u64,
-    error: ErrorBody,
-    payload: &[u8],
-    attempts: Vec<AttemptRecord>,
-    max_payload: usize,
-) -> Bytes {
+pub fn dead_letter(parts: LetterParts<'_>, max_payload: usize) -> Bytes {
+    let payload = parts.payload;
     let envelope = std::str::from_utf8(payload)
         .ok()
         .filter(|text| text.trim_start().starts_with('{'))
         .and_then(|text| RawValue::from_string(text.to_string()).ok());
     let mut letter = DeadLetter {
-        pool: pool.to_string(),
-        id: id.map(str::to_string),
-        generation,
-        error,
+        pool: parts.pool.to_string(),
+        id: parts.id.map(str::to_string),
+        generation: parts.generation,
+        origin: parts.origin.map(Origin::to_string),
+        error: bounded(parts.error),
         payload_base64: match envelope {
             Some(_) => None,
             None => Some(BASE64.encode(payload)),
         },
         envelope,
-        attempts,
+        attempts: parts.attempts.kept.clone(),
+        attempts_dropped: parts.attempts.dropped,
         truncated: false,
     };
     let encoded = serde_json::to_vec(&letter).unwrap_or_default();
@@ -168,6 +219,7 @@ mod tests {
             attempts: 1,
             duration_ms: 3,
             metadata: None,
+            max_payload: 1024 * 1024,
         }
     }
 
@@ -188,13 +240,17 @@ mod tests {
 
     #[test]
     fn response_reply_fits_or_becomes_too_large() {
-        let fits = response_reply(&context(), &response(b"ok".to_vec()), 1024 * 1024);
+        let fits = response_reply(&context(), &response(b"ok".to_vec()));
         assert!(fits.error.is_none());
         let reply: Reply = serde_json::from_slice(&fits.payload).expect("json");
         assert_eq!(reply.outcome, Outcome::Response);
         assert_eq!(reply.body.body.as_deref(), Some("ok"));
 
-        let big = response_reply(&context(), &response(vec![b'x'; 10_000]), 8 * 1024);
+        let small = ReplyContext {
+            max_payload: 8 * 1024,
+            ..context()
+        };
+        let big = response_reply(&small, &response(vec![b'x'; 10_000]));
         assert_eq!(
             big.error.as_ref().map(|e| e.code),
             Some(ErrorCode::ResponseTooLarge)
@@ -202,15 +258,37 @@ mod tests {
         assert!(big.payload.len() < 8 * 1024);
     }
 
+    fn parts<'a>(
+        id: Option<&'a str>,
+        error: ErrorBody,
+        payload: &'a [u8],
+        attempts: &'a AttemptHistory,
+    ) -> LetterParts<'a> {
+        LetterParts {
+            pool: "default",
+            id,
+            origin: None,
+            generation: 0,
+            error,
+            payload,
+            attempts,
+        }
+    }
+
     #[test]
     fn dead_letter_keeps_envelope_or_payload() {
+        let none = AttemptHistory::default();
+        let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 9);
         let letter: DeadLetter = serde_json::from_slice(&dead_letter(
-            "default",
-            Some("a"),
-            0,
-            invalid_request("method", "is required"),
-            br#"{"id":"a"}"#,
-            Vec::new(),
+            LetterParts {
+                origin: Some(&origin),
+                ..parts(
+                    Some("a"),
+                    invalid_request("method", "is required"),
+                    br#"{"id":"a"}"#,
+                    &none,
+                )
+            },
             1024 * 1024,
         ))
         .expect("json");
@@ -218,15 +296,16 @@ mod tests {
             letter.envelope.map(|e| e.get().to_string()).as_deref(),
             Some(r#"{"id":"a"}"#)
         );
+        assert_eq!(letter.origin.as_deref(), Some("WEBPROXY_POOL_DEFAULT:9"));
         assert!(!letter.truncated);
 
         let letter: DeadLetter = serde_json::from_slice(&dead_letter(
-            "default",
-            None,
-            0,
-            invalid_request("payload", "not json"),
-            &[0xff, 0x00],
-            Vec::new(),
+            parts(
+                None,
+                invalid_request("payload", "not json"),
+                &[0xff, 0x00],
+                &none,
+            ),
             1024 * 1024,
         ))
         .expect("json");
@@ -236,13 +315,11 @@ mod tests {
     #[test]
     fn oversized_dead_letter_is_truncated_to_fit() {
         let payload = format!(r#"{{"id":"a","body":"{}"}}"#, "x".repeat(100_000));
+        // an error text that quotes a huge value is cut as well
+        let error = invalid_request("method", &"\"".repeat(300_000));
+        let none = AttemptHistory::default();
         let encoded = dead_letter(
-            "default",
-            Some("a"),
-            0,
-            invalid_request("method", "is required"),
-            payload.as_bytes(),
-            Vec::new(),
+            parts(Some("a"), error, payload.as_bytes(), &none),
             32 * 1024,
         );
         assert!(
@@ -254,5 +331,23 @@ mod tests {
         assert!(letter.truncated);
         assert!(letter.envelope.is_none());
         assert!(letter.payload_base64.is_some());
+    }
+
+    #[test]
+    fn an_error_reply_always_fits() {
+        let metadata =
+            RawValue::from_string(format!("\"{}\"", "m".repeat(60_000))).expect("json string");
+        let tight = ReplyContext {
+            metadata: Some(&metadata),
+            max_payload: 32 * 1024,
+            ..context()
+        };
+        let reply = error_reply(&tight, invalid_request("method", &"\"".repeat(300_000)));
+        assert!(reply.payload.len() + HEADER_ALLOWANCE <= 32 * 1024);
+        assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::InvalidRequest));
+        // with room, the error text is kept, cut to its bound
+        let roomy = error_reply(&context(), invalid_request("method", &"x".repeat(5000)));
+        let message = roomy.error.map(|e| e.message).unwrap_or_default();
+        assert_eq!(message.chars().count(), MAX_ERROR_MESSAGE_CHARS + 1);
     }
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer, stream};
+use async_nats::jetstream::{self, consumer, kv, stream};
 use thiserror::Error;
 use tracing::warn;
 
@@ -45,7 +45,8 @@ pub fn server_version_supported(version: &str) -> bool {
     }
 }
 
-/// The work stream of one pool: its request and retry subjects, as a work queue.
+/// The work stream of one pool, as a work queue: the callers' request subject, and the
+/// service's own per-conversation hop and retry subjects.
 pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) -> stream::Config {
     let subjects = &settings.subjects;
     let max_waiting = config
@@ -53,14 +54,22 @@ pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) 
         .map_or(-1, |m| i64::try_from(m).unwrap_or(i64::MAX));
     stream::Config {
         name: subjects.pool_stream(pool),
-        description: Some(format!("webproxy pool {pool}: requests and parked retries")),
-        subjects: vec![subjects.request(pool), subjects.retry(pool)],
+        description: Some(format!(
+            "webproxy pool {pool}: requests, hops and parked retries"
+        )),
+        subjects: vec![
+            subjects.request(pool),
+            subjects.hop_filter(pool),
+            subjects.retry_filter(pool),
+        ],
+        duplicate_window: settings.config.streams.duplicate_window,
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
         num_replicas: settings.config.streams.replicas,
         max_messages_per_subject: max_waiting,
         // Per-subject discard-new rejects a publish into a full queue at once, so
-        // callers feel back-pressure.
+        // callers feel back-pressure. Hop and retry subjects hold one message each, so
+        // the limit binds only the request subject and no handler waits for room.
         discard: stream::DiscardPolicy::New,
         discard_new_per_subject: config.max_waiting.is_some(),
         ..Default::default()
@@ -77,7 +86,7 @@ pub fn pool_consumer_config(
     consumer::pull::Config {
         durable_name: Some(subjects.pool_consumer(pool)),
         description: Some(format!("webproxy pool {pool}: the concurrency limit")),
-        filter_subject: subjects.request(pool),
+        filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.config.service.ack_wait,
         max_ack_pending: i64::try_from(config.max_in_flight).unwrap_or(i64::MAX),
@@ -97,7 +106,7 @@ pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull:
     consumer::pull::Config {
         durable_name: Some(subjects.retry_consumer(pool)),
         description: Some(format!("webproxy pool {pool}: parked retries")),
-        filter_subject: subjects.retry(pool),
+        filter_subject: subjects.retry_filter(pool),
         ack_policy: consumer::AckPolicy::Explicit,
         // Handling a parked retry is a NAK or a republish: quick, so a short wait is
         // enough and a crashed instance's retries come back soon.
@@ -139,12 +148,13 @@ fn limits_stream(
     }
 }
 
-/// The stream that stores final replies.
+/// The stream that stores final replies: one subject per conversation, never the live
+/// copies on `<prefix>.reply.<id>`.
 pub fn replies_stream_config(settings: &Settings) -> stream::Config {
     let streams = &settings.config.streams;
     limits_stream(
         settings.subjects.replies_stream(),
-        settings.subjects.reply_wildcard(),
+        settings.subjects.stored_reply_wildcard(),
         "webproxy final replies, one per conversation",
         streams.reply_max_age,
         streams.reply_max_bytes,
@@ -165,12 +175,78 @@ pub fn dead_stream_config(settings: &Settings) -> stream::Config {
     )
 }
 
-/// Creates or updates every stream and consumer of this instance's config and returns
-/// the pools' consumers.
+/// The bucket of progress records. Records outlive no dead letter: a conversation
+/// that parked may be replayed as long as its letter is kept.
+pub fn progress_bucket_config(settings: &Settings) -> kv::Config {
+    let streams = &settings.config.streams;
+    kv::Config {
+        bucket: settings.subjects.progress_bucket(),
+        description:
+            "webproxy progress records: the next hop of conversations that parked or moved".into(),
+        history: 1,
+        max_age: streams.dead_max_age.max(streams.reply_max_age),
+        storage: stream::StorageType::File,
+        num_replicas: streams.replicas,
+        ..Default::default()
+    }
+}
+
+/// A first sequence no earlier incarnation of a pool stream can have used: the current
+/// Unix time in microseconds, so origins never repeat across a `pools remove` and a
+/// re-add.
+fn fresh_first_sequence() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// Creates a pool stream starting at a fresh first sequence, or updates it keeping
+/// the one it has.
+async fn provision_pool_stream(
+    js: &jetstream::Context,
+    mut config: stream::Config,
+) -> Result<(), ProvisionError> {
+    let name = config.name.clone();
+    let what = || format!("stream {name}");
+    match js.get_stream(&name).await {
+        Ok(mut existing) => {
+            let info = existing
+                .info()
+                .await
+                .map_err(|e| provision_error(what(), e))?;
+            config.first_sequence = info.config.first_sequence;
+            js.update_stream(config)
+                .await
+                .map_err(|e| provision_error(what(), e))?;
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            config.first_sequence = Some(fresh_first_sequence());
+            js.create_stream(config)
+                .await
+                .map_err(|e| provision_error(what(), e))?;
+        }
+        Err(e) => return Err(provision_error(what(), e)),
+    }
+    Ok(())
+}
+
+/// What provisioning made: the pools' consumers and the progress bucket.
+pub struct Provisioned {
+    pub pools: Vec<PoolConsumers>,
+    pub progress: kv::Store,
+}
+
+/// Creates or updates every stream, bucket and consumer of this instance's config.
 pub async fn provision(
     js: &jetstream::Context,
     settings: &Settings,
-) -> Result<Vec<PoolConsumers>, ProvisionError> {
+) -> Result<Provisioned, ProvisionError> {
     for config in [
         replies_stream_config(settings),
         dead_stream_config(settings),
@@ -180,13 +256,17 @@ pub async fn provision(
             .await
             .map_err(|e| provision_error(format!("stream {name}"), e))?;
     }
+    let bucket = progress_bucket_config(settings);
+    let bucket_name = bucket.bucket.clone();
+    let progress = js
+        .create_or_update_key_value(bucket)
+        .await
+        .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
     let mut consumers = Vec::new();
     for (pool, pool_config) in &settings.pools {
         let stream_config = pool_stream_config(settings, pool, pool_config);
         let stream_name = stream_config.name.clone();
-        js.create_or_update_stream(stream_config)
-            .await
-            .map_err(|e| provision_error(format!("stream {stream_name}"), e))?;
+        provision_pool_stream(js, stream_config).await?;
         let wanted = pool_consumer_config(settings, pool, pool_config);
         let name = wanted.durable_name.clone().unwrap_or_default();
         let what = format!("consumer {name} on {stream_name}");
@@ -228,7 +308,10 @@ pub async fn provision(
             parked,
         });
     }
-    Ok(consumers)
+    Ok(Provisioned {
+        pools: consumers,
+        progress,
+    })
 }
 
 #[cfg(test)]

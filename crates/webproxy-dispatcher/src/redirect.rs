@@ -23,9 +23,14 @@ pub enum Redirect {
     Follow(NextHop),
     /// A redirect to somewhere webproxy never goes (not http or https).
     Refused(String),
+    /// A redirect to an http(s) URL webproxy does not send (user information, an
+    /// empty path segment, an encoded `/`, a host ending in a dot): `invalid_request`,
+    /// as the same URL from a caller would be.
+    Invalid(String),
 }
 
-/// The redirect, if any, in a response to `method url`. 301, 302 and 303 turn a
+/// The redirect, if any, in a response to `method url`. The next URL is canonical
+/// (see [`webproxy_protocol::canonical_url`]), as a caller's is. 301, 302 and 303 turn a
 /// request other than GET or HEAD into a GET without a body (303 turns everything
 /// but HEAD into GET); 307 and 308 keep method and body. A 3xx without a usable
 /// `Location` is delivered as it is.
@@ -36,7 +41,7 @@ pub fn redirect(method: Method, url: &Url, status: u16, location: Option<&str>) 
     let Some(location) = location.map(str::trim).filter(|l| !l.is_empty()) else {
         return Redirect::None;
     };
-    let Ok(mut next) = url.join(location) else {
+    let Ok(next) = url.join(location) else {
         return Redirect::None;
     };
     if !matches!(next.scheme(), "http" | "https") || next.host().is_none() {
@@ -44,7 +49,12 @@ pub fn redirect(method: Method, url: &Url, status: u16, location: Option<&str>) 
             "the upstream redirected to {location:?}, which is not an http or https URL"
         ));
     }
-    next.set_fragment(None);
+    let next = match webproxy_protocol::canonical_url(next) {
+        Ok(next) => next,
+        Err(why) => {
+            return Redirect::Invalid(format!("the upstream redirected to a URL that {why}"));
+        }
+    };
     let (method, keep_body) = match status {
         307 | 308 => (method, true),
         303 if method != Method::Head => (Method::Get, false),
@@ -172,6 +182,28 @@ mod tests {
                 ),
                 "{location}"
             );
+        }
+    }
+
+    #[test]
+    fn hops_are_canonical_and_refused_like_a_callers_url() {
+        assert_eq!(
+            follow(Method::Get, 302, "/%61dmin/").url.as_str(),
+            "http://a.test/admin/"
+        );
+        for location in [
+            "http://u:p@a.test/",
+            "https://user@b.test/x",
+            "//a.test//admin",
+            "/x/%2Fadmin",
+            "http://a.test./",
+        ] {
+            match redirect(Method::Get, &url("http://a.test/"), 302, Some(location)) {
+                Redirect::Invalid(why) => {
+                    assert!(!why.contains("u:p"), "{why}");
+                }
+                other => panic!("{location}: {other:?}"),
+            }
         }
     }
 

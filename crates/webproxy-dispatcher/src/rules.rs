@@ -157,28 +157,144 @@ impl RequestRules {
         self.rules.iter()
     }
 
-    /// The rule that governs `method url`: a rule naming the method beats a `*` rule,
-    /// whatever their order; among equals the first in file order wins. `url` is the
-    /// normalised URL, which is also what is sent.
+    /// The rule that governs `method url`: the first in file order whose method (or
+    /// `*`) and pattern both match, deny or accept. Exceptions are written by order: an
+    /// accept for `/admin/health` before a deny for `/admin/`. `url` is the canonical
+    /// URL, which is also what is sent.
     pub fn find(&self, method: Method, url: &str) -> Option<&RequestRule> {
-        let mut first_wildcard = None;
-        for rule in &self.rules {
-            match rule.method {
-                Some(m) if m == method => {
-                    if rule.pattern.is_match(url) {
-                        return Some(rule);
-                    }
+        self.rules
+            .iter()
+            .find(|rule| rule.method.is_none_or(|m| m == method) && rule.pattern.is_match(url))
+    }
+
+    /// What `check-config` warns about in the rules: a rule an earlier one shadows
+    /// completely (where that can be decided), an unanchored pattern, and an unescaped
+    /// dot in a pattern's host part. Each names the rule.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for (index, rule) in self.rules.iter().enumerate() {
+            let key = format!("request_rules[{index}] ({})", rule.name);
+            let pattern = rule.pattern.as_str();
+            if let Some((earlier, shadow)) = self.rules[..index]
+                .iter()
+                .enumerate()
+                .find(|(_, earlier)| shadows(earlier, rule))
+            {
+                warnings.push(format!(
+                    "{key}: never matches: request_rules[{earlier}] ({}) comes first, covers its methods, and its url_pattern is a prefix of this one's; to make this rule an exception, move it above",
+                    shadow.name
+                ));
+            }
+            if !is_anchored(pattern) {
+                warnings.push(format!(
+                    "{key}.url_pattern {pattern:?} is not anchored: it is searched anywhere in the URL, so it also matches a URL that only mentions what it names (https://evil.example/?u=...); start it with ^"
+                ));
+            }
+            if let Some(host) = unescaped_dot_in_host(pattern) {
+                warnings.push(format!(
+                    "{key}.url_pattern: the host part {host:?} has an unescaped '.', which matches any character (apixpartner.com for api.partner.com); write \\."
+                ));
+            }
+        }
+        warnings
+    }
+}
+
+/// Whether `earlier` matches every request `later` matches, where that can be decided
+/// from the text: `earlier` covers `later`'s methods, and `later`'s pattern is
+/// `earlier`'s followed by more, with no alternation at the top level of either and
+/// nothing that would bind to the end of `earlier`'s (a quantifier).
+fn shadows(earlier: &RequestRule, later: &RequestRule) -> bool {
+    if earlier.method.is_some() && earlier.method != later.method {
+        return false;
+    }
+    let (first, second) = (earlier.pattern.as_str(), later.pattern.as_str());
+    let Some(rest) = second.strip_prefix(first) else {
+        return false;
+    };
+    !rest.starts_with(['*', '+', '?', '{'])
+        && !has_top_level_alternation(first)
+        && !has_top_level_alternation(second)
+}
+
+/// Walks a pattern outside escapes and character classes, giving each character and
+/// its group depth.
+fn outside_classes(pattern: &str, mut visit: impl FnMut(usize, char, usize) -> bool) {
+    let mut depth = 0usize;
+    let mut class = 0usize;
+    let mut chars = pattern.char_indices().peekable();
+    while let Some((at, c)) = chars.next() {
+        match c {
+            '\\' => {
+                chars.next();
+            }
+            '[' => {
+                class += 1;
+                // A `]` (or `^]`) first in a class is a literal.
+                if chars.peek().is_some_and(|(_, c)| *c == '^') {
+                    chars.next();
                 }
-                Some(_) => {}
-                None => {
-                    if first_wildcard.is_none() && rule.pattern.is_match(url) {
-                        first_wildcard = Some(rule);
-                    }
+                if class == 1 && chars.peek().is_some_and(|(_, c)| *c == ']') {
+                    chars.next();
+                }
+            }
+            ']' if class > 0 => class -= 1,
+            _ if class > 0 => {}
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            _ => {
+                if !visit(at, c, depth) {
+                    return;
                 }
             }
         }
-        first_wildcard
     }
+}
+
+fn has_top_level_alternation(pattern: &str) -> bool {
+    let mut found = false;
+    outside_classes(pattern, |_, c, depth| {
+        found = c == '|' && depth == 0;
+        !found
+    });
+    found
+}
+
+/// Whether a pattern can only match at the start of the URL: `^` or `\A` first, after
+/// any inline flags such as `(?i)`.
+fn is_anchored(pattern: &str) -> bool {
+    let mut rest = pattern;
+    while let Some(after) = rest.strip_prefix("(?") {
+        match after.find(')') {
+            Some(end)
+                if after[..end]
+                    .chars()
+                    .all(|c| c.is_ascii_alphabetic() || c == '-') =>
+            {
+                rest = &after[end + 1..];
+            }
+            _ => break,
+        }
+    }
+    rest.starts_with('^') || rest.starts_with("\\A")
+}
+
+/// The host part of a pattern (from after `://` to the first `/` outside groups and
+/// classes) when it has a `.` that is neither escaped nor in a class.
+fn unescaped_dot_in_host(pattern: &str) -> Option<&str> {
+    let start = pattern.find("://")? + 3;
+    let host = &pattern[start..];
+    let mut end = host.len();
+    let mut dot = false;
+    outside_classes(host, |at, c, depth| {
+        if c == '/' && depth == 0 {
+            end = at;
+            return false;
+        }
+        dot |= c == '.';
+        true
+    });
+    dot.then(|| &host[..end])
 }
 
 #[cfg(test)]
@@ -210,41 +326,77 @@ pub(crate) mod tests {
         assert!(rules.find(Method::Get, "https://a/").is_none());
     }
 
-    #[test]
-    fn exact_method_beats_wildcard_in_either_order() {
-        let any = rule("any", "*", "^https://a/", RuleAction::Deny);
-        let post = rule("post", "post", "^https://a/", RuleAction::Accept);
-        for rules in [
-            RequestRules::new(vec![any.clone(), post.clone()]),
-            RequestRules::new(vec![post.clone(), any.clone()]),
-        ] {
-            assert_eq!(
-                rules
-                    .find(Method::Post, "https://a/x")
-                    .map(|r| r.name.as_str()),
-                Some("post")
-            );
-            assert_eq!(
-                rules
-                    .find(Method::Get, "https://a/x")
-                    .map(|r| r.name.as_str()),
-                Some("any")
-            );
-        }
+    fn found(rules: &RequestRules, method: Method, url: &str) -> Option<String> {
+        rules.find(method, url).map(|r| r.name.clone())
     }
 
+    /// The first rule whose method and pattern match decides, deny or accept: a
+    /// method-specific accept no longer beats an earlier `*` deny.
     #[test]
-    fn first_among_equals_wins() {
-        let rules = RequestRules::new(vec![
-            rule("first", "*", "^https://a/", RuleAction::Accept),
-            rule("second", "*", "^https://a/x", RuleAction::Deny),
-        ]);
+    fn first_match_in_file_order_decides_whatever_the_method() {
+        let any = rule("any", "*", "^https://a/", RuleAction::Deny);
+        let post = rule("post", "post", "^https://a/", RuleAction::Accept);
+        let deny_first = RequestRules::new(vec![any.clone(), post.clone()]);
         assert_eq!(
-            rules
-                .find(Method::Get, "https://a/x")
-                .map(|r| r.name.as_str()),
-            Some("first")
+            found(&deny_first, Method::Post, "https://a/x").as_deref(),
+            Some("any")
         );
+        assert_eq!(
+            found(&deny_first, Method::Get, "https://a/x").as_deref(),
+            Some("any")
+        );
+        let accept_first = RequestRules::new(vec![post, any]);
+        assert_eq!(
+            found(&accept_first, Method::Post, "https://a/x").as_deref(),
+            Some("post")
+        );
+        assert_eq!(
+            found(&accept_first, Method::Get, "https://a/x").as_deref(),
+            Some("any")
+        );
+    }
+
+    /// The issue's bypass: a deny on /admin/ before a POST accept for the whole API
+    /// holds for POST too; an exception for /admin/health is written above the deny.
+    #[test]
+    fn a_deny_before_an_accept_holds_and_exceptions_go_first() {
+        let rules = RequestRules::new(vec![
+            rule(
+                "health",
+                "GET",
+                "^https://api\\.partner\\.com/admin/health$",
+                RuleAction::Accept,
+            ),
+            rule(
+                "no-admin",
+                "*",
+                "^https://api\\.partner\\.com/admin/",
+                RuleAction::Deny,
+            ),
+            rule(
+                "api",
+                "POST",
+                "^https://api\\.partner\\.com/",
+                RuleAction::Accept,
+            ),
+        ]);
+        let delete = "https://api.partner.com/admin/users/42/delete";
+        assert_eq!(
+            found(&rules, Method::Post, delete).as_deref(),
+            Some("no-admin")
+        );
+        let health = "https://api.partner.com/admin/health";
+        assert_eq!(
+            found(&rules, Method::Get, health).as_deref(),
+            Some("health")
+        );
+        assert_eq!(
+            found(&rules, Method::Post, health).as_deref(),
+            Some("no-admin")
+        );
+        let orders = "https://api.partner.com/orders";
+        assert_eq!(found(&rules, Method::Post, orders).as_deref(), Some("api"));
+        assert_eq!(found(&rules, Method::Get, orders), None);
     }
 
     #[test]
@@ -262,6 +414,147 @@ pub(crate) mod tests {
                 .find(Method::Get, "https://api.example.com/")
                 .is_none()
         );
+    }
+
+    fn warnings(rules: Vec<RequestRule>) -> Vec<String> {
+        RequestRules::new(rules).warnings()
+    }
+
+    #[test]
+    fn a_rule_shadowed_by_an_earlier_prefix_is_warned_about() {
+        let w = warnings(vec![
+            rule(
+                "no-admin",
+                "*",
+                "^https://a\\.test/admin/",
+                RuleAction::Deny,
+            ),
+            rule(
+                "health",
+                "GET",
+                "^https://a\\.test/admin/health",
+                RuleAction::Accept,
+            ),
+        ]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].starts_with("request_rules[1] (health): never matches"),
+            "{w:?}"
+        );
+        assert!(w[0].contains("request_rules[0] (no-admin)"), "{w:?}");
+        // The same pattern under the same method.
+        let w = warnings(vec![
+            rule("a", "GET", "^https://a\\.test/", RuleAction::Accept),
+            rule("b", "get", "^https://a\\.test/", RuleAction::Deny),
+        ]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        // In the right order, or under another method, nothing is shadowed.
+        for rules in [
+            vec![
+                rule(
+                    "health",
+                    "GET",
+                    "^https://a\\.test/admin/health",
+                    RuleAction::Accept,
+                ),
+                rule(
+                    "no-admin",
+                    "*",
+                    "^https://a\\.test/admin/",
+                    RuleAction::Deny,
+                ),
+            ],
+            vec![
+                rule("get", "GET", "^https://a\\.test/", RuleAction::Accept),
+                rule("post", "POST", "^https://a\\.test/x", RuleAction::Accept),
+                rule("any", "*", "^https://a\\.test/x", RuleAction::Deny),
+            ],
+        ] {
+            assert!(warnings(rules).is_empty());
+        }
+    }
+
+    #[test]
+    fn shadowing_is_warned_about_only_where_it_can_be_decided() {
+        for (first, second) in [
+            // A quantifier binds to the end of the earlier pattern.
+            ("^https://a", "^https://a*b"),
+            ("^https://a\\.test/x", "^https://a\\.test/x?y"),
+            ("^https://a\\.test/x", "^https://a\\.test/x{0}y"),
+            // Alternation at the top level.
+            ("^https://a|^https://b", "^https://a|^https://b|^https://c"),
+            ("^https://a", "^https://ab|^https://c"),
+            // Not a prefix.
+            ("^https://a\\.test/x", "^https://a\\.test/y"),
+        ] {
+            let w = warnings(vec![
+                rule("first", "*", first, RuleAction::Accept),
+                rule("second", "*", second, RuleAction::Accept),
+            ]);
+            assert!(
+                w.iter().all(|w| !w.contains("never matches")),
+                "{first} {second}: {w:?}"
+            );
+        }
+        // Alternation inside a group is fine.
+        let w = warnings(vec![
+            rule(
+                "first",
+                "*",
+                "^https://(www\\.)?a\\.(com|org)/",
+                RuleAction::Accept,
+            ),
+            rule(
+                "second",
+                "*",
+                "^https://(www\\.)?a\\.(com|org)/x",
+                RuleAction::Accept,
+            ),
+        ]);
+        assert!(w[0].contains("never matches"), "{w:?}");
+    }
+
+    #[test]
+    fn unanchored_patterns_and_unescaped_host_dots_are_warned_about() {
+        let w = warnings(vec![rule(
+            "r",
+            "*",
+            "api\\.partner\\.com/",
+            RuleAction::Accept,
+        )]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("request_rules[0] (r).url_pattern"), "{w:?}");
+        assert!(w[0].contains("not anchored"), "{w:?}");
+        let w = warnings(vec![rule(
+            "r",
+            "*",
+            "^https://api.partner.com/",
+            RuleAction::Accept,
+        )]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("unescaped '.'"), "{w:?}");
+        assert!(w[0].contains("\"api.partner.com\""), "{w:?}");
+        for clean in [
+            "^https://api\\.partner\\.com/",
+            "(?i)^https://api\\.partner\\.com/",
+            "\\Ahttps://api\\.partner\\.com:8443/",
+            "^https://(www\\.)?example\\.(com|org)/",
+            "^https://api[.]partner[.]com/v1/.*",
+            "^http://",
+            // Dots in the path are not the host's.
+            "^https://a\\.test/x.y",
+        ] {
+            let w = warnings(vec![rule("r", "*", clean, RuleAction::Accept)]);
+            assert!(w.is_empty(), "{clean}: {w:?}");
+        }
+        // `.*` in the host part matches any host, slashes included.
+        let w = warnings(vec![rule(
+            "r",
+            "*",
+            "^https://.*\\.partner\\.com/",
+            RuleAction::Accept,
+        )]);
+        assert!(w.iter().any(|w| w.contains("unescaped '.'")), "{w:?}");
     }
 
     #[test]

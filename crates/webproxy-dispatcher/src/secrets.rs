@@ -251,13 +251,24 @@ fn read_all(
 }
 
 /// Replaces secret values with [`REDACTED`] in text webproxy writes. Cloned handles
-/// share the list, so the logger's copy sees values loaded or reloaded later.
-#[derive(Debug, Clone, Default)]
+/// share the list, so the logger's copy sees values loaded or reloaded later. Its
+/// `Debug` shows how many values it knows, never the values.
+#[derive(Clone, Default)]
 pub struct Redactor {
     state: Arc<RwLock<RedactorState>>,
 }
 
-#[derive(Debug, Default)]
+impl fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state.read().unwrap_or_else(PoisonError::into_inner);
+        f.debug_struct("Redactor")
+            .field("fixed", &state.fixed.len())
+            .field("injected", &state.injected.len())
+            .finish()
+    }
+}
+
+#[derive(Default)]
 struct RedactorState {
     /// Set once at start (NATS token, password, seed).
     fixed: Vec<String>,
@@ -537,6 +548,36 @@ mod tests {
         assert_eq!(
             redactor.redact_payload(b"\xff tok-123").as_ref(),
             b"\xff [REDACTED]"
+        );
+    }
+
+    /// Every `Debug` path that holds secret values: the redactor (its state holds
+    /// every value it redacts) and the loaded secrets.
+    #[test]
+    fn debug_of_the_redactor_and_the_secrets_shows_no_value() {
+        let redactor = Redactor::default();
+        redactor.add_fixed(vec!["nats-pw-91".into()]);
+        redactor.set(vec!["injected-77".into()]);
+        let shown = format!("{redactor:?} {redactor:#?}");
+        assert!(
+            !shown.contains("nats-pw-91") && !shown.contains("injected-77"),
+            "{shown}"
+        );
+        assert!(shown.contains("fixed: 1"), "{shown}");
+        let secrets = Secrets {
+            loaded: RwLock::new(Arc::new(Loaded {
+                per_rule: vec![Arc::from(vec![Injection {
+                    header: "Authorization".into(),
+                    value: "Bearer injected-77".into(),
+                    secret: "injected-77".into(),
+                }])],
+            })),
+            redactor,
+        };
+        let shown = format!("{secrets:?} {secrets:#?}");
+        assert!(
+            !shown.contains("injected-77") && !shown.contains("nats-pw-91"),
+            "{shown}"
         );
     }
 

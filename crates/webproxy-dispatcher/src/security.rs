@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
-use url::Url;
+use url::{Origin, Url};
 use webproxy_protocol::{ErrorBody, Request};
 use webproxy_worker::GuardPolicy;
 
@@ -62,6 +62,9 @@ pub struct RuleSecurity {
     pub inject: Vec<(String, SecretSource)>,
     /// Lower case; on top of `[outbound] deny_request_headers`.
     pub deny_request_headers: Vec<String>,
+    /// The one origin a hop under this rule may go to; always set when the rule
+    /// injects headers.
+    pub origin: Option<Origin>,
 }
 
 impl RuleSecurity {
@@ -93,13 +96,110 @@ impl RuleSecurity {
             }
             inject.push((name.clone(), source.clone()));
         }
+        let origin = match &config.origin {
+            Some(text) => Some(parse_origin(text, config.allow_http)?),
+            None if !inject.is_empty() => {
+                let example = suggested_origin(&config.url_pattern)
+                    .unwrap_or_else(|| "https://api.partner.com".to_string());
+                return Err((
+                    "origin",
+                    format!(
+                        "is required because the rule injects headers: add origin = \"{example}\", the scheme, host and port the credentials may be sent to"
+                    ),
+                ));
+            }
+            None if config.allow_http => {
+                return Err((
+                    "allow_http",
+                    "applies only to a rule's origin: set origin = \"http://host:port\" too, or remove allow_http".into(),
+                ));
+            }
+            None => None,
+        };
         Ok(RuleSecurity {
             index: 0,
             follow_redirects: config.follow_redirects,
             inject,
             deny_request_headers,
+            origin,
         })
     }
+
+    /// Whether a hop to `url` may be sent under this rule: with an origin, only to
+    /// exactly that scheme, host and port. A request the rule's pattern matches but
+    /// whose origin differs is refused, never sent without the injected headers.
+    pub fn check_origin(&self, url: &Url) -> Result<(), String> {
+        match &self.origin {
+            Some(origin) if url.origin() != *origin => Err(format!(
+                "is bound to origin {}, not {}",
+                origin.ascii_serialization(),
+                url.origin().ascii_serialization()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A rule's `origin`: scheme, host and port and nothing else; https unless
+/// `allow_http`. The error names the field.
+fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'static str, String)> {
+    let example = "like \"https://api.partner.com\" or \"https://api.partner.com:8443\"";
+    let url = Url::parse(text).map_err(|e| {
+        (
+            "origin",
+            format!("{text:?} is not a URL ({e}); write it {example}"),
+        )
+    })?;
+    match url.scheme() {
+        "https" => {}
+        "http" if allow_http => {}
+        "http" => {
+            return Err((
+                "origin",
+                format!(
+                    "{text:?} is http, so the injected credentials would travel in clear: use https, or set allow_http = true (for a loopback or test upstream)"
+                ),
+            ));
+        }
+        other => {
+            return Err((
+                "origin",
+                format!("{text:?} has scheme {other:?}; write it {example}"),
+            ));
+        }
+    }
+    let bare = url.host().is_some()
+        && url.username().is_empty()
+        && url.password().is_none()
+        && url.path() == "/"
+        && url.query().is_none()
+        && url.fragment().is_none();
+    if !bare {
+        return Err((
+            "origin",
+            format!("{text:?} must be only a scheme, host and port, {example}"),
+        ));
+    }
+    if url.host_str().is_some_and(|h| h.ends_with('.')) {
+        return Err((
+            "origin",
+            format!("{text:?}: name the host without the trailing dot"),
+        ));
+    }
+    Ok(url.origin())
+}
+
+/// The origin a pattern such as `^https://api\.partner\.com/` names literally, for
+/// the error that asks for one.
+fn suggested_origin(pattern: &str) -> Option<String> {
+    let rest = pattern.strip_prefix('^').unwrap_or(pattern);
+    let (scheme, after) = rest.split_once("://")?;
+    let authority = after.split('/').next()?.replace("\\.", ".");
+    if authority.is_empty() || authority.contains(|c: char| "\\()[]*+?{}|^$".contains(c)) {
+        return None;
+    }
+    let url = Url::parse(&format!("{scheme}://{authority}")).ok()?;
+    Some(url.origin().ascii_serialization())
 }
 
 /// Whether a request is within the request limits; the error is `invalid_request`
@@ -322,7 +422,7 @@ mod tests {
     fn rule_security_is_checked() {
         let mut config: RequestRuleConfig = toml::from_str(
             "name = \"r\"\nurl_pattern = \".\"\nfollow_redirects = 2\n\
-             deny_request_headers = [\"X-A\"]\n\
+             deny_request_headers = [\"X-A\"]\norigin = \"https://a.test\"\n\
              [inject_headers]\nAuthorization = { env = \"T\", prefix = \"Bearer \" }\n",
         )
         .expect("toml");
@@ -348,6 +448,94 @@ mod tests {
             RuleSecurity::compile(&config).map(|_| ()).unwrap_err().0,
             "inject_headers"
         );
+    }
+
+    fn rule_toml(extra: &str) -> RequestRuleConfig {
+        toml::from_str(&format!(
+            "name = \"partner\"\nurl_pattern = '^https://api\\.partner\\.com/'\n{extra}"
+        ))
+        .expect("toml")
+    }
+
+    const INJECTS: &str = "[inject_headers]\nAuthorization = { env = \"T\" }\n";
+
+    #[test]
+    fn an_injecting_rule_must_name_an_https_origin() {
+        let e = RuleSecurity::compile(&rule_toml(INJECTS))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(e.0, "origin");
+        assert!(
+            e.1.contains("add origin = \"https://api.partner.com\""),
+            "{}",
+            e.1
+        );
+        let http = format!("origin = \"http://api.partner.com\"\n{INJECTS}");
+        let e = RuleSecurity::compile(&rule_toml(&http))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(e.0, "origin");
+        assert!(e.1.contains("allow_http = true"), "{}", e.1);
+        let allowed = format!("origin = \"http://127.0.0.1:8080\"\nallow_http = true\n{INJECTS}");
+        let security = RuleSecurity::compile(&rule_toml(&allowed)).expect("valid");
+        assert_eq!(
+            security.origin.map(|o| o.ascii_serialization()).as_deref(),
+            Some("http://127.0.0.1:8080")
+        );
+        let e = RuleSecurity::compile(&rule_toml("allow_http = true\n"))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(e.0, "allow_http");
+        for bad in [
+            "https://api.partner.com/v1",
+            "https://api.partner.com?x",
+            "https://u:p@api.partner.com",
+            "https://api.partner.com.",
+            "ftp://api.partner.com",
+            "api.partner.com",
+        ] {
+            let config = rule_toml(&format!("origin = {bad:?}\n{INJECTS}"));
+            let e = RuleSecurity::compile(&config).map(|_| ()).unwrap_err();
+            assert_eq!(e.0, "origin", "{bad}");
+        }
+        for good in ["https://api.partner.com", "https://API.partner.com:443/"] {
+            let config = rule_toml(&format!("origin = {good:?}\n{INJECTS}"));
+            let security = RuleSecurity::compile(&config).expect(good);
+            assert_eq!(
+                security.origin.map(|o| o.ascii_serialization()).as_deref(),
+                Some("https://api.partner.com")
+            );
+        }
+    }
+
+    /// The forms that steered credentials elsewhere when only the pattern decided:
+    /// each is refused by the origin, whatever the pattern matches.
+    #[test]
+    fn the_origin_refuses_every_other_scheme_host_and_port() {
+        let security = RuleSecurity::compile(&rule_toml(&format!(
+            "origin = \"https://api.partner.com\"\n{INJECTS}"
+        )))
+        .expect("valid");
+        let check = |text: &str| {
+            let url = webproxy_protocol::canonical_url(Url::parse(text).expect(text));
+            url.map(|url| security.check_origin(&url))
+        };
+        assert_eq!(check("https://api.partner.com/x"), Ok(Ok(())));
+        assert_eq!(check("https://api.partner.com:443/x"), Ok(Ok(())));
+        for other in [
+            "https://evil.example/?u=https://api.partner.com/",
+            "https://evil.example/#https://api.partner.com/",
+            "https://api.partner.com.evil.example/",
+            "https://apixpartner.com/",
+            "http://api.partner.com/",
+            "https://api.partner.com:8443/",
+        ] {
+            let refusal = check(other).expect(other).expect_err(other);
+            assert!(refusal.contains("https://api.partner.com"), "{refusal}");
+        }
+        // The `@` form never gets that far: user information is invalid_request.
+        assert!(check("https://api.partner.com@evil.example/").is_err());
+        assert!(check("https://evil.example@api.partner.com/").is_err());
     }
 
     #[test]

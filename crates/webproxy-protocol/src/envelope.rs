@@ -21,6 +21,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::headers::{Headers, is_hop_by_hop};
+use crate::reply::{MAX_QUOTED_CHARS, quote};
 use crate::subjects::{Subjects, validate_id};
 use crate::{MAX_METADATA_BYTES, PROTOCOL_VERSION};
 
@@ -184,7 +185,11 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         })
         .collect();
     let metadata = parse_metadata(raw.get("metadata").copied());
-    let raw_id = object.get("id").and_then(Value::as_str).map(str::to_string);
+    // An invalid id is echoed in the reply only as far as an error text quotes values.
+    let raw_id = object
+        .get("id")
+        .and_then(Value::as_str)
+        .map(|id| id.chars().take(MAX_QUOTED_CHARS).collect::<String>());
     let valid_id = raw_id.clone().filter(|id| validate_id(id).is_ok());
     // reply_to is checked against the id's own default subject; with no valid id only
     // a subject outside the reserved prefixes can be used.
@@ -230,7 +235,10 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         Some(Value::String(m)) => Method::parse(m).ok_or_else(|| {
             fail(
                 "method",
-                format!("{m:?} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+                format!(
+                    "{} is not one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS",
+                    quote(m)
+                ),
             )
         })?,
         Some(other) => {
@@ -299,7 +307,7 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
         Some(Value::String(d)) => Some(OffsetDateTime::parse(d, &Rfc3339).map_err(|e| {
             fail(
                 "deadline",
-                format!("{d:?} is not an RFC 3339 date-time: {e}"),
+                format!("{} is not an RFC 3339 date-time: {e}", quote(d)),
             )
         })?),
         Some(other) => {
@@ -334,6 +342,9 @@ fn json_kind(value: &Value) -> &'static str {
 }
 
 /// `Ok(None)` when absent or the id's own default subject.
+/// The longest custom `reply_to` subject.
+pub const MAX_REPLY_TO_BYTES: usize = 256;
+
 fn parse_reply_to(
     object: &Map<String, Value>,
     subjects: &Subjects,
@@ -342,6 +353,13 @@ fn parse_reply_to(
     match object.get("reply_to") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(subject)) => {
+            // The stored reply carries it as a header: bounded like every other value.
+            if subject.len() > MAX_REPLY_TO_BYTES {
+                return Err(format!(
+                    "must be at most {MAX_REPLY_TO_BYTES} bytes, got {}",
+                    subject.len()
+                ));
+            }
             subjects
                 .check_reply_to(subject, id)
                 .map_err(|e| e.to_string())?;
@@ -369,14 +387,101 @@ fn parse_metadata(raw: Option<&RawValue>) -> Result<Option<Box<RawValue>>, Strin
 }
 
 fn parse_url(text: &str) -> Result<Url, String> {
-    let url = Url::parse(text).map_err(|e| format!("{text:?} is not an absolute URL: {e}"))?;
+    let url =
+        Url::parse(text).map_err(|e| format!("{} is not an absolute URL: {e}", quote(text)))?;
+    canonical_url(url)
+}
+
+/// The URL webproxy matches against the rules and sends, from one the WHATWG parser
+/// produced (a caller's, or a redirect's `Location` joined to the hop's URL), or why
+/// it is refused. The rules, the guard and the upstream must all read the same URL:
+///
+/// - http or https with a host; no user information (`https://u:p@host/`), which the
+///   HTTP client would turn into a second `Authorization` header;
+/// - no host ending in a dot (`api.partner.com.`), which names the same host in a form
+///   that no anchored pattern expects;
+/// - no empty path segment (`//`) and no encoded `/` or `\` (`%2F`, `%5C`), which
+///   upstreams split differently from the matcher;
+/// - percent-escaped unreserved characters in the path (`/%61dmin/`) are decoded, and
+///   the hex digits of the other escapes upper-cased, so a pattern sees one spelling;
+/// - no fragment, which HTTP never sends and a pattern must not see either.
+///
+/// The result parses back to itself, so what was matched is what is sent. The message
+/// never repeats the URL, which may carry credentials.
+pub fn canonical_url(mut url: Url) -> Result<Url, String> {
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(format!("scheme {:?} is not http or https", url.scheme()));
+        return Err(format!(
+            "scheme {} is not http or https",
+            quote(url.scheme())
+        ));
     }
-    if url.host().is_none() {
-        return Err(format!("{text:?} has no host"));
+    match url.host() {
+        None => return Err("has no host".into()),
+        Some(url::Host::Domain(domain)) if domain.ends_with('.') => {
+            return Err(format!(
+                "host {} ends with a dot; name the host without it",
+                quote(domain)
+            ));
+        }
+        Some(_) => {}
     }
-    Ok(url)
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(
+            "has user information (user:password@host), which webproxy does not send; \
+             put credentials in a header, or let a request rule inject them"
+                .into(),
+        );
+    }
+    if url.path().contains("//") {
+        return Err("has an empty path segment (//)".into());
+    }
+    url.set_fragment(None);
+    let path = decode_unreserved(url.path())?;
+    if path != url.path() {
+        url.set_path(&path);
+        if url.path() != path {
+            return Err("has a path that changes when its escapes are decoded".into());
+        }
+    }
+    match Url::parse(url.as_str()) {
+        Ok(again) if again == url => Ok(url),
+        _ => Err("does not parse back to itself once normalised".into()),
+    }
+}
+
+/// `path` with percent-escaped unreserved characters (RFC 3986: letters, digits,
+/// `-`, `.`, `_`, `~`) decoded and the hex digits of every other escape upper-cased;
+/// an encoded `/` or `\` is an error.
+fn decode_unreserved(path: &str) -> Result<String, String> {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok().map(|b| (b, hex)));
+        match escaped {
+            Some((b'/' | b'\\', hex)) => {
+                return Err(format!("has an encoded '/' or '\\' (%{hex}) in its path"));
+            }
+            Some((b, _)) if b.is_ascii_alphanumeric() || b"-._~".contains(&b) => {
+                out.push(char::from(b));
+                i += 3;
+            }
+            Some((_, hex)) => {
+                out.push('%');
+                out.push_str(&hex.to_ascii_uppercase());
+                i += 3;
+            }
+            None => {
+                out.push(char::from(bytes[i]));
+                i += 1;
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn is_token(name: &str) -> bool {
@@ -388,7 +493,10 @@ fn is_token(name: &str) -> bool {
 
 fn check_header_value(name: &str, value: &str) -> Result<(), String> {
     if value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
-        Err(format!("the value of {name:?} contains CR, LF or NUL"))
+        Err(format!(
+            "the value of {} contains CR, LF or NUL",
+            quote(name)
+        ))
     } else {
         Ok(())
     }
@@ -403,7 +511,7 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
     let mut pairs = Vec::with_capacity(object.len());
     for (name, value) in object {
         if !is_token(name) {
-            return Err(format!("{name:?} is not a valid header name"));
+            return Err(format!("{} is not a valid header name", quote(name)));
         }
         let values: Vec<&str> = match value {
             Value::String(v) => vec![v.as_str()],
@@ -412,7 +520,8 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
                 .map(|item| {
                     item.as_str().ok_or_else(|| {
                         format!(
-                            "the values of {name:?} must be strings, found {}",
+                            "the values of {} must be strings, found {}",
+                            quote(name),
                             json_kind(item)
                         )
                     })
@@ -420,7 +529,8 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
                 .collect::<Result<_, _>>()?,
             other => {
                 return Err(format!(
-                    "the value of {name:?} must be a string or an array of strings, found {}",
+                    "the value of {} must be a string or an array of strings, found {}",
+                    quote(name),
                     json_kind(other)
                 ));
             }
@@ -596,6 +706,94 @@ mod tests {
             r#"{"id":"a b","method":"GET","url":"http://h/","reply_to":"webproxy.reply.x"}"#,
         );
         assert_eq!(reply_to, None);
+    }
+
+    fn url_of(text: &str) -> Result<String, String> {
+        parse_url(text).map(|u| u.to_string())
+    }
+
+    #[test]
+    fn urls_with_user_information_are_refused() {
+        for text in [
+            "https://u:p@api.partner.com/",
+            "https://u@api.partner.com/",
+            "https://:p@api.partner.com/",
+            "http://evil.example@api.partner.com/",
+        ] {
+            let e = url_of(text).expect_err(text);
+            assert!(e.contains("user information"), "{text}: {e}");
+            assert!(
+                !e.contains("api.partner.com"),
+                "the message repeats the URL: {e}"
+            );
+        }
+        // An empty userinfo is dropped by the parser: nothing is left to send.
+        assert_eq!(
+            url_of("https://@api.partner.com/").as_deref(),
+            Ok("https://api.partner.com/")
+        );
+    }
+
+    #[test]
+    fn unreserved_escapes_in_the_path_are_decoded_and_others_upper_cased() {
+        for (text, sent) in [
+            ("https://a.test/%61dmin/", "https://a.test/admin/"),
+            (
+                "https://a.test/%41%44MIN/%7e%2d%2E%5f",
+                "https://a.test/ADMIN/~-._",
+            ),
+            ("https://a.test/a%2Eb/c", "https://a.test/a.b/c"),
+            (
+                "https://a.test/caf%c3%a9?q=%61",
+                "https://a.test/caf%C3%A9?q=%61",
+            ),
+            ("https://a.test/%20x%3f", "https://a.test/%20x%3F"),
+            // Escaped dot segments are resolved by the parser before anything else.
+            ("https://a.test/x/%2e%2e/admin", "https://a.test/admin"),
+            ("https://a.test/100%", "https://a.test/100%"),
+            // The fragment is never sent, so it is not matched either.
+            (
+                "https://a.test/x#https://api.partner.com/",
+                "https://a.test/x",
+            ),
+        ] {
+            assert_eq!(url_of(text).as_deref(), Ok(sent), "{text}");
+        }
+    }
+
+    #[test]
+    fn empty_segments_encoded_slashes_and_trailing_dot_hosts_are_refused() {
+        for (text, why) in [
+            ("https://a.test//admin", "empty path segment"),
+            ("https://a.test/x//y", "empty path segment"),
+            ("https://a.test/x/%2Fadmin", "%2F"),
+            ("https://a.test/x%2fy", "%2f"),
+            ("https://a.test/x%5Cy", "%5C"),
+            ("https://api.partner.com./", "ends with a dot"),
+            ("https://api.partner.com.:443/", "ends with a dot"),
+        ] {
+            let e = url_of(text).expect_err(text);
+            assert!(e.contains(why), "{text}: {e}");
+        }
+        // Only the path counts: the same characters in the query are the upstream's.
+        assert!(url_of("https://a.test/x?next=//b%2Fc").is_ok());
+    }
+
+    #[test]
+    fn canonical_urls_parse_back_to_themselves() {
+        for text in [
+            "HTTPS://API.Example.com:443/a/%62/./c/../d?x=%2F#f",
+            "http://2130706433/%7euser",
+            "http://[::ffff:127.0.0.1]:8080/",
+        ] {
+            let url = parse_url(text).expect(text);
+            assert_eq!(
+                Url::parse(url.as_str()).expect("again"),
+                url,
+                "{text} -> {url}"
+            );
+            assert_eq!(canonical_url(url.clone()).as_ref(), Ok(&url));
+        }
     }
 
     #[test]

@@ -206,6 +206,10 @@ pub struct DeadLetter {
     pub id: Option<String>,
     #[serde(default)]
     pub generation: u64,
+    /// The conversation's origin, `<STREAM>:<seq>`: what `dead replay` starts the next
+    /// generation from. Absent only for payloads that never were a conversation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
     pub error: ErrorBody,
     /// The original request, when the payload was a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -214,10 +218,31 @@ pub struct DeadLetter {
     /// The original payload, when it was not a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_base64: Option<String>,
+    /// The attempts made, the first and the last few when there were many.
     #[serde(default)]
     pub attempts: Vec<AttemptRecord>,
+    /// How many attempts between the first and the last few `attempts` leaves out.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempts_dropped: u32,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub truncated: bool,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// The most characters of a caller's or upstream's value that an error message quotes.
+pub const MAX_QUOTED_CHARS: usize = 200;
+
+/// A value as an error message quotes it: Debug-quoted and cut to
+/// [`MAX_QUOTED_CHARS`] characters, so that no input can make an error text (and the
+/// reply and dead letter carrying it) outgrow the payload limit.
+pub fn quote(value: &str) -> String {
+    match value.char_indices().nth(MAX_QUOTED_CHARS) {
+        None => format!("{value:?}"),
+        Some((cut, _)) => format!("{:?}…", &value[..cut]),
+    }
 }
 
 /// The start of a response body for an error message: at most `max` bytes, cut on a
@@ -266,6 +291,16 @@ mod tests {
         );
         let back: Reply = serde_json::from_str(&json).expect("parses");
         assert_eq!(back.error.map(|e| e.code), Some(ErrorCode::Denied));
+    }
+
+    #[test]
+    fn quote_cuts_long_values() {
+        assert_eq!(quote("GET"), r#""GET""#);
+        let long = "\"".repeat(300_000);
+        let quoted = quote(&long);
+        // each `"` is escaped as two characters, plus the quotes and the ellipsis
+        assert!(quoted.len() <= 2 * MAX_QUOTED_CHARS + 8, "{}", quoted.len());
+        assert!(quoted.ends_with('…'));
     }
 
     #[test]

@@ -218,8 +218,11 @@ pub(crate) fn method(_: &mut SchemaGenerator) -> Schema {
 
 pub(crate) fn url(_: &mut SchemaGenerator) -> Schema {
     json_schema!({
-        "description": "An absolute http or https URL. The service normalises it with the \
-                        WHATWG URL parser; rules match and the service sends the normalised form.",
+        "description": "An absolute http or https URL without user information. The service \
+                        normalises it with the WHATWG URL parser and decodes percent-escaped \
+                        unreserved characters in the path; rules match and the service sends \
+                        the normalised form. A path with an empty segment (`//`) or an encoded \
+                        `/` or `\\` (`%2F`, `%5C`), and a host ending in a dot, are refused.",
         "type": "string",
         "format": "uri",
         "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://",
@@ -264,10 +267,11 @@ pub(crate) fn reply_to(_: &mut SchemaGenerator) -> Schema {
     // prefix depends on configuration, so it is only described.
     json_schema!({
         "description": "A core-NATS subject that also gets a copy of the reply. A literal \
-                        subject outside $JS., $SYS., $KV. and the deployment's own prefix \
-                        (`webproxy.` by default), except <prefix>.reply.<id> itself.",
+                        subject that does not start with `$` (server subjects), outside \
+                        webproxy's own inboxes (`_WEBPROXY_INBOX.`) and the deployment's own \
+                        prefix (`webproxy.` by default), except <prefix>.reply.<id> itself.",
         "type": "string",
-        "pattern": "^(?!\\$JS\\.|\\$SYS\\.|\\$KV\\.)[^.*>\\s\\u0000-\\u001f\\u007f-\\u009f]+(\\.[^.*>\\s\\u0000-\\u001f\\u007f-\\u009f]+)*$",
+        "pattern": "^(?!\\$|_WEBPROXY_INBOX(\\.|$))[^.*>\\s\\u0000-\\u001f\\u007f-\\u009f]+(\\.[^.*>\\s\\u0000-\\u001f\\u007f-\\u009f]+)*$",
     })
 }
 

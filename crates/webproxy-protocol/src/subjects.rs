@@ -3,6 +3,8 @@
 
 use thiserror::Error;
 
+use crate::origin::Origin;
+
 /// A name that breaks its character rules; the message says which rule.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{0}")]
@@ -119,6 +121,12 @@ pub fn subject_matches(pattern: &str, subject: &str) -> bool {
     subject_tokens.next().is_none()
 }
 
+/// The first token of the private inbox prefix webproxy's own connections use
+/// (`_WEBPROXY_INBOX.<random>`), so that no caller's `reply_to` can name the subjects
+/// on which the service receives its JetStream API responses and publish acks.
+/// Callers keep the NATS default, `_INBOX.`.
+pub const SERVICE_INBOX: &str = "_WEBPROXY_INBOX";
+
 /// Every subject, stream and consumer name of one deployment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subjects {
@@ -162,14 +170,46 @@ impl Subjects {
         format!("{}.request.{pool}", self.prefix)
     }
 
-    /// Where the service parks a request waiting for its next attempt.
-    pub fn retry(&self, pool: &str) -> String {
-        format!("{}.retry.{pool}", self.prefix)
+    /// Where the service parks one conversation's request until its next attempt is
+    /// due. Service-only: callers' permissions deny it.
+    pub fn retry(&self, pool: &str, token: &str) -> String {
+        format!("{}.retry.{pool}.{token}", self.prefix)
     }
 
-    /// Where the final reply of conversation `id` is stored.
+    /// Every parked retry of `pool`: the retry consumer's filter.
+    pub fn retry_filter(&self, pool: &str) -> String {
+        format!("{}.retry.{pool}.>", self.prefix)
+    }
+
+    /// Where the service hands one conversation's request to `pool` again: a move to
+    /// the rule's pool, a retry that came due, or a replay. Service-only.
+    pub fn hop(&self, pool: &str, token: &str) -> String {
+        format!("{}.hop.{pool}.{token}", self.prefix)
+    }
+
+    /// Every hop into `pool`: with the request subject, the pool consumer's filter.
+    pub fn hop_filter(&self, pool: &str) -> String {
+        format!("{}.hop.{pool}.>", self.prefix)
+    }
+
+    /// The live reply of conversations with id `id`, published with core NATS and not
+    /// stored. Any caller may reuse an id, so a caller keeps only the replies whose
+    /// `Webproxy-Origin` is its own.
     pub fn reply(&self, id: &str) -> String {
         format!("{}.reply.{id}", self.prefix)
+    }
+
+    /// The stored reply of exactly one conversation: `<prefix>.reply.<id>.<STREAM>.<seq>`.
+    pub fn stored_reply(&self, id: &str, origin: &Origin) -> String {
+        format!(
+            "{}.reply.{id}.{}.{}",
+            self.prefix, origin.stream, origin.seq
+        )
+    }
+
+    /// What the replies stream captures: stored replies only, never the live copies.
+    pub fn stored_reply_wildcard(&self) -> String {
+        format!("{}.reply.*.*.*", self.prefix)
     }
 
     /// Where failed conversations of `pool` are copied.
@@ -202,6 +242,11 @@ impl Subjects {
         format!("{}_DEAD", self.stream_prefix)
     }
 
+    /// The KV bucket of progress records (conversations that parked or moved).
+    pub fn progress_bucket(&self) -> String {
+        format!("{}_PROGRESS", self.stream_prefix)
+    }
+
     /// The durable consumer of `pool`'s request subject, e.g. `webproxy-default`.
     pub fn pool_consumer(&self, pool: &str) -> String {
         format!("{}-{pool}", self.prefix.replace('.', "_"))
@@ -213,18 +258,29 @@ impl Subjects {
     }
 
     /// Whether a caller may name `subject` as its `reply_to`: a literal subject outside
-    /// the service's own namespace (except exactly its own default reply subject) and
-    /// outside the server's reserved prefixes.
+    /// the service's own namespace (except exactly its own default reply subject),
+    /// outside every server subject (those that start with `$`: `$JS.`, `$SYS.`,
+    /// `$KV.`, `$O.`, `$MQTT.`, `$SRV.`, ...) and outside webproxy's private inboxes
+    /// ([`SERVICE_INBOX`]), and matching `reply_to_allow` when that is set.
     pub fn check_reply_to(&self, subject: &str, id: &str) -> Result<(), InvalidName> {
         validate_subject_literal(subject)?;
         if subject == self.reply(id) {
             return Ok(());
         }
-        let own = format!("{}.", self.prefix);
-        for reserved in [own.as_str(), "$JS.", "$SYS.", "$KV."] {
-            if subject.starts_with(reserved) {
+        if subject.starts_with('$') {
+            return Err(InvalidName(format!(
+                "{subject:?} is a server subject: every subject that starts with '$' is reserved"
+            )));
+        }
+        let first_token = |prefix: &str| {
+            subject
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        };
+        for reserved in [self.prefix.as_str(), SERVICE_INBOX] {
+            if first_token(reserved) {
                 return Err(InvalidName(format!(
-                    "{subject:?} is under the reserved prefix {reserved:?}"
+                    "{subject:?} is under the reserved prefix \"{reserved}.\""
                 )));
             }
         }
@@ -254,7 +310,24 @@ mod tests {
     fn names_derive_from_prefix() {
         let s = subjects();
         assert_eq!(s.request("default"), "webproxy.request.default");
-        assert_eq!(s.retry("p1"), "webproxy.retry.p1");
+        assert_eq!(s.retry("p1", "t0"), "webproxy.retry.p1.t0");
+        assert_eq!(s.retry_filter("p1"), "webproxy.retry.p1.>");
+        assert_eq!(s.hop("p1", "t0"), "webproxy.hop.p1.t0");
+        assert_eq!(s.hop_filter("p1"), "webproxy.hop.p1.>");
+        let origin = Origin::new("WEBPROXY_POOL_P1", 7);
+        assert_eq!(
+            s.stored_reply("order-42", &origin),
+            "webproxy.reply.order-42.WEBPROXY_POOL_P1.7"
+        );
+        assert!(subject_matches(
+            &s.stored_reply_wildcard(),
+            &s.stored_reply("order-42", &origin)
+        ));
+        assert!(!subject_matches(
+            &s.stored_reply_wildcard(),
+            &s.reply("order-42")
+        ));
+        assert_eq!(s.progress_bucket(), "WEBPROXY_PROGRESS");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");
@@ -307,6 +380,30 @@ mod tests {
         assert!(s.check_reply_to("$JS.API.STREAM.DELETE.X", "x").is_err());
         assert!(s.check_reply_to("$SYS.x", "x").is_err());
         assert!(s.check_reply_to("$KV.b.k", "x").is_err());
+        // Every server subject, not only the ones listed before.
+        for subject in [
+            "$O.bucket.x",
+            "$MQTT.sess.x",
+            "$SRV.PING",
+            "$G",
+            "$anything.x",
+        ] {
+            let e = s.check_reply_to(subject, "x").expect_err(subject);
+            assert!(e.0.contains("'$'"), "{e}");
+        }
+        // webproxy's own inboxes, whatever follows the private prefix.
+        for subject in [
+            "_WEBPROXY_INBOX.a1b2.c3",
+            "_WEBPROXY_INBOX.x",
+            "_WEBPROXY_INBOX",
+        ] {
+            let e = s.check_reply_to(subject, "x").expect_err(subject);
+            assert!(e.0.contains("_WEBPROXY_INBOX."), "{e}");
+        }
+        assert!(s.check_reply_to("webproxy", "x").is_err());
+        // Callers' own inboxes stay usable, and look-alike prefixes are not reserved.
+        assert!(s.check_reply_to("_INBOX.abc.1", "x").is_ok());
+        assert!(s.check_reply_to("_WEBPROXY_INBOXES.x", "x").is_ok());
         assert!(s.check_reply_to("app.*", "x").is_err());
         assert!(s.check_reply_to("app.>", "x").is_err());
         assert!(s.check_reply_to("app..x", "x").is_err());

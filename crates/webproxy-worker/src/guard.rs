@@ -14,37 +14,108 @@ pub struct GuardPolicy {
     /// Lifts the ranges of class [`Class::Private`]: loopback, RFC 1918, CGNAT and
     /// unique-local. Link-local, cloud metadata and the rest stay denied.
     pub allow_private_networks: bool,
-    /// Opened whatever default range they fall in; `deny` still wins.
+    /// Opened whatever default range they fall in, except cloud metadata addresses;
+    /// `deny` still wins. Compared with the IPv4 address an IPv6 address embeds, never
+    /// with the IPv6 form, so an allow on an embedding prefix opens nothing denied.
     pub allow: Vec<IpNet>,
     /// Denied whatever else is configured.
     pub deny: Vec<IpNet>,
 }
 
-/// A destination the guard refuses, with the range that refused it.
+/// A destination the guard refuses. What the caller is told ([`fmt::Display`]) names
+/// only the kind of range; the address and the exact range are for the log
+/// ([`Denied::detail`]), since telling a caller what an internal name resolves to
+/// would map the internal network.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Denied {
     /// The address as it would have been connected to.
     pub address: IpAddr,
-    /// The range it fell in, e.g. `loopback 127.0.0.0/8`, or for an embedded IPv4
-    /// address `loopback 127.0.0.0/8 (embedded in IPv4-mapped ::ffff:0:0/96)`.
+    /// The range it fell in, e.g. `the loopback range 127.0.0.0/8`, or for an embedded
+    /// IPv4 address `the loopback range 127.0.0.0/8 (as 127.0.0.1 embedded in
+    /// IPv4-mapped ::ffff:0:0/96)`.
     pub range: String,
+    /// The kind of range, which is all the caller is told.
+    pub kind: Kind,
+    /// Whether the address was judged as the IPv4 address it embeds.
+    pub embedded: bool,
+}
+
+impl Denied {
+    /// The address and the range that refused it, for the log only.
+    pub fn detail(&self) -> String {
+        format!("address {} is in {}", self.address, self.range)
+    }
 }
 
 impl fmt::Display for Denied {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "address {} is in {}", self.address, self.range)
+        write!(f, "destination not allowed ({}", self.kind)?;
+        if self.embedded {
+            f.write_str(", as the IPv4 address embedded in an IPv6 one")?;
+        }
+        f.write_str(")")
     }
 }
 
 impl std::error::Error for Denied {}
 
-/// Whether `allow_private_networks` lifts a default range.
+/// What lifts a default range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
-    /// Lifted by `allow_private_networks`.
+    /// Lifted by `allow_private_networks` (and `allow_cidrs`).
     Private,
     /// Lifted only by `allow_cidrs`.
     Always,
+    /// Lifted by nothing: cloud metadata addresses.
+    Never,
+}
+
+/// The kind of range a denied address is in: what a denial tells the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Unspecified,
+    Private,
+    SharedAddressSpace,
+    Loopback,
+    LinkLocal,
+    Metadata,
+    UniqueLocal,
+    Multicast,
+    Broadcast,
+    Reserved,
+    Documentation,
+    Benchmarking,
+    /// Protocol assignments, relays, discard-only, local-use NAT64, site-local.
+    Special,
+    /// `[outbound] deny_cidrs`.
+    Configured,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Unspecified => "unspecified",
+            Kind::Private => "private",
+            Kind::SharedAddressSpace => "shared address space",
+            Kind::Loopback => "loopback",
+            Kind::LinkLocal => "link-local",
+            Kind::Metadata => "cloud metadata",
+            Kind::UniqueLocal => "unique-local",
+            Kind::Multicast => "multicast",
+            Kind::Broadcast => "broadcast",
+            Kind::Reserved => "reserved",
+            Kind::Documentation => "documentation",
+            Kind::Benchmarking => "benchmarking",
+            Kind::Special => "special-purpose",
+            Kind::Configured => "[outbound] deny_cidrs",
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A default-denied range.
@@ -52,18 +123,20 @@ pub enum Class {
 pub struct Range {
     pub net: IpNet,
     pub name: &'static str,
+    pub kind: Kind,
     pub class: Class,
 }
 
-const fn v4(a: u8, b: u8, c: u8, d: u8, len: u8, name: &'static str, class: Class) -> Range {
+const fn v4([a, b, c, d]: [u8; 4], len: u8, name: &'static str, kind: Kind, class: Class) -> Range {
     Range {
         net: IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(a, b, c, d), len)),
         name,
+        kind,
         class,
     }
 }
 
-const fn v6(segments: [u16; 8], len: u8, name: &'static str, class: Class) -> Range {
+const fn v6(segments: [u16; 8], len: u8, name: &'static str, kind: Kind, class: Class) -> Range {
     let [a, b, c, d, e, f, g, h] = segments;
     Range {
         net: IpNet::V6(Ipv6Net::new_assert(
@@ -71,74 +144,218 @@ const fn v6(segments: [u16; 8], len: u8, name: &'static str, class: Class) -> Ra
             len,
         )),
         name,
+        kind,
         class,
     }
+}
+
+/// A cloud metadata address: denied whatever is configured.
+const fn metadata4(address: [u8; 4], name: &'static str) -> Range {
+    v4(address, 32, name, Kind::Metadata, Class::Never)
+}
+
+const fn metadata6(segments: [u16; 8], name: &'static str) -> Range {
+    v6(segments, 128, name, Kind::Metadata, Class::Never)
 }
 
 use Class::{Always, Private};
 
 /// The IPv4 ranges denied by default. More specific entries come first, so an address
 /// is named by its most specific range (broadcast before reserved, a metadata address
-/// before the CGNAT range it sits in).
+/// before the range it sits in).
 pub const IPV4_RANGES: &[Range] = &[
-    v4(0, 0, 0, 0, 8, "\"this network\" (unspecified)", Always),
-    v4(10, 0, 0, 0, 8, "private (RFC 1918)", Private),
-    // Alibaba Cloud's metadata service sits inside CGNAT; it must stay denied when
-    // private networks are allowed.
-    v4(100, 100, 100, 200, 32, "cloud metadata", Always),
-    v4(100, 64, 0, 0, 10, "shared address space (CGNAT)", Private),
-    v4(127, 0, 0, 0, 8, "loopback", Private),
-    v4(169, 254, 0, 0, 16, "link-local (cloud metadata)", Always),
-    v4(172, 16, 0, 0, 12, "private (RFC 1918)", Private),
-    // Includes Oracle Cloud's metadata address 192.0.0.192.
-    v4(192, 0, 0, 0, 24, "IETF protocol assignments", Always),
-    v4(192, 0, 2, 0, 24, "documentation (TEST-NET-1)", Always),
-    v4(192, 88, 99, 0, 24, "6to4 relay anycast", Always),
-    v4(192, 168, 0, 0, 16, "private (RFC 1918)", Private),
-    v4(198, 18, 0, 0, 15, "benchmarking", Always),
-    v4(198, 51, 100, 0, 24, "documentation (TEST-NET-2)", Always),
-    v4(203, 0, 113, 0, 24, "documentation (TEST-NET-3)", Always),
-    v4(224, 0, 0, 0, 4, "multicast", Always),
-    v4(255, 255, 255, 255, 32, "broadcast", Always),
-    v4(240, 0, 0, 0, 4, "reserved", Always),
+    // Cloud metadata services, which hand out credentials.
+    metadata4(
+        [169, 254, 169, 254],
+        "cloud metadata (AWS, GCP, Azure, OpenStack and others)",
+    ),
+    metadata4([169, 254, 170, 2], "cloud metadata (AWS ECS task)"),
+    metadata4([169, 254, 170, 23], "cloud metadata (AWS EKS pod identity)"),
+    metadata4([169, 254, 0, 23], "cloud metadata (Tencent Cloud)"),
+    metadata4([168, 63, 129, 16], "cloud metadata (Azure WireServer)"),
+    metadata4([100, 100, 100, 200], "cloud metadata (Alibaba Cloud)"),
+    metadata4([192, 0, 0, 192], "cloud metadata (Oracle Cloud)"),
+    v4(
+        [0, 0, 0, 0],
+        8,
+        "\"this network\" (unspecified)",
+        Kind::Unspecified,
+        Always,
+    ),
+    v4(
+        [10, 0, 0, 0],
+        8,
+        "private (RFC 1918)",
+        Kind::Private,
+        Private,
+    ),
+    v4(
+        [100, 64, 0, 0],
+        10,
+        "shared address space (CGNAT)",
+        Kind::SharedAddressSpace,
+        Private,
+    ),
+    v4([127, 0, 0, 0], 8, "loopback", Kind::Loopback, Private),
+    v4([169, 254, 0, 0], 16, "link-local", Kind::LinkLocal, Always),
+    v4(
+        [172, 16, 0, 0],
+        12,
+        "private (RFC 1918)",
+        Kind::Private,
+        Private,
+    ),
+    v4(
+        [192, 0, 0, 0],
+        24,
+        "IETF protocol assignments",
+        Kind::Special,
+        Always,
+    ),
+    v4(
+        [192, 0, 2, 0],
+        24,
+        "documentation (TEST-NET-1)",
+        Kind::Documentation,
+        Always,
+    ),
+    v4(
+        [192, 88, 99, 0],
+        24,
+        "6to4 relay anycast",
+        Kind::Special,
+        Always,
+    ),
+    v4(
+        [192, 168, 0, 0],
+        16,
+        "private (RFC 1918)",
+        Kind::Private,
+        Private,
+    ),
+    v4(
+        [198, 18, 0, 0],
+        15,
+        "benchmarking",
+        Kind::Benchmarking,
+        Always,
+    ),
+    v4(
+        [198, 51, 100, 0],
+        24,
+        "documentation (TEST-NET-2)",
+        Kind::Documentation,
+        Always,
+    ),
+    v4(
+        [203, 0, 113, 0],
+        24,
+        "documentation (TEST-NET-3)",
+        Kind::Documentation,
+        Always,
+    ),
+    v4([224, 0, 0, 0], 4, "multicast", Kind::Multicast, Always),
+    v4(
+        [255, 255, 255, 255],
+        32,
+        "broadcast",
+        Kind::Broadcast,
+        Always,
+    ),
+    v4([240, 0, 0, 0], 4, "reserved", Kind::Reserved, Always),
 ];
 
 /// The IPv6 ranges denied by default. The forms that embed an IPv4 address are not
 /// here: they are unwrapped and judged as that address (see [`embedded_ipv4`]).
 pub const IPV6_RANGES: &[Range] = &[
-    v6([0, 0, 0, 0, 0, 0, 0, 0], 128, "unspecified", Always),
-    v6([0, 0, 0, 0, 0, 0, 0, 1], 128, "loopback", Private),
+    // Metadata services inside unique-local: they stay denied when private networks
+    // are allowed.
+    metadata6(
+        [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254],
+        "cloud metadata (AWS)",
+    ),
+    metadata6(
+        [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x23],
+        "cloud metadata (AWS EKS pod identity)",
+    ),
+    metadata6([0xfd20, 0xce, 0, 0, 0, 0, 0, 0x254], "cloud metadata (GCP)"),
+    v6(
+        [0, 0, 0, 0, 0, 0, 0, 0],
+        128,
+        "unspecified",
+        Kind::Unspecified,
+        Always,
+    ),
+    v6(
+        [0, 0, 0, 0, 0, 0, 0, 1],
+        128,
+        "loopback",
+        Kind::Loopback,
+        Private,
+    ),
     v6(
         [0x64, 0xff9b, 1, 0, 0, 0, 0, 0],
         48,
         "local-use NAT64",
+        Kind::Special,
         Always,
     ),
-    v6([0x100, 0, 0, 0, 0, 0, 0, 0], 64, "discard-only", Always),
-    v6([0x2001, 2, 0, 0, 0, 0, 0, 0], 48, "benchmarking", Always),
+    v6(
+        [0x100, 0, 0, 0, 0, 0, 0, 0],
+        64,
+        "discard-only",
+        Kind::Special,
+        Always,
+    ),
+    v6(
+        [0x2001, 2, 0, 0, 0, 0, 0, 0],
+        48,
+        "benchmarking",
+        Kind::Benchmarking,
+        Always,
+    ),
     v6(
         [0x2001, 0xdb8, 0, 0, 0, 0, 0, 0],
         32,
         "documentation",
+        Kind::Documentation,
         Always,
     ),
-    v6([0x3fff, 0, 0, 0, 0, 0, 0, 0], 20, "documentation", Always),
-    // AWS's IPv6 metadata endpoint sits inside unique-local.
     v6(
-        [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254],
-        128,
-        "cloud metadata",
+        [0x3fff, 0, 0, 0, 0, 0, 0, 0],
+        20,
+        "documentation",
+        Kind::Documentation,
         Always,
     ),
-    v6([0xfc00, 0, 0, 0, 0, 0, 0, 0], 7, "unique-local", Private),
-    v6([0xfe80, 0, 0, 0, 0, 0, 0, 0], 10, "link-local", Always),
+    v6(
+        [0xfc00, 0, 0, 0, 0, 0, 0, 0],
+        7,
+        "unique-local",
+        Kind::UniqueLocal,
+        Private,
+    ),
+    v6(
+        [0xfe80, 0, 0, 0, 0, 0, 0, 0],
+        10,
+        "link-local",
+        Kind::LinkLocal,
+        Always,
+    ),
     v6(
         [0xfec0, 0, 0, 0, 0, 0, 0, 0],
         10,
         "site-local (deprecated)",
+        Kind::Special,
         Always,
     ),
-    v6([0xff00, 0, 0, 0, 0, 0, 0, 0], 8, "multicast", Always),
+    v6(
+        [0xff00, 0, 0, 0, 0, 0, 0, 0],
+        8,
+        "multicast",
+        Kind::Multicast,
+        Always,
+    ),
 ];
 
 /// An IPv4 address carried inside an IPv6 one, and the form that carries it.
@@ -149,7 +366,7 @@ pub struct Embedded {
 }
 
 /// The IPv4 address an IPv6 address stands for, if it is one of the forms that embed
-/// one: IPv4-mapped, IPv4-compatible (not `::` or `::1`), NAT64 `64:ff9b::/96`, 6to4
+/// one: IPv4-mapped, IPv4-translated, IPv4-compatible (not `::` or `::1`), NAT64 `64:ff9b::/96`, 6to4
 /// `2002::/16` and Teredo `2001::/32` (its client address, stored inverted).
 pub fn embedded_ipv4(ip: Ipv6Addr) -> Option<Embedded> {
     let s = ip.segments();
@@ -158,6 +375,12 @@ pub fn embedded_ipv4(ip: Ipv6Addr) -> Option<Embedded> {
         return Some(Embedded {
             ipv4: low,
             form: "IPv4-mapped ::ffff:0:0/96",
+        });
+    }
+    if s[..4] == [0; 4] && s[4] == 0xffff && s[5] == 0 {
+        return Some(Embedded {
+            ipv4: low,
+            form: "IPv4-translated ::ffff:0:0:0/96",
         });
     }
     // `Ipv6Addr::to_ipv4` would turn ::1 into 0.0.0.1; :: and ::1 are IPv6's own
@@ -189,18 +412,19 @@ pub fn embedded_ipv4(ip: Ipv6Addr) -> Option<Embedded> {
     None
 }
 
-/// Whether the guard lets webproxy connect to `ip`. In order: `deny` wins, then
-/// `allow`; an IPv6 address embedding an IPv4 one is judged as that IPv4 address;
-/// then the default ranges, the private ones lifted by `allow_private_networks`.
+/// Whether the guard lets webproxy connect to `ip`. In order: `deny` wins (on the
+/// address and on the IPv4 address it embeds); an IPv6 address embedding an IPv4 one
+/// is judged as that IPv4 address, `allow` included; cloud metadata addresses are
+/// denied whatever is configured; then `allow`; then the default ranges, the private
+/// ones lifted by `allow_private_networks`.
 pub fn check(ip: IpAddr, policy: &GuardPolicy) -> Result<(), Denied> {
     if let Some(net) = policy.deny.iter().find(|n| n.contains(&ip)) {
         return Err(Denied {
             address: ip,
             range: format!("{net} ([outbound] deny_cidrs)"),
+            kind: Kind::Configured,
+            embedded: false,
         });
-    }
-    if policy.allow.iter().any(|n| n.contains(&ip)) {
-        return Ok(());
     }
     let ranges = match ip {
         IpAddr::V4(_) => IPV4_RANGES,
@@ -212,18 +436,32 @@ pub fn check(ip: IpAddr, policy: &GuardPolicy) -> Result<(), Denied> {
                         "{} (as {} embedded in {})",
                         inner.range, embedded.ipv4, embedded.form
                     ),
+                    kind: inner.kind,
+                    embedded: true,
                 });
             }
             IPV6_RANGES
         }
     };
-    match ranges.iter().find(|r| r.net.contains(&ip)) {
-        Some(range) if range.class == Class::Private && policy.allow_private_networks => Ok(()),
-        Some(range) => Err(Denied {
+    let range = ranges.iter().find(|r| r.net.contains(&ip));
+    let lifted = match range {
+        None => true,
+        Some(range) => match range.class {
+            Class::Never => false,
+            Class::Always => policy.allow.iter().any(|n| n.contains(&ip)),
+            Class::Private => {
+                policy.allow_private_networks || policy.allow.iter().any(|n| n.contains(&ip))
+            }
+        },
+    };
+    match range {
+        Some(range) if !lifted => Err(Denied {
             address: ip,
             range: format!("the {} range {}", range.name, range.net),
+            kind: range.kind,
+            embedded: false,
         }),
-        None => Ok(()),
+        _ => Ok(()),
     }
 }
 
@@ -451,22 +689,52 @@ mod tests {
         }
     }
 
+    /// Every cloud metadata address, IPv4 and IPv6, in every embedding: denied with
+    /// private networks allowed and with `allow_cidrs` covering everything.
     #[test]
-    fn cloud_metadata_stays_denied_with_private_networks() {
-        for (address, range) in [
-            ("169.254.169.254", "169.254.0.0/16"),
-            ("100.100.100.200", "cloud metadata"),
-            ("192.0.0.192", "192.0.0.0/24"),
-            ("fd00:ec2::254", "cloud metadata"),
-            ("::ffff:169.254.169.254", "169.254.0.0/16"),
+    fn cloud_metadata_is_denied_whatever_is_configured() {
+        let open_everything = GuardPolicy {
+            allow_private_networks: true,
+            allow: vec![net("0.0.0.0/0"), net("::/0")],
+            deny: Vec::new(),
+        };
+        let exact = GuardPolicy {
+            allow: vec![net("168.63.129.16/32"), net("fd20:ce::254/128")],
+            ..GuardPolicy::default()
+        };
+        for address in [
+            "169.254.169.254",
+            "169.254.170.2",
+            "169.254.170.23",
+            "169.254.0.23",
+            "168.63.129.16",
+            "100.100.100.200",
+            "192.0.0.192",
+            "fd00:ec2::254",
+            "fd00:ec2::23",
+            "fd20:ce::254",
+            "::ffff:169.254.169.254",
+            "::ffff:168.63.129.16",
+            "::ffff:0:168.63.129.16",
+            "64:ff9b::a83f:8110",
+            "2002:a83f:8110::",
         ] {
-            denied(address, &private(), range);
+            for policy in [policy(), private(), open_everything.clone(), exact.clone()] {
+                denied(address, &policy, "cloud metadata");
+                let d = check(ip(address), &policy).expect_err("denied");
+                assert_eq!(d.kind, Kind::Metadata, "{address}");
+            }
         }
-        // Its neighbours are only CGNAT and unique-local.
+        // Its neighbours are only link-local, public, CGNAT and unique-local.
+        allowed("168.63.129.15", &policy());
+        allowed("168.63.129.17", &policy());
+        allowed("169.254.169.253", &open_everything);
         allowed("100.100.100.199", &private());
         allowed("100.100.100.201", &private());
         allowed("fd00:ec2::253", &private());
         allowed("fd00:ec2::255", &private());
+        allowed("fd20:ce::253", &private());
+        allowed("fd20:ce::255", &private());
     }
 
     #[test]
@@ -475,13 +743,26 @@ mod tests {
         denied("::ffff:127.0.0.1", &policy(), "IPv4-mapped");
         denied("::ffff:0.0.0.0", &policy(), "0.0.0.0/8");
         denied("::ffff:10.0.0.1", &policy(), "10.0.0.0/8");
-        denied("::ffff:169.254.169.254", &policy(), "169.254.0.0/16");
+        denied("::ffff:169.254.1.1", &policy(), "169.254.0.0/16");
         denied("::ffff:255.255.255.255", &policy(), "broadcast");
         allowed("::ffff:8.8.8.8", &policy());
         allowed("::ffff:127.0.0.1", &private());
         // Just outside ::ffff:0:0/96 on both sides: no longer IPv4-mapped.
         allowed("::fffe:ffff:ffff", &policy());
         allowed("::1:0:0:0", &policy());
+    }
+
+    #[test]
+    fn ipv4_translated_is_judged_as_ipv4() {
+        denied("::ffff:0:127.0.0.1", &policy(), "IPv4-translated");
+        denied("::ffff:0:127.0.0.1", &policy(), "127.0.0.0/8");
+        denied("::ffff:0:10.0.0.1", &policy(), "10.0.0.0/8");
+        denied("::ffff:0:169.254.1.1", &private(), "169.254.0.0/16");
+        allowed("::ffff:0:8.8.8.8", &policy());
+        allowed("::ffff:0:127.0.0.1", &private());
+        // Just outside ::ffff:0:0:0/96: ::ffff:1:0:0 and ::fffe:ffff:ffff:ffff.
+        allowed("::ffff:1:0:0", &policy());
+        allowed("::fffe:ffff:ffff:ffff", &policy());
     }
 
     #[test]
@@ -508,7 +789,7 @@ mod tests {
     fn nat64_is_judged_as_ipv4() {
         denied("64:ff9b::127.0.0.1", &policy(), "NAT64");
         denied("64:ff9b::127.0.0.1", &policy(), "127.0.0.0/8");
-        denied("64:ff9b::a9fe:a9fe", &private(), "169.254.0.0/16");
+        denied("64:ff9b::a9fe:101", &private(), "169.254.0.0/16");
         denied("64:ff9b::", &policy(), "0.0.0.0/8");
         denied("64:ff9b::ffff:ffff", &policy(), "broadcast");
         allowed("64:ff9b::8.8.8.8", &policy());
@@ -521,7 +802,7 @@ mod tests {
         // 2002:7f00:1:: carries 127.0.0.1.
         denied("2002:7f00:1::", &policy(), "6to4");
         denied("2002:7f00:1::", &policy(), "127.0.0.0/8");
-        denied("2002:a9fe:a9fe::1", &private(), "169.254.0.0/16");
+        denied("2002:a9fe:101::1", &private(), "169.254.0.0/16");
         denied("2002::", &policy(), "0.0.0.0/8");
         denied(
             "2002:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
@@ -555,16 +836,52 @@ mod tests {
     #[test]
     fn allow_cidrs_open_exactly_what_they_name() {
         let policy = GuardPolicy {
-            allow: vec![net("127.0.0.2/32"), net("169.254.169.254/32")],
+            allow: vec![net("127.0.0.2/32"), net("169.254.10.0/24")],
             ..GuardPolicy::default()
         };
         allowed("127.0.0.2", &policy);
         allowed("::ffff:127.0.0.2", &policy);
-        allowed("169.254.169.254", &policy);
+        allowed("64:ff9b::127.0.0.2", &policy);
+        allowed("169.254.10.1", &policy);
         denied("127.0.0.1", &policy, "127.0.0.0/8");
         denied("127.0.0.3", &policy, "127.0.0.0/8");
-        denied("169.254.169.253", &policy, "169.254.0.0/16");
+        denied("169.254.11.1", &policy, "169.254.0.0/16");
         denied("::1", &policy, "loopback");
+    }
+
+    /// An allow on a prefix that embeds IPv4 addresses is compared only after
+    /// unwrapping, so it never opens the private, loopback or metadata addresses
+    /// embedded in it; it opens nothing the IPv4 address alone would not.
+    #[test]
+    fn allow_cidrs_apply_after_unwrapping_embedded_ipv4() {
+        for prefix in [
+            "::ffff:0:0/96",
+            "::ffff:0:0:0/96",
+            "::/96",
+            "64:ff9b::/96",
+            "2002::/16",
+            "2001::/32",
+            "::/0",
+        ] {
+            let policy = GuardPolicy {
+                allow: vec![net(prefix)],
+                ..GuardPolicy::default()
+            };
+            for address in [
+                "::ffff:127.0.0.1",
+                "::ffff:0:127.0.0.1",
+                "::127.0.0.1",
+                "64:ff9b::10.0.0.1",
+                "2002:c0a8:101::",
+                "2001:0:4136:e378:8000:63bf:80ff:fffe",
+                "::ffff:169.254.169.254",
+            ] {
+                let d = check(ip(address), &policy)
+                    .expect_err(&format!("{address} opened by {prefix}"));
+                assert!(d.embedded, "{address}");
+            }
+            allowed("::ffff:8.8.8.8", &policy);
+        }
     }
 
     #[test]
@@ -582,18 +899,50 @@ mod tests {
         allowed("8.8.7.255", &policy);
     }
 
+    /// What the caller is told names the kind of range and never the address; the
+    /// address and the range are in the detail, for the log.
     #[test]
-    fn denial_names_address_and_range() {
-        let d = check(ip("10.1.2.3"), &policy()).expect_err("denied");
+    fn denial_tells_the_kind_and_keeps_the_address_for_the_log() {
+        let d = check(ip("10.20.30.40"), &policy()).expect_err("denied");
+        assert_eq!(d.to_string(), "destination not allowed (private)");
         assert_eq!(
-            d.to_string(),
-            "address 10.1.2.3 is in the private (RFC 1918) range 10.0.0.0/8"
+            d.detail(),
+            "address 10.20.30.40 is in the private (RFC 1918) range 10.0.0.0/8"
         );
         let d = check(ip("::ffff:127.0.0.1"), &policy()).expect_err("denied");
         assert_eq!(
             d.to_string(),
+            "destination not allowed (loopback, as the IPv4 address embedded in an IPv6 one)"
+        );
+        assert_eq!(
+            d.detail(),
             "address ::ffff:127.0.0.1 is in the loopback range 127.0.0.0/8 (as 127.0.0.1 embedded in IPv4-mapped ::ffff:0:0/96)"
         );
+        let deny = GuardPolicy {
+            deny: vec![net("8.8.8.0/24")],
+            ..GuardPolicy::default()
+        };
+        let d = check(ip("8.8.8.8"), &deny).expect_err("denied");
+        assert_eq!(
+            d.to_string(),
+            "destination not allowed ([outbound] deny_cidrs)"
+        );
+        for (address, kind) in [
+            ("127.0.0.1", "loopback"),
+            ("::1", "loopback"),
+            ("169.254.169.254", "cloud metadata"),
+            ("169.254.1.1", "link-local"),
+            ("100.64.0.1", "shared address space"),
+            ("fd12::1", "unique-local"),
+            ("0.0.0.0", "unspecified"),
+            ("224.0.0.1", "multicast"),
+        ] {
+            let shown = check(ip(address), &policy())
+                .expect_err("denied")
+                .to_string();
+            assert_eq!(shown, format!("destination not allowed ({kind})"));
+            assert!(!shown.contains(address), "{shown}");
+        }
     }
 
     #[test]

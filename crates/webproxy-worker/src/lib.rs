@@ -142,6 +142,12 @@ pub enum AttemptOutcome {
     Denied {
         message: String,
     },
+    /// The request cannot be sent as it is (a redirect to a URL webproxy refuses, such
+    /// as one with user information): nothing was sent for it. Never produced by
+    /// [`Worker::attempt`]; the dispatcher uses it for a hop it refuses to take.
+    Invalid {
+        message: String,
+    },
 }
 
 /// Performs attempts over one shared connection pool.
@@ -207,9 +213,7 @@ impl Worker {
     async fn attempt_inner(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
         let started = Instant::now();
         if let Err(denied) = self.check_url(request.url) {
-            return AttemptOutcome::Denied {
-                message: denied.to_string(),
-            };
+            return refused(&denied, request.url);
         }
         let method = match reqwest::Method::from_bytes(request.method.as_bytes()) {
             Ok(m) => m,
@@ -227,7 +231,7 @@ impl Worker {
         }
         let mut response = match builder.send().await {
             Ok(r) => r,
-            Err(e) => return self.send_failed(&e, request.timeout, started),
+            Err(e) => return self.send_failed(&e, request.url, request.timeout, started),
         };
         let status = response.status().as_u16();
         if let Err(message) = check_response_headers(
@@ -286,14 +290,13 @@ impl Worker {
     fn send_failed(
         &self,
         error: &reqwest::Error,
+        url: &Url,
         timeout: Duration,
         started: Instant,
     ) -> AttemptOutcome {
         let chain = error_chain(error);
         if let Some(denied) = chain.iter().find_map(|e| e.downcast_ref::<Denied>()) {
-            return AttemptOutcome::Denied {
-                message: denied.to_string(),
-            };
+            return refused(denied, url);
         }
         // hyper's `is_parse_too_large` exists only with its server feature; its
         // message for an over-long head is stable.
@@ -310,6 +313,20 @@ impl Worker {
             };
         }
         AttemptOutcome::Failed(classify(error, timeout, started))
+    }
+}
+
+/// A destination the guard refused: the caller is told the kind of range only; the
+/// address it resolved to, which would map the internal network, goes to the log.
+fn refused(denied: &Denied, url: &Url) -> AttemptOutcome {
+    tracing::info!(
+        host = url.host_str().unwrap_or(""),
+        address = %denied.address,
+        range = %denied.range,
+        "the address guard refused a destination"
+    );
+    AttemptOutcome::Denied {
+        message: denied.to_string(),
     }
 }
 

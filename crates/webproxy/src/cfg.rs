@@ -70,6 +70,9 @@ struct EffectiveRule<'a> {
     timeout: String,
     retry: &'a webproxy_dispatcher::retry::RetryPolicy,
     follow_redirects: u32,
+    /// The one origin the rule's requests may go to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    origin: Option<String>,
     /// Where each injected header comes from; never its value.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     inject_headers:
@@ -85,10 +88,15 @@ struct Effective<'a> {
     outbound: &'a webproxy_dispatcher::config::OutboundConfig,
     pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::config::PoolConfig>,
     request_rules: Vec<EffectiveRule<'a>>,
+    warnings: &'a [String],
 }
 
-/// Prints the effective pools and rules, as `check-config` does.
-pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
+/// Prints the effective pools and rules, as `check-config` does, with `warnings` (from
+/// [`Settings::warnings`]) on stderr and, with `json`, in the output too.
+pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> anyhow::Result<()> {
+    for warning in warnings {
+        eprintln!("warning: {warning}");
+    }
     let rules = settings
         .rules
         .iter()
@@ -101,6 +109,7 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
             timeout: humantime::format_duration(r.timeout).to_string(),
             retry: &r.retry,
             follow_redirects: r.security.follow_redirects,
+            origin: r.security.origin.as_ref().map(|o| o.ascii_serialization()),
             inject_headers: r
                 .security
                 .inject
@@ -116,12 +125,17 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
         outbound: &settings.config.outbound,
         pools: &settings.pools,
         request_rules: rules,
+        warnings,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&effective)?);
         return Ok(());
     }
-    println!("configuration is valid");
+    if warnings.is_empty() {
+        println!("configuration is valid");
+    } else {
+        println!("configuration is valid, with {} warnings", warnings.len());
+    }
     println!("prefix: {}", settings.subjects.prefix());
     let guard = &settings.outbound.guard;
     let nets = |nets: &[webproxy_dispatcher::ipnet::IpNet]| {
@@ -154,7 +168,7 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
     if effective.request_rules.is_empty() {
         println!("request rules: none (every request is denied)");
     } else {
-        println!("request rules (a rule naming the method beats \"*\"; then file order):");
+        println!("request rules (the first whose method and pattern match decides):");
         for rule in &effective.request_rules {
             let action = match rule.action {
                 RuleAction::Accept => "accept",
@@ -173,6 +187,9 @@ pub fn print_effective(settings: &Settings, json: bool) -> anyhow::Result<()> {
                 humantime::format_duration(rule.retry.max_retry_delay),
                 rule.retry.jitter
             );
+            if let Some(origin) = &rule.origin {
+                println!("    sends only to the origin {origin}");
+            }
             if rule.follow_redirects > 0 {
                 println!("    follows up to {} redirects", rule.follow_redirects);
             }
@@ -227,6 +244,7 @@ mod tests {
         let settings = load(Some(&path)).expect("example loads");
         assert!(settings.pools.contains_key("default"));
         assert!(settings.rules.iter().count() > 0);
+        assert!(settings.warnings().is_empty(), "{:?}", settings.warnings());
     }
 
     #[test]
@@ -280,6 +298,65 @@ mod tests {
             assert!(e.contains("service_host"), "{e}");
             Ok(())
         });
+    }
+
+    #[test]
+    fn an_injecting_rule_without_origin_or_with_plain_http_is_refused() {
+        let rule = "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^https://api\\.partner\\.com/'\n";
+        let inject = "[request_rules.inject_headers]\nAuthorization = { env = \"T\" }\n";
+        let e = error_of(&format!("{rule}{inject}"));
+        assert!(e.contains("request_rules[0] (partner).origin"), "{e}");
+        assert!(
+            e.contains("add origin = \"https://api.partner.com\""),
+            "{e}"
+        );
+        let e = error_of(&format!(
+            "{rule}origin = \"http://api.partner.com\"\n{inject}"
+        ));
+        assert!(e.contains("request_rules[0] (partner).origin"), "{e}");
+        assert!(e.contains("allow_http = true"), "{e}");
+        let settings = load_text(&format!(
+            "{rule}origin = \"https://api.partner.com\"\n{inject}"
+        ))
+        .expect("valid");
+        assert!(settings.warnings().is_empty(), "{:?}", settings.warnings());
+    }
+
+    #[test]
+    fn warnings_name_the_rule_or_key() {
+        let settings = load_text(
+            "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n\n\
+             [[request_rules]]\nname = \"no-admin\"\nurl_pattern = '^https://a\\.test/admin/'\naction = \"deny\"\n\
+             [[request_rules]]\nname = \"health\"\nurl_pattern = '^https://a\\.test/admin/health'\n\
+             [[request_rules]]\nname = \"loose\"\nurl_pattern = 'https://b.test/'\n",
+        )
+        .expect("valid");
+        let warnings = settings.warnings();
+        let has = |key: &str, what: &str| {
+            warnings
+                .iter()
+                .any(|w| w.starts_with(key) && w.contains(what))
+        };
+        assert!(
+            has("request_rules[1] (health)", "never matches"),
+            "{warnings:?}"
+        );
+        assert!(
+            has("request_rules[2] (loose).url_pattern", "not anchored"),
+            "{warnings:?}"
+        );
+        assert!(
+            has("request_rules[2] (loose).url_pattern", "unescaped '.'"),
+            "{warnings:?}"
+        );
+        assert!(has("streams.reply_to_allow", "credentials"), "{warnings:?}");
+        assert_eq!(warnings.len(), 4, "{warnings:?}");
+        let allowed = load_text(
+            "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n",
+        )
+        .expect("valid");
+        assert!(allowed.warnings().is_empty(), "{:?}", allowed.warnings());
+        assert!(load(None).expect("defaults").warnings().is_empty());
     }
 
     #[test]

@@ -165,7 +165,7 @@ impl Cli {
                 // values are never printed.
                 Secrets::load(&settings.rules, Redactor::default())
                     .context("invalid configuration: cannot read an injected secret")?;
-                cfg::print_effective(&settings, json)?;
+                cfg::print_effective(&settings, &settings.warnings(), json)?;
                 Ok(ExitCode::SUCCESS)
             }
             command => {

@@ -1,17 +1,17 @@
 //! `webproxy dead list` and `webproxy dead replay`: read the dead-letter stream, and
-//! republish failed conversations as fresh requests of a new generation. Dead letters
-//! stay where they are, as an audit trail.
+//! replay failed conversations as a new generation from their origin, through the
+//! dispatcher's own replay. Dead letters stay where they are, as an audit trail.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
-use webproxy_protocol::{DeadLetter, header};
+use webproxy_dispatcher::runtime::ReplayError;
+use webproxy_protocol::DeadLetter;
 
 use crate::cli::NatsArgs;
 use crate::send;
@@ -135,7 +135,8 @@ pub async fn list(args: &NatsArgs, pool: Option<&str>, json: bool) -> anyhow::Re
 /// What a replay did with one conversation.
 #[derive(Debug, Serialize)]
 struct Replayed {
-    id: String,
+    id: Option<String>,
+    origin: String,
     pool: String,
     generation: u64,
 }
@@ -148,74 +149,51 @@ pub async fn replay(
 ) -> anyhow::Result<()> {
     let client = send::connect(args).await?;
     let letters = read_letters(&client, pool).await?;
-    // The newest letter of each conversation is the one to replay; the highest
-    // generation seen, in letters or the stored reply, decides the next one.
-    let mut latest: BTreeMap<String, (&StoredLetter, u64)> = BTreeMap::new();
+    // The newest letter of each conversation (its origin) is the one to replay: it has
+    // the highest generation, and the next one starts above it.
+    let mut latest: BTreeMap<&str, &StoredLetter> = BTreeMap::new();
     let mut skipped = Vec::new();
     for stored in &letters {
         let letter = &stored.letter;
-        let Some(letter_id) = letter.id.as_deref() else {
+        if id.is_some_and(|wanted| letter.id.as_deref() != Some(wanted)) {
+            continue;
+        }
+        let Some(origin) = letter.origin.as_deref() else {
             skipped.push(format!(
-                "seq {}: no conversation id (the payload was not a request)",
+                "seq {}: no origin (the payload was not a request, or an older webproxy stored it)",
                 stored.sequence
             ));
             continue;
         };
-        if id.is_some_and(|wanted| wanted != letter_id) {
-            continue;
-        }
-        let entry = latest
-            .entry(letter_id.to_string())
-            .or_insert((stored, letter.generation));
-        entry.1 = entry.1.max(letter.generation);
-        if stored.sequence > entry.0.sequence {
-            entry.0 = stored;
+        let entry = latest.entry(origin).or_insert(stored);
+        if (letter.generation, stored.sequence) > (entry.letter.generation, entry.sequence) {
+            *entry = stored;
         }
     }
     if let Some(wanted) = id
-        && !latest.contains_key(wanted)
+        && latest.is_empty()
     {
         bail!(
             "no dead letter for id {wanted:?}{}",
             pool.map(|p| format!(" in pool {p}")).unwrap_or_default()
         );
     }
-    let js = jetstream::new(client.nats().clone());
+    let outlet = crate::pools::operator_outlet(&client).await?;
     let mut replayed = Vec::new();
-    for (letter_id, (stored, highest)) in latest {
+    for (origin, stored) in latest {
         let letter = &stored.letter;
-        let Some(envelope) = letter.envelope.as_ref().filter(|_| !letter.truncated) else {
-            skipped.push(format!(
-                "{letter_id}: the dead letter does not hold the whole request"
-            ));
-            continue;
-        };
-        let stored_generation = match client.reply_message(&letter_id).await? {
-            Some(message) => message
-                .headers
-                .get(header::GENERATION)
-                .and_then(|g| g.as_str().parse::<u64>().ok())
-                .unwrap_or(0),
-            None => 0,
-        };
-        let generation = highest.max(stored_generation) + 1;
-        let mut headers = HeaderMap::new();
-        headers.insert(header::GENERATION, generation.to_string().as_str());
-        let publish = jetstream::message::PublishMessage::build()
-            .payload(envelope.get().as_bytes().to_vec().into())
-            .headers(headers)
-            .message_id(format!("{letter_id}:{generation}:replay"));
-        let subject = client.subjects().request(&letter.pool);
-        js.send_publish(subject.clone(), publish)
-            .await
-            .with_context(|| format!("cannot replay {letter_id} to {subject}"))?
-            .await
-            .with_context(|| format!("{subject} did not store the replay of {letter_id}"))?;
-        replayed.push(Replayed {
-            id: letter_id,
-            pool: letter.pool.clone(),
-            generation,
-        });
+        match webproxy_dispatcher::runtime::replay(&outlet, letter).await {
+            Ok(generation) => replayed.push(Replayed {
+                id: letter.id.clone(),
+                origin: origin.to_string(),
+                pool: letter.pool.clone(),
+                generation,
+            }),
+            Err(e @ (ReplayError::Progress(_) | ReplayError::Publish(_))) => {
+                return Err(e).with_context(|| format!("cannot replay {origin}"));
+            }
+            Err(e) => skipped.push(format!("{origin}: {e}")),
+        }
     }
     if json {
         println!(
@@ -225,8 +203,11 @@ pub async fn replay(
     } else {
         for r in &replayed {
             println!(
-                "replayed {} to pool {} as generation {}",
-                r.id, r.pool, r.generation
+                "replayed {} ({}) to pool {} as generation {}",
+                r.id.as_deref().unwrap_or("-"),
+                r.origin,
+                r.pool,
+                r.generation
             );
         }
         for s in &skipped {

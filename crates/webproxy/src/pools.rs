@@ -10,7 +10,7 @@ use futures::TryStreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
 use webproxy_dispatcher::Metrics;
-use webproxy_dispatcher::runtime::{Outlet, end_unattempted};
+use webproxy_dispatcher::runtime::{Outlet, Progress, Settled, end_unattempted};
 use webproxy_dispatcher::secrets::Redactor;
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
@@ -157,6 +157,25 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     Ok(())
 }
 
+/// An outlet for the operator commands, which end or replay conversations through
+/// the service's own code. The CLI loads no secrets: what it publishes is what the
+/// callers sent.
+pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
+    let js = jetstream::new(client.nats().clone());
+    let bucket = client.subjects().progress_bucket();
+    let progress = js.get_key_value(&bucket).await.with_context(|| {
+        format!("cannot open the progress bucket {bucket} (has `webproxy serve` run?)")
+    })?;
+    Ok(Outlet::new(
+        client.nats().clone(),
+        client.subjects().clone(),
+        client.nats().server_info().max_payload,
+        Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
+        Redactor::default(),
+        Progress::new(progress),
+    ))
+}
+
 /// Ends every message left in a pool with an `internal` error: the caller is answered
 /// and the request is dead-lettered, so it can be replayed into another pool.
 async fn dead_letter_all(
@@ -164,16 +183,7 @@ async fn dead_letter_all(
     stream: &stream::Stream,
     pool: &str,
 ) -> anyhow::Result<u64> {
-    let max_payload = client.nats().server_info().max_payload;
-    let outlet = Outlet::new(
-        client.nats().clone(),
-        client.subjects().clone(),
-        max_payload,
-        Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-        // The CLI loads no secrets: the waiting requests are dead-lettered as the
-        // callers sent them.
-        Redactor::default(),
-    );
+    let outlet = operator_outlet(client).await?;
     let reader: consumer::PullConsumer = stream
         .create_consumer(consumer::pull::Config {
             ack_policy: consumer::AckPolicy::Explicit,
@@ -188,11 +198,12 @@ async fn dead_letter_all(
             message: format!("pool {pool} was removed before this request was attempted"),
             status: None,
         };
-        end_unattempted(&outlet, pool, &message, error).await;
-        message
-            .double_ack()
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot ack a dead-lettered message: {e}"))
+        match end_unattempted(&outlet, pool, &message, error).await {
+            Settled::Done => Ok(()),
+            Settled::Left => {
+                bail!("could not store the ending of a waiting request; the pool is left as it is")
+            }
+        }
     })
     .await
 }

@@ -21,7 +21,12 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
         .context("cannot read the NATS credentials")?
         .connect(urls)
         .await
-        .with_context(|| format!("cannot connect to NATS at {url}"))?;
+        .with_context(|| {
+            format!(
+                "cannot connect to NATS at {}",
+                webproxy_dispatcher::nats_auth::redact_url_credentials(&url)
+            )
+        })?;
     Ok(Client::new(nats, settings.subjects.prefix())?)
 }
 

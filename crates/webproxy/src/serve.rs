@@ -9,7 +9,10 @@ use tracing::{error, info, warn};
 use webproxy_dispatcher::config::ByteLimit;
 use webproxy_dispatcher::nats_auth;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
-use webproxy_dispatcher::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
+use webproxy_dispatcher::provision::{
+    MIN_SERVER_VERSION, Provisioned, provision, server_version_supported,
+};
+use webproxy_dispatcher::runtime::Progress;
 use webproxy_dispatcher::secrets::{Redactor, Secrets};
 use webproxy_dispatcher::{Dispatcher, Health, Instruments, Settings, connect};
 use webproxy_worker::{Worker, WorkerConfig};
@@ -18,6 +21,9 @@ use crate::health;
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
+    for warning in settings.warnings() {
+        warn!("configuration: {warning}");
+    }
     let secrets = Arc::new(
         Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
     );
@@ -56,7 +62,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
 
     let js = async_nats::jetstream::new(client.clone());
-    let Some(consumers) = provision_until_done(&js, &settings, &shutdown).await else {
+    let Some(provisioned) = provision_until_done(&js, &settings, &shutdown).await else {
         return Ok(());
     };
     let worker = Worker::new(&WorkerConfig {
@@ -72,10 +78,15 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         max_payload,
         instruments,
         secrets,
+        Progress::new(provisioned.progress),
     );
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
-        .run(consumers, shutdown, settings.config.service.shutdown_grace)
+        .run(
+            provisioned.pools,
+            shutdown,
+            settings.config.service.shutdown_grace,
+        )
         .await;
     if let Err(e) = client.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
@@ -123,11 +134,11 @@ async fn provision_until_done(
     js: &async_nats::jetstream::Context,
     settings: &Settings,
     shutdown: &CancellationToken,
-) -> Option<Vec<webproxy_dispatcher::provision::PoolConsumers>> {
+) -> Option<Provisioned> {
     let mut delay = Duration::from_millis(200);
     loop {
         match provision(js, settings).await {
-            Ok(consumers) => return Some(consumers),
+            Ok(provisioned) => return Some(provisioned),
             Err(e) => warn!(error = %e, "provisioning failed; retrying"),
         }
         tokio::select! {
@@ -150,7 +161,8 @@ async fn connect_until_up(
         match connect(settings, health.clone()).await {
             Ok(client) => return Ok(Some(client)),
             Err(e) => {
-                warn!(url = %settings.config.nats.url, error = %e, "cannot connect to NATS; retrying")
+                let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+                warn!(%url, error = %e, "cannot connect to NATS; retrying")
             }
         }
         tokio::select! {

@@ -3,17 +3,22 @@
 //! Set up outside the async runtime, because the exporter's blocking HTTP client must
 //! not be dropped inside it; the returned guard flushes and shuts down on drop. Every
 //! log line passes the [`Redactor`], so no injected secret is ever logged, at any
-//! level, by any crate.
+//! level, by any crate; so does every exported span ([`RedactingExporter`]).
 
 use std::io::{IsTerminal as _, Write};
 
+use std::borrow::Cow;
+
 use anyhow::Context as _;
-use opentelemetry::global;
+use opentelemetry::trace::Status;
 use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::{Array, KeyValue, StringValue, Value, global};
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use tracing::Level;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
@@ -80,7 +85,10 @@ pub fn init_service(
             .with_endpoint(url.clone())
             .build()
             .with_context(|| format!("cannot export spans to telemetry.otlp_endpoint = {url}"))?;
-        provider = provider.with_batch_exporter(exporter);
+        provider = provider.with_batch_exporter(RedactingExporter {
+            inner: exporter,
+            redactor: redactor.clone(),
+        });
     }
     let provider = provider.build();
     // Spans are filtered apart from logs: a quieter log level must not stop the
@@ -107,6 +115,85 @@ pub fn init_service(
     Ok(TelemetryGuard {
         provider: Some(provider),
     })
+}
+
+/// A span exporter that hands spans on with every secret value the [`Redactor`]
+/// knows replaced: names, string attributes, events, links and status descriptions,
+/// as in log lines. Span fields carry URLs' hosts, error messages and upstream
+/// failures, any of which could hold a value that must not leave the process.
+#[derive(Debug)]
+struct RedactingExporter<E> {
+    inner: E,
+    redactor: Redactor,
+}
+
+impl<E: SpanExporter> SpanExporter for RedactingExporter<E> {
+    fn export(
+        &self,
+        mut batch: Vec<SpanData>,
+    ) -> impl std::future::Future<Output = OTelSdkResult> + Send {
+        for span in &mut batch {
+            redact_span(span, &self.redactor);
+        }
+        self.inner.export(batch)
+    }
+
+    fn shutdown_with_timeout(&self, timeout: std::time::Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+fn redact_span(span: &mut SpanData, redactor: &Redactor) {
+    if let Cow::Owned(name) = redactor.redact(&span.name) {
+        span.name = name.into();
+    }
+    redact_attributes(&mut span.attributes, redactor);
+    for event in &mut span.events.events {
+        if let Cow::Owned(name) = redactor.redact(&event.name) {
+            event.name = name.into();
+        }
+        redact_attributes(&mut event.attributes, redactor);
+    }
+    for link in &mut span.links.links {
+        redact_attributes(&mut link.attributes, redactor);
+    }
+    if let Status::Error { description } = &mut span.status
+        && let Cow::Owned(redacted) = redactor.redact(description)
+    {
+        *description = redacted.into();
+    }
+}
+
+fn redact_attributes(attributes: &mut [KeyValue], redactor: &Redactor) {
+    let redact = |text: &StringValue| match redactor.redact(text.as_str()) {
+        Cow::Owned(redacted) => Some(StringValue::from(redacted)),
+        Cow::Borrowed(_) => None,
+    };
+    for attribute in attributes {
+        match &mut attribute.value {
+            Value::String(text) => {
+                if let Some(redacted) = redact(text) {
+                    *text = redacted;
+                }
+            }
+            Value::Array(Array::String(texts)) => {
+                for text in texts {
+                    if let Some(redacted) = redact(text) {
+                        *text = redacted;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The command-line tools' telemetry: warnings and errors as text on stderr.
@@ -240,5 +327,70 @@ mod tests {
         assert_eq!(captured.lines().count(), 6, "{captured}");
         assert!(!captured.contains("en-42"), "{captured}");
         assert_eq!(captured.matches("[REDACTED]").count(), 6, "{captured}");
+    }
+
+    /// Collects what the redacting exporter hands on.
+    #[derive(Debug, Clone, Default)]
+    struct Collected(std::sync::Arc<Mutex<Vec<SpanData>>>);
+
+    impl SpanExporter for Collected {
+        fn export(
+            &self,
+            batch: Vec<SpanData>,
+        ) -> impl std::future::Future<Output = OTelSdkResult> + Send {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(batch);
+            std::future::ready(Ok(()))
+        }
+    }
+
+    /// What span export hands the OTLP exporter has every secret value replaced, in
+    /// names, attributes (strings and string arrays), events and the status.
+    #[test]
+    fn exported_spans_are_redacted() {
+        let redactor = Redactor::default();
+        redactor.set(vec!["span-secret-5e".into()]);
+        let collected = Collected::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(RedactingExporter {
+                inner: collected.clone(),
+                redactor: redactor.clone(),
+            })
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "attempt",
+                otel.name = "GET span-secret-5e.example",
+                failure = tracing::field::Empty,
+            );
+            let _entered = span.enter();
+            span.record("failure", "denied: Bearer span-secret-5e");
+            tracing::error!(detail = "span-secret-5e", "event with span-secret-5e");
+        });
+        let mut spans = collected
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        assert_eq!(spans.len(), 1);
+        let mut span = spans.remove(0);
+        let shown = format!("{span:?}");
+        assert!(!shown.contains("span-secret-5e"), "{shown}");
+        assert!(shown.contains("[REDACTED]"), "{shown}");
+        assert_eq!(span.name, "GET [REDACTED].example");
+
+        // String arrays, link attributes and the status too.
+        span.attributes.push(KeyValue::new(
+            "list",
+            Value::Array(Array::String(vec!["a span-secret-5e".into()])),
+        ));
+        span.status = Status::error("failed with span-secret-5e");
+        redact_span(&mut span, &redactor);
+        let shown = format!("{span:?}");
+        assert!(!shown.contains("span-secret-5e"), "{shown}");
     }
 }

@@ -1,115 +1,39 @@
-//! One message of a pool's request subject, from parse to ack: the caller's request,
-//! a retry that came due, or a redelivery.
+//! One delivery of a pool consumer, from its conversation to its ending: the caller's
+//! request, a hop (a move, a retry that came due, a replay), or a redelivery. A message
+//! passes once through conversation → record → plan → attempt → verdict, and the
+//! resulting [`Ending`] goes to [`settle`], the only code that acks.
 
 use std::time::{Duration, Instant, SystemTime};
 
-use async_nats::HeaderMap;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::jetstream::{self, AckKind};
-use bytes::Bytes;
-use serde_json::value::RawValue;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
-use tracing::{Instrument as _, Span, debug, field, info, info_span, warn};
+use tracing::{Instrument as _, Span, debug, field, info_span, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-use webproxy_client::stored_reply_message;
-use webproxy_protocol::{
-    AttemptRecord, ErrorBody, ErrorCode, ParseError, Request, header, parse_request,
-};
+use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, header, parse_request};
 use webproxy_worker::AttemptOutcome;
 
 use super::Shared;
-use super::publish::{
-    Ending, Outlet, copy_to_reply_to, from_unix_ms, publish_ending, publish_stored, unix_ms,
-};
-use crate::decision::{Admission, AttemptContext, Verdict, admit, expiry, judge};
+use super::conversation::Conversation;
+use super::delivery::{Delivery, DeliveryInfo};
+use super::progress::{Claim, ProgressError, claim};
+use super::publish::Outlet;
+use super::settle::{Ending, Settled, internal, millis, settle};
+use crate::decision::{AttemptContext, Verdict, judge};
 use crate::egress::Egress;
+use crate::health::Health;
+use crate::hop::HopKind;
 use crate::metrics::status_class;
-use crate::outbox::{EncodedReply, ReplyContext, error_reply, invalid_request, response_reply};
+use crate::outbox::{error_reply, response_reply};
+use crate::plan::{Plan, PlanInput, plan};
 use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
 use crate::trace;
-
-fn header_str<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
-    headers.and_then(|h| h.get(name)).map(|v| v.as_str())
-}
 
 /// Span fields as i64: OpenTelemetry has no unsigned integers, and u64 fields would be
 /// exported as strings.
 fn as_i64(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// What the hop headers say about a message's conversation so far.
-pub(super) struct Hop {
-    pub generation: u64,
-    /// The attempts already made (empty for the caller's own request).
-    pub attempts: Vec<AttemptRecord>,
-    /// The caller's original publish, when a hop carried it.
-    pub first_published: Option<SystemTime>,
-}
-
-impl Hop {
-    pub fn read(headers: Option<&HeaderMap>) -> Hop {
-        Hop {
-            generation: header_str(headers, header::GENERATION)
-                .and_then(|g| g.parse().ok())
-                .unwrap_or(0),
-            attempts: header_str(headers, header::ATTEMPTS)
-                .and_then(|a| serde_json::from_str(a).ok())
-                .unwrap_or_default(),
-            first_published: header_str(headers, header::FIRST_PUBLISHED)
-                .and_then(|t| t.parse().ok())
-                .map(from_unix_ms),
-        }
-    }
-}
-
-/// One conversation's state while its message is handled.
-struct Conversation<'a> {
-    pool: &'a str,
-    /// A valid id: its reply is stored under `<prefix>.reply.<id>`.
-    id: Option<String>,
-    /// The id as given, for the reply body even when it is invalid.
-    raw_id: String,
-    reply_to: Option<String>,
-    generation: u64,
-    payload: Bytes,
-    /// The caller's original publish: `duration_ms` counts from it.
-    since: SystemTime,
-    attempts: Vec<AttemptRecord>,
-    rule: &'a str,
-    /// The connection's redelivery epoch when handling began; see `ack_current`.
-    epoch: u64,
-}
-
-impl Conversation<'_> {
-    fn context<'m>(&'m self, metadata: Option<&'m RawValue>) -> ReplyContext<'m> {
-        ReplyContext {
-            id: &self.raw_id,
-            attempts: u32::try_from(self.attempts.len()).unwrap_or(u32::MAX),
-            duration_ms: millis(
-                SystemTime::now()
-                    .duration_since(self.since)
-                    .unwrap_or_default(),
-            ),
-            metadata,
-        }
-    }
-
-    fn ending(&self) -> Ending<'_> {
-        Ending {
-            pool: self.pool,
-            rule: self.rule,
-            id: self.id.as_deref(),
-            reply_to: self.reply_to.as_deref(),
-            generation: self.generation,
-            payload: &self.payload,
-            attempts: &self.attempts,
-        }
-    }
 }
 
 /// Handles one message inside a span whose parent is the caller's trace context, so
@@ -122,6 +46,7 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         otel.kind = "consumer",
         pool,
         id = field::Empty,
+        origin = field::Empty,
         rule = field::Empty,
         generation = field::Empty,
         delivered = field::Empty,
@@ -129,266 +54,250 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         backoff_ms = field::Empty,
     );
     let _ = span.set_parent(trace::extract(message.headers.as_ref()));
-    handle_message(shared, pool, message).instrument(span).await;
+    handle_delivery(shared, pool, &message)
+        .instrument(span)
+        .await;
 }
 
-async fn handle_message(shared: &Shared, pool: &str, message: jetstream::Message) {
+/// Decides how the delivery ends and settles it.
+pub(super) async fn handle_delivery<'a>(
+    shared: &'a Shared,
+    pool: &'a str,
+    delivery: &impl Delivery,
+) -> Settled {
     let epoch = shared.health.redelivery_epoch();
-    let hop = Hop::read(message.headers.as_ref());
-    let (delivered, published) = match message.info() {
-        Ok(info) => (info.delivered, SystemTime::from(info.published)),
+    let info = match delivery.info() {
+        Ok(info) => info,
         Err(e) => {
+            // Not a JetStream delivery: nothing can be keyed on it, nothing redelivers
+            // it usefully.
             warn!(pool, error = %e, "message without JetStream metadata; terminating it");
-            ack(&message, AckKind::Term).await;
-            return;
+            let _ = delivery.ack(AckKind::Term).await;
+            return Settled::Done;
         }
     };
-    let request = match parse_request(&message.payload, &shared.outlet.subjects) {
-        Ok(request) => request,
-        Err(e) => {
-            // Undecodable payloads are terminated: nothing can answer them, and a
-            // redelivery would only fail again.
-            let (error, kind, id) = match e {
-                ParseError::Undecodable { reason } => (
-                    ErrorBody {
-                        code: ErrorCode::InvalidRequest,
-                        message: format!("payload is not a request envelope: {reason}"),
-                        status: None,
-                    },
-                    AckKind::Term,
-                    None,
-                ),
-                ParseError::Invalid(invalid) => (
-                    invalid_request(invalid.field, &invalid.message),
-                    AckKind::Ack,
-                    invalid.raw_id,
-                ),
-            };
-            end_unattempted(&shared.outlet, pool, &message, error).await;
-            info!(
-                id = id.as_deref().unwrap_or(""),
-                pool,
-                rule = "none",
-                outcome = "error",
-                code = "invalid_request",
-                attempts = 0,
-                "conversation finished"
-            );
-            ack(&message, kind).await;
-            return;
-        }
-    };
-    let mut conversation = Conversation {
-        pool,
-        id: Some(request.id.clone()),
-        raw_id: request.id.clone(),
-        reply_to: request.reply_to.clone(),
-        generation: hop.generation,
-        payload: message.payload.clone(),
-        since: hop.first_published.unwrap_or(published),
-        attempts: hop.attempts,
-        rule: "none",
-        epoch,
-    };
+    let (mut conversation, hop_error) =
+        Conversation::new(pool, delivery, &info, &shared.outlet.subjects, epoch);
     let span = Span::current();
-    span.record("id", conversation.raw_id.as_str());
-    span.record("generation", as_i64(conversation.generation));
-    span.record("delivered", delivered);
+    span.record("origin", conversation.origin().to_string().as_str());
+    span.record("generation", as_i64(conversation.generation()));
+    span.record("delivered", as_i64(info.delivered));
+    let ending = match hop_error {
+        Some(e) => {
+            // Only the service writes hop state: a malformed one is a bug, answered and
+            // dead-lettered rather than read as defaults.
+            warn!(pool, error = %e, "malformed hop state on a service subject");
+            conversation.absorb(&parse_request(delivery.payload(), &shared.outlet.subjects));
+            internal(
+                &shared.outlet,
+                &conversation,
+                format!("webproxy could not read its own hop state: {e}"),
+            )
+        }
+        None => Box::pin(decide(shared, delivery, &info, &mut conversation)).await,
+    };
+    settle(
+        &shared.outlet,
+        &shared.health,
+        delivery,
+        &mut conversation,
+        ending,
+    )
+    .await
+}
 
-    // A retry or a redelivery may belong to a conversation that already ended (a crash
-    // between storing the reply and acking): its stored reply is the answer.
-    if (!conversation.attempts.is_empty() || delivered > 1)
-        && answered_already(shared, &message, &conversation).await
-    {
-        return;
+/// Everything between the conversation and its ending.
+async fn decide<'a>(
+    shared: &'a Shared,
+    delivery: &impl Delivery,
+    info: &DeliveryInfo,
+    conversation: &mut Conversation<'a>,
+) -> Ending {
+    let outlet = &shared.outlet;
+    // A hop, or the caller's message delivered again, may belong to a conversation that
+    // went on or ended without it. A first delivery of a caller's message cannot: it
+    // costs no lookup.
+    let revisited = conversation.hop || info.delivered > 1;
+    if revisited && let Some(ending) = claim_step(outlet, info, conversation).await {
+        return ending;
     }
-    // The service never NAKs on a pool consumer, so only crashes and stalls raise the
-    // delivery count; past the limit the message is what keeps killing instances.
-    let max_deliver = shared.settings.config.service.max_deliver;
-    if delivered > i64::from(max_deliver) {
-        let error = ErrorBody {
-            code: ErrorCode::Internal,
-            message: format!(
-                "delivered {delivered} times without finishing (more than [service] max_deliver = {max_deliver}): it crashed or stalled an instance each time, so it is not attempted again"
-            ),
-            status: None,
-        };
-        warn!(id = %conversation.raw_id, pool, delivered, "poison message: answering internal and dead-lettering it");
-        let metadata = request.metadata.as_deref();
-        fail(
-            shared,
-            &message,
-            &conversation,
-            metadata,
-            error,
-            AckKind::Term,
-        )
-        .await;
-        return;
+    let parsed = parse_request(delivery.payload(), &outlet.subjects);
+    conversation.absorb(&parsed);
+    if let Some(id) = conversation.id.as_deref() {
+        Span::current().record("id", id);
     }
-
-    let metadata = request.metadata.as_deref();
-    let rule = match admit(&request, &shared.settings.rules) {
-        Admission::Reject { error, rule } => {
+    if revisited {
+        match stored_reply(outlet, conversation).await {
+            Ok(Some(reply)) => return Ending::Answered { reply },
+            Ok(None) => {}
+            // Unknown: attempting again is the at-least-once side of the trade-off.
+            Err(e) => warn!(error = %e, "cannot look up the stored reply; going on"),
+        }
+    }
+    let settings = &shared.settings;
+    let input = PlanInput {
+        settings,
+        pool: conversation.pool,
+        delivered: info.delivered,
+        parsed: &parsed,
+        payload_len: delivery.payload().len(),
+        max_payload: outlet.max_payload,
+        now: SystemTime::now(),
+        since: conversation.state.first_published(),
+        first_attempt: conversation.state.attempts.is_empty(),
+    };
+    let max_payload = outlet.max_payload;
+    match plan(&input) {
+        Plan::Poison(error) => {
+            warn!(id = %conversation.raw_id, pool = conversation.pool, delivered = info.delivered, "poison message: answering internal and dead-lettering it");
+            reply_error(conversation, error, AckKind::Term, max_payload)
+        }
+        Plan::Undecodable(error) => reply_error(conversation, error, AckKind::Term, max_payload),
+        Plan::Reject { error, rule } => {
             if let Some(rule) = rule {
                 conversation.rule = &rule.name;
             }
-            fail(
+            let error = with_last_failure(error, conversation.state.attempts.last());
+            reply_error(conversation, error, AckKind::Ack, max_payload)
+        }
+        Plan::Move(rule) => {
+            conversation.rule = &rule.name;
+            debug!(id = %conversation.raw_id, from = conversation.pool, to = %rule.pool, "moving to the rule's pool");
+            Ending::Hop {
+                kind: HopKind::Move,
+                next: conversation
+                    .state
+                    .next(conversation.state.attempts.clone(), None),
+                pool: rule.pool.clone(),
+            }
+        }
+        Plan::Attempt { rule, queue_wait } => {
+            conversation.rule = &rule.name;
+            Span::current().record("rule", rule.name.as_str());
+            if let Some(waited) = queue_wait {
+                outlet.metrics.queue_wait(conversation.pool, waited);
+                Span::current().record("queue_wait_ms", as_i64(millis(waited)));
+            }
+            let Ok(request) = &parsed else {
+                // The plan attempts only parsed requests.
+                return internal(
+                    outlet,
+                    conversation,
+                    "attempt planned without a request".into(),
+                );
+            };
+            Box::pin(attempt_and_judge(
                 shared,
-                &message,
-                &conversation,
-                metadata,
-                error,
-                AckKind::Ack,
-            )
-            .await;
-            return;
+                delivery,
+                request,
+                rule,
+                conversation,
+            ))
+            .await
         }
-        Admission::Attempt(rule) => rule,
-    };
-    conversation.rule = &rule.name;
-    Span::current().record("rule", rule.name.as_str());
-    if let Err(error) = crate::security::check_request(&request, &shared.settings.outbound) {
-        fail(
-            shared,
-            &message,
-            &conversation,
-            metadata,
-            error,
-            AckKind::Ack,
-        )
-        .await;
-        return;
     }
-
-    let now = SystemTime::now();
-    let deadline = request.deadline.map(SystemTime::from);
-    let first_attempt = conversation.attempts.is_empty();
-    let waited = now.duration_since(conversation.since).unwrap_or_default();
-    // The queue that counts is the rule's pool's, where the request runs; a moved
-    // request's wait counts from the caller's publish all the same.
-    let queued = shared
-        .settings
-        .pools
-        .get(&rule.pool)
-        .and_then(|p| p.queue_timeout)
-        .filter(|_| first_attempt)
-        .map(|limit| (waited, limit));
-    if let Some(error) = expiry(now, deadline, queued) {
-        let error = with_last_failure(error, conversation.attempts.last());
-        fail(
-            shared,
-            &message,
-            &conversation,
-            metadata,
-            error,
-            AckKind::Ack,
-        )
-        .await;
-        return;
-    }
-    if rule.pool != pool {
-        move_to_pool(shared, &message, &conversation, &rule.pool).await;
-        return;
-    }
-
-    if first_attempt {
-        shared.outlet.metrics.queue_wait(pool, waited);
-        Span::current().record("queue_wait_ms", as_i64(millis(waited)));
-    }
-    let (outcome, record) =
-        Box::pin(attempt(shared, &message, &request, rule, &conversation)).await;
-    conversation.attempts.extend(record);
-    let context = AttemptContext {
-        rule,
-        method: request.method,
-        has_idempotency_key: rule.idempotency_header.is_some()
-            || request
-                .headers
-                .iter()
-                .any(|(name, _)| name.eq_ignore_ascii_case(IDEMPOTENCY_KEY)),
-        attempt: u32::try_from(conversation.attempts.len()).unwrap_or(u32::MAX),
-        now: SystemTime::now(),
-        deadline,
-        jitter_unit: fastrand::f64() * 2.0 - 1.0,
-    };
-    let reply = match judge(outcome, &context) {
-        Verdict::Respond(response) => response_reply(
-            &conversation.context(metadata),
-            &response,
-            shared.outlet.max_payload,
-        ),
-        Verdict::Fail(error) => error_reply(&conversation.context(metadata), error),
-        Verdict::Retry { after, last } => {
-            debug!(id = %conversation.raw_id, pool, after_ms = millis(after), last = %last.description, "parking for a retry");
-            park(shared, &message, &conversation, after).await;
-            return;
-        }
-    };
-    finish(shared, &message, &conversation, reply, AckKind::Ack).await;
 }
 
-/// Ends the conversation with `error` as its reply.
-async fn fail(
-    shared: &Shared,
-    message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-    metadata: Option<&RawValue>,
-    error: ErrorBody,
-    ack_kind: AckKind,
-) {
-    let reply = error_reply(&conversation.context(metadata), error);
-    finish(shared, message, conversation, reply, ack_kind).await;
-}
-
-/// Ends a conversation that was never attempted with `error`: the caller is answered
-/// when the payload names a valid id or `reply_to`, and the payload is dead-lettered.
-/// Used where a message must leave the stream unattempted (a pool being removed, a
-/// poison message).
-pub async fn end_unattempted(
+/// Looks up the conversation's progress record and claims this delivery's step in
+/// it. `Some` ends the delivery here: another delivery holds the conversation, its
+/// recorded hop is to be published again, or the record cannot be read (never taken
+/// as "done").
+async fn claim_step(
     outlet: &Outlet,
-    pool: &str,
-    message: &jetstream::Message,
+    info: &DeliveryInfo,
+    conversation: &mut Conversation<'_>,
+) -> Option<Ending> {
+    let progress = &outlet.progress;
+    let loaded = progress
+        .load(conversation.origin(), conversation.generation())
+        .await;
+    let (record, revision) = match loaded {
+        Ok(Some(found)) => found,
+        // No record: the conversation never forked, or it settled (the stored-reply
+        // check finds that), or the record aged out. Either way this delivery goes on.
+        Ok(None) => return None,
+        Err(e) => {
+            return Some(Ending::Leave {
+                reason: e.to_string(),
+            });
+        }
+    };
+    match claim(&record, conversation.state.step, info.seq) {
+        Claim::Current { take: false } => conversation.record = Some(revision),
+        Claim::Current { take: true } => {
+            let mut taken = record;
+            taken.taken_by = Some(info.seq);
+            match progress.write(&taken, Some(revision)).await {
+                Ok(revision) => conversation.record = Some(revision),
+                Err(ProgressError::Conflict { .. }) => return Some(Ending::Stale),
+                Err(e) => {
+                    return Some(Ending::Leave {
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
+        Claim::Republish => return Some(Ending::Republish(record)),
+        Claim::Stale => return Some(Ending::Stale),
+    }
+    None
+}
+
+/// The conversation's stored reply, when it is of this generation or a later one: its
+/// own subject holds only replies of its own origin, and the header says so again.
+async fn stored_reply(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+) -> Result<Option<async_nats::Message>, async_nats::Error> {
+    let Some(id) = conversation.id.as_deref() else {
+        return Ok(None);
+    };
+    let stream = outlet
+        .js
+        .get_stream_no_info(outlet.subjects.replies_stream())
+        .await?;
+    let subject = outlet.subjects.stored_reply(id, conversation.origin());
+    let stored = match stream.get_last_raw_message_by_subject(&subject).await {
+        Ok(stored) => stored,
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let header = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_string());
+    let origin = conversation.origin().to_string();
+    let generation = header(header::GENERATION).and_then(|g| g.parse::<u64>().ok());
+    if header(header::ORIGIN).as_deref() != Some(origin.as_str())
+        || generation.is_none_or(|g| g < conversation.generation())
+    {
+        return Ok(None);
+    }
+    Ok(Some(async_nats::Message {
+        subject: stored.subject,
+        reply: None,
+        headers: Some(stored.headers),
+        length: stored.payload.len(),
+        payload: stored.payload,
+        status: None,
+        description: None,
+    }))
+}
+
+fn reply_error(
+    conversation: &Conversation<'_>,
     error: ErrorBody,
-) {
-    let hop = Hop::read(message.headers.as_ref());
-    let since = hop
-        .first_published
-        .or_else(|| message.info().ok().map(|i| SystemTime::from(i.published)))
-        .unwrap_or_else(SystemTime::now);
-    let mut conversation = Conversation {
-        pool,
-        id: None,
-        raw_id: String::new(),
-        reply_to: None,
-        generation: hop.generation,
-        payload: message.payload.clone(),
-        since,
-        attempts: hop.attempts,
-        rule: "none",
-        epoch: 0,
-    };
-    let metadata = match parse_request(&message.payload, &outlet.subjects) {
-        Ok(request) => {
-            conversation.id = Some(request.id.clone());
-            conversation.raw_id = request.id;
-            conversation.reply_to = request.reply_to;
-            request.metadata
-        }
-        Err(ParseError::Invalid(invalid)) => {
-            conversation.id = invalid.id;
-            conversation.raw_id = invalid.raw_id.unwrap_or_default();
-            conversation.reply_to = invalid.reply_to;
-            invalid.metadata
-        }
-        Err(ParseError::Undecodable { .. }) => None,
-    };
-    let reply = error_reply(&conversation.context(metadata.as_deref()), error);
-    publish_ending(outlet, message, &conversation.ending(), &reply).await;
+    ack: AckKind,
+    max_payload: usize,
+) -> Ending {
+    Ending::Reply {
+        reply: error_reply(&conversation.context(max_payload), error),
+        ack,
+    }
 }
 
 /// An `expired` error that says what the last attempt's failure was, if there was one.
 fn with_last_failure(mut error: ErrorBody, last: Option<&AttemptRecord>) -> ErrorBody {
+    if error.code != ErrorCode::Expired {
+        return error;
+    }
     if let Some(last) = last {
         match (&last.failure, last.status) {
             (Some(failure), _) => {
@@ -404,61 +313,65 @@ fn with_last_failure(mut error: ErrorBody, last: Option<&AttemptRecord>) -> Erro
     error
 }
 
-/// Whether the conversation's final reply of this generation or a later one is stored
-/// already; if so the message is acked without another attempt (the reply is copied to
-/// a custom `reply_to` again, in case the first copy was lost with the instance).
-async fn answered_already(
-    shared: &Shared,
-    message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-) -> bool {
-    let Some(id) = conversation.id.as_deref() else {
-        return false;
+/// Makes the attempt and turns its verdict into an ending: the reply, or a park.
+async fn attempt_and_judge<'a>(
+    shared: &'a Shared,
+    delivery: &impl Delivery,
+    request: &Request,
+    rule: &'a RequestRule,
+    conversation: &mut Conversation<'a>,
+) -> Ending {
+    let (outcome, record) = Box::pin(attempt(shared, delivery, request, rule, conversation)).await;
+    if let Some(record) = record {
+        conversation.state.attempts.push(record);
+    }
+    let deadline = request.deadline.map(SystemTime::from);
+    let context = AttemptContext {
+        rule,
+        method: request.method,
+        has_idempotency_key: rule.idempotency_header.is_some()
+            || request
+                .headers
+                .iter()
+                .any(|(name, _)| name.eq_ignore_ascii_case(IDEMPOTENCY_KEY)),
+        attempt: conversation.state.attempts.count(),
+        now: SystemTime::now(),
+        deadline,
+        jitter_unit: fastrand::f64() * 2.0 - 1.0,
     };
-    let stored = match stored_reply_message(&shared.outlet.js, &shared.outlet.subjects, id).await {
-        Ok(Some(stored)) => stored,
-        Ok(None) => return false,
-        Err(e) => {
-            // Unknown: attempting again is the at-least-once side of the trade-off.
-            warn!(id, error = %e, "cannot look up the stored reply; attempting anyway");
-            return false;
+    let max_payload = shared.outlet.max_payload;
+    let reply = match judge(outcome, &context) {
+        Verdict::Respond(response) => response_reply(&conversation.context(max_payload), &response),
+        Verdict::Fail(error) => error_reply(&conversation.context(max_payload), error),
+        Verdict::Retry { after, last } => {
+            debug!(id = %conversation.raw_id, pool = conversation.pool, after_ms = millis(after), last = %last.description, "parking for a retry");
+            Span::current().record("backoff_ms", as_i64(millis(after)));
+            return Ending::Hop {
+                kind: HopKind::Park,
+                next: conversation.state.next(
+                    conversation.state.attempts.clone(),
+                    Some(SystemTime::now() + after),
+                ),
+                pool: conversation.pool.to_string(),
+            };
         }
     };
-    let stored_generation = header_str(Some(&stored.headers), header::GENERATION)
-        .and_then(|g| g.parse::<u64>().ok())
-        .unwrap_or(0);
-    if stored_generation < conversation.generation {
-        return false;
+    Ending::Reply {
+        reply,
+        ack: AckKind::Ack,
     }
-    if let Some(reply_to) = conversation.reply_to.as_deref() {
-        copy_to_reply_to(
-            &shared.outlet,
-            reply_to,
-            stored.headers.clone(),
-            stored.payload.clone(),
-        )
-        .await;
-    }
-    info!(
-        id,
-        pool = conversation.pool,
-        generation = conversation.generation,
-        "final reply already stored; acking without another attempt"
-    );
-    ack(message, AckKind::Ack).await;
-    true
 }
 
 /// Runs one attempt, telling the server every third of `ack_wait` that the message is
 /// still in progress, so it is never redelivered while its attempt runs.
 async fn attempt(
     shared: &Shared,
-    message: &jetstream::Message,
+    delivery: &impl Delivery,
     request: &Request,
     rule: &RequestRule,
     conversation: &Conversation<'_>,
 ) -> (AttemptOutcome, Option<AttemptRecord>) {
-    let number = conversation.attempts.len() + 1;
+    let number = conversation.state.attempts.count() + 1;
     let span = info_span!(
         "attempt",
         otel.name = %format_args!("{} {}", request.method, request.url.host_str().unwrap_or("")),
@@ -466,7 +379,7 @@ async fn attempt(
         id = %request.id,
         pool = conversation.pool,
         rule = %rule.name,
-        attempt = as_i64(number as u64),
+        attempt = i64::from(number),
         http.request.method = request.method.as_str(),
         server.address = request.url.host_str().unwrap_or(""),
         http.response.status_code = field::Empty,
@@ -479,12 +392,15 @@ async fn attempt(
             .unwrap_or_default();
         let started = Instant::now();
         // Webproxy's own headers replace a caller's of the same name: the rule's
-        // idempotency key, and the attempt span's context for the upstream to continue.
+        // idempotency key (one per origin and generation, so a reused id never
+        // collides), and the attempt span's context for the upstream to continue.
         let mut own_headers = Vec::new();
         if let Some(name) = &rule.idempotency_header {
             own_headers.push((
                 name.clone(),
-                format!("{}:{}", request.id, conversation.generation),
+                conversation
+                    .origin()
+                    .generation_key(conversation.generation()),
             ));
         }
         trace::inject_http(&span.context(), &mut own_headers);
@@ -506,7 +422,7 @@ async fn attempt(
             tokio::select! {
                 chain = &mut attempt => break chain,
                 _ = progress.tick() => {
-                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                    if let Err(e) = delivery.ack(AckKind::Progress).await {
                         debug!(error = %e, "progress ack failed");
                     }
                 }
@@ -518,6 +434,7 @@ async fn attempt(
             AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
             AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
             AttemptOutcome::Denied { message } => (None, Some(format!("denied: {message}"))),
+            AttemptOutcome::Invalid { message } => (None, Some(format!("invalid: {message}"))),
         };
         // A destination refused before any connection was never attempted.
         let record = chain.connected.then(|| AttemptRecord {
@@ -547,7 +464,7 @@ async fn attempt(
         AttemptOutcome::TooLarge { status, .. } => status_class(*status),
         AttemptOutcome::HeadersTooLarge { status, .. } => status.map_or("other", status_class),
         AttemptOutcome::Failed(f) => f.kind.as_str(),
-        AttemptOutcome::Denied { .. } => "other",
+        AttemptOutcome::Denied { .. } | AttemptOutcome::Invalid { .. } => "other",
     };
     shared.outlet.metrics.attempt(
         conversation.pool,
@@ -558,158 +475,31 @@ async fn attempt(
     (outcome, Some(record))
 }
 
-/// Moves a request that arrived on another pool's subject to its rule's pool, so that
-/// publishing everything to one pool cannot bypass another pool's limit.
-async fn move_to_pool(
-    shared: &Shared,
+/// Ends a conversation that was never attempted with `error`, through the same settle
+/// code as the service: the caller is answered when the payload names a valid id or
+/// `reply_to`, and the request is dead-lettered. Used where a message must leave the
+/// stream unattempted (`pools remove --dead-letter`). `Left` means it could not be
+/// stored, and the message is still there.
+pub async fn end_unattempted(
+    outlet: &Outlet,
+    pool: &str,
     message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-    target: &str,
-) {
-    let subject = shared.outlet.subjects.request(target);
-    hand_off(
-        shared,
-        message,
-        conversation,
-        &subject,
-        &format!("to:{target}"),
-        None,
-    )
-    .await;
-    debug!(id = %conversation.raw_id, from = conversation.pool, to = target, "moved to the rule's pool");
-}
-
-/// Republishes the conversation's request as its next hop, under the message id
-/// `<id>:<generation>:<hop>`, and acks this message once the hop is stored.
-async fn hand_off(
-    shared: &Shared,
-    message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-    subject: &str,
-    hop: &str,
-    due: Option<SystemTime>,
-) {
-    let Some(id) = conversation.id.as_deref() else {
-        return;
+    error: ErrorBody,
+) -> Settled {
+    let Ok(info) = Delivery::info(message) else {
+        return Settled::Left;
     };
-    let mut headers = hop_headers(id, conversation);
-    trace::forward(message.headers.as_ref(), &mut headers);
-    if let Some(due) = due {
-        headers.insert(header::DUE, unix_ms(due).to_string().as_str());
-    }
-    let msg_id = format!("{id}:{}:{hop}", conversation.generation);
-    // A parked or moved copy is webproxy's own: no secret it knows goes in.
-    let payload = Bytes::from(
-        shared
-            .outlet
-            .redactor
-            .redact_payload(&conversation.payload)
-            .into_owned(),
-    );
-    publish_stored(
-        &shared.outlet,
-        message,
-        subject,
-        Some(&msg_id),
-        &headers,
-        &payload,
-    )
-    .await;
-    ack(message, AckKind::Ack).await;
-}
-
-/// The headers every hop of a conversation carries: what `Hop::read` reads back.
-fn hop_headers(id: &str, conversation: &Conversation<'_>) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    headers.insert(header::ID, id);
-    headers.insert(
-        header::GENERATION,
-        conversation.generation.to_string().as_str(),
-    );
-    headers.insert(
-        header::FIRST_PUBLISHED,
-        unix_ms(conversation.since).to_string().as_str(),
-    );
-    if !conversation.attempts.is_empty() {
-        headers.insert(
-            header::ATTEMPTS,
-            serde_json::to_string(&conversation.attempts)
-                .unwrap_or_default()
-                .as_str(),
-        );
-    }
-    headers
-}
-
-/// Parks the request on the pool's retry subject until it is due, then acks it here:
-/// a waiting request must not hold a concurrency slot.
-async fn park(
-    shared: &Shared,
-    message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-    after: Duration,
-) {
-    let subject = shared.outlet.subjects.retry(conversation.pool);
-    let hop = format!("park:{}", conversation.attempts.len());
-    Span::current().record("backoff_ms", as_i64(millis(after)));
-    hand_off(
-        shared,
-        message,
-        conversation,
-        &subject,
-        &hop,
-        Some(SystemTime::now() + after),
-    )
-    .await;
-}
-
-/// Stores the reply and dead letter, then acks.
-async fn finish(
-    shared: &Shared,
-    message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-    reply: EncodedReply,
-    ack_kind: AckKind,
-) {
-    Box::pin(publish_ending(
-        &shared.outlet,
-        message,
-        &conversation.ending(),
-        &reply,
-    ))
-    .await;
-    info!(
-        id = %conversation.raw_id,
-        pool = conversation.pool,
-        rule = conversation.rule,
-        outcome = if reply.error.is_some() { "error" } else { "response" },
-        code = reply.error.as_ref().map_or("none", |e| e.code.as_str()),
-        attempts = conversation.attempts.len(),
-        duration_ms = millis(SystemTime::now().duration_since(conversation.since).unwrap_or_default()),
-        "conversation finished"
-    );
-    ack_current(shared, message, conversation, ack_kind).await;
-}
-
-/// Acks, unless the connection was lost long enough meanwhile for the server to have
-/// redelivered the message: acks count by stream sequence alone, so a stale delivery's
-/// ack would free the slot that the redelivered copy still holds. That copy finds the
-/// stored reply (or the stored hop, by its message id) and acks for both.
-async fn ack_current(
-    shared: &Shared,
-    message: &jetstream::Message,
-    conversation: &Conversation<'_>,
-    kind: AckKind,
-) {
-    if shared.health.redelivery_epoch() != conversation.epoch {
-        info!(id = %conversation.raw_id, pool = conversation.pool, "the NATS connection was lost for longer than the ack wait allows; leaving this possibly stale delivery unacked");
-        return;
-    }
-    ack(message, kind).await;
-}
-
-pub(super) async fn ack(message: &jetstream::Message, kind: AckKind) {
-    if let Err(e) = message.ack_with(kind).await {
-        warn!(error = %e, "ack failed; the server will redeliver the message");
-    }
+    // A one-off reader has no connection history to go stale against.
+    let health = Health::new(Duration::MAX);
+    let (mut conversation, _) = Conversation::new(pool, message, &info, &outlet.subjects, 0);
+    conversation.absorb(&parse_request(&message.payload, &outlet.subjects));
+    conversation.record = outlet
+        .progress
+        .load(conversation.origin(), conversation.generation())
+        .await
+        .ok()
+        .flatten()
+        .map(|(_, revision)| revision);
+    let ending = reply_error(&conversation, error, AckKind::Ack, outlet.max_payload);
+    settle(outlet, &health, message, &mut conversation, ending).await
 }

@@ -4,12 +4,22 @@
 //! A message is always answered, dead-lettered, parked, or left unacked for
 //! redelivery; it is never acked before what it produced is stored.
 
+mod conversation;
+mod delivery;
 mod handle;
+mod hooks;
 mod parked;
+mod progress;
 mod publish;
+mod replay;
+mod settle;
 
+pub use delivery::{Delivery, DeliveryInfo};
 pub use handle::end_unattempted;
-pub use publish::Outlet;
+pub use progress::{Progress, ProgressError, Record};
+pub use publish::{Outlet, PublishFailure};
+pub use replay::{ReplayError, replay};
+pub use settle::Settled;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,6 +95,7 @@ impl Dispatcher {
         max_payload: usize,
         instruments: Instruments,
         secrets: Arc<Secrets>,
+        progress: Progress,
     ) -> Dispatcher {
         Dispatcher {
             shared: Arc::new(Shared {
@@ -95,6 +106,7 @@ impl Dispatcher {
                     max_payload,
                     instruments.metrics,
                     secrets.redactor().clone(),
+                    progress,
                 ),
                 settings,
                 worker,

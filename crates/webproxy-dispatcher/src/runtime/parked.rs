@@ -1,7 +1,8 @@
-//! Parked retries: a request waiting for its next attempt sits on the pool's retry
-//! subject, where its own consumer (with a large `max_ack_pending`) NAKs it with the
-//! remaining delay until it is due, then republishes it to the pool's request subject.
-//! The wait therefore holds no slot of the pool's concurrency limit.
+//! Parked retries: a request waiting for its next attempt sits on its own retry subject
+//! (`retry.<pool>.<token>`), where the pool's retry consumer (with a large
+//! `max_ack_pending`) NAKs it with the remaining delay until it is due, then hands it
+//! back to the pool on `hop.<pool>.<token>`. The wait therefore holds no slot of the
+//! pool's concurrency limit.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -13,12 +14,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 use webproxy_protocol::header;
 
-use super::handle::{Hop, ack};
-use super::publish::{from_unix_ms, publish_stored};
+use super::publish::{Stored, publish_stored};
 use super::{Shared, back_off, next_or_stop};
+use crate::hop::{HopState, due_msg_id, subject_token};
 
-/// A parked retry that is due within this much is republished at once rather than
-/// NAKed for a few milliseconds more.
+/// A parked retry that is due within this much is released at once rather than NAKed
+/// for a few milliseconds more.
 const DUE_SLACK: Duration = Duration::from_millis(5);
 
 pub(super) async fn park_loop(
@@ -62,16 +63,16 @@ pub(super) async fn park_loop(
     }
 }
 
-/// NAKs a parked retry for the rest of its wait, or, once due, republishes it to the
-/// pool's request subject under its own message id and acks it.
+/// NAKs a parked retry for the rest of its wait, or, once due, publishes it on the
+/// pool's hop subject of the same token, under `due:<token>`, and acks it. The hop
+/// state goes along unread beyond its due time: the pool's handler reads it, and
+/// answers a malformed one.
 async fn release_when_due(shared: &Shared, pool: &str, message: jetstream::Message) {
     let headers = message.headers.as_ref();
-    let due = headers
-        .and_then(|h| h.get(header::DUE))
-        .and_then(|v| v.as_str().parse::<u64>().ok())
-        .map(from_unix_ms);
-    let now = SystemTime::now();
-    if let Some(wait) = due.and_then(|due| due.duration_since(now).ok())
+    let due = HopState::parse(headers.and_then(|h| h.get(header::HOP)).map(|v| v.as_str()))
+        .ok()
+        .and_then(|state| state.due());
+    if let Some(wait) = due.and_then(|due| due.duration_since(SystemTime::now()).ok())
         && wait > DUE_SLACK
     {
         if let Err(e) = message.ack_with(AckKind::Nak(Some(wait))).await {
@@ -79,33 +80,36 @@ async fn release_when_due(shared: &Shared, pool: &str, message: jetstream::Messa
         }
         return;
     }
-    let hop = Hop::read(headers);
-    let id = headers
-        .and_then(|h| h.get(header::ID))
-        .map(|v| v.as_str().to_string())
-        .unwrap_or_default();
-    let msg_id = format!("{id}:{}:due:{}", hop.generation, hop.attempts.len());
+    let Some(token) = subject_token(message.subject.as_str()) else {
+        warn!(subject = %message.subject, "parked retry on a subject without a token; terminating it");
+        let _ = message.ack_with(AckKind::Term).await;
+        return;
+    };
     let mut forward = async_nats::HeaderMap::new();
-    if let Some(headers) = headers {
-        for (name, values) in headers.iter() {
-            let name_str: &str = name.as_ref();
-            if name_str == header::DUE || name_str == header::MSG_ID {
-                continue;
-            }
-            for value in values {
-                forward.append(name.clone(), value.clone());
-            }
+    for (name, values) in headers.into_iter().flat_map(|h| h.iter()) {
+        let name_str: &str = name.as_ref();
+        if name_str == header::MSG_ID {
+            continue;
+        }
+        for value in values {
+            forward.append(name.clone(), value.clone());
         }
     }
-    let subject = shared.outlet.subjects.request(pool);
-    publish_stored(
-        &shared.outlet,
-        &message,
-        &subject,
-        Some(&msg_id),
-        &forward,
-        &message.payload,
-    )
-    .await;
-    ack(&message, AckKind::Ack).await;
+    let subject = shared.outlet.subjects.hop(pool, token);
+    let msg_id = due_msg_id(token);
+    let stored = Stored {
+        subject: &subject,
+        msg_id: &msg_id,
+        headers: &forward,
+        payload: &message.payload,
+    };
+    match publish_stored(&shared.outlet, Some(&message), stored).await {
+        // Only the retry consumer acks here: parked retries are not pool slots.
+        Ok(()) => {
+            if let Err(e) = message.ack_with(AckKind::Ack).await {
+                debug!(error = %e, "ack of a released retry failed; it is released again, deduplicated");
+            }
+        }
+        Err(e) => warn!(error = %e, "cannot release a parked retry; it comes back after ack_wait"),
+    }
 }

@@ -1,0 +1,320 @@
+//! The plan for one delivery, decided by pure code before anything is attempted:
+//! poison, a payload that is no request, admission by the rules, the request limits,
+//! expiry, and a move to the rule's pool, in that order. The handler carries it out.
+
+use std::time::{Duration, SystemTime};
+
+use webproxy_protocol::{ErrorBody, ErrorCode, ParseError, Request};
+
+use crate::config::Settings;
+use crate::decision::{Admission, admit, expiry};
+use crate::hop::MAX_HOP_HEADER_BYTES;
+use crate::outbox::{HEADER_ALLOWANCE, invalid_request};
+use crate::rules::RequestRule;
+
+/// Everything the plan depends on: the settings (whose rules the plan names, for
+/// `'r`) and the delivery (for `'d`).
+#[derive(Debug)]
+pub struct PlanInput<'r, 'd> {
+    pub settings: &'r Settings,
+    /// The pool whose consumer delivered the message.
+    pub pool: &'d str,
+    /// The server's delivery count of this message.
+    pub delivered: u64,
+    pub parsed: &'d Result<Request, ParseError>,
+    /// The size of the stored message's payload.
+    pub payload_len: usize,
+    /// The server's `max_payload`.
+    pub max_payload: usize,
+    pub now: SystemTime,
+    /// The caller's publish: queue waits count from it.
+    pub since: SystemTime,
+    /// No attempt has been made yet in this generation.
+    pub first_attempt: bool,
+}
+
+/// What happens to the delivery.
+#[derive(Debug)]
+pub enum Plan<'r> {
+    /// Delivered more often than `max_deliver`: it crashed or stalled an instance each
+    /// time. Answered `internal`, dead-lettered and terminated.
+    Poison(ErrorBody),
+    /// Not a request envelope at all: dead-lettered and terminated.
+    Undecodable(ErrorBody),
+    /// Ended with this error without an attempt: invalid, denied, over a limit, or
+    /// expired.
+    Reject {
+        error: ErrorBody,
+        /// The rule that matched, if one did.
+        rule: Option<&'r RequestRule>,
+    },
+    /// The rule's pool is not the pool it arrived in: hand it over, so that publishing
+    /// everything to one pool cannot bypass another pool's limit.
+    Move(&'r RequestRule),
+    /// Attempt under this rule; `queue_wait` is the wait before a first attempt.
+    Attempt {
+        rule: &'r RequestRule,
+        queue_wait: Option<Duration>,
+    },
+}
+
+/// The largest request envelope the service takes: one that, with the largest hop
+/// state beside it, still fits the server's `max_payload`, so every hop of it can be
+/// published.
+pub fn max_envelope_bytes(max_payload: usize) -> usize {
+    max_payload.saturating_sub(HEADER_ALLOWANCE + MAX_HOP_HEADER_BYTES)
+}
+
+/// Decides what happens to a delivery.
+pub fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
+    let max_deliver = input.settings.config.service.max_deliver;
+    if input.delivered > u64::from(max_deliver) {
+        return Plan::Poison(ErrorBody {
+            code: ErrorCode::Internal,
+            message: format!(
+                "delivered {} times without finishing (more than [service] max_deliver = {max_deliver}): it crashed or stalled an instance each time, so it is not attempted again",
+                input.delivered
+            ),
+            status: None,
+        });
+    }
+    let request = match input.parsed {
+        Ok(request) => request,
+        Err(ParseError::Undecodable { reason }) => {
+            return Plan::Undecodable(ErrorBody {
+                code: ErrorCode::InvalidRequest,
+                message: format!("payload is not a request envelope: {reason}"),
+                status: None,
+            });
+        }
+        Err(ParseError::Invalid(invalid)) => {
+            return Plan::Reject {
+                error: invalid_request(invalid.field, &invalid.message),
+                rule: None,
+            };
+        }
+    };
+    let largest = max_envelope_bytes(input.max_payload);
+    if input.payload_len > largest {
+        return Plan::Reject {
+            error: invalid_request(
+                "payload",
+                &format!(
+                    "the envelope is {} bytes; with the server's max_payload of {} bytes the largest that every retry and move can carry is {largest}",
+                    input.payload_len, input.max_payload
+                ),
+            ),
+            rule: None,
+        };
+    }
+    let settings = input.settings;
+    let rule = match admit(request, &settings.rules) {
+        Admission::Reject { error, rule } => return Plan::Reject { error, rule },
+        Admission::Attempt(rule) => rule,
+    };
+    if let Err(error) = crate::security::check_request(request, &settings.outbound) {
+        return Plan::Reject {
+            error,
+            rule: Some(rule),
+        };
+    }
+    let waited = input.now.duration_since(input.since).unwrap_or_default();
+    // The queue that counts is the rule's pool's, where the request runs; a moved
+    // request's wait counts from the caller's publish all the same.
+    let queued = settings
+        .pools
+        .get(&rule.pool)
+        .and_then(|p| p.queue_timeout)
+        .filter(|_| input.first_attempt)
+        .map(|limit| (waited, limit));
+    let deadline = request.deadline.map(SystemTime::from);
+    if let Some(error) = expiry(input.now, deadline, queued) {
+        return Plan::Reject {
+            error,
+            rule: Some(rule),
+        };
+    }
+    if rule.pool != input.pool {
+        return Plan::Move(rule);
+    }
+    Plan::Attempt {
+        rule,
+        queue_wait: input.first_attempt.then_some(waited),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use webproxy_protocol::{Subjects, parse_request};
+
+    use super::*;
+
+    fn settings() -> Settings {
+        let toml = r#"
+            [pools.slow]
+            max_in_flight = 1
+            queue_timeout = "10s"
+
+            [[request_rules]]
+            name = "denied"
+            method = "*"
+            url_pattern = '^https://a\.test/admin/'
+            action = "deny"
+
+            [[request_rules]]
+            name = "slow"
+            method = "*"
+            url_pattern = '^https://slow\.test/'
+            action = "accept"
+            pool = "slow"
+
+            [[request_rules]]
+            name = "a"
+            method = "*"
+            url_pattern = '^https://a\.test/'
+            action = "accept"
+        "#;
+        crate::config::tests::config_from(toml)
+            .validate()
+            .expect("valid config")
+    }
+
+    fn parsed(json: &str) -> Result<Request, ParseError> {
+        parse_request(json.as_bytes(), &Subjects::new("webproxy").expect("prefix"))
+    }
+
+    fn input<'a>(
+        settings: &'a Settings,
+        parsed: &'a Result<Request, ParseError>,
+        pool: &'a str,
+    ) -> PlanInput<'a, 'a> {
+        let now = SystemTime::now();
+        PlanInput {
+            settings,
+            pool,
+            delivered: 1,
+            parsed,
+            payload_len: 100,
+            max_payload: 1024 * 1024,
+            now,
+            since: now - Duration::from_secs(1),
+            first_attempt: true,
+        }
+    }
+
+    fn rejected(plan: Plan<'_>) -> ErrorBody {
+        match plan {
+            Plan::Reject { error, .. } => error,
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    const GET_A: &str = r#"{"id":"x","method":"GET","url":"https://a.test/x"}"#;
+
+    #[test]
+    fn an_accepted_request_in_its_pool_is_attempted() {
+        let settings = settings();
+        let parsed = parsed(GET_A);
+        match plan(&input(&settings, &parsed, "default")) {
+            Plan::Attempt { rule, queue_wait } => {
+                assert_eq!(rule.name, "a");
+                assert!(queue_wait.is_some_and(|w| w >= Duration::from_secs(1)));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn poison_comes_before_everything_else() {
+        let settings = settings();
+        let parsed = parsed("not json");
+        let mut input = input(&settings, &parsed, "default");
+        input.delivered = 6;
+        match plan(&input) {
+            Plan::Poison(error) => {
+                assert_eq!(error.code, ErrorCode::Internal);
+                assert!(
+                    error.message.contains("max_deliver = 5"),
+                    "{}",
+                    error.message
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn undecodable_and_invalid_payloads() {
+        let settings = settings();
+        let garbage = parsed("[1]");
+        assert!(matches!(
+            plan(&input(&settings, &garbage, "default")),
+            Plan::Undecodable(_)
+        ));
+        let invalid = parsed(r#"{"id":"x","method":"BREW","url":"https://a.test/"}"#);
+        let error = rejected(plan(&input(&settings, &invalid, "default")));
+        assert_eq!(error.code, ErrorCode::InvalidRequest);
+        assert!(error.message.contains("`method`"), "{}", error.message);
+    }
+
+    #[test]
+    fn an_envelope_too_large_for_its_hops_is_invalid() {
+        let settings = settings();
+        let parsed = parsed(GET_A);
+        let mut input = input(&settings, &parsed, "default");
+        input.payload_len = max_envelope_bytes(input.max_payload) + 1;
+        let error = rejected(plan(&input));
+        assert_eq!(error.code, ErrorCode::InvalidRequest);
+        assert!(error.message.contains("max_payload"), "{}", error.message);
+    }
+
+    #[test]
+    fn denial_names_the_rule() {
+        let settings = settings();
+        let parsed = parsed(r#"{"id":"x","method":"GET","url":"https://a.test/admin/"}"#);
+        match plan(&input(&settings, &parsed, "default")) {
+            Plan::Reject { error, rule } => {
+                assert_eq!(error.code, ErrorCode::Denied);
+                assert_eq!(rule.map(|r| r.name.as_str()), Some("denied"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_request_in_the_wrong_pool_moves() {
+        let settings = settings();
+        let parsed = parsed(r#"{"id":"x","method":"GET","url":"https://slow.test/"}"#);
+        match plan(&input(&settings, &parsed, "default")) {
+            Plan::Move(rule) => assert_eq!(rule.pool, "slow"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            plan(&input(&settings, &parsed, "slow")),
+            Plan::Attempt { .. }
+        ));
+    }
+
+    #[test]
+    fn the_queue_timeout_of_the_rules_pool_applies_to_first_attempts_only() {
+        let settings = settings();
+        let parsed = parsed(r#"{"id":"x","method":"GET","url":"https://slow.test/"}"#);
+        let mut late = input(&settings, &parsed, "default");
+        late.since = late.now - Duration::from_secs(11);
+        assert_eq!(rejected(plan(&late)).code, ErrorCode::Expired);
+        late.first_attempt = false;
+        assert!(matches!(plan(&late), Plan::Move(_)));
+    }
+
+    #[test]
+    fn a_passed_deadline_expires() {
+        let settings = settings();
+        let parsed = parsed(
+            r#"{"id":"x","method":"GET","url":"https://a.test/","deadline":"2000-01-01T00:00:00Z"}"#,
+        );
+        assert_eq!(
+            rejected(plan(&input(&settings, &parsed, "default"))).code,
+            ErrorCode::Expired
+        );
+    }
+}

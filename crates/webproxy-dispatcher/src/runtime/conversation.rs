@@ -1,0 +1,126 @@
+//! One conversation as a delivery presents it, built at the trust boundary: a
+//! message on the caller's request subject is step 0 of generation 0 of the
+//! conversation whose origin is its own stream sequence, whatever `Webproxy-*` headers
+//! it carries; only the service's own hop and retry subjects carry hop state.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+use webproxy_protocol::{Origin, ParseError, Request, Subjects, header};
+
+use super::delivery::{Delivery, DeliveryInfo};
+use crate::hop::{HopError, HopState};
+use crate::outbox::ReplyContext;
+
+/// One conversation's state while its message is handled.
+#[derive(Debug)]
+pub(super) struct Conversation<'a> {
+    pub pool: &'a str,
+    /// Origin, generation, step, attempts and the caller's publish time.
+    pub state: HopState,
+    /// It arrived on a service-only subject (a hop), not the caller's request subject.
+    pub hop: bool,
+    /// A valid id: the reply goes to `<prefix>.reply.<id>`.
+    pub id: Option<String>,
+    /// The id as given, for the reply body even when it is invalid.
+    pub raw_id: String,
+    pub reply_to: Option<String>,
+    pub metadata: Option<Box<RawValue>>,
+    pub payload: Bytes,
+    /// The rule that decided, `none` until one did: a metrics label.
+    pub rule: &'a str,
+    /// The revision of the conversation's progress record, once one is known to exist.
+    pub record: Option<u64>,
+    /// The connection's redelivery epoch when handling began: see `settle`.
+    pub epoch: u64,
+}
+
+impl<'a> Conversation<'a> {
+    /// The conversation of a delivery, and the error of a hop header that is not what
+    /// the service writes (the conversation then falls back to the delivery's own
+    /// origin, so it can still be answered and dead-lettered).
+    pub fn new(
+        pool: &'a str,
+        delivery: &impl Delivery,
+        info: &DeliveryInfo,
+        subjects: &Subjects,
+        epoch: u64,
+    ) -> (Conversation<'a>, Option<HopError>) {
+        let own = HopState::caller(Origin::new(info.stream.as_str(), info.seq), info.published);
+        let hop = delivery.subject() != subjects.request(pool);
+        let (state, error) = if hop {
+            let header = delivery
+                .headers()
+                .and_then(|h| h.get(header::HOP))
+                .map(|v| v.as_str());
+            match HopState::parse(header) {
+                Ok(state) => (state, None),
+                Err(e) => (own, Some(e)),
+            }
+        } else {
+            (own, None)
+        };
+        let conversation = Conversation {
+            pool,
+            state,
+            hop,
+            id: None,
+            raw_id: String::new(),
+            reply_to: None,
+            metadata: None,
+            payload: delivery.payload().clone(),
+            rule: "none",
+            record: None,
+            epoch,
+        };
+        (conversation, error)
+    }
+
+    /// Takes the id, `reply_to` and metadata from the parsed payload: as far as they
+    /// are valid even when the envelope is not, so the caller can be answered.
+    pub fn absorb(&mut self, parsed: &Result<Request, ParseError>) {
+        match parsed {
+            Ok(request) => {
+                self.id = Some(request.id.clone());
+                self.raw_id = request.id.clone();
+                self.reply_to = request.reply_to.clone();
+                self.metadata = request.metadata.clone();
+            }
+            Err(ParseError::Invalid(invalid)) => {
+                self.id = invalid.id.clone();
+                self.raw_id = invalid.raw_id.clone().unwrap_or_default();
+                self.reply_to = invalid.reply_to.clone();
+                self.metadata = invalid.metadata.clone();
+            }
+            Err(ParseError::Undecodable { .. }) => {}
+        }
+    }
+
+    pub fn origin(&self) -> &Origin {
+        &self.state.origin
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.state.generation
+    }
+
+    /// What the reply says besides its outcome.
+    pub fn context(&self, max_payload: usize) -> ReplyContext<'_> {
+        ReplyContext {
+            id: &self.raw_id,
+            attempts: self.state.attempts.count(),
+            duration_ms: self.elapsed_ms(),
+            metadata: self.metadata.as_deref(),
+            max_payload,
+        }
+    }
+
+    /// Since the caller's publish: queue wait and backoff included.
+    pub fn elapsed_ms(&self) -> u64 {
+        let elapsed = SystemTime::now()
+            .duration_since(self.state.first_published())
+            .unwrap_or_default();
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+    }
+}

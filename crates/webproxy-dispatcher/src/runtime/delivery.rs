@@ -1,0 +1,129 @@
+//! The delivery a handler works on, behind a small trait: its subject, headers,
+//! payload, JetStream metadata, and its acks. A JetStream message is one; the tests use
+//! a fake that records the acks, so the handler's paths run in-process.
+
+use std::future::Future;
+use std::time::SystemTime;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
+
+/// What JetStream says about one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryInfo {
+    /// The stream that stores the message, and its sequence there.
+    pub stream: String,
+    pub seq: u64,
+    /// How often the server has delivered it, this time included.
+    pub delivered: u64,
+    /// When the server stored it.
+    pub published: SystemTime,
+}
+
+/// One delivered message and its acks.
+pub trait Delivery: Send + Sync {
+    fn subject(&self) -> &str;
+    fn headers(&self) -> Option<&HeaderMap>;
+    fn payload(&self) -> &Bytes;
+    /// The JetStream metadata; an error names what is missing.
+    fn info(&self) -> Result<DeliveryInfo, String>;
+    /// Sends an ack of `kind` (ack, progress, term): fire-and-forget, like JetStream's.
+    fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send;
+}
+
+impl Delivery for jetstream::Message {
+    fn subject(&self) -> &str {
+        self.message.subject.as_str()
+    }
+
+    fn headers(&self) -> Option<&HeaderMap> {
+        self.message.headers.as_ref()
+    }
+
+    fn payload(&self) -> &Bytes {
+        &self.message.payload
+    }
+
+    fn info(&self) -> Result<DeliveryInfo, String> {
+        let info = jetstream::Message::info(self).map_err(|e| e.to_string())?;
+        Ok(DeliveryInfo {
+            stream: info.stream.to_string(),
+            seq: info.stream_sequence,
+            delivered: u64::try_from(info.delivered).unwrap_or(0),
+            published: SystemTime::from(info.published),
+        })
+    }
+
+    fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
+        self.ack_with(kind)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    //! A delivery that records its acks.
+
+    use std::sync::Mutex;
+
+    use super::*;
+
+    #[derive(Debug)]
+    pub(crate) struct FakeDelivery {
+        pub subject: String,
+        pub headers: Option<HeaderMap>,
+        pub payload: Bytes,
+        pub info: DeliveryInfo,
+        pub acks: Mutex<Vec<AckKind>>,
+    }
+
+    impl FakeDelivery {
+        pub(crate) fn new(subject: &str, payload: &str, info: DeliveryInfo) -> FakeDelivery {
+            FakeDelivery {
+                subject: subject.to_string(),
+                headers: None,
+                payload: Bytes::from(payload.to_string()),
+                info,
+                acks: Mutex::new(Vec::new()),
+            }
+        }
+
+        /// The acks sent, progress acks left out.
+        pub(crate) fn final_acks(&self) -> Vec<AckKind> {
+            self.acks
+                .lock()
+                .map(|acks| {
+                    acks.iter()
+                        .filter(|k| !matches!(k, AckKind::Progress))
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default()
+        }
+    }
+
+    impl Delivery for FakeDelivery {
+        fn subject(&self) -> &str {
+            &self.subject
+        }
+
+        fn headers(&self) -> Option<&HeaderMap> {
+            self.headers.as_ref()
+        }
+
+        fn payload(&self) -> &Bytes {
+            &self.payload
+        }
+
+        fn info(&self) -> Result<DeliveryInfo, String> {
+            Ok(self.info.clone())
+        }
+
+        fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
+            if let Ok(mut acks) = self.acks.lock() {
+                acks.push(kind);
+            }
+            std::future::ready(Ok(()))
+        }
+    }
+}

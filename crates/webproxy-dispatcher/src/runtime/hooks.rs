@@ -1,0 +1,30 @@
+//! Fault-injection hooks for the integration tests, compiled only with the
+//! `test-hooks` feature and switched on by `WEBPROXY_TEST_HOOK` on the service process.
+//! Without the feature every hook is a constant no-op.
+
+/// Whether the named hook is switched on for this process.
+#[cfg(feature = "test-hooks")]
+fn on(name: &str) -> bool {
+    std::env::var("WEBPROXY_TEST_HOOK").is_ok_and(|hooks| hooks.split(',').any(|h| h == name))
+}
+
+/// `lose-park-ack`: the delivery that parked a retry is not acked, as if the ack were
+/// lost, so the server redelivers it after `ack_wait`.
+pub(super) fn lose_park_ack() -> bool {
+    #[cfg(feature = "test-hooks")]
+    if on("lose-park-ack") {
+        tracing::warn!("test hook lose-park-ack: not acking the delivery that parked");
+        return true;
+    }
+    false
+}
+
+/// `exit-after-dead-letter`: the process exits (code 86) right after a dead letter is
+/// stored, before the reply is published, as a crash there would.
+pub(super) fn exit_after_dead_letter() {
+    #[cfg(feature = "test-hooks")]
+    if on("exit-after-dead-letter") {
+        tracing::warn!("test hook exit-after-dead-letter: exiting before the reply");
+        std::process::exit(86);
+    }
+}

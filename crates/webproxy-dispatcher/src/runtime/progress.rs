@@ -1,0 +1,223 @@
+//! Progress records: one per conversation and generation that parked or moved, in a
+//! JetStream KV bucket keyed `<STREAM>.<seq>.<generation>`. A record holds the whole
+//! next hop and is written with compare-and-set before that hop is published, so a
+//! conversation has one attempt line however its acks are lost: a delivery that is not
+//! the current, untaken step does nothing but ack.
+
+use async_nats::jetstream::kv::{self, Operation};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use webproxy_protocol::Origin;
+
+use crate::hop::{HopKind, HopState};
+
+/// The next hop of a conversation, as recorded before it is published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    pub kind: HopKind,
+    /// Where the hop is published, and under which message id: a republish after a
+    /// crash reuses both exactly.
+    pub subject: String,
+    pub msg_id: String,
+    /// The hop's state, its step among it.
+    pub hop: HopState,
+    /// The stream sequence of the hop message that started this step, once one has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taken_by: Option<u64>,
+}
+
+impl Record {
+    pub fn step(&self) -> u32 {
+        self.hop.step
+    }
+}
+
+/// What a delivery at `step`, stored at stream sequence `seq`, may do given the
+/// conversation's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This delivery is the recorded step: it carries on (taking the step first when
+    /// no delivery has yet).
+    Current { take: bool },
+    /// The conversation went on without this delivery, and its recorded hop may not
+    /// have been published (a crash between the record and the publish): publish it
+    /// again, with its own message id, then ack.
+    Republish,
+    /// Another delivery holds the current step: ack and do nothing else.
+    Stale,
+}
+
+/// Decides a delivery's claim on its conversation's record (pure).
+pub fn claim(record: &Record, step: u32, seq: u64) -> Claim {
+    match record.taken_by {
+        _ if record.step() != step => {
+            if record.taken_by.is_none() {
+                Claim::Republish
+            } else {
+                Claim::Stale
+            }
+        }
+        None => Claim::Current { take: true },
+        Some(taker) if taker == seq => Claim::Current { take: false },
+        Some(_) => Claim::Stale,
+    }
+}
+
+/// A progress-record operation failed.
+#[derive(Debug, Error)]
+pub enum ProgressError {
+    /// Another writer changed the record first.
+    #[error("the progress record {key} changed meanwhile")]
+    Conflict { key: String },
+    /// The record holds something the service did not write.
+    #[error("the progress record {key} is unreadable: {reason}")]
+    Unreadable { key: String, reason: String },
+    #[error("progress record {key}: {source}")]
+    Nats {
+        key: String,
+        #[source]
+        source: async_nats::Error,
+    },
+}
+
+/// The progress bucket.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    store: kv::Store,
+}
+
+fn nats_error(key: &str, source: impl Into<async_nats::Error>) -> ProgressError {
+    ProgressError::Nats {
+        key: key.to_string(),
+        source: source.into(),
+    }
+}
+
+fn encode(record: &Record) -> Bytes {
+    // Strings, numbers and records only: serializing cannot fail.
+    Bytes::from(serde_json::to_vec(record).unwrap_or_default())
+}
+
+impl Progress {
+    pub fn new(store: kv::Store) -> Progress {
+        Progress { store }
+    }
+
+    /// The record of `origin`'s `generation` and its revision, if one exists. A
+    /// deleted record reads as none; a lookup that fails is an error, never "none".
+    pub async fn load(
+        &self,
+        origin: &Origin,
+        generation: u64,
+    ) -> Result<Option<(Record, u64)>, ProgressError> {
+        let key = origin.record_key(generation);
+        let Some(entry) = self
+            .store
+            .entry(key.clone())
+            .await
+            .map_err(|e| nats_error(&key, e))?
+        else {
+            return Ok(None);
+        };
+        if entry.operation != Operation::Put {
+            return Ok(None);
+        }
+        let record =
+            serde_json::from_slice(&entry.value).map_err(|e| ProgressError::Unreadable {
+                key: key.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(Some((record, entry.revision)))
+    }
+
+    /// Writes `record` for its conversation: created when `revision` is `None` (it must
+    /// not exist), else updated only if the record is still at `revision`. Returns the
+    /// new revision.
+    pub async fn write(
+        &self,
+        record: &Record,
+        revision: Option<u64>,
+    ) -> Result<u64, ProgressError> {
+        let key = record.hop.origin.record_key(record.hop.generation);
+        let value = encode(record);
+        match revision {
+            None => self.store.create(&key, value).await.map_err(|e| {
+                if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                    ProgressError::Conflict { key: key.clone() }
+                } else {
+                    nats_error(&key, e)
+                }
+            }),
+            Some(revision) => self.store.update(&key, value, revision).await.map_err(|e| {
+                if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                    ProgressError::Conflict { key: key.clone() }
+                } else {
+                    nats_error(&key, e)
+                }
+            }),
+        }
+    }
+
+    /// Deletes the record of a conversation that settled.
+    pub async fn delete(&self, origin: &Origin, generation: u64) -> Result<(), ProgressError> {
+        let key = origin.record_key(generation);
+        self.store
+            .delete(&key)
+            .await
+            .map_err(|e| nats_error(&key, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use super::*;
+    use crate::hop::AttemptHistory;
+
+    fn record(step: u32, taken_by: Option<u64>) -> Record {
+        let caller = HopState::caller(Origin::new("S", 1), SystemTime::UNIX_EPOCH);
+        let mut hop = caller.next(AttemptHistory::default(), None);
+        hop.step = step;
+        Record {
+            kind: HopKind::Park,
+            subject: "webproxy.retry.default.t".into(),
+            msg_id: "park:t".into(),
+            hop,
+            taken_by,
+        }
+    }
+
+    #[test]
+    fn the_current_untaken_step_is_taken_once() {
+        assert_eq!(
+            claim(&record(1, None), 1, 10),
+            Claim::Current { take: true }
+        );
+        // the same hop message redelivered after a crash carries on
+        assert_eq!(
+            claim(&record(1, Some(10)), 1, 10),
+            Claim::Current { take: false }
+        );
+        // a second copy of the hop (another stream sequence) does not
+        assert_eq!(claim(&record(1, Some(10)), 1, 11), Claim::Stale);
+    }
+
+    #[test]
+    fn an_earlier_step_republishes_an_untaken_hop_or_does_nothing() {
+        // the caller's message redelivered after its park's ack was lost
+        assert_eq!(claim(&record(1, None), 0, 1), Claim::Republish);
+        assert_eq!(claim(&record(1, Some(10)), 0, 1), Claim::Stale);
+        // a hop of step 1 redelivered once step 2 is recorded
+        assert_eq!(claim(&record(2, None), 1, 10), Claim::Republish);
+        assert_eq!(claim(&record(2, Some(12)), 1, 10), Claim::Stale);
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let record = record(3, Some(7));
+        let back: Record = serde_json::from_slice(&encode(&record)).expect("json");
+        assert_eq!(back, record);
+    }
+}

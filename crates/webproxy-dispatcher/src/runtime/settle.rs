@@ -1,0 +1,438 @@
+//! The one settle point: every way a handler can end is an [`Ending`], and
+//! [`settle`] stores what it produced, then acks. It is the only code that acks a pool
+//! message, and it applies the stale-delivery rule to every ack.
+//!
+//! Order matters: the dead letter is stored before the reply (a crash between them
+//! loses neither, since the redelivery finds no reply and ends the conversation
+//! again under the same message ids), a hop's progress record before the hop, and
+//! everything before the ack.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::AckKind;
+use tracing::{debug, error, info, warn};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+use webproxy_protocol::{ErrorBody, ErrorCode, header};
+
+use super::conversation::Conversation;
+use super::delivery::Delivery;
+use super::hooks;
+use super::progress::{ProgressError, Record};
+use super::publish::{Outlet, PublishFailure, Stored, publish_live, publish_stored};
+use crate::health::Health;
+use crate::hop::{HopKind, HopState, dead_msg_id, hop_msg_id, new_token, reply_msg_id};
+use crate::outbox::{EncodedReply, LetterParts, dead_letter, error_reply, minimal_reply};
+use crate::trace;
+
+/// How a handler ends.
+#[derive(Debug)]
+pub(super) enum Ending {
+    /// The final reply, then `ack`; an error reply is dead-lettered first.
+    Reply { reply: EncodedReply, ack: AckKind },
+    /// Hand the request on as `next`: record the hop, publish it, ack. A park goes to
+    /// the conversation's own pool's retry subject, a move to `pool`'s hop subject.
+    Hop {
+        kind: HopKind,
+        next: HopState,
+        pool: String,
+    },
+    /// The final reply of this generation or a later one is stored already: copy it to
+    /// the live subject and to the `reply_to` stored with it, then ack.
+    Answered { reply: async_nats::Message },
+    /// The conversation went on without this delivery and its recorded hop may be
+    /// unpublished: publish it again under its own message id, then ack.
+    Republish(Record),
+    /// Another delivery holds the conversation: ack, nothing else.
+    Stale,
+    /// Leave the message unacked, for the server to redeliver after `ack_wait`.
+    Leave { reason: String },
+}
+
+/// What became of the delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Everything it produced is stored and it was acked (or, being possibly stale,
+    /// deliberately not).
+    Done,
+    /// Left for redelivery: something could not be stored.
+    Left,
+}
+
+/// Stores what `ending` produced, then acks `delivery`.
+pub(super) async fn settle(
+    outlet: &Outlet,
+    health: &Health,
+    delivery: &impl Delivery,
+    conversation: &mut Conversation<'_>,
+    ending: Ending,
+) -> Settled {
+    let mut ending = ending;
+    // A permanent publish failure turns the ending into an `internal` reply once; a
+    // minimal reply cannot fail that way, so this ends after at most two turns.
+    let mut degraded = false;
+    loop {
+        let ack = match ending {
+            Ending::Reply { reply, ack } => {
+                match store_ending(outlet, delivery, conversation, &reply).await {
+                    Ok(()) => {
+                        finished(outlet, conversation, &reply).await;
+                        ack
+                    }
+                    Err(PublishFailure::TooLarge { subject }) if !degraded => {
+                        degraded = true;
+                        error!(
+                            subject,
+                            "a reply or dead letter did not fit max_payload; answering with a minimal reply"
+                        );
+                        let context = conversation.context(outlet.max_payload);
+                        let code = reply.error.map_or(ErrorCode::Internal, |e| e.code);
+                        ending = Ending::Reply {
+                            reply: minimal_reply(&context, code),
+                            ack,
+                        };
+                        continue;
+                    }
+                    Err(e) => return leave(conversation, &e.to_string()),
+                }
+            }
+            Ending::Hop { kind, next, pool } => {
+                let token = new_token();
+                let subject = match kind {
+                    HopKind::Park => outlet.subjects.retry(conversation.pool, &token),
+                    HopKind::Move | HopKind::Replay => outlet.subjects.hop(&pool, &token),
+                };
+                let record = Record {
+                    kind,
+                    subject,
+                    msg_id: hop_msg_id(kind, &token),
+                    hop: next,
+                    taken_by: None,
+                };
+                match outlet.progress.write(&record, conversation.record).await {
+                    Ok(revision) => conversation.record = Some(revision),
+                    Err(ProgressError::Conflict { key }) => {
+                        // Another delivery recorded the next hop first: that line goes on.
+                        debug!(key, "the next hop is recorded already");
+                        ending = match outlet
+                            .progress
+                            .load(conversation.origin(), conversation.generation())
+                            .await
+                        {
+                            Ok(Some((record, _))) if record.taken_by.is_none() => {
+                                Ending::Republish(record)
+                            }
+                            Ok(_) => Ending::Stale,
+                            Err(e) => Ending::Leave {
+                                reason: e.to_string(),
+                            },
+                        };
+                        continue;
+                    }
+                    Err(e) => return leave(conversation, &e.to_string()),
+                }
+                match publish_hop(outlet, delivery, conversation, &record).await {
+                    Ok(()) => {}
+                    Err(
+                        e @ (PublishFailure::TooLarge { .. } | PublishFailure::NoStream { .. }),
+                    ) if !degraded => {
+                        degraded = true;
+                        error!(error = %e, "cannot hand the request on; answering internal");
+                        ending = internal(
+                            outlet,
+                            conversation,
+                            format!("the request could not be handed on: {e}"),
+                        );
+                        continue;
+                    }
+                    Err(e) => return leave(conversation, &e.to_string()),
+                }
+                if kind == HopKind::Park && hooks::lose_park_ack() {
+                    return Settled::Done;
+                }
+                AckKind::Ack
+            }
+            Ending::Answered { reply } => {
+                if let Some(id) = conversation.id.as_deref() {
+                    let live = outlet.subjects.reply(id);
+                    publish_live(
+                        outlet,
+                        &live,
+                        reply.headers.clone().unwrap_or_default(),
+                        reply.payload.clone(),
+                    )
+                    .await;
+                }
+                // Only to the subject stored with the reply: never to the incoming
+                // message's `reply_to`, which may be anyone's.
+                if let Some(reply_to) = reply.headers.as_ref().and_then(|h| h.get(header::REPLY_TO))
+                {
+                    publish_live(
+                        outlet,
+                        reply_to.as_str(),
+                        reply.headers.clone().unwrap_or_default(),
+                        reply.payload.clone(),
+                    )
+                    .await;
+                }
+                info!(
+                    id = %conversation.raw_id,
+                    pool = conversation.pool,
+                    origin = %conversation.origin(),
+                    generation = conversation.generation(),
+                    "final reply already stored; acking without another attempt"
+                );
+                AckKind::Ack
+            }
+            Ending::Republish(record) => {
+                if let Err(e) = publish_hop(outlet, delivery, conversation, &record).await {
+                    return leave(conversation, &e.to_string());
+                }
+                debug!(origin = %conversation.origin(), step = record.step(), "republished the recorded hop");
+                AckKind::Ack
+            }
+            Ending::Stale => {
+                debug!(origin = %conversation.origin(), step = conversation.state.step, "not the conversation's current step; acking without attempting");
+                AckKind::Ack
+            }
+            Ending::Leave { reason } => return leave(conversation, &reason),
+        };
+        ack_current(health, delivery, conversation, ack).await;
+        return Settled::Done;
+    }
+}
+
+fn leave(conversation: &Conversation<'_>, reason: &str) -> Settled {
+    warn!(
+        id = %conversation.raw_id,
+        pool = conversation.pool,
+        origin = %conversation.origin(),
+        reason,
+        "leaving the message for redelivery"
+    );
+    Settled::Left
+}
+
+/// An `internal` error ending.
+pub(super) fn internal(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+    message: String,
+) -> Ending {
+    let error = ErrorBody {
+        code: ErrorCode::Internal,
+        message,
+        status: None,
+    };
+    Ending::Reply {
+        reply: error_reply(&conversation.context(outlet.max_payload), error),
+        ack: AckKind::Term,
+    }
+}
+
+/// The headers of every copy of a reply.
+fn reply_headers(conversation: &Conversation<'_>, reply: &EncodedReply) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let outcome = if reply.error.is_some() {
+        "error"
+    } else {
+        "response"
+    };
+    headers.insert(header::OUTCOME, outcome);
+    headers.insert(
+        header::GENERATION,
+        conversation.generation().to_string().as_str(),
+    );
+    headers.insert(header::ORIGIN, conversation.origin().to_string().as_str());
+    // The caller continues its trace from the reply.
+    trace::inject_nats(&tracing::Span::current().context(), &mut headers);
+    headers
+}
+
+/// Stores the dead letter of an error, then the reply, then publishes the live copies.
+async fn store_ending(
+    outlet: &Outlet,
+    delivery: &impl Delivery,
+    conversation: &Conversation<'_>,
+    reply: &EncodedReply,
+) -> Result<(), PublishFailure> {
+    let headers = reply_headers(conversation, reply);
+    if let Some(error) = &reply.error {
+        store_dead_letter(outlet, delivery, conversation, error).await?;
+        hooks::exit_after_dead_letter();
+    }
+    if let Some(id) = conversation.id.as_deref() {
+        let mut stored_headers = headers.clone();
+        if let Some(reply_to) = conversation.reply_to.as_deref() {
+            stored_headers.insert(header::REPLY_TO, reply_to);
+        }
+        let subject = outlet.subjects.stored_reply(id, conversation.origin());
+        let msg_id = reply_msg_id(conversation.origin(), conversation.generation());
+        let stored = Stored {
+            subject: &subject,
+            msg_id: &msg_id,
+            headers: &stored_headers,
+            payload: &reply.payload,
+        };
+        tolerate_missing_stream(publish_stored(outlet, Some(delivery), stored).await)?;
+        publish_live(
+            outlet,
+            &outlet.subjects.reply(id),
+            headers.clone(),
+            reply.payload.clone(),
+        )
+        .await;
+    }
+    if let Some(reply_to) = conversation.reply_to.as_deref() {
+        publish_live(outlet, reply_to, headers, reply.payload.clone()).await;
+    }
+    Ok(())
+}
+
+/// A deleted replies or dead-letter stream is an operator's doing that no retry
+/// repairs: the conversation still ends, and the loss is logged loudly.
+fn tolerate_missing_stream(result: Result<(), PublishFailure>) -> Result<(), PublishFailure> {
+    match result {
+        Err(PublishFailure::NoStream { subject }) => {
+            error!(
+                subject,
+                "no stream stores this subject; the conversation ends without storing it"
+            );
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+async fn store_dead_letter(
+    outlet: &Outlet,
+    delivery: &impl Delivery,
+    conversation: &Conversation<'_>,
+    error: &ErrorBody,
+) -> Result<(), PublishFailure> {
+    // The caller's envelope holds an injected secret only if the caller already knew
+    // it, but the dead letter is webproxy's own copy: nothing secret goes in.
+    let redactor = &outlet.redactor;
+    let mut redacted = error.clone();
+    redacted.message = redactor.redact(&error.message).into_owned();
+    let mut attempts = conversation.state.attempts.clone();
+    for attempt in &mut attempts.kept {
+        if let Some(failure) = &mut attempt.failure {
+            *failure = redactor.redact(failure).into_owned();
+        }
+    }
+    let payload = dead_letter(
+        LetterParts {
+            pool: conversation.pool,
+            id: conversation.id.as_deref(),
+            origin: Some(conversation.origin()),
+            generation: conversation.generation(),
+            error: redacted,
+            payload: &redactor.redact_payload(&conversation.payload),
+            attempts: &attempts,
+        },
+        outlet.max_payload,
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(header::ERROR_CODE, error.code.as_str());
+    headers.insert(
+        header::GENERATION,
+        conversation.generation().to_string().as_str(),
+    );
+    headers.insert(header::ORIGIN, conversation.origin().to_string().as_str());
+    if let Some(id) = conversation.id.as_deref() {
+        headers.insert(header::ID, id);
+    }
+    let subject = outlet.subjects.dead(conversation.pool);
+    let msg_id = dead_msg_id(conversation.origin(), conversation.generation());
+    let stored = Stored {
+        subject: &subject,
+        msg_id: &msg_id,
+        headers: &headers,
+        payload: &payload,
+    };
+    tolerate_missing_stream(publish_stored(outlet, Some(delivery), stored).await)?;
+    outlet
+        .metrics
+        .dead_letter(conversation.pool, error.code.as_str());
+    debug!(pool = conversation.pool, origin = %conversation.origin(), code = error.code.as_str(), "dead-lettered");
+    Ok(())
+}
+
+/// Publishes a recorded hop, with the conversation's request as its payload.
+async fn publish_hop(
+    outlet: &Outlet,
+    delivery: &impl Delivery,
+    conversation: &Conversation<'_>,
+    record: &Record,
+) -> Result<(), PublishFailure> {
+    let mut headers = HeaderMap::new();
+    headers.insert(header::HOP, record.hop.format().as_str());
+    trace::forward(delivery.headers(), &mut headers);
+    // A parked or moved copy is webproxy's own: no secret it knows goes in.
+    let payload = bytes::Bytes::from(
+        outlet
+            .redactor
+            .redact_payload(&conversation.payload)
+            .into_owned(),
+    );
+    let stored = Stored {
+        subject: &record.subject,
+        msg_id: &record.msg_id,
+        headers: &headers,
+        payload: &payload,
+    };
+    publish_stored(outlet, Some(delivery), stored).await
+}
+
+/// The bookkeeping of a conversation that ended: its record goes, its metrics and the
+/// one log line per finished conversation are written.
+async fn finished(outlet: &Outlet, conversation: &Conversation<'_>, reply: &EncodedReply) {
+    if conversation.record.is_some()
+        && let Err(e) = outlet
+            .progress
+            .delete(conversation.origin(), conversation.generation())
+            .await
+    {
+        // The bucket's age limit removes it later; a missing record is never read as done.
+        warn!(error = %e, "cannot delete the progress record of a settled conversation");
+    }
+    let code = reply.error.as_ref().map(|e| e.code.as_str());
+    outlet
+        .metrics
+        .request_finished(conversation.pool, conversation.rule, code);
+    info!(
+        id = %conversation.raw_id,
+        pool = conversation.pool,
+        rule = conversation.rule,
+        outcome = if reply.error.is_some() { "error" } else { "response" },
+        code = code.unwrap_or("none"),
+        attempts = conversation.state.attempts.count(),
+        duration_ms = conversation.elapsed_ms(),
+        "conversation finished"
+    );
+}
+
+/// Acks, unless the connection was lost long enough meanwhile for the server to have
+/// redelivered the message: acks count by stream sequence alone, so a stale delivery's
+/// ack would free the slot that the redelivered copy holds. That copy finds what this
+/// one stored (the reply, or the recorded hop) and acks for both.
+async fn ack_current(
+    health: &Health,
+    delivery: &impl Delivery,
+    conversation: &Conversation<'_>,
+    kind: AckKind,
+) {
+    if health.redelivery_epoch() != conversation.epoch {
+        info!(id = %conversation.raw_id, pool = conversation.pool, "the NATS connection was lost for longer than the ack wait allows; leaving this possibly stale delivery unacked");
+        return;
+    }
+    if let Err(e) = delivery.ack(kind).await {
+        warn!(error = %e, "ack failed; the server will redeliver the message");
+    }
+}
+
+/// How long a parked retry waits, for the span.
+pub(super) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
