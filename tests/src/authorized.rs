@@ -3,7 +3,6 @@
 //! `webproxy` user, and an `admin` who may do anything (to observe what callers
 //! cannot). Also a conversation's origin and readers for what the service stored.
 
-use std::fmt;
 use std::time::Duration;
 
 use async_nats::jetstream::context::{Context, PublishError};
@@ -16,6 +15,9 @@ use futures::StreamExt as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use webproxy_client::new_id;
+use webproxy_protocol::{Subjects, header::ORIGIN};
+
+pub use webproxy_protocol::Origin;
 
 use crate::caller::REPLY_TIMEOUT;
 use crate::{NatsServer, ServiceOptions};
@@ -120,38 +122,20 @@ pub async fn violation(
     .unwrap_or_else(|_| panic!("no permission violation for {subject} within {within:?}"))
 }
 
-/// A conversation's origin: the pool stream and sequence of the caller's publish.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Origin {
-    pub stream: String,
-    pub seq: u64,
+/// The origin of the conversation a publish ack stored.
+pub fn origin_of(ack: &PublishAck) -> Origin {
+    Origin::new(ack.stream.clone(), ack.sequence)
 }
 
-impl Origin {
-    /// The origin a publish ack names.
-    pub fn of(ack: &PublishAck) -> Origin {
-        Origin {
-            stream: ack.stream.clone(),
-            seq: ack.sequence,
-        }
-    }
-
-    /// `webproxy.reply.<id>.<STREAM>.<seq>`: where its stored reply lives.
-    pub fn stored_reply_subject(&self, id: &str) -> String {
-        format!("webproxy.reply.{id}.{}.{}", self.stream, self.seq)
-    }
-
-    /// `<STREAM>:<seq>:<generation>:<kind>`, the message id of its stored reply
-    /// (`reply`) or dead letter (`dead`).
-    pub fn msg_id(&self, generation: u64, kind: &str) -> String {
-        format!("{self}:{generation}:{kind}")
-    }
+/// The message id of what generation `generation` of the conversation from `origin`
+/// stores: `<STREAM>:<seq>:<generation>:<kind>`, `kind` being `reply` or `dead`.
+pub fn stored_msg_id(origin: &Origin, generation: u64, kind: &str) -> String {
+    format!("{}:{kind}", origin.generation_key(generation))
 }
 
-impl fmt::Display for Origin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.stream, self.seq)
-    }
+/// The names of the default prefix, `webproxy`.
+fn subjects() -> Subjects {
+    Subjects::new("webproxy").expect("the default prefix is valid")
 }
 
 /// A header's value on a message, if it has it.
@@ -258,7 +242,7 @@ impl Caller {
                 .ok()
         })
         .await;
-        (Origin::of(&ack), inbox)
+        (origin_of(&ack), inbox)
     }
 }
 
@@ -321,7 +305,7 @@ impl Admin {
     pub async fn last_stored_reply(&self, subject: &str) -> Option<StreamMessage> {
         let stream = self
             .js
-            .get_stream_no_info("WEBPROXY_REPLIES")
+            .get_stream_no_info(subjects().replies_stream())
             .await
             .expect("replies stream");
         match stream.get_last_raw_message_by_subject(subject).await {
@@ -333,8 +317,11 @@ impl Admin {
 
     /// Every stored reply of conversation `id` from `origin`, oldest first.
     pub async fn stored_replies(&self, id: &str, origin: &Origin) -> Vec<StreamMessage> {
-        self.messages("WEBPROXY_REPLIES", &origin.stored_reply_subject(id))
-            .await
+        self.messages(
+            &subjects().replies_stream(),
+            &subjects().stored_reply(id, origin),
+        )
+        .await
     }
 
     /// Waits up to `within` for the stored reply of `id` from `origin`, and returns
@@ -355,8 +342,8 @@ impl Admin {
     /// Every dead letter whose `Webproxy-Origin` is `origin`, oldest first.
     pub async fn dead_letters(&self, origin: &Origin) -> Vec<StreamMessage> {
         let origin = origin.to_string();
-        self.messages_where("WEBPROXY_DEAD", |m| {
-            header(Some(&m.headers), "Webproxy-Origin") == Some(origin.as_str())
+        self.messages_where(&subjects().dead_stream(), |m| {
+            header(Some(&m.headers), ORIGIN) == Some(origin.as_str())
         })
         .await
     }

@@ -22,9 +22,11 @@ use axum::routing::any;
 use futures::{FutureExt as _, StreamExt as _};
 use serde_json::{Value, json};
 use webproxy_client::new_id;
+use webproxy_protocol::header::{GENERATION, HOP, MSG_ID, ORIGIN, OUTCOME, REPLY_TO};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::authorized::{
-    ADMIN, Admin, Caller, Origin, SERVICE_USER, first_and_repeats, header, service_as, violation,
+    ADMIN, Admin, Caller, Origin, SERVICE_USER, first_and_repeats, header, origin_of, service_as,
+    stored_msg_id, violation,
 };
 use webproxy_tests::caller::{REPLY_TIMEOUT, next_message, path_rule};
 use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, default_routes, wait_until};
@@ -38,9 +40,7 @@ const SERVICE: &str = "[service]\nack_wait = \"2s\"\n";
 /// `ack_wait`, so a redelivery (one `ack_wait`) and its handling fit with room.
 const GRACE: Duration = Duration::from_secs(6);
 
-/// Header values the tests forge; the service's own names for its hop state.
-const GENERATION: &str = "Webproxy-Generation";
-const ORIGIN: &str = "Webproxy-Origin";
+/// The hop-state header the service used before issue 12, forged here too.
 const ATTEMPTS: &str = "Webproxy-Attempts";
 
 /// The upstream: the default routes, and
@@ -207,30 +207,51 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
     map
 }
 
-/// Hop state a caller forges: every `Webproxy-*` header the service has used for
-/// retries, moves and replays, naming the victim's origin where one fits.
+/// `n` attempt records as the service writes them.
+fn attempt_records(n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|_| json!({"at": "2026-01-01T00:00:00Z", "status": 503, "duration_ms": 1}))
+        .collect()
+}
+
+/// A `Webproxy-Hop` value in the service's own format (a JSON hop state).
+fn hop_state(origin: &str, generation: u64, step: u32, kept: usize, dropped: u32) -> String {
+    json!({
+        "origin": origin,
+        "generation": generation,
+        "step": step,
+        "first_published_ms": 0,
+        "due_ms": unix_ms(),
+        "attempts": {"kept": attempt_records(kept), "dropped": dropped},
+    })
+    .to_string()
+}
+
+/// Hop state a caller forges on its request: the service's hop header in its own
+/// format, and every `Webproxy-*` header the service used before issue 12, naming the
+/// victim's origin wherever one fits.
 fn forged_hop_headers(victim: &Origin, reply_to: &str) -> Vec<(&'static str, HeaderMap)> {
     let victim = victim.to_string();
-    let one_attempt =
-        json!([{"at": "2026-01-01T00:00:00Z", "status": 503, "duration_ms": 1}]).to_string();
+    let one_attempt = Value::from(attempt_records(1)).to_string();
     let now = unix_ms().to_string();
     vec![
         (
             "a later generation with history",
             headers(&[
+                (HOP, &hop_state(&victim, 9, 1, 1, 0)),
                 (GENERATION, "9"),
                 (ORIGIN, &victim),
                 (ATTEMPTS, &one_attempt),
-                ("Webproxy-Hop", "1"),
                 ("Webproxy-First-Published", "0"),
                 ("Webproxy-Due", &now),
-                ("Webproxy-Reply-To", reply_to),
-                ("Webproxy-Outcome", "response"),
+                (REPLY_TO, reply_to),
+                (OUTCOME, "response"),
             ]),
         ),
         (
-            "the victim's generation with an empty history",
+            "the victim's own generation, one step on",
             headers(&[
+                (HOP, &hop_state(&victim, 0, 1, 0, 0)),
                 (GENERATION, "0"),
                 (ORIGIN, &victim),
                 (ATTEMPTS, "[]"),
@@ -240,19 +261,19 @@ fn forged_hop_headers(victim: &Origin, reply_to: &str) -> Vec<(&'static str, Hea
         (
             "a replay of the victim",
             headers(&[
+                (HOP, &hop_state(&victim, 1, 0, 0, 0)),
                 (GENERATION, "1"),
                 (ORIGIN, &victim),
-                ("Webproxy-Hop", "replay"),
             ]),
         ),
         (
             "malformed hop state",
             headers(&[
+                (HOP, "{"),
                 (GENERATION, "x"),
                 (ORIGIN, "nonsense"),
                 (ATTEMPTS, "{"),
                 ("Webproxy-First-Published", "-1"),
-                ("Webproxy-Hop", "?"),
             ]),
         ),
     ]
@@ -318,7 +339,7 @@ async fn forged_hop_state_and_redelivery_cannot_steal_replace_or_stretch() {
                 hostile_envelope(&format!("/echo?forged={i}")),
             )
             .await;
-        own.insert(Origin::of(&ack).to_string(), (i, *what));
+        own.insert(origin_of(&ack).to_string(), (i, *what));
     }
     // Each is a conversation of its own: answered once, from its own origin, with its
     // own attempt.
@@ -362,7 +383,7 @@ async fn forged_hop_state_and_redelivery_cannot_steal_replace_or_stretch() {
             hostile_envelope(slow),
         )
         .await;
-    let redelivered = Origin::of(&ack);
+    let redelivered = origin_of(&ack);
     wait_until(REPLY_TIMEOUT, "the slow attempt to start", || async {
         scene.upstream.hits_for(slow) == 1
     })
@@ -410,22 +431,44 @@ async fn forged_hop_state_and_redelivery_cannot_steal_replace_or_stretch() {
 
     // The retry budget is the rule's (1 + max_retries = 2 attempts), whatever the
     // request's headers say about earlier attempts.
-    let five_attempts = json!(
-        (0..5)
-            .map(|_| json!({"at": "2026-01-01T00:00:00Z", "status": 503, "duration_ms": 1}))
-            .collect::<Vec<_>>()
-    )
-    .to_string();
+    // The origins named: the one the first of these publishes will get (the next
+    // sequence of the pool's stream), or the victim's.
+    let probe = hostile
+        .publish(
+            "default",
+            &new_id(),
+            &HeaderMap::new(),
+            hostile_envelope("/echo?probe"),
+        )
+        .await;
+    let next = Origin::new(probe.stream.clone(), probe.sequence + 1).to_string();
+    let victim_text = victim_origin.to_string();
+    let five = Value::from(attempt_records(5)).to_string();
     let budgets = [
         (
             "five attempts already made",
-            headers(&[(ATTEMPTS, &five_attempts), (GENERATION, "0")]),
+            headers(&[
+                (HOP, &hop_state(&next, 0, 0, 5, 0)),
+                (ATTEMPTS, &five),
+                (GENERATION, "0"),
+            ]),
         ),
         (
-            "no attempts in a later generation",
-            headers(&[(ATTEMPTS, "[]"), (GENERATION, "3"), ("Webproxy-Hop", "9")]),
+            "a thousand attempts left out of the history",
+            headers(&[(HOP, &hop_state(&next, 0, 3, 0, 1000))]),
         ),
-        ("a malformed history", headers(&[(ATTEMPTS, "not json")])),
+        (
+            "the victim's state in a later generation",
+            headers(&[
+                (HOP, &hop_state(&victim_text, 3, 9, 5, 0)),
+                (ATTEMPTS, "[]"),
+                (GENERATION, "3"),
+            ]),
+        ),
+        (
+            "a malformed history",
+            headers(&[(HOP, "not json"), (ATTEMPTS, "not json")]),
+        ),
     ];
     for (i, (what, forged)) in budgets.iter().enumerate() {
         let budget_id = new_id();
@@ -488,13 +531,10 @@ fn ids_without_origin(id: &str, pools: &[&str]) -> Vec<String> {
 /// Message ids naming the victim's origin: the reply and dead-letter forms, the
 /// progress record's key, and tokens a careless implementation might derive from it.
 fn ids_with_origin(origin: &Origin) -> Vec<String> {
-    let mut ids = vec![
-        origin.to_string(),
-        format!("{}.{}.0", origin.stream, origin.seq),
-    ];
+    let mut ids = vec![origin.to_string(), origin.record_key(0)];
     for generation in 0..=1 {
-        ids.push(origin.msg_id(generation, "reply"));
-        ids.push(origin.msg_id(generation, "dead"));
+        ids.push(stored_msg_id(origin, generation, "reply"));
+        ids.push(stored_msg_id(origin, generation, "dead"));
     }
     for token in [
         format!("{:032x}", origin.seq),
@@ -575,15 +615,8 @@ async fn prepublished_message_ids_cannot_stop_a_retried_or_moved_conversation() 
         let probe = hostile
             .publish("default", &new_id(), &none, decoy("default"))
             .await;
-        let naming = ids_with_origin(&Origin {
-            stream: probe.stream.clone(),
-            seq: 0,
-        })
-        .len() as u64;
-        let predicted = Origin {
-            stream: probe.stream.clone(),
-            seq: probe.sequence + naming + 1,
-        };
+        let naming = ids_with_origin(&Origin::new(probe.stream.clone(), 1)).len() as u64;
+        let predicted = Origin::new(probe.stream.clone(), probe.sequence + naming + 1);
         for msg_id in ids_with_origin(&predicted) {
             let ack = hostile
                 .publish("default", &msg_id, &none, decoy("default"))
@@ -907,8 +940,8 @@ async fn a_dead_letter_survives_a_crash_between_it_and_the_reply() {
     assert_eq!(letters.len(), 1, "dead letters for {origin}: {letters:?}");
     let letter = &letters[0];
     assert_eq!(
-        header(Some(&letter.headers), "Nats-Msg-Id"),
-        Some(origin.msg_id(0, "dead").as_str())
+        header(Some(&letter.headers), MSG_ID),
+        Some(stored_msg_id(&origin, 0, "dead").as_str())
     );
     assert_eq!(header(Some(&letter.headers), GENERATION), Some("0"));
     let body: Value = serde_json::from_slice(&letter.payload).expect("dead letter json");
