@@ -742,6 +742,19 @@ async fn a_small_max_waiting_survives_an_outage_without_deadlock_or_spinning() {
         )
     })
     .await;
+    let mut pool = scene
+        .admin
+        .js
+        .get_stream("WEBPROXY_POOL_DEFAULT")
+        .await
+        .expect("pool stream");
+    let limit = pool
+        .info()
+        .await
+        .expect("pool stream info")
+        .config
+        .max_messages_per_subject;
+    assert_eq!(limit, 2, "max_waiting is not the request subject's limit");
     let caller = scene.caller("caller_b").await;
     scene.outage.store(true, Ordering::SeqCst);
     let outage_started = Instant::now();
@@ -858,32 +871,51 @@ async fn a_park_whose_ack_is_lost_starts_no_second_attempt_line() {
         },
     ))
     .await;
+    // Every case is checked before anything fails, so a failure tells the whole story.
     let mut attempted = 0;
+    let mut problems = Vec::new();
     for (what, path, status, attempts, origin, live, copies) in outcomes {
         let hits = scene.upstream.hits_for(path);
         attempted += hits;
-        assert!(
-            hits <= 1 + max_retries,
-            "{what}: {hits} attempts, more than 1 + max_retries\n{}",
-            scene.service.logs()
-        );
-        assert_eq!(hits, attempts, "{what}: attempts");
-        assert_eq!(live.len(), 1, "{what}: live replies {live:?}");
-        assert_eq!(copies.len(), 1, "{what}: reply_to copies {copies:?}");
+        if hits > 1 + max_retries {
+            problems.push(format!(
+                "{what}: {hits} attempts, more than 1 + max_retries"
+            ));
+        }
+        if hits != attempts {
+            problems.push(format!("{what}: {hits} attempts, not {attempts}"));
+        }
+        for (name, messages) in [("live replies", &live), ("reply_to copies", &copies)] {
+            if messages.len() != 1 {
+                let identical = messages.iter().all(|m| m.payload == messages[0].payload);
+                problems.push(format!(
+                    "{what}: {} {name} within {GRACE:?} of the first (payloads identical: \
+                     {identical}); headers: {:?}",
+                    messages.len(),
+                    messages.iter().map(|m| &m.headers).collect::<Vec<_>>()
+                ));
+            }
+        }
         for message in live.iter().chain(&copies) {
             assert_from(message, &origin, what);
         }
         let reply = reply_of(&live[0]);
-        assert_eq!(reply.status, status, "{what}: {reply:?}");
-        assert_eq!(reply.attempts as usize, attempts, "{what}: {reply:?}");
-        if status.is_none() {
-            assert_eq!(
-                reply.error.map(|e| e.code),
-                Some(ErrorCode::RetriesExhausted),
-                "{what}"
-            );
+        let code = reply.error.map(|e| e.code);
+        let expected_code = status.is_none().then_some(ErrorCode::RetriesExhausted);
+        if reply.status != status || reply.attempts as usize != attempts || code != expected_code {
+            problems.push(format!(
+                "{what}: final reply status {:?}, attempts {}, error {code:?}; expected \
+                 {status:?}, {attempts}, {expected_code:?}",
+                reply.status, reply.attempts
+            ));
         }
     }
+    assert!(
+        problems.is_empty(),
+        "{}\n--- service log ---\n{}",
+        problems.join("\n"),
+        scene.service.logs()
+    );
     // Each attempt was one delivery of the pool consumer; the hook's lost acks add a
     // redelivery per park. None would mean the hook never ran (a service built
     // without the `test-hooks` feature).
