@@ -30,15 +30,16 @@ fn config(upstream: &Upstream, pool: u32, extra: &str) -> String {
     )
 }
 
-/// Every reply published on `webproxy.reply.>`, by conversation id, as a live
-/// subscriber saw them.
+/// Every live reply published on `webproxy.reply.<id>`, by conversation id, as a
+/// subscriber saw them (the stored copies, on `webproxy.reply.<id>.<STREAM>.<seq>`,
+/// are counted in the stream instead).
 #[derive(Clone, Default)]
 struct Observed(Arc<Mutex<BTreeMap<String, Vec<Bytes>>>>);
 
 impl Observed {
     async fn subscribe(nats: async_nats::Client) -> Observed {
         let observed = Observed::default();
-        let mut replies = nats.subscribe("webproxy.reply.>").await.expect("subscribe");
+        let mut replies = nats.subscribe("webproxy.reply.*").await.expect("subscribe");
         let sink = observed.clone();
         tokio::spawn(async move {
             while let Some(message) = replies.next().await {
@@ -72,18 +73,22 @@ impl Observed {
     }
 }
 
-/// How many messages the replies stream stores per conversation id; `None` while
-/// JetStream cannot answer (a cluster electing leaders after a node loss).
+/// How many messages the replies stream stores per conversation id, over all of that
+/// id's origins (`webproxy.reply.<id>.<STREAM>.<seq>`); `None` while JetStream cannot
+/// answer (a cluster electing leaders after a node loss).
 async fn stored_replies(js: &jetstream::Context) -> Option<BTreeMap<String, u64>> {
     let stream = js.get_stream("WEBPROXY_REPLIES").await.ok()?;
     let mut info = stream.info_with_subjects("webproxy.reply.>").await.ok()?;
     let mut counts = BTreeMap::new();
     while let Some(entry) = info.next().await {
         let (subject, count) = entry.ok()?;
-        counts.insert(
-            subject.trim_start_matches("webproxy.reply.").to_string(),
-            count as u64,
-        );
+        let id = subject
+            .trim_start_matches("webproxy.reply.")
+            .split('.')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        *counts.entry(id).or_default() += count as u64;
     }
     Some(counts)
 }

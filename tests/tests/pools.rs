@@ -213,7 +213,7 @@ async fn pools_are_listed_and_removed() {
         .nats
         .client()
         .await
-        .subscribe("webproxy.reply.>")
+        .subscribe("webproxy.reply.*")
         .await
         .expect("subscribe");
     for _ in 0..3 {

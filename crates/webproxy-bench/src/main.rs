@@ -334,9 +334,11 @@ async fn main() -> anyhow::Result<()> {
     let nats_client = nats.client().await;
     let client = Client::new(nats_client.clone(), "webproxy")?;
     let js = jetstream::new(nats_client.clone());
+    // The live copies only: the stored ones, on webproxy.reply.<id>.<STREAM>.<seq>,
+    // would arrive a second time.
     let replies = Replies::subscribe(
         &nats_client,
-        "webproxy.reply.>".into(),
+        "webproxy.reply.*".into(),
         "webproxy.reply.".len(),
     )
     .await?;

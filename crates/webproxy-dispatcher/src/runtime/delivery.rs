@@ -88,14 +88,15 @@ pub(crate) mod fake {
             }
         }
 
-        /// The acks sent, progress acks left out.
-        pub(crate) fn final_acks(&self) -> Vec<AckKind> {
+        /// The acks sent (`Ack`, `Term`, ...: `AckKind` has no equality), progress
+        /// acks left out.
+        pub(crate) fn final_acks(&self) -> Vec<String> {
             self.acks
                 .lock()
                 .map(|acks| {
                     acks.iter()
                         .filter(|k| !matches!(k, AckKind::Progress))
-                        .cloned()
+                        .map(|k| format!("{k:?}"))
                         .collect()
                 })
                 .unwrap_or_default()

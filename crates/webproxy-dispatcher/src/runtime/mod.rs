@@ -13,6 +13,8 @@ mod progress;
 mod publish;
 mod replay;
 mod settle;
+#[cfg(test)]
+mod tests;
 
 pub use delivery::{Delivery, DeliveryInfo};
 pub use handle::end_unattempted;

@@ -175,6 +175,7 @@ pub(super) async fn settle(
                     )
                     .await;
                 }
+                forget_record(outlet, conversation).await;
                 info!(
                     id = %conversation.raw_id,
                     pool = conversation.pool,
@@ -388,15 +389,7 @@ async fn publish_hop(
 /// The bookkeeping of a conversation that ended: its record goes, its metrics and the
 /// one log line per finished conversation are written.
 async fn finished(outlet: &Outlet, conversation: &Conversation<'_>, reply: &EncodedReply) {
-    if conversation.record.is_some()
-        && let Err(e) = outlet
-            .progress
-            .delete(conversation.origin(), conversation.generation())
-            .await
-    {
-        // The bucket's age limit removes it later; a missing record is never read as done.
-        warn!(error = %e, "cannot delete the progress record of a settled conversation");
-    }
+    forget_record(outlet, conversation).await;
     let code = reply.error.as_ref().map(|e| e.code.as_str());
     outlet
         .metrics
@@ -411,6 +404,19 @@ async fn finished(outlet: &Outlet, conversation: &Conversation<'_>, reply: &Enco
         duration_ms = conversation.elapsed_ms(),
         "conversation finished"
     );
+}
+
+/// Deletes the progress record of a conversation that settled, if it has one.
+async fn forget_record(outlet: &Outlet, conversation: &Conversation<'_>) {
+    if conversation.record.is_some()
+        && let Err(e) = outlet
+            .progress
+            .delete(conversation.origin(), conversation.generation())
+            .await
+    {
+        // The bucket's age limit removes it later; a missing record is never read as done.
+        warn!(error = %e, "cannot delete the progress record of a settled conversation");
+    }
 }
 
 /// Acks, unless the connection was lost long enough meanwhile for the server to have

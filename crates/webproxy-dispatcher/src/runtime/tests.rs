@@ -1,0 +1,313 @@
+//! The handler's paths in-process: a fake delivery (whose acks are recorded) against a
+//! real nats-server, so each way a delivery can end is checked without a service
+//! process. Upstream attempts go to a closed loopback port, which fails at once and is
+//! retried: the park path needs no HTTP server.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream;
+use webproxy_protocol::{DeadLetter, Origin, header};
+use webproxy_tests::NatsServer;
+use webproxy_worker::{Worker, WorkerConfig};
+
+use super::delivery::DeliveryInfo;
+use super::delivery::fake::FakeDelivery;
+use super::handle::handle_delivery;
+use super::progress::{Progress, Record};
+use super::publish::Outlet;
+use super::settle::Settled;
+use super::{Gauges, Health, Shared};
+use crate::config::tests::config_from;
+use crate::hop::{HopState, subject_token};
+use crate::metrics::Metrics;
+use crate::secrets::Secrets;
+
+const STREAM: &str = "WEBPROXY_POOL_DEFAULT";
+
+/// A closed port on loopback: connecting fails at once.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+struct Fixture {
+    _nats: NatsServer,
+    shared: Shared,
+    js: jetstream::Context,
+    url: String,
+}
+
+impl Fixture {
+    async fn start() -> Fixture {
+        let nats = NatsServer::start();
+        let url = format!("http://127.0.0.1:{}/x", closed_port());
+        let settings = config_from(&format!(
+            r#"
+            [nats]
+            url = "{}"
+            [outbound]
+            allow_private_networks = true
+            [[request_rules]]
+            name = "local"
+            method = "*"
+            url_pattern = '^http://127\.0\.0\.1:'
+            action = "accept"
+            max_retries = 5
+            retry_delay = "1h"
+            "#,
+            nats.url()
+        ))
+        .validate()
+        .expect("valid config");
+        let client = nats.client().await;
+        let js = jetstream::new(client.clone());
+        let provisioned = crate::provision::provision(&js, &settings)
+            .await
+            .expect("provisioned");
+        let worker = Worker::new(&WorkerConfig {
+            max_response_bytes: 64 * 1024,
+            guard: settings.outbound.guard.clone(),
+            max_response_headers: settings.outbound.max_headers,
+            max_response_header_bytes: settings.outbound.max_header_bytes,
+        })
+        .expect("worker");
+        let secrets = Secrets::empty();
+        let outlet = Outlet::new(
+            client,
+            settings.subjects.clone(),
+            1024 * 1024,
+            Arc::new(Metrics::new("test")),
+            secrets.redactor().clone(),
+            Progress::new(provisioned.progress),
+        );
+        let shared = Shared {
+            health: Arc::new(Health::new(Duration::from_secs(60))),
+            gauges: Arc::new(Gauges::new(settings.pools.keys())),
+            settings: Arc::new(settings),
+            outlet,
+            worker,
+            secrets: Arc::new(secrets),
+        };
+        Fixture {
+            _nats: nats,
+            shared,
+            js,
+            url,
+        }
+    }
+
+    fn envelope(&self, id: &str) -> String {
+        format!(r#"{{"id":"{id}","method":"GET","url":"{}"}}"#, self.url)
+    }
+
+    async fn handle(&self, delivery: &FakeDelivery) -> Settled {
+        handle_delivery(&self.shared, "default", delivery).await
+    }
+
+    async fn record(&self, seq: u64, generation: u64) -> Option<Record> {
+        self.shared
+            .outlet
+            .progress
+            .load(&Origin::new(STREAM, seq), generation)
+            .await
+            .expect("record lookup")
+            .map(|(record, _)| record)
+    }
+
+    async fn stored(&self, subject: &str) -> Option<async_nats::jetstream::message::StreamMessage> {
+        let stream = self
+            .js
+            .get_stream(if subject.contains(".reply.") {
+                "WEBPROXY_REPLIES"
+            } else if subject.contains(".dead.") {
+                "WEBPROXY_DEAD"
+            } else {
+                STREAM
+            })
+            .await
+            .expect("stream");
+        stream.get_last_raw_message_by_subject(subject).await.ok()
+    }
+
+    async fn messages_in_pool_stream(&self) -> u64 {
+        let mut stream = self.js.get_stream(STREAM).await.expect("stream");
+        stream.info().await.expect("info").state.messages
+    }
+}
+
+fn info(seq: u64, delivered: u64) -> DeliveryInfo {
+    DeliveryInfo {
+        stream: STREAM.into(),
+        seq,
+        delivered,
+        published: SystemTime::now(),
+    }
+}
+
+/// A caller's message on the request subject.
+fn caller(payload: &str, seq: u64, delivered: u64) -> FakeDelivery {
+    FakeDelivery::new("webproxy.request.default", payload, info(seq, delivered))
+}
+
+/// The hop message that `record` describes, as the pool consumer delivers it.
+fn hop(record: &Record, payload: &str, seq: u64) -> FakeDelivery {
+    let token = subject_token(&record.subject).expect("token");
+    let mut delivery = FakeDelivery::new(
+        &format!("webproxy.hop.default.{token}"),
+        payload,
+        info(seq, 1),
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(header::HOP, record.hop.format().as_str());
+    delivery.headers = Some(headers);
+    delivery
+}
+
+#[tokio::test]
+async fn a_callers_forged_hop_state_is_ignored() {
+    let f = Fixture::start().await;
+    // Claims to be generation 9 of another conversation, with attempts made.
+    let mut forged = HopState::caller(Origin::new(STREAM, 1), SystemTime::UNIX_EPOCH);
+    forged.generation = 9;
+    forged.step = 3;
+    let mut delivery = caller(
+        r#"{"id":"victim","method":"BREW","url":"http://127.0.0.1:1/"}"#,
+        42,
+        1,
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(header::HOP, forged.format().as_str());
+    headers.insert(header::GENERATION, "9");
+    delivery.headers = Some(headers);
+
+    assert_eq!(f.handle(&delivery).await, Settled::Done);
+    assert_eq!(delivery.final_acks(), ["Ack"]);
+    // Answered as generation 0 of its own origin: nothing of conversation 1 changed.
+    let own = f
+        .stored(&format!("webproxy.reply.victim.{STREAM}.42"))
+        .await
+        .expect("its own stored reply");
+    assert_eq!(
+        own.headers.get(header::GENERATION).map(|v| v.as_str()),
+        Some("0")
+    );
+    assert_eq!(
+        own.headers.get(header::ORIGIN).map(|v| v.as_str()),
+        Some(format!("{STREAM}:42").as_str())
+    );
+    assert!(
+        f.stored(&format!("webproxy.reply.victim.{STREAM}.1"))
+            .await
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn a_lost_park_ack_starts_no_second_attempt_line() {
+    let f = Fixture::start().await;
+    let payload = f.envelope("a");
+    let first = caller(&payload, 7, 1);
+    assert_eq!(f.handle(&first).await, Settled::Done);
+    assert_eq!(first.final_acks(), ["Ack"]);
+    let parked = f.record(7, 0).await.expect("the park is recorded");
+    assert_eq!(parked.step(), 1);
+    assert_eq!(parked.hop.attempts.count(), 1);
+    assert_eq!(f.messages_in_pool_stream().await, 1, "one parked retry");
+
+    // The park's ack was lost: the caller's message comes back. It republishes the
+    // recorded park under the same id (deduplicated) and makes no attempt.
+    let again = caller(&payload, 7, 2);
+    assert_eq!(f.handle(&again).await, Settled::Done);
+    assert_eq!(again.final_acks(), ["Ack"]);
+    assert_eq!(f.record(7, 0).await.as_ref(), Some(&parked));
+    assert_eq!(f.messages_in_pool_stream().await, 1, "deduplicated");
+
+    // The parked retry comes due as a hop: it takes step 1, attempts, parks step 2.
+    let due = hop(&parked, &payload, 8);
+    assert_eq!(f.handle(&due).await, Settled::Done);
+    assert_eq!(due.final_acks(), ["Ack"]);
+    let second = f.record(7, 0).await.expect("step 2 recorded");
+    assert_eq!(second.step(), 2);
+    assert_eq!(second.hop.attempts.count(), 2);
+
+    // A second copy of the step-1 hop, and the caller's message once more, change
+    // nothing: neither is the current untaken step.
+    let copy = hop(&parked, &payload, 9);
+    assert_eq!(f.handle(&copy).await, Settled::Done);
+    assert_eq!(copy.final_acks(), ["Ack"]);
+    let late = caller(&payload, 7, 3);
+    assert_eq!(f.handle(&late).await, Settled::Done);
+    let after = f.record(7, 0).await.expect("record");
+    assert_eq!(after.step(), 2);
+    assert_eq!(after.hop.attempts.count(), 2, "no attempt was made");
+}
+
+#[tokio::test]
+async fn a_malformed_hop_state_is_answered_internal_and_dead_lettered() {
+    let f = Fixture::start().await;
+    let mut delivery = FakeDelivery::new(
+        "webproxy.hop.default.0123456789abcdef0123456789abcdef",
+        &f.envelope("b"),
+        info(11, 1),
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(header::HOP, "{not hop state");
+    delivery.headers = Some(headers);
+
+    assert_eq!(f.handle(&delivery).await, Settled::Done);
+    assert_eq!(delivery.final_acks(), ["Term"]);
+    let letter = f
+        .stored("webproxy.dead.default")
+        .await
+        .expect("dead letter");
+    let letter: DeadLetter = serde_json::from_slice(&letter.payload).expect("json");
+    assert_eq!(letter.error.code.as_str(), "internal");
+    assert!(
+        letter.error.message.contains("hop state"),
+        "{}",
+        letter.error.message
+    );
+    assert!(
+        f.stored(&format!("webproxy.reply.b.{STREAM}.11"))
+            .await
+            .is_some(),
+        "the caller is answered"
+    );
+}
+
+#[tokio::test]
+async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
+    let f = Fixture::start().await;
+    let payload = r#"{"id":"c","method":"GET","url":"http://10.0.0.1/","reply_to":"app.c"}"#;
+    // Denied (no rule accepts 10.0.0.1): answered and dead-lettered, no HTTP at all.
+    let first = caller(payload, 21, 1);
+    assert_eq!(f.handle(&first).await, Settled::Done);
+    let mut copies = f
+        .shared
+        .outlet
+        .client
+        .subscribe("app.c")
+        .await
+        .expect("subscribe");
+    // A crash before the ack: the redelivery finds the stored reply and copies it to
+    // the reply_to stored with it.
+    let again = caller(payload, 21, 2);
+    assert_eq!(f.handle(&again).await, Settled::Done);
+    assert_eq!(again.final_acks(), ["Ack"]);
+    let copy = tokio::time::timeout(
+        Duration::from_secs(10),
+        futures::StreamExt::next(&mut copies),
+    )
+    .await
+    .expect("a copy in time")
+    .expect("a copy");
+    assert_eq!(
+        copy.headers
+            .as_ref()
+            .and_then(|h| h.get(header::ORIGIN))
+            .map(|v| v.as_str()),
+        Some(format!("{STREAM}:21").as_str())
+    );
+}
