@@ -822,7 +822,7 @@ async fn a_small_max_waiting_survives_an_outage_without_deadlock_or_spinning() {
 /// final reply. Both orders are covered: the retry falls due before the lost ack
 /// shows (500 ms < `ack_wait`), and after it (3 s > `ack_wait`).
 ///
-/// About 20 s: the slowest conversation's four attempts are 3 s apart, and every
+/// About 16 s: the slowest conversation's four attempts are 3 s apart, and every
 /// conversation is then watched for 6 s (three times `ack_wait`) for a second reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_park_whose_ack_is_lost_starts_no_second_attempt_line() {
