@@ -17,9 +17,15 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A request rule that accepts everything under `upstream`, in TOML.
 pub fn accept_rule(name: &str, upstream: &Upstream) -> String {
+    path_rule(name, upstream, "/")
+}
+
+/// A request rule that accepts every URL of `upstream` starting with `path`, in TOML;
+/// further keys of the rule (`pool`, `max_retries`, ...) may follow it.
+pub fn path_rule(name: &str, upstream: &Upstream, path: &str) -> String {
     format!(
         "[[request_rules]]\nname = \"{name}\"\nurl_pattern = '^{}'\n",
-        regex_escape(&upstream.url("/"))
+        regex_escape(&upstream.url(path))
     )
 }
 
