@@ -130,7 +130,7 @@ async fn callers_cannot_read_each_others_replies() {
         let js = js.clone();
         async move {
             let stream = js.get_stream_no_info("WEBPROXY_POOL_DEFAULT").await.ok()?;
-            let info = stream.consumer_info("webproxy-default").await.ok()?;
+            let info = stream.consumer_info("webproxy-default-l2").await.ok()?;
             (info.num_ack_pending == 0 && info.delivered.stream_sequence == 2).then_some(())
         }
     })
