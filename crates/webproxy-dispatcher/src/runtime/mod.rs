@@ -8,6 +8,7 @@ mod conversation;
 mod delivery;
 mod handle;
 mod hooks;
+mod migrate;
 mod parked;
 mod progress;
 mod publish;
@@ -18,6 +19,7 @@ mod tests;
 
 pub use delivery::{Delivery, DeliveryInfo};
 pub use handle::end_unattempted;
+pub use migrate::MigrationError;
 pub use progress::{Progress, ProgressError, Record};
 pub use publish::{Outlet, PublishFailure};
 pub use replay::{ReplayError, replay};
