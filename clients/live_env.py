@@ -22,7 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -63,12 +65,28 @@ def wait_until(timeout: float, what: str, check, on_timeout=lambda: "") -> None:
 
 
 class _Upstream(BaseHTTPRequestHandler):
-    """`/echo` answers JSON describing the request; any other path answers its text."""
+    """`/echo` answers JSON describing the request; `/delay/<ms>` answers its text
+    after `ms` milliseconds; `/_hits?path=<path>` (not counted) answers how many
+    requests `<path>` has had; any other path answers its text."""
+
+    hits: Counter = Counter()
+    hits_lock = threading.Lock()
 
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length)
-        if self.path.split("?")[0] == "/echo":
+        path = self.path.split("?")[0]
+        if path == "/_hits":
+            query = urllib.parse.parse_qs(self.path.partition("?")[2])
+            with self.hits_lock:
+                count = self.hits[query.get("path", [""])[0]]
+            self._send(str(count).encode(), "text/plain")
+            return
+        with self.hits_lock:
+            self.hits[path] += 1
+        if path.startswith("/delay/") and path[len("/delay/"):].isdigit():
+            time.sleep(min(int(path[len("/delay/"):]), 10_000) / 1000)
+        if path == "/echo":
             headers: dict = {}
             for name, value in self.headers.items():
                 headers.setdefault(name.lower(), []).append(value)
@@ -85,6 +103,9 @@ class _Upstream(BaseHTTPRequestHandler):
         else:
             payload = f"path {self.path}".encode()
             content_type = "text/plain"
+        self._send(payload, content_type)
+
+    def _send(self, payload: bytes, content_type: str) -> None:
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
@@ -124,7 +145,9 @@ class LiveEnv:
         self.stop()
 
     def start(self) -> None:
-        self._upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+        # Counts of this environment's upstream only.
+        self._handler = type("Upstream", (_Upstream,), {"hits": Counter()})
+        self._upstream = ThreadingHTTPServer(("127.0.0.1", 0), self._handler)
         threading.Thread(target=self._upstream.serve_forever, daemon=True).start()
         self.upstream_url = f"http://127.0.0.1:{self._upstream.server_address[1]}"
         self.closed_url = f"http://127.0.0.1:{free_port()}"
@@ -133,6 +156,11 @@ class LiveEnv:
 
     def url(self, path: str) -> str:
         return self.upstream_url + path
+
+    def hits(self, path: str) -> int:
+        """How many requests the upstream has had on `path` (no query string)."""
+        with _Upstream.hits_lock:
+            return self._handler.hits[path]
 
     def describe(self) -> dict:
         return {

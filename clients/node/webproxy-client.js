@@ -1,11 +1,13 @@
 // A small client for webproxy on the official NATS JavaScript packages. It gets
-// right what every caller must: subscribe before publishing, set Nats-Msg-Id, pick
-// the pool subject, fall back to the stored reply, and tell an error outcome from a
-// response. The wire protocol is in the repository's README and
-// schema/request.schema.json.
+// right what every caller must: subscribe before publishing, publish with a fresh
+// random Nats-Msg-Id, pick the pool subject, keep only the reply of its own
+// conversation (its origin, <STREAM>:<seq> from the publish ack), fall back to its
+// own stored reply, and tell an error outcome from a response. The wire protocol is
+// in the repository's README and schema/request.schema.json.
 
-import { randomUUID } from "node:crypto";
-import { jetstream, jetstreamManager } from "@nats-io/jetstream";
+import { randomBytes, randomUUID } from "node:crypto";
+import { setTimeout as sleep } from "node:timers/promises";
+import { JetStreamApiError, jetstream, jetstreamManager } from "@nats-io/jetstream";
 
 export const DEFAULT_PREFIX = "webproxy";
 export const DEFAULT_POOL = "default";
@@ -13,6 +15,19 @@ export const DEFAULT_WAIT_MS = 30_000;
 
 const ID = /^[A-Za-z0-9_-]{1,128}$/;
 const POOL = /^[a-z0-9_-]{1,32}$/;
+// A conversation's origin: its pool stream (one subject token) and stream sequence.
+const ORIGIN = /^[A-Za-z0-9_-]{1,255}:[1-9][0-9]{0,19}$/;
+// A literal subject: non-empty tokens, no wildcards, no white space.
+const SUBJECT = /^[^\s.*>]+(\.[^\s.*>]+)*$/;
+// A Nats-Msg-Id set by the caller: printable, no white space.
+const MSG_ID = /^[!-~]{1,128}$/;
+const ORIGIN_HEADER = "Webproxy-Origin";
+// JetStream's "duplicate message id is in process": an earlier publish with the same
+// id is not stored yet. Tried again with the same id, this many times in all, this
+// many milliseconds apart.
+const IN_PROCESS = 10158;
+export const PUBLISH_TRIES = 10;
+export const PUBLISH_RETRY_DELAY_MS = 50;
 // How often a waiting request looks whether the connection was re-made, which is
 // when a live reply can have been missed.
 const RECONNECT_CHECK_MS = 250;
@@ -31,12 +46,16 @@ export class InvalidRequest extends WebproxyError {}
 export class NoSuchPool extends WebproxyError {}
 /** JetStream did not confirm that it stored the request. */
 export class PublishFailed extends WebproxyError {}
-/** No reply came within the wait, and none is stored. */
+/**
+ * No reply came within the wait, and none is stored. The request was stored: read
+ * its reply later with `client.reply(e.id, e.origin)`.
+ */
 export class ReplyTimeout extends WebproxyError {
-  constructor(id, waitMs) {
-    super(`no reply to ${id} within ${waitMs} ms, and none is stored`);
+  constructor(id, waitMs, origin) {
+    super(`no reply to ${id} (origin ${origin}) within ${waitMs} ms, and none is stored`);
     this.id = id;
     this.waitMs = waitMs;
+    this.origin = origin;
   }
 }
 /** The replies stream could not be read. */
@@ -44,10 +63,14 @@ export class LookupFailed extends WebproxyError {}
 /** A reply that is not a valid reply envelope. */
 export class BadReply extends WebproxyError {}
 
-/** The final reply of a conversation; `raw` is the envelope as received. */
+/**
+ * The final reply of a conversation; `raw` is the envelope as received and `origin`
+ * the conversation's origin, `<STREAM>:<seq>`.
+ */
 export class Reply {
-  constructor(raw) {
+  constructor(raw, origin = null) {
     this.raw = raw;
+    this.origin = origin;
   }
   get id() {
     return this.raw.id;
@@ -87,9 +110,65 @@ export class Reply {
   }
 }
 
-/** A fresh conversation id. */
+/**
+ * A fresh envelope id. It correlates the reply with the request and names the live
+ * reply subject; it need not be secret, and anyone may reuse it.
+ */
 export function newId() {
   return randomUUID().replaceAll("-", "");
+}
+
+/**
+ * A fresh Nats-Msg-Id: 32 lowercase hex characters (128 bits from the operating
+ * system's CSPRNG), so no other caller can guess it and pre-empt the publish.
+ */
+export function newMsgId() {
+  return randomBytes(16).toString("hex");
+}
+
+/** The origin `<STREAM>:<seq>` of the conversation a JetStream publish ack stored. */
+export function originOf(ack) {
+  return `${ack.stream}:${ack.seq}`;
+}
+
+/**
+ * Whether a reply message with `headers` (a MsgHdrs, or undefined) answers the
+ * conversation `origin`. Anyone may reuse an id: a reply with another origin, or
+ * none, is not this conversation's.
+ */
+export function isOwnReply(headers, origin) {
+  return headers?.get(ORIGIN_HEADER) === origin;
+}
+
+/**
+ * Publishes with `publishOnce(msgId)`, and again with the same id while JetStream
+ * answers that a message with that id is still in process (err_code 10158), up to
+ * `tries` in all, `delayMs` apart.
+ */
+export async function publishRetrying(
+  msgId,
+  publishOnce,
+  { tries = PUBLISH_TRIES, delayMs = PUBLISH_RETRY_DELAY_MS } = {},
+) {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await publishOnce(msgId);
+    } catch (e) {
+      if (attempt < tries && e instanceof JetStreamApiError && e.code === IN_PROCESS) {
+        await sleep(delayMs);
+        continue;
+      }
+      throw e;
+    }
+  }
+}
+
+function ownMsgId(msgId) {
+  if (msgId === undefined) {
+    return newMsgId();
+  }
+  check(MSG_ID, "msgId", msgId);
+  return msgId;
 }
 
 /**
@@ -125,7 +204,7 @@ function check(pattern, what, value) {
   }
 }
 
-function decode(data) {
+function decode(data, origin) {
   let raw;
   try {
     raw = JSON.parse(new TextDecoder().decode(data));
@@ -135,7 +214,7 @@ function decode(data) {
   if (raw === null || typeof raw !== "object" || !["response", "error"].includes(raw.outcome)) {
     throw new BadReply("the reply is not a reply envelope");
   }
-  return new Reply(raw);
+  return new Reply(raw, origin);
 }
 
 function isNoResponders(error) {
@@ -173,53 +252,75 @@ export class Client {
 
   /**
    * Sends a request and waits up to `waitMs` for its final reply, which may be an
-   * error outcome. `fields` are the envelope's (see buildEnvelope). A reply that
-   * could have been missed is read from the replies stream: when the id was already
-   * stored, after a reconnect, and when the wait runs out.
+   * error outcome. `fields` are the envelope's (see buildEnvelope).
+   *
+   * The live subscription (to `replyTo` when given, else to `<prefix>.reply.<id>`) is
+   * made before publishing, and only a live reply whose `Webproxy-Origin` is this
+   * conversation's counts. A reply that could have been missed is read from this
+   * conversation's own stored subject: on a duplicate publish ack, after a
+   * reconnect, and when the wait runs out.
+   *
+   * Every call is a new conversation with a fresh random Nats-Msg-Id. Pass the
+   * `msgId` of an earlier call only to publish that very message again (after a
+   * crash, within the duplicate window): the same conversation answers.
    */
-  async request(method, url, { pool = DEFAULT_POOL, waitMs = DEFAULT_WAIT_MS, ...fields } = {}) {
+  async request(
+    method,
+    url,
+    { pool = DEFAULT_POOL, waitMs = DEFAULT_WAIT_MS, msgId, ...fields } = {},
+  ) {
     const envelope = buildEnvelope(method, url, fields);
     const id = envelope.id;
     check(ID, "id", id);
-    const sub = this.#nc.subscribe(`${this.#prefix}.reply.${id}`);
+    const live = envelope.reply_to ?? `${this.#prefix}.reply.${id}`;
+    check(SUBJECT, "replyTo", live);
+    const publishId = ownMsgId(msgId);
+    const sub = this.#nc.subscribe(live);
     try {
       let seenReconnects = this.#reconnects;
       const deadline = Date.now() + waitMs;
-      const ack = await this.#publish(envelope, pool);
+      const ack = await this.#publish(envelope, pool, publishId);
+      const origin = originOf(ack);
       if (ack.duplicate) {
-        const stored = await this.reply(id);
+        const stored = await this.reply(id, origin);
         if (stored) {
           return stored;
         }
       }
       const messages = sub[Symbol.asyncIterator]();
-      // One pending read for the whole wait: a read that lost a race to the clock
-      // still holds the message it resolves with.
-      const next = messages.next();
+      // One pending read at a time: a read that lost a race to the clock still holds
+      // the message it resolves with.
+      let next = messages.next();
       for (let remaining = waitMs; remaining > 0; remaining = deadline - Date.now()) {
-        const tick = new Promise((resolve) =>
-          setTimeout(resolve, Math.min(remaining, RECONNECT_CHECK_MS), TICK),
-        );
+        let timer;
+        const tick = new Promise((resolve) => {
+          timer = setTimeout(resolve, Math.min(remaining, RECONNECT_CHECK_MS), TICK);
+        });
         const result = await Promise.race([next, tick]);
+        clearTimeout(timer);
         if (result !== TICK) {
           if (result.done) {
             break;
           }
-          return decode(result.value.data);
+          if (isOwnReply(result.value.headers, origin)) {
+            return decode(result.value.data, origin);
+          }
+          // Another conversation that uses the same id (or subject).
+          next = messages.next();
         }
         // Subscriptions are replayed as part of reconnecting, so a reply published
         // after this lookup reaches the subscription.
         if (this.#reconnects !== seenReconnects) {
           seenReconnects = this.#reconnects;
-          const stored = await this.reply(id);
+          const stored = await this.reply(id, origin);
           if (stored) {
             return stored;
           }
         }
       }
-      const stored = await this.reply(id);
+      const stored = await this.reply(id, origin);
       if (!stored) {
-        throw new ReplyTimeout(id, waitMs);
+        throw new ReplyTimeout(id, waitMs, origin);
       }
       return stored;
     } finally {
@@ -228,41 +329,46 @@ export class Client {
   }
 
   /**
-   * Publishes a request and returns its id once JetStream has stored it; read the
-   * reply later with `reply`.
+   * Publishes a request and returns `{id, origin}` once JetStream has stored it;
+   * read the reply later with `reply(id, origin)`.
    */
-  async submit(method, url, { pool = DEFAULT_POOL, ...fields } = {}) {
+  async submit(method, url, { pool = DEFAULT_POOL, msgId, ...fields } = {}) {
     const envelope = buildEnvelope(method, url, fields);
     check(ID, "id", envelope.id);
-    await this.#publish(envelope, pool);
-    return envelope.id;
+    const ack = await this.#publish(envelope, pool, ownMsgId(msgId));
+    return { id: envelope.id, origin: originOf(ack) };
   }
 
   /**
-   * The stored final reply of conversation `id`, or null if there is none (yet, or
-   * any more: replies are kept for the service's reply_max_age).
+   * The stored final reply of the conversation `origin` with envelope id `id`, or
+   * null if there is none (yet, or any more: replies are kept for the service's
+   * reply_max_age). Another conversation's reply for the same id is never it: the
+   * lookup reads exactly `<prefix>.reply.<id>.<STREAM>.<seq>`.
    */
-  async reply(id) {
+  async reply(id, origin) {
     check(ID, "id", id);
+    check(ORIGIN, "origin", origin);
+    const [stream, seq] = origin.split(":");
     let message;
     try {
       this.#jsm ??= await jetstreamManager(this.#nc);
       message = await this.#jsm.streams.getMessage(this.#repliesStream, {
-        last_by_subj: `${this.#prefix}.reply.${id}`,
+        last_by_subj: `${this.#prefix}.reply.${id}.${stream}.${seq}`,
       });
     } catch (e) {
       this.#jsm = undefined;
       throw new LookupFailed(`cannot read the stored reply: ${e.message}`, { cause: e });
     }
-    return message ? decode(message.data) : null;
+    return message ? decode(message.data, origin) : null;
   }
 
-  async #publish(envelope, pool) {
+  async #publish(envelope, pool, msgId) {
     check(POOL, "pool", pool);
     const subject = `${this.#prefix}.request.${pool}`;
+    const payload = JSON.stringify(envelope);
     try {
       // msgID is sent as the Nats-Msg-Id header.
-      return await this.#js.publish(subject, JSON.stringify(envelope), { msgID: envelope.id });
+      return await publishRetrying(msgId, (id) => this.#js.publish(subject, payload, { msgID: id }));
     } catch (e) {
       if (isNoResponders(e)) {
         throw new NoSuchPool(`no pool ${JSON.stringify(pool)} exists (nothing stores ${subject})`, {

@@ -1,9 +1,10 @@
 """A small asyncio client for webproxy on nats-py.
 
-It gets right what every caller must: subscribe before publishing, set
-``Nats-Msg-Id``, pick the pool subject, fall back to the stored reply, and tell an
-error outcome from a response. The wire protocol is in the repository's README and
-``schema/request.schema.json``.
+It gets right what every caller must: subscribe before publishing, publish with a
+fresh random ``Nats-Msg-Id``, pick the pool subject, keep only the reply of its own
+conversation (its *origin*, ``<STREAM>:<seq>`` from the publish ack), fall back to
+its own stored reply, and tell an error outcome from a response. The wire protocol
+is in the repository's README and ``schema/request.schema.json``.
 
     nc = await nats.connect("nats://127.0.0.1:4222")
     client = Client(nc)
@@ -20,6 +21,7 @@ import asyncio
 import base64
 import json
 import re
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -31,6 +33,7 @@ from nats.aio.client import Client as NATS
 __all__ = [
     "Client",
     "Reply",
+    "Submitted",
     "ErrorInfo",
     "WebproxyError",
     "InvalidRequest",
@@ -41,6 +44,7 @@ __all__ = [
     "BadReply",
     "build_envelope",
     "new_id",
+    "new_msg_id",
 ]
 
 DEFAULT_PREFIX = "webproxy"
@@ -49,11 +53,24 @@ DEFAULT_WAIT = 30.0
 
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _POOL = re.compile(r"[a-z0-9_-]{1,32}")
+# A conversation's origin: its pool stream (one subject token) and stream sequence.
+_ORIGIN = re.compile(r"[A-Za-z0-9_-]{1,255}:[1-9][0-9]{0,19}")
+# A literal subject: non-empty tokens, no wildcards, no white space.
+_SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
+# A Nats-Msg-Id set by the caller: printable, no white space.
+_MSG_ID = re.compile(r"[!-~]{1,128}")
+_ORIGIN_HEADER = "Webproxy-Origin"
 # How often a waiting request looks whether the connection was re-made, which is
 # when a live reply can have been missed.
 _RECONNECT_CHECK = 0.25
 # JetStream's error code for "no message found" in a stream message lookup.
 _NO_MESSAGE_FOUND = 10037
+# JetStream's "duplicate message id is in process": an earlier publish with the same
+# id is not stored yet. Tried again with the same id, this many times in all, this
+# many seconds apart.
+_IN_PROCESS = 10158
+_PUBLISH_TRIES = 10
+_PUBLISH_RETRY_DELAY = 0.05
 
 HeaderValues = Union[str, Sequence[str]]
 
@@ -75,12 +92,16 @@ class PublishFailed(WebproxyError):
 
 
 class ReplyTimeout(WebproxyError, TimeoutError):
-    """No reply came within the wait, and none is stored."""
+    """No reply came within the wait, and none is stored. The request was stored:
+    read its reply later with ``client.reply(e.id, e.origin)``."""
 
-    def __init__(self, id: str, wait: float):
-        super().__init__(f"no reply to {id} within {wait}s, and none is stored")
+    def __init__(self, id: str, wait: float, origin: str):
+        super().__init__(
+            f"no reply to {id} (origin {origin}) within {wait}s, and none is stored"
+        )
         self.id = id
         self.wait = wait
+        self.origin = origin
 
 
 class LookupFailed(WebproxyError):
@@ -102,9 +123,11 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class Reply:
-    """The final reply of a conversation; ``raw`` is the envelope as received."""
+    """The final reply of a conversation; ``raw`` is the envelope as received and
+    ``origin`` the conversation's origin, ``<STREAM>:<seq>``."""
 
     raw: Mapping[str, Any]
+    origin: Optional[str] = None
 
     @property
     def id(self) -> str:
@@ -153,9 +176,30 @@ class Reply:
         return self.raw.get("metadata")
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """A request JetStream has stored: its envelope id and its conversation's origin,
+    which together name its stored reply (``client.reply(id, origin)``)."""
+
+    id: str
+    origin: str
+
+
 def new_id() -> str:
-    """A fresh conversation id."""
+    """A fresh envelope id. It correlates the reply with the request and names the
+    live reply subject; it need not be secret, and anyone may reuse it."""
     return uuid.uuid4().hex
+
+
+def new_msg_id() -> str:
+    """A fresh Nats-Msg-Id: 32 lowercase hex characters (128 bits from the operating
+    system's CSPRNG), so no other caller can guess it and pre-empt the publish."""
+    return secrets.token_hex(16)
+
+
+def _is_own(headers: Optional[Mapping[str, str]], origin: str) -> bool:
+    # Anyone may reuse an id: a reply with another origin, or none, is not ours.
+    return (headers or {}).get(_ORIGIN_HEADER) == origin
 
 
 def build_envelope(
@@ -199,14 +243,14 @@ def _check(pattern: re.Pattern, what: str, value: str) -> None:
         raise InvalidRequest(f"invalid {what} {value!r}: must match {pattern.pattern}")
 
 
-def _decode(payload: bytes) -> Reply:
+def _decode(payload: bytes, origin: Optional[str]) -> Reply:
     try:
         raw = json.loads(payload)
     except ValueError as e:
         raise BadReply(f"the reply is not JSON: {e}") from e
     if not isinstance(raw, dict) or raw.get("outcome") not in ("response", "error"):
         raise BadReply(f"the reply is not a reply envelope: {payload[:200]!r}")
-    return Reply(raw)
+    return Reply(raw, origin)
 
 
 class Client:
@@ -229,41 +273,55 @@ class Client:
         *,
         pool: str = DEFAULT_POOL,
         wait: float = DEFAULT_WAIT,
+        msg_id: Optional[str] = None,
         **fields: Any,
     ) -> Reply:
         """Sends a request and waits up to ``wait`` seconds for its final reply, which
         may be an error outcome. ``fields`` are the envelope's (see build_envelope).
-        A reply that could have been missed is read from the replies stream: when the
-        id was already stored, after a reconnect, and when the wait runs out."""
+
+        The live subscription (to ``reply_to`` when given, else to
+        ``<prefix>.reply.<id>``) is made before publishing, and only a live reply whose
+        ``Webproxy-Origin`` is this conversation's counts. A reply that could have been
+        missed is read from this conversation's own stored subject: on a duplicate
+        publish ack, after a reconnect, and when the wait runs out.
+
+        Every call is a new conversation with a fresh random ``Nats-Msg-Id``. Pass the
+        ``msg_id`` of an earlier call only to publish that very message again (after a
+        crash, within the duplicate window): the same conversation answers."""
         envelope = build_envelope(method, url, **fields)
         id = envelope["id"]
         _check(_ID, "id", id)
-        sub = await self._nc.subscribe(f"{self._prefix}.reply.{id}")
+        live = envelope.get("reply_to") or f"{self._prefix}.reply.{id}"
+        _check(_SUBJECT, "reply_to", live)
+        msg_id = _own_msg_id(msg_id)
+        sub = await self._nc.subscribe(live)
         try:
             reconnects = self._nc.stats["reconnects"]
             loop = asyncio.get_running_loop()
             deadline = loop.time() + wait
-            ack = await self._publish(envelope, pool)
+            ack = await self._publish(envelope, pool, msg_id)
+            origin = f"{ack.stream}:{ack.seq}"
             if ack.duplicate:
-                stored = await self.reply(id)
+                stored = await self.reply(id, origin)
                 if stored is not None:
                     return stored
             while (remaining := deadline - loop.time()) > 0:
                 try:
                     message = await sub.next_msg(timeout=min(remaining, _RECONNECT_CHECK))
-                    return _decode(message.data)
                 except nats.errors.TimeoutError:
-                    pass
+                    message = None
+                if message is not None and _is_own(message.headers, origin):
+                    return _decode(message.data, origin)
                 # Subscriptions are replayed as part of reconnecting, so a reply
                 # published after this lookup reaches the subscription.
                 if self._nc.stats["reconnects"] != reconnects:
                     reconnects = self._nc.stats["reconnects"]
-                    stored = await self.reply(id)
+                    stored = await self.reply(id, origin)
                     if stored is not None:
                         return stored
-            stored = await self.reply(id)
+            stored = await self.reply(id, origin)
             if stored is None:
-                raise ReplyTimeout(id, wait)
+                raise ReplyTimeout(id, wait, origin)
             return stored
         finally:
             try:
@@ -274,22 +332,32 @@ class Client:
                 pass
 
     async def submit(
-        self, method: str, url: str, *, pool: str = DEFAULT_POOL, **fields: Any
-    ) -> str:
-        """Publishes a request and returns its id once JetStream has stored it; read
-        the reply later with ``reply``."""
+        self,
+        method: str,
+        url: str,
+        *,
+        pool: str = DEFAULT_POOL,
+        msg_id: Optional[str] = None,
+        **fields: Any,
+    ) -> Submitted:
+        """Publishes a request and returns its id and origin once JetStream has
+        stored it; read the reply later with ``reply(id, origin)``."""
         envelope = build_envelope(method, url, **fields)
         _check(_ID, "id", envelope["id"])
-        await self._publish(envelope, pool)
-        return envelope["id"]
+        ack = await self._publish(envelope, pool, _own_msg_id(msg_id))
+        return Submitted(envelope["id"], f"{ack.stream}:{ack.seq}")
 
-    async def reply(self, id: str) -> Optional[Reply]:
-        """The stored final reply of conversation ``id``, or None if there is none
-        (yet, or any more: replies are kept for the service's reply_max_age)."""
+    async def reply(self, id: str, origin: str) -> Optional[Reply]:
+        """The stored final reply of the conversation ``origin`` with envelope id
+        ``id``, or None if there is none (yet, or any more: replies are kept for the
+        service's reply_max_age). Another conversation's reply for the same id is
+        never it: the lookup reads exactly ``<prefix>.reply.<id>.<STREAM>.<seq>``."""
         _check(_ID, "id", id)
+        _check(_ORIGIN, "origin", origin)
+        stream, seq = origin.split(":")
         try:
             message = await self._js.get_last_msg(
-                self._replies_stream, f"{self._prefix}.reply.{id}"
+                self._replies_stream, f"{self._prefix}.reply.{id}.{stream}.{seq}"
             )
         except nats.js.errors.NotFoundError as e:
             if e.err_code == _NO_MESSAGE_FOUND:
@@ -297,17 +365,30 @@ class Client:
             raise LookupFailed(f"cannot read the stored reply: {e}") from e
         except nats.errors.Error as e:
             raise LookupFailed(f"cannot read the stored reply: {e}") from e
-        return _decode(message.data)
+        return _decode(message.data, origin)
 
-    async def _publish(self, envelope: dict, pool: str):
+    async def _publish(self, envelope: dict, pool: str, msg_id: str):
         _check(_POOL, "pool", pool)
         subject = f"{self._prefix}.request.{pool}"
         payload = json.dumps(envelope).encode()
-        try:
-            return await self._js.publish(
-                subject, payload, headers={"Nats-Msg-Id": envelope["id"]}
-            )
-        except nats.js.errors.NoStreamResponseError as e:
-            raise NoSuchPool(f"no pool {pool!r} exists (nothing stores {subject})") from e
-        except nats.errors.Error as e:
-            raise PublishFailed(f"the request was not stored: {e}") from e
+        for attempt in range(1, _PUBLISH_TRIES + 1):
+            try:
+                return await self._js.publish(
+                    subject, payload, headers={"Nats-Msg-Id": msg_id}
+                )
+            except nats.js.errors.NoStreamResponseError as e:
+                raise NoSuchPool(f"no pool {pool!r} exists (nothing stores {subject})") from e
+            except nats.js.errors.APIError as e:
+                if e.err_code == _IN_PROCESS and attempt < _PUBLISH_TRIES:
+                    await asyncio.sleep(_PUBLISH_RETRY_DELAY)
+                    continue
+                raise PublishFailed(f"the request was not stored: {e}") from e
+            except nats.errors.Error as e:
+                raise PublishFailed(f"the request was not stored: {e}") from e
+
+
+def _own_msg_id(msg_id: Optional[str]) -> str:
+    if msg_id is None:
+        return new_msg_id()
+    _check(_MSG_ID, "msg_id", msg_id)
+    return msg_id

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
-use webproxy_client::{Client, Request, new_id};
+use webproxy_client::{Answer, Client, Request, new_id};
 use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
 
 use crate::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
@@ -17,9 +17,15 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A request rule that accepts everything under `upstream`, in TOML.
 pub fn accept_rule(name: &str, upstream: &Upstream) -> String {
+    path_rule(name, upstream, "/")
+}
+
+/// A request rule that accepts every URL of `upstream` starting with `path`, in TOML;
+/// further keys of the rule (`pool`, `max_retries`, ...) may follow it.
+pub fn path_rule(name: &str, upstream: &Upstream, path: &str) -> String {
     format!(
         "[[request_rules]]\nname = \"{name}\"\nurl_pattern = '^{}'\n",
-        regex_escape(&upstream.url("/"))
+        regex_escape(&upstream.url(path))
     )
 }
 
@@ -87,10 +93,19 @@ impl Harness {
 
     /// Sends `envelope` to the default pool and waits for its reply.
     pub async fn request(&self, envelope: &RequestEnvelope) -> Reply {
+        self.request_answer(envelope).await.reply
+    }
+
+    /// Sends `envelope` to the default pool and waits for its reply, returned with
+    /// the conversation's origin.
+    pub async fn request_answer(&self, envelope: &RequestEnvelope) -> Answer {
         let request = Request::from_envelope(envelope.clone()).wait(REPLY_TIMEOUT);
-        self.client.request(&request).await.unwrap_or_else(|e| {
-            panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
-        })
+        self.client
+            .request_answer(&request)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("no reply for {}: {e}\n{}", envelope.id, self.service.logs())
+            })
     }
 
     /// Publishes raw bytes to a pool's request subject with JetStream.

@@ -10,6 +10,7 @@
 //! sets `WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS=true`; guard tests start it with
 //! [`ServiceOptions::guarded`] and open exactly what they need in the config.
 
+pub mod authorized;
 pub mod caller;
 mod cluster;
 mod nats;

@@ -121,8 +121,8 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
             .subscribe(format!("app.replies.{}", request.id))
             .await
             .expect("subscribe");
-    let reply = h.request(&request).await;
-    assert_eq!(reply.status, Some(200));
+    let answer = h.request_answer(&request).await;
+    assert_eq!(answer.reply.status, Some(200));
 
     let copy = next_message(&mut copies, REPLY_TIMEOUT, "copy in time").await;
     let copied: Reply = serde_json::from_slice(&copy.payload).expect("reply json");
@@ -139,7 +139,10 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
 
     // A live subscriber can see the reply a moment before the stream has stored it.
     let stored = wait_for(Duration::from_secs(10), "the stored reply", || async {
-        h.client.reply(&request.id).await.expect("lookup")
+        h.client
+            .reply(&request.id, &answer.origin)
+            .await
+            .expect("lookup")
     })
     .await;
     assert_eq!(stored.id, request.id);

@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use bytes::Bytes;
 use futures::StreamExt as _;
-use webproxy_client::Client;
+use webproxy_client::{Client, Submitted};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{accept_rule, envelope, next_message, to};
 use webproxy_tests::{
@@ -79,16 +79,22 @@ impl Observed {
 async fn stored_replies(js: &jetstream::Context) -> Option<BTreeMap<String, u64>> {
     let stream = js.get_stream("WEBPROXY_REPLIES").await.ok()?;
     let mut info = stream.info_with_subjects("webproxy.reply.>").await.ok()?;
-    let mut counts = BTreeMap::new();
+    // Subjects come in pages, and a subject stored while they are read can appear on
+    // two of them: each counts once.
+    let mut subjects = BTreeMap::new();
     while let Some(entry) = info.next().await {
         let (subject, count) = entry.ok()?;
+        subjects.insert(subject, count as u64);
+    }
+    let mut counts = BTreeMap::new();
+    for (subject, count) in subjects {
         let id = subject
             .trim_start_matches("webproxy.reply.")
             .split('.')
             .next()
             .unwrap_or_default()
             .to_string();
-        *counts.entry(id).or_default() += count as u64;
+        *counts.entry(id).or_default() += count;
     }
     Some(counts)
 }
@@ -96,10 +102,10 @@ async fn stored_replies(js: &jetstream::Context) -> Option<BTreeMap<String, u64>
 /// Waits until every id has a stored reply, then checks each has exactly one.
 async fn assert_one_stored_reply_each(
     js: &jetstream::Context,
-    ids: &[String],
+    submitted: &[Submitted],
     services: &[&Service],
 ) {
-    let wanted: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
+    let wanted: BTreeSet<&str> = submitted.iter().map(|s| s.id.as_str()).collect();
     let deadline = tokio::time::Instant::now() + RECOVERY;
     loop {
         let stored = stored_replies(js).await.unwrap_or_default();
@@ -131,7 +137,12 @@ async fn assert_one_stored_reply_each(
 
 /// Submits `count` requests that each hold the upstream 200 ms, and returns once
 /// `under_way` of them have reached it: a fault injected then hits a busy system.
-async fn load(client: &Client, upstream: &Upstream, count: usize, under_way: usize) -> Vec<String> {
+async fn load(
+    client: &Client,
+    upstream: &Upstream,
+    count: usize,
+    under_way: usize,
+) -> Vec<Submitted> {
     let ids = submit_all(client, upstream, "/delay/200", count).await;
     wait_until(RECOVERY, "the load to be under way", || async {
         upstream.hits() >= under_way
@@ -140,7 +151,12 @@ async fn load(client: &Client, upstream: &Upstream, count: usize, under_way: usi
     ids
 }
 
-async fn submit_all(client: &Client, upstream: &Upstream, path: &str, count: usize) -> Vec<String> {
+async fn submit_all(
+    client: &Client,
+    upstream: &Upstream,
+    path: &str,
+    count: usize,
+) -> Vec<Submitted> {
     let mut ids = Vec::with_capacity(count);
     for _ in 0..count {
         let request = envelope("GET", &upstream.url(path));
@@ -170,8 +186,12 @@ async fn killing_an_instance_mid_load_loses_no_conversation() {
 
     let js = jetstream::new(nats.client().await);
     assert_one_stored_reply_each(&js, &ids, &[&survivor, &replacement]).await;
-    for id in &ids {
-        let reply = client.reply(id).await.expect("lookup").expect("stored");
+    for submitted in &ids {
+        let reply = client
+            .reply(&submitted.id, &submitted.origin)
+            .await
+            .expect("lookup")
+            .expect("stored");
         assert_eq!(reply.status, Some(200), "{reply:?}");
     }
     let (copies, conflicting) = observed.repeats();
@@ -261,12 +281,16 @@ async fn sigterm_drains_in_flight_attempts_and_exits_cleanly() {
         .await
         .expect("exited within the grace time");
     assert!(status.success(), "{status:?}\n{}", service.logs());
-    for id in &ids {
-        let reply = client.reply(id).await.expect("lookup");
+    for submitted in &ids {
+        let reply = client
+            .reply(&submitted.id, &submitted.origin)
+            .await
+            .expect("lookup");
         assert_eq!(
             reply.and_then(|r| r.status),
             Some(200),
-            "{id} was not answered"
+            "{} was not answered",
+            submitted.id
         );
     }
 }
@@ -367,8 +391,12 @@ async fn poison_input_is_dead_lettered_and_valid_requests_are_answered() {
     let ids = round(&mut random, 1000, 1000, 100).await;
     assert_one_stored_reply_each(&js, &ids, &[&service]).await;
     wait_for_dead_letters(&js, 2200).await;
-    for id in &ids {
-        let reply = client.reply(id).await.expect("lookup").expect("stored");
+    for submitted in &ids {
+        let reply = client
+            .reply(&submitted.id, &submitted.origin)
+            .await
+            .expect("lookup")
+            .expect("stored");
         assert_eq!(reply.status, Some(200));
     }
     let info = wait_for(RECOVERY, "nothing pending or waiting", || async {
@@ -487,7 +515,7 @@ async fn a_parked_retry_survives_a_restart() {
     let mut first = Service::start(&nats, &config).await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     let request = envelope("GET", &upstream.url("/status/503"));
-    client
+    let submitted = client
         .submit(&to("default", &request))
         .await
         .expect("submit");
@@ -512,9 +540,9 @@ async fn a_parked_retry_survives_a_restart() {
     .await;
     first.kill();
     let second = Service::start(&nats, &config).await;
-    assert_one_stored_reply_each(&js, std::slice::from_ref(&request.id), &[&second]).await;
+    assert_one_stored_reply_each(&js, std::slice::from_ref(&submitted), &[&second]).await;
     let reply = client
-        .reply(&request.id)
+        .reply(&submitted.id, &submitted.origin)
         .await
         .expect("lookup")
         .expect("stored");

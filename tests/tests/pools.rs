@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use webproxy_client::{Client, Error as ClientError};
+use webproxy_client::{Client, Error as ClientError, Submitted};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
 use webproxy_tests::{NatsServer, Service, Upstream, wait_until, webproxy_bin};
@@ -304,11 +304,14 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
     let waiting: Vec<_> = (0..3)
         .map(|_| envelope("GET", &upstream.url("/echo")))
         .collect();
+    let mut submitted = Vec::new();
     for request in &waiting {
-        client
-            .submit(&to("default", request))
-            .await
-            .expect("submit");
+        submitted.push(
+            client
+                .submit(&to("default", request))
+                .await
+                .expect("submit"),
+        );
     }
     let second = Service::start(&nats, &config(5)).await;
     let after = stream
@@ -322,15 +325,18 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         "no warning about the changed config:\n{}",
         second.logs()
     );
-    for request in &waiting {
-        let reply = wait_for_reply(&client, &request.id).await;
+    for submitted in &submitted {
+        let reply = wait_for_reply(&client, submitted).await;
         assert_eq!(reply.status, Some(200));
     }
 }
 
-async fn wait_for_reply(client: &Client, id: &str) -> Reply {
+async fn wait_for_reply(client: &Client, submitted: &Submitted) -> Reply {
     webproxy_tests::wait_for(REPLY_TIMEOUT, "a stored reply", || async {
-        client.reply(id).await.expect("lookup")
+        client
+            .reply(&submitted.id, &submitted.origin)
+            .await
+            .expect("lookup")
     })
     .await
 }

@@ -3,84 +3,41 @@
 //! read the other's replies or the stored replies.
 
 use futures::StreamExt as _;
-use tokio::sync::mpsc;
 use webproxy_client::Client;
 use webproxy_protocol::Reply;
+use webproxy_tests::authorized::{SERVICE_USER, connect_as, service_as, violation};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
-use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
-
-const AUTHORIZATION: &str = include_str!("../../deploy/nats/authorization.conf");
-
-/// A caller connected as `user`, with its inbox under its own prefix, and the server
-/// errors (permission violations) its connection reports.
-async fn caller(
-    nats: &NatsServer,
-    user: &'static str,
-    prefix: &'static str,
-) -> (async_nats::Client, mpsc::UnboundedReceiver<String>) {
-    let (errors, reported) = mpsc::unbounded_channel();
-    let client = nats
-        .client_with(|| {
-            let errors = errors.clone();
-            async_nats::ConnectOptions::with_user_and_password(user.into(), format!("{user}-pw"))
-                .custom_inbox_prefix(format!("{prefix}._INBOX"))
-                .event_callback(move |event| {
-                    let errors = errors.clone();
-                    async move {
-                        if let async_nats::Event::ServerError(e) = event {
-                            let _ = errors.send(e.to_string());
-                        }
-                    }
-                })
-        })
-        .await;
-    (client, reported)
-}
-
-async fn violation(reported: &mut mpsc::UnboundedReceiver<String>, subject: &str) -> String {
-    tokio::time::timeout(REPLY_TIMEOUT, async {
-        loop {
-            match reported.recv().await {
-                Some(e) if e.contains("Permissions Violation") && e.contains(subject) => return e,
-                Some(_) => {}
-                None => panic!("the connection closed before reporting a violation for {subject}"),
-            }
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("no permission violation for {subject}"))
-}
+use webproxy_tests::{NatsServer, Service, Upstream, wait_for};
 
 #[tokio::test]
 async fn callers_cannot_read_each_others_replies() {
-    let nats = NatsServer::start_with(&format!(
-        "WEBPROXY_NATS_PASSWORD: \"webproxy-pw\"\n\
-         CALLER_A_NATS_PASSWORD: \"caller_a-pw\"\n\
-         CALLER_B_NATS_PASSWORD: \"caller_b-pw\"\n\n{AUTHORIZATION}"
-    ));
+    let nats = NatsServer::start_authorized();
     let upstream = Upstream::start().await;
-    let options = ServiceOptions::default()
-        .env("WEBPROXY_NATS__USER", "webproxy")
-        .env("WEBPROXY_NATS__PASSWORD", "webproxy-pw");
+    let options = service_as(SERVICE_USER);
     let config = format!(
         "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
         accept_rule("local", &upstream)
     );
     let service = Service::start_with(&nats.url(), &config, options).await;
 
-    let (a, mut a_errors) = caller(&nats, "caller_a", "callers.a").await;
-    let (b, _) = caller(&nats, "caller_b", "callers.b").await;
+    let (a, mut a_errors) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
+    let (b, _) = connect_as(&nats, "caller_b", Some("callers.b._INBOX")).await;
 
     // A tries to listen to B's replies and to the stored replies: both refused.
     let mut a_snoops_b = a.subscribe("callers.b.replies.>").await.expect("subscribe");
-    violation(&mut a_errors, "callers.b.replies.>").await;
+    violation(&mut a_errors, "callers.b.replies.>", REPLY_TIMEOUT).await;
     let mut a_snoops_stored = a.subscribe("webproxy.reply.>").await.expect("subscribe");
-    violation(&mut a_errors, "webproxy.reply.>").await;
+    violation(&mut a_errors, "webproxy.reply.>", REPLY_TIMEOUT).await;
     // ...and to read the replies stream through the JetStream API.
     a.publish("$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES", "{}".into())
         .await
         .expect("publish");
-    violation(&mut a_errors, "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES").await;
+    violation(
+        &mut a_errors,
+        "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES",
+        REPLY_TIMEOUT,
+    )
+    .await;
 
     // Each caller gets its own reply under its own prefix.
     let mut replies = Vec::new();
@@ -116,15 +73,7 @@ async fn callers_cannot_read_each_others_replies() {
 
     // The service's own permissions are enough to ack what it handled: nothing is
     // left pending for redelivery. They give it its private inbox prefix only.
-    let webproxy = nats
-        .client_with(|| {
-            async_nats::ConnectOptions::with_user_and_password(
-                "webproxy".into(),
-                "webproxy-pw".into(),
-            )
-            .custom_inbox_prefix("_WEBPROXY_INBOX.test")
-        })
-        .await;
+    let (webproxy, _) = connect_as(&nats, SERVICE_USER, Some("_WEBPROXY_INBOX.test")).await;
     let js = async_nats::jetstream::new(webproxy);
     wait_for(REPLY_TIMEOUT, "every request to be acked", || {
         let js = js.clone();
@@ -175,42 +124,19 @@ async fn callers_cannot_read_each_others_replies() {
 /// and nothing is published there.
 #[tokio::test]
 async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
-    let nats = NatsServer::start_with(&format!(
-        "WEBPROXY_NATS_PASSWORD: \"webproxy-pw\"\n\
-         CALLER_A_NATS_PASSWORD: \"caller_a-pw\"\n\
-         CALLER_B_NATS_PASSWORD: \"caller_b-pw\"\n\n{AUTHORIZATION}"
-    ));
+    let nats = NatsServer::start_authorized();
     let upstream = Upstream::start().await;
-    let options = ServiceOptions::default()
-        .env("WEBPROXY_NATS__USER", "webproxy")
-        .env("WEBPROXY_NATS__PASSWORD", "webproxy-pw");
+    let options = service_as(SERVICE_USER);
     let service = Service::start_with(&nats.url(), &accept_rule("local", &upstream), options).await;
 
     // The service's user may not listen on the inboxes callers share.
-    let (errors, mut reported) = mpsc::unbounded_channel();
-    let as_service = nats
-        .client_with(|| {
-            let errors = errors.clone();
-            async_nats::ConnectOptions::with_user_and_password(
-                "webproxy".into(),
-                "webproxy-pw".into(),
-            )
-            .custom_inbox_prefix("_WEBPROXY_INBOX.probe")
-            .event_callback(move |event| {
-                let errors = errors.clone();
-                async move {
-                    if let async_nats::Event::ServerError(e) = event {
-                        let _ = errors.send(e.to_string());
-                    }
-                }
-            })
-        })
-        .await;
+    let (as_service, mut reported) =
+        connect_as(&nats, SERVICE_USER, Some("_WEBPROXY_INBOX.probe")).await;
     let _shared = as_service.subscribe("_INBOX.>").await.expect("subscribe");
-    violation(&mut reported, "_INBOX.>").await;
+    violation(&mut reported, "_INBOX.>", REPLY_TIMEOUT).await;
 
     // Caller A aims its reply_to at the service's inbox and at server subjects.
-    let (a, _) = caller(&nats, "caller_a", "callers.a").await;
+    let (a, _) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
     let client = Client::new(a.clone(), "webproxy").expect("client");
     for subject in [
         "_WEBPROXY_INBOX.guess.1",

@@ -369,9 +369,9 @@ async fn webproxy(args: &[&str]) -> std::process::Output {
 async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
     let h = Harness::start_with_upstream(upstream().await, |up| rule(up, "max_retries = 0")).await;
     let request = envelope("GET", &h.upstream.url("/flaky/1"));
-    let failed = h.request(&request).await;
+    let failed = h.request_answer(&request).await;
     assert_eq!(
-        failed.error.map(|e| e.code),
+        failed.reply.error.map(|e| e.code),
         Some(ErrorCode::RetriesExhausted)
     );
     h.wait_dead_letters(1).await;
@@ -419,7 +419,11 @@ async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
         Duration::from_secs(10),
         "the replay's reply to be stored",
         || async {
-            let stored = h.client.reply(&request.id).await.expect("lookup");
+            let stored = h
+                .client
+                .reply(&request.id, &failed.origin)
+                .await
+                .expect("lookup");
             stored.is_some_and(|r| r.status == Some(200))
         },
     )

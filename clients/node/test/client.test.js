@@ -1,11 +1,14 @@
 // webproxy-client against the published schema and a live webproxy on a real
 // nats-server (started by clients/live_env.py): what it sends, a response, a denied
-// request, an error outcome, and a reply fetched after it was stored.
+// request, an error outcome, a reply fetched after it was stored, and conversations
+// that share an envelope id: each gets its own reply, live and stored, also after a
+// reconnect.
 
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import { execFile } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import net from "node:net";
 import { promisify } from "node:util";
 import { createInterface } from "node:readline";
 import { after, before, describe, test } from "node:test";
@@ -14,9 +17,10 @@ import { setTimeout as sleep } from "node:timers/promises";
 
 import { Ajv2020 } from "ajv/dist/2020.js";
 import addFormats from "ajv-formats";
-import { connect } from "@nats-io/transport-node";
+import { connect, headers as natsHeaders } from "@nats-io/transport-node";
+import { jetstreamManager } from "@nats-io/jetstream";
 
-import { Client, InvalidRequest, NoSuchPool, buildEnvelope, newId } from "../webproxy-client.js";
+import { Client, InvalidRequest, NoSuchPool, buildEnvelope, newId, newMsgId } from "../webproxy-client.js";
 
 const repo = fileURLToPath(new URL("../../../", import.meta.url));
 const pkg = fileURLToPath(new URL("../", import.meta.url));
@@ -26,6 +30,7 @@ const REPLY_WAIT_MS = 20_000;
 const START_TIMEOUT_MS = 60_000;
 // Bounds every live test, so a client that waits for nothing fails instead of hanging.
 const TEST_TIMEOUT = { timeout: 60_000 };
+const HEX32 = /^[0-9a-f]{32}$/;
 
 const load = (name) => JSON.parse(readFileSync(`${repo}schema/${name}`, "utf8"));
 const ajv = new Ajv2020({ allErrors: true, strict: false });
@@ -75,6 +80,68 @@ describe("envelopes against request.schema.json", () => {
   });
 });
 
+/** Resolves once `check()` is truthy, polling; rejects after REPLY_WAIT_MS. */
+async function waitUntil(what, check) {
+  for (const start = Date.now(); Date.now() - start < REPLY_WAIT_MS; await sleep(20)) {
+    if (await check()) {
+      return;
+    }
+  }
+  throw new Error(`timed out after ${REPLY_WAIT_MS} ms waiting for ${what}`);
+}
+
+/**
+ * A TCP relay on 127.0.0.1 in front of the live nats-server. Cutting it drops every
+ * connection through it and refuses new ones until it is healed: one caller's network
+ * going away while the server and everyone else stay up.
+ */
+class Relay {
+  #server;
+  #sockets = new Set();
+  #cut = false;
+
+  constructor(targetPort) {
+    this.targetPort = targetPort;
+  }
+
+  async start() {
+    this.#server = net.createServer((inbound) => {
+      if (this.#cut) {
+        inbound.destroy();
+        return;
+      }
+      const outbound = net.connect(this.targetPort, "127.0.0.1");
+      for (const [socket, other] of [[inbound, outbound], [outbound, inbound]]) {
+        this.#sockets.add(socket);
+        socket.on("error", () => {});
+        socket.on("close", () => {
+          this.#sockets.delete(socket);
+          other.destroy();
+        });
+        socket.pipe(other);
+      }
+    });
+    await new Promise((resolve) => this.#server.listen(0, "127.0.0.1", resolve));
+    return `nats://127.0.0.1:${this.#server.address().port}`;
+  }
+
+  cut() {
+    this.#cut = true;
+    for (const socket of this.#sockets) {
+      socket.destroy();
+    }
+  }
+
+  heal() {
+    this.#cut = false;
+  }
+
+  close() {
+    this.cut();
+    this.#server?.close();
+  }
+}
+
 /** Starts clients/live_env.py and resolves with what it prints once ready. */
 function startLiveEnv() {
   const child = spawn("python3", [`${repo}clients/live_env.py`], {
@@ -95,7 +162,8 @@ describe("against a live webproxy", () => {
   let nc;
   let watcher;
   let client;
-  // What reached the default pool's subject, by id, and the ids the tests sent there.
+  // What reached the default pool's subject, by Nats-Msg-Id, and the envelope ids the
+  // tests sent there.
   const arrived = new Map();
   const published = [];
 
@@ -108,8 +176,7 @@ describe("against a live webproxy", () => {
     const sub = watcher.subscribe("webproxy.request.default");
     (async () => {
       for await (const m of sub) {
-        const envelope = m.json();
-        arrived.set(envelope.id, { envelope, msgId: m.headers?.get("Nats-Msg-Id") });
+        arrived.set(m.headers?.get("Nats-Msg-Id"), m.json());
       }
     })();
     await watcher.flush();
@@ -127,6 +194,13 @@ describe("against a live webproxy", () => {
   });
 
   const url = (path) => `${env.upstream_url}${path}`;
+  // How many requests the upstream has had on `path`.
+  const hits = async (path) =>
+    Number(await (await fetch(url(`/_hits?path=${encodeURIComponent(path)}`))).text());
+  const storedReplies = async () => {
+    const jsm = await jetstreamManager(nc);
+    return (await jsm.streams.info("WEBPROXY_REPLIES")).state.messages;
+  };
 
   test("a response", TEST_TIMEOUT, async () => {
     const reply = await client.request("POST", url("/echo?q=1"), {
@@ -177,12 +251,14 @@ describe("against a live webproxy", () => {
   });
 
   test("a reply fetched after it was stored", TEST_TIMEOUT, async () => {
-    const id = await client.submit("GET", url("/stored"));
+    const msgId = newMsgId();
+    const { id, origin } = await client.submit("GET", url("/stored"), { msgId });
     published.push(id);
-    assert.equal(await client.reply(newId()), null);
+    assert.match(origin, /^WEBPROXY_POOL_DEFAULT:[0-9]+$/);
+    assert.equal(await client.reply(newId(), origin), null);
     let stored = null;
     for (const start = Date.now(); !stored && Date.now() - start < REPLY_WAIT_MS; ) {
-      stored = await client.reply(id);
+      stored = await client.reply(id, origin);
       if (!stored) {
         await sleep(50);
       }
@@ -190,16 +266,100 @@ describe("against a live webproxy", () => {
     assert.ok(stored, `no reply to ${id} stored within ${REPLY_WAIT_MS} ms`);
     assertValid(validReply, stored.raw);
     assert.equal(stored.id, id);
+    assert.equal(stored.origin, origin);
     assert.equal(stored.text, "path /stored");
 
-    // Asking again with the answered id: a duplicate publish that no live reply
-    // follows, answered from the stream at once rather than after the wait.
+    // The very same message published again (its Nats-Msg-Id, as after a crash): a
+    // duplicate of the same conversation that no live reply follows, answered from its
+    // stored subject at once rather than after the wait.
     const again = await Promise.race([
-      client.request("GET", url("/stored"), { id, waitMs: 600_000 }),
+      client.request("GET", url("/stored"), { id, msgId, waitMs: 600_000 }),
       sleep(REPLY_WAIT_MS, null, { ref: false }),
     ]);
     assert.ok(again, "the stored reply at once, not after the wait");
     assert.deepEqual(again.raw, stored.raw);
+    assert.equal(again.origin, origin);
+  });
+
+  test("two conversations with one id each get their own reply", TEST_TIMEOUT, async () => {
+    const id = newId();
+    const first = await client.request("GET", url("/one"), { id, waitMs: REPLY_WAIT_MS });
+    const second = await client.request("GET", url("/two"), { id, waitMs: REPLY_WAIT_MS });
+    published.push(id);
+    assert.deepEqual([first.id, first.text], [id, "path /one"]);
+    assert.deepEqual([second.id, second.text], [id, "path /two"]);
+    assert.notEqual(first.origin, second.origin);
+    assert.equal((await client.reply(id, first.origin)).text, "path /one");
+    assert.equal((await client.reply(id, second.origin)).text, "path /two");
+  });
+
+  test("a live reply with another origin is ignored", TEST_TIMEOUT, async () => {
+    const id = newId();
+    const inFlight = client.request("GET", url("/delay/1000"), { id, waitMs: 600_000 });
+    // Awaited below; a failure before that must not be an unhandled rejection.
+    inFlight.catch(() => {});
+    published.push(id);
+    await waitUntil("the upstream call", async () => (await hits("/delay/1000")) === 1);
+    const forged = JSON.stringify({
+      v: 1, id, outcome: "response", status: 418, headers: {}, body: "forged",
+      attempts: 1, duration_ms: 1,
+    });
+    for (const origin of ["WEBPROXY_POOL_DEFAULT:1", null]) {
+      const h = natsHeaders();
+      h.set("Webproxy-Outcome", "response");
+      if (origin) {
+        h.set("Webproxy-Origin", origin);
+      }
+      nc.publish(`webproxy.reply.${id}`, forged, { headers: h });
+    }
+    await nc.flush();
+    const reply = await inFlight;
+    assert.deepEqual([reply.status, reply.text], [200, "path /delay/1000"]);
+    assert.notEqual(reply.origin, "WEBPROXY_POOL_DEFAULT:1");
+  });
+
+  // The caller's connection drops while its request is in flight, and the reply is
+  // published while it is away. Meanwhile another conversation reuses the id and is
+  // answered, so the newest stored reply for the id is not this caller's. Once
+  // reconnected, the client reads exactly its own stored subject.
+  test("a reply missed while disconnected is read from its own stored subject", TEST_TIMEOUT, async () => {
+    const relay = new Relay(Number(new URL(env.nats_url).port));
+    const relayed = await connect({
+      servers: await relay.start(),
+      reconnectTimeWait: 100,
+      maxReconnectAttempts: -1,
+    });
+    try {
+      const id = newId();
+      const before = await storedReplies();
+      let settled = false;
+      const inFlight = new Client(relayed)
+        .request("GET", url("/delay/1500"), { id, waitMs: 600_000 })
+        .finally(() => {
+          settled = true;
+        });
+      // Awaited below; a failure before that must not be an unhandled rejection.
+      inFlight.catch(() => {});
+      await waitUntil("the upstream call", async () => (await hits("/delay/1500")) === 1);
+      relay.cut();
+      await waitUntil("the reply stored while cut off", async () => (await storedReplies()) === before + 1);
+      const other = await client.request("GET", url("/other"), { id, waitMs: REPLY_WAIT_MS });
+      published.push(id);
+      assert.equal(other.text, "path /other");
+      assert.equal(await storedReplies(), before + 2);
+      assert.equal(settled, false, "a reply arrived while cut off");
+      relay.heal();
+      const reply = await Promise.race([
+        inFlight,
+        sleep(REPLY_WAIT_MS, null, { ref: false }),
+      ]);
+      assert.ok(reply, "the stored reply soon after reconnecting, not after the wait");
+      assert.deepEqual([reply.id, reply.text], [id, "path /delay/1500"]);
+      assert.notEqual(reply.origin, other.origin);
+    } finally {
+      relay.close();
+      await relayed.close();
+    }
   });
 
   test("errors are typed", TEST_TIMEOUT, async () => {
@@ -210,19 +370,26 @@ describe("against a live webproxy", () => {
     }
   });
 
-  test("everything sent is valid and carries its id as Nats-Msg-Id", TEST_TIMEOUT, async () => {
+  test("everything sent is valid and carries a fresh random Nats-Msg-Id", TEST_TIMEOUT, async () => {
     assert.ok(published.length >= 5, `only ${published.length} requests sent`);
+    const arrivedIds = () => new Set([...arrived.values()].map((envelope) => envelope.id));
     for (const start = Date.now(); Date.now() - start < REPLY_WAIT_MS; await sleep(20)) {
-      if (published.every((id) => arrived.has(id))) {
+      if (published.every((id) => arrivedIds().has(id))) {
         break;
       }
     }
+    const ids = arrivedIds();
     for (const id of published) {
-      assert.ok(arrived.has(id), `${id} never arrived`);
-      const { envelope, msgId } = arrived.get(id);
-      assertValid(validRequest, envelope);
-      assert.equal(msgId, id);
+      assert.ok(ids.has(id), `${id} never arrived`);
     }
+    // Every publish its own random id, never the envelope id: the two conversations
+    // that shared an envelope id arrived as two messages.
+    for (const [msgId, envelope] of arrived) {
+      assertValid(validRequest, envelope);
+      assert.match(msgId ?? "", HEX32);
+      assert.notEqual(msgId, envelope.id);
+    }
+    assert.ok(arrived.size > published.length, `${arrived.size} messages for ${published.length} ids`);
   });
 
   test("the README example runs", TEST_TIMEOUT, async () => {

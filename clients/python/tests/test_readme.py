@@ -1,6 +1,8 @@
 """The READMEs, checked against a live webproxy: the client README's example runs as
-written, and a client written from the top-level README's ten protocol lines alone,
-on core NATS calls only (as in a language with no JetStream support), works."""
+written, and a client written from the top-level README's protocol lines alone, on
+core NATS calls only (as in a language with no JetStream support), works: a random
+Nats-Msg-Id, the origin from the ack, the origin header on the reply, and the stored
+reply on the conversation's own subject."""
 
 from __future__ import annotations
 
@@ -50,55 +52,63 @@ def test_a_client_from_the_readme_protocol_alone(live: LiveEnv):
         nc = await nats.connect(live.nats_url)
         try:
             id = "readme-" + os.urandom(8).hex()
-            # 2. Subscribe first.
+            # Subscribe first to the live subject.
             sub = await nc.subscribe(f"webproxy.reply.{id}")
-            # 3./4. Publish as a request with Nats-Msg-Id; the answer is the ack.
+            # Publish as a request with a fresh random Nats-Msg-Id; the answer is the
+            # ack, whose stream and seq are the conversation's origin.
+            msg_id = os.urandom(16).hex()
             envelope = json.dumps({"id": id, "method": "GET", "url": live.url("/core")})
             ack = await nc.request(
                 "webproxy.request.default", envelope.encode(),
-                headers={"Nats-Msg-Id": id}, timeout=5,
+                headers={"Nats-Msg-Id": msg_id}, timeout=5,
             )
             ack = json.loads(ack.data)
             assert "stream" in ack and "seq" in ack and "error" not in ack, ack
-            # 5./6. One reply, with its outcome header.
+            origin = f"{ack['stream']}:{ack['seq']}"
+            # One reply, with its outcome and origin headers.
             message = await sub.next_msg(timeout=REPLY_WAIT)
             assert message.headers["Webproxy-Outcome"] == "response"
+            assert message.headers["Webproxy-Origin"] == origin
             reply = json.loads(message.data)
             assert reply["outcome"] == "response" and reply["status"] == 200, reply
             assert reply["body"] == "path /core"
 
-            # 4. The same id again: a duplicate.
+            # The same Nats-Msg-Id again: a duplicate of the same conversation.
             again = await nc.request(
                 "webproxy.request.default", envelope.encode(),
-                headers={"Nats-Msg-Id": id}, timeout=5,
+                headers={"Nats-Msg-Id": msg_id}, timeout=5,
             )
-            assert json.loads(again.data).get("duplicate") is True
+            again = json.loads(again.data)
+            assert again.get("duplicate") is True
+            assert (again["stream"], again["seq"]) == (ack["stream"], ack["seq"])
 
-            # 8. The stored reply, and none for an unknown id.
+            # The stored reply, on the conversation's own subject, and none for an
+            # unknown one.
             get = "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES"
-            found = await nc.request(
-                get, json.dumps({"last_by_subj": f"webproxy.reply.{id}"}).encode(), timeout=5
-            )
+            own = f"webproxy.reply.{id}.{ack['stream']}.{ack['seq']}"
+            found = await nc.request(get, json.dumps({"last_by_subj": own}).encode(), timeout=5)
             stored = json.loads(base64.b64decode(json.loads(found.data)["message"]["data"]))
             assert stored == reply
             missing = await nc.request(
-                get, json.dumps({"last_by_subj": "webproxy.reply.never-sent"}).encode(), timeout=5
+                get,
+                json.dumps({"last_by_subj": f"webproxy.reply.{id}.{ack['stream']}.1"}).encode(),
+                timeout=5,
             )
             assert json.loads(missing.data)["error"]["err_code"] == 10037
 
-            # 7. An error outcome: a denied request.
+            # An error outcome: a denied request.
             denied_id = id + "-denied"
             denied_sub = await nc.subscribe(f"webproxy.reply.{denied_id}")
             denied = json.dumps({"id": denied_id, "method": "GET", "url": live.url("/forbidden")})
             await nc.request(
                 "webproxy.request.default", denied.encode(),
-                headers={"Nats-Msg-Id": denied_id}, timeout=5,
+                headers={"Nats-Msg-Id": os.urandom(16).hex()}, timeout=5,
             )
             message = await denied_sub.next_msg(timeout=REPLY_WAIT)
             assert message.headers["Webproxy-Outcome"] == "error"
             assert json.loads(message.data)["error"]["code"] == "denied"
 
-            # 4. No such pool: no responders.
+            # No such pool: no responders.
             try:
                 await nc.request("webproxy.request.nope", envelope.encode(), timeout=5)
                 raise AssertionError("a publish to a missing pool was answered")

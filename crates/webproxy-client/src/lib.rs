@@ -1,6 +1,8 @@
 //! A small async Rust client for webproxy: it gets right what every caller must —
-//! subscribe before publishing, set `Nats-Msg-Id`, pick the pool subject, fall back to
-//! the stored reply, and tell an error outcome from a response.
+//! subscribe before publishing, publish with a fresh random `Nats-Msg-Id`, pick the
+//! pool subject, keep only the reply of its own conversation (its *origin*, from the
+//! publish ack), fall back to its own stored reply, and tell an error outcome from a
+//! response.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -17,23 +19,48 @@
 //!     Outcome::Response => println!("{:?} {:?}", reply.status, reply.body.body),
 //!     Outcome::Error => println!("failed: {:?}", reply.error),
 //! }
+//!
+//! // Fire and forget, and read the stored reply later: the envelope id is for
+//! // correlation only (anyone may reuse it); the origin names this conversation.
+//! let submitted = client.submit(&Request::new("GET", "https://api.example.com/")).await?;
+//! let stored = client.reply(&submitted.id, &submitted.origin).await?;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # The conversation
+//!
+//! A conversation is one stored request message. Its origin, `<STREAM>:<seq>`, comes
+//! from JetStream's publish ack; every reply carries it in `Webproxy-Origin`. The
+//! envelope `id` names the live reply subject `<prefix>.reply.<id>`, which anyone may
+//! reuse, so a live reply with another origin is ignored. The stored reply is read
+//! from exactly `<prefix>.reply.<id>.<STREAM>.<seq>` in the replies stream, never
+//! from the newest reply for the id. Each publish has a fresh random `Nats-Msg-Id`
+//! (32 hex characters from the operating system's CSPRNG), reused only when that same
+//! publish is tried again: when JetStream answers that a message with that id is still
+//! in process (err_code 10158), or when the caller sets [`Request::msg_id`].
 
+use std::error::Error as _;
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use async_nats::HeaderMap;
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::{self, context::PublishErrorKind, stream::LastRawMessageErrorKind};
+use async_nats::jetstream::publish::PublishAck;
+use async_nats::jetstream::{self, ErrorCode as JsErrorCode, stream::LastRawMessageErrorKind};
 use bytes::Bytes;
 use futures::StreamExt as _;
 use thiserror::Error;
 use tokio::time::Instant;
-use webproxy_protocol::{InvalidName, ReplyBody, Subjects, validate_id, validate_pool_name};
+use webproxy_protocol::{
+    InvalidName, ReplyBody, Subjects, header, validate_id, validate_pool_name,
+    validate_subject_literal,
+};
 
 pub use webproxy_protocol::{
-    ErrorBody, ErrorCode, HeaderValue, Headers, Outcome, Reply, RequestEnvelope,
+    ErrorBody, ErrorCode, HeaderValue, Headers, Origin, Outcome, Reply, RequestEnvelope,
 };
 
 /// The pool every deployment has.
@@ -45,6 +72,11 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// How often a waiting [`Client::request`] looks whether the connection was re-made,
 /// which is when a live reply can have been missed.
 const RECONNECT_CHECK: Duration = Duration::from_millis(250);
+
+/// How many times in all a publish is tried while JetStream answers that a message
+/// with its id is still in process, and the pause between tries.
+const PUBLISH_TRIES: u32 = 10;
+const PUBLISH_RETRY_DELAY: Duration = Duration::from_millis(50);
 
 /// What can go wrong talking to webproxy. An error *outcome* is not one of these: it
 /// is a [`Reply`] whose `outcome` is [`Outcome::Error`].
@@ -61,6 +93,16 @@ pub enum Error {
     },
     #[error("invalid pool name: {0}")]
     InvalidPool(#[source] InvalidName),
+    #[error("invalid reply_to {subject:?}: {source}")]
+    InvalidReplyTo {
+        subject: String,
+        #[source]
+        source: InvalidName,
+    },
+    #[error("invalid Nats-Msg-Id {0:?}: must be 1 to 128 printable characters, no white space")]
+    InvalidMsgId(String),
+    #[error("cannot draw a random message id: {0}")]
+    Random(#[source] getrandom::Error),
     #[error("cannot encode the request: {0}")]
     Encode(#[source] serde_json::Error),
     #[error("no pool {pool:?} exists (nothing stores {subject})")]
@@ -69,26 +111,52 @@ pub enum Error {
     Publish(#[source] jetstream::context::PublishError),
     #[error("cannot subscribe to the reply subject: {0}")]
     Subscribe(#[source] async_nats::SubscribeError),
-    #[error("no reply to {id} within {waited:?}, and none is stored")]
-    Timeout { id: String, waited: Duration },
+    /// The request was stored (as `origin`) but no reply came in time; read it later
+    /// with [`Client::reply`].
+    #[error("no reply to {id} (origin {origin}) within {waited:?}, and none is stored")]
+    Timeout {
+        id: String,
+        origin: Origin,
+        waited: Duration,
+    },
     #[error("cannot read the stored reply: {0}")]
     Lookup(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the reply is not a valid reply envelope: {0}")]
     Decode(#[source] serde_json::Error),
 }
 
-/// A fresh conversation id (a NUID: 22 characters of `[A-Za-z0-9]`).
+/// A fresh conversation id (a NUID: 22 characters of `[A-Za-z0-9]`). It correlates
+/// the reply with the request and names the live reply subject; it need not be secret.
 pub fn new_id() -> String {
     nuid::next().to_string()
 }
 
+/// A fresh `Nats-Msg-Id`: 32 lowercase hex characters, 128 bits from the operating
+/// system's CSPRNG, so no other caller can guess it and pre-empt the publish.
+pub fn new_msg_id() -> Result<String, Error> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(Error::Random)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Whether a reply message with `headers` answers the conversation `origin`.
+/// A reply without the header is someone else's too.
+pub fn is_own_reply(headers: Option<&HeaderMap>, origin: &Origin) -> bool {
+    headers
+        .and_then(|headers| headers.get(header::ORIGIN))
+        .is_some_and(|value| value.as_str() == origin.to_string())
+}
+
 /// One request: its envelope, the pool it goes to, and how long [`Client::request`]
-/// waits for the reply. Built with a fresh id for pool `default`.
+/// waits for the reply. Built with a fresh id for pool `default`. Each
+/// [`Client::request`] or [`Client::submit`] of it is a conversation of its own,
+/// published with a fresh random `Nats-Msg-Id`, unless [`Request::msg_id`] is set.
 #[derive(Debug, Clone)]
 pub struct Request {
     envelope: RequestEnvelope,
     pool: String,
     wait: Duration,
+    msg_id: Option<String>,
 }
 
 impl Request {
@@ -108,13 +176,25 @@ impl Request {
             envelope,
             pool: DEFAULT_POOL.to_string(),
             wait: DEFAULT_WAIT,
+            msg_id: None,
         }
     }
 
-    /// The conversation id; reuse one to ask again for the same conversation (a
-    /// publish within the duplicate window is stored once).
+    /// The envelope id, for correlation: it names the live reply subject and comes
+    /// back in the reply. It need not be secret or unique; a conversation that reuses
+    /// one is a new conversation with its own reply.
     pub fn id(mut self, id: impl Into<String>) -> Request {
         self.envelope.id = id.into();
+        self
+    }
+
+    /// The publish's `Nats-Msg-Id`, to publish again the very request an earlier call
+    /// published (say, from a process that crashed after sending it): within the pool
+    /// stream's duplicate window that is the same conversation, and its stored reply
+    /// is read at once. Use an id from [`new_msg_id`]; a guessable one lets another
+    /// caller pre-empt the publish. Unset, every call draws a fresh one.
+    pub fn msg_id(mut self, msg_id: impl Into<String>) -> Request {
+        self.msg_id = Some(msg_id.into());
         self
     }
 
@@ -197,6 +277,11 @@ impl Request {
     pub fn wait_time(&self) -> Duration {
         self.wait
     }
+
+    /// The `Nats-Msg-Id` set with [`Request::msg_id`], if any.
+    pub fn msg_id_set(&self) -> Option<&str> {
+        self.msg_id.as_deref()
+    }
 }
 
 impl From<RequestEnvelope> for Request {
@@ -213,10 +298,26 @@ pub struct Client {
     subjects: Subjects,
 }
 
+/// A request JetStream has stored: its envelope id and its conversation's origin,
+/// which together name its stored reply ([`Client::reply`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submitted {
+    pub id: String,
+    pub origin: Origin,
+}
+
+/// A final reply and the origin of the conversation it answers.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub origin: Origin,
+    pub reply: Reply,
+}
+
 /// What JetStream said about a stored request.
 struct Stored {
-    /// The same id was already stored within the duplicate window: this publish was
-    /// dropped and the earlier one's conversation is the one that answers.
+    origin: Origin,
+    /// The same `Nats-Msg-Id` was already stored within the duplicate window: the
+    /// earlier publish of this conversation may have been answered already.
     duplicate: bool,
 }
 
@@ -235,32 +336,56 @@ impl Client {
     }
 
     /// Sends `request` and waits up to its wait time for the final reply, which may be
-    /// an error outcome. The reply subscription is made before publishing. A reply that
-    /// could have been missed is read from the replies stream instead: when the request
-    /// was already stored (an id sent before), after the connection was re-made, and
-    /// when the wait runs out.
+    /// an error outcome. See [`Client::request_answer`].
     pub async fn request(&self, request: &Request) -> Result<Reply, Error> {
+        self.request_answer(request)
+            .await
+            .map(|answer| answer.reply)
+    }
+
+    /// Sends `request` and waits up to its wait time for the final reply of this
+    /// conversation, returned with its origin. The live subscription (to the
+    /// envelope's `reply_to` when it has one, else to `<prefix>.reply.<id>`) is made
+    /// before publishing, and only a live reply whose `Webproxy-Origin` is this
+    /// conversation's counts. A reply that could have been missed is read from this
+    /// conversation's stored subject instead: on a duplicate publish ack, after the
+    /// connection was re-made, and when the wait runs out. (A `reply_to` the service
+    /// refuses gets no copy: its `invalid_request` answer goes to the live subject and
+    /// the store only, so it is read from the store when the wait runs out.)
+    pub async fn request_answer(&self, request: &Request) -> Result<Answer, Error> {
         let id = &request.envelope.id;
         check_id(id)?;
-        let mut replies = self
-            .nats
-            .subscribe(self.subjects.reply(id))
-            .await
-            .map_err(Error::Subscribe)?;
+        let live = match &request.envelope.reply_to {
+            Some(subject) => {
+                validate_subject_literal(subject).map_err(|source| Error::InvalidReplyTo {
+                    subject: subject.clone(),
+                    source,
+                })?;
+                subject.clone()
+            }
+            None => self.subjects.reply(id),
+        };
+        let mut replies = self.nats.subscribe(live).await.map_err(Error::Subscribe)?;
         let statistics = self.nats.statistics();
         let mut seen_connects = statistics.connects.load(Ordering::Relaxed);
         let deadline = Instant::now() + request.wait;
-        let stored = self.publish(request).await?;
-        if stored.duplicate
-            && let Some(reply) = self.reply(id).await?
-        {
-            return Ok(reply);
+        let Stored { origin, duplicate } = self.publish(request).await?;
+        let answer = |reply| Answer {
+            origin: origin.clone(),
+            reply,
+        };
+        if duplicate && let Some(reply) = self.reply(id, &origin).await? {
+            return Ok(answer(reply));
         }
         let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
         loop {
             tokio::select! {
                 message = replies.next() => match message {
-                    Some(message) => return decode(&message.payload),
+                    Some(message) if is_own_reply(message.headers.as_ref(), &origin) => {
+                        return decode(&message.payload).map(answer);
+                    }
+                    // Another conversation that uses the same id (or subject).
+                    Some(_) => {}
                     // The subscription ends only when the client is closed.
                     None => break,
                 },
@@ -270,42 +395,55 @@ impl Client {
                     // this lookup reaches the subscription.
                     if now != seen_connects {
                         seen_connects = now;
-                        if let Some(reply) = self.reply(id).await? {
-                            return Ok(reply);
+                        if let Some(reply) = self.reply(id, &origin).await? {
+                            return Ok(answer(reply));
                         }
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => break,
             }
         }
-        self.reply(id).await?.ok_or_else(|| Error::Timeout {
-            id: id.clone(),
-            waited: request.wait,
+        match self.reply(id, &origin).await? {
+            Some(reply) => Ok(answer(reply)),
+            None => Err(Error::Timeout {
+                id: id.clone(),
+                origin,
+                waited: request.wait,
+            }),
+        }
+    }
+
+    /// Publishes `request` to its pool and returns its id and origin once JetStream
+    /// has stored it; read the reply later with [`Client::reply`].
+    pub async fn submit(&self, request: &Request) -> Result<Submitted, Error> {
+        check_id(&request.envelope.id)?;
+        let stored = self.publish(request).await?;
+        Ok(Submitted {
+            id: request.envelope.id.clone(),
+            origin: stored.origin,
         })
     }
 
-    /// Publishes `request` to its pool and returns its id once JetStream has stored it;
-    /// read the reply later with [`Client::reply`].
-    pub async fn submit(&self, request: &Request) -> Result<String, Error> {
-        check_id(&request.envelope.id)?;
-        self.publish(request).await?;
-        Ok(request.envelope.id.clone())
-    }
-
-    /// The stored final reply of conversation `id`, if there is one (yet, or still:
-    /// replies are kept for the service's `reply_max_age`).
-    pub async fn reply(&self, id: &str) -> Result<Option<Reply>, Error> {
-        match self.reply_message(id).await? {
+    /// The stored final reply of the conversation `origin` with envelope id `id`, if
+    /// there is one (yet, or still: replies are kept for the service's
+    /// `reply_max_age`). Another conversation's reply for the same id is never it.
+    pub async fn reply(&self, id: &str, origin: &Origin) -> Result<Option<Reply>, Error> {
+        match self.reply_message(id, origin).await? {
             Some(message) => decode(&message.payload).map(Some),
             None => Ok(None),
         }
     }
 
-    /// The stored reply message of conversation `id` with its headers
-    /// (`Webproxy-Outcome`, `Webproxy-Generation`), if there is one.
-    pub async fn reply_message(&self, id: &str) -> Result<Option<StreamMessage>, Error> {
+    /// The stored reply message of the conversation `origin` with envelope id `id`,
+    /// with its headers (`Webproxy-Outcome`, `Webproxy-Generation`, `Webproxy-Origin`),
+    /// if there is one.
+    pub async fn reply_message(
+        &self,
+        id: &str,
+        origin: &Origin,
+    ) -> Result<Option<StreamMessage>, Error> {
         check_id(id)?;
-        stored_reply_message(&self.js, &self.subjects, id).await
+        stored_reply(&self.js, &self.subjects, id, origin).await
     }
 
     /// The NATS connection.
@@ -317,21 +455,58 @@ impl Client {
         let pool = &request.pool;
         validate_pool_name(pool).map_err(Error::InvalidPool)?;
         let subject = self.subjects.request(pool);
+        let msg_id = match &request.msg_id {
+            Some(msg_id) => {
+                check_msg_id(msg_id)?;
+                msg_id.clone()
+            }
+            None => new_msg_id()?,
+        };
         let payload = Bytes::from(serde_json::to_vec(&request.envelope).map_err(Error::Encode)?);
-        let publish = jetstream::message::PublishMessage::build()
-            .payload(payload)
-            .message_id(&request.envelope.id);
-        let ack = self
-            .js
-            .send_publish(subject.clone(), publish)
-            .await
-            .map_err(|e| publish_error(e, pool, &subject))?
-            .await
-            .map_err(|e| publish_error(e, pool, &subject))?;
+        let ack = publish_retrying(&msg_id, |msg_id| {
+            let publish = jetstream::message::PublishMessage::build()
+                .payload(payload.clone())
+                .message_id(msg_id);
+            let subject = subject.clone();
+            async move { self.js.send_publish(subject, publish).await?.await }
+        })
+        .await
+        .map_err(|e| publish_error(e, pool, &subject))?;
         Ok(Stored {
+            origin: Origin::new(ack.stream, ack.sequence),
             duplicate: ack.duplicate,
         })
     }
+}
+
+/// Publishes with `publish(msg_id)`, and again with the same id while JetStream
+/// answers that a message with that id is still in process (err_code 10158), up to
+/// [`PUBLISH_TRIES`] tries in all.
+async fn publish_retrying<F, Fut>(msg_id: &str, mut publish: F) -> Result<PublishAck, PublishError>
+where
+    F: FnMut(&str) -> Fut,
+    Fut: Future<Output = Result<PublishAck, PublishError>>,
+{
+    let mut tries = 1;
+    loop {
+        match publish(msg_id).await {
+            Err(e) if tries < PUBLISH_TRIES && in_process(&e) => {
+                tries += 1;
+                tokio::time::sleep(PUBLISH_RETRY_DELAY).await;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// JetStream's "duplicate message id is in process": an earlier publish with the same
+/// id is not stored yet, and this one may be tried again.
+fn in_process(error: &PublishError) -> bool {
+    error.kind() == PublishErrorKind::Other
+        && error
+            .source()
+            .and_then(|source| source.downcast_ref::<jetstream::Error>())
+            .is_some_and(|e| e.error_code() == JsErrorCode::STREAM_DUPLICATE_MESSAGE_CONFLICT)
 }
 
 /// An id is a subject token; anything else would subscribe to the wrong subject (a
@@ -343,28 +518,47 @@ fn check_id(id: &str) -> Result<(), Error> {
     })
 }
 
-/// The stored reply message of conversation `id`, read from the stream leader through
-/// the message-get API (a direct get may be answered by a lagging replica).
-pub async fn stored_reply_message(
+/// A caller's own `Nats-Msg-Id` must fit in one header value.
+fn check_msg_id(msg_id: &str) -> Result<(), Error> {
+    let ok =
+        !msg_id.is_empty() && msg_id.len() <= 128 && msg_id.chars().all(|c| c.is_ascii_graphic());
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidMsgId(msg_id.to_string()))
+    }
+}
+
+/// The stored reply message of the conversation `origin` with envelope id `id`: the
+/// last message on exactly its own subject ([`Subjects::stored_reply`]), read from
+/// the stream leader through the message-get API (a direct get may be answered by a
+/// lagging replica).
+pub async fn stored_reply(
     js: &jetstream::Context,
     subjects: &Subjects,
     id: &str,
+    origin: &Origin,
+) -> Result<Option<StreamMessage>, Error> {
+    last_message(js, subjects, &subjects.stored_reply(id, origin)).await
+}
+
+async fn last_message(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    subject: &str,
 ) -> Result<Option<StreamMessage>, Error> {
     let stream = js
         .get_stream_no_info(subjects.replies_stream())
         .await
         .map_err(|e| Error::Lookup(Box::new(e)))?;
-    match stream
-        .get_last_raw_message_by_subject(&subjects.reply(id))
-        .await
-    {
+    match stream.get_last_raw_message_by_subject(subject).await {
         Ok(message) => Ok(Some(message)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
         Err(e) => Err(Error::Lookup(Box::new(e))),
     }
 }
 
-fn publish_error(error: jetstream::context::PublishError, pool: &str, subject: &str) -> Error {
+fn publish_error(error: PublishError, pool: &str, subject: &str) -> Error {
     if error.kind() == PublishErrorKind::StreamNotFound {
         Error::NoSuchPool {
             pool: pool.to_string(),
@@ -427,5 +621,144 @@ mod tests {
         assert!(validate_id(&a.envelope().id).is_ok());
         assert_eq!(a.pool_name(), DEFAULT_POOL);
         assert_eq!(a.wait_time(), DEFAULT_WAIT);
+    }
+
+    #[test]
+    fn msg_ids_are_32_lowercase_hex_and_never_repeat() {
+        let ids: Vec<String> = (0..1000).map(|_| new_msg_id().expect("random")).collect();
+        for id in &ids {
+            assert_eq!(id.len(), 32, "{id}");
+            assert!(
+                id.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "{id}"
+            );
+        }
+        let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len());
+    }
+
+    #[test]
+    fn a_requests_msg_id_is_drawn_per_publish_unless_set() {
+        let request = Request::new("GET", "http://127.0.0.1/");
+        assert_eq!(request.msg_id_set(), None);
+        let again = request.msg_id("0123456789abcdef0123456789abcdef");
+        assert_eq!(again.msg_id_set(), Some("0123456789abcdef0123456789abcdef"));
+        assert!(check_msg_id("0123456789abcdef0123456789abcdef").is_ok());
+        for bad in ["", "a b", "a\r\nX-Evil: 1", &"a".repeat(129)] {
+            assert!(check_msg_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_stored_reply_subject_names_exactly_one_conversation() {
+        let subjects = Subjects::new("webproxy").expect("prefix");
+        let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 1_733_025_600_000_123);
+        assert_eq!(
+            subjects.stored_reply("order-42", &origin),
+            "webproxy.reply.order-42.WEBPROXY_POOL_DEFAULT.1733025600000123"
+        );
+    }
+
+    #[test]
+    fn only_a_reply_with_the_own_origin_counts() {
+        let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 17);
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::ORIGIN, value);
+            headers
+        };
+        assert!(is_own_reply(
+            Some(&with("WEBPROXY_POOL_DEFAULT:17")),
+            &origin
+        ));
+        for other in [
+            "WEBPROXY_POOL_DEFAULT:170",
+            "WEBPROXY_POOL_DEFAULT:1",
+            "WEBPROXY_POOL_OTHER:17",
+            "",
+        ] {
+            assert!(!is_own_reply(Some(&with(other)), &origin), "{other}");
+        }
+        let mut no_origin = HeaderMap::new();
+        no_origin.insert(header::OUTCOME, "response");
+        assert!(!is_own_reply(Some(&no_origin), &origin));
+        assert!(!is_own_reply(None, &origin));
+    }
+
+    fn api_error(err_code: u64) -> PublishError {
+        let error: jetstream::Error = serde_json::from_value(serde_json::json!({
+            "code": 503, "err_code": err_code, "description": "test"
+        }))
+        .expect("api error");
+        PublishError::with_source(PublishErrorKind::Other, error)
+    }
+
+    fn ack(seq: u64, duplicate: bool) -> PublishAck {
+        serde_json::from_value(serde_json::json!({
+            "stream": "WEBPROXY_POOL_DEFAULT", "seq": seq, "duplicate": duplicate
+        }))
+        .expect("ack")
+    }
+
+    /// Publishes through `publish_retrying` with a fake that answers `answers` in
+    /// turn; returns the result and the message ids it was called with.
+    async fn retried(
+        mut answers: Vec<Result<PublishAck, PublishError>>,
+    ) -> (Result<PublishAck, PublishError>, Vec<String>) {
+        answers.reverse();
+        let answers = std::sync::Mutex::new(answers);
+        let calls = std::sync::Mutex::new(Vec::new());
+        let result = publish_retrying("f00d", |msg_id| {
+            calls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(msg_id.to_string());
+            let answer = answers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .pop()
+                .expect("an answer for every try");
+            async move { answer }
+        })
+        .await;
+        let calls = calls
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (result, calls)
+    }
+
+    #[tokio::test]
+    async fn a_publish_in_process_is_tried_again_with_the_same_id() {
+        let (result, calls) = retried(vec![
+            Err(api_error(10158)),
+            Err(api_error(10158)),
+            Ok(ack(7, true)),
+        ])
+        .await;
+        let ack = result.expect("stored");
+        assert_eq!((ack.sequence, ack.duplicate), (7, true));
+        assert_eq!(calls, ["f00d", "f00d", "f00d"]);
+    }
+
+    #[tokio::test]
+    async fn retries_of_a_publish_in_process_are_bounded() {
+        let answers = (0..PUBLISH_TRIES).map(|_| Err(api_error(10158))).collect();
+        let (result, calls) = retried(answers).await;
+        assert!(result.is_err());
+        assert_eq!(calls.len(), PUBLISH_TRIES as usize);
+    }
+
+    #[tokio::test]
+    async fn other_publish_errors_are_not_retried() {
+        for error in [
+            api_error(10071),
+            PublishError::new(PublishErrorKind::TimedOut),
+            PublishError::new(PublishErrorKind::StreamNotFound),
+        ] {
+            let (result, calls) = retried(vec![Err(error)]).await;
+            assert!(result.is_err());
+            assert_eq!(calls.len(), 1);
+        }
     }
 }

@@ -1,10 +1,12 @@
-//! The service's readiness and connection history, kept in memory so that probes cost
-//! nothing (no NATS round trip, no upstream call, no new connection per probe) and
-//! handlers can tell whether the server may have redelivered their message.
+//! The service's liveness and readiness, kept in memory so that probes cost nothing (no
+//! NATS round trip, no upstream call, no new connection per probe), and the reconnect
+//! signal that sends every pull loop to pull again at once.
 
+use std::collections::BTreeSet;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::watch;
 
 /// Flags the dispatcher sets and the health listener reads.
 #[derive(Debug)]
@@ -12,44 +14,43 @@ pub struct Health {
     nats_connected: AtomicBool,
     provisioned: AtomicBool,
     draining: AtomicBool,
-    /// A disconnect at least this long may have let `ack_wait` expire on the server.
-    stale_after: Duration,
-    disconnected_at: Mutex<Option<Instant>>,
-    long_disconnects: AtomicU64,
+    /// Pools whose consumer is missing until it is recreated: not ready meanwhile.
+    pools_down: Mutex<BTreeSet<String>>,
+    /// Pools whose pull loop ended while the service was not stopping: not alive.
+    dead_loops: Mutex<BTreeSet<String>>,
+    /// Counts the connections made; a pull loop waiting on it pulls again the moment
+    /// the connection is back, instead of when a pull lost in the outage expires.
+    connections: watch::Sender<u64>,
+}
+
+impl Default for Health {
+    fn default() -> Health {
+        Health::new()
+    }
 }
 
 impl Health {
-    /// `stale_after`: how long a disconnect must last before the server may have
-    /// redelivered the messages this instance holds (a margin under `ack_wait`, since
-    /// the last progress ack went out up to a third of it earlier).
-    pub fn new(stale_after: Duration) -> Health {
+    pub fn new() -> Health {
         Health {
             nats_connected: AtomicBool::new(false),
             provisioned: AtomicBool::new(false),
             draining: AtomicBool::new(false),
-            stale_after,
-            disconnected_at: Mutex::new(None),
-            long_disconnects: AtomicU64::new(0),
+            pools_down: Mutex::new(BTreeSet::new()),
+            dead_loops: Mutex::new(BTreeSet::new()),
+            connections: watch::Sender::new(0),
         }
     }
 
     pub fn set_nats_connected(&self, connected: bool) {
-        self.set_nats_connected_at(connected, Instant::now());
+        let was = self.nats_connected.swap(connected, Ordering::Relaxed);
+        if connected && !was {
+            self.connections.send_modify(|n| *n += 1);
+        }
     }
 
-    fn set_nats_connected_at(&self, connected: bool, now: Instant) {
-        self.nats_connected.store(connected, Ordering::Relaxed);
-        let mut disconnected_at = self
-            .disconnected_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !connected {
-            disconnected_at.get_or_insert(now);
-        } else if let Some(since) = disconnected_at.take()
-            && now.saturating_duration_since(since) >= self.stale_after
-        {
-            self.long_disconnects.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Changes each time the connection is made again.
+    pub fn connections(&self) -> watch::Receiver<u64> {
+        self.connections.subscribe()
     }
 
     pub fn set_provisioned(&self) {
@@ -64,28 +65,46 @@ impl Health {
         self.nats_connected.load(Ordering::Relaxed)
     }
 
-    /// Ready while connected, provisioned and not draining.
+    fn set(flags: &Mutex<BTreeSet<String>>, pool: &str, on: bool) {
+        let mut flags = flags
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if on {
+            flags.insert(pool.to_string());
+        } else {
+            flags.remove(pool);
+        }
+    }
+
+    fn any(flags: &Mutex<BTreeSet<String>>) -> bool {
+        !flags
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
+    }
+
+    /// `pool`'s consumer is missing (`true`) or back (`false`).
+    pub fn set_pool_down(&self, pool: &str, down: bool) {
+        Self::set(&self.pools_down, pool, down);
+    }
+
+    /// `pool`'s pull loop ended while the service was not stopping.
+    pub fn set_pull_loop_dead(&self, pool: &str) {
+        Self::set(&self.dead_loops, pool, true);
+    }
+
+    /// Alive unless a pool's pull loop has died: restarting the process is the cure.
+    pub fn is_alive(&self) -> bool {
+        !Self::any(&self.dead_loops)
+    }
+
+    /// Ready while connected, provisioned, every pool consuming, and not draining.
     pub fn is_ready(&self) -> bool {
         self.nats_connected()
             && self.provisioned.load(Ordering::Relaxed)
             && !self.draining.load(Ordering::Relaxed)
-    }
-
-    /// Changes whenever the connection was (or still is) lost long enough for the
-    /// server to have redelivered a message this instance holds. A handler that sees it
-    /// change must not ack: its delivery may be stale, and an ack would free the slot
-    /// that the redelivered copy holds.
-    pub fn redelivery_epoch(&self) -> u64 {
-        self.redelivery_epoch_at(Instant::now())
-    }
-
-    fn redelivery_epoch_at(&self, now: Instant) -> u64 {
-        let ongoing = self
-            .disconnected_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_some_and(|since| now.saturating_duration_since(since) >= self.stale_after);
-        self.long_disconnects.load(Ordering::Relaxed) + u64::from(ongoing)
+            && !Self::any(&self.pools_down)
+            && self.is_alive()
     }
 }
 
@@ -95,11 +114,15 @@ mod tests {
 
     #[test]
     fn ready_only_when_all_hold() {
-        let health = Health::new(Duration::from_secs(5));
+        let health = Health::new();
         assert!(!health.is_ready());
         health.set_nats_connected(true);
         assert!(!health.is_ready());
         health.set_provisioned();
+        assert!(health.is_ready());
+        health.set_pool_down("p", true);
+        assert!(!health.is_ready());
+        health.set_pool_down("p", false);
         assert!(health.is_ready());
         health.set_nats_connected(false);
         assert!(!health.is_ready());
@@ -109,31 +132,22 @@ mod tests {
     }
 
     #[test]
-    fn only_long_disconnects_change_the_epoch() {
-        let health = Health::new(Duration::from_secs(5));
-        let t0 = Instant::now();
-        let at = |s: u64| t0 + Duration::from_secs(s);
-        health.set_nats_connected_at(true, at(0));
-        let start = health.redelivery_epoch_at(at(0));
-        health.set_nats_connected_at(false, at(1));
-        health.set_nats_connected_at(true, at(2));
-        assert_eq!(
-            health.redelivery_epoch_at(at(2)),
-            start,
-            "a blip is not stale"
-        );
-        health.set_nats_connected_at(false, at(10));
-        assert_eq!(health.redelivery_epoch_at(at(12)), start, "not yet long");
-        assert_eq!(
-            health.redelivery_epoch_at(at(16)),
-            start + 1,
-            "an ongoing long disconnect counts"
-        );
-        health.set_nats_connected_at(true, at(17));
-        assert_eq!(
-            health.redelivery_epoch_at(at(17)),
-            start + 1,
-            "and still counts once reconnected"
-        );
+    fn a_dead_pull_loop_is_not_alive() {
+        let health = Health::new();
+        assert!(health.is_alive());
+        health.set_pull_loop_dead("p");
+        assert!(!health.is_alive());
+    }
+
+    #[test]
+    fn each_new_connection_is_signalled_once() {
+        let health = Health::new();
+        let connections = health.connections();
+        health.set_nats_connected(true);
+        health.set_nats_connected(true);
+        assert_eq!(*connections.borrow(), 1);
+        health.set_nats_connected(false);
+        health.set_nats_connected(true);
+        assert_eq!(*connections.borrow(), 2);
     }
 }

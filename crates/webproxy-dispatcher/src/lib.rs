@@ -45,9 +45,7 @@ pub struct Instruments {
 impl Instruments {
     pub fn new(settings: &Settings) -> Instruments {
         Instruments {
-            // A margin under ack_wait: the last progress ack may have gone out a third
-            // of it earlier.
-            health: Arc::new(Health::new(settings.config.service.ack_wait / 2)),
+            health: Arc::new(Health::new()),
             metrics: Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
             gauges: Arc::new(Gauges::new(settings.pools.keys())),
         }

@@ -71,6 +71,7 @@ pub struct Metrics {
     pool_waiting: Family<PoolLabels, Gauge>,
     pool_parked: Family<PoolLabels, Gauge>,
     dead_letters: Family<DeadLabels, Counter>,
+    consumer_recreations: Family<PoolLabels, Counter>,
     nats_connected: Gauge,
 }
 
@@ -127,6 +128,12 @@ impl Metrics {
             "Dead letters written, by pool and error code",
             dead_letters.clone(),
         );
+        let consumer_recreations = Family::default();
+        registry.register(
+            "consumer_recreations",
+            "Pool consumers found missing and recreated by this instance",
+            consumer_recreations.clone(),
+        );
         let nats_connected = Gauge::default();
         registry.register(
             "nats_connected",
@@ -150,6 +157,7 @@ impl Metrics {
             pool_waiting,
             pool_parked,
             dead_letters,
+            consumer_recreations,
             nats_connected,
         }
     }
@@ -197,6 +205,14 @@ impl Metrics {
             .get_or_create(&DeadLabels {
                 pool: pool.to_string(),
                 code,
+            })
+            .inc();
+    }
+
+    pub fn consumer_recreated(&self, pool: &str) {
+        self.consumer_recreations
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
             })
             .inc();
     }
@@ -256,7 +272,7 @@ mod tests {
         let pool = gauges.pool("default").expect("pool");
         let _busy = pool.start();
         pool.set_queued(7, 2);
-        let health = Health::new(Duration::from_secs(5));
+        let health = Health::new();
         health.set_nats_connected(true);
         let text = metrics.render(&gauges, &health);
         for line in [

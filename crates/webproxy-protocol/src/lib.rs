@@ -45,6 +45,10 @@ pub mod header {
     /// On a stored reply: the `reply_to` the request named, the only subject the
     /// service ever copies that stored reply to again.
     pub const REPLY_TO: &str = "Webproxy-Reply-To";
+    /// On a stored reply: the step of the delivery that stored it (0 for the caller's
+    /// own message, 1 and on for hops). Only a redelivery of that same step copies the
+    /// stored reply again; an earlier step's late redelivery does not.
+    pub const STEP: &str = "Webproxy-Step";
     /// The conversation id, on dead letters.
     pub const ID: &str = "Webproxy-Id";
     /// The final error code, on dead letters.

@@ -26,7 +26,13 @@ pub fn figment(path: Option<&Path>) -> anyhow::Result<Figment> {
         }
         figment = figment.merge(Toml::file_exact(path));
     }
-    Ok(figment.merge(Env::prefixed("WEBPROXY_").split("__")))
+    // WEBPROXY_TEST_HOOK switches on the test builds' fault-injection hooks; it is
+    // not a configuration key.
+    Ok(figment.merge(
+        Env::prefixed("WEBPROXY_")
+            .ignore(&["TEST_HOOK"])
+            .split("__"),
+    ))
 }
 
 /// Loads and validates the configuration; errors name the key.

@@ -10,11 +10,23 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use webproxy_dispatcher::Instruments;
 
-/// `GET /healthz`: the process is alive. `GET /readyz`: connected to NATS, consumers
-/// provisioned, and not draining. `GET /metrics`: Prometheus text format.
+/// `GET /healthz`: the process is alive (every pool's pull loop runs). `GET /readyz`:
+/// connected to NATS, consumers provisioned and present, and not draining. `GET /metrics`: Prometheus text format.
 pub fn router(instruments: Instruments) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/healthz",
+            get(|State(instruments): State<Instruments>| async move {
+                if instruments.health.is_alive() {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "a pool's pull loop has died\n",
+                    )
+                }
+            }),
+        )
         .route(
             "/readyz",
             get(|State(instruments): State<Instruments>| async move {

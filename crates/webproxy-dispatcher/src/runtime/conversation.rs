@@ -10,6 +10,7 @@ use serde_json::value::RawValue;
 use webproxy_protocol::{Origin, ParseError, Request, Subjects, header};
 
 use super::delivery::{Delivery, DeliveryInfo};
+use super::liveness::Liveness;
 use crate::hop::{HopError, HopState};
 use crate::outbox::ReplyContext;
 
@@ -32,8 +33,8 @@ pub(super) struct Conversation<'a> {
     pub rule: &'a str,
     /// The revision of the conversation's progress record, once one is known to exist.
     pub record: Option<u64>,
-    /// The connection's redelivery epoch when handling began: see `settle`.
-    pub epoch: u64,
+    /// Whether the delivery is still the server's current one: see `liveness`.
+    pub liveness: &'a Liveness,
 }
 
 impl<'a> Conversation<'a> {
@@ -45,7 +46,7 @@ impl<'a> Conversation<'a> {
         delivery: &impl Delivery,
         info: &DeliveryInfo,
         subjects: &Subjects,
-        epoch: u64,
+        liveness: &'a Liveness,
     ) -> (Conversation<'a>, Option<HopError>) {
         let own = HopState::caller(Origin::new(info.stream.as_str(), info.seq), info.published);
         let hop = delivery.subject() != subjects.request(pool);
@@ -72,7 +73,7 @@ impl<'a> Conversation<'a> {
             payload: delivery.payload().clone(),
             rule: "none",
             record: None,
-            epoch,
+            liveness,
         };
         (conversation, error)
     }

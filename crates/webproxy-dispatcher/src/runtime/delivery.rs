@@ -30,6 +30,9 @@ pub trait Delivery: Send + Sync {
     fn info(&self) -> Result<DeliveryInfo, String>;
     /// Sends an ack of `kind` (ack, progress, term): fire-and-forget, like JetStream's.
     fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send;
+    /// Sends a progress ack as a request and waits for the server's answer. The answer
+    /// proves only that the connection was alive: see `liveness`.
+    fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send;
 }
 
 impl Delivery for jetstream::Message {
@@ -57,6 +60,10 @@ impl Delivery for jetstream::Message {
 
     fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
         self.ack_with(kind)
+    }
+
+    fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
+        self.double_ack_with(AckKind::Progress)
     }
 }
 
@@ -125,6 +132,10 @@ pub(crate) mod fake {
                 acks.push(kind);
             }
             std::future::ready(Ok(()))
+        }
+
+        fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
+            self.ack(AckKind::Progress)
         }
     }
 }

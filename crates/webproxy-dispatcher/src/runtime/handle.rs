@@ -17,12 +17,12 @@ use webproxy_worker::AttemptOutcome;
 use super::Shared;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
+use super::liveness::{Liveness, LivenessPolicy};
 use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, millis, settle};
 use crate::decision::{AttemptContext, Verdict, judge};
 use crate::egress::Egress;
-use crate::health::Health;
 use crate::hop::HopKind;
 use crate::metrics::status_class;
 use crate::outbox::{error_reply, response_reply};
@@ -39,7 +39,12 @@ fn as_i64(n: u64) -> i64 {
 /// Handles one message inside a span whose parent is the caller's trace context, so
 /// that the caller's trace continues through webproxy (a request without one starts a
 /// new trace).
-pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Message) {
+pub(super) async fn handle(
+    shared: &Shared,
+    pool: &str,
+    message: &jetstream::Message,
+    liveness: &Liveness,
+) {
     let span = info_span!(
         "request",
         otel.name = "webproxy request",
@@ -54,7 +59,7 @@ pub(super) async fn handle(shared: &Shared, pool: &str, message: jetstream::Mess
         backoff_ms = field::Empty,
     );
     let _ = span.set_parent(trace::extract(message.headers.as_ref()));
-    handle_delivery(shared, pool, &message)
+    handle_delivery(shared, pool, message, liveness)
         .instrument(span)
         .await;
 }
@@ -64,8 +69,8 @@ pub(super) async fn handle_delivery<'a>(
     shared: &'a Shared,
     pool: &'a str,
     delivery: &impl Delivery,
+    liveness: &'a Liveness,
 ) -> Settled {
-    let epoch = shared.health.redelivery_epoch();
     let info = match delivery.info() {
         Ok(info) => info,
         Err(e) => {
@@ -77,7 +82,7 @@ pub(super) async fn handle_delivery<'a>(
         }
     };
     let (mut conversation, hop_error) =
-        Conversation::new(pool, delivery, &info, &shared.outlet.subjects, epoch);
+        Conversation::new(pool, delivery, &info, &shared.outlet.subjects, liveness);
     let span = Span::current();
     span.record("origin", conversation.origin().to_string().as_str());
     span.record("generation", as_i64(conversation.generation()));
@@ -96,14 +101,7 @@ pub(super) async fn handle_delivery<'a>(
         }
         None => Box::pin(decide(shared, delivery, &info, &mut conversation)).await,
     };
-    settle(
-        &shared.outlet,
-        &shared.health,
-        delivery,
-        &mut conversation,
-        ending,
-    )
-    .await
+    settle(&shared.outlet, delivery, &mut conversation, ending).await
 }
 
 /// Everything between the conversation and its ending.
@@ -186,14 +184,7 @@ async fn decide<'a>(
                     "attempt planned without a request".into(),
                 );
             };
-            Box::pin(attempt_and_judge(
-                shared,
-                delivery,
-                request,
-                rule,
-                conversation,
-            ))
-            .await
+            Box::pin(attempt_and_judge(shared, request, rule, conversation)).await
         }
     }
 }
@@ -316,12 +307,11 @@ fn with_last_failure(mut error: ErrorBody, last: Option<&AttemptRecord>) -> Erro
 /// Makes the attempt and turns its verdict into an ending: the reply, or a park.
 async fn attempt_and_judge<'a>(
     shared: &'a Shared,
-    delivery: &impl Delivery,
     request: &Request,
     rule: &'a RequestRule,
     conversation: &mut Conversation<'a>,
 ) -> Ending {
-    let (outcome, record) = Box::pin(attempt(shared, delivery, request, rule, conversation)).await;
+    let (outcome, record) = Box::pin(attempt(shared, request, rule, conversation)).await;
     if let Some(record) = record {
         conversation.state.attempts.push(record);
     }
@@ -362,11 +352,9 @@ async fn attempt_and_judge<'a>(
     }
 }
 
-/// Runs one attempt, telling the server every third of `ack_wait` that the message is
-/// still in progress, so it is never redelivered while its attempt runs.
+/// Runs one attempt (the delivery's progress task keeps the message meanwhile).
 async fn attempt(
     shared: &Shared,
-    delivery: &impl Delivery,
     request: &Request,
     rule: &RequestRule,
     conversation: &Conversation<'_>,
@@ -415,19 +403,8 @@ async fn attempt(
             .map_or(rule.timeout, |t| t.min(rule.timeout));
         // Boxed, like the other large awaits here: the HTTP client's future is big,
         // and inline it would make every handler's state (moved on each spawn) big too.
-        let mut attempt = Box::pin(egress.perform(rule, request, &own_headers, timeout));
-        let period = shared.settings.config.service.ack_wait / 3;
-        let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        let chain = loop {
-            tokio::select! {
-                chain = &mut attempt => break chain,
-                _ = progress.tick() => {
-                    if let Err(e) = delivery.ack(AckKind::Progress).await {
-                        debug!(error = %e, "progress ack failed");
-                    }
-                }
-            }
-        };
+        // The delivery's progress task keeps it meanwhile.
+        let chain = Box::pin(egress.perform(rule, request, &own_headers, timeout)).await;
         let (status, failure) = match &chain.outcome {
             AttemptOutcome::Response(r) => (Some(r.status), None),
             AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
@@ -489,9 +466,13 @@ pub async fn end_unattempted(
     let Ok(info) = Delivery::info(message) else {
         return Settled::Left;
     };
-    // A one-off reader has no connection history to go stale against.
-    let health = Health::new(Duration::MAX);
-    let (mut conversation, _) = Conversation::new(pool, message, &info, &outlet.subjects, 0);
+    // A one-off reader acks at once, long before its delivery could go stale.
+    let liveness = Liveness::new(
+        LivenessPolicy::for_ack_wait(Duration::from_secs(3600)),
+        tokio::time::Instant::now(),
+    );
+    let (mut conversation, _) =
+        Conversation::new(pool, message, &info, &outlet.subjects, &liveness);
     conversation.absorb(&parse_request(&message.payload, &outlet.subjects));
     conversation.record = outlet
         .progress
@@ -501,5 +482,5 @@ pub async fn end_unattempted(
         .flatten()
         .map(|(_, revision)| revision);
     let ending = reply_error(&conversation, error, AckKind::Ack, outlet.max_payload);
-    settle(outlet, &health, message, &mut conversation, ending).await
+    settle(outlet, message, &mut conversation, ending).await
 }

@@ -25,9 +25,9 @@ use webproxy_protocol::parse_request;
 use super::Dispatcher;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
+use super::liveness::{Liveness, LivenessPolicy};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
-use crate::health::Health;
 use crate::hop::{HopKind, HopState};
 
 /// Some parked retries of layout 1 were not moved; they are still there, and the next
@@ -105,11 +105,15 @@ async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) ->
     let Ok(info) = parked.info() else {
         return Settled::Left;
     };
-    // A one-off reader has no connection history to go stale against.
-    let health = Health::new(Duration::MAX);
+    // Read by sequence, not delivered: nothing redelivers it meanwhile, so it never
+    // goes stale (as in `end_unattempted`).
+    let liveness = Liveness::new(
+        LivenessPolicy::for_ack_wait(Duration::from_secs(3600)),
+        tokio::time::Instant::now(),
+    );
     // Not a hop of this layout: the conversation's own state comes from the layout 1
     // headers below, so the constructor's complaint about a missing hop header is moot.
-    let (mut conversation, _) = Conversation::new(pool, parked, &info, &outlet.subjects, 0);
+    let (mut conversation, _) = Conversation::new(pool, parked, &info, &outlet.subjects, &liveness);
     conversation.absorb(&parse_request(parked.payload(), &outlet.subjects));
     let headers = &parked.message.headers;
     let read = HopState::from_layout1(conversation.origin().clone(), |name| {
@@ -134,7 +138,7 @@ async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) ->
             )
         }
     };
-    settle(outlet, &health, parked, &mut conversation, ending).await
+    settle(outlet, parked, &mut conversation, ending).await
 }
 
 /// A message read from a stream by sequence, as a delivery: acking or terminating it
@@ -175,6 +179,10 @@ impl Delivery for StoredMessage<'_> {
             }
             Ok(())
         }
+    }
+
+    fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
+        std::future::ready(Ok(()))
     }
 }
 

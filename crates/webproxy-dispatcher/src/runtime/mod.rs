@@ -8,10 +8,12 @@ mod conversation;
 mod delivery;
 mod handle;
 mod hooks;
+mod liveness;
 mod migrate;
 mod parked;
 mod progress;
 mod publish;
+mod pull;
 mod replay;
 mod settle;
 #[cfg(test)]
@@ -34,7 +36,7 @@ use futures::StreamExt as _;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
@@ -43,11 +45,11 @@ use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::provision::PoolConsumers;
 use crate::secrets::Secrets;
+use liveness::{Liveness, LivenessPolicy};
+use pull::{PULL_EXPIRES, Pull, PullEnd};
 
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
-/// How long one pull request waits for messages on the server.
-const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
 /// Connects to NATS, keeping `health` in step with the connection state.
 pub async fn connect(
@@ -55,10 +57,15 @@ pub async fn connect(
     health: Arc<Health>,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let events = health.clone();
+    let ack_wait = settings.config.service.ack_wait;
     let client = crate::nats_auth::connect_options(&settings.config.nats)
         .await?
         .name("webproxy")
         .retry_on_initial_connect()
+        // A half-open connection is noticed within a few pings, well inside ack_wait.
+        .ping_interval(ping_interval(ack_wait))
+        // Back within about a second of the server, not the client's default of 4 s.
+        .reconnect_delay_callback(reconnect_delay)
         .event_callback(move |event| {
             let events = events.clone();
             async move {
@@ -73,6 +80,17 @@ pub async fn connect(
         .await?;
     health.set_nats_connected(client.connection_state() == connection::State::Connected);
     Ok(client)
+}
+
+/// How often the connection is pinged: a fifth of `ack_wait`, at most 10 s.
+fn ping_interval(ack_wait: Duration) -> Duration {
+    (ack_wait / 5).clamp(Duration::from_millis(100), Duration::from_secs(10))
+}
+
+/// The wait before reconnect attempt `attempts`: growing to about a second, no more.
+fn reconnect_delay(attempts: usize) -> Duration {
+    let steps = u64::try_from(attempts).unwrap_or(u64::MAX).min(10);
+    Duration::from_millis(100 * steps).min(Duration::from_secs(1))
 }
 
 /// Everything a message handler needs, shared by all of them.
@@ -153,19 +171,31 @@ impl Dispatcher {
                 attempts.clone(),
                 shutdown.clone(),
             )));
+            let attempts = attempts.clone();
             let permits = Arc::new(Semaphore::new(
                 usize::try_from(limit)
                     .unwrap_or(usize::MAX)
                     .min(Semaphore::MAX_PERMITS),
             ));
-            pulls.push(tokio::spawn(pull_loop(
-                shared,
-                Arc::from(pool.as_str()),
-                work,
-                permits,
-                attempts.clone(),
-                shutdown.clone(),
-            )));
+            let loop_shutdown = shutdown.clone();
+            pulls.push(tokio::spawn(async move {
+                let name = Arc::<str>::from(pool.as_str());
+                let ended = tokio::spawn(pull_loop(
+                    shared.clone(),
+                    name,
+                    work,
+                    permits,
+                    attempts,
+                    loop_shutdown.clone(),
+                ))
+                .await;
+                // A pull loop ends only on shutdown; any other end (a panic) leaves the
+                // pool unserved, which only a restart repairs.
+                if !loop_shutdown.is_cancelled() {
+                    error!(pool, outcome = ?ended, "the pool's pull loop ended; not alive");
+                    shared.health.set_pull_loop_dead(&pool);
+                }
+            }));
         }
         self.shared.health.set_provisioned();
         shutdown.cancelled().await;
@@ -240,66 +270,148 @@ async fn next_or_stop<S: futures::Stream + Unpin>(
 
 /// Pulls as many messages as there are free local slots and starts each at once: a
 /// message buffered here would hold a cluster-wide slot that an idle instance could use.
+/// A pull lost in an outage is noticed by its missing heartbeats, and every pull is
+/// made again the moment the connection is back; a missing consumer is recreated (the
+/// pool is not ready meanwhile); failures and quick empty pulls back off.
 async fn pull_loop(
     shared: Arc<Shared>,
     pool: Arc<str>,
-    consumer: PullConsumer,
+    mut consumer: PullConsumer,
     permits: Arc<Semaphore>,
     attempts: TaskTracker,
     shutdown: CancellationToken,
 ) {
+    let policy = LivenessPolicy::for_ack_wait(shared.settings.config.service.ack_wait);
+    let mut connections = shared.health.connections();
     let mut failures = 0u32;
     loop {
         // As many as can start now, and never fewer than one: a pull already waiting
         // at the server lets the next message go out the moment a slot frees, instead
         // of a round trip later. It cannot overfill this instance: the server holds
-        // deliveries to max_ack_pending, which is the number of local permits, so a
-        // message delivered while all are taken waits only for the permit that its
-        // predecessor's ack is releasing.
+        // deliveries to max_ack_pending, the number of local permits, and a message
+        // delivered while all are taken is kept by its progress acks meanwhile.
         let wanted = permits.available_permits().clamp(1, MAX_PULL);
-        let request = consumer
-            .batch()
-            .max_messages(wanted)
-            .expires(PULL_EXPIRES)
-            .messages();
-        let mut batch = tokio::select! {
-            batch = request => match batch {
-                Ok(b) => { failures = 0; b }
-                Err(e) => {
-                    failures += 1;
-                    warn!(pool = %pool, error = %e, "pull request failed; retrying");
-                    if back_off(failures, &shutdown).await { continue } else { return }
+        let started = tokio::time::Instant::now();
+        let mut delivered = 0usize;
+        let end = tokio::select! {
+            end = async {
+                let mut pull = match Pull::start(&consumer, &shared.outlet.js, wanted).await {
+                    Ok(pull) => pull,
+                    Err(end) => return end,
+                };
+                loop {
+                    let message = tokio::select! {
+                        next = pull.next() => match next {
+                            Ok(message) => message,
+                            Err(end) => return end,
+                        },
+                        // The request may have been lost with the old connection.
+                        _ = connections.changed() => return PullEnd::Lost,
+                    };
+                    delivered += 1;
+                    start(&shared, &pool, message, &permits, &attempts, &shutdown, policy).await;
                 }
-            },
+            } => end,
             _ = shutdown.cancelled() => return,
         };
-        loop {
-            let Some(next) = next_or_stop(&mut batch, &shutdown).await else {
-                return;
-            };
-            let message = match next {
-                Some(Ok(message)) => message,
-                Some(Err(e)) => {
-                    debug!(pool = %pool, error = %e, "pull ended");
-                    break;
+        match end {
+            PullEnd::Done if delivered > 0 || started.elapsed() >= PULL_EXPIRES / 2 => failures = 0,
+            PullEnd::Lost => {
+                debug!(pool = %pool, "pull lost; pulling again");
+                failures = 0;
+                if !shared.health.nats_connected() {
+                    // Pulls made now would queue up unsent; one is enough once back.
+                    tokio::select! {
+                        _ = connections.changed() => {}
+                        _ = shutdown.cancelled() => return,
+                    }
                 }
-                None => break,
-            };
+            }
+            PullEnd::ConsumerGone(why) => {
+                warn!(pool = %pool, reason = %why, "the pool's consumer is missing; recreating it");
+                shared.health.set_pool_down(&pool, true);
+                match crate::provision::recreate_pool_consumer(
+                    &shared.outlet.js,
+                    &shared.settings,
+                    &pool,
+                )
+                .await
+                {
+                    Ok(recreated) => {
+                        consumer = recreated;
+                        shared.outlet.metrics.consumer_recreated(&pool);
+                        shared.health.set_pool_down(&pool, false);
+                        info!(pool = %pool, "recreated the pool's consumer");
+                        failures = 0;
+                    }
+                    Err(e) => {
+                        warn!(pool = %pool, error = %e, "cannot recreate the pool's consumer");
+                        failures += 1;
+                    }
+                }
+            }
+            PullEnd::Done => failures += 1,
+            PullEnd::Failed(why) => {
+                debug!(pool = %pool, reason = %why, "pull failed");
+                failures += 1;
+            }
+        }
+        if failures > 0 && !back_off(failures, &shutdown).await {
+            return;
+        }
+    }
+}
+
+/// Starts one delivered message: its progress task at once, its handler once a local
+/// permit is free. Returns when the handler holds its permit (or at shutdown), so the
+/// pull loop never has more messages waiting than the one in hand.
+async fn start(
+    shared: &Arc<Shared>,
+    pool: &Arc<str>,
+    message: async_nats::jetstream::Message,
+    permits: &Arc<Semaphore>,
+    attempts: &TaskTracker,
+    shutdown: &CancellationToken,
+    policy: LivenessPolicy,
+) {
+    let (started, has_started) = tokio::sync::oneshot::channel();
+    let shared = shared.clone();
+    let pool = pool.clone();
+    let permits = permits.clone();
+    let stop = shutdown.clone();
+    attempts.spawn(async move {
+        let liveness = Liveness::new(policy, tokio::time::Instant::now());
+        let work = async {
             let permit = tokio::select! {
-                permit = permits.clone().acquire_owned() => match permit {
-                    Ok(p) => p,
+                permit = permits.acquire_owned() => match permit {
+                    Ok(permit) => permit,
                     Err(_) => return,
                 },
                 // Unacked, the message goes back to the server after ack_wait.
-                _ = shutdown.cancelled() => return,
+                _ = stop.cancelled() => return,
             };
-            let shared = shared.clone();
-            let pool = pool.clone();
-            attempts.spawn(async move {
-                let _in_flight = shared.gauges.pool(&pool).map(|g| g.start());
-                Box::pin(handle::handle(&shared, &pool, message)).await;
-                drop(permit);
-            });
+            let _ = started.send(());
+            let _in_flight = shared.gauges.pool(&pool).map(|g| g.start());
+            Box::pin(handle::handle(&shared, &pool, &message, &liveness)).await;
+            drop(permit);
+        };
+        while_keeping(work, liveness.keep(&message)).await;
+    });
+    tokio::select! {
+        _ = has_started => {}
+        _ = shutdown.cancelled() => {}
+    }
+}
+
+/// Runs `work` to its end while `keeper` runs beside it (until the keeper ends).
+async fn while_keeping<T>(work: impl Future<Output = T>, keeper: impl Future<Output = ()>) -> T {
+    tokio::pin!(work);
+    tokio::pin!(keeper);
+    let mut keeping = true;
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = &mut keeper, if keeping => keeping = false,
         }
     }
 }

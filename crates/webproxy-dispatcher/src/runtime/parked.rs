@@ -103,7 +103,7 @@ async fn release_when_due(shared: &Shared, pool: &str, message: jetstream::Messa
         headers: &forward,
         payload: &message.payload,
     };
-    match publish_stored(&shared.outlet, Some(&message), stored).await {
+    match publish_stored(&shared.outlet, stored).await {
         // Only the retry consumer acks here: parked retries are not pool slots.
         Ok(()) => {
             if let Err(e) = message.ack_with(AckKind::Ack).await {

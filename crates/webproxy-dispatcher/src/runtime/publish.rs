@@ -1,5 +1,4 @@
-//! Publishing into JetStream with a bounded budget, holding the message being handled
-//! meanwhile with progress acks. An oversized message is the one permanent failure and
+//! Publishing into JetStream with a bounded budget. An oversized message is the one permanent failure and
 //! is never retried; a missing stream is confirmed before it counts as permanent; any
 //! other failure is retried a few times and then given up, so that the message is left
 //! for redelivery (where `max_deliver` applies) instead of holding its slot forever.
@@ -8,15 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream;
 use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use thiserror::Error;
 use tracing::{debug, warn};
 use webproxy_protocol::Subjects;
 
-use super::delivery::Delivery;
 use super::progress::Progress;
 use crate::metrics::Metrics;
 use crate::secrets::Redactor;
@@ -91,13 +89,8 @@ pub struct Stored<'a> {
 }
 
 /// Publishes into a stream and waits for the server to store it, retrying within the
-/// budget; meanwhile `hold`, the message being handled, gets progress acks, which keep
-/// it from being redelivered.
-pub async fn publish_stored<D: Delivery>(
-    outlet: &Outlet,
-    hold: Option<&D>,
-    message: Stored<'_>,
-) -> Result<(), PublishFailure> {
+/// budget. The message being handled meanwhile is kept by its delivery's progress task.
+pub async fn publish_stored(outlet: &Outlet, message: Stored<'_>) -> Result<(), PublishFailure> {
     let subject = message.subject;
     let mut delay = Duration::from_millis(50);
     let mut tries = 0u32;
@@ -134,11 +127,6 @@ pub async fn publish_stored<D: Delivery>(
             });
         }
         debug!(subject, error = %e, tries, "publish failed; retrying");
-        if let Some(hold) = hold
-            && let Err(e) = hold.ack(AckKind::Progress).await
-        {
-            debug!(error = %e, "progress ack failed");
-        }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_secs(1));
     }

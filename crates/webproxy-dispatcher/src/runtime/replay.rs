@@ -3,7 +3,6 @@
 //! hop is published, so two concurrent replays of one letter publish once.
 
 use async_nats::HeaderMap;
-use async_nats::jetstream;
 use bytes::Bytes;
 use thiserror::Error;
 use webproxy_protocol::{DeadLetter, Origin, header};
@@ -84,6 +83,6 @@ pub async fn replay(outlet: &Outlet, letter: &DeadLetter) -> Result<u64, ReplayE
         headers: &headers,
         payload: &payload,
     };
-    publish_stored(outlet, None::<&jetstream::Message>, stored).await?;
+    publish_stored(outlet, stored).await?;
     Ok(generation)
 }

@@ -1,6 +1,6 @@
 //! The one settle point: every way a handler can end is an [`Ending`], and
 //! [`settle`] stores what it produced, then acks. It is the only code that acks a pool
-//! message, and it applies the stale-delivery rule to every ack.
+//! message, and it applies the stale-delivery rule (`liveness`) to every ack.
 //!
 //! Order matters: the dead letter is stored before the reply (a crash between them
 //! loses neither, since the redelivery finds no reply and ends the conversation
@@ -20,7 +20,6 @@ use super::delivery::Delivery;
 use super::hooks;
 use super::progress::{ProgressError, Record};
 use super::publish::{Outlet, PublishFailure, Stored, publish_live, publish_stored};
-use crate::health::Health;
 use crate::hop::{HopKind, HopState, dead_msg_id, hop_msg_id, new_token, reply_msg_id};
 use crate::outbox::{EncodedReply, LetterParts, dead_letter, error_reply, minimal_reply};
 use crate::trace;
@@ -62,7 +61,6 @@ pub enum Settled {
 /// Stores what `ending` produced, then acks `delivery`.
 pub(super) async fn settle(
     outlet: &Outlet,
-    health: &Health,
     delivery: &impl Delivery,
     conversation: &mut Conversation<'_>,
     ending: Ending,
@@ -74,7 +72,7 @@ pub(super) async fn settle(
     loop {
         let ack = match ending {
             Ending::Reply { reply, ack } => {
-                match store_ending(outlet, delivery, conversation, &reply).await {
+                match store_ending(outlet, conversation, &reply).await {
                     Ok(()) => {
                         finished(outlet, conversation, &reply).await;
                         ack
@@ -153,28 +151,7 @@ pub(super) async fn settle(
                 AckKind::Ack
             }
             Ending::Answered { reply } => {
-                if let Some(id) = conversation.id.as_deref() {
-                    let live = outlet.subjects.reply(id);
-                    publish_live(
-                        outlet,
-                        &live,
-                        reply.headers.clone().unwrap_or_default(),
-                        reply.payload.clone(),
-                    )
-                    .await;
-                }
-                // Only to the subject stored with the reply: never to the incoming
-                // message's `reply_to`, which may be anyone's.
-                if let Some(reply_to) = reply.headers.as_ref().and_then(|h| h.get(header::REPLY_TO))
-                {
-                    publish_live(
-                        outlet,
-                        reply_to.as_str(),
-                        reply.headers.clone().unwrap_or_default(),
-                        reply.payload.clone(),
-                    )
-                    .await;
-                }
+                recopy(outlet, conversation, &reply).await;
                 forget_record(outlet, conversation).await;
                 info!(
                     id = %conversation.raw_id,
@@ -198,7 +175,7 @@ pub(super) async fn settle(
             }
             Ending::Leave { reason } => return leave(conversation, &reason),
         };
-        ack_current(health, delivery, conversation, ack).await;
+        ack_current(delivery, conversation, ack).await;
         return Settled::Done;
     }
 }
@@ -231,6 +208,38 @@ pub(super) fn internal(
     }
 }
 
+/// Publishes a stored reply's live copies again, when this delivery is the step that
+/// stored it: it may have stopped between storing the reply and copying it. A late
+/// redelivery of an earlier step (a lost park ack) finds a reply whose copies the later
+/// step published, and sends none, so the caller gets one.
+async fn recopy(outlet: &Outlet, conversation: &Conversation<'_>, stored: &async_nats::Message) {
+    let Some(stored_headers) = stored.headers.as_ref() else {
+        return;
+    };
+    let step = stored_headers
+        .get(header::STEP)
+        .and_then(|s| s.as_str().parse::<u32>().ok());
+    if step.is_some_and(|step| step != conversation.state.step) {
+        return;
+    }
+    let mut headers = HeaderMap::new();
+    for name in [header::OUTCOME, header::GENERATION, header::ORIGIN] {
+        if let Some(value) = stored_headers.get(name) {
+            headers.insert(name, value.clone());
+        }
+    }
+    trace::forward(Some(stored_headers), &mut headers);
+    if let Some(id) = conversation.id.as_deref() {
+        let live = outlet.subjects.reply(id);
+        publish_live(outlet, &live, headers.clone(), stored.payload.clone()).await;
+    }
+    // Only to the subject stored with the reply: never to the incoming message's
+    // `reply_to`, which may be anyone's.
+    if let Some(reply_to) = stored_headers.get(header::REPLY_TO) {
+        publish_live(outlet, reply_to.as_str(), headers, stored.payload.clone()).await;
+    }
+}
+
 /// The headers of every copy of a reply.
 fn reply_headers(conversation: &Conversation<'_>, reply: &EncodedReply) -> HeaderMap {
     let mut headers = HeaderMap::new();
@@ -253,17 +262,17 @@ fn reply_headers(conversation: &Conversation<'_>, reply: &EncodedReply) -> Heade
 /// Stores the dead letter of an error, then the reply, then publishes the live copies.
 async fn store_ending(
     outlet: &Outlet,
-    delivery: &impl Delivery,
     conversation: &Conversation<'_>,
     reply: &EncodedReply,
 ) -> Result<(), PublishFailure> {
     let headers = reply_headers(conversation, reply);
     if let Some(error) = &reply.error {
-        store_dead_letter(outlet, delivery, conversation, error).await?;
+        store_dead_letter(outlet, conversation, error).await?;
         hooks::exit_after_dead_letter();
     }
     if let Some(id) = conversation.id.as_deref() {
         let mut stored_headers = headers.clone();
+        stored_headers.insert(header::STEP, conversation.state.step.to_string().as_str());
         if let Some(reply_to) = conversation.reply_to.as_deref() {
             stored_headers.insert(header::REPLY_TO, reply_to);
         }
@@ -275,7 +284,7 @@ async fn store_ending(
             headers: &stored_headers,
             payload: &reply.payload,
         };
-        tolerate_missing_stream(publish_stored(outlet, Some(delivery), stored).await)?;
+        tolerate_missing_stream(publish_stored(outlet, stored).await)?;
         publish_live(
             outlet,
             &outlet.subjects.reply(id),
@@ -307,7 +316,6 @@ fn tolerate_missing_stream(result: Result<(), PublishFailure>) -> Result<(), Pub
 
 async fn store_dead_letter(
     outlet: &Outlet,
-    delivery: &impl Delivery,
     conversation: &Conversation<'_>,
     error: &ErrorBody,
 ) -> Result<(), PublishFailure> {
@@ -352,7 +360,7 @@ async fn store_dead_letter(
         headers: &headers,
         payload: &payload,
     };
-    tolerate_missing_stream(publish_stored(outlet, Some(delivery), stored).await)?;
+    tolerate_missing_stream(publish_stored(outlet, stored).await)?;
     outlet
         .metrics
         .dead_letter(conversation.pool, error.code.as_str());
@@ -383,7 +391,7 @@ async fn publish_hop(
         headers: &headers,
         payload: &payload,
     };
-    publish_stored(outlet, Some(delivery), stored).await
+    publish_stored(outlet, stored).await
 }
 
 /// The bookkeeping of a conversation that ended: its record goes, its metrics and the
@@ -419,18 +427,13 @@ async fn forget_record(outlet: &Outlet, conversation: &Conversation<'_>) {
     }
 }
 
-/// Acks, unless the connection was lost long enough meanwhile for the server to have
-/// redelivered the message: acks count by stream sequence alone, so a stale delivery's
-/// ack would free the slot that the redelivered copy holds. That copy finds what this
-/// one stored (the reply, or the recorded hop) and acks for both.
-async fn ack_current(
-    health: &Health,
-    delivery: &impl Delivery,
-    conversation: &Conversation<'_>,
-    kind: AckKind,
-) {
-    if health.redelivery_epoch() != conversation.epoch {
-        info!(id = %conversation.raw_id, pool = conversation.pool, "the NATS connection was lost for longer than the ack wait allows; leaving this possibly stale delivery unacked");
+/// Acks, unless the delivery went stale meanwhile: acks count by stream sequence
+/// alone, so a stale delivery's ack would free the slot that the redelivered copy
+/// holds. That copy finds what this one stored (the reply, or the recorded hop) and
+/// acks for both.
+async fn ack_current(delivery: &impl Delivery, conversation: &Conversation<'_>, kind: AckKind) {
+    if !conversation.liveness.is_current() {
+        info!(id = %conversation.raw_id, pool = conversation.pool, "the delivery may have been redelivered elsewhere (no confirmed progress within the ack wait); leaving it unacked");
         return;
     }
     if let Err(e) = delivery.ack(kind).await {

@@ -15,6 +15,7 @@ use webproxy_worker::{Worker, WorkerConfig};
 use super::delivery::DeliveryInfo;
 use super::delivery::fake::FakeDelivery;
 use super::handle::handle_delivery;
+use super::liveness::{Liveness, LivenessPolicy};
 use super::progress::{Progress, Record};
 use super::publish::Outlet;
 use super::settle::Settled;
@@ -83,7 +84,7 @@ impl Fixture {
             Progress::new(provisioned.progress),
         );
         let shared = Shared {
-            health: Arc::new(Health::new(Duration::from_secs(60))),
+            health: Arc::new(Health::new()),
             gauges: Arc::new(Gauges::new(settings.pools.keys())),
             settings: Arc::new(settings),
             outlet,
@@ -103,7 +104,19 @@ impl Fixture {
     }
 
     async fn handle(&self, delivery: &FakeDelivery) -> Settled {
-        handle_delivery(&self.shared, "default", delivery).await
+        self.handle_delivered_at(delivery, tokio::time::Instant::now())
+            .await
+    }
+
+    /// Handles a delivery that arrived at `delivered`, with no progress confirmed since.
+    async fn handle_delivered_at(
+        &self,
+        delivery: &FakeDelivery,
+        delivered: tokio::time::Instant,
+    ) -> Settled {
+        let policy = LivenessPolicy::for_ack_wait(self.shared.settings.config.service.ack_wait);
+        let liveness = Liveness::new(policy, delivered);
+        handle_delivery(&self.shared, "default", delivery, &liveness).await
     }
 
     pub(super) async fn record(&self, seq: u64, generation: u64) -> Option<Record> {
@@ -313,4 +326,93 @@ async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
             .map(|v| v.as_str()),
         Some(format!("{STREAM}:21").as_str())
     );
+}
+
+#[tokio::test]
+async fn a_stale_delivery_stores_its_ending_but_does_not_ack() {
+    let f = Fixture::start().await;
+    let delivery = caller(
+        r#"{"id":"d","method":"GET","url":"http://10.0.0.1/"}"#,
+        31,
+        1,
+    );
+    // No confirmed progress for longer than ack_wait allows: the server may have
+    // redelivered it, and an ack would free the slot the other copy holds.
+    let long_ago = tokio::time::Instant::now() - Duration::from_secs(60);
+    assert_eq!(
+        f.handle_delivered_at(&delivery, long_ago).await,
+        Settled::Done
+    );
+    assert!(
+        delivery.final_acks().is_empty(),
+        "{:?}",
+        delivery.final_acks()
+    );
+    assert!(
+        f.stored(&format!("webproxy.reply.d.{STREAM}.31"))
+            .await
+            .is_some(),
+        "the reply is stored for the redelivered copy to find"
+    );
+}
+
+#[tokio::test]
+async fn only_the_step_that_stored_a_reply_copies_it_again() {
+    let f = Fixture::start().await;
+    let payload = f.envelope("e");
+    let first = caller(&payload, 41, 1);
+    f.handle(&first).await;
+    let parked = f.record(41, 0).await.expect("parked");
+    // The hop of step 1 ends the conversation (denied once the rules changed, say):
+    // here its payload no longer parses, which ends it just the same.
+    let mut hop_delivery = hop(
+        &parked,
+        r#"{"id":"e","method":"BREW","url":"http://x/"}"#,
+        42,
+    );
+    f.handle(&hop_delivery).await;
+    let stored = f
+        .stored(&format!("webproxy.reply.e.{STREAM}.41"))
+        .await
+        .expect("stored");
+    assert_eq!(
+        stored.headers.get(header::STEP).map(|v| v.as_str()),
+        Some("1")
+    );
+
+    let client = &f.shared.outlet.client;
+    let mut live = client
+        .subscribe("webproxy.reply.e")
+        .await
+        .expect("subscribe");
+    client.flush().await.expect("flush");
+    // The caller's message, its park ack lost, comes back after the conversation
+    // ended: it acks and sends no copy, since step 1 sent them.
+    let late = caller(&payload, 41, 2);
+    f.handle(&late).await;
+    assert_eq!(late.final_acks(), ["Ack"]);
+    // The step-1 hop itself redelivered (it may have stopped before copying): copies.
+    hop_delivery.info.delivered = 2;
+    f.handle(&hop_delivery).await;
+    client.flush().await.expect("flush");
+    let copy = tokio::time::timeout(Duration::from_secs(10), futures::StreamExt::next(&mut live))
+        .await
+        .expect("a copy in time")
+        .expect("a copy");
+    assert_eq!(copy.payload, stored.payload);
+    assert!(
+        copy.headers
+            .as_ref()
+            .and_then(|h| h.get(header::REPLY_TO))
+            .is_none()
+    );
+    // One copy only: the late caller message sent none. The service published both
+    // before the flush above, so a second copy would be here by now.
+    client.flush().await.expect("flush");
+    let second = tokio::time::timeout(
+        Duration::from_millis(300),
+        futures::StreamExt::next(&mut live),
+    )
+    .await;
+    assert!(second.is_err(), "a second copy: {second:?}");
 }

@@ -1,0 +1,232 @@
+"""webproxy_client's side of a conversation against a fake NATS connection, no server:
+the random Nats-Msg-Id, retrying a publish that is still in process, the origin from
+the publish ack, ignoring live replies of other conversations, and reading exactly
+the conversation's own stored subject."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.js import api
+
+import webproxy_client
+from webproxy_client import Client
+
+ORIGIN = "WEBPROXY_POOL_DEFAULT:1733025600000123"
+STORED = "webproxy.reply.order-42.WEBPROXY_POOL_DEFAULT.1733025600000123"
+HEX32 = re.compile(r"[0-9a-f]{32}")
+# Bounds every fake conversation, so a client that waits for nothing fails.
+TEST_TIMEOUT = 10.0
+
+
+class Message:
+    def __init__(self, data: bytes, headers=None):
+        self.data = data
+        self.headers = headers
+
+
+def reply_message(status: int, origin=ORIGIN) -> Message:
+    raw = {"v": 1, "id": "order-42", "outcome": "response", "status": status,
+           "headers": {}, "body": f"status {status}", "attempts": 1, "duration_ms": 1}
+    headers = {"Webproxy-Outcome": "response"}
+    if origin is not None:
+        headers["Webproxy-Origin"] = origin
+    return Message(json.dumps(raw).encode(), headers)
+
+
+class FakeSub:
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def next_msg(self, timeout: float):
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise nats.errors.TimeoutError from None
+
+    async def unsubscribe(self):
+        pass
+
+
+class FakeNats:
+    """Records subscriptions, publishes and lookups. `answers` are what successive
+    publishes get (an ack or an exception); `on_publish(fake)` runs after each
+    successful one; `stored` maps subjects to stored reply messages."""
+
+    def __init__(self, answers, on_publish=lambda fake: None, stored=None):
+        self.answers = list(answers)
+        self.on_publish = on_publish
+        self.stored = stored or {}
+        self.subscribed: list[str] = []
+        self.published: list[tuple[str, dict]] = []
+        self.looked_up: list[str] = []
+        self.subscriptions_at_publish: list[int] = []
+        self.stats = {"reconnects": 0}
+        self.sub = FakeSub()
+
+    async def subscribe(self, subject):
+        self.subscribed.append(subject)
+        return self.sub
+
+    def jetstream(self):
+        return self
+
+    async def publish(self, subject, payload, headers):
+        self.subscriptions_at_publish.append(len(self.subscribed))
+        self.published.append((subject, headers))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        self.on_publish(self)
+        return answer
+
+    async def get_last_msg(self, stream, subject):
+        assert stream == "WEBPROXY_REPLIES"
+        self.looked_up.append(subject)
+        if subject in self.stored:
+            return self.stored[subject]
+        raise nats.js.errors.NotFoundError(code=404, err_code=10037, description="no message found")
+
+
+def ack(duplicate=False) -> api.PubAck:
+    return api.PubAck(stream="WEBPROXY_POOL_DEFAULT", seq=1733025600000123, duplicate=duplicate)
+
+
+def in_process() -> Exception:
+    return nats.js.errors.ServiceUnavailableError(
+        code=503, err_code=10158, description="duplicate message id is in process"
+    )
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TEST_TIMEOUT))
+
+
+def test_msg_ids_are_32_lowercase_hex_and_never_repeat():
+    ids = [webproxy_client.new_msg_id() for _ in range(1000)]
+    assert all(HEX32.fullmatch(i) for i in ids), ids[:3]
+    assert len(set(ids)) == len(ids)
+
+
+def test_each_request_publishes_with_a_fresh_random_msg_id_not_the_envelope_id():
+    def answer(fake):
+        fake.sub.queue.put_nowait(reply_message(200))
+
+    fake = FakeNats([ack(), ack()], on_publish=answer)
+    client = Client(fake)
+    for _ in range(2):
+        run(client.request("GET", "http://h/", id="order-42", wait=5))
+    msg_ids = [headers["Nats-Msg-Id"] for _, headers in fake.published]
+    assert all(HEX32.fullmatch(m) for m in msg_ids), msg_ids
+    assert msg_ids[0] != msg_ids[1]
+    assert "order-42" not in msg_ids
+    assert fake.subscribed == ["webproxy.reply.order-42"] * 2
+    # Each conversation subscribed before it published.
+    assert fake.subscriptions_at_publish == [1, 2]
+
+
+def test_live_replies_of_other_conversations_are_ignored():
+    def answer(fake):
+        fake.sub.queue.put_nowait(reply_message(418, origin="WEBPROXY_POOL_DEFAULT:1"))
+        fake.sub.queue.put_nowait(reply_message(419, origin=None))
+        fake.sub.queue.put_nowait(reply_message(200))
+
+    fake = FakeNats([ack()], on_publish=answer)
+    reply = run(Client(fake).request("GET", "http://h/", id="order-42", wait=5))
+    assert reply.status == 200
+    assert reply.origin == ORIGIN
+    assert fake.looked_up == []
+
+
+def test_a_custom_reply_to_is_the_live_subject():
+    fake = FakeNats([ack()], on_publish=lambda f: f.sub.queue.put_nowait(reply_message(200)))
+    reply = run(Client(fake).request("GET", "http://h/", id="order-42", reply_to="app.r.42", wait=5))
+    assert reply.status == 200
+    assert fake.subscribed == ["app.r.42"]
+    for bad in ("app.>", "app.*", "a b", "a..b"):
+        with pytest.raises(webproxy_client.InvalidRequest):
+            run(Client(fake).request("GET", "http://h/", reply_to=bad))
+
+
+def test_a_publish_in_process_is_tried_again_with_the_same_id():
+    fake = FakeNats(
+        [in_process(), in_process(), ack()],
+        on_publish=lambda f: f.sub.queue.put_nowait(reply_message(200)),
+    )
+    reply = run(Client(fake).request("GET", "http://h/", id="order-42", wait=5))
+    assert reply.status == 200
+    msg_ids = {headers["Nats-Msg-Id"] for _, headers in fake.published}
+    assert len(fake.published) == 3 and len(msg_ids) == 1
+
+
+def test_retries_of_a_publish_in_process_are_bounded():
+    fake = FakeNats([in_process() for _ in range(10)])
+    with pytest.raises(webproxy_client.PublishFailed):
+        run(Client(fake).submit("GET", "http://h/"))
+    assert len(fake.published) == 10
+
+
+def test_other_publish_errors_are_not_retried():
+    bad = nats.js.errors.BadRequestError(code=400, err_code=10071, description="wrong last sequence")
+    fake = FakeNats([bad])
+    with pytest.raises(webproxy_client.PublishFailed):
+        run(Client(fake).submit("GET", "http://h/"))
+    assert len(fake.published) == 1
+
+
+def test_a_duplicate_ack_reads_the_own_stored_subject_at_once():
+    stored = reply_message(201)
+    fake = FakeNats([ack(duplicate=True)], stored={STORED: stored})
+    reply = run(
+        Client(fake).request(
+            "GET", "http://h/", id="order-42", msg_id="f" * 32, wait=600
+        )
+    )
+    assert reply.status == 201
+    assert reply.origin == ORIGIN
+    assert fake.looked_up == [STORED]
+    assert fake.published[0][1] == {"Nats-Msg-Id": "f" * 32}
+
+
+def test_after_a_reconnect_the_own_stored_subject_is_read():
+    stored = reply_message(202)
+
+    def reconnect(fake):
+        fake.stats["reconnects"] += 1
+        fake.stored[STORED] = stored
+
+    fake = FakeNats([ack()], on_publish=reconnect)
+    reply = run(Client(fake).request("GET", "http://h/", id="order-42", wait=600))
+    assert reply.status == 202
+    assert fake.looked_up == [STORED]
+
+
+def test_a_timeout_reads_the_stored_subject_and_names_the_origin():
+    fake = FakeNats([ack()])
+    with pytest.raises(webproxy_client.ReplyTimeout) as timeout:
+        run(Client(fake).request("GET", "http://h/", id="order-42", wait=0.3))
+    assert (timeout.value.id, timeout.value.origin) == ("order-42", ORIGIN)
+    assert fake.looked_up == [STORED]
+
+
+def test_submit_returns_the_id_and_origin():
+    fake = FakeNats([ack()])
+    submitted = run(Client(fake).submit("GET", "http://h/", id="order-42"))
+    assert submitted == webproxy_client.Submitted("order-42", ORIGIN)
+
+
+def test_a_stored_reply_is_looked_up_only_by_a_valid_origin():
+    fake = FakeNats([], stored={STORED: reply_message(200)})
+    client = Client(fake)
+    assert run(client.reply("order-42", ORIGIN)).status == 200
+    assert run(client.reply("order-42", "WEBPROXY_POOL_DEFAULT:1")) is None
+    for bad in ("", "WEBPROXY_POOL_DEFAULT", "A.B:1", "*:1", ">:1", "S:1:2", "S:-1", "S:x", "S:0", "S:01"):
+        with pytest.raises(webproxy_client.InvalidRequest):
+            run(client.reply("order-42", bad))
+    with pytest.raises(webproxy_client.InvalidRequest):
+        run(client.submit("GET", "http://h/", msg_id="a b"))
