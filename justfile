@@ -66,6 +66,28 @@ test: && test-python test-node
     # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
     {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace; else cargo test --workspace; fi
 
+# The last commit of stream layout 1 (before the conversation core): `just test-upgrade`'s old version.
+upgrade_from := "c7a4dcd"
+
+# Mixed versions: the old version (`upgrade_from`, built once into <target>/upgrade/) and today's on one nats-server, in either order.
+test-upgrade:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    {{ _nats_path }}
+    target="$(realpath -m "${CARGO_TARGET_DIR:-target}")"
+    old="$target/upgrade/{{ upgrade_from }}"
+    old_bin="$old/target/debug/webproxy"
+    if [[ -x "$old_bin" ]]; then
+        echo "using the old version's binary $old_bin" >&2
+    else
+        # A cold build takes about 4.5 minutes on 2 cores; the registry is shared.
+        rm -rf "$old/src" && mkdir -p "$old/src"
+        git archive {{ upgrade_from }} | tar -x -C "$old/src"
+        (cd "$old/src" && CARGO_TARGET_DIR="$old/target" cargo build --locked -p webproxy --bin webproxy)
+    fi
+    cargo build --workspace --bins
+    WEBPROXY_OLD_BINARY="$old_bin" cargo test -p webproxy-tests --test upgrade -- --ignored
+
 # The Python client's tests: the schema, and a live webproxy on a real nats-server. Dependencies (pinned) go into .venv-clients/.
 test-python:
     cargo build --workspace --bins

@@ -156,7 +156,7 @@ impl Harness {
             .await
             .expect("pool stream");
         stream
-            .consumer_info(format!("webproxy-{pool}"))
+            .consumer_info(self.subjects.pool_consumer(pool))
             .await
             .expect("consumer info")
     }

@@ -87,6 +87,8 @@ pub struct ServiceOptions {
     pub allow_private_networks: bool,
     /// Extra `WEBPROXY_*` (or other) variables for the process, set last.
     pub env: Vec<(String, String)>,
+    /// Another `webproxy` binary than [`webproxy_bin`], e.g. an older version.
+    pub binary: Option<PathBuf>,
 }
 
 impl Default for ServiceOptions {
@@ -94,6 +96,7 @@ impl Default for ServiceOptions {
         ServiceOptions {
             allow_private_networks: true,
             env: Vec::new(),
+            binary: None,
         }
     }
 }
@@ -103,8 +106,14 @@ impl ServiceOptions {
     pub fn guarded() -> Self {
         ServiceOptions {
             allow_private_networks: false,
-            env: Vec::new(),
+            ..ServiceOptions::default()
         }
+    }
+
+    /// Runs `binary` instead of [`webproxy_bin`].
+    pub fn binary(mut self, binary: impl Into<PathBuf>) -> Self {
+        self.binary = Some(binary.into());
+        self
     }
 
     /// Adds an environment variable.
@@ -131,6 +140,14 @@ impl Service {
 
     /// Like [`Service::start_with_url`] with explicit options.
     pub async fn start_with(nats_url: &str, config: &str, options: ServiceOptions) -> Service {
+        let service = Self::spawn(nats_url, config, options);
+        service.wait_ready(READY_TIMEOUT).await;
+        service
+    }
+
+    /// Like [`Service::start_with`], without waiting for it to be ready (for an
+    /// instance that is expected to stay not ready; see [`Service::is_ready`]).
+    pub fn spawn(nats_url: &str, config: &str, options: ServiceOptions) -> Service {
         for table in ["[nats]", "[http]"] {
             assert!(
                 !config.lines().any(|line| line.trim() == table),
@@ -155,7 +172,8 @@ impl Service {
             .append(true)
             .open(&log_path)
             .expect("open webproxy log file");
-        let mut command = Command::new(webproxy_bin());
+        let binary = options.binary.clone().unwrap_or_else(webproxy_bin);
+        let mut command = Command::new(binary);
         command
             .arg("serve")
             .arg("--config")
@@ -195,16 +213,24 @@ impl Service {
         }
         let child = command.spawn().expect("spawn webproxy");
 
-        let service = Service {
+        Service {
             _dir: dir,
             config_path,
             log_path,
             port,
             pid: child.id(),
             child: Mutex::new(child),
-        };
-        service.wait_ready(READY_TIMEOUT).await;
-        service
+        }
+    }
+
+    /// Whether `GET /readyz` answers 200 now.
+    pub async fn is_ready(&self) -> bool {
+        crate::http_client()
+            .get(format!("{}/readyz", self.health_url()))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == reqwest::StatusCode::OK)
     }
 
     /// `http://127.0.0.1:PORT`, the service's health/metrics listener.

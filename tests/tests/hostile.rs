@@ -151,7 +151,7 @@ impl Scene {
             .await
             .expect("pool stream");
         stream
-            .consumer_info(format!("webproxy-{pool}"))
+            .consumer_info(format!("webproxy-{pool}-l2"))
             .await
             .expect("pool consumer info")
     }

@@ -294,7 +294,7 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         .await
         .expect("pool stream");
     let before = stream
-        .consumer_info("webproxy-default")
+        .consumer_info("webproxy-default-l2")
         .await
         .expect("consumer");
     assert_eq!(before.config.max_ack_pending, 2);
@@ -315,7 +315,7 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
     }
     let second = Service::start(&nats, &config(5)).await;
     let after = stream
-        .consumer_info("webproxy-default")
+        .consumer_info("webproxy-default-l2")
         .await
         .expect("consumer");
     assert_eq!(after.config.max_ack_pending, 5);

@@ -159,6 +159,67 @@ impl HopState {
     }
 }
 
+/// The headers layout 1 (webproxy before the conversation core) wrote on a retry it
+/// parked on `<prefix>.retry.<pool>`, with the envelope as the payload.
+pub mod layout1 {
+    /// The generation, decimal.
+    pub const GENERATION: &str = "Webproxy-Generation";
+    /// The attempts so far: a JSON array of attempt records; absent when empty.
+    pub const ATTEMPTS: &str = "Webproxy-Attempts";
+    /// The caller's publish, Unix milliseconds.
+    pub const FIRST_PUBLISHED: &str = "Webproxy-First-Published";
+    /// When the retry is due, Unix milliseconds.
+    pub const DUE: &str = "Webproxy-Due";
+}
+
+impl HopState {
+    /// The state of a retry that layout 1 parked, read from its headers (`header`
+    /// looks one up by name), and when it is due. The caller's own message is gone,
+    /// so `origin` is the parked message's own: the conversation goes on from there
+    /// as step 0, and its park is the next step. Layout 1 always wrote the
+    /// generation, the first publish and the due time on a park; a missing or
+    /// malformed one is an error, never a default.
+    pub fn from_layout1<'h>(
+        origin: Origin,
+        header: impl Fn(&str) -> Option<&'h str>,
+    ) -> Result<(HopState, SystemTime), HopError> {
+        fn number(header: &'static str, value: Option<&str>) -> Result<u64, HopError> {
+            let value = value.ok_or(HopError::Missing { header })?;
+            value
+                .trim()
+                .parse()
+                .map_err(|e: std::num::ParseIntError| HopError::Malformed {
+                    header,
+                    reason: e.to_string(),
+                })
+        }
+        let generation = number(layout1::GENERATION, header(layout1::GENERATION))?;
+        let first_published_ms =
+            number(layout1::FIRST_PUBLISHED, header(layout1::FIRST_PUBLISHED))?;
+        let due = number(layout1::DUE, header(layout1::DUE))?;
+        let records: Vec<AttemptRecord> = match header(layout1::ATTEMPTS) {
+            None => Vec::new(),
+            Some(text) => serde_json::from_str(text).map_err(|e| HopError::Malformed {
+                header: layout1::ATTEMPTS,
+                reason: e.to_string(),
+            })?,
+        };
+        let mut attempts = AttemptHistory::default();
+        for record in records {
+            attempts.push(record);
+        }
+        let state = HopState {
+            origin,
+            generation,
+            step: 0,
+            first_published_ms,
+            due_ms: None,
+            attempts,
+        };
+        Ok((state, from_unix_ms(due)))
+    }
+}
+
 /// What a hop the service publishes into a pool stream is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -311,6 +372,65 @@ mod tests {
         let header = state.format();
         assert!(header.len() <= MAX_HOP_HEADER_BYTES, "{}", header.len());
         assert_eq!(state.attempts.count(), 1000);
+    }
+
+    #[test]
+    fn a_layout1_park_becomes_the_state_before_its_park() {
+        let attempts = serde_json::to_string(&[record(1), record(2)]).expect("json");
+        let park: std::collections::HashMap<&str, String> = [
+            ("Webproxy-Id", "order-42"),
+            ("Webproxy-Generation", "1"),
+            ("Webproxy-First-Published", "1700000000000"),
+            ("Webproxy-Due", "1700000002000"),
+            ("Webproxy-Attempts", attempts.as_str()),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name, value.to_string()))
+        .collect();
+        let read = |headers: &std::collections::HashMap<&str, String>| {
+            HopState::from_layout1(origin(), |name| headers.get(name).map(String::as_str))
+        };
+        fn origin() -> Origin {
+            Origin::new("WEBPROXY_POOL_DEFAULT", 7)
+        }
+        let (state, due) = read(&park).expect("a layout 1 park");
+        assert_eq!(state.origin, origin());
+        assert_eq!(state.generation, 1);
+        assert_eq!(state.step, 0);
+        assert_eq!(state.first_published(), from_unix_ms(1_700_000_000_000));
+        assert_eq!(state.attempts.count(), 2);
+        assert_eq!(due, from_unix_ms(1_700_000_002_000));
+        // The park it becomes is step 1, due then, with the history.
+        let next = state.next(state.attempts.clone(), Some(due));
+        assert_eq!((next.step, next.due()), (1, Some(due)));
+
+        // No attempts header: an empty history, as layout 1 wrote it.
+        let mut without = park.clone();
+        without.remove("Webproxy-Attempts");
+        assert!(read(&without).expect("no attempts").0.attempts.is_empty());
+
+        // Missing or malformed: an error naming the header.
+        let mut missing = park.clone();
+        missing.remove("Webproxy-Generation");
+        assert_eq!(
+            read(&missing).map(|_| ()),
+            Err(HopError::Missing {
+                header: "Webproxy-Generation"
+            })
+        );
+        for (name, bad) in [
+            ("Webproxy-Due", "soon"),
+            ("Webproxy-First-Published", "-1"),
+            ("Webproxy-Attempts", "{not json"),
+        ] {
+            let mut broken = park.clone();
+            broken.insert(name, bad.to_string());
+            let result = read(&broken);
+            assert!(
+                matches!(result, Err(HopError::Malformed { header, .. }) if header == name),
+                "{name}: {result:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,12 +1,19 @@
 //! Creates or updates the streams and consumers of the pools in this instance's config,
 //! idempotently, and touches no other pool: in a rolling deploy an old instance must not
 //! take away a new pool.
+//!
+//! Streams and consumers carry the layout they were made for in their metadata
+//! ([`LAYOUT_KEY`]). An instance migrates an older layout, refuses (and leaves alone)
+//! a newer one, and fences instances of layout 1 out: new consumer names, the old
+//! consumers deleted, and fence streams that capture a subject layout 1 lists, so that
+//! an old instance's rewrite of a stream fails (see ARCHITECTURE.md's invariants).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv, stream};
 use thiserror::Error;
-use tracing::warn;
+use tracing::{error, info, warn};
 
 use crate::config::{PoolConfig, Settings};
 
@@ -17,6 +24,104 @@ pub struct ProvisionError {
     pub what: String,
     #[source]
     pub source: async_nats::Error,
+}
+
+impl ProvisionError {
+    /// Why provisioning declined to touch the stream, when it did: retrying is then
+    /// pointless until an operator (or a newer instance) changes the stream.
+    pub fn refusal(&self) -> Option<&Refusal> {
+        self.source.downcast_ref()
+    }
+}
+
+/// The layout of streams and consumers this instance makes: `2` has per-conversation
+/// hop and retry subjects, stored replies per conversation and the consumers
+/// `<prefix>-<pool>-l2` and `<prefix>-<pool>-retry-l2`. Layout 1 (webproxy before the
+/// conversation core) had one retry subject per pool and stored every reply.
+pub const LAYOUT: u32 = 2;
+
+/// The metadata key holding a stream's or consumer's layout; absent means layout 1.
+pub const LAYOUT_KEY: &str = "webproxy.layout";
+
+/// The metadata key `webproxy pools remove` sets to `"true"` before it deletes a pool,
+/// so that no instance recreates what it is taking away.
+pub const REMOVING_KEY: &str = "removing";
+
+/// The layout recorded in `metadata`: absent is layout 1, the one before layouts were
+/// recorded; `None` when the value is no layout number.
+pub fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
+    match metadata.get(LAYOUT_KEY) {
+        None => Some(1),
+        Some(value) => value.trim().parse().ok(),
+    }
+}
+
+/// Whether `webproxy pools remove` has marked the stream for removal.
+pub fn marked_removing(metadata: &HashMap<String, String>) -> bool {
+    metadata.get(REMOVING_KEY).is_some_and(|v| v == "true")
+}
+
+/// `existing` metadata with this instance's layout recorded; every other key (the
+/// server's own `_nats.*`, an operator's) is kept.
+pub fn with_layout(existing: &HashMap<String, String>) -> HashMap<String, String> {
+    let mut metadata = existing.clone();
+    metadata.insert(LAYOUT_KEY.to_string(), LAYOUT.to_string());
+    metadata
+}
+
+/// Why an instance leaves a stream alone.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Refusal {
+    /// A newer webproxy made it (or its layout cannot be read): migrating it back
+    /// would break that version's instances.
+    #[error(
+        "its layout {found:?} is newer than this instance's layout {own}; leaving it alone and staying not ready (roll forward, or see docs/operations.md to roll back)"
+    )]
+    NewerLayout { found: String, own: u32 },
+    /// An older layout, which only provisioning migrates.
+    #[error("its layout {found} is older than this instance's layout {own}; a restart migrates it")]
+    OlderLayout { found: u32, own: u32 },
+    /// `webproxy pools remove` is taking the pool away.
+    #[error(
+        "it is marked for removal by `webproxy pools remove`; run that command again to finish"
+    )]
+    Removing,
+    /// The stream does not exist.
+    #[error("it does not exist")]
+    Missing,
+}
+
+/// What provisioning does with an existing stream, given its metadata (pure).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Examined {
+    /// This instance's layout: update it in place.
+    Current,
+    /// An older layout: fence its instances out, then update it.
+    Migrate { from: u32 },
+    /// Leave it alone.
+    Refuse(Refusal),
+}
+
+/// Decides what to do with an existing stream from its metadata (pure).
+pub fn examine(metadata: &HashMap<String, String>) -> Examined {
+    if marked_removing(metadata) {
+        return Examined::Refuse(Refusal::Removing);
+    }
+    match layout(metadata) {
+        Some(found) if found == LAYOUT => Examined::Current,
+        Some(found) if found < LAYOUT => Examined::Migrate { from: found },
+        _ => Examined::Refuse(Refusal::NewerLayout {
+            found: metadata.get(LAYOUT_KEY).cloned().unwrap_or_default(),
+            own: LAYOUT,
+        }),
+    }
+}
+
+fn refused(what: String, refusal: Refusal) -> ProvisionError {
+    ProvisionError {
+        what,
+        source: Box::new(refusal),
+    }
 }
 
 fn provision_error(
@@ -92,6 +197,7 @@ pub fn pool_consumer_config(
         max_ack_pending: i64::try_from(config.max_in_flight).unwrap_or(i64::MAX),
         // Unlimited: poison messages are counted and ended by the dispatcher itself.
         max_deliver: -1,
+        metadata: with_layout(&HashMap::new()),
         ..Default::default()
     }
 }
@@ -113,6 +219,7 @@ pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull:
         ack_wait: Duration::from_secs(30),
         max_ack_pending: MAX_PARKED,
         max_deliver: -1,
+        metadata: with_layout(&HashMap::new()),
         ..Default::default()
     }
 }
@@ -191,6 +298,47 @@ pub fn progress_bucket_config(settings: &Settings) -> kv::Config {
     }
 }
 
+/// A fence: a tiny stream that captures `subject`, a subject an instance of layout 1
+/// lists in one of its streams and layout 2 never uses. Two streams' subjects may not
+/// overlap, so that instance's rewrite of its stream fails (err_code 10065) instead of
+/// undoing the migration. It keeps at most one message, in memory: an old instance's
+/// last stray publish, which nothing reads.
+pub fn fence_config(name: String, subject: String) -> stream::Config {
+    stream::Config {
+        name,
+        description: Some(
+            "webproxy fence: keeps instances of an older layout from rewriting a stream"
+                .to_string(),
+        ),
+        subjects: vec![subject],
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::Memory,
+        max_messages: 1,
+        discard: stream::DiscardPolicy::Old,
+        metadata: with_layout(&HashMap::new()),
+        ..Default::default()
+    }
+}
+
+/// The fence of a pool stream: it captures layout 1's `<prefix>.retry.<pool>`.
+pub fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Config {
+    let subjects = &settings.subjects;
+    fence_config(
+        subjects.pool_fence_stream(pool),
+        subjects.layout1_retry(pool),
+    )
+}
+
+/// The fence of the replies stream: it captures `<prefix>.reply.*.*`, which layout 1's
+/// `<prefix>.reply.>` overlaps.
+pub fn replies_fence_config(settings: &Settings) -> stream::Config {
+    let subjects = &settings.subjects;
+    fence_config(
+        subjects.replies_fence_stream(),
+        subjects.replies_fence_subject(),
+    )
+}
+
 /// A first sequence no earlier incarnation of a pool stream can have used: the current
 /// Unix time in microseconds, so origins never repeat across a `pools remove` and a
 /// re-add.
@@ -200,24 +348,20 @@ fn fresh_first_sequence() -> u64 {
         .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
-/// Creates a pool stream starting at a fresh first sequence, or updates it keeping
-/// the one it has.
-async fn provision_pool_stream(
+/// The stream `name`, with its info, or `None` when it does not exist.
+async fn existing_stream(
     js: &jetstream::Context,
-    mut config: stream::Config,
-) -> Result<(), ProvisionError> {
-    let name = config.name.clone();
+    name: &str,
+) -> Result<Option<(stream::Stream, stream::Info)>, ProvisionError> {
     let what = || format!("stream {name}");
-    match js.get_stream(&name).await {
-        Ok(mut existing) => {
-            let info = existing
+    match js.get_stream(name).await {
+        Ok(mut stream) => {
+            let info = stream
                 .info()
                 .await
-                .map_err(|e| provision_error(what(), e))?;
-            config.first_sequence = info.config.first_sequence;
-            js.update_stream(config)
-                .await
-                .map_err(|e| provision_error(what(), e))?;
+                .map_err(|e| provision_error(what(), e))?
+                .clone();
+            Ok(Some((stream, info)))
         }
         Err(e)
             if matches!(
@@ -226,14 +370,98 @@ async fn provision_pool_stream(
                     if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
             ) =>
         {
-            config.first_sequence = Some(fresh_first_sequence());
+            Ok(None)
+        }
+        Err(e) => Err(provision_error(what(), e)),
+    }
+}
+
+/// How a stream of this instance is made.
+struct StreamPlan {
+    config: stream::Config,
+    /// A new stream starts at [`fresh_first_sequence`] (pool streams: origins).
+    fresh_first_sequence: bool,
+    /// Layout 1's consumers on it, deleted before it is migrated.
+    layout1_consumers: Vec<String>,
+    /// The fence created once it has this instance's layout.
+    fence: stream::Config,
+}
+
+/// Creates a stream with this instance's layout, or updates an existing one in place:
+/// an older layout is migrated (its consumers deleted first, so that their instances
+/// take nothing more), a newer one, or one marked for removal, is left alone with an
+/// error. Then its fence is made. Returns the layout it had, `None` when it was created.
+async fn provision_stream(
+    js: &jetstream::Context,
+    plan: StreamPlan,
+) -> Result<Option<u32>, ProvisionError> {
+    let StreamPlan {
+        mut config,
+        fresh_first_sequence: fresh,
+        layout1_consumers,
+        fence,
+    } = plan;
+    let name = config.name.clone();
+    let what = || format!("stream {name}");
+    let found = match existing_stream(js, &name).await? {
+        Some((stream, info)) => {
+            let found = match examine(&info.config.metadata) {
+                Examined::Refuse(refusal) => {
+                    error!(stream = %name, own_layout = LAYOUT, "not provisioning stream {name}: {refusal}");
+                    return Err(refused(what(), refusal));
+                }
+                Examined::Migrate { from } => {
+                    warn!(stream = %name, from, to = LAYOUT, "migrating stream {name} from layout {from} to layout {LAYOUT}; instances of layout {from} are fenced out from now on");
+                    for consumer in &layout1_consumers {
+                        delete_consumer(&stream, consumer).await?;
+                    }
+                    from
+                }
+                Examined::Current => LAYOUT,
+            };
+            config.metadata = with_layout(&info.config.metadata);
+            config.first_sequence = info.config.first_sequence;
+            js.update_stream(config)
+                .await
+                .map_err(|e| provision_error(what(), e))?;
+            Some(found)
+        }
+        None => {
+            config.metadata = with_layout(&HashMap::new());
+            if fresh {
+                config.first_sequence = Some(fresh_first_sequence());
+            }
             js.create_stream(config)
                 .await
                 .map_err(|e| provision_error(what(), e))?;
+            None
         }
-        Err(e) => return Err(provision_error(what(), e)),
+    };
+    let fence_name = fence.name.clone();
+    js.create_or_update_stream(fence)
+        .await
+        .map_err(|e| provision_error(format!("fence stream {fence_name}"), e))?;
+    Ok(found)
+}
+
+/// Deletes a consumer; one that is gone already is fine.
+async fn delete_consumer(stream: &stream::Stream, name: &str) -> Result<(), ProvisionError> {
+    match stream.delete_consumer(name).await {
+        Ok(_) => {
+            info!(consumer = name, "deleted a consumer of the older layout");
+            Ok(())
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                stream::ConsumerErrorKind::JetStream(ref js)
+                    if js.error_code() == jetstream::ErrorCode::CONSUMER_NOT_FOUND
+            ) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(provision_error(format!("consumer {name}"), e)),
     }
-    Ok(())
 }
 
 /// What provisioning made: the pools' consumers and the progress bucket.
@@ -247,15 +475,21 @@ pub async fn provision(
     js: &jetstream::Context,
     settings: &Settings,
 ) -> Result<Provisioned, ProvisionError> {
-    for config in [
-        replies_stream_config(settings),
-        dead_stream_config(settings),
-    ] {
-        let name = config.name.clone();
-        js.create_or_update_stream(config)
-            .await
-            .map_err(|e| provision_error(format!("stream {name}"), e))?;
-    }
+    provision_stream(
+        js,
+        StreamPlan {
+            config: replies_stream_config(settings),
+            fresh_first_sequence: false,
+            layout1_consumers: Vec::new(),
+            fence: replies_fence_config(settings),
+        },
+    )
+    .await?;
+    let dead = dead_stream_config(settings);
+    let name = dead.name.clone();
+    js.create_or_update_stream(dead)
+        .await
+        .map_err(|e| provision_error(format!("stream {name}"), e))?;
     let bucket = progress_bucket_config(settings);
     let bucket_name = bucket.bucket.clone();
     let progress = js
@@ -264,49 +498,7 @@ pub async fn provision(
         .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
     let mut consumers = Vec::new();
     for (pool, pool_config) in &settings.pools {
-        let stream_config = pool_stream_config(settings, pool, pool_config);
-        let stream_name = stream_config.name.clone();
-        provision_pool_stream(js, stream_config).await?;
-        let wanted = pool_consumer_config(settings, pool, pool_config);
-        let name = wanted.durable_name.clone().unwrap_or_default();
-        let what = format!("consumer {name} on {stream_name}");
-        let stream = js
-            .get_stream_no_info(&stream_name)
-            .await
-            .map_err(|e| provision_error(what.clone(), e))?;
-        if let Ok(info) = stream.consumer_info(&name).await {
-            let current = &info.config;
-            if current.max_ack_pending != wanted.max_ack_pending
-                || current.ack_wait != wanted.ack_wait
-            {
-                warn!(
-                    consumer = %name,
-                    server_max_ack_pending = current.max_ack_pending,
-                    local_max_in_flight = wanted.max_ack_pending,
-                    server_ack_wait = ?current.ack_wait,
-                    local_ack_wait = ?wanted.ack_wait,
-                    "the server's consumer config differs from this instance's; updating it (last writer wins)"
-                );
-            }
-        }
-        let work: consumer::PullConsumer = stream
-            .create_consumer(wanted)
-            .await
-            .map_err(|e| provision_error(what, e))?;
-        let retry = retry_consumer_config(settings, pool);
-        let what = format!(
-            "consumer {} on {stream_name}",
-            retry.durable_name.as_deref().unwrap_or_default()
-        );
-        let parked: consumer::PullConsumer = stream
-            .create_consumer(retry)
-            .await
-            .map_err(|e| provision_error(what, e))?;
-        consumers.push(PoolConsumers {
-            pool: pool.clone(),
-            work,
-            parked,
-        });
+        consumers.push(provision_pool(js, settings, pool, pool_config).await?);
     }
     Ok(Provisioned {
         pools: consumers,
@@ -314,27 +506,107 @@ pub async fn provision(
     })
 }
 
-/// Recreates `pool`'s work consumer, as provisioning made it, after it was found
-/// missing: only while its stream exists, so a pool that `pools remove` deleted stays
-/// deleted.
+/// Provisions one pool: its stream (migrated from an older layout if need be), its
+/// fence and its two consumers.
+async fn provision_pool(
+    js: &jetstream::Context,
+    settings: &Settings,
+    pool: &str,
+    pool_config: &PoolConfig,
+) -> Result<PoolConsumers, ProvisionError> {
+    let subjects = &settings.subjects;
+    let stream_config = pool_stream_config(settings, pool, pool_config);
+    let stream_name = stream_config.name.clone();
+    provision_stream(
+        js,
+        StreamPlan {
+            config: stream_config,
+            fresh_first_sequence: true,
+            layout1_consumers: vec![
+                subjects.layout1_pool_consumer(pool),
+                subjects.layout1_retry_consumer(pool),
+            ],
+            fence: pool_fence_config(settings, pool),
+        },
+    )
+    .await?;
+    let wanted = pool_consumer_config(settings, pool, pool_config);
+    let name = wanted.durable_name.clone().unwrap_or_default();
+    let what = format!("consumer {name} on {stream_name}");
+    let stream = js
+        .get_stream_no_info(&stream_name)
+        .await
+        .map_err(|e| provision_error(what.clone(), e))?;
+    if let Ok(info) = stream.consumer_info(&name).await {
+        let current = &info.config;
+        if current.max_ack_pending != wanted.max_ack_pending || current.ack_wait != wanted.ack_wait
+        {
+            warn!(
+                consumer = %name,
+                server_max_ack_pending = current.max_ack_pending,
+                local_max_in_flight = wanted.max_ack_pending,
+                server_ack_wait = ?current.ack_wait,
+                local_ack_wait = ?wanted.ack_wait,
+                "the server's consumer config differs from this instance's; updating it (last writer wins)"
+            );
+        }
+    }
+    let work: consumer::PullConsumer = stream
+        .create_consumer(wanted)
+        .await
+        .map_err(|e| provision_error(what, e))?;
+    let retry = retry_consumer_config(settings, pool);
+    let what = format!(
+        "consumer {} on {stream_name}",
+        retry.durable_name.as_deref().unwrap_or_default()
+    );
+    let parked: consumer::PullConsumer = stream
+        .create_consumer(retry)
+        .await
+        .map_err(|e| provision_error(what, e))?;
+    Ok(PoolConsumers {
+        pool: pool.to_string(),
+        work,
+        parked,
+    })
+}
+
+/// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing
+/// else: the pull loop calls it when the consumer is gone. It does so only while the
+/// pool's stream exists, is not marked for removal and has this instance's layout;
+/// otherwise the error's [`ProvisionError::refusal`] says why not.
 pub async fn recreate_pool_consumer(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,
 ) -> Result<consumer::PullConsumer, ProvisionError> {
-    let config = settings.pools.get(pool).cloned().unwrap_or_default();
     let stream_name = settings.subjects.pool_stream(pool);
-    let stream = js
-        .get_stream(&stream_name)
-        .await
-        .map_err(|e| provision_error(format!("stream {stream_name}"), e))?;
-    let wanted = pool_consumer_config(settings, pool, &config);
-    let what = format!(
-        "consumer {} on {stream_name}",
-        wanted.durable_name.as_deref().unwrap_or_default()
-    );
+    let name = settings.subjects.pool_consumer(pool);
+    let what = format!("consumer {name} on {stream_name}");
+    let Some(pool_config) = settings.pools.get(pool) else {
+        return Err(provision_error(
+            what,
+            format!("pool {pool} is not in this instance's config"),
+        ));
+    };
+    let Some((stream, info)) = existing_stream(js, &stream_name).await? else {
+        return Err(refused(what, Refusal::Missing));
+    };
+    match examine(&info.config.metadata) {
+        Examined::Current => {}
+        Examined::Migrate { from } => {
+            return Err(refused(
+                what,
+                Refusal::OlderLayout {
+                    found: from,
+                    own: LAYOUT,
+                },
+            ));
+        }
+        Examined::Refuse(refusal) => return Err(refused(what, refusal)),
+    }
     stream
-        .create_consumer(wanted)
+        .create_consumer(pool_consumer_config(settings, pool, pool_config))
         .await
         .map_err(|e| provision_error(what, e))
 }
@@ -352,5 +624,76 @@ mod tests {
         assert!(!server_version_supported("2.9.10"));
         assert!(!server_version_supported("1.4.1"));
         assert!(!server_version_supported("garbage"));
+    }
+
+    fn metadata(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn layouts_are_read_from_metadata() {
+        assert_eq!(layout(&metadata(&[])), Some(1), "absent is layout 1");
+        assert_eq!(layout(&metadata(&[("_nats.ver", "2.15.1")])), Some(1));
+        assert_eq!(layout(&metadata(&[(LAYOUT_KEY, "2")])), Some(2));
+        assert_eq!(layout(&metadata(&[(LAYOUT_KEY, "17")])), Some(17));
+        assert_eq!(layout(&metadata(&[(LAYOUT_KEY, "two")])), None);
+        assert_eq!(layout(&metadata(&[(LAYOUT_KEY, "")])), None);
+    }
+
+    #[test]
+    fn with_layout_keeps_every_other_key() {
+        let before = metadata(&[("_nats.ver", "2.15.1"), (LAYOUT_KEY, "1"), ("team", "x")]);
+        let after = with_layout(&before);
+        assert_eq!(layout(&after), Some(LAYOUT));
+        assert_eq!(after.get("_nats.ver").map(String::as_str), Some("2.15.1"));
+        assert_eq!(after.get("team").map(String::as_str), Some("x"));
+    }
+
+    #[test]
+    fn removal_marks() {
+        assert!(marked_removing(&metadata(&[(REMOVING_KEY, "true")])));
+        assert!(!marked_removing(&metadata(&[(REMOVING_KEY, "false")])));
+        assert!(!marked_removing(&metadata(&[])));
+    }
+
+    #[test]
+    fn older_layouts_migrate_newer_ones_are_left_alone() {
+        assert_eq!(examine(&metadata(&[])), Examined::Migrate { from: 1 });
+        assert_eq!(
+            examine(&metadata(&[(LAYOUT_KEY, "1")])),
+            Examined::Migrate { from: 1 }
+        );
+        assert_eq!(examine(&metadata(&[(LAYOUT_KEY, "2")])), Examined::Current);
+        assert_eq!(
+            examine(&metadata(&[(LAYOUT_KEY, "3")])),
+            Examined::Refuse(Refusal::NewerLayout {
+                found: "3".into(),
+                own: LAYOUT
+            })
+        );
+        // A layout that cannot be read is no reason to rewrite the stream either.
+        assert!(matches!(
+            examine(&metadata(&[(LAYOUT_KEY, "x")])),
+            Examined::Refuse(Refusal::NewerLayout { .. })
+        ));
+        // A removal in progress wins over any layout.
+        for layout in ["1", "2", "3"] {
+            assert_eq!(
+                examine(&metadata(&[(LAYOUT_KEY, layout), (REMOVING_KEY, "true")])),
+                Examined::Refuse(Refusal::Removing)
+            );
+        }
+    }
+
+    #[test]
+    fn refusals_are_found_in_provision_errors() {
+        let error = refused("stream S".into(), Refusal::Removing);
+        assert_eq!(error.refusal(), Some(&Refusal::Removing));
+        assert!(error.to_string().contains("stream S"), "{error}");
+        let other = provision_error("stream S", "timed out");
+        assert_eq!(other.refusal(), None);
     }
 }

@@ -217,7 +217,7 @@ impl Subjects {
         format!("{}.dead.{pool}", self.prefix)
     }
 
-    /// Every reply subject, for the replies stream and wildcard subscribers.
+    /// Every reply subject, live and stored (layout 1's replies stream captured it).
     pub fn reply_wildcard(&self) -> String {
         format!("{}.reply.>", self.prefix)
     }
@@ -247,14 +247,61 @@ impl Subjects {
         format!("{}_PROGRESS", self.stream_prefix)
     }
 
-    /// The durable consumer of `pool`'s request subject, e.g. `webproxy-default`.
+    /// The durable consumer of `pool`'s request and hop subjects, e.g.
+    /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
+    /// get names of their own, so that an instance of an older layout cannot find, and
+    /// take messages from, a consumer of a newer one.
     pub fn pool_consumer(&self, pool: &str) -> String {
-        format!("{}-{pool}", self.prefix.replace('.', "_"))
+        format!("{}-{pool}-l2", self.consumer_prefix())
     }
 
-    /// The durable consumer of `pool`'s retry subject.
+    /// The durable consumer of `pool`'s retry subjects, e.g. `webproxy-default-retry-l2`.
     pub fn retry_consumer(&self, pool: &str) -> String {
-        format!("{}-{pool}-retry", self.prefix.replace('.', "_"))
+        format!("{}-{pool}-retry-l2", self.consumer_prefix())
+    }
+
+    fn consumer_prefix(&self) -> String {
+        self.prefix.replace('.', "_")
+    }
+
+    /// Layout 1's pool consumer (`webproxy-<pool>`, filter `<prefix>.request.<pool>`),
+    /// which a migration to layout 2 deletes.
+    pub fn layout1_pool_consumer(&self, pool: &str) -> String {
+        format!("{}-{pool}", self.consumer_prefix())
+    }
+
+    /// Layout 1's retry consumer (`webproxy-<pool>-retry`), which a migration deletes.
+    pub fn layout1_retry_consumer(&self, pool: &str) -> String {
+        format!("{}-{pool}-retry", self.consumer_prefix())
+    }
+
+    /// Layout 1's one retry subject of a pool, `<prefix>.retry.<pool>`: its parked
+    /// retries are migrated once, and afterwards the pool's fence stream captures it.
+    pub fn layout1_retry(&self, pool: &str) -> String {
+        format!("{}.retry.{pool}", self.prefix)
+    }
+
+    /// The fence of a pool stream, e.g. `WEBPROXY_FENCE_POOL_DEFAULT`: a tiny stream
+    /// that captures [`Subjects::layout1_retry`], so that an instance of layout 1,
+    /// which lists that subject in its pool stream, cannot rewrite the pool stream.
+    pub fn pool_fence_stream(&self, pool: &str) -> String {
+        format!(
+            "{}_FENCE_POOL_{}",
+            self.stream_prefix,
+            pool.to_ascii_uppercase()
+        )
+    }
+
+    /// The fence of the replies stream, `WEBPROXY_FENCE_REPLIES`: it captures
+    /// [`Subjects::replies_fence_subject`].
+    pub fn replies_fence_stream(&self) -> String {
+        format!("{}_FENCE_REPLIES", self.stream_prefix)
+    }
+
+    /// `<prefix>.reply.*.*`: overlaps layout 1's `<prefix>.reply.>`, not the stored
+    /// replies' `<prefix>.reply.*.*.*`, and nothing is ever published on it.
+    pub fn replies_fence_subject(&self) -> String {
+        format!("{}.reply.*.*", self.prefix)
     }
 
     /// Whether a caller may name `subject` as its `reply_to`: a literal subject outside
@@ -333,10 +380,33 @@ mod tests {
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");
         assert_eq!(s.replies_stream(), "WEBPROXY_REPLIES");
         assert_eq!(s.dead_stream(), "WEBPROXY_DEAD");
-        assert_eq!(s.pool_consumer("default"), "webproxy-default");
+        assert_eq!(s.pool_consumer("default"), "webproxy-default-l2");
+        assert_eq!(s.retry_consumer("default"), "webproxy-default-retry-l2");
+        assert_eq!(s.layout1_pool_consumer("default"), "webproxy-default");
+        assert_eq!(
+            s.layout1_retry_consumer("default"),
+            "webproxy-default-retry"
+        );
+        assert_eq!(s.layout1_retry("p1"), "webproxy.retry.p1");
+        assert_eq!(s.pool_fence_stream("p1"), "WEBPROXY_FENCE_POOL_P1");
+        assert_eq!(s.replies_fence_stream(), "WEBPROXY_FENCE_REPLIES");
+        // The fences capture what layout 1 listed, and nothing layout 2 uses.
+        let fence = s.replies_fence_subject();
+        assert!(subject_matches(&s.reply_wildcard(), "webproxy.reply.a.b"));
+        assert!(subject_matches(&fence, "webproxy.reply.a.b"));
+        assert!(!subject_matches(&fence, &s.reply("order-42")));
+        assert!(!subject_matches(
+            &fence,
+            &s.stored_reply("order-42", &origin)
+        ));
+        assert!(!subject_matches(
+            &s.retry_filter("p1"),
+            &s.layout1_retry("p1")
+        ));
         let dotted = Subjects::new("acme.wp").expect("valid prefix");
         assert_eq!(dotted.pool_stream("a-b"), "ACME_WP_POOL_A-B");
-        assert_eq!(dotted.pool_consumer("a"), "acme_wp-a");
+        assert_eq!(dotted.pool_consumer("a"), "acme_wp-a-l2");
+        assert_eq!(dotted.layout1_pool_consumer("a"), "acme_wp-a");
     }
 
     #[test]

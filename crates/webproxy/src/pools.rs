@@ -10,6 +10,7 @@ use futures::TryStreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
 use webproxy_dispatcher::Metrics;
+use webproxy_dispatcher::provision::{REMOVING_KEY, marked_removing};
 use webproxy_dispatcher::runtime::{Outlet, Progress, Settled, end_unattempted};
 use webproxy_dispatcher::secrets::Redactor;
 use webproxy_protocol::{ErrorBody, ErrorCode};
@@ -58,15 +59,27 @@ async fn pool_state(
         .get_stream_no_info(subjects.pool_stream(pool))
         .await
         .with_context(|| format!("cannot open the stream of pool {pool}"))?;
-    let work = stream
-        .consumer_info(subjects.pool_consumer(pool))
-        .await
-        .with_context(|| format!("cannot read consumer {}", subjects.pool_consumer(pool)))?;
-    let parked = stream
-        .consumer_info(subjects.retry_consumer(pool))
-        .await
-        .map(|i| i.num_pending + i.num_ack_pending as u64)
-        .unwrap_or(0);
+    // A pool not yet migrated from layout 1 still has that layout's consumers.
+    let work = match stream.consumer_info(subjects.pool_consumer(pool)).await {
+        Ok(info) => info,
+        Err(e) => stream
+            .consumer_info(subjects.layout1_pool_consumer(pool))
+            .await
+            .map_err(|_| e)
+            .with_context(|| format!("cannot read consumer {}", subjects.pool_consumer(pool)))?,
+    };
+    let parked = [
+        subjects.retry_consumer(pool),
+        subjects.layout1_retry_consumer(pool),
+    ];
+    let mut parked_count = 0;
+    for name in parked {
+        if let Ok(info) = stream.consumer_info(name).await {
+            parked_count = info.num_pending + info.num_ack_pending as u64;
+            break;
+        }
+    }
+    let parked = parked_count;
     let oldest = stream
         .raw_message_builder()
         .next_by_subject(subjects.request(pool))
@@ -139,11 +152,22 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
             "pool {pool} still holds {waiting} messages (waiting, in flight or parked); remove it from every instance's config and let it drain, or pass --dead-letter to dead-letter them"
         );
     }
-    // The pool's own consumers go first, so no instance takes more work from it; a
-    // work-queue stream also allows only one consumer per subject.
-    for name in [subjects.pool_consumer(pool), subjects.retry_consumer(pool)] {
-        if let Err(e) = stream.delete_consumer(&name).await {
-            eprintln!("warning: cannot delete consumer {name}: {e}");
+    // Marked first, so that no instance recreates the consumers deleted next (an
+    // instance recreates its pool consumer only on a stream not so marked).
+    mark_removing(&js, &mut stream).await?;
+    // The pool's own consumers go next, so no instance takes more work from it; a
+    // work-queue stream also allows only one consumer per subject. Layout 1's, too,
+    // for a pool that was never migrated.
+    for name in [
+        subjects.pool_consumer(pool),
+        subjects.retry_consumer(pool),
+        subjects.layout1_pool_consumer(pool),
+        subjects.layout1_retry_consumer(pool),
+    ] {
+        match stream.delete_consumer(&name).await {
+            Ok(_) => {}
+            Err(e) if consumer_not_found(&e) => {}
+            Err(e) => eprintln!("warning: cannot delete consumer {name}: {e}"),
         }
     }
     if waiting > 0 {
@@ -153,8 +177,49 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     js.delete_stream(&stream_name)
         .await
         .with_context(|| format!("cannot delete stream {stream_name}"))?;
+    // The fence outlives nothing it guards.
+    let fence = subjects.pool_fence_stream(pool);
+    if let Err(e) = js.delete_stream(&fence).await
+        && !matches!(
+            e.kind(),
+            jetstream::context::DeleteStreamErrorKind::JetStream(ref js)
+                if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+        )
+    {
+        eprintln!("warning: cannot delete fence stream {fence}: {e}");
+    }
     println!("removed pool {pool}");
     Ok(())
+}
+
+/// Sets the stream's `removing` metadata, keeping the rest of its config.
+async fn mark_removing(js: &jetstream::Context, stream: &mut stream::Stream) -> anyhow::Result<()> {
+    let mut config = stream
+        .info()
+        .await
+        .context("cannot read the pool's stream")?
+        .config
+        .clone();
+    let name = config.name.clone();
+    config
+        .metadata
+        .insert(REMOVING_KEY.to_string(), "true".to_string());
+    let updated = js
+        .update_stream(config)
+        .await
+        .with_context(|| format!("cannot mark stream {name} for removal"))?;
+    if !marked_removing(&updated.config.metadata) {
+        bail!("stream {name} did not keep its removal mark");
+    }
+    Ok(())
+}
+
+fn consumer_not_found(e: &stream::ConsumerError) -> bool {
+    matches!(
+        e.kind(),
+        stream::ConsumerErrorKind::JetStream(ref js)
+            if js.error_code() == jetstream::ErrorCode::CONSUMER_NOT_FOUND
+    )
 }
 
 /// An outlet for the operator commands, which end or replay conversations through

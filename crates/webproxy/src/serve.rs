@@ -80,6 +80,16 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         secrets,
         Progress::new(provisioned.progress),
     );
+    // Before serving, and so before /readyz turns green: retries a webproxy of the
+    // previous stream layout parked are moved into this one.
+    if retry_until_done("migrating parked retries", &shutdown, || {
+        dispatcher.migrate_layout1_parked()
+    })
+    .await
+    .is_none()
+    {
+        return Ok(());
+    }
     info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
         .run(
@@ -129,17 +139,34 @@ fn effective_max_response_bytes(
 }
 
 /// Provisions, retrying with backoff: JetStream can be briefly unavailable, for example
-/// while a cluster elects its leaders. `None` when a signal arrives first.
+/// while a cluster elects its leaders. A stream of a newer layout, or one being
+/// removed, is refused on every try, and the instance stays not ready meanwhile. `None`
+/// when a signal arrives first.
 async fn provision_until_done(
     js: &async_nats::jetstream::Context,
     settings: &Settings,
     shutdown: &CancellationToken,
 ) -> Option<Provisioned> {
+    retry_until_done("provisioning", shutdown, || provision(js, settings)).await
+}
+
+/// Runs `step` until it succeeds, with a backoff from 200 ms up to 5 s between tries;
+/// `None` when a signal arrives first.
+async fn retry_until_done<T, E, F, Fut>(
+    what: &str,
+    shutdown: &CancellationToken,
+    mut step: F,
+) -> Option<T>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
     let mut delay = Duration::from_millis(200);
     loop {
-        match provision(js, settings).await {
-            Ok(provisioned) => return Some(provisioned),
-            Err(e) => warn!(error = %e, "provisioning failed; retrying"),
+        match step().await {
+            Ok(done) => return Some(done),
+            Err(e) => warn!(error = %e, "{what} failed; retrying"),
         }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}

@@ -9,6 +9,7 @@ mod delivery;
 mod handle;
 mod hooks;
 mod liveness;
+mod migrate;
 mod parked;
 mod progress;
 mod publish;
@@ -20,6 +21,7 @@ mod tests;
 
 pub use delivery::{Delivery, DeliveryInfo};
 pub use handle::end_unattempted;
+pub use migrate::MigrationError;
 pub use progress::{Progress, ProgressError, Record};
 pub use publish::{Outlet, PublishFailure};
 pub use replay::{ReplayError, replay};

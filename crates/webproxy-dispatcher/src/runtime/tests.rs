@@ -25,7 +25,7 @@ use crate::hop::{HopState, subject_token};
 use crate::metrics::Metrics;
 use crate::secrets::Secrets;
 
-const STREAM: &str = "WEBPROXY_POOL_DEFAULT";
+pub(super) const STREAM: &str = "WEBPROXY_POOL_DEFAULT";
 
 /// A closed port on loopback: connecting fails at once.
 fn closed_port() -> u16 {
@@ -33,15 +33,15 @@ fn closed_port() -> u16 {
     listener.local_addr().expect("addr").port()
 }
 
-struct Fixture {
+pub(super) struct Fixture {
     _nats: NatsServer,
-    shared: Shared,
-    js: jetstream::Context,
+    pub(super) shared: Shared,
+    pub(super) js: jetstream::Context,
     url: String,
 }
 
 impl Fixture {
-    async fn start() -> Fixture {
+    pub(super) async fn start() -> Fixture {
         let nats = NatsServer::start();
         let url = format!("http://127.0.0.1:{}/x", closed_port());
         let settings = config_from(&format!(
@@ -99,7 +99,7 @@ impl Fixture {
         }
     }
 
-    fn envelope(&self, id: &str) -> String {
+    pub(super) fn envelope(&self, id: &str) -> String {
         format!(r#"{{"id":"{id}","method":"GET","url":"{}"}}"#, self.url)
     }
 
@@ -119,7 +119,7 @@ impl Fixture {
         handle_delivery(&self.shared, "default", delivery, &liveness).await
     }
 
-    async fn record(&self, seq: u64, generation: u64) -> Option<Record> {
+    pub(super) async fn record(&self, seq: u64, generation: u64) -> Option<Record> {
         self.shared
             .outlet
             .progress
@@ -129,7 +129,10 @@ impl Fixture {
             .map(|(record, _)| record)
     }
 
-    async fn stored(&self, subject: &str) -> Option<async_nats::jetstream::message::StreamMessage> {
+    pub(super) async fn stored(
+        &self,
+        subject: &str,
+    ) -> Option<async_nats::jetstream::message::StreamMessage> {
         let stream = self
             .js
             .get_stream(if subject.contains(".reply.") {

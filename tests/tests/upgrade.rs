@@ -1,0 +1,327 @@
+//! Mixed versions on one nats-server: webproxy of stream layout 1 (commit c7a4dcd, the
+//! version before the conversation core) and today's, started in either order. No
+//! conversation is lost, retries parked by the old version included; the callers are
+//! old-style throughout (they are upgraded after the service): each publishes with its
+//! envelope id as `Nats-Msg-Id` and takes the live reply on `webproxy.reply.<id>`,
+//! which both versions publish.
+//!
+//! Needs the old binary: `just test-upgrade` builds it and names it in
+//! `WEBPROXY_OLD_BINARY`. Ignored in the normal run.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use async_nats::jetstream::{self, consumer, message::PublishMessage};
+use axum::Router;
+use axum::extract::Path;
+use axum::http::StatusCode;
+use axum::routing::any;
+use webproxy_client::Client;
+use webproxy_protocol::{Reply, RequestEnvelope, Subjects};
+use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
+use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, default_routes, wait_until};
+
+const OLD_BINARY: &str = "WEBPROXY_OLD_BINARY";
+
+/// A conversation that parks twice waits 2 x 2 s, plus a migration in between.
+const PARKED_REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn old_binary() -> PathBuf {
+    let path = std::env::var_os(OLD_BINARY)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("{OLD_BINARY} is not set: run `just test-upgrade`"));
+    assert!(path.is_file(), "{OLD_BINARY}={} is no file", path.display());
+    path
+}
+
+fn old() -> ServiceOptions {
+    ServiceOptions::default().binary(old_binary())
+}
+
+/// The default routes and `/flaky/{key}/{n}`: 503 for the first `n` calls with that
+/// key, then 200, so every conversation parks its own retries.
+async fn upstream() -> Upstream {
+    let calls: Arc<Mutex<std::collections::HashMap<String, usize>>> = Arc::default();
+    let flaky = any(move |Path((key, n)): Path<(String, usize)>| {
+        let calls = calls.clone();
+        async move {
+            let mut calls = calls.lock().unwrap_or_else(PoisonError::into_inner);
+            let seen = calls.entry(key).or_default();
+            *seen += 1;
+            if *seen > n {
+                (StatusCode::OK, "ok")
+            } else {
+                (StatusCode::SERVICE_UNAVAILABLE, "busy")
+            }
+        }
+    });
+    Upstream::start_with(default_routes().merge(Router::new().route("/flaky/{key}/{n}", flaky)))
+        .await
+}
+
+/// A config both versions read alike: retries 2 s apart, so parked retries are still
+/// waiting when the other version takes over.
+fn config(upstream: &Upstream) -> String {
+    format!(
+        "[service]\nshutdown_grace = \"2s\"\n\n[pools.default]\nmax_in_flight = 4\n\n{}max_retries = 4\nretry_delay = \"2s\"\nbackoff_factor = 1.0\n",
+        accept_rule("local", upstream)
+    )
+}
+
+/// A caller of before the conversation core.
+struct OldCaller {
+    nats: async_nats::Client,
+    js: jetstream::Context,
+}
+
+/// One conversation an [`OldCaller`] started: its live reply subscription.
+struct Call {
+    id: String,
+    replies: async_nats::Subscriber,
+}
+
+impl OldCaller {
+    async fn new(nats: &NatsServer) -> OldCaller {
+        let client = nats.client().await;
+        OldCaller {
+            js: jetstream::new(client.clone()),
+            nats: client,
+        }
+    }
+
+    /// Subscribes to the live reply, then publishes under the envelope's id.
+    async fn call(&self, envelope: &RequestEnvelope) -> Call {
+        let replies = self
+            .nats
+            .subscribe(format!("webproxy.reply.{}", envelope.id))
+            .await
+            .expect("subscribe");
+        let payload = serde_json::to_vec(envelope).expect("envelope json");
+        self.js
+            .send_publish(
+                "webproxy.request.default",
+                PublishMessage::build()
+                    .payload(payload.into())
+                    .message_id(&envelope.id),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+        Call {
+            id: envelope.id.clone(),
+            replies,
+        }
+    }
+}
+
+impl Call {
+    /// The first live reply, as an old caller takes it.
+    async fn reply(mut self, within: Duration) -> Reply {
+        let what = format!("the reply of {}", self.id);
+        let message = next_message(&mut self.replies, within, &what).await;
+        serde_json::from_slice(&message.payload).expect("reply json")
+    }
+}
+
+/// How many messages `stream` holds on exactly `subject`.
+async fn messages_on(stream: &jetstream::stream::Stream, subject: &str) -> usize {
+    let (mut next, mut count) = (0, 0);
+    loop {
+        match stream.get_first_raw_message_by_subject(subject, next).await {
+            Ok(message) => {
+                count += 1;
+                next = message.sequence + 1;
+            }
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return count,
+            Err(e) => panic!("reading {subject}: {e}"),
+        }
+    }
+}
+
+/// Waits for `calls` and checks every reply is the upstream's 200 after `attempts`.
+async fn all_answered(calls: Vec<(Call, u32)>, within: Duration, logs: &dyn Fn() -> String) {
+    for (call, attempts) in calls {
+        let id = call.id.clone();
+        let reply = call.reply(within).await;
+        assert_eq!(reply.id, id);
+        assert_eq!(reply.status, Some(200), "{reply:?}\n{}", logs());
+        assert_eq!(reply.attempts, attempts, "{id}: {reply:?}");
+    }
+}
+
+/// The pool stream is layout 2 with its fence, and layout 1's consumers are gone.
+async fn assert_layout2(js: &jetstream::Context) {
+    let subjects = Subjects::new("webproxy").expect("prefix");
+    let mut pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
+    let config = pool.info().await.expect("info").config.clone();
+    assert_eq!(
+        config.metadata.get("webproxy.layout").map(String::as_str),
+        Some("2")
+    );
+    assert!(
+        config.subjects.contains(&subjects.hop_filter("default")),
+        "{config:?}"
+    );
+    for gone in ["webproxy-default", "webproxy-default-retry"] {
+        assert!(
+            pool.consumer_info(gone).await.is_err(),
+            "{gone} is still there"
+        );
+    }
+    for kept in ["webproxy-default-l2", "webproxy-default-retry-l2"] {
+        pool.consumer_info(kept).await.expect(kept);
+    }
+    let mut replies = js.get_stream("WEBPROXY_REPLIES").await.expect("replies");
+    let replies = replies.info().await.expect("info").config.subjects.clone();
+    assert_eq!(replies, ["webproxy.reply.*.*.*"]);
+    for fence in ["WEBPROXY_FENCE_POOL_DEFAULT", "WEBPROXY_FENCE_REPLIES"] {
+        js.get_stream(fence).await.expect(fence);
+    }
+}
+
+/// Old first, then new, as in a rolling update: the new instance migrates the pool
+/// while the old one runs, moves the retries it parked, and answers them with their
+/// attempt history; the old instance is stopped once the new one is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the old binary: run `just test-upgrade`"]
+async fn old_first_then_new() {
+    let old_binary = old();
+    let nats = NatsServer::start();
+    let upstream = upstream().await;
+    let config = config(&upstream);
+    let old = Service::start_with(&nats.url(), &config, old_binary).await;
+    let caller = OldCaller::new(&nats).await;
+    let js = jetstream::new(nats.client().await);
+
+    let mut before = Vec::new();
+    let mut parked = Vec::new();
+    for _ in 0..3 {
+        before.push(caller.call(&envelope("GET", &upstream.url("/echo"))).await);
+    }
+    for _ in 0..4 {
+        let mut request = envelope("GET", "");
+        request.url = upstream.url(&format!("/flaky/{}/2", request.id));
+        parked.push((caller.call(&request).await, 3));
+    }
+    let logs = || format!("--- old ---\n{}\n--- nats ---\n{}", old.logs(), nats.logs());
+    all_answered(
+        before.into_iter().map(|c| (c, 1)).collect(),
+        REPLY_TIMEOUT,
+        &logs,
+    )
+    .await;
+    let pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
+    wait_until(
+        REPLY_TIMEOUT,
+        "the old version to park four retries",
+        || async { messages_on(&pool, "webproxy.retry.default").await == 4 },
+    )
+    .await;
+
+    let new = Service::start(&nats, &config).await;
+    old.terminate();
+    // Ready means migrated: nothing is left on layout 1's retry subject.
+    assert_eq!(messages_on(&pool, "webproxy.retry.default").await, 0);
+    assert_layout2(&js).await;
+    assert!(
+        new.logs()
+            .contains("moved the retries that layout 1 parked"),
+        "{}",
+        new.logs()
+    );
+
+    let mut after = Vec::new();
+    for _ in 0..3 {
+        after.push((
+            caller.call(&envelope("GET", &upstream.url("/echo"))).await,
+            1,
+        ));
+    }
+    let mut request = envelope("GET", "");
+    request.url = upstream.url(&format!("/flaky/{}/1", request.id));
+    after.push((caller.call(&request).await, 2));
+    let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
+    // The parked ones went on with their history: 1 attempt by the old version, 2 by
+    // the new one.
+    all_answered(parked, PARKED_REPLY_TIMEOUT, &logs).await;
+    all_answered(after, PARKED_REPLY_TIMEOUT, &logs).await;
+
+    // The clients are upgraded last.
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let reply = client
+        .request(&to("default", &envelope("GET", &upstream.url("/echo"))).wait(REPLY_TIMEOUT))
+        .await
+        .expect("an upgraded client's reply");
+    assert_eq!(reply.status, Some(200));
+}
+
+/// New first, then old (a rollback, or an old pod restarting mid-rollout): the old
+/// instance cannot rewrite the streams, stays not ready and takes nothing, and the new
+/// one answers everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the old binary: run `just test-upgrade`"]
+async fn new_first_then_old() {
+    let old_binary = old();
+    let nats = NatsServer::start();
+    let upstream = upstream().await;
+    let config = config(&upstream);
+    let new = Service::start(&nats, &config).await;
+    let old = Service::spawn(&nats.url(), &config, old_binary);
+    let js = jetstream::new(nats.client().await);
+    wait_until(
+        REPLY_TIMEOUT,
+        "the old version's provisioning to be refused by a fence",
+        || async {
+            old.logs()
+                .contains("subjects overlap with an existing stream")
+        },
+    )
+    .await;
+    assert!(!old.is_ready().await, "{}", old.logs());
+
+    let caller = OldCaller::new(&nats).await;
+    let mut calls = Vec::new();
+    for _ in 0..3 {
+        calls.push((
+            caller.call(&envelope("GET", &upstream.url("/echo"))).await,
+            1,
+        ));
+    }
+    for _ in 0..2 {
+        let mut request = envelope("GET", "");
+        request.url = upstream.url(&format!("/flaky/{}/1", request.id));
+        calls.push((caller.call(&request).await, 2));
+    }
+    let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
+    all_answered(calls, PARKED_REPLY_TIMEOUT, &logs).await;
+
+    assert!(!old.is_ready().await, "{}", old.logs());
+    assert!(
+        !old.logs().contains("conversation finished"),
+        "the old version answered something:\n{}",
+        old.logs()
+    );
+    assert_layout2(&js).await;
+    // Had the old version got past the fences, its consumer would not be created
+    // either: its filter overlaps the new consumer's on the work queue.
+    let pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
+    let refused = pool
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("webproxy-default".into()),
+            filter_subject: "webproxy.request.default".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("an overlapping consumer");
+    assert!(
+        matches!(
+            refused.kind(),
+            jetstream::stream::ConsumerErrorKind::JetStream(ref e)
+                if e.error_code() == jetstream::ErrorCode::CONSUMER_WQ_CONSUMER_NOT_UNIQUE
+        ),
+        "{refused}"
+    );
+}
