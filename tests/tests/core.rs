@@ -151,8 +151,14 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
         h.js.get_stream("WEBPROXY_REPLIES")
             .await
             .expect("replies stream");
+    // Stored on the conversation's own subject, under an id made of its origin; the
+    // live subject stores nothing.
+    let origin = &answer.origin;
     let raw = stream
-        .get_last_raw_message_by_subject(&format!("webproxy.reply.{}", request.id))
+        .get_last_raw_message_by_subject(&format!(
+            "webproxy.reply.{}.{}.{}",
+            request.id, origin.stream, origin.seq
+        ))
         .await
         .expect("stored message");
     assert_eq!(
@@ -160,8 +166,23 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
         Some("response")
     );
     assert_eq!(
+        raw.headers.get(header::ORIGIN).map(|v| v.as_str()),
+        Some(origin.to_string().as_str())
+    );
+    assert_eq!(
         raw.headers.get(header::MSG_ID).map(|v| v.as_str()),
-        Some(format!("{}:0:reply", request.id).as_str())
+        Some(format!("{origin}:0:reply").as_str())
+    );
+    assert_eq!(
+        raw.headers.get(header::REPLY_TO).map(|v| v.as_str()),
+        request.reply_to.as_deref()
+    );
+    assert!(
+        stream
+            .get_last_raw_message_by_subject(&format!("webproxy.reply.{}", request.id))
+            .await
+            .is_err(),
+        "the live copy is not stored"
     );
 }
 
