@@ -52,6 +52,7 @@ METRICS = {
     "webproxy_pool_waiting": {"pool"},
     "webproxy_pool_parked": {"pool"},
     "webproxy_dead_letters_total": {"pool", "code"},
+    "webproxy_consumer_recreations_total": {"pool"},
     "webproxy_nats_connected": set(),
     "webproxy_build_info": {"version"},
 }
@@ -450,10 +451,12 @@ def check_nats_and_scaling(kinds: dict, checked: dict, config: dict, nats_values
         pool = next((p for p in checked["pools"] if f"{stream_prefix}_POOL_{p.upper()}" == meta.get("stream")), None)
         report.check(pool is not None, f"the KEDA trigger's stream {meta.get('stream')} is a configured pool's", f"pools: {list(checked['pools'])}")
         if pool is not None:
+            # Layout 2's pool consumer (issue 14): <prefix>-<pool>-l2.
+            wanted = f"{consumer_prefix}-{pool}-l2"
             report.check(
-                meta.get("consumer") == f"{consumer_prefix}-{pool}",
+                meta.get("consumer") == wanted,
                 f"the KEDA trigger's consumer is pool {pool}'s",
-                f"{meta.get('consumer')} != {consumer_prefix}-{pool}",
+                f"{meta.get('consumer')} != {wanted}",
             )
         endpoint = meta.get("natsServerMonitoringEndpoint", "")
         host, _, endpoint_port = endpoint.rpartition(":")
