@@ -349,6 +349,14 @@ pub struct ConfigError {
     pub message: String,
 }
 
+/// The longest a JetStream request (a publish's ack, an API call, a confirmed
+/// progress ack) is waited for: async-nats' 5 s, shortened to a third of `ack_wait`, so
+/// that a request that times out still leaves time for another before the server
+/// would redeliver the message it concerns.
+pub fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
+    (ack_wait / 3).min(Duration::from_secs(5))
+}
+
 pub(crate) fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         key: key.into(),
@@ -404,6 +412,15 @@ impl Config {
         }
         if self.service.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
+        }
+        let request_timeout = jetstream_request_timeout(self.service.ack_wait);
+        if request_timeout * 3 > self.service.ack_wait {
+            return Err(config_error(
+                "service.ack_wait",
+                format!(
+                    "must be at least three JetStream request timeouts ({request_timeout:?}), so a request that times out leaves a delivery time for a confirmed progress ack"
+                ),
+            ));
         }
         // A hop republished after a lost ack comes back within ack_wait; twice that
         // keeps the republish inside the window, where JetStream drops it as a duplicate.
@@ -501,6 +518,29 @@ pub(crate) mod tests {
             toml::from_str(include_str!("../../../config/default.toml")).expect("defaults");
         merge(&mut base, toml::from_str(extra).expect("test TOML"));
         toml::Value::Table(base).try_into().expect("a config")
+    }
+
+    #[test]
+    fn the_jetstream_request_timeout_fits_ack_wait() {
+        use std::time::Duration;
+        assert_eq!(
+            super::jetstream_request_timeout(Duration::from_secs(15)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            super::jetstream_request_timeout(Duration::from_secs(60)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            super::jetstream_request_timeout(Duration::from_secs(2)),
+            Duration::from_secs(2) / 3
+        );
+        for ack_wait in ["300ms", "2s", "15s", "1m"] {
+            let config = config_from(&format!(
+                "[service]\nack_wait = \"{ack_wait}\"\n[streams]\nduplicate_window = \"10m\""
+            ));
+            assert!(config.validate().is_ok(), "{ack_wait}");
+        }
     }
 
     #[test]

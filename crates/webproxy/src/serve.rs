@@ -7,6 +7,7 @@ use anyhow::{Context as _, bail};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use webproxy_dispatcher::config::ByteLimit;
+use webproxy_dispatcher::config::jetstream_request_timeout;
 use webproxy_dispatcher::nats_auth;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
 use webproxy_dispatcher::provision::{
@@ -61,7 +62,8 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         effective_max_response_bytes(settings.config.outbound.max_response_bytes, max_payload)?;
     info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
 
-    let js = async_nats::jetstream::new(client.clone());
+    let mut js = async_nats::jetstream::new(client.clone());
+    js.set_timeout(jetstream_request_timeout(settings.config.service.ack_wait));
     let Some(provisioned) = provision_until_done(&js, &settings, &shutdown).await else {
         return Ok(());
     };

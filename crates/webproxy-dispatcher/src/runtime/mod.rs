@@ -40,7 +40,7 @@ use tracing::{debug, error, info, warn};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
-use crate::config::Settings;
+use crate::config::{Settings, jetstream_request_timeout};
 use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::provision::PoolConsumers;
@@ -119,17 +119,21 @@ impl Dispatcher {
         secrets: Arc<Secrets>,
         progress: Progress,
     ) -> Dispatcher {
+        let mut outlet = Outlet::new(
+            client,
+            settings.subjects.clone(),
+            max_payload,
+            instruments.metrics,
+            secrets.redactor().clone(),
+            progress,
+        );
+        outlet
+            .js
+            .set_timeout(jetstream_request_timeout(settings.config.service.ack_wait));
         Dispatcher {
             shared: Arc::new(Shared {
                 gauges: instruments.gauges,
-                outlet: Outlet::new(
-                    client,
-                    settings.subjects.clone(),
-                    max_payload,
-                    instruments.metrics,
-                    secrets.redactor().clone(),
-                    progress,
-                ),
+                outlet,
                 settings,
                 worker,
                 health: instruments.health,
