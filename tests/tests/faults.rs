@@ -99,6 +99,18 @@ async fn stored_replies(js: &jetstream::Context) -> Option<BTreeMap<String, u64>
     Some(counts)
 }
 
+/// Each conversation's own stored reply is a 200.
+async fn assert_stored_ok(client: &Client, submitted: &[Submitted]) {
+    for submitted in submitted {
+        let reply = client
+            .reply(&submitted.id, &submitted.origin)
+            .await
+            .expect("lookup")
+            .expect("stored");
+        assert_eq!(reply.status, Some(200), "{reply:?}");
+    }
+}
+
 /// Waits until every id has a stored reply, then checks each has exactly one.
 async fn assert_one_stored_reply_each(
     js: &jetstream::Context,
@@ -186,14 +198,7 @@ async fn killing_an_instance_mid_load_loses_no_conversation() {
 
     let js = jetstream::new(nats.client().await);
     assert_one_stored_reply_each(&js, &ids, &[&survivor, &replacement]).await;
-    for submitted in &ids {
-        let reply = client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .expect("lookup")
-            .expect("stored");
-        assert_eq!(reply.status, Some(200), "{reply:?}");
-    }
+    assert_stored_ok(&client, &ids).await;
     let (copies, conflicting) = observed.repeats();
     assert!(
         conflicting.is_empty(),
@@ -391,14 +396,7 @@ async fn poison_input_is_dead_lettered_and_valid_requests_are_answered() {
     let ids = round(&mut random, 1000, 1000, 100).await;
     assert_one_stored_reply_each(&js, &ids, &[&service]).await;
     wait_for_dead_letters(&js, 2200).await;
-    for submitted in &ids {
-        let reply = client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .expect("lookup")
-            .expect("stored");
-        assert_eq!(reply.status, Some(200));
-    }
+    assert_stored_ok(&client, &ids).await;
     let info = wait_for(RECOVERY, "nothing pending or waiting", || async {
         let info = js
             .get_stream("WEBPROXY_POOL_DEFAULT")

@@ -215,8 +215,9 @@ fn recording(seen: Seen, name: &'static str) -> axum::Router {
     )
 }
 
-#[tokio::test]
-async fn injected_credentials_stay_with_their_rule_and_origin() {
+/// Two recording upstreams on the same port of two loopback addresses: one origin
+/// each, which only the host tells apart.
+async fn two_origins_on_one_port() -> (Seen, Upstream, Upstream) {
     let seen: Seen = Arc::default();
     let first = Upstream::start_on(
         "127.0.0.2:0".parse().expect("addr"),
@@ -229,6 +230,12 @@ async fn injected_credentials_stay_with_their_rule_and_origin() {
         recording(seen.clone(), "other"),
     )
     .await;
+    (seen, first, other)
+}
+
+#[tokio::test]
+async fn injected_credentials_stay_with_their_rule_and_origin() {
+    let (seen, first, other) = two_origins_on_one_port().await;
     let other_url = other.url("/who");
     let options = ServiceOptions::guarded().env("PARTNER_KEY", "k-123");
     let h = Harness::start_with_options(first, options, |up| {
@@ -289,18 +296,8 @@ async fn injected_credentials_stay_with_their_rule_and_origin() {
 /// the rule's is denied: it is neither sent with the credential nor without it.
 #[tokio::test]
 async fn a_hop_outside_the_injecting_rules_origin_is_denied() {
-    let seen: Seen = Arc::default();
-    let first = Upstream::start_on(
-        "127.0.0.2:0".parse().expect("addr"),
-        recording(seen.clone(), "first"),
-    )
-    .await;
+    let (_seen, first, other) = two_origins_on_one_port().await;
     let port = first.addr().port();
-    let other = Upstream::start_on(
-        SocketAddr::new("127.0.0.3".parse().expect("ip"), port),
-        recording(seen.clone(), "other"),
-    )
-    .await;
     let options = ServiceOptions::default().env("PARTNER_KEY", "k-123");
     let h = Harness::start_with_options(first, options, |up| {
         // Loose on purpose: the pattern matches both loopback upstreams.
