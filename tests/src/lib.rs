@@ -14,6 +14,7 @@ pub mod authorized;
 pub mod caller;
 mod cluster;
 mod nats;
+pub mod recovery;
 mod relay;
 mod service;
 mod tls;
