@@ -14,6 +14,7 @@ pub mod authorized;
 pub mod caller;
 mod cluster;
 mod nats;
+pub mod recovery;
 mod relay;
 mod service;
 mod tls;
@@ -25,9 +26,9 @@ use std::sync::Once;
 pub use cluster::NatsCluster;
 pub use nats::NatsServer;
 pub use relay::Relay;
-pub use service::{ALLOW_PRIVATE_NETWORKS, Service, ServiceOptions, webproxy_bin};
+pub use service::{ALLOW_PRIVATE_NETWORKS, Service, ServiceOptions, run_webproxy, webproxy_bin};
 pub use tls::TestCa;
-pub use upstream::{Upstream, default_routes};
+pub use upstream::{Gate, Upstream, default_routes};
 pub use wait::{closed_port, free_port, wait_for, wait_until};
 
 /// A reqwest client for talking to fixtures: no proxy, so a developer's

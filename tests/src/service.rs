@@ -58,6 +58,17 @@ pub fn webproxy_bin() -> PathBuf {
     path
 }
 
+/// Runs the `webproxy` binary with `args` (a CLI command, not `serve`) to its end,
+/// with the log level it would have for a user.
+pub async fn run_webproxy(args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(webproxy_bin())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .expect("run webproxy")
+}
+
 /// A running `webproxy serve`, killed when dropped.
 pub struct Service {
     // Held so the config and log outlive the process.
@@ -231,6 +242,24 @@ impl Service {
             .send()
             .await
             .is_ok_and(|r| r.status() == reqwest::StatusCode::OK)
+    }
+
+    /// The value of one series on `GET /metrics`, named with its labels exactly as
+    /// exposed (`webproxy_in_flight{pool="default"}`); `None` when it is not exposed
+    /// or the scrape fails.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = crate::http_client()
+            .get(format!("{}/metrics", self.health_url()))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|value| value.trim().parse().ok())
     }
 
     /// `http://127.0.0.1:PORT`, the service's health/metrics listener.

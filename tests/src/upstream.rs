@@ -15,6 +15,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{any, get};
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 /// A running upstream; the server task stops when this is dropped.
@@ -147,6 +148,52 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// Holds requests until the test lets them through, so a test can act while an attempt
+/// is known to be at the upstream: `ANY /gated/{ms}` waits for a pass, then `ms`
+/// milliseconds, then answers 200 `ok`. The upstream counts a request when it arrives,
+/// so `hits_for("/gated/{ms}")` tells how many have reached the gate.
+#[derive(Clone)]
+pub struct Gate(Arc<Semaphore>);
+
+impl Default for Gate {
+    fn default() -> Gate {
+        Gate::new()
+    }
+}
+
+impl Gate {
+    /// A closed gate: nothing passes until [`Gate::pass`] or [`Gate::open`].
+    pub fn new() -> Gate {
+        Gate(Arc::new(Semaphore::new(0)))
+    }
+
+    /// The `/gated/{ms}` route, to merge into the upstream's routes.
+    pub fn routes(&self) -> Router {
+        Router::new()
+            .route("/gated/{ms}", any(gated))
+            .with_state(self.clone())
+    }
+
+    /// Lets `count` more requests through, waiting ones first.
+    pub fn pass(&self, count: usize) {
+        self.0.add_permits(count);
+    }
+
+    /// Lets every request through, now and from now on.
+    pub fn open(&self) {
+        // A closed semaphore fails every acquire, waiting or not: each is let through.
+        self.0.close();
+    }
+}
+
+async fn gated(State(gate): State<Gate>, Path(ms): Path<u64>) -> &'static str {
+    if let Ok(pass) = gate.0.acquire().await {
+        pass.forget();
+    }
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    "ok"
 }
 
 /// The default routes (see [`Upstream::start`]), to extend or to serve elsewhere.

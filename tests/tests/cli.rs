@@ -4,18 +4,8 @@
 use std::process::Output;
 
 use serde_json::Value;
-use tokio::process::Command;
 use webproxy_tests::caller::{Harness, accept_rule};
-use webproxy_tests::webproxy_bin;
-
-async fn webproxy(args: &[&str]) -> Output {
-    Command::new(webproxy_bin())
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .await
-        .expect("run webproxy")
-}
+use webproxy_tests::run_webproxy as webproxy;
 
 fn stdout_json(output: &Output) -> Value {
     serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use webproxy_client::{Client, Error as ClientError, Submitted};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
-use webproxy_tests::{NatsServer, Service, Upstream, wait_until, webproxy_bin};
+use webproxy_tests::run_webproxy as webproxy;
+use webproxy_tests::{NatsServer, Service, Upstream, wait_until};
 
 struct Cluster {
     nats: NatsServer,
@@ -186,15 +187,6 @@ async fn a_deadline_expires_a_request_waiting_behind_a_saturated_pool() {
     assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::Expired));
     assert_eq!(reply.attempts, 0);
     assert_eq!(c.upstream.hits_for("/echo"), 0);
-}
-
-async fn webproxy(args: &[&str]) -> std::process::Output {
-    tokio::process::Command::new(webproxy_bin())
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .await
-        .expect("run webproxy")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,9 @@
 //!
 //! Everything runs here: a private nats-server, an in-process upstream, the release
 //! `webproxy serve` as a subprocess, and closed-loop load generators that keep a fixed
-//! number of conversations outstanding.
+//! number of conversations outstanding. Last, a probe restarts the nats-server under
+//! load (issue 14's scenario, shared with the liveness test) and reports how soon
+//! the last conversation is answered.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -22,7 +24,8 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use webproxy_client::{Client, Request, new_id};
 use webproxy_tests::caller::accept_rule;
-use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
+use webproxy_tests::recovery::{Load, OUTAGE, restart_under_load};
+use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
 #[derive(Debug, Parser)]
 #[command(about = "Benchmark webproxy against direct calls and a broker-only loop")]
@@ -290,6 +293,11 @@ struct Report {
     slot_direct: Figures,
     /// `webproxy serve`'s VmHWM after the concurrency-256 run, in MiB.
     peak_rss_mib: f64,
+    /// From the nats-server's return after a 3 s outage until the last of 100
+    /// conversations (pool of 16, upstream 50 ms) was answered, in seconds.
+    nats_restart_recovery_s: f64,
+    /// Conversations of that probe that got no 200 answer.
+    nats_restart_failed: usize,
 }
 
 fn machine() -> String {
@@ -316,11 +324,14 @@ fn row(mode: &str, concurrency: usize, f: &Figures) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let nats = NatsServer::start();
-    let upstream = Upstream::start().await;
+    let mut nats = NatsServer::start();
+    let gate = Gate::new();
+    let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
     let config = format!(
         "[log]\nlevel = \"warn\"\n\n[pools.default]\nmax_in_flight = 512\n\n[pools.slot]\nmax_in_flight = 1\n\n\
-         [[request_rules]]\nname = \"slot\"\nurl_pattern = '/delay/'\npool = \"slot\"\n\n{}",
+         [pools.recovery]\nmax_in_flight = 16\n\n\
+         [[request_rules]]\nname = \"slot\"\nurl_pattern = '/delay/'\npool = \"slot\"\n\n\
+         [[request_rules]]\nname = \"recovery\"\nurl_pattern = '/gated/'\npool = \"recovery\"\n\n{}",
         accept_rule("local", &upstream)
     );
     // The outcome of every conversation is logged at info; the bench measures the
@@ -410,6 +421,16 @@ async fn main() -> anyhow::Result<()> {
         move || proxied(client.clone(), replies.clone(), "slot", url.clone())
     })
     .await;
+
+    // Last, since it takes the server away from everything above.
+    let caller = Client::new(nats.quick_client().await, "webproxy")?;
+    let load = Load {
+        pool: "recovery",
+        count: 100,
+        limit: 16,
+        upstream_ms: 50,
+    };
+    let recovery = restart_under_load(&mut nats, &caller, &upstream, &gate, load).await;
     let report = Report {
         machine: machine(),
         duration_s: args.duration.as_secs_f64(),
@@ -417,6 +438,8 @@ async fn main() -> anyhow::Result<()> {
         slot_proxied,
         slot_direct,
         peak_rss_mib,
+        nats_restart_recovery_s: recovery.last_answer.as_secs_f64(),
+        nats_restart_failed: recovery.failed.len(),
         levels,
     };
 
@@ -438,6 +461,10 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "peak RSS of webproxy serve after concurrency 256: {:.1} MiB",
         report.peak_rss_mib
+    );
+    println!(
+        "recovery after NATS restart: {:.2} s (last of 100 conversations answered after a {OUTAGE:?} outage; pool of 16, upstream 50 ms; {} failed)",
+        report.nats_restart_recovery_s, report.nats_restart_failed
     );
     if let Some(dir) = args.json.parent() {
         std::fs::create_dir_all(dir)?;
