@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
+use webproxy_dispatcher::backoff::Backoff;
 use webproxy_dispatcher::config::ByteLimit;
 use webproxy_dispatcher::config::jetstream_request_timeout;
 use webproxy_dispatcher::nats_auth;
@@ -152,8 +153,13 @@ async fn provision_until_done(
     retry_until_done("provisioning", shutdown, || provision(js, settings)).await
 }
 
-/// Runs `step` until it succeeds, with a backoff from 200 ms up to 5 s between tries;
-/// `None` when a signal arrives first.
+/// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
+/// doubling to at most 5 s, forever; until a signal.
+const START_BACKOFF: Backoff =
+    Backoff::doubling(Duration::from_millis(200), Duration::from_secs(5));
+
+/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries; `None` when
+/// a signal arrives first.
 async fn retry_until_done<T, E, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
@@ -164,17 +170,16 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let mut delay = Duration::from_millis(200);
+    let mut failures = 0u32;
     loop {
         match step().await {
             Ok(done) => return Some(done),
             Err(e) => warn!(error = %e, "{what} failed; retrying"),
         }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.cancelled() => return None,
+        failures = failures.saturating_add(1);
+        if !START_BACKOFF.wait(failures, shutdown).await {
+            return None;
         }
-        delay = (delay * 2).min(Duration::from_secs(5));
     }
 }
 
@@ -260,5 +265,14 @@ mod tests {
         let e =
             effective_max_response_bytes(ByteLimit::Bytes(mib as u64), mib).expect_err("too big");
         assert!(e.to_string().contains("outbound.max_response_bytes"), "{e}");
+    }
+    #[test]
+    fn starting_waits_200_ms_doubling_to_5_s() {
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(START_BACKOFF.after(1), ms(200));
+        assert_eq!(START_BACKOFF.after(2), ms(400));
+        assert_eq!(START_BACKOFF.after(5), ms(3200));
+        assert_eq!(START_BACKOFF.after(6), ms(5000));
+        assert_eq!(START_BACKOFF.after(u32::MAX), ms(5000));
     }
 }
