@@ -43,10 +43,10 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     tokio::spawn(stop_on_signal(shutdown.clone()));
     tokio::spawn(reload_on_hangup(settings.clone(), secrets.clone()));
 
-    let Some(client) = connect_until_up(&settings, &health_state, &shutdown).await? else {
+    let Some((client, server)) = connect_until_up(&settings, &health_state, &shutdown).await?
+    else {
         return Ok(());
     };
-    let server = server_info(&client).await?;
     if !server_version_supported(&server.version) {
         bail!(
             "nats-server {} is too old: webproxy needs {}.{} or newer",
@@ -183,27 +183,25 @@ where
     }
 }
 
-/// Connects, retrying with backoff while the server is unreachable; `None` when a
-/// signal arrives first.
+/// Connects and waits for the server's INFO; `None` when a signal arrives first.
+///
+/// Connecting is retried once, by the client: `connect` sets `retry_on_initial_connect`,
+/// so an unreachable server is tried again with the reconnect backoff, in the
+/// background, and the wait for it ends at a signal. What `connect` itself returns is
+/// not worth retrying: an address that does not parse, or an unreadable credentials
+/// file.
 async fn connect_until_up(
     settings: &Settings,
     health: &Arc<Health>,
     shutdown: &CancellationToken,
-) -> anyhow::Result<Option<async_nats::Client>> {
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match connect(settings, health.clone()).await {
-            Ok(client) => return Ok(Some(client)),
-            Err(e) => {
-                let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
-                warn!(%url, error = %e, "cannot connect to NATS; retrying")
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.cancelled() => return Ok(None),
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
+) -> anyhow::Result<Option<(async_nats::Client, async_nats::ServerInfo)>> {
+    let client = connect(settings, health.clone()).await.with_context(|| {
+        let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+        format!("cannot connect to NATS at {url}")
+    })?;
+    tokio::select! {
+        server = server_info(&client) => Ok(Some((client, server?))),
+        _ = shutdown.cancelled() => Ok(None),
     }
 }
 

@@ -52,7 +52,10 @@ use pull::{PULL_EXPIRES, Pull, PullEnd};
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
 
-/// Connects to NATS, keeping `health` in step with the connection state.
+/// Connects to NATS, keeping `health` in step with the connection state. Returns at
+/// once: an unreachable server is retried in the background (`client.flush()` waits
+/// for it); an error is one that retrying cannot mend (an address that does not parse,
+/// an unreadable credentials file).
 pub async fn connect(
     settings: &Settings,
     health: Arc<Health>,
@@ -62,6 +65,8 @@ pub async fn connect(
     let client = crate::nats_auth::connect_options(&settings.config.nats)
         .await?
         .name("webproxy")
+        // The one retry of connecting: the first connection too is made in the
+        // background, with `reconnect_delay`; errors returned here are permanent.
         .retry_on_initial_connect()
         // A half-open connection is noticed within a few pings, well inside ack_wait.
         .ping_interval(ping_interval(ack_wait))
@@ -88,8 +93,8 @@ fn ping_interval(ack_wait: Duration) -> Duration {
     (ack_wait / 5).clamp(Duration::from_millis(100), Duration::from_secs(10))
 }
 
-/// Reconnecting (and the first connection, `retry_on_initial_connect`): 100 ms more
-/// per attempt, at most 1 s, forever.
+/// Connecting, the first time and after a loss (`retry_on_initial_connect`: the
+/// client's own loop is the only one): 100 ms more per attempt, at most 1 s, forever.
 const RECONNECT_BACKOFF: Backoff =
     Backoff::linear(Duration::from_millis(100), Duration::from_secs(1));
 
