@@ -5,6 +5,7 @@
 //! Decisions (`rules`, `decision`, `outbox`) are pure; effects live in `runtime` and
 //! `provision`.
 
+pub mod backoff;
 pub mod config;
 pub mod decision;
 pub mod egress;

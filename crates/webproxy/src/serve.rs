@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
+use webproxy_dispatcher::backoff::Backoff;
 use webproxy_dispatcher::config::ByteLimit;
 use webproxy_dispatcher::config::jetstream_request_timeout;
 use webproxy_dispatcher::nats_auth;
@@ -42,10 +43,10 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     tokio::spawn(stop_on_signal(shutdown.clone()));
     tokio::spawn(reload_on_hangup(settings.clone(), secrets.clone()));
 
-    let Some(client) = connect_until_up(&settings, &health_state, &shutdown).await? else {
+    let Some((client, server)) = connect_until_up(&settings, &health_state, &shutdown).await?
+    else {
         return Ok(());
     };
-    let server = server_info(&client).await?;
     if !server_version_supported(&server.version) {
         bail!(
             "nats-server {} is too old: webproxy needs {}.{} or newer",
@@ -152,8 +153,13 @@ async fn provision_until_done(
     retry_until_done("provisioning", shutdown, || provision(js, settings)).await
 }
 
-/// Runs `step` until it succeeds, with a backoff from 200 ms up to 5 s between tries;
-/// `None` when a signal arrives first.
+/// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
+/// doubling to at most 5 s, forever; until a signal.
+const START_BACKOFF: Backoff =
+    Backoff::doubling(Duration::from_millis(200), Duration::from_secs(5));
+
+/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries; `None` when
+/// a signal arrives first.
 async fn retry_until_done<T, E, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
@@ -164,41 +170,38 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let mut delay = Duration::from_millis(200);
+    let mut failures = 0u32;
     loop {
         match step().await {
             Ok(done) => return Some(done),
             Err(e) => warn!(error = %e, "{what} failed; retrying"),
         }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.cancelled() => return None,
+        failures = failures.saturating_add(1);
+        if !START_BACKOFF.wait(failures, shutdown).await {
+            return None;
         }
-        delay = (delay * 2).min(Duration::from_secs(5));
     }
 }
 
-/// Connects, retrying with backoff while the server is unreachable; `None` when a
-/// signal arrives first.
+/// Connects and waits for the server's INFO; `None` when a signal arrives first.
+///
+/// Connecting is retried once, by the client: `connect` sets `retry_on_initial_connect`,
+/// so an unreachable server is tried again with the reconnect backoff, in the
+/// background, and the wait for it ends at a signal. What `connect` itself returns is
+/// not worth retrying: an address that does not parse, or an unreadable credentials
+/// file.
 async fn connect_until_up(
     settings: &Settings,
     health: &Arc<Health>,
     shutdown: &CancellationToken,
-) -> anyhow::Result<Option<async_nats::Client>> {
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match connect(settings, health.clone()).await {
-            Ok(client) => return Ok(Some(client)),
-            Err(e) => {
-                let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
-                warn!(%url, error = %e, "cannot connect to NATS; retrying")
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.cancelled() => return Ok(None),
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
+) -> anyhow::Result<Option<(async_nats::Client, async_nats::ServerInfo)>> {
+    let client = connect(settings, health.clone()).await.with_context(|| {
+        let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+        format!("cannot connect to NATS at {url}")
+    })?;
+    tokio::select! {
+        server = server_info(&client) => Ok(Some((client, server?))),
+        _ = shutdown.cancelled() => Ok(None),
     }
 }
 
@@ -260,5 +263,14 @@ mod tests {
         let e =
             effective_max_response_bytes(ByteLimit::Bytes(mib as u64), mib).expect_err("too big");
         assert!(e.to_string().contains("outbound.max_response_bytes"), "{e}");
+    }
+    #[test]
+    fn starting_waits_200_ms_doubling_to_5_s() {
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(START_BACKOFF.after(1), ms(200));
+        assert_eq!(START_BACKOFF.after(2), ms(400));
+        assert_eq!(START_BACKOFF.after(5), ms(3200));
+        assert_eq!(START_BACKOFF.after(6), ms(5000));
+        assert_eq!(START_BACKOFF.after(u32::MAX), ms(5000));
     }
 }

@@ -40,6 +40,7 @@ use tracing::{debug, error, info, warn};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
+use crate::backoff::Backoff;
 use crate::config::{Settings, jetstream_request_timeout};
 use crate::gauges::Gauges;
 use crate::health::Health;
@@ -51,7 +52,10 @@ use pull::{PULL_EXPIRES, Pull, PullEnd};
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
 
-/// Connects to NATS, keeping `health` in step with the connection state.
+/// Connects to NATS, keeping `health` in step with the connection state. Returns at
+/// once: an unreachable server is retried in the background (`client.flush()` waits
+/// for it); an error is one that retrying cannot mend (an address that does not parse,
+/// an unreadable credentials file).
 pub async fn connect(
     settings: &Settings,
     health: Arc<Health>,
@@ -61,6 +65,8 @@ pub async fn connect(
     let client = crate::nats_auth::connect_options(&settings.config.nats)
         .await?
         .name("webproxy")
+        // The one retry of connecting: the first connection too is made in the
+        // background, with `reconnect_delay`; errors returned here are permanent.
         .retry_on_initial_connect()
         // A half-open connection is noticed within a few pings, well inside ack_wait.
         .ping_interval(ping_interval(ack_wait))
@@ -87,10 +93,17 @@ fn ping_interval(ack_wait: Duration) -> Duration {
     (ack_wait / 5).clamp(Duration::from_millis(100), Duration::from_secs(10))
 }
 
+/// Connecting, the first time and after a loss (`retry_on_initial_connect`: the
+/// client's own loop is the only one): 100 ms more per attempt, at most 1 s, forever.
+const RECONNECT_BACKOFF: Backoff =
+    Backoff::linear(Duration::from_millis(100), Duration::from_secs(1));
+
 /// The wait before reconnect attempt `attempts`: growing to about a second, no more.
 fn reconnect_delay(attempts: usize) -> Duration {
-    let steps = u64::try_from(attempts).unwrap_or(u64::MAX).min(10);
-    Duration::from_millis(100 * steps).min(Duration::from_secs(1))
+    let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
+    RECONNECT_BACKOFF
+        .after(attempts)
+        .unwrap_or(Duration::from_secs(1))
 }
 
 /// Everything a message handler needs, shared by all of them.
@@ -251,14 +264,9 @@ async fn refresh_gauges(
     }
 }
 
-/// Waits a backoff that grows with `failures`; false when `shutdown` comes first.
-async fn back_off(failures: u32, shutdown: &CancellationToken) -> bool {
-    let backoff = Duration::from_millis(100 * u64::from(failures.min(20)));
-    tokio::select! {
-        _ = tokio::time::sleep(backoff) => true,
-        _ = shutdown.cancelled() => false,
-    }
-}
+/// Pulling (the pull loop, and the parked retries' consumer): after failures or quick
+/// empty pulls in a row, 100 ms more per failure, at most 2 s, forever; until shutdown.
+const PULL_BACKOFF: Backoff = Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
 
 /// The stream's next item, or `None` once `shutdown` is cancelled; an ended stream is
 /// `Some(None)`.
@@ -360,7 +368,7 @@ async fn pull_loop(
                 failures += 1;
             }
         }
-        if failures > 0 && !back_off(failures, &shutdown).await {
+        if failures > 0 && !PULL_BACKOFF.wait(failures, &shutdown).await {
             return;
         }
     }
@@ -417,5 +425,32 @@ async fn while_keeping<T>(work: impl Future<Output = T>, keeper: impl Future<Out
             out = &mut work => return out,
             _ = &mut keeper, if keeping => keeping = false,
         }
+    }
+}
+
+#[cfg(test)]
+mod backoff_tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn reconnecting_waits_100_ms_more_per_attempt_up_to_a_second() {
+        assert_eq!(reconnect_delay(0), ms(0));
+        assert_eq!(reconnect_delay(1), ms(100));
+        assert_eq!(reconnect_delay(5), ms(500));
+        assert_eq!(reconnect_delay(10), ms(1000));
+        assert_eq!(reconnect_delay(11), ms(1000));
+        assert_eq!(reconnect_delay(usize::MAX), ms(1000));
+    }
+
+    #[test]
+    fn pulling_waits_100_ms_more_per_failure_up_to_two_seconds() {
+        assert_eq!(PULL_BACKOFF.after(1), Some(ms(100)));
+        assert_eq!(PULL_BACKOFF.after(7), Some(ms(700)));
+        assert_eq!(PULL_BACKOFF.after(20), Some(ms(2000)));
+        assert_eq!(PULL_BACKOFF.after(u32::MAX), Some(ms(2000)));
     }
 }

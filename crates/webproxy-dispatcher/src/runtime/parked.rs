@@ -15,7 +15,7 @@ use tracing::{debug, warn};
 use webproxy_protocol::header;
 
 use super::publish::{Stored, publish_stored};
-use super::{Shared, back_off, next_or_stop};
+use super::{PULL_BACKOFF, Shared, next_or_stop};
 use crate::hop::{HopState, due_msg_id, subject_token};
 
 /// A parked retry that is due within this much is released at once rather than NAKed
@@ -37,7 +37,7 @@ pub(super) async fn park_loop(
                 Err(e) => {
                     failures += 1;
                     warn!(pool = %pool, error = %e, "cannot consume parked retries; retrying");
-                    if back_off(failures, &shutdown).await { continue } else { return }
+                    if PULL_BACKOFF.wait(failures, &shutdown).await { continue } else { return }
                 }
             },
             _ = shutdown.cancelled() => return,

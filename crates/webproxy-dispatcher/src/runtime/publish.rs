@@ -16,6 +16,7 @@ use tracing::{debug, warn};
 use webproxy_protocol::Subjects;
 
 use super::progress::Progress;
+use crate::backoff::Backoff;
 use crate::metrics::Metrics;
 use crate::secrets::Redactor;
 
@@ -75,9 +76,11 @@ pub enum PublishFailure {
     },
 }
 
-/// How many times a publish is tried before the message is left for redelivery: about
-/// six seconds of backoff in all.
-const PUBLISH_TRIES: u32 = 8;
+/// Publishing into a stream: 8 tries, 50 ms between the first two, doubling to at
+/// most 1 s (3.55 s of waiting in all), then the message is left for redelivery. Not
+/// cut short at shutdown: the drain lets a handler finish storing what it produced.
+const PUBLISH_BACKOFF: Backoff =
+    Backoff::doubling(Duration::from_millis(50), Duration::from_secs(1)).tries(8);
 
 /// One publish into a stream, under a message id.
 #[derive(Debug, Clone, Copy)]
@@ -92,7 +95,6 @@ pub struct Stored<'a> {
 /// budget. The message being handled meanwhile is kept by its delivery's progress task.
 pub async fn publish_stored(outlet: &Outlet, message: Stored<'_>) -> Result<(), PublishFailure> {
     let subject = message.subject;
-    let mut delay = Duration::from_millis(50);
     let mut tries = 0u32;
     loop {
         let publish = PublishMessage::build()
@@ -118,17 +120,16 @@ pub async fn publish_stored(outlet: &Outlet, message: Stored<'_>) -> Result<(), 
             }
             _ => {}
         }
-        if tries >= PUBLISH_TRIES {
+        let Some(delay) = PUBLISH_BACKOFF.after(tries) else {
             warn!(subject, error = %e, tries, "publish keeps failing; leaving the message for redelivery");
             return Err(PublishFailure::GaveUp {
                 subject: subject.to_string(),
                 tries,
                 last: e.to_string(),
             });
-        }
+        };
         debug!(subject, error = %e, tries, "publish failed; retrying");
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -150,5 +151,18 @@ pub async fn publish_live(outlet: &Outlet, subject: &str, headers: HeaderMap, pa
         .await
     {
         warn!(subject, error = %e, "could not publish a live reply");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publishing_gives_up_after_eight_tries_and_3_55_s_of_waiting() {
+        let waits: Vec<Duration> = (1..).map_while(|n| PUBLISH_BACKOFF.after(n)).collect();
+        let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(ms, [50, 100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(waits.iter().sum::<Duration>(), Duration::from_millis(3550));
     }
 }
