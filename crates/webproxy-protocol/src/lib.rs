@@ -6,6 +6,7 @@
 
 mod envelope;
 mod headers;
+mod name;
 mod origin;
 mod reply;
 pub mod schema;
@@ -15,13 +16,14 @@ pub use envelope::{
     InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, canonical_url, parse_request,
 };
 pub use headers::{HeaderValue, Headers, collect_headers, is_hop_by_hop};
+pub use name::InvalidName;
 pub use origin::Origin;
 pub use reply::{
     AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody, excerpt, quote,
 };
 pub use subjects::{
-    InvalidName, SERVICE_INBOX, Subjects, subject_matches, validate_id, validate_pool_name,
-    validate_prefix, validate_subject_literal, validate_subject_pattern,
+    SERVICE_INBOX, Subjects, subject_matches, validate_id, validate_pool_name, validate_prefix,
+    validate_subject_literal, validate_subject_pattern,
 };
 
 /// The protocol version this crate speaks; replies carry it as `"v": 1`.

@@ -6,7 +6,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::subjects::InvalidName;
+use crate::name::InvalidName;
 
 /// `<STREAM>:<seq>`, e.g. `WEBPROXY_POOL_DEFAULT:1733025600000123`. A caller learns it
 /// from the JetStream publish ack (`stream`, `seq`).

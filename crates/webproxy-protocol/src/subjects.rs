@@ -1,14 +1,8 @@
 //! Subject, stream and consumer names, all derived from one configurable prefix so
 //! that two deployments with different prefixes can share a NATS account.
 
-use thiserror::Error;
-
+use crate::name::InvalidName;
 use crate::origin::Origin;
-
-/// A name that breaks its character rules; the message says which rule.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("{0}")]
-pub struct InvalidName(pub String);
 
 fn is_token_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_' || c == '-'

@@ -2,12 +2,13 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 use webproxy_dispatcher::secrets::{Redactor, Secrets};
 
+use crate::operator::NatsArgs;
+use crate::send::SendArgs;
 use crate::{cfg, dead, pools, send, serve, telemetry};
 
 #[derive(Debug, Parser)]
@@ -99,43 +100,6 @@ enum DeadCommand {
         #[arg(long)]
         json: bool,
     },
-}
-
-/// Options of every subcommand that talks to NATS.
-#[derive(Debug, Args)]
-pub struct NatsArgs {
-    /// The configuration file, for the NATS settings and the subject prefix.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// The NATS server URL, overriding the configuration.
-    #[arg(long, value_name = "URL")]
-    pub nats: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct SendArgs {
-    #[command(flatten)]
-    pub nats: NatsArgs,
-    /// The pool to send to.
-    #[arg(long, default_value = "default")]
-    pub pool: String,
-    /// How long to wait for the reply.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    pub timeout: Duration,
-    /// A request header, `Name: value`; repeat for more.
-    #[arg(short = 'H', long = "header", value_name = "HEADER")]
-    pub headers: Vec<String>,
-    /// The request body.
-    #[arg(short = 'd', long = "data", conflicts_with = "data_file")]
-    pub data: Option<String>,
-    /// Read the request body from a file.
-    #[arg(long, value_name = "PATH")]
-    pub data_file: Option<PathBuf>,
-    /// Print the reply on one line.
-    #[arg(long)]
-    pub json: bool,
-    pub method: String,
-    pub url: String,
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

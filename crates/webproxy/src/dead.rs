@@ -7,14 +7,12 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use async_nats::jetstream::{self, consumer};
-use futures::StreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
 use webproxy_dispatcher::runtime::ReplayError;
 use webproxy_protocol::DeadLetter;
 
-use crate::cli::NatsArgs;
-use crate::send;
+use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
 
 /// One stored dead letter.
 #[derive(Debug, Serialize)]
@@ -73,36 +71,8 @@ pub async fn read_letters(
     Ok(letters)
 }
 
-/// Hands every message `reader` has now to `each`, in batches, and returns how many
-/// there were. `fetch` returns what is there without waiting, so an empty batch is
-/// the end.
-pub async fn for_each_message(
-    reader: &consumer::PullConsumer,
-    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<()>,
-) -> anyhow::Result<u64> {
-    let mut count = 0;
-    loop {
-        let mut batch = reader
-            .fetch()
-            .max_messages(500)
-            .messages()
-            .await
-            .context("cannot read from the stream")?;
-        let mut got = 0;
-        while let Some(message) = batch.next().await {
-            let message = message.map_err(|e| anyhow::anyhow!("cannot read a message: {e}"))?;
-            got += 1;
-            each(message).await?;
-        }
-        if got == 0 {
-            return Ok(count);
-        }
-        count += got;
-    }
-}
-
 pub async fn list(args: &NatsArgs, pool: Option<&str>, json: bool) -> anyhow::Result<()> {
-    let client = send::connect(args).await?;
+    let client = connect(args).await?;
     let letters = read_letters(&client, pool).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&letters)?);
@@ -147,7 +117,7 @@ pub async fn replay(
     id: Option<&str>,
     json: bool,
 ) -> anyhow::Result<()> {
-    let client = send::connect(args).await?;
+    let client = connect(args).await?;
     let letters = read_letters(&client, pool).await?;
     // The newest letter of each conversation (its origin) is the one to replay: it has
     // the highest generation, and the next one starts above it.
@@ -178,7 +148,7 @@ pub async fn replay(
             pool.map(|p| format!(" in pool {p}")).unwrap_or_default()
         );
     }
-    let outlet = crate::pools::operator_outlet(&client).await?;
+    let outlet = operator_outlet(&client).await?;
     let mut replayed = Vec::new();
     for (origin, stored) in latest {
         let letter = &stored.letter;

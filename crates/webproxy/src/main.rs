@@ -5,6 +5,7 @@ mod cfg;
 mod cli;
 mod dead;
 mod health;
+mod operator;
 mod pools;
 mod send;
 mod serve;

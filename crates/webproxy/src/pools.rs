@@ -1,7 +1,6 @@
 //! `webproxy pools`: each pool's limit and queue, read from JetStream; and
 //! `webproxy pools remove`, which deletes a pool that no longer has waiting work.
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, bail};
@@ -9,15 +8,11 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::TryStreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
-use webproxy_dispatcher::Metrics;
 use webproxy_dispatcher::provision::{REMOVING_KEY, marked_removing};
-use webproxy_dispatcher::runtime::{Outlet, Progress, Settled, end_unattempted};
-use webproxy_dispatcher::secrets::Redactor;
+use webproxy_dispatcher::runtime::{Settled, end_unattempted};
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
-use crate::cli::NatsArgs;
-use crate::dead::for_each_message;
-use crate::send;
+use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
 
 /// One pool as the server sees it.
 #[derive(Debug, Serialize)]
@@ -103,7 +98,7 @@ async fn pool_state(
 }
 
 pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
-    let client = send::connect(args).await?;
+    let client = connect(args).await?;
     let js = jetstream::new(client.nats().clone());
     let mut states = Vec::new();
     for pool in pool_names(&client, &js).await? {
@@ -133,7 +128,7 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     if pool == "default" {
         bail!("pool default always exists and cannot be removed");
     }
-    let client = send::connect(args).await?;
+    let client = connect(args).await?;
     let js = jetstream::new(client.nats().clone());
     let subjects = client.subjects().clone();
     let stream_name = subjects.pool_stream(pool);
@@ -220,25 +215,6 @@ fn consumer_not_found(e: &stream::ConsumerError) -> bool {
         stream::ConsumerErrorKind::JetStream(ref js)
             if js.error_code() == jetstream::ErrorCode::CONSUMER_NOT_FOUND
     )
-}
-
-/// An outlet for the operator commands, which end or replay conversations through
-/// the service's own code. The CLI loads no secrets: what it publishes is what the
-/// callers sent.
-pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
-    let js = jetstream::new(client.nats().clone());
-    let bucket = client.subjects().progress_bucket();
-    let progress = js.get_key_value(&bucket).await.with_context(|| {
-        format!("cannot open the progress bucket {bucket} (has `webproxy serve` run?)")
-    })?;
-    Ok(Outlet::new(
-        client.nats().clone(),
-        client.subjects().clone(),
-        client.nats().server_info().max_payload,
-        Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-        Redactor::default(),
-        Progress::new(progress),
-    ))
 }
 
 /// Ends every message left in a pool with an `internal` error: the caller is answered

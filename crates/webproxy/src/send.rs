@@ -1,33 +1,39 @@
 //! `webproxy send`: one request through a running service, its reply printed as JSON.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use webproxy_client::{Client, Outcome, Request};
+use clap::Args;
+use webproxy_client::{Outcome, Request};
 
-use crate::cfg;
-use crate::cli::{NatsArgs, SendArgs};
+use crate::operator::{NatsArgs, connect};
 
-/// Connects as the configuration (or `--nats`) says; returns the client and prefix.
-pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
-    let settings = cfg::load(args.config.as_deref())?;
-    let url = args
-        .nats
-        .clone()
-        .unwrap_or_else(|| settings.config.nats.url.clone());
-    let urls: Vec<String> = url.split(',').map(|u| u.trim().to_string()).collect();
-    let nats = webproxy_dispatcher::nats_auth::connect_options(&settings.config.nats)
-        .await
-        .context("cannot read the NATS credentials")?
-        .connect(urls)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot connect to NATS at {}",
-                webproxy_dispatcher::nats_auth::redact_url_credentials(&url)
-            )
-        })?;
-    Ok(Client::new(nats, settings.subjects.prefix())?)
+#[derive(Debug, Args)]
+pub struct SendArgs {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// The pool to send to.
+    #[arg(long, default_value = "default")]
+    pub pool: String,
+    /// How long to wait for the reply.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// A request header, `Name: value`; repeat for more.
+    #[arg(short = 'H', long = "header", value_name = "HEADER")]
+    pub headers: Vec<String>,
+    /// The request body.
+    #[arg(short = 'd', long = "data", conflicts_with = "data_file")]
+    pub data: Option<String>,
+    /// Read the request body from a file.
+    #[arg(long, value_name = "PATH")]
+    pub data_file: Option<PathBuf>,
+    /// Print the reply on one line.
+    #[arg(long)]
+    pub json: bool,
+    pub method: String,
+    pub url: String,
 }
 
 pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {

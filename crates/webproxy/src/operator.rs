@@ -1,0 +1,97 @@
+//! What the commands that talk to a running deployment share (`send`, `pools`,
+//! `dead`): their NATS options, connecting, reading a stream to its end, and an outlet
+//! into the dispatcher's own settle and replay code.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, consumer};
+use clap::Args;
+use futures::StreamExt as _;
+use webproxy_client::Client;
+use webproxy_dispatcher::Metrics;
+use webproxy_dispatcher::runtime::{Outlet, Progress};
+use webproxy_dispatcher::secrets::Redactor;
+
+use crate::cfg;
+
+/// Options of every subcommand that talks to NATS.
+#[derive(Debug, Args)]
+pub struct NatsArgs {
+    /// The configuration file, for the NATS settings and the subject prefix.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// The NATS server URL, overriding the configuration.
+    #[arg(long, value_name = "URL")]
+    pub nats: Option<String>,
+}
+
+/// Connects as the configuration (or `--nats`) says; returns the client and prefix.
+pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
+    let settings = cfg::load(args.config.as_deref())?;
+    let url = args
+        .nats
+        .clone()
+        .unwrap_or_else(|| settings.config.nats.url.clone());
+    let urls: Vec<String> = url.split(',').map(|u| u.trim().to_string()).collect();
+    let nats = webproxy_dispatcher::nats_auth::connect_options(&settings.config.nats)
+        .await
+        .context("cannot read the NATS credentials")?
+        .connect(urls)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot connect to NATS at {}",
+                webproxy_dispatcher::nats_auth::redact_url_credentials(&url)
+            )
+        })?;
+    Ok(Client::new(nats, settings.subjects.prefix())?)
+}
+
+/// Hands every message `reader` has now to `each`, in batches, and returns how many
+/// there were. `fetch` returns what is there without waiting, so an empty batch is
+/// the end.
+pub async fn for_each_message(
+    reader: &consumer::PullConsumer,
+    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<()>,
+) -> anyhow::Result<u64> {
+    let mut count = 0;
+    loop {
+        let mut batch = reader
+            .fetch()
+            .max_messages(500)
+            .messages()
+            .await
+            .context("cannot read from the stream")?;
+        let mut got = 0;
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(|e| anyhow::anyhow!("cannot read a message: {e}"))?;
+            got += 1;
+            each(message).await?;
+        }
+        if got == 0 {
+            return Ok(count);
+        }
+        count += got;
+    }
+}
+
+/// An outlet for the operator commands, which end or replay conversations through
+/// the service's own code. The CLI loads no secrets: what it publishes is what the
+/// callers sent.
+pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
+    let js = jetstream::new(client.nats().clone());
+    let bucket = client.subjects().progress_bucket();
+    let progress = js.get_key_value(&bucket).await.with_context(|| {
+        format!("cannot open the progress bucket {bucket} (has `webproxy serve` run?)")
+    })?;
+    Ok(Outlet::new(
+        client.nats().clone(),
+        client.subjects().clone(),
+        client.nats().server_info().max_payload,
+        Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
+        Redactor::default(),
+        Progress::new(progress),
+    ))
+}
