@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
 use url::Url;
+use webproxy_protocol::AttemptRecord;
 
 pub use crate::guard::{Denied, GuardPolicy};
 use crate::resolve::GuardedResolver;
@@ -148,6 +149,64 @@ pub enum AttemptOutcome {
     Invalid {
         message: String,
     },
+}
+
+impl AttemptOutcome {
+    /// The HTTP status the upstream answered with, when it answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            AttemptOutcome::Response(response) => Some(response.status),
+            AttemptOutcome::TooLarge { status, .. } => Some(*status),
+            AttemptOutcome::HeadersTooLarge { status, .. } => *status,
+            AttemptOutcome::Failed(_)
+            | AttemptOutcome::Denied { .. }
+            | AttemptOutcome::Invalid { .. } => None,
+        }
+    }
+
+    /// What ended an attempt that got no response, as its record and span tell it:
+    /// the failure kind and message, `denied: ` or `invalid: ` and the message.
+    pub fn failure(&self) -> Option<String> {
+        match self {
+            AttemptOutcome::Failed(f) => Some(format!("{}: {}", f.kind, f.message)),
+            AttemptOutcome::Denied { message } => Some(format!("denied: {message}")),
+            AttemptOutcome::Invalid { message } => Some(format!("invalid: {message}")),
+            AttemptOutcome::Response(_)
+            | AttemptOutcome::TooLarge { .. }
+            | AttemptOutcome::HeadersTooLarge { .. } => None,
+        }
+    }
+
+    /// The attempt's metric class (the `result` label): `2xx` to `5xx` by its status,
+    /// the failure kind, or `other`.
+    pub fn class(&self) -> &'static str {
+        match self {
+            AttemptOutcome::Failed(f) => f.kind.as_str(),
+            _ => self.status().map_or("other", status_class),
+        }
+    }
+
+    /// The attempt's record in the conversation's history: started `at` (RFC 3339),
+    /// lasting `duration_ms`.
+    pub fn record(&self, at: String, duration_ms: u64) -> AttemptRecord {
+        AttemptRecord {
+            at,
+            status: self.status(),
+            failure: self.failure(),
+            duration_ms,
+        }
+    }
+}
+
+/// The class of an HTTP status for metrics.
+fn status_class(status: u16) -> &'static str {
+    match status {
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
 }
 
 /// Performs attempts over one shared connection pool.
@@ -450,4 +509,77 @@ fn is_tls(error: &(dyn StdError + 'static)) -> bool {
 
 fn io_kind(error: &(dyn StdError + 'static)) -> Option<std::io::ErrorKind> {
     error.downcast_ref::<std::io::Error>().map(|io| io.kind())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_classes() {
+        assert_eq!(status_class(204), "2xx");
+        assert_eq!(status_class(302), "3xx");
+        assert_eq!(status_class(429), "4xx");
+        assert_eq!(status_class(599), "5xx");
+        assert_eq!(status_class(101), "other");
+    }
+
+    #[test]
+    fn each_outcome_has_one_record_class_and_failure_text() {
+        let response = AttemptOutcome::Response(HttpResponse {
+            status: 503,
+            headers: Vec::new(),
+            body: Bytes::new(),
+        });
+        let failed = AttemptOutcome::Failed(TransportFailure {
+            kind: FailureKind::Reset,
+            may_have_reached_upstream: true,
+            message: "gone".into(),
+        });
+        let cases = [
+            (response, Some(503), None, "5xx"),
+            (
+                AttemptOutcome::TooLarge {
+                    status: 200,
+                    limit: 1,
+                },
+                Some(200),
+                None,
+                "2xx",
+            ),
+            (
+                AttemptOutcome::HeadersTooLarge {
+                    status: None,
+                    message: "big".into(),
+                },
+                None,
+                None,
+                "other",
+            ),
+            (failed, None, Some("reset: gone"), "reset"),
+            (
+                AttemptOutcome::Denied {
+                    message: "no".into(),
+                },
+                None,
+                Some("denied: no"),
+                "other",
+            ),
+            (
+                AttemptOutcome::Invalid {
+                    message: "bad".into(),
+                },
+                None,
+                Some("invalid: bad"),
+                "other",
+            ),
+        ];
+        for (outcome, status, failure, class) in cases {
+            let record = outcome.record("t".into(), 7);
+            assert_eq!(record.status, status, "{outcome:?}");
+            assert_eq!(record.failure.as_deref(), failure, "{outcome:?}");
+            assert_eq!(record.duration_ms, 7);
+            assert_eq!(outcome.class(), class, "{outcome:?}");
+        }
+    }
 }

@@ -24,7 +24,6 @@ use super::settle::{Ending, Settled, internal, millis, settle};
 use crate::decision::{AttemptContext, Verdict, judge};
 use crate::egress::Egress;
 use crate::hop::HopKind;
-use crate::metrics::status_class;
 use crate::outbox::{error_reply, response_reply};
 use crate::plan::{Plan, PlanInput, plan};
 use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
@@ -405,28 +404,17 @@ async fn attempt(
         // and inline it would make every handler's state (moved on each spawn) big too.
         // The delivery's progress task keeps it meanwhile.
         let chain = Box::pin(egress.perform(rule, request, &own_headers, timeout)).await;
-        let (status, failure) = match &chain.outcome {
-            AttemptOutcome::Response(r) => (Some(r.status), None),
-            AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
-            AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
-            AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
-            AttemptOutcome::Denied { message } => (None, Some(format!("denied: {message}"))),
-            AttemptOutcome::Invalid { message } => (None, Some(format!("invalid: {message}"))),
-        };
         // A destination refused before any connection was never attempted.
-        let record = chain.connected.then(|| AttemptRecord {
-            at,
-            status,
-            failure,
-            duration_ms: millis(started.elapsed()),
-        });
+        let record = chain
+            .connected
+            .then(|| chain.outcome.record(at, millis(started.elapsed())));
         (chain.outcome, record)
     }
     .instrument(span.clone())
     .await;
     let Some(record) = record else {
-        if let AttemptOutcome::Denied { message } = &outcome {
-            span.record("failure", format!("denied: {message}").as_str());
+        if let Some(failure) = outcome.failure() {
+            span.record("failure", failure.as_str());
         }
         return (outcome, None);
     };
@@ -436,17 +424,10 @@ async fn attempt(
         (None, None) => &span,
     };
     span.record("duration_ms", as_i64(record.duration_ms));
-    let result = match &outcome {
-        AttemptOutcome::Response(r) => status_class(r.status),
-        AttemptOutcome::TooLarge { status, .. } => status_class(*status),
-        AttemptOutcome::HeadersTooLarge { status, .. } => status.map_or("other", status_class),
-        AttemptOutcome::Failed(f) => f.kind.as_str(),
-        AttemptOutcome::Denied { .. } | AttemptOutcome::Invalid { .. } => "other",
-    };
     shared.outlet.metrics.attempt(
         conversation.pool,
         &rule.name,
-        result,
+        outcome.class(),
         Duration::from_millis(record.duration_ms),
     );
     (outcome, Some(record))
