@@ -12,10 +12,10 @@ use webproxy_protocol::Request;
 use webproxy_worker::{AttemptOutcome, AttemptRequest, FailureKind, TransportFailure, Worker};
 
 use crate::decision::target;
-use crate::redirect::{Redirect, is_content_header, redirect};
 use crate::rules::{RequestRule, RequestRules};
 use crate::secrets::Secrets;
 use crate::security::{Outbound, outgoing_headers, same_origin};
+use webproxy_worker::redirect::{Redirect, is_content_header, redirect};
 
 /// What the chain came to.
 #[derive(Debug)]

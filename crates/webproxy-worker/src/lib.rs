@@ -4,6 +4,7 @@
 //! the dispatcher's decision.
 
 pub mod guard;
+pub mod redirect;
 pub mod resolve;
 
 use std::error::Error as StdError;
