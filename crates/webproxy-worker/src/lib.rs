@@ -1,10 +1,13 @@
-//! One outbound HTTP attempt: a shared reqwest client, the address guard on every
-//! address it connects to, a per-attempt timeout, caps on the response's size and
-//! headers, and a typed outcome. No NATS, no retries: what to do with the outcome is
-//! the dispatcher's decision.
+//! The HTTP call: one attempt as the caller sees it. A shared reqwest client, the
+//! address guard on every address it connects to, redirects followed hop by hop with
+//! each hop asked of the dispatcher's [`HopPolicy`] (rules and secrets) again, the
+//! headers and injected credentials of each hop, a timeout for the whole chain, caps on
+//! the response's size and headers, and a typed, redacted outcome. No NATS, no retries:
+//! what to do with the outcome is the dispatcher's decision.
 
+mod chain;
 pub mod guard;
-pub mod redirect;
+mod redirect;
 pub mod resolve;
 
 use std::error::Error as StdError;
@@ -17,6 +20,7 @@ use thiserror::Error;
 use url::Url;
 use webproxy_protocol::AttemptRecord;
 
+pub use crate::chain::{Chain, ChainRequest, Denial, Hop, HopPolicy};
 pub use crate::guard::{Denied, GuardPolicy};
 use crate::resolve::GuardedResolver;
 
@@ -146,7 +150,7 @@ pub enum AttemptOutcome {
     },
     /// The request cannot be sent as it is (a redirect to a URL webproxy refuses, such
     /// as one with user information): nothing was sent for it. Never produced by
-    /// [`Worker::attempt`]; the dispatcher uses it for a hop it refuses to take.
+    /// [`Worker::attempt`]; [`Worker::perform`] ends a chain with it.
     Invalid {
         message: String,
     },
@@ -175,6 +179,18 @@ impl AttemptOutcome {
             AttemptOutcome::Response(_)
             | AttemptOutcome::TooLarge { .. }
             | AttemptOutcome::HeadersTooLarge { .. } => None,
+        }
+    }
+
+    /// The message webproxy wrote about the outcome, when it wrote one; the response
+    /// itself (the upstream's own words) is not webproxy's.
+    fn message_mut(&mut self) -> Option<&mut String> {
+        match self {
+            AttemptOutcome::Failed(failure) => Some(&mut failure.message),
+            AttemptOutcome::HeadersTooLarge { message, .. }
+            | AttemptOutcome::Denied { message }
+            | AttemptOutcome::Invalid { message } => Some(message),
+            AttemptOutcome::Response(_) | AttemptOutcome::TooLarge { .. } => None,
         }
     }
 
@@ -227,8 +243,8 @@ impl Worker {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let guard = Arc::new(config.guard.clone());
         let client = reqwest::Client::builder()
-            // Redirects are followed by the dispatcher, hop by hop, so that every hop
-            // is matched against the rules and guarded again.
+            // Redirects are followed by `Worker::perform`, hop by hop, so that every
+            // hop is asked of the policy and guarded again.
             .redirect(reqwest::redirect::Policy::none())
             // Environment proxy settings would send requests somewhere no rule names,
             // and past the guard: the proxy's address is not the destination's.
