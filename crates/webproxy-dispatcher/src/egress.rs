@@ -62,3 +62,58 @@ impl HopPolicy for RulePolicy<'_> {
         self.secrets.redactor().redact(text)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use webproxy_worker::GuardPolicy;
+
+    use super::*;
+    use crate::rules::RuleAction;
+    use crate::rules::tests::rule_config;
+
+    #[test]
+    fn a_hop_is_its_rules_headers_origin_and_budget_and_a_refusal_is_a_denial() {
+        let mut partner = rule_config("partner", "*", "^https://a\\.test/", RuleAction::Accept);
+        partner.follow_redirects = 2;
+        partner.origin = Some("https://a.test".into());
+        partner.deny_request_headers = vec!["X-Rule".into()];
+        let rules = RequestRules::new(
+            [
+                partner,
+                rule_config("block", "*", "^https://b\\.test/", RuleAction::Deny),
+            ]
+            .iter()
+            .map(|config| RequestRule::compile(config, &Arc::from([])).expect("valid"))
+            .collect(),
+        );
+        let outbound = Outbound {
+            guard: GuardPolicy::default(),
+            max_request_bytes: 1,
+            max_headers: 1,
+            max_header_bytes: 1,
+            deny_request_headers: vec!["x-global".into()],
+        };
+        let secrets = Secrets::empty();
+        let policy = RulePolicy {
+            rules: &rules,
+            outbound: &outbound,
+            secrets: &secrets,
+        };
+        let url = |text: &str| Url::parse(text).expect(text);
+        let hop = policy
+            .hop(Method::Get, &url("https://a.test/x"))
+            .expect("accepted");
+        assert_eq!(hop.rule, "partner");
+        assert_eq!(hop.drop_headers, ["x-global", "x-rule"]);
+        assert!(hop.inject.is_empty());
+        assert_eq!(hop.origin, Some(url("https://a.test/").origin()));
+        assert_eq!(hop.follow_redirects, 2);
+        let denial = policy
+            .hop(Method::Get, &url("https://b.test/x"))
+            .expect_err("denied");
+        assert!(denial.message.contains("\"block\" denies"), "{denial}");
+        assert!(policy.hop(Method::Get, &url("https://c.test/")).is_err());
+    }
+}
