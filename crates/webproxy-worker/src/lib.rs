@@ -8,7 +8,7 @@
 mod chain;
 pub mod guard;
 mod redirect;
-pub mod resolve;
+mod resolve;
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -269,7 +269,7 @@ impl Worker {
 
     /// The guard's decision on `url`'s host when it is an IP literal, which reqwest
     /// connects to without asking the resolver.
-    pub fn check_url(&self, url: &Url) -> Result<(), Denied> {
+    fn check_url(&self, url: &Url) -> Result<(), Denied> {
         guard::check_url(url, &self.guard)
     }
 
