@@ -17,7 +17,6 @@ pub mod nats_auth;
 pub mod outbox;
 pub mod plan;
 pub mod provision;
-pub mod redirect;
 pub mod response_rules;
 pub mod retry;
 pub mod rules;

@@ -240,17 +240,6 @@ impl Metrics {
     }
 }
 
-/// The `result` label of an attempt that got an HTTP status.
-pub fn status_class(status: u16) -> &'static str {
-    match status {
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        500..=599 => "5xx",
-        _ => "other",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,12 +249,7 @@ mod tests {
         let metrics = Metrics::new("1.2.3");
         metrics.request_finished("default", "orders", None);
         metrics.request_finished("default", "none", Some("denied"));
-        metrics.attempt(
-            "default",
-            "orders",
-            status_class(503),
-            Duration::from_millis(20),
-        );
+        metrics.attempt("default", "orders", "5xx", Duration::from_millis(20));
         metrics.queue_wait("default", Duration::from_millis(5));
         metrics.dead_letter("default", "denied");
         let gauges = Gauges::new(&["default".to_string()]);
@@ -291,14 +275,5 @@ mod tests {
             assert!(text.contains(line), "missing {line}\n{text}");
         }
         assert!(text.contains("aggregate with max"), "{text}");
-    }
-
-    #[test]
-    fn status_classes() {
-        assert_eq!(status_class(204), "2xx");
-        assert_eq!(status_class(302), "3xx");
-        assert_eq!(status_class(429), "4xx");
-        assert_eq!(status_class(599), "5xx");
-        assert_eq!(status_class(101), "other");
     }
 }

@@ -414,20 +414,6 @@ fn replace_bytes(haystack: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests_support {
-    use super::Injection;
-
-    /// An injection whose whole value is the secret.
-    pub fn injection(header: &str, value: &str) -> Injection {
-        Injection {
-            header: header.into(),
-            value: value.into(),
-            secret: value.into(),
-        }
-    }
-}
-
-#[cfg(test)]
 mod tests {
     use std::collections::HashMap;
     use std::path::Path;

@@ -1,7 +1,7 @@
 //! The security settings compiled into the form the service runs on (the address
 //! guard's policy, request and header limits, dropped headers, a rule's redirect
-//! budget and injections), and the pure decisions on them: whether a request is within
-//! the limits, and which headers a hop sends.
+//! budget, injections and origin), and the pure decision on them whether a request is
+//! within the limits. Which headers a hop sends is the worker's (`egress` tells it).
 
 use std::collections::BTreeMap;
 
@@ -12,7 +12,7 @@ use webproxy_worker::GuardPolicy;
 
 use crate::config::{ConfigError, OutboundConfig, RequestRuleConfig, config_error};
 use crate::outbox::invalid_request;
-use crate::secrets::{Injection, SecretSource};
+use crate::secrets::SecretSource;
 
 /// What may leave this instance.
 #[derive(Debug, Clone)]
@@ -242,47 +242,6 @@ pub fn check_request(request: &Request, outbound: &Outbound) -> Result<(), Error
     Ok(())
 }
 
-/// Caller headers that carry the caller's own credentials, which do not follow a
-/// redirect to another origin.
-const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "cookie", "cookie2", "proxy-authorization"];
-
-/// The headers one hop sends: the caller's, less the globally and rule-denied ones,
-/// less any the rule injects (an injected header replaces the caller's, never merges),
-/// less the caller's credentials once the chain has left its first origin; then the
-/// rule's injections.
-pub fn outgoing_headers(
-    caller: &[(String, String)],
-    outbound: &Outbound,
-    rule: &RuleSecurity,
-    injections: &[Injection],
-    left_first_origin: bool,
-) -> Vec<(String, String)> {
-    let dropped = |name: &str| {
-        let lower = name.to_ascii_lowercase();
-        outbound.deny_request_headers.contains(&lower)
-            || rule.deny_request_headers.contains(&lower)
-            || injections
-                .iter()
-                .any(|i| i.header.eq_ignore_ascii_case(name))
-            || (left_first_origin && CREDENTIAL_HEADERS.contains(&lower.as_str()))
-    };
-    caller
-        .iter()
-        .filter(|(name, _)| !dropped(name))
-        .cloned()
-        .chain(
-            injections
-                .iter()
-                .map(|i| (i.header.clone(), i.value.clone())),
-        )
-        .collect()
-}
-
-/// Whether two URLs share scheme, host and port.
-pub fn same_origin(a: &Url, b: &Url) -> bool {
-    a.origin() == b.origin()
-}
-
 fn is_token(name: &str) -> bool {
     !name.is_empty()
         && name
@@ -383,39 +342,6 @@ mod tests {
             .expect_err("bytes");
         assert!(e.message.contains("max_header_bytes = 20"), "{}", e.message);
         assert!(check_request(&request(&[("X-Long-Na", "12345678901")], ""), &compiled()).is_ok());
-    }
-
-    fn injection(header: &str, value: &str) -> Injection {
-        crate::secrets::tests_support::injection(header, value)
-    }
-
-    #[test]
-    fn outgoing_headers_drop_denied_replace_injected_and_strip_credentials_off_origin() {
-        let caller: Vec<(String, String)> = [
-            ("proxy-authorization", "x"),
-            ("X-Forwarded-Host", "evil"),
-            ("X-Rule-Denied", "y"),
-            ("authorization", "caller's"),
-            ("Cookie", "c=1"),
-            ("X-Api-Key", "caller-key"),
-            ("Accept", "text/plain"),
-        ]
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.to_string()))
-        .collect();
-        let rule = RuleSecurity {
-            deny_request_headers: vec!["x-rule-denied".into()],
-            ..RuleSecurity::default()
-        };
-        let injected = [injection("X-API-KEY", "secret")];
-        let same = outgoing_headers(&caller, &compiled(), &rule, &injected, false);
-        let names: Vec<&str> = same.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["authorization", "Cookie", "Accept", "X-API-KEY"]);
-        assert_eq!(same[3].1, "secret");
-
-        let elsewhere = outgoing_headers(&caller, &compiled(), &rule, &[], true);
-        let names: Vec<&str> = elsewhere.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["X-Api-Key", "Accept"]);
     }
 
     #[test]

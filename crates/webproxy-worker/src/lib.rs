@@ -1,10 +1,14 @@
-//! One outbound HTTP attempt: a shared reqwest client, the address guard on every
-//! address it connects to, a per-attempt timeout, caps on the response's size and
-//! headers, and a typed outcome. No NATS, no retries: what to do with the outcome is
-//! the dispatcher's decision.
+//! The HTTP call: one attempt as the caller sees it. A shared reqwest client, the
+//! address guard on every address it connects to, redirects followed hop by hop with
+//! each hop asked of the dispatcher's [`HopPolicy`] (rules and secrets) again, the
+//! headers and injected credentials of each hop, a timeout for the whole chain, caps on
+//! the response's size and headers, and a typed, redacted outcome. No NATS, no retries:
+//! what to do with the outcome is the dispatcher's decision.
 
+mod chain;
 pub mod guard;
-pub mod resolve;
+mod redirect;
+mod resolve;
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -14,7 +18,9 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
 use url::Url;
+use webproxy_protocol::AttemptRecord;
 
+pub use crate::chain::{Chain, ChainRequest, Denial, Hop, HopPolicy};
 pub use crate::guard::{Denied, GuardPolicy};
 use crate::resolve::GuardedResolver;
 
@@ -144,10 +150,80 @@ pub enum AttemptOutcome {
     },
     /// The request cannot be sent as it is (a redirect to a URL webproxy refuses, such
     /// as one with user information): nothing was sent for it. Never produced by
-    /// [`Worker::attempt`]; the dispatcher uses it for a hop it refuses to take.
+    /// [`Worker::attempt`]; [`Worker::perform`] ends a chain with it.
     Invalid {
         message: String,
     },
+}
+
+impl AttemptOutcome {
+    /// The HTTP status the upstream answered with, when it answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            AttemptOutcome::Response(response) => Some(response.status),
+            AttemptOutcome::TooLarge { status, .. } => Some(*status),
+            AttemptOutcome::HeadersTooLarge { status, .. } => *status,
+            AttemptOutcome::Failed(_)
+            | AttemptOutcome::Denied { .. }
+            | AttemptOutcome::Invalid { .. } => None,
+        }
+    }
+
+    /// What ended an attempt that got no response, as its record and span tell it:
+    /// the failure kind and message, `denied: ` or `invalid: ` and the message.
+    pub fn failure(&self) -> Option<String> {
+        match self {
+            AttemptOutcome::Failed(f) => Some(format!("{}: {}", f.kind, f.message)),
+            AttemptOutcome::Denied { message } => Some(format!("denied: {message}")),
+            AttemptOutcome::Invalid { message } => Some(format!("invalid: {message}")),
+            AttemptOutcome::Response(_)
+            | AttemptOutcome::TooLarge { .. }
+            | AttemptOutcome::HeadersTooLarge { .. } => None,
+        }
+    }
+
+    /// The message webproxy wrote about the outcome, when it wrote one; the response
+    /// itself (the upstream's own words) is not webproxy's.
+    fn message_mut(&mut self) -> Option<&mut String> {
+        match self {
+            AttemptOutcome::Failed(failure) => Some(&mut failure.message),
+            AttemptOutcome::HeadersTooLarge { message, .. }
+            | AttemptOutcome::Denied { message }
+            | AttemptOutcome::Invalid { message } => Some(message),
+            AttemptOutcome::Response(_) | AttemptOutcome::TooLarge { .. } => None,
+        }
+    }
+
+    /// The attempt's metric class (the `result` label): `2xx` to `5xx` by its status,
+    /// the failure kind, or `other`.
+    pub fn class(&self) -> &'static str {
+        match self {
+            AttemptOutcome::Failed(f) => f.kind.as_str(),
+            _ => self.status().map_or("other", status_class),
+        }
+    }
+
+    /// The attempt's record in the conversation's history: started `at` (RFC 3339),
+    /// lasting `duration_ms`.
+    pub fn record(&self, at: String, duration_ms: u64) -> AttemptRecord {
+        AttemptRecord {
+            at,
+            status: self.status(),
+            failure: self.failure(),
+            duration_ms,
+        }
+    }
+}
+
+/// The class of an HTTP status for metrics.
+fn status_class(status: u16) -> &'static str {
+    match status {
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
 }
 
 /// Performs attempts over one shared connection pool.
@@ -167,8 +243,8 @@ impl Worker {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let guard = Arc::new(config.guard.clone());
         let client = reqwest::Client::builder()
-            // Redirects are followed by the dispatcher, hop by hop, so that every hop
-            // is matched against the rules and guarded again.
+            // Redirects are followed by `Worker::perform`, hop by hop, so that every
+            // hop is asked of the policy and guarded again.
             .redirect(reqwest::redirect::Policy::none())
             // Environment proxy settings would send requests somewhere no rule names,
             // and past the guard: the proxy's address is not the destination's.
@@ -193,7 +269,7 @@ impl Worker {
 
     /// The guard's decision on `url`'s host when it is an IP literal, which reqwest
     /// connects to without asking the resolver.
-    pub fn check_url(&self, url: &Url) -> Result<(), Denied> {
+    fn check_url(&self, url: &Url) -> Result<(), Denied> {
         guard::check_url(url, &self.guard)
     }
 
@@ -450,4 +526,77 @@ fn is_tls(error: &(dyn StdError + 'static)) -> bool {
 
 fn io_kind(error: &(dyn StdError + 'static)) -> Option<std::io::ErrorKind> {
     error.downcast_ref::<std::io::Error>().map(|io| io.kind())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_classes() {
+        assert_eq!(status_class(204), "2xx");
+        assert_eq!(status_class(302), "3xx");
+        assert_eq!(status_class(429), "4xx");
+        assert_eq!(status_class(599), "5xx");
+        assert_eq!(status_class(101), "other");
+    }
+
+    #[test]
+    fn each_outcome_has_one_record_class_and_failure_text() {
+        let response = AttemptOutcome::Response(HttpResponse {
+            status: 503,
+            headers: Vec::new(),
+            body: Bytes::new(),
+        });
+        let failed = AttemptOutcome::Failed(TransportFailure {
+            kind: FailureKind::Reset,
+            may_have_reached_upstream: true,
+            message: "gone".into(),
+        });
+        let cases = [
+            (response, Some(503), None, "5xx"),
+            (
+                AttemptOutcome::TooLarge {
+                    status: 200,
+                    limit: 1,
+                },
+                Some(200),
+                None,
+                "2xx",
+            ),
+            (
+                AttemptOutcome::HeadersTooLarge {
+                    status: None,
+                    message: "big".into(),
+                },
+                None,
+                None,
+                "other",
+            ),
+            (failed, None, Some("reset: gone"), "reset"),
+            (
+                AttemptOutcome::Denied {
+                    message: "no".into(),
+                },
+                None,
+                Some("denied: no"),
+                "other",
+            ),
+            (
+                AttemptOutcome::Invalid {
+                    message: "bad".into(),
+                },
+                None,
+                Some("invalid: bad"),
+                "other",
+            ),
+        ];
+        for (outcome, status, failure, class) in cases {
+            let record = outcome.record("t".into(), 7);
+            assert_eq!(record.status, status, "{outcome:?}");
+            assert_eq!(record.failure.as_deref(), failure, "{outcome:?}");
+            assert_eq!(record.duration_ms, 7);
+            assert_eq!(outcome.class(), class, "{outcome:?}");
+        }
+    }
 }

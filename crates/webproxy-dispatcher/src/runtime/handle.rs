@@ -7,12 +7,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, Span, debug, field, info_span, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, header, parse_request};
-use webproxy_worker::AttemptOutcome;
+use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Shared;
 use super::conversation::Conversation;
@@ -22,9 +23,8 @@ use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, millis, settle};
 use crate::decision::{AttemptContext, Verdict, judge};
-use crate::egress::Egress;
+use crate::egress::RulePolicy;
 use crate::hop::HopKind;
-use crate::metrics::status_class;
 use crate::outbox::{error_reply, response_reply};
 use crate::plan::{Plan, PlanInput, plan};
 use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
@@ -392,8 +392,7 @@ async fn attempt(
             ));
         }
         trace::inject_http(&span.context(), &mut own_headers);
-        let egress = Egress {
-            worker: &shared.worker,
+        let policy = RulePolicy {
             rules: &shared.settings.rules,
             outbound: &shared.settings.outbound,
             secrets: &shared.secrets,
@@ -401,32 +400,34 @@ async fn attempt(
         let timeout = request
             .timeout
             .map_or(rule.timeout, |t| t.min(rule.timeout));
+        let chain_request = ChainRequest {
+            method: request.method,
+            url: &request.url,
+            headers: &request.headers,
+            body: Bytes::from(request.body.clone()),
+            own_headers: &own_headers,
+            timeout,
+        };
         // Boxed, like the other large awaits here: the HTTP client's future is big,
         // and inline it would make every handler's state (moved on each spawn) big too.
         // The delivery's progress task keeps it meanwhile.
-        let chain = Box::pin(egress.perform(rule, request, &own_headers, timeout)).await;
-        let (status, failure) = match &chain.outcome {
-            AttemptOutcome::Response(r) => (Some(r.status), None),
-            AttemptOutcome::TooLarge { status, .. } => (Some(*status), None),
-            AttemptOutcome::HeadersTooLarge { status, .. } => (*status, None),
-            AttemptOutcome::Failed(f) => (None, Some(format!("{}: {}", f.kind, f.message))),
-            AttemptOutcome::Denied { message } => (None, Some(format!("denied: {message}"))),
-            AttemptOutcome::Invalid { message } => (None, Some(format!("invalid: {message}"))),
-        };
+        let chain = Box::pin(
+            shared
+                .worker
+                .perform(&policy, policy.hop_for(rule), chain_request),
+        )
+        .await;
         // A destination refused before any connection was never attempted.
-        let record = chain.connected.then(|| AttemptRecord {
-            at,
-            status,
-            failure,
-            duration_ms: millis(started.elapsed()),
-        });
+        let record = chain
+            .connected
+            .then(|| chain.outcome.record(at, millis(started.elapsed())));
         (chain.outcome, record)
     }
     .instrument(span.clone())
     .await;
     let Some(record) = record else {
-        if let AttemptOutcome::Denied { message } = &outcome {
-            span.record("failure", format!("denied: {message}").as_str());
+        if let Some(failure) = outcome.failure() {
+            span.record("failure", failure.as_str());
         }
         return (outcome, None);
     };
@@ -436,17 +437,10 @@ async fn attempt(
         (None, None) => &span,
     };
     span.record("duration_ms", as_i64(record.duration_ms));
-    let result = match &outcome {
-        AttemptOutcome::Response(r) => status_class(r.status),
-        AttemptOutcome::TooLarge { status, .. } => status_class(*status),
-        AttemptOutcome::HeadersTooLarge { status, .. } => status.map_or("other", status_class),
-        AttemptOutcome::Failed(f) => f.kind.as_str(),
-        AttemptOutcome::Denied { .. } | AttemptOutcome::Invalid { .. } => "other",
-    };
     shared.outlet.metrics.attempt(
         conversation.pool,
         &rule.name,
-        result,
+        outcome.class(),
         Duration::from_millis(record.duration_ms),
     );
     (outcome, Some(record))

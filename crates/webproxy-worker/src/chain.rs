@@ -1,0 +1,350 @@
+//! One attempt as the caller sees it: the request sent with its hop's headers, and
+//! the redirects the first hop's budget allows followed hop by hop. Every redirect hop
+//! is asked of the [`HopPolicy`] again (the rules and the secrets, which the worker does
+//! not know), checked by the address guard again, and sends only the credentials its
+//! own hop injects, only to that hop's origin. The messages the chain writes about its
+//! outcome are redacted by the policy. The decisions are pure (`redirect`,
+//! [`outgoing_headers`]); this module carries them out.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use thiserror::Error;
+use tokio::time::Instant;
+use url::{Origin, Url};
+use webproxy_protocol::Method;
+
+use crate::redirect::{Redirect, is_content_header, redirect};
+use crate::{AttemptOutcome, AttemptRequest, FailureKind, TransportFailure, Worker};
+
+/// What the worker must not know, given by the dispatcher: which hops the rules allow
+/// and with which headers, and which values are secret.
+pub trait HopPolicy {
+    /// The hop `method url` may make, or why it may not. Asked for every redirect hop;
+    /// `url` is canonical (see [`webproxy_protocol::canonical_url`]).
+    fn hop(&self, method: Method, url: &Url) -> Result<Hop, Denial>;
+
+    /// `text` with every secret value removed: applied to every message the chain
+    /// writes about its outcome.
+    fn redact<'t>(&self, text: &'t str) -> Cow<'t, str>;
+}
+
+/// One hop a policy allows.
+#[derive(Clone, Default)]
+pub struct Hop {
+    /// The rule the hop is sent under.
+    pub rule: String,
+    /// The caller's headers not sent (lower-case names).
+    pub drop_headers: Vec<String>,
+    /// Headers set from secrets, replacing the caller's of the same name.
+    pub inject: Vec<(String, String)>,
+    /// The one origin this hop may go to; a hop that injects must have one.
+    pub origin: Option<Origin>,
+    /// The redirect budget of a whole chain that starts with this hop.
+    pub follow_redirects: u32,
+}
+
+impl fmt::Debug for Hop {
+    /// Names the injected headers, never their values.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let injected: Vec<&str> = self.inject.iter().map(|(name, _)| name.as_str()).collect();
+        f.debug_struct("Hop")
+            .field("rule", &self.rule)
+            .field("drop_headers", &self.drop_headers)
+            .field("inject", &injected)
+            .field("origin", &self.origin)
+            .field("follow_redirects", &self.follow_redirects)
+            .finish()
+    }
+}
+
+/// Why a policy allows no hop to a URL; the message is the caller's.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{message}")]
+pub struct Denial {
+    pub message: String,
+}
+
+/// The caller's request, as the chain sends it.
+#[derive(Debug, Clone)]
+pub struct ChainRequest<'a> {
+    pub method: Method,
+    pub url: &'a Url,
+    /// The caller's headers.
+    pub headers: &'a [(String, String)],
+    pub body: Bytes,
+    /// Webproxy's own headers (an idempotency key, the trace context): they go on
+    /// every hop and replace the caller's of the same name.
+    pub own_headers: &'a [(String, String)],
+    /// For the whole chain.
+    pub timeout: Duration,
+}
+
+/// What the chain came to.
+#[derive(Debug)]
+pub struct Chain {
+    /// The last hop's outcome: its response (a 3xx when the budget ran out), or why
+    /// the chain ended.
+    pub outcome: AttemptOutcome,
+    /// Whether any connection was attempted: false when the first hop was refused by
+    /// the guard, which then counts as no attempt.
+    pub connected: bool,
+    /// Redirects followed.
+    pub redirects: u32,
+}
+
+impl Worker {
+    /// Sends `request` as the hop `first` and follows up to its `follow_redirects`, all
+    /// within the request's timeout. Secret values are redacted from every message.
+    pub async fn perform(
+        &self,
+        policy: &impl HopPolicy,
+        first: Hop,
+        request: ChainRequest<'_>,
+    ) -> Chain {
+        let mut chain = self.run(policy, first, request).await;
+        if let Some(message) = chain.outcome.message_mut()
+            && let Cow::Owned(redacted) = policy.redact(message)
+        {
+            *message = redacted;
+        }
+        chain
+    }
+
+    async fn run(&self, policy: &impl HopPolicy, first: Hop, request: ChainRequest<'_>) -> Chain {
+        let timeout = request.timeout;
+        let deadline = Instant::now() + timeout;
+        let budget = first.follow_redirects;
+        let mut hop = first;
+        let mut method = request.method;
+        let mut url = request.url.clone();
+        let mut body = request.body.clone();
+        let mut keep_content_headers = true;
+        let mut left_first_origin = false;
+        let mut connected = false;
+        let mut redirects = 0;
+        let end = |outcome, connected, redirects| Chain {
+            outcome,
+            connected,
+            redirects,
+        };
+        if let Err(message) = bound(&hop, &url) {
+            return end(AttemptOutcome::Denied { message }, connected, redirects);
+        }
+        loop {
+            let mut headers = outgoing_headers(request.headers, &hop, left_first_origin);
+            if !keep_content_headers {
+                headers.retain(|(name, _)| !is_content_header(name));
+            }
+            headers.retain(|(name, _)| {
+                !request
+                    .own_headers
+                    .iter()
+                    .any(|(own, _)| own.eq_ignore_ascii_case(name))
+            });
+            headers.extend(request.own_headers.iter().cloned());
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let outcome = if remaining.is_zero() {
+                timed_out(timeout)
+            } else {
+                self.attempt(AttemptRequest {
+                    method: method.as_str(),
+                    url: &url,
+                    headers: &headers,
+                    body: body.clone(),
+                    timeout: remaining,
+                })
+                .await
+            };
+            if !matches!(outcome, AttemptOutcome::Denied { .. }) {
+                connected = true;
+            }
+            let AttemptOutcome::Response(response) = &outcome else {
+                return end(outcome, connected, redirects);
+            };
+            let next = match redirect(method, &url, response.status, response.header("location")) {
+                Redirect::None => None,
+                // Past the budget the 3xx itself is the answer.
+                _ if redirects >= budget => None,
+                Redirect::Refused(message) => {
+                    return end(AttemptOutcome::Denied { message }, connected, redirects);
+                }
+                Redirect::Invalid(message) => {
+                    return end(AttemptOutcome::Invalid { message }, connected, redirects);
+                }
+                Redirect::Follow(next) => Some(next),
+            };
+            let Some(next) = next else {
+                return end(outcome, connected, redirects);
+            };
+            hop = match policy
+                .hop(next.method, &next.url)
+                .map_err(|denial| denial.message)
+                .and_then(|hop| bound(&hop, &next.url).map(|()| hop))
+            {
+                Ok(hop) => hop,
+                Err(why) => {
+                    let message = format!("redirect from {url}: {why}");
+                    return end(AttemptOutcome::Denied { message }, connected, redirects);
+                }
+            };
+            redirects += 1;
+            left_first_origin |= request.url.origin() != next.url.origin();
+            if !next.keep_body {
+                body = Bytes::new();
+                keep_content_headers = false;
+            }
+            method = next.method;
+            url = next.url;
+        }
+    }
+}
+
+/// Whether `hop` may go to `url`: a hop bound to an origin goes only there, and a hop
+/// that injects credentials must be bound to one. The policy refuses such hops itself;
+/// this is the worker's own check, so credentials never travel elsewhere whatever the
+/// policy returns.
+fn bound(hop: &Hop, url: &Url) -> Result<(), String> {
+    match &hop.origin {
+        Some(origin) if url.origin() != *origin => Err(format!(
+            "request rule {:?} is bound to origin {}, not {}",
+            hop.rule,
+            origin.ascii_serialization(),
+            url.origin().ascii_serialization()
+        )),
+        None if !hop.inject.is_empty() => Err(format!(
+            "request rule {:?} injects headers but names no origin",
+            hop.rule
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Caller headers that carry the caller's own credentials, which do not follow a
+/// redirect to another origin.
+const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "cookie", "cookie2", "proxy-authorization"];
+
+/// The headers one hop sends: the caller's, less the ones the hop drops, less any it
+/// injects (an injected header replaces the caller's, never merges), less the caller's
+/// credentials once the chain has left its first origin; then the hop's injections.
+fn outgoing_headers(
+    caller: &[(String, String)],
+    hop: &Hop,
+    left_first_origin: bool,
+) -> Vec<(String, String)> {
+    let dropped = |name: &str| {
+        let lower = name.to_ascii_lowercase();
+        hop.drop_headers.contains(&lower)
+            || hop
+                .inject
+                .iter()
+                .any(|(injected, _)| injected.eq_ignore_ascii_case(name))
+            || (left_first_origin && CREDENTIAL_HEADERS.contains(&lower.as_str()))
+    };
+    caller
+        .iter()
+        .filter(|(name, _)| !dropped(name))
+        .cloned()
+        .chain(hop.inject.iter().cloned())
+        .collect()
+}
+
+fn timed_out(timeout: Duration) -> AttemptOutcome {
+    AttemptOutcome::Failed(TransportFailure {
+        kind: FailureKind::Timeout,
+        may_have_reached_upstream: true,
+        message: format!(
+            "the redirect chain took longer than the attempt's timeout of {timeout:?}"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn outgoing_headers_drop_denied_replace_injected_and_strip_credentials_off_origin() {
+        let caller = pairs(&[
+            ("proxy-authorization", "x"),
+            ("X-Forwarded-Host", "evil"),
+            ("X-Rule-Denied", "y"),
+            ("authorization", "caller's"),
+            ("Cookie", "c=1"),
+            ("X-Api-Key", "caller-key"),
+            ("Accept", "text/plain"),
+        ]);
+        let hop = Hop {
+            drop_headers: vec![
+                "proxy-authorization".into(),
+                "x-forwarded-host".into(),
+                "x-rule-denied".into(),
+            ],
+            inject: pairs(&[("X-API-KEY", "secret")]),
+            ..Hop::default()
+        };
+        let same = outgoing_headers(&caller, &hop, false);
+        let names: Vec<&str> = same.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["authorization", "Cookie", "Accept", "X-API-KEY"]);
+        assert_eq!(same[3].1, "secret");
+
+        let elsewhere = Hop {
+            inject: Vec::new(),
+            ..hop
+        };
+        let elsewhere = outgoing_headers(&caller, &elsewhere, true);
+        let names: Vec<&str> = elsewhere.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["X-Api-Key", "Accept"]);
+    }
+
+    #[test]
+    fn a_hop_goes_only_to_its_origin_and_an_injecting_hop_needs_one() {
+        let url = |text: &str| Url::parse(text).expect(text);
+        let bound_to = |origin: &str| Hop {
+            rule: "partner".into(),
+            origin: Some(url(origin).origin()),
+            ..Hop::default()
+        };
+        let partner = bound_to("https://api.partner.com");
+        assert_eq!(
+            bound(&partner, &url("https://api.partner.com:443/x")),
+            Ok(())
+        );
+        for other in [
+            "http://api.partner.com/",
+            "https://api.partner.com:8443/",
+            "https://api.partner.com.evil.example/",
+        ] {
+            let why = bound(&partner, &url(other)).expect_err(other);
+            assert!(
+                why.contains("bound to origin https://api.partner.com"),
+                "{why}"
+            );
+        }
+        assert_eq!(bound(&Hop::default(), &url("https://any.example/")), Ok(()));
+        let unbound = Hop {
+            inject: pairs(&[("X-Api-Key", "k")]),
+            ..Hop::default()
+        };
+        assert!(bound(&unbound, &url("https://any.example/")).is_err());
+    }
+
+    #[test]
+    fn debug_of_a_hop_shows_no_injected_value() {
+        let hop = Hop {
+            inject: pairs(&[("Authorization", "Bearer tok-91")]),
+            ..Hop::default()
+        };
+        let shown = format!("{hop:?} {hop:#?}");
+        assert!(!shown.contains("tok-91"), "{shown}");
+        assert!(shown.contains("Authorization"), "{shown}");
+    }
+}
