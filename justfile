@@ -60,6 +60,11 @@ run:
 test: && test-python test-node
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
+    # Issue 15: the bench must not depend on the test package, which turns on the
+    # dispatcher's test-hooks in whatever is built with it, and `just bench` builds the
+    # release binary beside the bench. The output is captured first so that a failing
+    # `cargo tree` fails the recipe instead of passing the check.
+    tree="$(cargo tree -p webproxy -p webproxy-bench -e normal,build,features --prefix none)"; if grep -E '^webproxy-tests |^webproxy-dispatcher feature "test-hooks"' <<<"$tree"; then echo 'webproxy-bench (or webproxy beside it) pulls in webproxy-tests or test-hooks; use webproxy-testkit (issue 15)' >&2; exit 1; fi
     cargo build --workspace --bins
     # With the binary just built: `just deploy-check`'s own build would compile another feature set.
     bash scripts/deploy-check.sh

@@ -11,32 +11,11 @@ use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
 
 use crate::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
 
+pub use webproxy_testkit::rules::{accept_rule, path_rule};
+
 /// How long a test waits for a reply that should come at once; generous for a loaded
 /// 2-core CI machine.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// A request rule that accepts everything under `upstream`, in TOML.
-pub fn accept_rule(name: &str, upstream: &Upstream) -> String {
-    path_rule(name, upstream, "/")
-}
-
-/// A request rule that accepts every URL of `upstream` starting with `path`, in TOML;
-/// further keys of the rule (`pool`, `max_retries`, ...) may follow it.
-pub fn path_rule(name: &str, upstream: &Upstream, path: &str) -> String {
-    format!(
-        "[[request_rules]]\nname = \"{name}\"\nurl_pattern = '^{}'\n",
-        regex_escape(&upstream.url(path))
-    )
-}
-
-fn regex_escape(text: &str) -> String {
-    text.chars()
-        .flat_map(|c| {
-            let escape = "\\.+*?()|[]{}^$".contains(c);
-            escape.then_some('\\').into_iter().chain(std::iter::once(c))
-        })
-        .collect()
-}
 
 /// A request envelope with a fresh id.
 pub fn envelope(method: &str, url: &str) -> RequestEnvelope {

@@ -1,65 +1,27 @@
-//! Shared fixtures for webproxy's integration tests: a private nats-server per
-//! test, the `webproxy serve` binary as a subprocess, an in-process HTTP
-//! upstream that counts what it sees, and bounded polling helpers.
+//! webproxy's integration tests' fixtures: those the bench shares come from
+//! `webproxy-testkit` (a private nats-server per test, the `webproxy serve` binary as a
+//! subprocess, an in-process HTTP upstream, bounded waits) and are re-exported here at
+//! the paths the tests use; the rest (a caller's side of the protocol, a nats-server
+//! cluster, a TCP relay, a test CA, the deploy file's users) live in this package.
 //!
 //! Nothing here is shared between tests (ports, store dirs and config files are
 //! all per-fixture), so tests can run in parallel. Everything listens on and
 //! talks to loopback only (127.0.0.0/8, ::1).
 //!
-//! The service's address guard denies loopback by default, so [`Service::start`]
-//! sets `WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS=true`; guard tests start it with
-//! [`ServiceOptions::guarded`] and open exactly what they need in the config.
+//! This package enables `webproxy-dispatcher`'s `test-hooks`, so a workspace build gives
+//! the spawned binary the fault-injection hooks; the bench does not depend on it.
 
 pub mod authorized;
 pub mod caller;
 mod cluster;
-mod nats;
-pub mod recovery;
 mod relay;
-mod service;
 mod tls;
-mod upstream;
-mod wait;
-
-use std::sync::Once;
 
 pub use cluster::NatsCluster;
-pub use nats::NatsServer;
 pub use relay::Relay;
-pub use service::{ALLOW_PRIVATE_NETWORKS, Service, ServiceOptions, run_webproxy, webproxy_bin};
 pub use tls::TestCa;
-pub use upstream::{Gate, Upstream, default_routes};
-pub use wait::{closed_port, free_port, wait_for, wait_until};
-
-/// A reqwest client for talking to fixtures: no proxy, so a developer's
-/// `HTTP_PROXY` can never route loopback test traffic off the machine.
-pub fn http_client() -> reqwest::Client {
-    install_crypto_provider();
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("build reqwest client")
-}
-
-/// The workspace builds reqwest with `rustls-no-provider`, and building any
-/// client (even a plain-http one) panics unless a process-wide provider exists.
-fn install_crypto_provider() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // Err only means another provider is already installed, which is fine.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    });
-}
-
-/// The last `max` bytes of `text` (on a char boundary), for panic messages
-/// that should show the end of a log without flooding the terminal.
-fn tail(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut start = text.len() - max;
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    &text[start..]
-}
+pub use webproxy_testkit::recovery;
+pub use webproxy_testkit::{
+    ALLOW_PRIVATE_NETWORKS, Gate, NatsServer, Service, ServiceOptions, Upstream, closed_port,
+    default_routes, free_port, http_client, run_webproxy, wait_for, wait_until, webproxy_bin,
+};

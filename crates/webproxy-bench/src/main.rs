@@ -23,9 +23,9 @@ use futures::StreamExt as _;
 use serde::Serialize;
 use tokio::sync::oneshot;
 use webproxy_client::{Client, Request, new_id};
-use webproxy_tests::caller::accept_rule;
-use webproxy_tests::recovery::{Load, OUTAGE, restart_under_load};
-use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
+use webproxy_testkit::recovery::{Load, OUTAGE, restart_under_load};
+use webproxy_testkit::rules::accept_rule;
+use webproxy_testkit::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
 #[derive(Debug, Parser)]
 #[command(about = "Benchmark webproxy against direct calls and a broker-only loop")]

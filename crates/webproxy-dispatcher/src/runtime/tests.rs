@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use webproxy_protocol::{DeadLetter, Origin, header};
-use webproxy_tests::NatsServer;
+use webproxy_testkit::NatsServer;
 use webproxy_worker::{Worker, WorkerConfig};
 
 use super::delivery::DeliveryInfo;
