@@ -5,18 +5,20 @@
 //! lowest layer; only the fields of repeated items (pools, rules) have defaults in code.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 use webproxy_protocol::{Subjects, validate_pool_name};
 
+pub use crate::config_error::ConfigError;
+pub(crate) use crate::config_error::config_error;
+pub use crate::nats_auth::NatsConfig;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
-use crate::rules::{RequestRule, RequestRules, RuleAction};
+pub use crate::rules::{IdempotencyHeader, RequestRuleConfig};
+use crate::rules::{RequestRule, RequestRules};
+pub use crate::security::{ByteLimit, OutboundConfig};
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -36,66 +38,6 @@ pub struct Config {
     /// Global response rules; first match in file order wins.
     #[serde(default)]
     pub response_rules: Vec<ResponseRuleConfig>,
-}
-
-/// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
-/// URL without its credentials and the token and password as `[REDACTED]`.
-#[derive(Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct NatsConfig {
-    /// One server URL, or several separated by commas; a URL may carry credentials
-    /// (`nats://user:password@host`, `nats://token@host`).
-    #[serde(serialize_with = "serialize_redacted_urls")]
-    pub url: String,
-    /// Authentication and TLS; see `crate::nats_auth`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub credentials_file: Option<std::path::PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nkey_seed_file: Option<std::path::PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token: Option<crate::nats_auth::Secret>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub user: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub password: Option<crate::nats_auth::Secret>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_ca_file: Option<std::path::PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_cert_file: Option<std::path::PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_key_file: Option<std::path::PathBuf>,
-}
-
-fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&crate::nats_auth::redact_url_credentials(url))
-}
-
-impl fmt::Debug for NatsConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsConfig")
-            .field("url", &crate::nats_auth::redact_url_credentials(&self.url))
-            .field("credentials_file", &self.credentials_file)
-            .field("nkey_seed_file", &self.nkey_seed_file)
-            .field("token", &self.token)
-            .field("user", &self.user)
-            .field("password", &self.password)
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("tls_cert_file", &self.tls_cert_file)
-            .field("tls_key_file", &self.tls_key_file)
-            .finish()
-    }
-}
-
-impl NatsConfig {
-    /// The server URLs, trimmed.
-    pub fn urls(&self) -> Vec<String> {
-        self.url
-            .split(',')
-            .map(str::trim)
-            .filter(|u| !u.is_empty())
-            .map(str::to_string)
-            .collect()
-    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -121,23 +63,6 @@ pub struct StreamsConfig {
 #[serde(deny_unknown_fields)]
 pub struct HttpConfig {
     pub listen: SocketAddr,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct OutboundConfig {
-    pub max_response_bytes: ByteLimit,
-    /// The address guard; see `crate::security`.
-    pub allow_private_networks: bool,
-    pub allow_cidrs: Vec<String>,
-    pub deny_cidrs: Vec<String>,
-    /// Request limits: larger requests get `invalid_request`.
-    pub max_request_bytes: u64,
-    /// Header count and size limits, for requests and responses alike.
-    pub max_headers: usize,
-    pub max_header_bytes: usize,
-    /// Headers dropped from every request, whatever the caller sends.
-    pub deny_request_headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -183,47 +108,6 @@ pub struct TelemetryConfig {
     pub service_name: String,
 }
 
-/// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(untagged)]
-pub enum ByteLimit {
-    #[serde(serialize_with = "serialize_auto")]
-    Auto,
-    Bytes(u64),
-}
-
-fn serialize_auto<S: serde::Serializer>(s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str("auto")
-}
-
-impl<'de> Deserialize<'de> for ByteLimit {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct LimitVisitor;
-        impl Visitor<'_> for LimitVisitor {
-            type Value = ByteLimit;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("\"auto\" or a number of bytes")
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ByteLimit, E> {
-                Ok(ByteLimit::Bytes(v))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ByteLimit, E> {
-                u64::try_from(v)
-                    .map(ByteLimit::Bytes)
-                    .map_err(|_| E::custom("must not be negative"))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<ByteLimit, E> {
-                if v == "auto" {
-                    Ok(ByteLimit::Auto)
-                } else {
-                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
-                }
-            }
-        }
-        d.deserialize_any(LimitVisitor)
-    }
-}
-
 fn default_max_in_flight() -> u64 {
     256
 }
@@ -258,110 +142,12 @@ impl Default for PoolConfig {
     }
 }
 
-/// `"*"` or one HTTP method.
-fn default_method() -> String {
-    "*".into()
-}
-fn default_action() -> RuleAction {
-    RuleAction::Accept
-}
-fn default_pool() -> String {
-    "default".into()
-}
-fn default_timeout() -> Duration {
-    Duration::from_secs(30)
-}
-fn default_max_retries() -> u32 {
-    3
-}
-fn default_retry_delay() -> Duration {
-    Duration::from_secs(1)
-}
-fn default_backoff_factor() -> f64 {
-    2.0
-}
-fn default_max_retry_delay() -> Duration {
-    Duration::from_secs(300)
-}
-
-/// `true` for `Idempotency-Key`, or a header name.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(untagged)]
-pub enum IdempotencyHeader {
-    Enabled(bool),
-    Name(String),
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RequestRuleConfig {
-    pub name: String,
-    #[serde(default = "default_method")]
-    pub method: String,
-    pub url_pattern: String,
-    #[serde(default = "default_action")]
-    pub action: RuleAction,
-    #[serde(default = "default_pool")]
-    pub pool: String,
-    #[serde(default = "default_timeout", with = "humantime_serde")]
-    pub timeout: Duration,
-    #[serde(default = "default_max_retries")]
-    pub max_retries: u32,
-    #[serde(default = "default_retry_delay", with = "humantime_serde")]
-    pub retry_delay: Duration,
-    #[serde(default = "default_backoff_factor")]
-    pub backoff_factor: f64,
-    #[serde(default = "default_max_retry_delay", with = "humantime_serde")]
-    pub max_retry_delay: Duration,
-    #[serde(default)]
-    pub jitter: f64,
-    #[serde(default)]
-    pub retry_non_idempotent: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub idempotency_header: Option<IdempotencyHeader>,
-    /// Replaces the global response rules for requests this rule matches.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response_rules: Option<Vec<ResponseRuleConfig>>,
-    /// How many redirects the whole chain may follow; 0 returns the 3xx.
-    #[serde(default)]
-    pub follow_redirects: u32,
-    /// Headers set from secrets, replacing any the caller sends.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub inject_headers: BTreeMap<String, crate::secrets::SecretSource>,
-    /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
-    /// exactly with every hop sent under it; required with `inject_headers`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub origin: Option<String>,
-    /// Allows an `http://` origin (a loopback or test upstream): injected credentials
-    /// would travel in clear.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub allow_http: bool,
-    /// Headers dropped from this rule's requests, on top of the global list.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub deny_request_headers: Vec<String>,
-}
-
-/// A configuration that cannot run; the message names the key.
-#[derive(Debug, Error)]
-#[error("{key}: {message}")]
-pub struct ConfigError {
-    pub key: String,
-    pub message: String,
-}
-
 /// The longest a JetStream request (a publish's ack, an API call, a confirmed
 /// progress ack) is waited for: async-nats' 5 s, shortened to a third of `ack_wait`, so
 /// that a request that times out still leaves time for another before the server
 /// would redeliver the message it concerns.
 pub fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
     (ack_wait / 3).min(Duration::from_secs(5))
-}
-
-pub(crate) fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        key: key.into(),
-        message: message.into(),
-    }
 }
 
 /// A validated configuration: what `serve` runs on and `check-config` prints.

@@ -7,6 +7,7 @@
 
 pub mod backoff;
 pub mod config;
+pub mod config_error;
 pub mod decision;
 pub mod egress;
 pub mod gauges;
@@ -21,6 +22,7 @@ pub mod response_rules;
 pub mod retry;
 pub mod rules;
 pub mod runtime;
+pub mod secret_source;
 pub mod secrets;
 pub mod security;
 pub mod trace;
