@@ -6,18 +6,17 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use webproxy_protocol::{Subjects, validate_pool_name};
+use webproxy_protocol::Subjects;
 
+pub use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
 pub use crate::config_error::ConfigError;
 pub(crate) use crate::config_error::config_error;
 pub use crate::nats_auth::NatsConfig;
-use crate::response_rules::{ResponseRule, ResponseRuleConfig};
+use crate::response_rules::ResponseRuleConfig;
 pub use crate::rules::{IdempotencyHeader, RequestRuleConfig};
-use crate::rules::{RequestRule, RequestRules};
 pub use crate::security::{ByteLimit, OutboundConfig};
 
 /// The whole configuration file.
@@ -108,64 +107,20 @@ pub struct TelemetryConfig {
     pub service_name: String,
 }
 
-fn default_max_in_flight() -> u64 {
-    256
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct PoolConfig {
-    /// The pool consumer's `max_ack_pending`: concurrent attempts across all instances.
-    #[serde(default = "default_max_in_flight")]
-    pub max_in_flight: u64,
-    /// The most messages that may wait on the pool's request subject (and, separately,
-    /// on its retry subject); absent means unlimited.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_waiting: Option<u64>,
-    /// A request that waited longer than this before its first attempt is answered
-    /// `expired` instead of being sent late.
-    #[serde(
-        default,
-        with = "humantime_serde",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub queue_timeout: Option<Duration>,
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        PoolConfig {
-            max_in_flight: default_max_in_flight(),
-            max_waiting: None,
-            queue_timeout: None,
-        }
-    }
-}
-
-/// The longest a JetStream request (a publish's ack, an API call, a confirmed
-/// progress ack) is waited for: async-nats' 5 s, shortened to a third of `ack_wait`, so
-/// that a request that times out still leaves time for another before the server
-/// would redeliver the message it concerns.
-pub fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
-    (ack_wait / 3).min(Duration::from_secs(5))
-}
-
 /// A validated configuration: what `serve` runs on and `check-config` prints.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub config: Config,
     pub subjects: Subjects,
-    pub pools: BTreeMap<String, PoolConfig>,
-    pub rules: RequestRules,
-    /// What may leave this instance, and how.
-    pub outbound: crate::security::Outbound,
+    /// The cluster part, compiled.
+    pub cluster: Cluster,
 }
 
 impl Settings {
     /// What `check-config` (and `serve`, at start) warns about: a configuration that
     /// runs, but probably not as meant. Each names the key.
     pub fn warnings(&self) -> Vec<String> {
-        let mut warnings = self.rules.warnings();
+        let mut warnings = self.cluster.rules.warnings();
         let nats = &self.config.nats;
         let authenticated = nats.credentials_file.is_some()
             || nats.nkey_seed_file.is_some()
@@ -181,6 +136,18 @@ impl Settings {
 }
 
 impl Config {
+    /// The cluster part of the file: the document the dispatcher takes whole.
+    pub fn cluster(&self) -> ClusterConfig {
+        ClusterConfig {
+            outbound: self.outbound.clone(),
+            pools: self.pools.clone(),
+            request_rules: self.request_rules.clone(),
+            response_rules: self.response_rules.clone(),
+            ack_wait: self.service.ack_wait,
+            max_deliver: self.service.max_deliver,
+        }
+    }
+
     /// Checks everything that can be checked without a server and compiles the rules.
     pub fn validate(self) -> Result<Settings, ConfigError> {
         let subjects = Subjects::new(&self.streams.prefix)
@@ -196,18 +163,7 @@ impl Config {
         if !(1..=5).contains(&self.streams.replicas) {
             return Err(config_error("streams.replicas", "must be from 1 to 5"));
         }
-        if self.service.ack_wait < Duration::from_millis(300) {
-            return Err(config_error("service.ack_wait", "must be at least 300ms"));
-        }
-        let request_timeout = jetstream_request_timeout(self.service.ack_wait);
-        if request_timeout * 3 > self.service.ack_wait {
-            return Err(config_error(
-                "service.ack_wait",
-                format!(
-                    "must be at least three JetStream request timeouts ({request_timeout:?}), so a request that times out leaves a delivery time for a confirmed progress ack"
-                ),
-            ));
-        }
+        let cluster = self.cluster().validate()?;
         // A hop republished after a lost ack comes back within ack_wait; twice that
         // keeps the republish inside the window, where JetStream drops it as a duplicate.
         if self.streams.duplicate_window < self.service.ack_wait * 2 {
@@ -227,56 +183,9 @@ impl Config {
                 format!("{endpoint:?} is not an http or https URL"),
             ));
         }
-        if self.service.max_deliver == 0 {
-            return Err(config_error("service.max_deliver", "must be at least 1"));
-        }
-        let outbound = crate::security::Outbound::compile(&self.outbound)?;
-        let mut pools = self.pools.clone();
-        pools.entry("default".into()).or_default();
-        for (name, pool) in &pools {
-            validate_pool_name(name).map_err(|e| config_error(format!("pools.{name}"), e.0))?;
-            if pool.max_in_flight == 0 || pool.max_in_flight > i64::MAX as u64 {
-                return Err(config_error(
-                    format!("pools.{name}.max_in_flight"),
-                    "must be at least 1",
-                ));
-            }
-            if pool.max_waiting == Some(0) {
-                return Err(config_error(
-                    format!("pools.{name}.max_waiting"),
-                    "must be at least 1 (leave it out for unlimited)",
-                ));
-            }
-        }
-        let global_response_rules = self
-            .response_rules
-            .iter()
-            .enumerate()
-            .map(|(index, rule)| {
-                ResponseRule::compile(rule).map_err(|(field, message)| {
-                    config_error(format!("response_rules[{index}].{field}"), message)
-                })
-            })
-            .collect::<Result<Arc<[_]>, _>>()?;
-        let mut rules = Vec::with_capacity(self.request_rules.len());
-        for (index, rule) in self.request_rules.iter().enumerate() {
-            let key = |field: &str| format!("request_rules[{index}] ({}).{field}", rule.name);
-            if !pools.contains_key(&rule.pool) {
-                return Err(config_error(
-                    key("pool"),
-                    format!("unknown pool {:?}; define [pools.{}]", rule.pool, rule.pool),
-                ));
-            }
-            rules.push(
-                RequestRule::compile(rule, &global_response_rules)
-                    .map_err(|(field, message)| config_error(key(&field), message))?,
-            );
-        }
         Ok(Settings {
             subjects,
-            pools,
-            rules: RequestRules::new(rules),
-            outbound,
+            cluster,
             config: self,
         })
     }

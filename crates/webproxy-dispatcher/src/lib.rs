@@ -6,6 +6,7 @@
 //! `provision`.
 
 pub mod backoff;
+pub mod cluster;
 pub mod config;
 pub mod config_error;
 pub mod decision;
@@ -49,7 +50,7 @@ impl Instruments {
         Instruments {
             health: Arc::new(Health::new()),
             metrics: Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-            gauges: Arc::new(Gauges::new(settings.pools.keys())),
+            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
         }
     }
 

@@ -193,7 +193,7 @@ pub fn pool_consumer_config(
         description: Some(format!("webproxy pool {pool}: the concurrency limit")),
         filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
         ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: settings.config.service.ack_wait,
+        ack_wait: settings.cluster.ack_wait,
         max_ack_pending: i64::try_from(config.max_in_flight).unwrap_or(i64::MAX),
         // Unlimited: poison messages are counted and ended by the dispatcher itself.
         max_deliver: -1,
@@ -497,7 +497,7 @@ pub async fn provision(
         .await
         .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
     let mut consumers = Vec::new();
-    for (pool, pool_config) in &settings.pools {
+    for (pool, pool_config) in &settings.cluster.pools {
         consumers.push(provision_pool(js, settings, pool, pool_config).await?);
     }
     Ok(Provisioned {
@@ -583,7 +583,7 @@ pub async fn recreate_pool_consumer(
     let stream_name = settings.subjects.pool_stream(pool);
     let name = settings.subjects.pool_consumer(pool);
     let what = format!("consumer {name} on {stream_name}");
-    let Some(pool_config) = settings.pools.get(pool) else {
+    let Some(pool_config) = settings.cluster.pools.get(pool) else {
         return Err(provision_error(
             what,
             format!("pool {pool} is not in this instance's config"),

@@ -104,6 +104,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         eprintln!("warning: {warning}");
     }
     let rules = settings
+        .cluster
         .rules
         .iter()
         .map(|r| EffectiveRule {
@@ -129,7 +130,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         nats: &settings.config.nats,
         streams: &settings.config.streams,
         outbound: &settings.config.outbound,
-        pools: &settings.pools,
+        pools: &settings.cluster.pools,
         request_rules: rules,
         warnings,
     };
@@ -143,7 +144,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         println!("configuration is valid, with {} warnings", warnings.len());
     }
     println!("prefix: {}", settings.subjects.prefix());
-    let guard = &settings.outbound.guard;
+    let guard = &settings.cluster.outbound.guard;
     let nets = |nets: &[webproxy_dispatcher::ipnet::IpNet]| {
         nets.iter()
             .map(ToString::to_string)
@@ -161,7 +162,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         nets(&guard.deny)
     );
     println!("pools:");
-    for (name, pool) in &settings.pools {
+    for (name, pool) in &settings.cluster.pools {
         let waiting = pool
             .max_waiting
             .map_or("unlimited".to_string(), |m| m.to_string());
@@ -240,16 +241,16 @@ mod tests {
     fn defaults_alone_are_valid() {
         let settings = load(None).expect("defaults load");
         assert_eq!(settings.subjects.prefix(), "webproxy");
-        assert_eq!(settings.pools["default"].max_in_flight, 256);
-        assert_eq!(settings.rules.iter().count(), 0);
+        assert_eq!(settings.cluster.pools["default"].max_in_flight, 256);
+        assert_eq!(settings.cluster.rules.iter().count(), 0);
     }
 
     #[test]
     fn example_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/webproxy.toml");
         let settings = load(Some(&path)).expect("example loads");
-        assert!(settings.pools.contains_key("default"));
-        assert!(settings.rules.iter().count() > 0);
+        assert!(settings.cluster.pools.contains_key("default"));
+        assert!(settings.cluster.rules.iter().count() > 0);
         assert!(settings.warnings().is_empty(), "{:?}", settings.warnings());
     }
 
@@ -291,7 +292,7 @@ mod tests {
             jail.set_env("WEBPROXY_POOLS__P1__MAX_IN_FLIGHT", "3");
             let settings = load(Some(Path::new("webproxy.toml"))).map_err(|e| e.to_string())?;
             assert_eq!(settings.config.nats.url, "nats://env:4222");
-            assert_eq!(settings.pools["p1"].max_in_flight, 3);
+            assert_eq!(settings.cluster.pools["p1"].max_in_flight, 3);
             Ok(())
         });
     }
@@ -368,7 +369,7 @@ mod tests {
     #[test]
     fn default_pool_exists_beside_others() {
         let settings = load_text("[pools.p1]\nmax_in_flight = 1\n").expect("loads");
-        assert!(settings.pools.contains_key("default"));
-        assert_eq!(settings.pools["p1"].max_in_flight, 1);
+        assert!(settings.cluster.pools.contains_key("default"));
+        assert_eq!(settings.cluster.pools["p1"].max_in_flight, 1);
     }
 }

@@ -27,7 +27,8 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         warn!("configuration: {warning}");
     }
     let secrets = Arc::new(
-        Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
+        Secrets::load(&settings.cluster.rules, redactor)
+            .context("cannot read an injected secret")?,
     );
     let settings = Arc::new(settings);
     let instruments = Instruments::new(&settings);
@@ -64,15 +65,15 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
 
     let mut js = async_nats::jetstream::new(client.clone());
-    js.set_timeout(jetstream_request_timeout(settings.config.service.ack_wait));
+    js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
     let Some(provisioned) = provision_until_done(&js, &settings, &shutdown).await else {
         return Ok(());
     };
     let worker = Worker::new(&WorkerConfig {
         max_response_bytes,
-        guard: settings.outbound.guard.clone(),
-        max_response_headers: settings.outbound.max_headers,
-        max_response_header_bytes: settings.outbound.max_header_bytes,
+        guard: settings.cluster.outbound.guard.clone(),
+        max_response_headers: settings.cluster.outbound.max_headers,
+        max_response_header_bytes: settings.cluster.outbound.max_header_bytes,
     })?;
     let dispatcher = Dispatcher::new(
         settings.clone(),
@@ -93,7 +94,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     {
         return Ok(());
     }
-    info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
+    info!(pools = ?settings.cluster.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
         .run(
             provisioned.pools,
@@ -216,7 +217,7 @@ async fn reload_on_hangup(settings: Arc<Settings>, secrets: Arc<Secrets>) {
         }
     };
     while hangups.recv().await.is_some() {
-        match secrets.reload_files(&settings.rules) {
+        match secrets.reload_files(&settings.cluster.rules) {
             Ok(files) => info!(files, "SIGHUP: secret files reloaded"),
             Err(e) => {
                 error!(error = %e, "SIGHUP: secret files not reloaded; the old values stay in use")

@@ -61,7 +61,7 @@ pub async fn connect(
     health: Arc<Health>,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let events = health.clone();
-    let ack_wait = settings.config.service.ack_wait;
+    let ack_wait = settings.cluster.ack_wait;
     let client = crate::nats_auth::connect_options(&settings.config.nats)
         .await?
         .name("webproxy")
@@ -142,7 +142,7 @@ impl Dispatcher {
         );
         outlet
             .js
-            .set_timeout(jetstream_request_timeout(settings.config.service.ack_wait));
+            .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
         Dispatcher {
             shared: Arc::new(Shared {
                 gauges: instruments.gauges,
@@ -171,6 +171,7 @@ impl Dispatcher {
             let limit = self
                 .shared
                 .settings
+                .cluster
                 .pools
                 .get(&pool)
                 .map_or(1, |p| p.max_in_flight);
@@ -293,7 +294,7 @@ async fn pull_loop(
     attempts: TaskTracker,
     shutdown: CancellationToken,
 ) {
-    let policy = LivenessPolicy::for_ack_wait(shared.settings.config.service.ack_wait);
+    let policy = LivenessPolicy::for_ack_wait(shared.settings.cluster.ack_wait);
     let mut connections = shared.health.connections();
     let mut failures = 0u32;
     loop {

@@ -69,9 +69,9 @@ impl Fixture {
             .expect("provisioned");
         let worker = Worker::new(&WorkerConfig {
             max_response_bytes: 64 * 1024,
-            guard: settings.outbound.guard.clone(),
-            max_response_headers: settings.outbound.max_headers,
-            max_response_header_bytes: settings.outbound.max_header_bytes,
+            guard: settings.cluster.outbound.guard.clone(),
+            max_response_headers: settings.cluster.outbound.max_headers,
+            max_response_header_bytes: settings.cluster.outbound.max_header_bytes,
         })
         .expect("worker");
         let secrets = Secrets::empty();
@@ -85,7 +85,7 @@ impl Fixture {
         );
         let shared = Shared {
             health: Arc::new(Health::new()),
-            gauges: Arc::new(Gauges::new(settings.pools.keys())),
+            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
             settings: Arc::new(settings),
             outlet,
             worker,
@@ -114,7 +114,7 @@ impl Fixture {
         delivery: &FakeDelivery,
         delivered: tokio::time::Instant,
     ) -> Settled {
-        let policy = LivenessPolicy::for_ack_wait(self.shared.settings.config.service.ack_wait);
+        let policy = LivenessPolicy::for_ack_wait(self.shared.settings.cluster.ack_wait);
         let liveness = Liveness::new(policy, delivered);
         handle_delivery(&self.shared, "default", delivery, &liveness).await
     }
