@@ -196,10 +196,22 @@ async fn connect_until_up(
     health: &Arc<Health>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<(async_nats::Client, async_nats::ServerInfo)>> {
-    let client = connect(settings, health.clone()).await.with_context(|| {
-        let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+    let nats = &settings.config.nats;
+    let context = || {
+        let url = nats_auth::redact_url_credentials(&nats.url);
         format!("cannot connect to NATS at {url}")
-    })?;
+    };
+    let options = nats_auth::connect_options(nats)
+        .await
+        .with_context(context)?;
+    let client = connect(
+        options,
+        nats.urls(),
+        settings.cluster.ack_wait,
+        health.clone(),
+    )
+    .await
+    .with_context(context)?;
     tokio::select! {
         server = server_info(&client) => Ok(Some((client, server?))),
         _ = shutdown.cancelled() => Ok(None),
