@@ -1,44 +1,19 @@
-//! The service's configuration as typed structs, and its validation into the form the
-//! dispatcher runs on (rules compiled, pools checked).
-//!
-//! Top-level defaults live in `config/default.toml`, which the binary loads as figment's
-//! lowest layer; only the fields of repeated items (pools, rules) have defaults in code.
+//! The settings the dispatcher runs on: the `[streams]` settings (deployment-wide,
+//! read at start), the subjects they give, and the compiled cluster part
+//! ([`crate::cluster`]). The file's schema and the process part are the binary's.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Subjects;
 
 pub use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
-pub use crate::config_error::ConfigError;
-pub(crate) use crate::config_error::config_error;
-pub use crate::nats_auth::NatsConfig;
-use crate::response_rules::ResponseRuleConfig;
+pub use crate::config_error::{ConfigError, config_error};
+pub use crate::response_rules::ResponseRuleConfig;
 pub use crate::rules::{IdempotencyHeader, RequestRuleConfig};
 pub use crate::security::{ByteLimit, OutboundConfig};
 
-/// The whole configuration file.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Config {
-    pub nats: NatsConfig,
-    pub streams: StreamsConfig,
-    pub http: HttpConfig,
-    pub outbound: OutboundConfig,
-    pub service: ServiceConfig,
-    pub log: LogConfig,
-    pub telemetry: TelemetryConfig,
-    #[serde(default)]
-    pub pools: BTreeMap<String, PoolConfig>,
-    #[serde(default)]
-    pub request_rules: Vec<RequestRuleConfig>,
-    /// Global response rules; first match in file order wins.
-    #[serde(default)]
-    pub response_rules: Vec<ResponseRuleConfig>,
-}
-
+/// The `[streams]` settings.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamsConfig {
@@ -58,142 +33,43 @@ pub struct StreamsConfig {
     pub duplicate_window: Duration,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct HttpConfig {
-    pub listen: SocketAddr,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct ServiceConfig {
-    /// How long the server waits for an ack before it redelivers; attempts send
-    /// progress acks every third of it.
-    #[serde(with = "humantime_serde")]
-    pub ack_wait: Duration,
-    /// How long a stopping instance waits for its attempts in flight.
-    #[serde(with = "humantime_serde")]
-    pub shutdown_grace: Duration,
-    /// A pool message delivered more often than this crashed or stalled an instance
-    /// that many times: it is answered `internal` and dead-lettered, not attempted.
-    pub max_deliver: u32,
-}
-
-/// How logs are written.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct LogConfig {
-    pub format: LogFormat,
-    /// A tracing filter (`info`, `webproxy=debug,info`); `RUST_LOG` overrides it.
-    pub level: String,
-}
-
-/// `auto` is text on a terminal and JSON otherwise.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    Auto,
-    Json,
-    Text,
-}
-
-/// Trace export.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TelemetryConfig {
-    /// The OTLP/HTTP base URL (`http://collector:4318`); empty turns export off. Spans
-    /// and context propagation exist either way.
-    pub otlp_endpoint: String,
-    pub service_name: String,
-}
-
-/// A validated configuration: what `serve` runs on and `check-config` prints.
+/// What the dispatcher runs on: the streams, their subjects and the cluster part.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub config: Config,
+    pub streams: StreamsConfig,
     pub subjects: Subjects,
     /// The cluster part, compiled.
     pub cluster: Cluster,
 }
 
 impl Settings {
-    /// What `check-config` (and `serve`, at start) warns about: a configuration that
-    /// runs, but probably not as meant. Each names the key.
-    pub fn warnings(&self) -> Vec<String> {
-        let mut warnings = self.cluster.rules.warnings();
-        let nats = &self.config.nats;
-        let authenticated = nats.credentials_file.is_some()
-            || nats.nkey_seed_file.is_some()
-            || nats.token.is_some()
-            || nats.user.is_some();
-        if authenticated && self.config.streams.reply_to_allow.is_empty() {
-            warnings.push(
-                "streams.reply_to_allow is empty although [nats] names credentials: NATS permissions probably confine the callers, yet a request's reply_to may name any unreserved subject, another caller's or another deployment's replies included; list the callers' reply subjects, e.g. [\"callers.*.replies.>\"]".into(),
-            );
-        }
-        warnings
-    }
-}
-
-impl Config {
-    /// The cluster part of the file: the document the dispatcher takes whole.
-    pub fn cluster(&self) -> ClusterConfig {
-        ClusterConfig {
-            outbound: self.outbound.clone(),
-            pools: self.pools.clone(),
-            request_rules: self.request_rules.clone(),
-            response_rules: self.response_rules.clone(),
-            ack_wait: self.service.ack_wait,
-            max_deliver: self.service.max_deliver,
-        }
-    }
-
-    /// Checks everything that can be checked without a server and compiles the rules.
-    pub fn validate(self) -> Result<Settings, ConfigError> {
-        let subjects = Subjects::new(&self.streams.prefix)
+    /// Checks `[streams]` and compiles the cluster part; an error names the key.
+    pub fn new(streams: StreamsConfig, cluster: ClusterConfig) -> Result<Settings, ConfigError> {
+        let subjects = Subjects::new(&streams.prefix)
             .map_err(|e| config_error("streams.prefix", e.to_string()))?
-            .with_reply_to_allow(&self.streams.reply_to_allow)
+            .with_reply_to_allow(&streams.reply_to_allow)
             .map_err(|(i, e)| {
                 config_error(format!("streams.reply_to_allow[{i}]"), e.to_string())
             })?;
-        if self.nats.urls().is_empty() {
-            return Err(config_error("nats.url", "names no server"));
-        }
-        crate::nats_auth::check(&self.nats)?;
-        if !(1..=5).contains(&self.streams.replicas) {
+        if !(1..=5).contains(&streams.replicas) {
             return Err(config_error("streams.replicas", "must be from 1 to 5"));
-        }
-        let cluster = self.cluster().validate()?;
-        // A hop republished after a lost ack comes back within ack_wait; twice that
-        // keeps the republish inside the window, where JetStream drops it as a duplicate.
-        if self.streams.duplicate_window < self.service.ack_wait * 2 {
-            return Err(config_error(
-                "streams.duplicate_window",
-                format!(
-                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
-                    self.service.ack_wait, self.streams.duplicate_window
-                ),
-            ));
-        }
-        let endpoint = self.telemetry.otlp_endpoint.trim();
-        let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
-        if !endpoint.is_empty() && !is_http {
-            return Err(config_error(
-                "telemetry.otlp_endpoint",
-                format!("{endpoint:?} is not an http or https URL"),
-            ));
         }
         Ok(Settings {
             subjects,
-            cluster,
-            config: self,
+            cluster: cluster.validate()?,
+            streams,
         })
     }
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use super::Config;
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use serde::Deserialize;
+
+    use super::*;
 
     fn merge(base: &mut toml::Table, over: toml::Table) {
         for (key, value) in over {
@@ -206,51 +82,64 @@ pub(crate) mod tests {
         }
     }
 
+    /// The keys of the file the dispatcher reads; the process keys are left out.
+    #[derive(Deserialize)]
+    struct File {
+        streams: StreamsConfig,
+        outbound: OutboundConfig,
+        service: Service,
+        #[serde(default)]
+        pools: BTreeMap<String, PoolConfig>,
+        #[serde(default)]
+        request_rules: Vec<RequestRuleConfig>,
+        #[serde(default)]
+        response_rules: Vec<ResponseRuleConfig>,
+    }
+
+    #[derive(Deserialize)]
+    struct Service {
+        #[serde(with = "humantime_serde")]
+        ack_wait: Duration,
+        max_deliver: u32,
+    }
+
     /// The compiled-in defaults with `extra` (TOML) laid over them, as the binary's
-    /// configuration layers do.
-    pub(crate) fn config_from(extra: &str) -> Config {
+    /// configuration layers do, as the dispatcher's settings.
+    pub(crate) fn settings_from(extra: &str) -> Result<Settings, ConfigError> {
         let mut base: toml::Table =
             toml::from_str(include_str!("../../../config/default.toml")).expect("defaults");
         merge(&mut base, toml::from_str(extra).expect("test TOML"));
-        toml::Value::Table(base).try_into().expect("a config")
+        let file: File = toml::Value::Table(base).try_into().expect("a config");
+        Settings::new(
+            file.streams,
+            ClusterConfig {
+                outbound: file.outbound,
+                pools: file.pools,
+                request_rules: file.request_rules,
+                response_rules: file.response_rules,
+                ack_wait: file.service.ack_wait,
+                max_deliver: file.service.max_deliver,
+            },
+        )
     }
 
     #[test]
     fn the_jetstream_request_timeout_fits_ack_wait() {
-        use std::time::Duration;
         assert_eq!(
-            super::jetstream_request_timeout(Duration::from_secs(15)),
+            jetstream_request_timeout(Duration::from_secs(15)),
             Duration::from_secs(5)
         );
         assert_eq!(
-            super::jetstream_request_timeout(Duration::from_secs(60)),
+            jetstream_request_timeout(Duration::from_secs(60)),
             Duration::from_secs(5)
         );
         assert_eq!(
-            super::jetstream_request_timeout(Duration::from_secs(2)),
+            jetstream_request_timeout(Duration::from_secs(2)),
             Duration::from_secs(2) / 3
         );
         for ack_wait in ["300ms", "2s", "15s", "1m"] {
-            let config = config_from(&format!(
-                "[service]\nack_wait = \"{ack_wait}\"\n[streams]\nduplicate_window = \"10m\""
-            ));
-            assert!(config.validate().is_ok(), "{ack_wait}");
+            let settings = settings_from(&format!("[service]\nack_wait = \"{ack_wait}\""));
+            assert!(settings.is_ok(), "{ack_wait}");
         }
-    }
-
-    #[test]
-    fn a_duplicate_window_under_twice_ack_wait_is_refused() {
-        let error = config_from("[streams]\nduplicate_window = \"20s\"")
-            .validate()
-            .expect_err("20s < 2 x 15s");
-        assert!(
-            error.to_string().contains("streams.duplicate_window"),
-            "{error}"
-        );
-        assert!(
-            config_from("[streams]\nduplicate_window = \"30s\"")
-                .validate()
-                .is_ok()
-        );
     }
 }

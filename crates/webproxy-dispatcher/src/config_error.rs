@@ -10,7 +10,8 @@ pub struct ConfigError {
     pub message: String,
 }
 
-pub(crate) fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+/// A [`ConfigError`] for `key`.
+pub fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         key: key.into(),
         message: message.into(),

@@ -15,7 +15,6 @@ pub mod gauges;
 pub mod health;
 pub mod hop;
 pub mod metrics;
-pub mod nats_auth;
 pub mod outbox;
 pub mod plan;
 pub mod provision;
@@ -28,7 +27,7 @@ pub mod secrets;
 pub mod security;
 pub mod trace;
 
-pub use config::{Config, ConfigError, Settings};
+pub use config::{ConfigError, Settings};
 pub use gauges::Gauges;
 pub use health::Health;
 pub use ipnet;

@@ -175,9 +175,7 @@ mod tests {
             url_pattern = '^https://a\.test/'
             action = "accept"
         "#;
-        crate::config::tests::config_from(toml)
-            .validate()
-            .expect("valid config")
+        crate::config::tests::settings_from(toml).expect("valid config")
     }
 
     fn parsed(json: &str) -> Result<Request, ParseError> {

@@ -167,10 +167,10 @@ pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) 
             subjects.hop_filter(pool),
             subjects.retry_filter(pool),
         ],
-        duplicate_window: settings.config.streams.duplicate_window,
+        duplicate_window: settings.streams.duplicate_window,
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
-        num_replicas: settings.config.streams.replicas,
+        num_replicas: settings.streams.replicas,
         max_messages_per_subject: max_waiting,
         // Per-subject discard-new rejects a publish into a full queue at once, so
         // callers feel back-pressure. Hop and retry subjects hold one message each, so
@@ -258,7 +258,7 @@ fn limits_stream(
 /// The stream that stores final replies: one subject per conversation, never the live
 /// copies on `<prefix>.reply.<id>`.
 pub fn replies_stream_config(settings: &Settings) -> stream::Config {
-    let streams = &settings.config.streams;
+    let streams = &settings.streams;
     limits_stream(
         settings.subjects.replies_stream(),
         settings.subjects.stored_reply_wildcard(),
@@ -271,7 +271,7 @@ pub fn replies_stream_config(settings: &Settings) -> stream::Config {
 
 /// The stream that stores dead letters.
 pub fn dead_stream_config(settings: &Settings) -> stream::Config {
-    let streams = &settings.config.streams;
+    let streams = &settings.streams;
     limits_stream(
         settings.subjects.dead_stream(),
         settings.subjects.dead_wildcard(),
@@ -285,7 +285,7 @@ pub fn dead_stream_config(settings: &Settings) -> stream::Config {
 /// The bucket of progress records. Records outlive no dead letter: a conversation
 /// that parked may be replayed as long as its letter is kept.
 pub fn progress_bucket_config(settings: &Settings) -> kv::Config {
-    let streams = &settings.config.streams;
+    let streams = &settings.streams;
     kv::Config {
         bucket: settings.subjects.progress_bucket(),
         description:

@@ -20,7 +20,7 @@ use super::progress::{Progress, Record};
 use super::publish::Outlet;
 use super::settle::Settled;
 use super::{Gauges, Health, Shared};
-use crate::config::tests::config_from;
+use crate::config::tests::settings_from;
 use crate::hop::{HopState, subject_token};
 use crate::metrics::Metrics;
 use crate::secrets::Secrets;
@@ -44,7 +44,7 @@ impl Fixture {
     pub(super) async fn start() -> Fixture {
         let nats = NatsServer::start();
         let url = format!("http://127.0.0.1:{}/x", closed_port());
-        let settings = config_from(&format!(
+        let settings = settings_from(&format!(
             r#"
             [nats]
             url = "{}"
@@ -60,7 +60,6 @@ impl Fixture {
             "#,
             nats.url()
         ))
-        .validate()
         .expect("valid config");
         let client = nats.client().await;
         let js = jetstream::new(client.clone());

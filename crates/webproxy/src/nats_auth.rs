@@ -10,8 +10,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use webproxy_protocol::SERVICE_INBOX;
 
-use crate::config_error::{ConfigError, config_error};
-use crate::secrets::REDACTED;
+use webproxy_dispatcher::config::{ConfigError, config_error};
+use webproxy_dispatcher::secrets::REDACTED;
 
 /// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
 /// URL without its credentials and the token and password as `[REDACTED]`.
@@ -79,6 +79,7 @@ impl NatsConfig {
 pub struct Secret(String);
 
 impl Secret {
+    #[cfg(test)]
     pub fn new(value: impl Into<String>) -> Secret {
         Secret(value.into())
     }
@@ -452,7 +453,7 @@ mod tests {
         std::fs::write(&dir, creds).expect("write");
         let mut config = nats();
         config.credentials_file = Some(dir.clone());
-        let redactor = crate::secrets::Redactor::default();
+        let redactor = webproxy_dispatcher::secrets::Redactor::default();
         redactor.add_fixed(secret_values(&config));
         let line = format!("connecting with {seed} failed");
         assert_eq!(redactor.redact(&line), "connecting with [REDACTED] failed");
