@@ -3,7 +3,7 @@
 //! typed document ([`ClusterConfig`]) that the dispatcher takes whole and compiles
 //! whole ([`ClusterConfig::validate`] into a [`Cluster`]); it keeps the file's keys,
 //! which error messages name. The process part (`[nats]`, `[streams]`, `[http]`,
-//! `[log]`, `[telemetry]`, `[service] shutdown_grace`) is the rest of `config::Config`.
+//! `[log]`, `[telemetry]`, `[service] shutdown_grace`) is the binary's.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
