@@ -163,27 +163,19 @@ impl Config {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::Config;
+mod tests {
+    use figment::Figment;
+    use figment::providers::{Format as _, Toml};
 
-    fn merge(base: &mut toml::Table, over: toml::Table) {
-        for (key, value) in over {
-            match (base.get_mut(&key), value) {
-                (Some(toml::Value::Table(base)), toml::Value::Table(over)) => merge(base, over),
-                (_, value) => {
-                    base.insert(key, value);
-                }
-            }
-        }
-    }
+    use super::Config;
 
     /// The compiled-in defaults with `extra` (TOML) laid over them, as the
     /// configuration layers do.
-    pub(crate) fn config_from(extra: &str) -> Config {
-        let mut base: toml::Table =
-            toml::from_str(include_str!("../../../config/default.toml")).expect("defaults");
-        merge(&mut base, toml::from_str(extra).expect("test TOML"));
-        toml::Value::Table(base).try_into().expect("a config")
+    fn config_from(extra: &str) -> Config {
+        Figment::from(Toml::string(crate::cfg::DEFAULT_CONFIG))
+            .merge(Toml::string(extra))
+            .extract()
+            .expect("a config")
     }
 
     #[test]
