@@ -154,3 +154,32 @@ impl ClusterConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::jetstream_request_timeout;
+
+    #[test]
+    fn the_jetstream_request_timeout_fits_ack_wait() {
+        assert_eq!(
+            jetstream_request_timeout(Duration::from_secs(15)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            jetstream_request_timeout(Duration::from_secs(60)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            jetstream_request_timeout(Duration::from_secs(2)),
+            Duration::from_secs(2) / 3
+        );
+        for ack_wait in ["300ms", "2s", "15s", "1m"] {
+            let settings = crate::config::tests::settings_from(&format!(
+                "[service]\nack_wait = \"{ack_wait}\""
+            ));
+            assert!(settings.is_ok(), "{ack_wait}");
+        }
+    }
+}
