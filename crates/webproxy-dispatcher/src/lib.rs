@@ -6,14 +6,15 @@
 //! `provision`.
 
 pub mod backoff;
+pub mod cluster;
 pub mod config;
+pub mod config_error;
 pub mod decision;
 pub mod egress;
 pub mod gauges;
 pub mod health;
 pub mod hop;
 pub mod metrics;
-pub mod nats_auth;
 pub mod outbox;
 pub mod plan;
 pub mod provision;
@@ -21,11 +22,12 @@ pub mod response_rules;
 pub mod retry;
 pub mod rules;
 pub mod runtime;
+pub mod secret_source;
 pub mod secrets;
 pub mod security;
 pub mod trace;
 
-pub use config::{Config, ConfigError, Settings};
+pub use config::{ConfigError, Settings};
 pub use gauges::Gauges;
 pub use health::Health;
 pub use ipnet;
@@ -47,7 +49,7 @@ impl Instruments {
         Instruments {
             health: Arc::new(Health::new()),
             metrics: Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-            gauges: Arc::new(Gauges::new(settings.pools.keys())),
+            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
         }
     }
 

@@ -67,7 +67,7 @@ pub fn max_envelope_bytes(max_payload: usize) -> usize {
 
 /// Decides what happens to a delivery.
 pub fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
-    let max_deliver = input.settings.config.service.max_deliver;
+    let max_deliver = input.settings.cluster.max_deliver;
     if input.delivered > u64::from(max_deliver) {
         return Plan::Poison(ErrorBody {
             code: ErrorCode::Internal,
@@ -108,11 +108,11 @@ pub fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
         };
     }
     let settings = input.settings;
-    let rule = match admit(request, &settings.rules) {
+    let rule = match admit(request, &settings.cluster.rules) {
         Admission::Reject { error, rule } => return Plan::Reject { error, rule },
         Admission::Attempt(rule) => rule,
     };
-    if let Err(error) = crate::security::check_request(request, &settings.outbound) {
+    if let Err(error) = crate::security::check_request(request, &settings.cluster.outbound) {
         return Plan::Reject {
             error,
             rule: Some(rule),
@@ -122,6 +122,7 @@ pub fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
     // The queue that counts is the rule's pool's, where the request runs; a moved
     // request's wait counts from the caller's publish all the same.
     let queued = settings
+        .cluster
         .pools
         .get(&rule.pool)
         .and_then(|p| p.queue_timeout)
@@ -174,9 +175,7 @@ mod tests {
             url_pattern = '^https://a\.test/'
             action = "accept"
         "#;
-        crate::config::tests::config_from(toml)
-            .validate()
-            .expect("valid config")
+        crate::config::tests::settings_from(toml).expect("valid config")
     }
 
     fn parsed(json: &str) -> Result<Request, ParseError> {

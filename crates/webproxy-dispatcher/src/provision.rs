@@ -167,10 +167,10 @@ pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) 
             subjects.hop_filter(pool),
             subjects.retry_filter(pool),
         ],
-        duplicate_window: settings.config.streams.duplicate_window,
+        duplicate_window: settings.streams.duplicate_window,
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
-        num_replicas: settings.config.streams.replicas,
+        num_replicas: settings.streams.replicas,
         max_messages_per_subject: max_waiting,
         // Per-subject discard-new rejects a publish into a full queue at once, so
         // callers feel back-pressure. Hop and retry subjects hold one message each, so
@@ -193,7 +193,7 @@ pub fn pool_consumer_config(
         description: Some(format!("webproxy pool {pool}: the concurrency limit")),
         filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
         ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: settings.config.service.ack_wait,
+        ack_wait: settings.cluster.ack_wait,
         max_ack_pending: i64::try_from(config.max_in_flight).unwrap_or(i64::MAX),
         // Unlimited: poison messages are counted and ended by the dispatcher itself.
         max_deliver: -1,
@@ -258,7 +258,7 @@ fn limits_stream(
 /// The stream that stores final replies: one subject per conversation, never the live
 /// copies on `<prefix>.reply.<id>`.
 pub fn replies_stream_config(settings: &Settings) -> stream::Config {
-    let streams = &settings.config.streams;
+    let streams = &settings.streams;
     limits_stream(
         settings.subjects.replies_stream(),
         settings.subjects.stored_reply_wildcard(),
@@ -271,7 +271,7 @@ pub fn replies_stream_config(settings: &Settings) -> stream::Config {
 
 /// The stream that stores dead letters.
 pub fn dead_stream_config(settings: &Settings) -> stream::Config {
-    let streams = &settings.config.streams;
+    let streams = &settings.streams;
     limits_stream(
         settings.subjects.dead_stream(),
         settings.subjects.dead_wildcard(),
@@ -285,7 +285,7 @@ pub fn dead_stream_config(settings: &Settings) -> stream::Config {
 /// The bucket of progress records. Records outlive no dead letter: a conversation
 /// that parked may be replayed as long as its letter is kept.
 pub fn progress_bucket_config(settings: &Settings) -> kv::Config {
-    let streams = &settings.config.streams;
+    let streams = &settings.streams;
     kv::Config {
         bucket: settings.subjects.progress_bucket(),
         description:
@@ -497,7 +497,7 @@ pub async fn provision(
         .await
         .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
     let mut consumers = Vec::new();
-    for (pool, pool_config) in &settings.pools {
+    for (pool, pool_config) in &settings.cluster.pools {
         consumers.push(provision_pool(js, settings, pool, pool_config).await?);
     }
     Ok(Provisioned {
@@ -583,7 +583,7 @@ pub async fn recreate_pool_consumer(
     let stream_name = settings.subjects.pool_stream(pool);
     let name = settings.subjects.pool_consumer(pool);
     let what = format!("consumer {name} on {stream_name}");
-    let Some(pool_config) = settings.pools.get(pool) else {
+    let Some(pool_config) = settings.cluster.pools.get(pool) else {
         return Err(provision_error(
             what,
             format!("pool {pool} is not in this instance's config"),

@@ -1,6 +1,7 @@
 //! Request rules (the seed's RequestFilter table): which requests are accepted, into
 //! which pool, with which timeout and retry policy. Matching is pure.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,9 +9,93 @@ use regex::Regex;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Method;
 
-use crate::config::{IdempotencyHeader, RequestRuleConfig};
-use crate::response_rules::ResponseRule;
+use crate::response_rules::{ResponseRule, ResponseRuleConfig};
 use crate::retry::RetryPolicy;
+use crate::secret_source::SecretSource;
+use crate::security::{self, RuleSecurity};
+
+/// `"*"` or one HTTP method.
+fn default_method() -> String {
+    "*".into()
+}
+fn default_action() -> RuleAction {
+    RuleAction::Accept
+}
+fn default_pool() -> String {
+    "default".into()
+}
+fn default_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_retries() -> u32 {
+    3
+}
+fn default_retry_delay() -> Duration {
+    Duration::from_secs(1)
+}
+fn default_backoff_factor() -> f64 {
+    2.0
+}
+fn default_max_retry_delay() -> Duration {
+    Duration::from_secs(300)
+}
+
+/// `true` for `Idempotency-Key`, or a header name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum IdempotencyHeader {
+    Enabled(bool),
+    Name(String),
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestRuleConfig {
+    pub name: String,
+    #[serde(default = "default_method")]
+    pub method: String,
+    pub url_pattern: String,
+    #[serde(default = "default_action")]
+    pub action: RuleAction,
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    #[serde(default = "default_max_retries")]
+    pub max_retries: u32,
+    #[serde(default = "default_retry_delay", with = "humantime_serde")]
+    pub retry_delay: Duration,
+    #[serde(default = "default_backoff_factor")]
+    pub backoff_factor: f64,
+    #[serde(default = "default_max_retry_delay", with = "humantime_serde")]
+    pub max_retry_delay: Duration,
+    #[serde(default)]
+    pub jitter: f64,
+    #[serde(default)]
+    pub retry_non_idempotent: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_header: Option<IdempotencyHeader>,
+    /// Replaces the global response rules for requests this rule matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_rules: Option<Vec<ResponseRuleConfig>>,
+    /// How many redirects the whole chain may follow; 0 returns the 3xx.
+    #[serde(default)]
+    pub follow_redirects: u32,
+    /// Headers set from secrets, replacing any the caller sends.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub inject_headers: BTreeMap<String, SecretSource>,
+    /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
+    /// exactly with every hop sent under it; required with `inject_headers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// Allows an `http://` origin (a loopback or test upstream): injected credentials
+    /// would travel in clear.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_http: bool,
+    /// Headers dropped from this rule's requests, on top of the global list.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_request_headers: Vec<String>,
+}
 
 /// The header name upstreams that support idempotency keys commonly honour.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
@@ -43,7 +128,7 @@ pub struct RequestRule {
     /// The rule's own response rules, or the global ones.
     pub response_rules: Arc<[ResponseRule]>,
     /// Redirects, injected credentials and dropped headers.
-    pub security: crate::security::RuleSecurity,
+    pub security: RuleSecurity,
 }
 
 impl RequestRule {
@@ -133,7 +218,7 @@ impl RequestRule {
             retry_non_idempotent: config.retry_non_idempotent,
             idempotency_header,
             response_rules,
-            security: crate::security::RuleSecurity::compile(config)
+            security: RuleSecurity::compile(config)
                 .map_err(|(field, message)| (field.to_string(), message))?,
         })
     }
@@ -295,6 +380,67 @@ fn unescaped_dot_in_host(pattern: &str) -> Option<&str> {
         true
     });
     dot.then(|| &host[..end])
+}
+
+/// A rule's security keys are compiled here, with the rest of the rule, so that
+/// `security` needs nothing of the rules' schema.
+impl RuleSecurity {
+    /// Compiles a rule's security keys; an error names the field.
+    pub fn compile(config: &RequestRuleConfig) -> Result<RuleSecurity, (&'static str, String)> {
+        let deny_request_headers = security::header_names(&config.deny_request_headers)
+            .map_err(|(i, m)| ("deny_request_headers", format!("item {i}: {m}")))?;
+        let mut inject = Vec::with_capacity(config.inject_headers.len());
+        let mut seen = BTreeMap::new();
+        for (name, source) in &config.inject_headers {
+            if !security::is_token(name) {
+                return Err(("inject_headers", format!("{name:?} is not a header name")));
+            }
+            if seen.insert(name.to_ascii_lowercase(), ()).is_some() {
+                return Err(("inject_headers", format!("{name:?} is set twice")));
+            }
+            source
+                .validate()
+                .map_err(|m| ("inject_headers", format!("{name}: {m}")))?;
+            if source
+                .prefix
+                .bytes()
+                .any(|b| b == b'\r' || b == b'\n' || b == 0)
+            {
+                return Err((
+                    "inject_headers",
+                    format!("{name}: the prefix contains CR, LF or NUL"),
+                ));
+            }
+            inject.push((name.clone(), source.clone()));
+        }
+        let origin = match &config.origin {
+            Some(text) => Some(security::parse_origin(text, config.allow_http)?),
+            None if !inject.is_empty() => {
+                let example = security::suggested_origin(&config.url_pattern)
+                    .unwrap_or_else(|| "https://api.partner.com".to_string());
+                return Err((
+                    "origin",
+                    format!(
+                        "is required because the rule injects headers: add origin = \"{example}\", the scheme, host and port the credentials may be sent to"
+                    ),
+                ));
+            }
+            None if config.allow_http => {
+                return Err((
+                    "allow_http",
+                    "applies only to a rule's origin: set origin = \"http://host:port\" too, or remove allow_http".into(),
+                ));
+            }
+            None => None,
+        };
+        Ok(RuleSecurity {
+            index: 0,
+            follow_redirects: config.follow_redirects,
+            inject,
+            deny_request_headers,
+            origin,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -3,16 +3,76 @@
 //! budget, injections and origin), and the pure decision on them whether a request is
 //! within the limits. Which headers a hop sends is the worker's (`egress` tells it).
 
-use std::collections::BTreeMap;
+use std::fmt;
 
 use ipnet::IpNet;
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize};
 use url::{Origin, Url};
 use webproxy_protocol::{ErrorBody, Request};
 use webproxy_worker::GuardPolicy;
 
-use crate::config::{ConfigError, OutboundConfig, RequestRuleConfig, config_error};
+use crate::config_error::{ConfigError, config_error};
 use crate::outbox::invalid_request;
-use crate::secrets::SecretSource;
+use crate::secret_source::SecretSource;
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboundConfig {
+    pub max_response_bytes: ByteLimit,
+    /// The address guard; see `crate::security`.
+    pub allow_private_networks: bool,
+    pub allow_cidrs: Vec<String>,
+    pub deny_cidrs: Vec<String>,
+    /// Request limits: larger requests get `invalid_request`.
+    pub max_request_bytes: u64,
+    /// Header count and size limits, for requests and responses alike.
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    /// Headers dropped from every request, whatever the caller sends.
+    pub deny_request_headers: Vec<String>,
+}
+
+/// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum ByteLimit {
+    #[serde(serialize_with = "serialize_auto")]
+    Auto,
+    Bytes(u64),
+}
+
+fn serialize_auto<S: serde::Serializer>(s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str("auto")
+}
+
+impl<'de> Deserialize<'de> for ByteLimit {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct LimitVisitor;
+        impl Visitor<'_> for LimitVisitor {
+            type Value = ByteLimit;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\" or a number of bytes")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ByteLimit, E> {
+                Ok(ByteLimit::Bytes(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ByteLimit, E> {
+                u64::try_from(v)
+                    .map(ByteLimit::Bytes)
+                    .map_err(|_| E::custom("must not be negative"))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ByteLimit, E> {
+                if v == "auto" {
+                    Ok(ByteLimit::Auto)
+                } else {
+                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(LimitVisitor)
+    }
+}
 
 /// What may leave this instance.
 #[derive(Debug, Clone)]
@@ -68,63 +128,6 @@ pub struct RuleSecurity {
 }
 
 impl RuleSecurity {
-    /// Compiles a rule's security keys; an error names the field.
-    pub fn compile(config: &RequestRuleConfig) -> Result<RuleSecurity, (&'static str, String)> {
-        let deny_request_headers = header_names(&config.deny_request_headers)
-            .map_err(|(i, m)| ("deny_request_headers", format!("item {i}: {m}")))?;
-        let mut inject = Vec::with_capacity(config.inject_headers.len());
-        let mut seen = BTreeMap::new();
-        for (name, source) in &config.inject_headers {
-            if !is_token(name) {
-                return Err(("inject_headers", format!("{name:?} is not a header name")));
-            }
-            if seen.insert(name.to_ascii_lowercase(), ()).is_some() {
-                return Err(("inject_headers", format!("{name:?} is set twice")));
-            }
-            source
-                .validate()
-                .map_err(|m| ("inject_headers", format!("{name}: {m}")))?;
-            if source
-                .prefix
-                .bytes()
-                .any(|b| b == b'\r' || b == b'\n' || b == 0)
-            {
-                return Err((
-                    "inject_headers",
-                    format!("{name}: the prefix contains CR, LF or NUL"),
-                ));
-            }
-            inject.push((name.clone(), source.clone()));
-        }
-        let origin = match &config.origin {
-            Some(text) => Some(parse_origin(text, config.allow_http)?),
-            None if !inject.is_empty() => {
-                let example = suggested_origin(&config.url_pattern)
-                    .unwrap_or_else(|| "https://api.partner.com".to_string());
-                return Err((
-                    "origin",
-                    format!(
-                        "is required because the rule injects headers: add origin = \"{example}\", the scheme, host and port the credentials may be sent to"
-                    ),
-                ));
-            }
-            None if config.allow_http => {
-                return Err((
-                    "allow_http",
-                    "applies only to a rule's origin: set origin = \"http://host:port\" too, or remove allow_http".into(),
-                ));
-            }
-            None => None,
-        };
-        Ok(RuleSecurity {
-            index: 0,
-            follow_redirects: config.follow_redirects,
-            inject,
-            deny_request_headers,
-            origin,
-        })
-    }
-
     /// Whether a hop to `url` may be sent under this rule: with an origin, only to
     /// exactly that scheme, host and port. A request the rule's pattern matches but
     /// whose origin differs is refused, never sent without the injected headers.
@@ -142,7 +145,7 @@ impl RuleSecurity {
 
 /// A rule's `origin`: scheme, host and port and nothing else; https unless
 /// `allow_http`. The error names the field.
-fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'static str, String)> {
+pub(crate) fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'static str, String)> {
     let example = "like \"https://api.partner.com\" or \"https://api.partner.com:8443\"";
     let url = Url::parse(text).map_err(|e| {
         (
@@ -191,7 +194,7 @@ fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'static str, S
 
 /// The origin a pattern such as `^https://api\.partner\.com/` names literally, for
 /// the error that asks for one.
-fn suggested_origin(pattern: &str) -> Option<String> {
+pub(crate) fn suggested_origin(pattern: &str) -> Option<String> {
     let rest = pattern.strip_prefix('^').unwrap_or(pattern);
     let (scheme, after) = rest.split_once("://")?;
     let authority = after.split('/').next()?.replace("\\.", ".");
@@ -242,7 +245,7 @@ pub fn check_request(request: &Request, outbound: &Outbound) -> Result<(), Error
     Ok(())
 }
 
-fn is_token(name: &str) -> bool {
+pub(crate) fn is_token(name: &str) -> bool {
     !name.is_empty()
         && name
             .bytes()
@@ -250,7 +253,7 @@ fn is_token(name: &str) -> bool {
 }
 
 /// Header names, lower-cased; an error gives the index.
-fn header_names(names: &[String]) -> Result<Vec<String>, (usize, String)> {
+pub(crate) fn header_names(names: &[String]) -> Result<Vec<String>, (usize, String)> {
     names
         .iter()
         .enumerate()
@@ -286,8 +289,9 @@ fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use super::ByteLimit;
     use super::*;
-    use crate::config::ByteLimit;
+    use crate::rules::RequestRuleConfig;
 
     fn outbound(allow: &[&str], deny: &[&str]) -> OutboundConfig {
         OutboundConfig {

@@ -4,12 +4,12 @@
 
 use std::path::Path;
 
+use crate::config::{Config, Settings};
 use anyhow::{Context as _, bail};
 use figment::Figment;
 use figment::providers::{Env, Format as _, Toml};
 use serde::Serialize;
 use webproxy_dispatcher::rules::RuleAction;
-use webproxy_dispatcher::{Config, Settings};
 
 /// Every key with its default, commented.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
@@ -89,7 +89,7 @@ struct EffectiveRule<'a> {
 
 #[derive(Serialize)]
 struct Effective<'a> {
-    nats: &'a webproxy_dispatcher::config::NatsConfig,
+    nats: &'a crate::nats_auth::NatsConfig,
     streams: &'a webproxy_dispatcher::config::StreamsConfig,
     outbound: &'a webproxy_dispatcher::config::OutboundConfig,
     pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::config::PoolConfig>,
@@ -104,6 +104,8 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         eprintln!("warning: {warning}");
     }
     let rules = settings
+        .dispatcher
+        .cluster
         .rules
         .iter()
         .map(|r| EffectiveRule {
@@ -129,7 +131,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         nats: &settings.config.nats,
         streams: &settings.config.streams,
         outbound: &settings.config.outbound,
-        pools: &settings.pools,
+        pools: &settings.dispatcher.cluster.pools,
         request_rules: rules,
         warnings,
     };
@@ -142,8 +144,8 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
     } else {
         println!("configuration is valid, with {} warnings", warnings.len());
     }
-    println!("prefix: {}", settings.subjects.prefix());
-    let guard = &settings.outbound.guard;
+    println!("prefix: {}", settings.dispatcher.subjects.prefix());
+    let guard = &settings.dispatcher.cluster.outbound.guard;
     let nets = |nets: &[webproxy_dispatcher::ipnet::IpNet]| {
         nets.iter()
             .map(ToString::to_string)
@@ -161,14 +163,14 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         nets(&guard.deny)
     );
     println!("pools:");
-    for (name, pool) in &settings.pools {
+    for (name, pool) in &settings.dispatcher.cluster.pools {
         let waiting = pool
             .max_waiting
             .map_or("unlimited".to_string(), |m| m.to_string());
         println!(
             "  {name}: max_in_flight={} max_waiting={waiting} subject={}",
             pool.max_in_flight,
-            settings.subjects.request(name)
+            settings.dispatcher.subjects.request(name)
         );
     }
     if effective.request_rules.is_empty() {
@@ -239,17 +241,20 @@ mod tests {
     #[test]
     fn defaults_alone_are_valid() {
         let settings = load(None).expect("defaults load");
-        assert_eq!(settings.subjects.prefix(), "webproxy");
-        assert_eq!(settings.pools["default"].max_in_flight, 256);
-        assert_eq!(settings.rules.iter().count(), 0);
+        assert_eq!(settings.dispatcher.subjects.prefix(), "webproxy");
+        assert_eq!(
+            settings.dispatcher.cluster.pools["default"].max_in_flight,
+            256
+        );
+        assert_eq!(settings.dispatcher.cluster.rules.iter().count(), 0);
     }
 
     #[test]
     fn example_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/webproxy.toml");
         let settings = load(Some(&path)).expect("example loads");
-        assert!(settings.pools.contains_key("default"));
-        assert!(settings.rules.iter().count() > 0);
+        assert!(settings.dispatcher.cluster.pools.contains_key("default"));
+        assert!(settings.dispatcher.cluster.rules.iter().count() > 0);
         assert!(settings.warnings().is_empty(), "{:?}", settings.warnings());
     }
 
@@ -291,7 +296,7 @@ mod tests {
             jail.set_env("WEBPROXY_POOLS__P1__MAX_IN_FLIGHT", "3");
             let settings = load(Some(Path::new("webproxy.toml"))).map_err(|e| e.to_string())?;
             assert_eq!(settings.config.nats.url, "nats://env:4222");
-            assert_eq!(settings.pools["p1"].max_in_flight, 3);
+            assert_eq!(settings.dispatcher.cluster.pools["p1"].max_in_flight, 3);
             Ok(())
         });
     }
@@ -368,7 +373,7 @@ mod tests {
     #[test]
     fn default_pool_exists_beside_others() {
         let settings = load_text("[pools.p1]\nmax_in_flight = 1\n").expect("loads");
-        assert!(settings.pools.contains_key("default"));
-        assert_eq!(settings.pools["p1"].max_in_flight, 1);
+        assert!(settings.dispatcher.cluster.pools.contains_key("default"));
+        assert_eq!(settings.dispatcher.cluster.pools["p1"].max_in_flight, 1);
     }
 }

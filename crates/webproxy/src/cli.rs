@@ -127,7 +127,7 @@ impl Cli {
                 let settings = cfg::load(config.as_deref())?;
                 // Every secret must be readable for the configuration to be valid; the
                 // values are never printed.
-                Secrets::load(&settings.rules, Redactor::default())
+                Secrets::load(&settings.dispatcher.cluster.rules, Redactor::default())
                     .context("invalid configuration: cannot read an injected secret")?;
                 cfg::print_effective(&settings, &settings.warnings(), json)?;
                 Ok(ExitCode::SUCCESS)

@@ -3,8 +3,10 @@
 
 mod cfg;
 mod cli;
+mod config;
 mod dead;
 mod health;
+mod nats_auth;
 mod operator;
 mod pools;
 mod send;

@@ -35,7 +35,7 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
         .clone()
         .unwrap_or_else(|| settings.config.nats.url.clone());
     let urls: Vec<String> = url.split(',').map(|u| u.trim().to_string()).collect();
-    let nats = webproxy_dispatcher::nats_auth::connect_options(&settings.config.nats)
+    let nats = crate::nats_auth::connect_options(&settings.config.nats)
         .await
         .context("cannot read the NATS credentials")?
         .connect(urls)
@@ -43,10 +43,10 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
         .with_context(|| {
             format!(
                 "cannot connect to NATS at {}",
-                webproxy_dispatcher::nats_auth::redact_url_credentials(&url)
+                crate::nats_auth::redact_url_credentials(&url)
             )
         })?;
-    Ok(Client::new(nats, settings.subjects.prefix())?)
+    Ok(Client::new(nats, settings.dispatcher.subjects.prefix())?)
 }
 
 /// Hands every message `reader` has now to `each`, in batches, and returns how many

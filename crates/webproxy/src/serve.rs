@@ -3,20 +3,22 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::nats_auth;
 use anyhow::{Context as _, bail};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use webproxy_dispatcher::backoff::Backoff;
 use webproxy_dispatcher::config::ByteLimit;
 use webproxy_dispatcher::config::jetstream_request_timeout;
-use webproxy_dispatcher::nats_auth;
 use webproxy_dispatcher::outbox::max_response_bytes_for;
 use webproxy_dispatcher::provision::{
     MIN_SERVER_VERSION, Provisioned, provision, server_version_supported,
 };
 use webproxy_dispatcher::runtime::Progress;
 use webproxy_dispatcher::secrets::{Redactor, Secrets};
-use webproxy_dispatcher::{Dispatcher, Health, Instruments, Settings, connect};
+use webproxy_dispatcher::{Dispatcher, Health, Instruments, connect};
+
+use crate::config::Settings;
 use webproxy_worker::{Worker, WorkerConfig};
 
 use crate::health;
@@ -27,10 +29,11 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         warn!("configuration: {warning}");
     }
     let secrets = Arc::new(
-        Secrets::load(&settings.rules, redactor).context("cannot read an injected secret")?,
+        Secrets::load(&settings.dispatcher.cluster.rules, redactor)
+            .context("cannot read an injected secret")?,
     );
     let settings = Arc::new(settings);
-    let instruments = Instruments::new(&settings);
+    let instruments = Instruments::new(&settings.dispatcher);
     let health_state = instruments.health.clone();
     let listen = settings.config.http.listen;
     let listener = tokio::net::TcpListener::bind(listen)
@@ -64,18 +67,20 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
 
     let mut js = async_nats::jetstream::new(client.clone());
-    js.set_timeout(jetstream_request_timeout(settings.config.service.ack_wait));
+    js.set_timeout(jetstream_request_timeout(
+        settings.dispatcher.cluster.ack_wait,
+    ));
     let Some(provisioned) = provision_until_done(&js, &settings, &shutdown).await else {
         return Ok(());
     };
     let worker = Worker::new(&WorkerConfig {
         max_response_bytes,
-        guard: settings.outbound.guard.clone(),
-        max_response_headers: settings.outbound.max_headers,
-        max_response_header_bytes: settings.outbound.max_header_bytes,
+        guard: settings.dispatcher.cluster.outbound.guard.clone(),
+        max_response_headers: settings.dispatcher.cluster.outbound.max_headers,
+        max_response_header_bytes: settings.dispatcher.cluster.outbound.max_header_bytes,
     })?;
     let dispatcher = Dispatcher::new(
-        settings.clone(),
+        settings.dispatcher.clone(),
         client.clone(),
         worker,
         max_payload,
@@ -93,7 +98,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     {
         return Ok(());
     }
-    info!(pools = ?settings.pools.keys().collect::<Vec<_>>(), "serving");
+    info!(pools = ?settings.dispatcher.cluster.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
         .run(
             provisioned.pools,
@@ -150,7 +155,10 @@ async fn provision_until_done(
     settings: &Settings,
     shutdown: &CancellationToken,
 ) -> Option<Provisioned> {
-    retry_until_done("provisioning", shutdown, || provision(js, settings)).await
+    retry_until_done("provisioning", shutdown, || {
+        provision(js, &settings.dispatcher)
+    })
+    .await
 }
 
 /// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
@@ -195,10 +203,22 @@ async fn connect_until_up(
     health: &Arc<Health>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<(async_nats::Client, async_nats::ServerInfo)>> {
-    let client = connect(settings, health.clone()).await.with_context(|| {
-        let url = nats_auth::redact_url_credentials(&settings.config.nats.url);
+    let nats = &settings.config.nats;
+    let context = || {
+        let url = nats_auth::redact_url_credentials(&nats.url);
         format!("cannot connect to NATS at {url}")
-    })?;
+    };
+    let options = nats_auth::connect_options(nats)
+        .await
+        .with_context(context)?;
+    let client = connect(
+        options,
+        nats.urls(),
+        settings.dispatcher.cluster.ack_wait,
+        health.clone(),
+    )
+    .await
+    .with_context(context)?;
     tokio::select! {
         server = server_info(&client) => Ok(Some((client, server?))),
         _ = shutdown.cancelled() => Ok(None),
@@ -216,7 +236,7 @@ async fn reload_on_hangup(settings: Arc<Settings>, secrets: Arc<Secrets>) {
         }
     };
     while hangups.recv().await.is_some() {
-        match secrets.reload_files(&settings.rules) {
+        match secrets.reload_files(&settings.dispatcher.cluster.rules) {
             Ok(files) => info!(files, "SIGHUP: secret files reloaded"),
             Err(e) => {
                 error!(error = %e, "SIGHUP: secret files not reloaded; the old values stay in use")

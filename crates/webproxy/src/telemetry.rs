@@ -9,6 +9,7 @@ use std::io::{IsTerminal as _, Write};
 
 use std::borrow::Cow;
 
+use crate::config::{LogConfig, LogFormat, TelemetryConfig};
 use anyhow::Context as _;
 use opentelemetry::trace::Status;
 use opentelemetry::trace::TracerProvider as _;
@@ -26,7 +27,6 @@ use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
-use webproxy_dispatcher::config::{LogConfig, LogFormat, TelemetryConfig};
 use webproxy_dispatcher::secrets::Redactor;
 
 /// Keeps telemetry alive; dropping it exports the spans still buffered.

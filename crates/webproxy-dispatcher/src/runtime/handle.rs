@@ -393,8 +393,8 @@ async fn attempt(
         }
         trace::inject_http(&span.context(), &mut own_headers);
         let policy = RulePolicy {
-            rules: &shared.settings.rules,
-            outbound: &shared.settings.outbound,
+            rules: &shared.settings.cluster.rules,
+            outbound: &shared.settings.cluster.outbound,
             secrets: &shared.secrets,
         };
         let timeout = request

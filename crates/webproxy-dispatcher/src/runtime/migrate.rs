@@ -45,7 +45,7 @@ impl Dispatcher {
     /// one message lookup.
     pub async fn migrate_layout1_parked(&self) -> Result<u64, MigrationError> {
         let mut moved = 0;
-        for pool in self.shared.settings.pools.keys() {
+        for pool in self.shared.settings.cluster.pools.keys() {
             moved += migrate_pool(&self.shared.outlet, pool).await?;
         }
         Ok(moved)

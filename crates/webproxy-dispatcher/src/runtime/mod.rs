@@ -56,14 +56,17 @@ const MAX_PULL: usize = 256;
 /// once: an unreachable server is retried in the background (`client.flush()` waits
 /// for it); an error is one that retrying cannot mend (an address that does not parse,
 /// an unreadable credentials file).
+///
+/// `options` carry the process's authentication and TLS (the binary builds them from
+/// `[nats]`); `urls` are the servers; `ack_wait` sets the ping interval.
 pub async fn connect(
-    settings: &Settings,
+    options: async_nats::ConnectOptions,
+    urls: Vec<String>,
+    ack_wait: Duration,
     health: Arc<Health>,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let events = health.clone();
-    let ack_wait = settings.config.service.ack_wait;
-    let client = crate::nats_auth::connect_options(&settings.config.nats)
-        .await?
+    let client = options
         .name("webproxy")
         // The one retry of connecting: the first connection too is made in the
         // background, with `reconnect_delay`; errors returned here are permanent.
@@ -82,7 +85,7 @@ pub async fn connect(
                 }
             }
         })
-        .connect(settings.config.nats.urls())
+        .connect(urls)
         .await?;
     health.set_nats_connected(client.connection_state() == connection::State::Connected);
     Ok(client)
@@ -142,7 +145,7 @@ impl Dispatcher {
         );
         outlet
             .js
-            .set_timeout(jetstream_request_timeout(settings.config.service.ack_wait));
+            .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
         Dispatcher {
             shared: Arc::new(Shared {
                 gauges: instruments.gauges,
@@ -171,6 +174,7 @@ impl Dispatcher {
             let limit = self
                 .shared
                 .settings
+                .cluster
                 .pools
                 .get(&pool)
                 .map_or(1, |p| p.max_in_flight);
@@ -293,7 +297,7 @@ async fn pull_loop(
     attempts: TaskTracker,
     shutdown: CancellationToken,
 ) {
-    let policy = LivenessPolicy::for_ack_wait(shared.settings.config.service.ack_wait);
+    let policy = LivenessPolicy::for_ack_wait(shared.settings.cluster.ack_wait);
     let mut connections = shared.health.connections();
     let mut failures = 0u32;
     loop {

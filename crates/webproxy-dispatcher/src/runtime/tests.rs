@@ -20,7 +20,7 @@ use super::progress::{Progress, Record};
 use super::publish::Outlet;
 use super::settle::Settled;
 use super::{Gauges, Health, Shared};
-use crate::config::tests::config_from;
+use crate::config::tests::settings_from;
 use crate::hop::{HopState, subject_token};
 use crate::metrics::Metrics;
 use crate::secrets::Secrets;
@@ -44,7 +44,7 @@ impl Fixture {
     pub(super) async fn start() -> Fixture {
         let nats = NatsServer::start();
         let url = format!("http://127.0.0.1:{}/x", closed_port());
-        let settings = config_from(&format!(
+        let settings = settings_from(&format!(
             r#"
             [nats]
             url = "{}"
@@ -60,7 +60,6 @@ impl Fixture {
             "#,
             nats.url()
         ))
-        .validate()
         .expect("valid config");
         let client = nats.client().await;
         let js = jetstream::new(client.clone());
@@ -69,9 +68,9 @@ impl Fixture {
             .expect("provisioned");
         let worker = Worker::new(&WorkerConfig {
             max_response_bytes: 64 * 1024,
-            guard: settings.outbound.guard.clone(),
-            max_response_headers: settings.outbound.max_headers,
-            max_response_header_bytes: settings.outbound.max_header_bytes,
+            guard: settings.cluster.outbound.guard.clone(),
+            max_response_headers: settings.cluster.outbound.max_headers,
+            max_response_header_bytes: settings.cluster.outbound.max_header_bytes,
         })
         .expect("worker");
         let secrets = Secrets::empty();
@@ -85,7 +84,7 @@ impl Fixture {
         );
         let shared = Shared {
             health: Arc::new(Health::new()),
-            gauges: Arc::new(Gauges::new(settings.pools.keys())),
+            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
             settings: Arc::new(settings),
             outlet,
             worker,
@@ -114,7 +113,7 @@ impl Fixture {
         delivery: &FakeDelivery,
         delivered: tokio::time::Instant,
     ) -> Settled {
-        let policy = LivenessPolicy::for_ack_wait(self.shared.settings.config.service.ack_wait);
+        let policy = LivenessPolicy::for_ack_wait(self.shared.settings.cluster.ack_wait);
         let liveness = Liveness::new(policy, delivered);
         handle_delivery(&self.shared, "default", delivery, &liveness).await
     }

@@ -10,8 +10,68 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use webproxy_protocol::SERVICE_INBOX;
 
-use crate::config::{ConfigError, NatsConfig, config_error};
-use crate::secrets::REDACTED;
+use webproxy_dispatcher::config::{ConfigError, config_error};
+use webproxy_dispatcher::secrets::REDACTED;
+
+/// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
+/// URL without its credentials and the token and password as `[REDACTED]`.
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsConfig {
+    /// One server URL, or several separated by commas; a URL may carry credentials
+    /// (`nats://user:password@host`, `nats://token@host`).
+    #[serde(serialize_with = "serialize_redacted_urls")]
+    pub url: String,
+    /// Authentication and TLS; see `crate::nats_auth`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nkey_seed_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<crate::nats_auth::Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<crate::nats_auth::Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<std::path::PathBuf>,
+}
+
+fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::nats_auth::redact_url_credentials(url))
+}
+
+impl fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &crate::nats_auth::redact_url_credentials(&self.url))
+            .field("credentials_file", &self.credentials_file)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("token", &self.token)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .finish()
+    }
+}
+
+impl NatsConfig {
+    /// The server URLs, trimmed.
+    pub fn urls(&self) -> Vec<String> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+}
 
 /// A configured secret (a token or password): shown as [`REDACTED`] when printed or
 /// serialized, so `check-config` and debug output never carry it.
@@ -19,6 +79,7 @@ use crate::secrets::REDACTED;
 pub struct Secret(String);
 
 impl Secret {
+    #[cfg(test)]
     pub fn new(value: impl Into<String>) -> Secret {
         Secret(value.into())
     }
@@ -392,7 +453,7 @@ mod tests {
         std::fs::write(&dir, creds).expect("write");
         let mut config = nats();
         config.credentials_file = Some(dir.clone());
-        let redactor = crate::secrets::Redactor::default();
+        let redactor = webproxy_dispatcher::secrets::Redactor::default();
         redactor.add_fixed(secret_values(&config));
         let line = format!("connecting with {seed} failed");
         assert_eq!(redactor.redact(&line), "connecting with [REDACTED] failed");

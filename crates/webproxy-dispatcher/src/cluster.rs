@@ -1,0 +1,185 @@
+//! The cluster's part of the configuration: request and response rules, pools, the
+//! outbound policy and the consumer timings (`[service] ack_wait`, `max_deliver`). One
+//! typed document ([`ClusterConfig`]) that the dispatcher takes whole and compiles
+//! whole ([`ClusterConfig::validate`] into a [`Cluster`]); it keeps the file's keys,
+//! which error messages name. The process part (`[nats]`, `[streams]`, `[http]`,
+//! `[log]`, `[telemetry]`, `[service] shutdown_grace`) is the binary's.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use webproxy_protocol::validate_pool_name;
+
+use crate::config_error::{ConfigError, config_error};
+use crate::response_rules::{ResponseRule, ResponseRuleConfig};
+use crate::rules::{RequestRule, RequestRuleConfig, RequestRules};
+use crate::security::{Outbound, OutboundConfig};
+
+/// The cluster part, as the file gives it.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub outbound: OutboundConfig,
+    pub pools: BTreeMap<String, PoolConfig>,
+    pub request_rules: Vec<RequestRuleConfig>,
+    /// Global response rules; first match in file order wins.
+    pub response_rules: Vec<ResponseRuleConfig>,
+    /// `[service] ack_wait`.
+    pub ack_wait: Duration,
+    /// `[service] max_deliver`.
+    pub max_deliver: u32,
+}
+
+/// The cluster part, validated and compiled: what the dispatcher runs on.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    /// Every pool, `default` included.
+    pub pools: BTreeMap<String, PoolConfig>,
+    pub rules: RequestRules,
+    /// What may leave this instance, and how.
+    pub outbound: Outbound,
+    pub ack_wait: Duration,
+    pub max_deliver: u32,
+}
+
+fn default_max_in_flight() -> u64 {
+    256
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The pool consumer's `max_ack_pending`: concurrent attempts across all instances.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u64,
+    /// The most messages that may wait on the pool's request subject (and, separately,
+    /// on its retry subject); absent means unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<u64>,
+    /// A request that waited longer than this before its first attempt is answered
+    /// `expired` instead of being sent late.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub queue_timeout: Option<Duration>,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            max_in_flight: default_max_in_flight(),
+            max_waiting: None,
+            queue_timeout: None,
+        }
+    }
+}
+
+/// The longest a JetStream request (a publish's ack, an API call, a confirmed
+/// progress ack) is waited for: async-nats' 5 s, shortened to a third of `ack_wait`, so
+/// that a request that times out still leaves time for another before the server
+/// would redeliver the message it concerns.
+pub fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
+    (ack_wait / 3).min(Duration::from_secs(5))
+}
+
+impl ClusterConfig {
+    /// Checks the cluster part and compiles its rules; an error names the file's key.
+    pub fn validate(self) -> Result<Cluster, ConfigError> {
+        if self.ack_wait < Duration::from_millis(300) {
+            return Err(config_error("service.ack_wait", "must be at least 300ms"));
+        }
+        let request_timeout = jetstream_request_timeout(self.ack_wait);
+        if request_timeout * 3 > self.ack_wait {
+            return Err(config_error(
+                "service.ack_wait",
+                format!(
+                    "must be at least three JetStream request timeouts ({request_timeout:?}), so a request that times out leaves a delivery time for a confirmed progress ack"
+                ),
+            ));
+        }
+        if self.max_deliver == 0 {
+            return Err(config_error("service.max_deliver", "must be at least 1"));
+        }
+        let outbound = Outbound::compile(&self.outbound)?;
+        let mut pools = self.pools.clone();
+        pools.entry("default".into()).or_default();
+        for (name, pool) in &pools {
+            validate_pool_name(name).map_err(|e| config_error(format!("pools.{name}"), e.0))?;
+            if pool.max_in_flight == 0 || pool.max_in_flight > i64::MAX as u64 {
+                return Err(config_error(
+                    format!("pools.{name}.max_in_flight"),
+                    "must be at least 1",
+                ));
+            }
+            if pool.max_waiting == Some(0) {
+                return Err(config_error(
+                    format!("pools.{name}.max_waiting"),
+                    "must be at least 1 (leave it out for unlimited)",
+                ));
+            }
+        }
+        let global_response_rules = self
+            .response_rules
+            .iter()
+            .enumerate()
+            .map(|(index, rule)| {
+                ResponseRule::compile(rule).map_err(|(field, message)| {
+                    config_error(format!("response_rules[{index}].{field}"), message)
+                })
+            })
+            .collect::<Result<Arc<[_]>, _>>()?;
+        let mut rules = Vec::with_capacity(self.request_rules.len());
+        for (index, rule) in self.request_rules.iter().enumerate() {
+            let key = |field: &str| format!("request_rules[{index}] ({}).{field}", rule.name);
+            if !pools.contains_key(&rule.pool) {
+                return Err(config_error(
+                    key("pool"),
+                    format!("unknown pool {:?}; define [pools.{}]", rule.pool, rule.pool),
+                ));
+            }
+            rules.push(
+                RequestRule::compile(rule, &global_response_rules)
+                    .map_err(|(field, message)| config_error(key(&field), message))?,
+            );
+        }
+        Ok(Cluster {
+            pools,
+            rules: RequestRules::new(rules),
+            outbound,
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::jetstream_request_timeout;
+
+    #[test]
+    fn the_jetstream_request_timeout_fits_ack_wait() {
+        assert_eq!(
+            jetstream_request_timeout(Duration::from_secs(15)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            jetstream_request_timeout(Duration::from_secs(60)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            jetstream_request_timeout(Duration::from_secs(2)),
+            Duration::from_secs(2) / 3
+        );
+        for ack_wait in ["300ms", "2s", "15s", "1m"] {
+            let settings = crate::config::tests::settings_from(&format!(
+                "[service]\nack_wait = \"{ack_wait}\""
+            ));
+            assert!(settings.is_ok(), "{ack_wait}");
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! The configuration file's schema, parsed once (unknown keys rejected) and split in
+//! two: the process part (`[nats]`, `[streams]`, `[http]`, `[log]`, `[telemetry]`,
+//! `[service] shutdown_grace`), which is this process's, and the cluster part
+//! ([`webproxy_dispatcher::cluster::ClusterConfig`]), which the dispatcher takes whole.
+//! The checks across the two parts are here.
+//!
+//! Top-level defaults live in `config/default.toml`, which `cfg` loads as figment's
+//! lowest layer; only the fields of repeated items (pools, rules) have defaults in code.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use webproxy_dispatcher::cluster::ClusterConfig;
+use webproxy_dispatcher::config::{
+    ConfigError, OutboundConfig, PoolConfig, RequestRuleConfig, ResponseRuleConfig, StreamsConfig,
+    config_error,
+};
+
+use crate::nats_auth::NatsConfig;
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub nats: NatsConfig,
+    pub streams: StreamsConfig,
+    pub http: HttpConfig,
+    pub outbound: OutboundConfig,
+    pub service: ServiceConfig,
+    pub log: LogConfig,
+    pub telemetry: TelemetryConfig,
+    #[serde(default)]
+    pub pools: BTreeMap<String, PoolConfig>,
+    #[serde(default)]
+    pub request_rules: Vec<RequestRuleConfig>,
+    /// Global response rules; first match in file order wins.
+    #[serde(default)]
+    pub response_rules: Vec<ResponseRuleConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// How long the server waits for an ack before it redelivers; attempts send
+    /// progress acks every third of it.
+    #[serde(with = "humantime_serde")]
+    pub ack_wait: Duration,
+    /// How long a stopping instance waits for its attempts in flight.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// A pool message delivered more often than this crashed or stalled an instance
+    /// that many times: it is answered `internal` and dead-lettered, not attempted.
+    pub max_deliver: u32,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A tracing filter (`info`, `webproxy=debug,info`); `RUST_LOG` overrides it.
+    pub level: String,
+}
+
+/// `auto` is text on a terminal and JSON otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Auto,
+    Json,
+    Text,
+}
+
+/// Trace export.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// The OTLP/HTTP base URL (`http://collector:4318`); empty turns export off. Spans
+    /// and context propagation exist either way.
+    pub otlp_endpoint: String,
+    pub service_name: String,
+}
+
+/// A validated configuration: what `serve` runs on and `check-config` prints.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    /// The streams and the compiled cluster part, which the dispatcher runs on.
+    pub dispatcher: std::sync::Arc<webproxy_dispatcher::Settings>,
+}
+
+impl Settings {
+    /// What `check-config` (and `serve`, at start) warns about: a configuration that
+    /// runs, but probably not as meant. Each names the key.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = self.dispatcher.cluster.rules.warnings();
+        let nats = &self.config.nats;
+        let authenticated = nats.credentials_file.is_some()
+            || nats.nkey_seed_file.is_some()
+            || nats.token.is_some()
+            || nats.user.is_some();
+        if authenticated && self.config.streams.reply_to_allow.is_empty() {
+            warnings.push(
+                "streams.reply_to_allow is empty although [nats] names credentials: NATS permissions probably confine the callers, yet a request's reply_to may name any unreserved subject, another caller's or another deployment's replies included; list the callers' reply subjects, e.g. [\"callers.*.replies.>\"]".into(),
+            );
+        }
+        warnings
+    }
+}
+
+impl Config {
+    /// The cluster part of the file: the document the dispatcher takes whole.
+    pub fn cluster(&self) -> ClusterConfig {
+        ClusterConfig {
+            outbound: self.outbound.clone(),
+            pools: self.pools.clone(),
+            request_rules: self.request_rules.clone(),
+            response_rules: self.response_rules.clone(),
+            ack_wait: self.service.ack_wait,
+            max_deliver: self.service.max_deliver,
+        }
+    }
+
+    /// Checks everything that can be checked without a server and compiles the rules.
+    pub fn validate(self) -> Result<Settings, ConfigError> {
+        if self.nats.urls().is_empty() {
+            return Err(config_error("nats.url", "names no server"));
+        }
+        crate::nats_auth::check(&self.nats)?;
+        let dispatcher = webproxy_dispatcher::Settings::new(self.streams.clone(), self.cluster())?;
+        // A hop republished after a lost ack comes back within ack_wait; twice that
+        // keeps the republish inside the window, where JetStream drops it as a duplicate.
+        if self.streams.duplicate_window < self.service.ack_wait * 2 {
+            return Err(config_error(
+                "streams.duplicate_window",
+                format!(
+                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
+                    self.service.ack_wait, self.streams.duplicate_window
+                ),
+            ));
+        }
+        let endpoint = self.telemetry.otlp_endpoint.trim();
+        let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+        if !endpoint.is_empty() && !is_http {
+            return Err(config_error(
+                "telemetry.otlp_endpoint",
+                format!("{endpoint:?} is not an http or https URL"),
+            ));
+        }
+        Ok(Settings {
+            config: self,
+            dispatcher: std::sync::Arc::new(dispatcher),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use figment::Figment;
+    use figment::providers::{Format as _, Toml};
+
+    use super::Config;
+
+    /// The compiled-in defaults with `extra` (TOML) laid over them, as the
+    /// configuration layers do.
+    fn config_from(extra: &str) -> Config {
+        Figment::from(Toml::string(crate::cfg::DEFAULT_CONFIG))
+            .merge(Toml::string(extra))
+            .extract()
+            .expect("a config")
+    }
+
+    #[test]
+    fn a_duplicate_window_under_twice_ack_wait_is_refused() {
+        let error = config_from("[streams]\nduplicate_window = \"20s\"")
+            .validate()
+            .expect_err("20s < 2 x 15s");
+        assert!(
+            error.to_string().contains("streams.duplicate_window"),
+            "{error}"
+        );
+        assert!(
+            config_from("[streams]\nduplicate_window = \"30s\"")
+                .validate()
+                .is_ok()
+        );
+        for ack_wait in ["300ms", "2s", "15s", "1m"] {
+            let config = config_from(&format!(
+                "[service]\nack_wait = \"{ack_wait}\"\n[streams]\nduplicate_window = \"10m\""
+            ));
+            assert!(config.validate().is_ok(), "{ack_wait}");
+        }
+    }
+}
