@@ -225,10 +225,21 @@ mod tests {
 
     use super::*;
 
+    /// Runs `f` holding figment's jail lock: other tests set `WEBPROXY_*` variables in
+    /// the process environment inside a jail, and a load outside one could read them.
+    fn jailed<T>(f: impl FnOnce() -> T) -> T {
+        let mut out = None;
+        figment::Jail::expect_with(|_| {
+            out = Some(f());
+            Ok(())
+        });
+        out.expect("the jailed closure ran")
+    }
+
     fn load_text(text: &str) -> anyhow::Result<Settings> {
         let mut file = tempfile::NamedTempFile::new()?;
         file.write_all(text.as_bytes())?;
-        load(Some(file.path()))
+        jailed(|| load(Some(file.path())))
     }
 
     fn error_of(text: &str) -> String {
@@ -240,7 +251,7 @@ mod tests {
 
     #[test]
     fn defaults_alone_are_valid() {
-        let settings = load(None).expect("defaults load");
+        let settings = jailed(|| load(None)).expect("defaults load");
         assert_eq!(settings.dispatcher.subjects.prefix(), "webproxy");
         assert_eq!(
             settings.dispatcher.cluster.pools["default"].max_in_flight,
@@ -252,7 +263,7 @@ mod tests {
     #[test]
     fn example_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/webproxy.toml");
-        let settings = load(Some(&path)).expect("example loads");
+        let settings = jailed(|| load(Some(&path))).expect("example loads");
         assert!(settings.dispatcher.cluster.pools.contains_key("default"));
         assert!(settings.dispatcher.cluster.rules.iter().count() > 0);
         assert!(settings.warnings().is_empty(), "{:?}", settings.warnings());
@@ -367,7 +378,12 @@ mod tests {
         )
         .expect("valid");
         assert!(allowed.warnings().is_empty(), "{:?}", allowed.warnings());
-        assert!(load(None).expect("defaults").warnings().is_empty());
+        assert!(
+            jailed(|| load(None))
+                .expect("defaults")
+                .warnings()
+                .is_empty()
+        );
     }
 
     #[test]
