@@ -91,15 +91,6 @@ impl ClusterConfig {
         if self.ack_wait < Duration::from_millis(300) {
             return Err(config_error("service.ack_wait", "must be at least 300ms"));
         }
-        let request_timeout = jetstream_request_timeout(self.ack_wait);
-        if request_timeout * 3 > self.ack_wait {
-            return Err(config_error(
-                "service.ack_wait",
-                format!(
-                    "must be at least three JetStream request timeouts ({request_timeout:?}), so a request that times out leaves a delivery time for a confirmed progress ack"
-                ),
-            ));
-        }
         if self.max_deliver == 0 {
             return Err(config_error("service.max_deliver", "must be at least 1"));
         }

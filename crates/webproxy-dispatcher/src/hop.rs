@@ -278,10 +278,15 @@ pub fn subject_token(subject: &str) -> Option<&str> {
     subject.rsplit_once('.').map(|(_, token)| token)
 }
 
+/// A duration in whole milliseconds, the unit of hop state, records and spans.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Unix milliseconds, the form times take in hop state.
 pub fn unix_ms(time: SystemTime) -> u64 {
     time.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .map_or(0, millis)
 }
 
 /// The inverse of [`unix_ms`].

@@ -122,6 +122,6 @@ impl<'a> Conversation<'a> {
         let elapsed = SystemTime::now()
             .duration_since(self.state.first_published())
             .unwrap_or_default();
-        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        crate::hop::millis(elapsed)
     }
 }

@@ -7,8 +7,6 @@
 //! again under the same message ids), a hop's progress record before the hop, and
 //! everything before the ack.
 
-use std::time::Duration;
-
 use async_nats::HeaderMap;
 use async_nats::jetstream::AckKind;
 use tracing::{debug, error, info, warn};
@@ -439,9 +437,4 @@ async fn ack_current(delivery: &impl Delivery, conversation: &Conversation<'_>, 
     if let Err(e) = delivery.ack(kind).await {
         warn!(error = %e, "ack failed; the server will redeliver the message");
     }
-}
-
-/// How long a parked retry waits, for the span.
-pub(super) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
