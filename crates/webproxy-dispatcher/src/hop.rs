@@ -17,11 +17,11 @@ const FIRST_KEPT: usize = 2;
 /// How many of the latest attempts a history keeps.
 const LAST_KEPT: usize = 8;
 /// The most characters of a failure text one attempt record keeps.
-pub const MAX_FAILURE_CHARS: usize = 300;
+pub(crate) const MAX_FAILURE_CHARS: usize = 300;
 /// An upper bound on the encoded hop header: `FIRST_KEPT + LAST_KEPT` records of at
 /// most a bounded failure text each, and the fixed fields. A request envelope that
 /// would not fit `max_payload` beside it is `invalid_request`, so every hop fits.
-pub const MAX_HOP_HEADER_BYTES: usize = 8 * 1024;
+pub(crate) const MAX_HOP_HEADER_BYTES: usize = 8 * 1024;
 
 /// The attempts of a conversation: the first few and the latest few, with the number
 /// left out between them, so the history stays bounded however many retries there are.
@@ -88,11 +88,11 @@ mod origin_text {
     use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
     use webproxy_protocol::Origin;
 
-    pub fn serialize<S: Serializer>(origin: &Origin, s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(origin: &Origin, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(origin)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Origin, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Origin, D::Error> {
         let text = String::deserialize(d)?;
         text.parse().map_err(D::Error::custom)
     }
@@ -161,15 +161,15 @@ impl HopState {
 
 /// The headers layout 1 (webproxy before the conversation core) wrote on a retry it
 /// parked on `<prefix>.retry.<pool>`, with the envelope as the payload.
-pub mod layout1 {
+pub(crate) mod layout1 {
     /// The generation, decimal.
-    pub const GENERATION: &str = "Webproxy-Generation";
+    pub(crate) const GENERATION: &str = "Webproxy-Generation";
     /// The attempts so far: a JSON array of attempt records; absent when empty.
-    pub const ATTEMPTS: &str = "Webproxy-Attempts";
+    pub(crate) const ATTEMPTS: &str = "Webproxy-Attempts";
     /// The caller's publish, Unix milliseconds.
-    pub const FIRST_PUBLISHED: &str = "Webproxy-First-Published";
+    pub(crate) const FIRST_PUBLISHED: &str = "Webproxy-First-Published";
     /// When the retry is due, Unix milliseconds.
-    pub const DUE: &str = "Webproxy-Due";
+    pub(crate) const DUE: &str = "Webproxy-Due";
 }
 
 impl HopState {
@@ -244,28 +244,28 @@ impl HopKind {
 
 /// The message id of a hop: `<kind>:<token>`. The token is random and known only to
 /// the service, so a caller, who can publish into the pool stream, cannot pre-empt it.
-pub fn hop_msg_id(kind: HopKind, token: &str) -> String {
+pub(crate) fn hop_msg_id(kind: HopKind, token: &str) -> String {
     format!("{}:{token}", kind.as_str())
 }
 
 /// The message id of a parked retry released when due: `due:<token>`, its park's token.
-pub fn due_msg_id(token: &str) -> String {
+pub(crate) fn due_msg_id(token: &str) -> String {
     format!("due:{token}")
 }
 
 /// The message id of a conversation's stored reply: `<STREAM>:<seq>:<generation>:reply`.
 /// The replies stream is the service's alone, so the id needs no secret.
-pub fn reply_msg_id(origin: &Origin, generation: u64) -> String {
+pub(crate) fn reply_msg_id(origin: &Origin, generation: u64) -> String {
     format!("{}:reply", origin.generation_key(generation))
 }
 
 /// The message id of a conversation's dead letter: `<STREAM>:<seq>:<generation>:dead`.
-pub fn dead_msg_id(origin: &Origin, generation: u64) -> String {
+pub(crate) fn dead_msg_id(origin: &Origin, generation: u64) -> String {
     format!("{}:dead", origin.generation_key(generation))
 }
 
 /// A fresh hop token: 128 bits from the operating system's CSPRNG, as 32 hex digits.
-pub fn new_token() -> String {
+pub(crate) fn new_token() -> String {
     let mut bytes = [0u8; 16];
     // Linux's getrandom(2) does not fail once the pool is seeded at boot; a token that
     // a caller could guess would let it pre-empt hops, so there is no weaker fallback.
@@ -274,23 +274,23 @@ pub fn new_token() -> String {
 }
 
 /// The token of a service-only subject: its last token.
-pub fn subject_token(subject: &str) -> Option<&str> {
+pub(crate) fn subject_token(subject: &str) -> Option<&str> {
     subject.rsplit_once('.').map(|(_, token)| token)
 }
 
 /// A duration in whole milliseconds, the unit of hop state, records and spans.
-pub fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Unix milliseconds, the form times take in hop state.
-pub fn unix_ms(time: SystemTime) -> u64 {
+pub(crate) fn unix_ms(time: SystemTime) -> u64 {
     time.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, millis)
 }
 
 /// The inverse of [`unix_ms`].
-pub fn from_unix_ms(ms: u64) -> SystemTime {
+pub(crate) fn from_unix_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
 

@@ -83,7 +83,7 @@ fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
 
 /// What a response means when no response rule is configured: 408, 429 and 5xx are
 /// transient, everything else is the upstream's answer.
-pub fn default_action(status: u16) -> ResponseAction {
+pub(crate) fn default_action(status: u16) -> ResponseAction {
     match status {
         408 | 429 | 500..=599 => ResponseAction::Retry,
         _ => ResponseAction::Respond,
@@ -92,7 +92,7 @@ pub fn default_action(status: u16) -> ResponseAction {
 
 /// Classifies a response: the first rule in order that matches decides; no match is
 /// `Respond`. An empty list means the defaults of [`default_action`].
-pub fn classify(rules: &[ResponseRule], status: u16, body: &[u8]) -> ResponseAction {
+pub(crate) fn classify(rules: &[ResponseRule], status: u16, body: &[u8]) -> ResponseAction {
     if rules.is_empty() {
         return default_action(status);
     }

@@ -47,7 +47,7 @@ impl RetryPolicy {
 }
 
 /// Parses a `Retry-After` value: delay seconds or an HTTP date, relative to `now`.
-pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds));

@@ -98,7 +98,7 @@ pub struct RequestRuleConfig {
 }
 
 /// The header name upstreams that support idempotency keys commonly honour.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+pub(crate) const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
 /// What a matching rule does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]

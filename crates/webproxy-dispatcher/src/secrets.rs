@@ -11,10 +11,10 @@ use serde_json::Value;
 use thiserror::Error;
 
 use crate::rules::RequestRules;
-pub use crate::secret_source::SecretSource;
+pub(crate) use crate::secret_source::SecretSource;
 
 /// What replaces a secret value in text webproxy writes.
-pub const REDACTED: &str = "[REDACTED]";
+pub(crate) const REDACTED: &str = Redactor::REDACTED;
 
 /// A secret that cannot be read; the message names the rule, the header and the
 /// variable or path.
@@ -27,7 +27,7 @@ pub struct SecretError {
 
 /// Reads one secret with `env` and `read_file` (injected so the rules are tested without
 /// touching the process environment). A file's trailing newline is dropped.
-pub fn read_secret(
+pub(crate) fn read_secret(
     source: &SecretSource,
     env: &dyn Fn(&str) -> Option<String>,
     read_file: &dyn Fn(&std::path::Path) -> std::io::Result<Vec<u8>>,
@@ -238,6 +238,9 @@ struct RedactorState {
 }
 
 impl Redactor {
+    /// What replaces a secret value in text webproxy writes.
+    pub const REDACTED: &str = "[REDACTED]";
+
     /// Replaces the injected values to redact.
     pub fn set(&self, secrets: Vec<String>) {
         let mut state = self.state.write().unwrap_or_else(PoisonError::into_inner);

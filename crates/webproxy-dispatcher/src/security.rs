@@ -12,7 +12,7 @@ use url::{Origin, Url};
 use webproxy_protocol::{ErrorBody, Request};
 use webproxy_worker::GuardPolicy;
 
-use crate::config_error::{ConfigError, config_error};
+use crate::config_error::ConfigError;
 use crate::outbox::invalid_request;
 use crate::secret_source::SecretSource;
 
@@ -77,6 +77,8 @@ impl<'de> Deserialize<'de> for ByteLimit {
 /// What may leave this instance.
 #[derive(Debug, Clone)]
 pub struct Outbound {
+    /// Resolved against the server's `max_payload` at start.
+    pub max_response_bytes: ByteLimit,
     pub guard: GuardPolicy,
     pub max_request_bytes: u64,
     pub max_headers: usize,
@@ -88,15 +90,19 @@ pub struct Outbound {
 impl Outbound {
     pub fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
         if config.max_headers == 0 {
-            return Err(config_error("outbound.max_headers", "must be at least 1"));
+            return Err(ConfigError::new(
+                "outbound.max_headers",
+                "must be at least 1",
+            ));
         }
         if config.max_header_bytes == 0 {
-            return Err(config_error(
+            return Err(ConfigError::new(
                 "outbound.max_header_bytes",
                 "must be at least 1",
             ));
         }
         Ok(Outbound {
+            max_response_bytes: config.max_response_bytes,
             guard: GuardPolicy {
                 allow_private_networks: config.allow_private_networks,
                 allow: parse_cidrs("outbound.allow_cidrs", &config.allow_cidrs)?,
@@ -105,8 +111,9 @@ impl Outbound {
             max_request_bytes: config.max_request_bytes,
             max_headers: config.max_headers,
             max_header_bytes: config.max_header_bytes,
-            deny_request_headers: header_names(&config.deny_request_headers)
-                .map_err(|(i, m)| config_error(format!("outbound.deny_request_headers[{i}]"), m))?,
+            deny_request_headers: header_names(&config.deny_request_headers).map_err(
+                |(i, m)| ConfigError::new(format!("outbound.deny_request_headers[{i}]"), m),
+            )?,
         })
     }
 }
@@ -207,7 +214,7 @@ pub(crate) fn suggested_origin(pattern: &str) -> Option<String> {
 
 /// Whether a request is within the request limits; the error is `invalid_request`
 /// naming the limit. Counted on the caller's headers as received.
-pub fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
+pub(crate) fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
     if request.body.len() as u64 > outbound.max_request_bytes {
         return Err(invalid_request(
             "body",
@@ -278,7 +285,7 @@ fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigError> {
                 .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
                 .map(|net| net.trunc())
                 .map_err(|_| {
-                    config_error(
+                    ConfigError::new(
                         format!("{key}[{index}]"),
                         format!("{text:?} is not a CIDR (like \"10.0.0.0/8\") or an IP address"),
                     )

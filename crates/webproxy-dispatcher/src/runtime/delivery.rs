@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 /// What JetStream says about one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryInfo {
+pub(super) struct DeliveryInfo {
     /// The stream that stores the message, and its sequence there.
     pub stream: String,
     pub seq: u64,
@@ -22,7 +22,7 @@ pub struct DeliveryInfo {
 }
 
 /// One delivered message and its acks.
-pub trait Delivery: Send + Sync {
+pub(super) trait Delivery: Send + Sync {
     fn subject(&self) -> &str;
     fn headers(&self) -> Option<&HeaderMap>;
     fn payload(&self) -> &Bytes;

@@ -36,7 +36,7 @@ impl Record {
 /// What a delivery at `step`, stored at stream sequence `seq`, may do given the
 /// conversation's record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Claim {
+pub(super) enum Claim {
     /// This delivery is the recorded step: it carries on (taking the step first when
     /// no delivery has yet).
     Current { take: bool },
@@ -49,7 +49,7 @@ pub enum Claim {
 }
 
 /// Decides a delivery's claim on its conversation's record (pure).
-pub fn claim(record: &Record, step: u32, seq: u64) -> Claim {
+pub(super) fn claim(record: &Record, step: u32, seq: u64) -> Claim {
     match record.taken_by {
         _ if record.step() != step => {
             if record.taken_by.is_none() {
