@@ -64,7 +64,7 @@ pub struct PoolConfig {
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
-    pub queue_timeout: Option<Duration>,
+    pub(crate) queue_timeout: Option<Duration>,
 }
 
 impl Default for PoolConfig {
@@ -87,7 +87,7 @@ pub(crate) fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
 
 impl ClusterConfig {
     /// Checks the cluster part and compiles its rules; an error names the file's key.
-    pub fn validate(self) -> Result<Cluster, ConfigError> {
+    pub(crate) fn validate(self) -> Result<Cluster, ConfigError> {
         if self.ack_wait < Duration::from_millis(300) {
             return Err(ConfigError::new(
                 "service.ack_wait",

@@ -14,14 +14,14 @@ pub(crate) use crate::config_error::ConfigError;
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamsConfig {
-    pub prefix: String,
-    pub replicas: usize,
+    pub(crate) prefix: String,
+    pub(crate) replicas: usize,
     #[serde(with = "humantime_serde")]
-    pub reply_max_age: Duration,
-    pub reply_max_bytes: i64,
+    pub(crate) reply_max_age: Duration,
+    pub(crate) reply_max_bytes: i64,
     #[serde(with = "humantime_serde")]
-    pub dead_max_age: Duration,
-    pub dead_max_bytes: i64,
+    pub(crate) dead_max_age: Duration,
+    pub(crate) dead_max_bytes: i64,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
     /// The pool streams' duplicate window: a caller's publish retried with the same
@@ -33,7 +33,7 @@ pub struct StreamsConfig {
 /// What the dispatcher runs on: the streams, their subjects and the cluster part.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub streams: StreamsConfig,
+    pub(crate) streams: StreamsConfig,
     pub subjects: Subjects,
     /// The cluster part, compiled.
     pub cluster: Cluster,

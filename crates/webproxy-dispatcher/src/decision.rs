@@ -43,10 +43,10 @@ pub(crate) fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission
 /// Why nothing may be sent to a URL.
 #[derive(Debug)]
 pub(crate) struct Refusal<'r> {
-    pub message: String,
+    pub(crate) message: String,
     /// The rule that matched (a deny rule, or an accept rule bound to another
     /// origin), if one did.
-    pub rule: Option<&'r RequestRule>,
+    pub(crate) rule: Option<&'r RequestRule>,
 }
 
 /// The rule under which `method url` may be sent, for the first hop and every
@@ -128,24 +128,24 @@ pub(crate) enum Verdict {
 /// The failure that made an attempt retryable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LastFailure {
-    pub status: Option<u16>,
-    pub description: String,
+    pub(crate) status: Option<u16>,
+    pub(crate) description: String,
 }
 
 /// What `judge` needs to know besides the outcome.
 #[derive(Debug, Clone)]
 pub(crate) struct AttemptContext<'a> {
-    pub rule: &'a RequestRule,
-    pub method: Method,
+    pub(crate) rule: &'a RequestRule,
+    pub(crate) method: Method,
     /// The request carries an idempotency key (the caller's `Idempotency-Key`, or the
     /// header the rule adds), so the upstream can absorb a repeat.
-    pub has_idempotency_key: bool,
+    pub(crate) has_idempotency_key: bool,
     /// The number of the attempt just made, from 1.
-    pub attempt: u32,
-    pub now: SystemTime,
-    pub deadline: Option<SystemTime>,
+    pub(crate) attempt: u32,
+    pub(crate) now: SystemTime,
+    pub(crate) deadline: Option<SystemTime>,
     /// Uniform in [-1, 1], for the rule's jitter.
-    pub jitter_unit: f64,
+    pub(crate) jitter_unit: f64,
 }
 
 /// How much of an upstream body an error message quotes.

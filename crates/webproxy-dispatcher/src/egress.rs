@@ -17,9 +17,9 @@ use crate::security::Outbound;
 /// What a chain's hops are decided on.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RulePolicy<'a> {
-    pub rules: &'a RequestRules,
-    pub outbound: &'a Outbound,
-    pub secrets: &'a Secrets,
+    pub(crate) rules: &'a RequestRules,
+    pub(crate) outbound: &'a Outbound,
+    pub(crate) secrets: &'a Secrets,
 }
 
 impl RulePolicy<'_> {

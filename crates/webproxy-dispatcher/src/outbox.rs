@@ -28,12 +28,12 @@ pub(crate) fn max_response_bytes_for(max_payload: usize) -> usize {
 /// What a conversation's reply says, before it is encoded.
 #[derive(Debug)]
 pub(crate) struct ReplyContext<'a> {
-    pub id: &'a str,
-    pub attempts: u32,
-    pub duration_ms: u64,
-    pub metadata: Option<&'a RawValue>,
+    pub(crate) id: &'a str,
+    pub(crate) attempts: u32,
+    pub(crate) duration_ms: u64,
+    pub(crate) metadata: Option<&'a RawValue>,
     /// The server's `max_payload`: every reply is built to fit it.
-    pub max_payload: usize,
+    pub(crate) max_payload: usize,
 }
 
 /// The most characters of an error message: its quoted values are cut already, and
@@ -52,9 +52,9 @@ fn bounded(mut error: ErrorBody) -> ErrorBody {
 /// A reply, encoded.
 #[derive(Debug, Clone)]
 pub(crate) struct EncodedReply {
-    pub payload: Bytes,
+    pub(crate) payload: Bytes,
     /// The error the reply carries, if it is an error reply.
-    pub error: Option<ErrorBody>,
+    pub(crate) error: Option<ErrorBody>,
 }
 
 fn encode(reply: &Reply) -> Bytes {
@@ -148,13 +148,13 @@ pub(crate) fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse
 /// What a dead letter records.
 #[derive(Debug)]
 pub(crate) struct LetterParts<'a> {
-    pub pool: &'a str,
-    pub id: Option<&'a str>,
-    pub origin: Option<&'a Origin>,
-    pub generation: u64,
-    pub error: ErrorBody,
-    pub payload: &'a [u8],
-    pub attempts: &'a AttemptHistory,
+    pub(crate) pool: &'a str,
+    pub(crate) id: Option<&'a str>,
+    pub(crate) origin: Option<&'a Origin>,
+    pub(crate) generation: u64,
+    pub(crate) error: ErrorBody,
+    pub(crate) payload: &'a [u8],
+    pub(crate) attempts: &'a AttemptHistory,
 }
 
 /// A dead letter for a conversation that ended in `error`. The original payload is kept

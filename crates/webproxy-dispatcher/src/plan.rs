@@ -16,21 +16,21 @@ use crate::rules::RequestRule;
 /// `'r`) and the delivery (for `'d`).
 #[derive(Debug)]
 pub(crate) struct PlanInput<'r, 'd> {
-    pub settings: &'r Settings,
+    pub(crate) settings: &'r Settings,
     /// The pool whose consumer delivered the message.
-    pub pool: &'d str,
+    pub(crate) pool: &'d str,
     /// The server's delivery count of this message.
-    pub delivered: u64,
-    pub parsed: &'d Result<Request, ParseError>,
+    pub(crate) delivered: u64,
+    pub(crate) parsed: &'d Result<Request, ParseError>,
     /// The size of the stored message's payload.
-    pub payload_len: usize,
+    pub(crate) payload_len: usize,
     /// The server's `max_payload`.
-    pub max_payload: usize,
-    pub now: SystemTime,
+    pub(crate) max_payload: usize,
+    pub(crate) now: SystemTime,
     /// The caller's publish: queue waits count from it.
-    pub since: SystemTime,
+    pub(crate) since: SystemTime,
     /// No attempt has been made yet in this generation.
-    pub first_attempt: bool,
+    pub(crate) first_attempt: bool,
 }
 
 /// What happens to the delivery.

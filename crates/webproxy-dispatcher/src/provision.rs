@@ -21,9 +21,9 @@ use crate::config::{PoolConfig, Settings};
 #[derive(Debug, Error)]
 #[error("cannot provision {what}: {source}")]
 pub(crate) struct ProvisionError {
-    pub what: String,
+    pub(crate) what: String,
     #[source]
-    pub source: async_nats::Error,
+    pub(crate) source: async_nats::Error,
 }
 
 impl ProvisionError {
@@ -276,11 +276,11 @@ pub(crate) fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer
 
 /// A pool's two consumers.
 pub(crate) struct PoolConsumers {
-    pub pool: String,
+    pub(crate) pool: String,
     /// The request subject: `max_ack_pending` is the concurrency limit.
-    pub work: consumer::PullConsumer,
+    pub(crate) work: consumer::PullConsumer,
     /// The retry subject: parked retries waiting to be due.
-    pub parked: consumer::PullConsumer,
+    pub(crate) parked: consumer::PullConsumer,
 }
 
 fn limits_stream(
@@ -516,8 +516,8 @@ async fn delete_consumer(stream: &stream::Stream, name: &str) -> Result<(), Prov
 
 /// What provisioning made: the pools' consumers and the progress bucket.
 pub(crate) struct Provisioned {
-    pub pools: Vec<PoolConsumers>,
-    pub progress: kv::Store,
+    pub(crate) pools: Vec<PoolConsumers>,
+    pub(crate) progress: kv::Store,
 }
 
 /// Creates or updates every stream, bucket and consumer of this instance's config.

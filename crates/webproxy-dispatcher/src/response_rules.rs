@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 /// What a matching response rule does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ResponseAction {
+pub(crate) enum ResponseAction {
     /// Deliver the response.
     Respond,
     /// Attempt again on the retry schedule.
@@ -23,24 +23,26 @@ pub enum ResponseAction {
 #[serde(deny_unknown_fields)]
 pub struct ResponseRuleConfig {
     /// One code (`"429"`) or an inclusive range (`"500-599"`).
-    pub status: String,
-    pub action: ResponseAction,
+    pub(crate) status: String,
+    pub(crate) action: ResponseAction,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body_pattern: Option<String>,
+    pub(crate) body_pattern: Option<String>,
 }
 
 /// A compiled response rule.
 #[derive(Debug, Clone)]
-pub struct ResponseRule {
-    pub status: RangeInclusive<u16>,
-    pub action: ResponseAction,
+pub(crate) struct ResponseRule {
+    pub(crate) status: RangeInclusive<u16>,
+    pub(crate) action: ResponseAction,
     /// Searched in the raw body; the rule matches only when it matches too.
-    pub body_pattern: Option<Regex>,
+    pub(crate) body_pattern: Option<Regex>,
 }
 
 impl ResponseRule {
     /// Compiles a rule; an error names the field.
-    pub fn compile(config: &ResponseRuleConfig) -> Result<ResponseRule, (&'static str, String)> {
+    pub(crate) fn compile(
+        config: &ResponseRuleConfig,
+    ) -> Result<ResponseRule, (&'static str, String)> {
         let status = parse_status_range(&config.status).ok_or((
             "status",
             format!(

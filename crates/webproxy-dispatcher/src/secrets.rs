@@ -21,8 +21,8 @@ pub(crate) const REDACTED: &str = Redactor::REDACTED;
 #[derive(Debug, Clone, Error)]
 #[error("{key}: {message}")]
 pub struct SecretError {
-    pub key: String,
-    pub message: String,
+    pub(crate) key: String,
+    pub(crate) message: String,
 }
 
 /// Reads one secret with `env` and `read_file` (injected so the rules are tested without
@@ -64,10 +64,10 @@ pub(crate) fn read_secret(
 
 /// One header a rule injects, with its value read.
 #[derive(Clone)]
-pub struct Injection {
-    pub header: String,
+pub(crate) struct Injection {
+    pub(crate) header: String,
     /// The prefix and the secret.
-    pub value: String,
+    pub(crate) value: String,
     secret: String,
 }
 
@@ -105,7 +105,8 @@ pub struct Secrets {
 
 impl Secrets {
     /// No rule injects anything.
-    pub fn empty() -> Secrets {
+    #[cfg(test)]
+    pub(crate) fn empty() -> Secrets {
         Secrets {
             loaded: RwLock::new(Arc::new(Loaded::default())),
             redactor: Redactor::default(),
@@ -151,7 +152,7 @@ impl Secrets {
     }
 
     /// The headers the rule at `index` injects.
-    pub fn for_rule(&self, index: usize) -> Arc<[Injection]> {
+    pub(crate) fn for_rule(&self, index: usize) -> Arc<[Injection]> {
         self.current()
             .per_rule
             .get(index)
@@ -159,7 +160,7 @@ impl Secrets {
             .unwrap_or_else(|| Arc::from(Vec::new()))
     }
 
-    pub fn redactor(&self) -> &Redactor {
+    pub(crate) fn redactor(&self) -> &Redactor {
         &self.redactor
     }
 
@@ -291,7 +292,7 @@ impl Redactor {
     /// A request payload with secret values redacted inside its JSON strings, so it
     /// stays valid JSON; a payload that is not JSON is redacted as bytes. Untouched
     /// (byte for byte) when it contains no secret.
-    pub fn redact_payload<'a>(&self, payload: &'a [u8]) -> Cow<'a, [u8]> {
+    pub(crate) fn redact_payload<'a>(&self, payload: &'a [u8]) -> Cow<'a, [u8]> {
         let needles = self.needles();
         if !needles
             .iter()

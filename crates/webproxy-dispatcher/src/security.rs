@@ -19,24 +19,24 @@ use crate::secret_source::SecretSource;
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct OutboundConfig {
-    pub max_response_bytes: ByteLimit,
+    pub(crate) max_response_bytes: ByteLimit,
     /// The address guard; see `crate::security`.
-    pub allow_private_networks: bool,
-    pub allow_cidrs: Vec<String>,
-    pub deny_cidrs: Vec<String>,
+    pub(crate) allow_private_networks: bool,
+    pub(crate) allow_cidrs: Vec<String>,
+    pub(crate) deny_cidrs: Vec<String>,
     /// Request limits: larger requests get `invalid_request`.
-    pub max_request_bytes: u64,
+    pub(crate) max_request_bytes: u64,
     /// Header count and size limits, for requests and responses alike.
-    pub max_headers: usize,
-    pub max_header_bytes: usize,
+    pub(crate) max_headers: usize,
+    pub(crate) max_header_bytes: usize,
     /// Headers dropped from every request, whatever the caller sends.
-    pub deny_request_headers: Vec<String>,
+    pub(crate) deny_request_headers: Vec<String>,
 }
 
 /// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
-pub enum ByteLimit {
+pub(crate) enum ByteLimit {
     #[serde(serialize_with = "serialize_auto")]
     Auto,
     Bytes(u64),
@@ -78,17 +78,17 @@ impl<'de> Deserialize<'de> for ByteLimit {
 #[derive(Debug, Clone)]
 pub struct Outbound {
     /// Resolved against the server's `max_payload` at start.
-    pub max_response_bytes: ByteLimit,
+    pub(crate) max_response_bytes: ByteLimit,
     pub guard: GuardPolicy,
-    pub max_request_bytes: u64,
-    pub max_headers: usize,
-    pub max_header_bytes: usize,
+    pub(crate) max_request_bytes: u64,
+    pub(crate) max_headers: usize,
+    pub(crate) max_header_bytes: usize,
     /// Lower case.
-    pub deny_request_headers: Vec<String>,
+    pub(crate) deny_request_headers: Vec<String>,
 }
 
 impl Outbound {
-    pub fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
+    pub(crate) fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
         if config.max_headers == 0 {
             return Err(ConfigError::new(
                 "outbound.max_headers",
@@ -122,7 +122,7 @@ impl Outbound {
 #[derive(Debug, Clone, Default)]
 pub struct RuleSecurity {
     /// The rule's position in the file, which keys its secrets.
-    pub index: usize,
+    pub(crate) index: usize,
     /// The redirect budget of a whole chain that starts under this rule.
     pub follow_redirects: u32,
     /// Header name (as configured) and where its value comes from.
@@ -138,7 +138,7 @@ impl RuleSecurity {
     /// Whether a hop to `url` may be sent under this rule: with an origin, only to
     /// exactly that scheme, host and port. A request the rule's pattern matches but
     /// whose origin differs is refused, never sent without the injected headers.
-    pub fn check_origin(&self, url: &Url) -> Result<(), String> {
+    pub(crate) fn check_origin(&self, url: &Url) -> Result<(), String> {
         match &self.origin {
             Some(origin) if url.origin() != *origin => Err(format!(
                 "is bound to origin {}, not {}",

@@ -17,24 +17,24 @@ use crate::outbox::ReplyContext;
 /// One conversation's state while its message is handled.
 #[derive(Debug)]
 pub(super) struct Conversation<'a> {
-    pub pool: &'a str,
+    pub(crate) pool: &'a str,
     /// Origin, generation, step, attempts and the caller's publish time.
-    pub state: HopState,
+    pub(crate) state: HopState,
     /// It arrived on a service-only subject (a hop), not the caller's request subject.
-    pub hop: bool,
+    pub(crate) hop: bool,
     /// A valid id: the reply goes to `<prefix>.reply.<id>`.
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// The id as given, for the reply body even when it is invalid.
-    pub raw_id: String,
-    pub reply_to: Option<String>,
-    pub metadata: Option<Box<RawValue>>,
-    pub payload: Bytes,
+    pub(crate) raw_id: String,
+    pub(crate) reply_to: Option<String>,
+    pub(crate) metadata: Option<Box<RawValue>>,
+    pub(crate) payload: Bytes,
     /// The rule that decided, `none` until one did: a metrics label.
-    pub rule: &'a str,
+    pub(crate) rule: &'a str,
     /// The revision of the conversation's progress record, once one is known to exist.
-    pub record: Option<u64>,
+    pub(crate) record: Option<u64>,
     /// Whether the delivery is still the server's current one: see `liveness`.
-    pub liveness: &'a Liveness,
+    pub(crate) liveness: &'a Liveness,
 }
 
 impl<'a> Conversation<'a> {

@@ -24,11 +24,11 @@ pub(super) struct LivenessPolicy {
     /// The longest gap allowed between the delivery and the first confirmed progress
     /// ack sent, and between two of them: `ack_wait` minus a margin for clocks and
     /// the network.
-    pub limit: Duration,
+    pub(crate) limit: Duration,
     /// How often a progress ack is sent.
-    pub period: Duration,
+    pub(crate) period: Duration,
     /// How long a progress ack's confirmation is waited for.
-    pub confirm_within: Duration,
+    pub(crate) confirm_within: Duration,
 }
 
 impl LivenessPolicy {

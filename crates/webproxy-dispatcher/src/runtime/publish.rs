@@ -24,17 +24,17 @@ use crate::secrets::Redactor;
 /// the names and limits that shape what is published.
 #[derive(Debug, Clone)]
 pub struct Outlet {
-    pub client: async_nats::Client,
-    pub js: jetstream::Context,
-    pub subjects: Subjects,
+    pub(crate) client: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+    pub(crate) subjects: Subjects,
     /// The server's `max_payload`: replies, dead letters and hops are built to fit it.
-    pub max_payload: usize,
+    pub(crate) max_payload: usize,
     /// Conversations and dead letters are counted where they are published.
-    pub metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Webproxy's own copies of a request (dead letters, parked retries) never hold a
     /// secret it knows.
-    pub redactor: Redactor,
-    pub progress: Progress,
+    pub(crate) redactor: Redactor,
+    pub(crate) progress: Progress,
 }
 
 impl Outlet {
@@ -105,10 +105,10 @@ const PUBLISH_BACKOFF: Backoff =
 /// One publish into a stream, under a message id.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Stored<'a> {
-    pub subject: &'a str,
-    pub msg_id: &'a str,
-    pub headers: &'a HeaderMap,
-    pub payload: &'a Bytes,
+    pub(crate) subject: &'a str,
+    pub(crate) msg_id: &'a str,
+    pub(crate) headers: &'a HeaderMap,
+    pub(crate) payload: &'a Bytes,
 }
 
 /// Publishes into a stream and waits for the server to store it, retrying within the
