@@ -624,7 +624,7 @@ async fn provision_pool(
 /// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing
 /// else: the pull loop calls it when the consumer is gone. It does so only while the
 /// pool's stream exists, is not marked for removal and has this instance's layout;
-/// otherwise the error's [`ProvisionError::refusal`] says why not.
+/// otherwise the error (a [`Refusal`]) says why not.
 pub(crate) async fn recreate_pool_consumer(
     js: &jetstream::Context,
     settings: &Settings,

@@ -210,7 +210,7 @@ fn read_all(
     Ok(Loaded { per_rule })
 }
 
-/// Replaces secret values with [`REDACTED`] in text webproxy writes. Cloned handles
+/// Replaces secret values with [`Redactor::REDACTED`] in text webproxy writes. Cloned handles
 /// share the list, so the logger's copy sees values loaded or reloaded later. Its
 /// `Debug` shows how many values it knows, never the values.
 #[derive(Clone, Default)]

@@ -11,7 +11,7 @@ use url::{Host, Url};
 /// Which addresses may be connected to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GuardPolicy {
-    /// Lifts the ranges of class [`Class::Private`]: loopback, RFC 1918, CGNAT and
+    /// Lifts the ranges of the private class: loopback, RFC 1918, CGNAT and
     /// unique-local. Link-local, cloud metadata and the rest stay denied.
     pub allow_private_networks: bool,
     /// Opened whatever default range they fall in, except cloud metadata addresses;

@@ -41,7 +41,7 @@ pub enum StartError {
         max_payload: usize,
         largest: usize,
     },
-    #[error("cannot build the HTTP client: {0}")]
+    #[error(transparent)]
     Worker(#[from] BuildError),
 }
 
@@ -178,6 +178,21 @@ mod tests {
         let e =
             effective_max_response_bytes(ByteLimit::Bytes(mib as u64), mib).expect_err("too big");
         assert!(e.to_string().contains("outbound.max_response_bytes"), "{e}");
+    }
+
+    #[test]
+    fn an_old_server_or_one_without_jetstream_is_refused() {
+        let server = |version: &str, jetstream| async_nats::ServerInfo {
+            version: version.into(),
+            jetstream,
+            ..Default::default()
+        };
+        assert!(check_server(&server("2.10.0", true)).is_ok());
+        let old = check_server(&server("2.9.25", true)).expect_err("2.9");
+        assert!(matches!(old, StartError::ServerTooOld { .. }), "{old}");
+        assert!(old.to_string().contains("needs 2.10 or newer"), "{old}");
+        let no_js = check_server(&server("2.11.1", false)).expect_err("no JetStream");
+        assert!(matches!(no_js, StartError::NoJetStream { .. }), "{no_js}");
     }
 
     #[test]
