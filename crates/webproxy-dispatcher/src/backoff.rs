@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 /// A retry policy: the wait after `n` failures in a row grows linearly or doubles,
 /// up to a cap, optionally within a budget of tries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     first: Duration,
     growth: Growth,
     max: Duration,
@@ -30,7 +30,7 @@ enum Growth {
 
 impl Backoff {
     /// Waits `step`, `2 * step`, `3 * step`, ... up to `max`.
-    pub const fn linear(step: Duration, max: Duration) -> Backoff {
+    pub(crate) const fn linear(step: Duration, max: Duration) -> Backoff {
         Backoff {
             first: step,
             growth: Growth::Linear,
@@ -40,7 +40,7 @@ impl Backoff {
     }
 
     /// Waits `first`, `2 * first`, `4 * first`, ... up to `max`.
-    pub const fn doubling(first: Duration, max: Duration) -> Backoff {
+    pub(crate) const fn doubling(first: Duration, max: Duration) -> Backoff {
         Backoff {
             first,
             growth: Growth::Doubling,
@@ -50,7 +50,7 @@ impl Backoff {
     }
 
     /// Gives up once `tries` tries (the first included) have failed.
-    pub const fn tries(self, tries: u32) -> Backoff {
+    pub(crate) const fn tries(self, tries: u32) -> Backoff {
         Backoff {
             tries: Some(tries),
             ..self
@@ -59,7 +59,7 @@ impl Backoff {
 
     /// The wait after `failures` failures in a row: none after none, and `None` once
     /// the budget of tries is spent.
-    pub fn after(&self, failures: u32) -> Option<Duration> {
+    pub(crate) fn after(&self, failures: u32) -> Option<Duration> {
         if self.tries.is_some_and(|tries| failures >= tries) {
             return None;
         }
@@ -76,7 +76,7 @@ impl Backoff {
 
     /// Waits [`Backoff::after`] `failures`; false when the budget is spent or
     /// `shutdown` comes first, so the loop stops.
-    pub async fn wait(&self, failures: u32, shutdown: &CancellationToken) -> bool {
+    pub(crate) async fn wait(&self, failures: u32, shutdown: &CancellationToken) -> bool {
         let Some(wait) = self.after(failures) else {
             return false;
         };

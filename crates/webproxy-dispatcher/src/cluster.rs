@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::validate_pool_name;
 
-use crate::config_error::{ConfigError, config_error};
+use crate::config_error::ConfigError;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
 use crate::rules::{RequestRule, RequestRuleConfig, RequestRules};
 use crate::security::{Outbound, OutboundConfig};
@@ -64,7 +64,7 @@ pub struct PoolConfig {
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
-    pub queue_timeout: Option<Duration>,
+    pub(crate) queue_timeout: Option<Duration>,
 }
 
 impl Default for PoolConfig {
@@ -81,32 +81,38 @@ impl Default for PoolConfig {
 /// progress ack) is waited for: async-nats' 5 s, shortened to a third of `ack_wait`, so
 /// that a request that times out still leaves time for another before the server
 /// would redeliver the message it concerns.
-pub fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
+pub(crate) fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
     (ack_wait / 3).min(Duration::from_secs(5))
 }
 
 impl ClusterConfig {
     /// Checks the cluster part and compiles its rules; an error names the file's key.
-    pub fn validate(self) -> Result<Cluster, ConfigError> {
+    pub(crate) fn validate(self) -> Result<Cluster, ConfigError> {
         if self.ack_wait < Duration::from_millis(300) {
-            return Err(config_error("service.ack_wait", "must be at least 300ms"));
+            return Err(ConfigError::new(
+                "service.ack_wait",
+                "must be at least 300ms",
+            ));
         }
         if self.max_deliver == 0 {
-            return Err(config_error("service.max_deliver", "must be at least 1"));
+            return Err(ConfigError::new(
+                "service.max_deliver",
+                "must be at least 1",
+            ));
         }
         let outbound = Outbound::compile(&self.outbound)?;
         let mut pools = self.pools.clone();
         pools.entry("default".into()).or_default();
         for (name, pool) in &pools {
-            validate_pool_name(name).map_err(|e| config_error(format!("pools.{name}"), e.0))?;
+            validate_pool_name(name).map_err(|e| ConfigError::new(format!("pools.{name}"), e.0))?;
             if pool.max_in_flight == 0 || pool.max_in_flight > i64::MAX as u64 {
-                return Err(config_error(
+                return Err(ConfigError::new(
                     format!("pools.{name}.max_in_flight"),
                     "must be at least 1",
                 ));
             }
             if pool.max_waiting == Some(0) {
-                return Err(config_error(
+                return Err(ConfigError::new(
                     format!("pools.{name}.max_waiting"),
                     "must be at least 1 (leave it out for unlimited)",
                 ));
@@ -118,7 +124,7 @@ impl ClusterConfig {
             .enumerate()
             .map(|(index, rule)| {
                 ResponseRule::compile(rule).map_err(|(field, message)| {
-                    config_error(format!("response_rules[{index}].{field}"), message)
+                    ConfigError::new(format!("response_rules[{index}].{field}"), message)
                 })
             })
             .collect::<Result<Arc<[_]>, _>>()?;
@@ -126,14 +132,14 @@ impl ClusterConfig {
         for (index, rule) in self.request_rules.iter().enumerate() {
             let key = |field: &str| format!("request_rules[{index}] ({}).{field}", rule.name);
             if !pools.contains_key(&rule.pool) {
-                return Err(config_error(
+                return Err(ConfigError::new(
                     key("pool"),
                     format!("unknown pool {:?}; define [pools.{}]", rule.pool, rule.pool),
                 ));
             }
             rules.push(
                 RequestRule::compile(rule, &global_response_rules)
-                    .map_err(|(field, message)| config_error(key(&field), message))?,
+                    .map_err(|(field, message)| ConfigError::new(key(&field), message))?,
             );
         }
         Ok(Cluster {

@@ -7,24 +7,21 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Subjects;
 
-pub use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
-pub use crate::config_error::{ConfigError, config_error};
-pub use crate::response_rules::ResponseRuleConfig;
-pub use crate::rules::{IdempotencyHeader, RequestRuleConfig};
-pub use crate::security::{ByteLimit, OutboundConfig};
+pub(crate) use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
+pub(crate) use crate::config_error::ConfigError;
 
 /// The `[streams]` settings.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamsConfig {
-    pub prefix: String,
-    pub replicas: usize,
+    pub(crate) prefix: String,
+    pub(crate) replicas: usize,
     #[serde(with = "humantime_serde")]
-    pub reply_max_age: Duration,
-    pub reply_max_bytes: i64,
+    pub(crate) reply_max_age: Duration,
+    pub(crate) reply_max_bytes: i64,
     #[serde(with = "humantime_serde")]
-    pub dead_max_age: Duration,
-    pub dead_max_bytes: i64,
+    pub(crate) dead_max_age: Duration,
+    pub(crate) dead_max_bytes: i64,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
     /// The pool streams' duplicate window: a caller's publish retried with the same
@@ -36,7 +33,7 @@ pub struct StreamsConfig {
 /// What the dispatcher runs on: the streams, their subjects and the cluster part.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub streams: StreamsConfig,
+    pub(crate) streams: StreamsConfig,
     pub subjects: Subjects,
     /// The cluster part, compiled.
     pub cluster: Cluster,
@@ -46,13 +43,13 @@ impl Settings {
     /// Checks `[streams]` and compiles the cluster part; an error names the key.
     pub fn new(streams: StreamsConfig, cluster: ClusterConfig) -> Result<Settings, ConfigError> {
         let subjects = Subjects::new(&streams.prefix)
-            .map_err(|e| config_error("streams.prefix", e.to_string()))?
+            .map_err(|e| ConfigError::new("streams.prefix", e.to_string()))?
             .with_reply_to_allow(&streams.reply_to_allow)
             .map_err(|(i, e)| {
-                config_error(format!("streams.reply_to_allow[{i}]"), e.to_string())
+                ConfigError::new(format!("streams.reply_to_allow[{i}]"), e.to_string())
             })?;
         if !(1..=5).contains(&streams.replicas) {
-            return Err(config_error("streams.replicas", "must be from 1 to 5"));
+            return Err(ConfigError::new("streams.replicas", "must be from 1 to 5"));
         }
         Ok(Settings {
             subjects,
@@ -70,6 +67,7 @@ pub(crate) mod tests {
     use serde::Deserialize;
 
     use super::*;
+    use crate::{OutboundConfig, RequestRuleConfig, ResponseRuleConfig};
 
     fn merge(base: &mut toml::Table, over: toml::Table) {
         for (key, value) in over {

@@ -10,10 +10,12 @@ pub struct ConfigError {
     pub message: String,
 }
 
-/// A [`ConfigError`] for `key`.
-pub fn config_error(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        key: key.into(),
-        message: message.into(),
+impl ConfigError {
+    /// The error for `key`, saying what is wrong with it.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
     }
 }

@@ -13,7 +13,7 @@ use crate::rules::{RequestRule, RequestRules, RuleAction};
 
 /// Whether a parsed request may be attempted.
 #[derive(Debug)]
-pub enum Admission<'r> {
+pub(crate) enum Admission<'r> {
     /// Answer with this error at once; no attempt is made.
     Reject {
         error: ErrorBody,
@@ -26,7 +26,7 @@ pub enum Admission<'r> {
 
 /// Matches a request against the rules: no match, a deny rule, or an accept rule
 /// bound to another origin is `denied`.
-pub fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
+pub(crate) fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
     match target(rules, request.method, &request.url) {
         Ok(rule) => Admission::Attempt(rule),
         Err(refusal) => Admission::Reject {
@@ -42,17 +42,17 @@ pub fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
 
 /// Why nothing may be sent to a URL.
 #[derive(Debug)]
-pub struct Refusal<'r> {
-    pub message: String,
+pub(crate) struct Refusal<'r> {
+    pub(crate) message: String,
     /// The rule that matched (a deny rule, or an accept rule bound to another
     /// origin), if one did.
-    pub rule: Option<&'r RequestRule>,
+    pub(crate) rule: Option<&'r RequestRule>,
 }
 
 /// The rule under which `method url` may be sent, for the first hop and every
 /// redirect hop alike: the first matching rule must accept, and an accept rule with
 /// an origin must name exactly the URL's scheme, host and port.
-pub fn target<'r>(
+pub(crate) fn target<'r>(
     rules: &'r RequestRules,
     method: Method,
     url: &url::Url,
@@ -80,7 +80,7 @@ pub fn target<'r>(
 /// Why a request may not start its next attempt, if it may not: the deadline has
 /// passed, or it waited in the queue longer than the pool's `queue_timeout` before its
 /// first attempt (`queued` is how long it waited and the limit).
-pub fn expiry(
+pub(crate) fn expiry(
     now: SystemTime,
     deadline: Option<SystemTime>,
     queued: Option<(Duration, Duration)>,
@@ -115,7 +115,7 @@ pub fn expiry(
 /// What an attempt's outcome means for the conversation; the retry decision as a type,
 /// apart from the code that acts on it.
 #[derive(Debug)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Deliver this response to the caller.
     Respond(HttpResponse),
     /// End the conversation with this error.
@@ -127,32 +127,32 @@ pub enum Verdict {
 
 /// The failure that made an attempt retryable.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LastFailure {
-    pub status: Option<u16>,
-    pub description: String,
+pub(crate) struct LastFailure {
+    pub(crate) status: Option<u16>,
+    pub(crate) description: String,
 }
 
 /// What `judge` needs to know besides the outcome.
 #[derive(Debug, Clone)]
-pub struct AttemptContext<'a> {
-    pub rule: &'a RequestRule,
-    pub method: Method,
+pub(crate) struct AttemptContext<'a> {
+    pub(crate) rule: &'a RequestRule,
+    pub(crate) method: Method,
     /// The request carries an idempotency key (the caller's `Idempotency-Key`, or the
     /// header the rule adds), so the upstream can absorb a repeat.
-    pub has_idempotency_key: bool,
+    pub(crate) has_idempotency_key: bool,
     /// The number of the attempt just made, from 1.
-    pub attempt: u32,
-    pub now: SystemTime,
-    pub deadline: Option<SystemTime>,
+    pub(crate) attempt: u32,
+    pub(crate) now: SystemTime,
+    pub(crate) deadline: Option<SystemTime>,
     /// Uniform in [-1, 1], for the rule's jitter.
-    pub jitter_unit: f64,
+    pub(crate) jitter_unit: f64,
 }
 
 /// How much of an upstream body an error message quotes.
-pub const BODY_EXCERPT_BYTES: usize = 256;
+pub(crate) const BODY_EXCERPT_BYTES: usize = 256;
 
 /// Judges one attempt's outcome under the rule's response rules and retry policy.
-pub fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
+pub(crate) fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
     match outcome {
         AttemptOutcome::Response(response) => {
             match classify(
@@ -277,7 +277,7 @@ fn retry_or_give_up(
 }
 
 /// The error for a response whose body exceeds `limit` bytes.
-pub fn too_large(status: u16, limit: usize) -> ErrorBody {
+pub(crate) fn too_large(status: u16, limit: usize) -> ErrorBody {
     ErrorBody {
         code: ErrorCode::ResponseTooLarge,
         message: format!(
@@ -288,7 +288,7 @@ pub fn too_large(status: u16, limit: usize) -> ErrorBody {
 }
 
 /// The error for a response that a response rule classifies as an error.
-pub fn upstream_error(response: &HttpResponse) -> ErrorBody {
+pub(crate) fn upstream_error(response: &HttpResponse) -> ErrorBody {
     ErrorBody {
         code: ErrorCode::UpstreamError,
         message: format!(

@@ -16,16 +16,16 @@ use crate::security::Outbound;
 
 /// What a chain's hops are decided on.
 #[derive(Debug, Clone, Copy)]
-pub struct RulePolicy<'a> {
-    pub rules: &'a RequestRules,
-    pub outbound: &'a Outbound,
-    pub secrets: &'a Secrets,
+pub(crate) struct RulePolicy<'a> {
+    pub(crate) rules: &'a RequestRules,
+    pub(crate) outbound: &'a Outbound,
+    pub(crate) secrets: &'a Secrets,
 }
 
 impl RulePolicy<'_> {
     /// The hop a request sends under `rule`: the caller's headers the outbound policy
     /// and the rule deny are dropped, the rule's secrets injected, its origin bound.
-    pub fn hop_for(&self, rule: &RequestRule) -> Hop {
+    pub(crate) fn hop_for(&self, rule: &RequestRule) -> Hop {
         let security = &rule.security;
         Hop {
             rule: rule.name.clone(),
@@ -89,6 +89,7 @@ mod tests {
             .collect(),
         );
         let outbound = Outbound {
+            max_response_bytes: crate::security::ByteLimit::Auto,
             guard: GuardPolicy::default(),
             max_request_bytes: 1,
             max_headers: 1,

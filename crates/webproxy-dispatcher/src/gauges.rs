@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One pool's gauges.
 #[derive(Debug, Default)]
-pub struct PoolGauge {
+pub(crate) struct PoolGauge {
     in_flight: AtomicU64,
     waiting: AtomicU64,
     parked: AtomicU64,
@@ -16,27 +16,27 @@ pub struct PoolGauge {
 
 impl PoolGauge {
     /// Attempts and other handling running on this instance now.
-    pub fn in_flight(&self) -> u64 {
+    pub(crate) fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
     }
 
     /// Messages waiting in the pool's queue, cluster-wide, as last refreshed.
-    pub fn waiting(&self) -> u64 {
+    pub(crate) fn waiting(&self) -> u64 {
         self.waiting.load(Ordering::Relaxed)
     }
 
     /// Retries parked on the pool's retry subject, cluster-wide, as last refreshed.
-    pub fn parked(&self) -> u64 {
+    pub(crate) fn parked(&self) -> u64 {
         self.parked.load(Ordering::Relaxed)
     }
 
     /// Counts one message as in flight until the guard is dropped.
-    pub fn start(&self) -> InFlight<'_> {
+    pub(crate) fn start(&self) -> InFlight<'_> {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(self)
     }
 
-    pub fn set_queued(&self, waiting: u64, parked: u64) {
+    pub(crate) fn set_queued(&self, waiting: u64, parked: u64) {
         self.waiting.store(waiting, Ordering::Relaxed);
         self.parked.store(parked, Ordering::Relaxed);
     }
@@ -44,7 +44,7 @@ impl PoolGauge {
 
 /// Keeps a message counted in flight while it lives.
 #[derive(Debug)]
-pub struct InFlight<'a>(&'a PoolGauge);
+pub(crate) struct InFlight<'a>(&'a PoolGauge);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
@@ -54,12 +54,12 @@ impl Drop for InFlight<'_> {
 
 /// The gauges of every pool of this instance.
 #[derive(Debug, Default)]
-pub struct Gauges {
+pub(crate) struct Gauges {
     pools: BTreeMap<String, PoolGauge>,
 }
 
 impl Gauges {
-    pub fn new<'a>(pools: impl IntoIterator<Item = &'a String>) -> Gauges {
+    pub(crate) fn new<'a>(pools: impl IntoIterator<Item = &'a String>) -> Gauges {
         Gauges {
             pools: pools
                 .into_iter()
@@ -68,11 +68,11 @@ impl Gauges {
         }
     }
 
-    pub fn pool(&self, name: &str) -> Option<&PoolGauge> {
+    pub(crate) fn pool(&self, name: &str) -> Option<&PoolGauge> {
         self.pools.get(name)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &PoolGauge)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &PoolGauge)> {
         self.pools.iter().map(|(n, g)| (n.as_str(), g))
     }
 }

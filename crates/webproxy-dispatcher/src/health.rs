@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 /// Flags the dispatcher sets and the health listener reads.
 #[derive(Debug)]
-pub struct Health {
+pub(crate) struct Health {
     nats_connected: AtomicBool,
     provisioned: AtomicBool,
     draining: AtomicBool,
@@ -30,7 +30,7 @@ impl Default for Health {
 }
 
 impl Health {
-    pub fn new() -> Health {
+    pub(crate) fn new() -> Health {
         Health {
             nats_connected: AtomicBool::new(false),
             provisioned: AtomicBool::new(false),
@@ -41,7 +41,7 @@ impl Health {
         }
     }
 
-    pub fn set_nats_connected(&self, connected: bool) {
+    pub(crate) fn set_nats_connected(&self, connected: bool) {
         let was = self.nats_connected.swap(connected, Ordering::Relaxed);
         if connected && !was {
             self.connections.send_modify(|n| *n += 1);
@@ -49,19 +49,19 @@ impl Health {
     }
 
     /// Changes each time the connection is made again.
-    pub fn connections(&self) -> watch::Receiver<u64> {
+    pub(crate) fn connections(&self) -> watch::Receiver<u64> {
         self.connections.subscribe()
     }
 
-    pub fn set_provisioned(&self) {
+    pub(crate) fn set_provisioned(&self) {
         self.provisioned.store(true, Ordering::Relaxed);
     }
 
-    pub fn set_draining(&self) {
+    pub(crate) fn set_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
     }
 
-    pub fn nats_connected(&self) -> bool {
+    pub(crate) fn nats_connected(&self) -> bool {
         self.nats_connected.load(Ordering::Relaxed)
     }
 
@@ -84,22 +84,22 @@ impl Health {
     }
 
     /// `pool`'s consumer is missing (`true`) or back (`false`).
-    pub fn set_pool_down(&self, pool: &str, down: bool) {
+    pub(crate) fn set_pool_down(&self, pool: &str, down: bool) {
         Self::set(&self.pools_down, pool, down);
     }
 
     /// `pool`'s pull loop ended while the service was not stopping.
-    pub fn set_pull_loop_dead(&self, pool: &str) {
+    pub(crate) fn set_pull_loop_dead(&self, pool: &str) {
         Self::set(&self.dead_loops, pool, true);
     }
 
     /// Alive unless a pool's pull loop has died: restarting the process is the cure.
-    pub fn is_alive(&self) -> bool {
+    pub(crate) fn is_alive(&self) -> bool {
         !Self::any(&self.dead_loops)
     }
 
     /// Ready while connected, provisioned, every pool consuming, and not draining.
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.nats_connected()
             && self.provisioned.load(Ordering::Relaxed)
             && !self.draining.load(Ordering::Relaxed)

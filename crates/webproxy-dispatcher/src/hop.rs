@@ -17,26 +17,26 @@ const FIRST_KEPT: usize = 2;
 /// How many of the latest attempts a history keeps.
 const LAST_KEPT: usize = 8;
 /// The most characters of a failure text one attempt record keeps.
-pub const MAX_FAILURE_CHARS: usize = 300;
+pub(crate) const MAX_FAILURE_CHARS: usize = 300;
 /// An upper bound on the encoded hop header: `FIRST_KEPT + LAST_KEPT` records of at
 /// most a bounded failure text each, and the fixed fields. A request envelope that
 /// would not fit `max_payload` beside it is `invalid_request`, so every hop fits.
-pub const MAX_HOP_HEADER_BYTES: usize = 8 * 1024;
+pub(crate) const MAX_HOP_HEADER_BYTES: usize = 8 * 1024;
 
 /// The attempts of a conversation: the first few and the latest few, with the number
 /// left out between them, so the history stays bounded however many retries there are.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AttemptHistory {
+pub(crate) struct AttemptHistory {
     #[serde(default)]
-    pub kept: Vec<AttemptRecord>,
+    pub(crate) kept: Vec<AttemptRecord>,
     #[serde(default)]
-    pub dropped: u32,
+    pub(crate) dropped: u32,
 }
 
 impl AttemptHistory {
     /// Adds the latest attempt, its failure text cut, dropping the oldest of the
     /// latest few when the history is full.
-    pub fn push(&mut self, mut record: AttemptRecord) {
+    pub(crate) fn push(&mut self, mut record: AttemptRecord) {
         if let Some(failure) = &mut record.failure
             && let Some((cut, _)) = failure.char_indices().nth(MAX_FAILURE_CHARS)
         {
@@ -51,48 +51,48 @@ impl AttemptHistory {
     }
 
     /// Every attempt made, counted with those left out.
-    pub fn count(&self) -> u32 {
+    pub(crate) fn count(&self) -> u32 {
         u32::try_from(self.kept.len())
             .unwrap_or(u32::MAX)
             .saturating_add(self.dropped)
     }
 
-    pub fn last(&self) -> Option<&AttemptRecord> {
+    pub(crate) fn last(&self) -> Option<&AttemptRecord> {
         self.kept.last()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.kept.is_empty()
     }
 }
 
 /// Where a conversation stands, as its next hop carries it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HopState {
+pub(crate) struct HopState {
     #[serde(with = "origin_text")]
-    pub origin: Origin,
-    pub generation: u64,
+    pub(crate) origin: Origin,
+    pub(crate) generation: u64,
     /// 0 for the caller's own message; each park, move or replay takes the next.
-    pub step: u32,
+    pub(crate) step: u32,
     /// Unix milliseconds of the caller's publish: queue waits and `duration_ms` count
     /// from it.
-    pub first_published_ms: u64,
+    pub(crate) first_published_ms: u64,
     /// Unix milliseconds when a parked retry is due.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub due_ms: Option<u64>,
+    pub(crate) due_ms: Option<u64>,
     #[serde(default)]
-    pub attempts: AttemptHistory,
+    pub(crate) attempts: AttemptHistory,
 }
 
 mod origin_text {
     use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
     use webproxy_protocol::Origin;
 
-    pub fn serialize<S: Serializer>(origin: &Origin, s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(origin: &Origin, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(origin)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Origin, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Origin, D::Error> {
         let text = String::deserialize(d)?;
         text.parse().map_err(D::Error::custom)
     }
@@ -101,7 +101,7 @@ mod origin_text {
 /// A hop header that is not what the service writes: on a service-only subject, that
 /// is a bug, never something to reset to defaults.
 #[derive(Debug, Error, PartialEq, Eq)]
-pub enum HopError {
+pub(crate) enum HopError {
     #[error("the {header} header is missing")]
     Missing { header: &'static str },
     #[error("the {header} header is malformed: {reason}")]
@@ -113,7 +113,7 @@ pub enum HopError {
 
 impl HopState {
     /// The state of a caller's own message: step 0 of generation 0.
-    pub fn caller(origin: Origin, published: SystemTime) -> HopState {
+    pub(crate) fn caller(origin: Origin, published: SystemTime) -> HopState {
         HopState {
             origin,
             generation: 0,
@@ -125,7 +125,7 @@ impl HopState {
     }
 
     /// Reads the hop header of a message on a service-only subject.
-    pub fn parse(header: Option<&str>) -> Result<HopState, HopError> {
+    pub(crate) fn parse(header: Option<&str>) -> Result<HopState, HopError> {
         let name = webproxy_protocol::header::HOP;
         let text = header.ok_or(HopError::Missing { header: name })?;
         serde_json::from_str(text).map_err(|e| HopError::Malformed {
@@ -135,21 +135,21 @@ impl HopState {
     }
 
     /// The header value [`HopState::parse`] reads back.
-    pub fn format(&self) -> String {
+    pub(crate) fn format(&self) -> String {
         // Strings, numbers and records only: serializing cannot fail.
         serde_json::to_string(self).unwrap_or_default()
     }
 
-    pub fn first_published(&self) -> SystemTime {
+    pub(crate) fn first_published(&self) -> SystemTime {
         from_unix_ms(self.first_published_ms)
     }
 
-    pub fn due(&self) -> Option<SystemTime> {
+    pub(crate) fn due(&self) -> Option<SystemTime> {
         self.due_ms.map(from_unix_ms)
     }
 
     /// The next hop of this conversation: the following step, with the history so far.
-    pub fn next(&self, attempts: AttemptHistory, due: Option<SystemTime>) -> HopState {
+    pub(crate) fn next(&self, attempts: AttemptHistory, due: Option<SystemTime>) -> HopState {
         HopState {
             step: self.step + 1,
             due_ms: due.map(unix_ms),
@@ -161,15 +161,15 @@ impl HopState {
 
 /// The headers layout 1 (webproxy before the conversation core) wrote on a retry it
 /// parked on `<prefix>.retry.<pool>`, with the envelope as the payload.
-pub mod layout1 {
+pub(crate) mod layout1 {
     /// The generation, decimal.
-    pub const GENERATION: &str = "Webproxy-Generation";
+    pub(crate) const GENERATION: &str = "Webproxy-Generation";
     /// The attempts so far: a JSON array of attempt records; absent when empty.
-    pub const ATTEMPTS: &str = "Webproxy-Attempts";
+    pub(crate) const ATTEMPTS: &str = "Webproxy-Attempts";
     /// The caller's publish, Unix milliseconds.
-    pub const FIRST_PUBLISHED: &str = "Webproxy-First-Published";
+    pub(crate) const FIRST_PUBLISHED: &str = "Webproxy-First-Published";
     /// When the retry is due, Unix milliseconds.
-    pub const DUE: &str = "Webproxy-Due";
+    pub(crate) const DUE: &str = "Webproxy-Due";
 }
 
 impl HopState {
@@ -179,7 +179,7 @@ impl HopState {
     /// as step 0, and its park is the next step. Layout 1 always wrote the
     /// generation, the first publish and the due time on a park; a missing or
     /// malformed one is an error, never a default.
-    pub fn from_layout1<'h>(
+    pub(crate) fn from_layout1<'h>(
         origin: Origin,
         header: impl Fn(&str) -> Option<&'h str>,
     ) -> Result<(HopState, SystemTime), HopError> {
@@ -223,7 +223,7 @@ impl HopState {
 /// What a hop the service publishes into a pool stream is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum HopKind {
+pub(crate) enum HopKind {
     /// A retry parked on `retry.<pool>.<token>` until it is due.
     Park,
     /// A request moved to its rule's pool, on `hop.<pool>.<token>`.
@@ -233,7 +233,7 @@ pub enum HopKind {
 }
 
 impl HopKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             HopKind::Park => "park",
             HopKind::Move => "move",
@@ -244,28 +244,28 @@ impl HopKind {
 
 /// The message id of a hop: `<kind>:<token>`. The token is random and known only to
 /// the service, so a caller, who can publish into the pool stream, cannot pre-empt it.
-pub fn hop_msg_id(kind: HopKind, token: &str) -> String {
+pub(crate) fn hop_msg_id(kind: HopKind, token: &str) -> String {
     format!("{}:{token}", kind.as_str())
 }
 
 /// The message id of a parked retry released when due: `due:<token>`, its park's token.
-pub fn due_msg_id(token: &str) -> String {
+pub(crate) fn due_msg_id(token: &str) -> String {
     format!("due:{token}")
 }
 
 /// The message id of a conversation's stored reply: `<STREAM>:<seq>:<generation>:reply`.
 /// The replies stream is the service's alone, so the id needs no secret.
-pub fn reply_msg_id(origin: &Origin, generation: u64) -> String {
+pub(crate) fn reply_msg_id(origin: &Origin, generation: u64) -> String {
     format!("{}:reply", origin.generation_key(generation))
 }
 
 /// The message id of a conversation's dead letter: `<STREAM>:<seq>:<generation>:dead`.
-pub fn dead_msg_id(origin: &Origin, generation: u64) -> String {
+pub(crate) fn dead_msg_id(origin: &Origin, generation: u64) -> String {
     format!("{}:dead", origin.generation_key(generation))
 }
 
 /// A fresh hop token: 128 bits from the operating system's CSPRNG, as 32 hex digits.
-pub fn new_token() -> String {
+pub(crate) fn new_token() -> String {
     let mut bytes = [0u8; 16];
     // Linux's getrandom(2) does not fail once the pool is seeded at boot; a token that
     // a caller could guess would let it pre-empt hops, so there is no weaker fallback.
@@ -274,23 +274,23 @@ pub fn new_token() -> String {
 }
 
 /// The token of a service-only subject: its last token.
-pub fn subject_token(subject: &str) -> Option<&str> {
+pub(crate) fn subject_token(subject: &str) -> Option<&str> {
     subject.rsplit_once('.').map(|(_, token)| token)
 }
 
 /// A duration in whole milliseconds, the unit of hop state, records and spans.
-pub fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Unix milliseconds, the form times take in hop state.
-pub fn unix_ms(time: SystemTime) -> u64 {
+pub(crate) fn unix_ms(time: SystemTime) -> u64 {
     time.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, millis)
 }
 
 /// The inverse of [`unix_ms`].
-pub fn from_unix_ms(ms: u64) -> SystemTime {
+pub(crate) fn from_unix_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
 

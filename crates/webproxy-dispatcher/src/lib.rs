@@ -5,43 +5,56 @@
 //! Decisions (`rules`, `decision`, `outbox`) are pure; effects live in `runtime` and
 //! `provision`.
 
-pub mod backoff;
-pub mod cluster;
-pub mod config;
-pub mod config_error;
-pub mod decision;
-pub mod egress;
-pub mod gauges;
-pub mod health;
-pub mod hop;
-pub mod metrics;
-pub mod outbox;
-pub mod plan;
-pub mod provision;
-pub mod response_rules;
-pub mod retry;
-pub mod rules;
-pub mod runtime;
-pub mod secret_source;
-pub mod secrets;
-pub mod security;
-pub mod trace;
+#![warn(unreachable_pub)]
 
-pub use config::{ConfigError, Settings};
-pub use gauges::Gauges;
-pub use health::Health;
-pub use ipnet;
-pub use metrics::Metrics;
+mod backoff;
+mod cluster;
+mod config;
+mod config_error;
+mod decision;
+mod egress;
+mod gauges;
+mod health;
+mod hop;
+mod metrics;
+mod outbox;
+mod plan;
+mod provision;
+mod response_rules;
+mod retry;
+mod rules;
+mod runtime;
+mod secret_source;
+mod secrets;
+mod security;
+mod trace;
 
+// The public surface, listed in ARCHITECTURE.md: what the binary uses, and nothing
+// else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
+pub use cluster::{ClusterConfig, PoolConfig};
+pub use config::{Settings, StreamsConfig};
+pub use config_error::ConfigError;
+pub use provision::mark_removing;
+pub use response_rules::ResponseRuleConfig;
+pub use retry::RetryPolicy;
+pub use rules::{RequestRuleConfig, RuleAction};
+pub use runtime::{Dispatcher, Outlet, ReplayError, Settled, StartError, connect};
+pub use secret_source::SecretSource;
+pub use secrets::{Redactor, Secrets};
+pub use security::OutboundConfig;
+
+use gauges::Gauges;
+use health::Health;
+use metrics::Metrics;
 use std::sync::Arc;
 
 /// The service's observable state, shared by the dispatcher (which updates it) and the
 /// health listener (which reads it without any I/O).
 #[derive(Debug, Clone)]
 pub struct Instruments {
-    pub health: Arc<Health>,
-    pub metrics: Arc<Metrics>,
-    pub gauges: Arc<Gauges>,
+    pub(crate) health: Arc<Health>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) gauges: Arc<Gauges>,
 }
 
 impl Instruments {
@@ -53,9 +66,18 @@ impl Instruments {
         }
     }
 
+    /// `/healthz`: every pool's pull loop runs.
+    pub fn is_alive(&self) -> bool {
+        self.health.is_alive()
+    }
+
+    /// `/readyz`: connected to NATS, consumers provisioned and present, not draining.
+    pub fn is_ready(&self) -> bool {
+        self.health.is_ready()
+    }
+
     /// The Prometheus exposition.
     pub fn render_metrics(&self) -> String {
         self.metrics.render(&self.gauges, &self.health)
     }
 }
-pub use runtime::{Dispatcher, connect};

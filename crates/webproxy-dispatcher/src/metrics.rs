@@ -61,7 +61,7 @@ fn seconds_histogram() -> Histogram {
 
 /// Every metric webproxy exports.
 #[derive(Debug)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     attempts: Family<AttemptLabels, Counter>,
@@ -76,7 +76,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(version: &str) -> Metrics {
+    pub(crate) fn new(version: &str) -> Metrics {
         let mut registry = Registry::with_prefix("webproxy");
         let requests = Family::default();
         registry.register(
@@ -163,7 +163,7 @@ impl Metrics {
     }
 
     /// A conversation ended with `code` (`None` for a response).
-    pub fn request_finished(&self, pool: &str, rule: &str, code: Option<&'static str>) {
+    pub(crate) fn request_finished(&self, pool: &str, rule: &str, code: Option<&'static str>) {
         self.requests
             .get_or_create(&RequestLabels {
                 pool: pool.to_string(),
@@ -175,7 +175,7 @@ impl Metrics {
     }
 
     /// An HTTP attempt ended with `result` after `duration`.
-    pub fn attempt(&self, pool: &str, rule: &str, result: &'static str, duration: Duration) {
+    pub(crate) fn attempt(&self, pool: &str, rule: &str, result: &'static str, duration: Duration) {
         self.attempts
             .get_or_create(&AttemptLabels {
                 pool: pool.to_string(),
@@ -192,7 +192,7 @@ impl Metrics {
     }
 
     /// A request waited `wait` from its publish to its first attempt.
-    pub fn queue_wait(&self, pool: &str, wait: Duration) {
+    pub(crate) fn queue_wait(&self, pool: &str, wait: Duration) {
         self.queue_wait
             .get_or_create(&PoolLabels {
                 pool: pool.to_string(),
@@ -200,7 +200,7 @@ impl Metrics {
             .observe(wait.as_secs_f64());
     }
 
-    pub fn dead_letter(&self, pool: &str, code: &'static str) {
+    pub(crate) fn dead_letter(&self, pool: &str, code: &'static str) {
         self.dead_letters
             .get_or_create(&DeadLabels {
                 pool: pool.to_string(),
@@ -209,7 +209,7 @@ impl Metrics {
             .inc();
     }
 
-    pub fn consumer_recreated(&self, pool: &str) {
+    pub(crate) fn consumer_recreated(&self, pool: &str) {
         self.consumer_recreations
             .get_or_create(&PoolLabels {
                 pool: pool.to_string(),
@@ -218,7 +218,7 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition, with the gauges read now.
-    pub fn render(&self, gauges: &Gauges, health: &Health) -> String {
+    pub(crate) fn render(&self, gauges: &Gauges, health: &Health) -> String {
         for (pool, gauge) in gauges.iter() {
             let labels = PoolLabels {
                 pool: pool.to_string(),

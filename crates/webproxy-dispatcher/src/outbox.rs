@@ -14,31 +14,31 @@ use crate::hop::AttemptHistory;
 
 /// Room kept for NATS headers (message id, outcome, generation, trace context) when a
 /// payload is checked against `max_payload`.
-pub const HEADER_ALLOWANCE: usize = 4 * 1024;
+pub(crate) const HEADER_ALLOWANCE: usize = 4 * 1024;
 
 /// Room kept in a reply envelope beside the base64 body: echoed metadata (at most
 /// 64 KiB), the response headers and the envelope's own fields.
-pub const REPLY_ENVELOPE_ALLOWANCE: usize = 96 * 1024;
+pub(crate) const REPLY_ENVELOPE_ALLOWANCE: usize = 96 * 1024;
 
 /// The largest `max_response_bytes` whose base64 encoding still fits in a reply.
-pub fn max_response_bytes_for(max_payload: usize) -> usize {
+pub(crate) fn max_response_bytes_for(max_payload: usize) -> usize {
     max_payload.saturating_sub(REPLY_ENVELOPE_ALLOWANCE + HEADER_ALLOWANCE) / 4 * 3
 }
 
 /// What a conversation's reply says, before it is encoded.
 #[derive(Debug)]
-pub struct ReplyContext<'a> {
-    pub id: &'a str,
-    pub attempts: u32,
-    pub duration_ms: u64,
-    pub metadata: Option<&'a RawValue>,
+pub(crate) struct ReplyContext<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) attempts: u32,
+    pub(crate) duration_ms: u64,
+    pub(crate) metadata: Option<&'a RawValue>,
     /// The server's `max_payload`: every reply is built to fit it.
-    pub max_payload: usize,
+    pub(crate) max_payload: usize,
 }
 
 /// The most characters of an error message: its quoted values are cut already, and
 /// this bounds what they are quoted in.
-pub const MAX_ERROR_MESSAGE_CHARS: usize = 1000;
+pub(crate) const MAX_ERROR_MESSAGE_CHARS: usize = 1000;
 
 /// `error` with its message cut to [`MAX_ERROR_MESSAGE_CHARS`].
 fn bounded(mut error: ErrorBody) -> ErrorBody {
@@ -51,10 +51,10 @@ fn bounded(mut error: ErrorBody) -> ErrorBody {
 
 /// A reply, encoded.
 #[derive(Debug, Clone)]
-pub struct EncodedReply {
-    pub payload: Bytes,
+pub(crate) struct EncodedReply {
+    pub(crate) payload: Bytes,
     /// The error the reply carries, if it is an error reply.
-    pub error: Option<ErrorBody>,
+    pub(crate) error: Option<ErrorBody>,
 }
 
 fn encode(reply: &Reply) -> Bytes {
@@ -64,7 +64,7 @@ fn encode(reply: &Reply) -> Bytes {
 
 /// An error reply. One that would still not fit `max_payload` (echoed metadata near
 /// its limit on a small server) is replaced by [`minimal_reply`].
-pub fn error_reply(context: &ReplyContext<'_>, error: ErrorBody) -> EncodedReply {
+pub(crate) fn error_reply(context: &ReplyContext<'_>, error: ErrorBody) -> EncodedReply {
     let error = bounded(error);
     let reply = Reply::error(
         context.id.to_string(),
@@ -85,7 +85,7 @@ pub fn error_reply(context: &ReplyContext<'_>, error: ErrorBody) -> EncodedReply
 
 /// The smallest error reply: the id (at most a few hundred characters), the code and a
 /// fixed message, no metadata. What replaces any reply that cannot be published.
-pub fn minimal_reply(context: &ReplyContext<'_>, code: ErrorCode) -> EncodedReply {
+pub(crate) fn minimal_reply(context: &ReplyContext<'_>, code: ErrorCode) -> EncodedReply {
     let error = ErrorBody {
         code,
         message: format!(
@@ -109,7 +109,7 @@ pub fn minimal_reply(context: &ReplyContext<'_>, code: ErrorCode) -> EncodedRepl
 
 /// A response reply, or `response_too_large` without the body when the encoded reply
 /// would not fit in `max_payload`.
-pub fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse) -> EncodedReply {
+pub(crate) fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse) -> EncodedReply {
     let max_payload = context.max_payload;
     let headers = collect_headers(
         response
@@ -147,21 +147,21 @@ pub fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse) -> En
 
 /// What a dead letter records.
 #[derive(Debug)]
-pub struct LetterParts<'a> {
-    pub pool: &'a str,
-    pub id: Option<&'a str>,
-    pub origin: Option<&'a Origin>,
-    pub generation: u64,
-    pub error: ErrorBody,
-    pub payload: &'a [u8],
-    pub attempts: &'a AttemptHistory,
+pub(crate) struct LetterParts<'a> {
+    pub(crate) pool: &'a str,
+    pub(crate) id: Option<&'a str>,
+    pub(crate) origin: Option<&'a Origin>,
+    pub(crate) generation: u64,
+    pub(crate) error: ErrorBody,
+    pub(crate) payload: &'a [u8],
+    pub(crate) attempts: &'a AttemptHistory,
 }
 
 /// A dead letter for a conversation that ended in `error`. The original payload is kept
 /// as `envelope` when it is a JSON object and as `payload_base64` otherwise; when it
 /// would make the dead letter exceed `max_payload`, a base64 prefix of it is kept and
 /// the letter says `truncated`.
-pub fn dead_letter(parts: LetterParts<'_>, max_payload: usize) -> Bytes {
+pub(crate) fn dead_letter(parts: LetterParts<'_>, max_payload: usize) -> Bytes {
     let payload = parts.payload;
     let envelope = std::str::from_utf8(payload)
         .ok()
@@ -199,7 +199,7 @@ pub fn dead_letter(parts: LetterParts<'_>, max_payload: usize) -> Bytes {
 }
 
 /// `invalid_request` with a message naming the field.
-pub fn invalid_request(field: &str, message: &str) -> ErrorBody {
+pub(crate) fn invalid_request(field: &str, message: &str) -> ErrorBody {
     ErrorBody {
         code: ErrorCode::InvalidRequest,
         message: format!("invalid field `{field}`: {message}"),

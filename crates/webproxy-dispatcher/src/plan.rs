@@ -15,27 +15,27 @@ use crate::rules::RequestRule;
 /// Everything the plan depends on: the settings (whose rules the plan names, for
 /// `'r`) and the delivery (for `'d`).
 #[derive(Debug)]
-pub struct PlanInput<'r, 'd> {
-    pub settings: &'r Settings,
+pub(crate) struct PlanInput<'r, 'd> {
+    pub(crate) settings: &'r Settings,
     /// The pool whose consumer delivered the message.
-    pub pool: &'d str,
+    pub(crate) pool: &'d str,
     /// The server's delivery count of this message.
-    pub delivered: u64,
-    pub parsed: &'d Result<Request, ParseError>,
+    pub(crate) delivered: u64,
+    pub(crate) parsed: &'d Result<Request, ParseError>,
     /// The size of the stored message's payload.
-    pub payload_len: usize,
+    pub(crate) payload_len: usize,
     /// The server's `max_payload`.
-    pub max_payload: usize,
-    pub now: SystemTime,
+    pub(crate) max_payload: usize,
+    pub(crate) now: SystemTime,
     /// The caller's publish: queue waits count from it.
-    pub since: SystemTime,
+    pub(crate) since: SystemTime,
     /// No attempt has been made yet in this generation.
-    pub first_attempt: bool,
+    pub(crate) first_attempt: bool,
 }
 
 /// What happens to the delivery.
 #[derive(Debug)]
-pub enum Plan<'r> {
+pub(crate) enum Plan<'r> {
     /// Delivered more often than `max_deliver`: it crashed or stalled an instance each
     /// time. Answered `internal`, dead-lettered and terminated.
     Poison(ErrorBody),
@@ -61,12 +61,12 @@ pub enum Plan<'r> {
 /// The largest request envelope the service takes: one that, with the largest hop
 /// state beside it, still fits the server's `max_payload`, so every hop of it can be
 /// published.
-pub fn max_envelope_bytes(max_payload: usize) -> usize {
+pub(crate) fn max_envelope_bytes(max_payload: usize) -> usize {
     max_payload.saturating_sub(HEADER_ALLOWANCE + MAX_HOP_HEADER_BYTES)
 }
 
 /// Decides what happens to a delivery.
-pub fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
+pub(crate) fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
     let max_deliver = input.settings.cluster.max_deliver;
     if input.delivered > u64::from(max_deliver) {
         return Plan::Poison(ErrorBody {

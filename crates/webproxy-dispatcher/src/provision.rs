@@ -20,16 +20,17 @@ use crate::config::{PoolConfig, Settings};
 /// Provisioning failed; the message names the stream or consumer.
 #[derive(Debug, Error)]
 #[error("cannot provision {what}: {source}")]
-pub struct ProvisionError {
-    pub what: String,
+pub(crate) struct ProvisionError {
+    pub(crate) what: String,
     #[source]
-    pub source: async_nats::Error,
+    pub(crate) source: async_nats::Error,
 }
 
 impl ProvisionError {
     /// Why provisioning declined to touch the stream, when it did: retrying is then
     /// pointless until an operator (or a newer instance) changes the stream.
-    pub fn refusal(&self) -> Option<&Refusal> {
+    #[cfg(test)]
+    pub(crate) fn refusal(&self) -> Option<&Refusal> {
         self.source.downcast_ref()
     }
 }
@@ -38,18 +39,18 @@ impl ProvisionError {
 /// hop and retry subjects, stored replies per conversation and the consumers
 /// `<prefix>-<pool>-l2` and `<prefix>-<pool>-retry-l2`. Layout 1 (webproxy before the
 /// conversation core) had one retry subject per pool and stored every reply.
-pub const LAYOUT: u32 = 2;
+pub(crate) const LAYOUT: u32 = 2;
 
 /// The metadata key holding a stream's or consumer's layout; absent means layout 1.
-pub const LAYOUT_KEY: &str = "webproxy.layout";
+pub(crate) const LAYOUT_KEY: &str = "webproxy.layout";
 
 /// The metadata key `webproxy pools remove` sets to `"true"` before it deletes a pool,
 /// so that no instance recreates what it is taking away.
-pub const REMOVING_KEY: &str = "removing";
+pub(crate) const REMOVING_KEY: &str = "removing";
 
 /// The layout recorded in `metadata`: absent is layout 1, the one before layouts were
 /// recorded; `None` when the value is no layout number.
-pub fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
+pub(crate) fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
     match metadata.get(LAYOUT_KEY) {
         None => Some(1),
         Some(value) => value.trim().parse().ok(),
@@ -57,13 +58,58 @@ pub fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
 }
 
 /// Whether `webproxy pools remove` has marked the stream for removal.
-pub fn marked_removing(metadata: &HashMap<String, String>) -> bool {
+pub(crate) fn marked_removing(metadata: &HashMap<String, String>) -> bool {
     metadata.get(REMOVING_KEY).is_some_and(|v| v == "true")
+}
+
+/// A stream that `pools remove` could not mark for removal.
+#[derive(Debug, Error)]
+pub enum RemovalError {
+    #[error("cannot read the pool's stream")]
+    Read(#[source] async_nats::Error),
+    #[error("cannot mark stream {stream} for removal")]
+    Update {
+        stream: String,
+        #[source]
+        source: async_nats::Error,
+    },
+    #[error("stream {0} did not keep its removal mark")]
+    NotKept(String),
+}
+
+/// Marks `stream` for removal ([`REMOVING_KEY`]), keeping the rest of its config, so
+/// that no instance provisions it or recreates its consumers while `pools remove`
+/// takes it away.
+pub async fn mark_removing(
+    js: &jetstream::Context,
+    stream: &mut stream::Stream,
+) -> Result<(), RemovalError> {
+    let mut config = stream
+        .info()
+        .await
+        .map_err(|e| RemovalError::Read(e.into()))?
+        .config
+        .clone();
+    let name = config.name.clone();
+    config
+        .metadata
+        .insert(REMOVING_KEY.to_string(), "true".to_string());
+    let updated = js
+        .update_stream(config)
+        .await
+        .map_err(|e| RemovalError::Update {
+            stream: name.clone(),
+            source: e.into(),
+        })?;
+    if !marked_removing(&updated.config.metadata) {
+        return Err(RemovalError::NotKept(name));
+    }
+    Ok(())
 }
 
 /// `existing` metadata with this instance's layout recorded; every other key (the
 /// server's own `_nats.*`, an operator's) is kept.
-pub fn with_layout(existing: &HashMap<String, String>) -> HashMap<String, String> {
+pub(crate) fn with_layout(existing: &HashMap<String, String>) -> HashMap<String, String> {
     let mut metadata = existing.clone();
     metadata.insert(LAYOUT_KEY.to_string(), LAYOUT.to_string());
     metadata
@@ -71,7 +117,7 @@ pub fn with_layout(existing: &HashMap<String, String>) -> HashMap<String, String
 
 /// Why an instance leaves a stream alone.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// A newer webproxy made it (or its layout cannot be read): migrating it back
     /// would break that version's instances.
     #[error(
@@ -93,7 +139,7 @@ pub enum Refusal {
 
 /// What provisioning does with an existing stream, given its metadata (pure).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Examined {
+pub(crate) enum Examined {
     /// This instance's layout: update it in place.
     Current,
     /// An older layout: fence its instances out, then update it.
@@ -103,7 +149,7 @@ pub enum Examined {
 }
 
 /// Decides what to do with an existing stream from its metadata (pure).
-pub fn examine(metadata: &HashMap<String, String>) -> Examined {
+pub(crate) fn examine(metadata: &HashMap<String, String>) -> Examined {
     if marked_removing(metadata) {
         return Examined::Refuse(Refusal::Removing);
     }
@@ -136,10 +182,10 @@ fn provision_error(
 
 /// The oldest server webproxy runs against: it needs multi-filter consumers, create
 /// actions and TERM with a reason.
-pub const MIN_SERVER_VERSION: (u64, u64) = (2, 10);
+pub(crate) const MIN_SERVER_VERSION: (u64, u64) = (2, 10);
 
 /// Whether a server version string (`"2.10.4"`, `"v2.15.1"`) is new enough.
-pub fn server_version_supported(version: &str) -> bool {
+pub(crate) fn server_version_supported(version: &str) -> bool {
     let mut parts = version
         .trim_start_matches('v')
         .split(['.', '-'])
@@ -152,7 +198,11 @@ pub fn server_version_supported(version: &str) -> bool {
 
 /// The work stream of one pool, as a work queue: the callers' request subject, and the
 /// service's own per-conversation hop and retry subjects.
-pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) -> stream::Config {
+pub(crate) fn pool_stream_config(
+    settings: &Settings,
+    pool: &str,
+    config: &PoolConfig,
+) -> stream::Config {
     let subjects = &settings.subjects;
     let max_waiting = config
         .max_waiting
@@ -182,7 +232,7 @@ pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) 
 }
 
 /// The durable pull consumer of one pool's request subject.
-pub fn pool_consumer_config(
+pub(crate) fn pool_consumer_config(
     settings: &Settings,
     pool: &str,
     config: &PoolConfig,
@@ -204,10 +254,10 @@ pub fn pool_consumer_config(
 
 /// The most parked retries a pool holds at once; a parked retry waiting out its delay
 /// holds one of these, never a slot of the pool's concurrency limit.
-pub const MAX_PARKED: i64 = 100_000;
+pub(crate) const MAX_PARKED: i64 = 100_000;
 
 /// The durable pull consumer of one pool's retry subject.
-pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull::Config {
+pub(crate) fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull::Config {
     let subjects = &settings.subjects;
     consumer::pull::Config {
         durable_name: Some(subjects.retry_consumer(pool)),
@@ -225,12 +275,12 @@ pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull:
 }
 
 /// A pool's two consumers.
-pub struct PoolConsumers {
-    pub pool: String,
+pub(crate) struct PoolConsumers {
+    pub(crate) pool: String,
     /// The request subject: `max_ack_pending` is the concurrency limit.
-    pub work: consumer::PullConsumer,
+    pub(crate) work: consumer::PullConsumer,
     /// The retry subject: parked retries waiting to be due.
-    pub parked: consumer::PullConsumer,
+    pub(crate) parked: consumer::PullConsumer,
 }
 
 fn limits_stream(
@@ -257,7 +307,7 @@ fn limits_stream(
 
 /// The stream that stores final replies: one subject per conversation, never the live
 /// copies on `<prefix>.reply.<id>`.
-pub fn replies_stream_config(settings: &Settings) -> stream::Config {
+pub(crate) fn replies_stream_config(settings: &Settings) -> stream::Config {
     let streams = &settings.streams;
     limits_stream(
         settings.subjects.replies_stream(),
@@ -270,7 +320,7 @@ pub fn replies_stream_config(settings: &Settings) -> stream::Config {
 }
 
 /// The stream that stores dead letters.
-pub fn dead_stream_config(settings: &Settings) -> stream::Config {
+pub(crate) fn dead_stream_config(settings: &Settings) -> stream::Config {
     let streams = &settings.streams;
     limits_stream(
         settings.subjects.dead_stream(),
@@ -284,7 +334,7 @@ pub fn dead_stream_config(settings: &Settings) -> stream::Config {
 
 /// The bucket of progress records. Records outlive no dead letter: a conversation
 /// that parked may be replayed as long as its letter is kept.
-pub fn progress_bucket_config(settings: &Settings) -> kv::Config {
+pub(crate) fn progress_bucket_config(settings: &Settings) -> kv::Config {
     let streams = &settings.streams;
     kv::Config {
         bucket: settings.subjects.progress_bucket(),
@@ -303,7 +353,7 @@ pub fn progress_bucket_config(settings: &Settings) -> kv::Config {
 /// overlap, so that instance's rewrite of its stream fails (err_code 10065) instead of
 /// undoing the migration. It keeps at most one message, in memory: an old instance's
 /// last stray publish, which nothing reads.
-pub fn fence_config(name: String, subject: String) -> stream::Config {
+pub(crate) fn fence_config(name: String, subject: String) -> stream::Config {
     stream::Config {
         name,
         description: Some(
@@ -321,7 +371,7 @@ pub fn fence_config(name: String, subject: String) -> stream::Config {
 }
 
 /// The fence of a pool stream: it captures layout 1's `<prefix>.retry.<pool>`.
-pub fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Config {
+pub(crate) fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Config {
     let subjects = &settings.subjects;
     fence_config(
         subjects.pool_fence_stream(pool),
@@ -331,7 +381,7 @@ pub fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Config {
 
 /// The fence of the replies stream: it captures `<prefix>.reply.*.*`, which layout 1's
 /// `<prefix>.reply.>` overlaps.
-pub fn replies_fence_config(settings: &Settings) -> stream::Config {
+pub(crate) fn replies_fence_config(settings: &Settings) -> stream::Config {
     let subjects = &settings.subjects;
     fence_config(
         subjects.replies_fence_stream(),
@@ -465,13 +515,13 @@ async fn delete_consumer(stream: &stream::Stream, name: &str) -> Result<(), Prov
 }
 
 /// What provisioning made: the pools' consumers and the progress bucket.
-pub struct Provisioned {
-    pub pools: Vec<PoolConsumers>,
-    pub progress: kv::Store,
+pub(crate) struct Provisioned {
+    pub(crate) pools: Vec<PoolConsumers>,
+    pub(crate) progress: kv::Store,
 }
 
 /// Creates or updates every stream, bucket and consumer of this instance's config.
-pub async fn provision(
+pub(crate) async fn provision(
     js: &jetstream::Context,
     settings: &Settings,
 ) -> Result<Provisioned, ProvisionError> {
@@ -574,8 +624,8 @@ async fn provision_pool(
 /// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing
 /// else: the pull loop calls it when the consumer is gone. It does so only while the
 /// pool's stream exists, is not marked for removal and has this instance's layout;
-/// otherwise the error's [`ProvisionError::refusal`] says why not.
-pub async fn recreate_pool_consumer(
+/// otherwise the error (a [`Refusal`]) says why not.
+pub(crate) async fn recreate_pool_consumer(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,

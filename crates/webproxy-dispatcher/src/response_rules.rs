@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 /// What a matching response rule does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ResponseAction {
+pub(crate) enum ResponseAction {
     /// Deliver the response.
     Respond,
     /// Attempt again on the retry schedule.
@@ -23,24 +23,26 @@ pub enum ResponseAction {
 #[serde(deny_unknown_fields)]
 pub struct ResponseRuleConfig {
     /// One code (`"429"`) or an inclusive range (`"500-599"`).
-    pub status: String,
-    pub action: ResponseAction,
+    pub(crate) status: String,
+    pub(crate) action: ResponseAction,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body_pattern: Option<String>,
+    pub(crate) body_pattern: Option<String>,
 }
 
 /// A compiled response rule.
 #[derive(Debug, Clone)]
-pub struct ResponseRule {
-    pub status: RangeInclusive<u16>,
-    pub action: ResponseAction,
+pub(crate) struct ResponseRule {
+    pub(crate) status: RangeInclusive<u16>,
+    pub(crate) action: ResponseAction,
     /// Searched in the raw body; the rule matches only when it matches too.
-    pub body_pattern: Option<Regex>,
+    pub(crate) body_pattern: Option<Regex>,
 }
 
 impl ResponseRule {
     /// Compiles a rule; an error names the field.
-    pub fn compile(config: &ResponseRuleConfig) -> Result<ResponseRule, (&'static str, String)> {
+    pub(crate) fn compile(
+        config: &ResponseRuleConfig,
+    ) -> Result<ResponseRule, (&'static str, String)> {
         let status = parse_status_range(&config.status).ok_or((
             "status",
             format!(
@@ -83,7 +85,7 @@ fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
 
 /// What a response means when no response rule is configured: 408, 429 and 5xx are
 /// transient, everything else is the upstream's answer.
-pub fn default_action(status: u16) -> ResponseAction {
+pub(crate) fn default_action(status: u16) -> ResponseAction {
     match status {
         408 | 429 | 500..=599 => ResponseAction::Retry,
         _ => ResponseAction::Respond,
@@ -92,7 +94,7 @@ pub fn default_action(status: u16) -> ResponseAction {
 
 /// Classifies a response: the first rule in order that matches decides; no match is
 /// `Respond`. An empty list means the defaults of [`default_action`].
-pub fn classify(rules: &[ResponseRule], status: u16, body: &[u8]) -> ResponseAction {
+pub(crate) fn classify(rules: &[ResponseRule], status: u16, body: &[u8]) -> ResponseAction {
     if rules.is_empty() {
         return default_action(status);
     }

@@ -43,7 +43,7 @@ fn default_max_retry_delay() -> Duration {
 /// `true` for `Idempotency-Key`, or a header name.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(untagged)]
-pub enum IdempotencyHeader {
+pub(crate) enum IdempotencyHeader {
     Enabled(bool),
     Name(String),
 }
@@ -51,54 +51,54 @@ pub enum IdempotencyHeader {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RequestRuleConfig {
-    pub name: String,
+    pub(crate) name: String,
     #[serde(default = "default_method")]
-    pub method: String,
-    pub url_pattern: String,
+    pub(crate) method: String,
+    pub(crate) url_pattern: String,
     #[serde(default = "default_action")]
-    pub action: RuleAction,
+    pub(crate) action: RuleAction,
     #[serde(default = "default_pool")]
-    pub pool: String,
+    pub(crate) pool: String,
     #[serde(default = "default_timeout", with = "humantime_serde")]
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     #[serde(default = "default_max_retries")]
-    pub max_retries: u32,
+    pub(crate) max_retries: u32,
     #[serde(default = "default_retry_delay", with = "humantime_serde")]
-    pub retry_delay: Duration,
+    pub(crate) retry_delay: Duration,
     #[serde(default = "default_backoff_factor")]
-    pub backoff_factor: f64,
+    pub(crate) backoff_factor: f64,
     #[serde(default = "default_max_retry_delay", with = "humantime_serde")]
-    pub max_retry_delay: Duration,
+    pub(crate) max_retry_delay: Duration,
     #[serde(default)]
-    pub jitter: f64,
+    pub(crate) jitter: f64,
     #[serde(default)]
-    pub retry_non_idempotent: bool,
+    pub(crate) retry_non_idempotent: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub idempotency_header: Option<IdempotencyHeader>,
+    pub(crate) idempotency_header: Option<IdempotencyHeader>,
     /// Replaces the global response rules for requests this rule matches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response_rules: Option<Vec<ResponseRuleConfig>>,
+    pub(crate) response_rules: Option<Vec<ResponseRuleConfig>>,
     /// How many redirects the whole chain may follow; 0 returns the 3xx.
     #[serde(default)]
-    pub follow_redirects: u32,
+    pub(crate) follow_redirects: u32,
     /// Headers set from secrets, replacing any the caller sends.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub inject_headers: BTreeMap<String, SecretSource>,
+    pub(crate) inject_headers: BTreeMap<String, SecretSource>,
     /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
     /// exactly with every hop sent under it; required with `inject_headers`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub origin: Option<String>,
+    pub(crate) origin: Option<String>,
     /// Allows an `http://` origin (a loopback or test upstream): injected credentials
     /// would travel in clear.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub allow_http: bool,
+    pub(crate) allow_http: bool,
     /// Headers dropped from this rule's requests, on top of the global list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub deny_request_headers: Vec<String>,
+    pub(crate) deny_request_headers: Vec<String>,
 }
 
 /// The header name upstreams that support idempotency keys commonly honour.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+pub(crate) const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
 /// What a matching rule does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -122,11 +122,11 @@ pub struct RequestRule {
     pub retry: RetryPolicy,
     /// Whether POST and PATCH may be repeated after a failure that may have reached
     /// the upstream.
-    pub retry_non_idempotent: bool,
+    pub(crate) retry_non_idempotent: bool,
     /// A header sent on every attempt with `<id>:<generation>`.
-    pub idempotency_header: Option<String>,
+    pub(crate) idempotency_header: Option<String>,
     /// The rule's own response rules, or the global ones.
-    pub response_rules: Arc<[ResponseRule]>,
+    pub(crate) response_rules: Arc<[ResponseRule]>,
     /// Redirects, injected credentials and dropped headers.
     pub security: RuleSecurity,
 }
@@ -134,7 +134,7 @@ pub struct RequestRule {
 impl RequestRule {
     /// Compiles a rule; an error names the field. `global_response_rules` apply unless
     /// the rule has a list of its own.
-    pub fn compile(
+    pub(crate) fn compile(
         config: &RequestRuleConfig,
         global_response_rules: &Arc<[ResponseRule]>,
     ) -> Result<RequestRule, (String, String)> {
@@ -231,7 +231,7 @@ pub struct RequestRules {
 }
 
 impl RequestRules {
-    pub fn new(mut rules: Vec<RequestRule>) -> Self {
+    pub(crate) fn new(mut rules: Vec<RequestRule>) -> Self {
         for (index, rule) in rules.iter_mut().enumerate() {
             rule.security.index = index;
         }
@@ -246,7 +246,7 @@ impl RequestRules {
     /// `*`) and pattern both match, deny or accept. Exceptions are written by order: an
     /// accept for `/admin/health` before a deny for `/admin/`. `url` is the canonical
     /// URL, which is also what is sent.
-    pub fn find(&self, method: Method, url: &str) -> Option<&RequestRule> {
+    pub(crate) fn find(&self, method: Method, url: &str) -> Option<&RequestRule> {
         self.rules
             .iter()
             .find(|rule| rule.method.is_none_or(|m| m == method) && rule.pattern.is_match(url))
@@ -386,7 +386,9 @@ fn unescaped_dot_in_host(pattern: &str) -> Option<&str> {
 /// `security` needs nothing of the rules' schema.
 impl RuleSecurity {
     /// Compiles a rule's security keys; an error names the field.
-    pub fn compile(config: &RequestRuleConfig) -> Result<RuleSecurity, (&'static str, String)> {
+    pub(crate) fn compile(
+        config: &RequestRuleConfig,
+    ) -> Result<RuleSecurity, (&'static str, String)> {
         let deny_request_headers = security::header_names(&config.deny_request_headers)
             .map_err(|(i, m)| ("deny_request_headers", format!("item {i}: {m}")))?;
         let mut inject = Vec::with_capacity(config.inject_headers.len());

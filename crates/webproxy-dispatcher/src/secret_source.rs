@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct SecretSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub env: Option<String>,
+    pub(crate) env: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file: Option<PathBuf>,
+    pub(crate) file: Option<PathBuf>,
     /// Put before the secret, e.g. `"Bearer "`; not itself secret.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub prefix: String,
@@ -21,7 +21,7 @@ pub struct SecretSource {
 
 impl SecretSource {
     /// Exactly one of `env` and `file`.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         match (&self.env, &self.file) {
             (Some(env), None) if !env.is_empty() => Ok(()),
             (None, Some(file)) if !file.as_os_str().is_empty() => Ok(()),
@@ -30,7 +30,7 @@ impl SecretSource {
         }
     }
 
-    pub fn is_file(&self) -> bool {
+    pub(crate) fn is_file(&self) -> bool {
         self.file.is_some()
     }
 }

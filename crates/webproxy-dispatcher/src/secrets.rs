@@ -11,23 +11,23 @@ use serde_json::Value;
 use thiserror::Error;
 
 use crate::rules::RequestRules;
-pub use crate::secret_source::SecretSource;
+pub(crate) use crate::secret_source::SecretSource;
 
 /// What replaces a secret value in text webproxy writes.
-pub const REDACTED: &str = "[REDACTED]";
+pub(crate) const REDACTED: &str = Redactor::REDACTED;
 
 /// A secret that cannot be read; the message names the rule, the header and the
 /// variable or path.
 #[derive(Debug, Clone, Error)]
 #[error("{key}: {message}")]
 pub struct SecretError {
-    pub key: String,
-    pub message: String,
+    pub(crate) key: String,
+    pub(crate) message: String,
 }
 
 /// Reads one secret with `env` and `read_file` (injected so the rules are tested without
 /// touching the process environment). A file's trailing newline is dropped.
-pub fn read_secret(
+pub(crate) fn read_secret(
     source: &SecretSource,
     env: &dyn Fn(&str) -> Option<String>,
     read_file: &dyn Fn(&std::path::Path) -> std::io::Result<Vec<u8>>,
@@ -64,10 +64,10 @@ pub fn read_secret(
 
 /// One header a rule injects, with its value read.
 #[derive(Clone)]
-pub struct Injection {
-    pub header: String,
+pub(crate) struct Injection {
+    pub(crate) header: String,
     /// The prefix and the secret.
-    pub value: String,
+    pub(crate) value: String,
     secret: String,
 }
 
@@ -105,7 +105,8 @@ pub struct Secrets {
 
 impl Secrets {
     /// No rule injects anything.
-    pub fn empty() -> Secrets {
+    #[cfg(test)]
+    pub(crate) fn empty() -> Secrets {
         Secrets {
             loaded: RwLock::new(Arc::new(Loaded::default())),
             redactor: Redactor::default(),
@@ -151,7 +152,7 @@ impl Secrets {
     }
 
     /// The headers the rule at `index` injects.
-    pub fn for_rule(&self, index: usize) -> Arc<[Injection]> {
+    pub(crate) fn for_rule(&self, index: usize) -> Arc<[Injection]> {
         self.current()
             .per_rule
             .get(index)
@@ -159,7 +160,7 @@ impl Secrets {
             .unwrap_or_else(|| Arc::from(Vec::new()))
     }
 
-    pub fn redactor(&self) -> &Redactor {
+    pub(crate) fn redactor(&self) -> &Redactor {
         &self.redactor
     }
 
@@ -209,7 +210,7 @@ fn read_all(
     Ok(Loaded { per_rule })
 }
 
-/// Replaces secret values with [`REDACTED`] in text webproxy writes. Cloned handles
+/// Replaces secret values with [`Redactor::REDACTED`] in text webproxy writes. Cloned handles
 /// share the list, so the logger's copy sees values loaded or reloaded later. Its
 /// `Debug` shows how many values it knows, never the values.
 #[derive(Clone, Default)]
@@ -238,6 +239,9 @@ struct RedactorState {
 }
 
 impl Redactor {
+    /// What replaces a secret value in text webproxy writes.
+    pub const REDACTED: &str = "[REDACTED]";
+
     /// Replaces the injected values to redact.
     pub fn set(&self, secrets: Vec<String>) {
         let mut state = self.state.write().unwrap_or_else(PoisonError::into_inner);
@@ -288,7 +292,7 @@ impl Redactor {
     /// A request payload with secret values redacted inside its JSON strings, so it
     /// stays valid JSON; a payload that is not JSON is redacted as bytes. Untouched
     /// (byte for byte) when it contains no secret.
-    pub fn redact_payload<'a>(&self, payload: &'a [u8]) -> Cow<'a, [u8]> {
+    pub(crate) fn redact_payload<'a>(&self, payload: &'a [u8]) -> Cow<'a, [u8]> {
         let needles = self.needles();
         if !needles
             .iter()

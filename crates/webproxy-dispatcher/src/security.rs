@@ -12,31 +12,31 @@ use url::{Origin, Url};
 use webproxy_protocol::{ErrorBody, Request};
 use webproxy_worker::GuardPolicy;
 
-use crate::config_error::{ConfigError, config_error};
+use crate::config_error::ConfigError;
 use crate::outbox::invalid_request;
 use crate::secret_source::SecretSource;
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct OutboundConfig {
-    pub max_response_bytes: ByteLimit,
+    pub(crate) max_response_bytes: ByteLimit,
     /// The address guard; see `crate::security`.
-    pub allow_private_networks: bool,
-    pub allow_cidrs: Vec<String>,
-    pub deny_cidrs: Vec<String>,
+    pub(crate) allow_private_networks: bool,
+    pub(crate) allow_cidrs: Vec<String>,
+    pub(crate) deny_cidrs: Vec<String>,
     /// Request limits: larger requests get `invalid_request`.
-    pub max_request_bytes: u64,
+    pub(crate) max_request_bytes: u64,
     /// Header count and size limits, for requests and responses alike.
-    pub max_headers: usize,
-    pub max_header_bytes: usize,
+    pub(crate) max_headers: usize,
+    pub(crate) max_header_bytes: usize,
     /// Headers dropped from every request, whatever the caller sends.
-    pub deny_request_headers: Vec<String>,
+    pub(crate) deny_request_headers: Vec<String>,
 }
 
 /// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
-pub enum ByteLimit {
+pub(crate) enum ByteLimit {
     #[serde(serialize_with = "serialize_auto")]
     Auto,
     Bytes(u64),
@@ -77,26 +77,32 @@ impl<'de> Deserialize<'de> for ByteLimit {
 /// What may leave this instance.
 #[derive(Debug, Clone)]
 pub struct Outbound {
+    /// Resolved against the server's `max_payload` at start.
+    pub(crate) max_response_bytes: ByteLimit,
     pub guard: GuardPolicy,
-    pub max_request_bytes: u64,
-    pub max_headers: usize,
-    pub max_header_bytes: usize,
+    pub(crate) max_request_bytes: u64,
+    pub(crate) max_headers: usize,
+    pub(crate) max_header_bytes: usize,
     /// Lower case.
-    pub deny_request_headers: Vec<String>,
+    pub(crate) deny_request_headers: Vec<String>,
 }
 
 impl Outbound {
-    pub fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
+    pub(crate) fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
         if config.max_headers == 0 {
-            return Err(config_error("outbound.max_headers", "must be at least 1"));
+            return Err(ConfigError::new(
+                "outbound.max_headers",
+                "must be at least 1",
+            ));
         }
         if config.max_header_bytes == 0 {
-            return Err(config_error(
+            return Err(ConfigError::new(
                 "outbound.max_header_bytes",
                 "must be at least 1",
             ));
         }
         Ok(Outbound {
+            max_response_bytes: config.max_response_bytes,
             guard: GuardPolicy {
                 allow_private_networks: config.allow_private_networks,
                 allow: parse_cidrs("outbound.allow_cidrs", &config.allow_cidrs)?,
@@ -105,8 +111,9 @@ impl Outbound {
             max_request_bytes: config.max_request_bytes,
             max_headers: config.max_headers,
             max_header_bytes: config.max_header_bytes,
-            deny_request_headers: header_names(&config.deny_request_headers)
-                .map_err(|(i, m)| config_error(format!("outbound.deny_request_headers[{i}]"), m))?,
+            deny_request_headers: header_names(&config.deny_request_headers).map_err(
+                |(i, m)| ConfigError::new(format!("outbound.deny_request_headers[{i}]"), m),
+            )?,
         })
     }
 }
@@ -115,7 +122,7 @@ impl Outbound {
 #[derive(Debug, Clone, Default)]
 pub struct RuleSecurity {
     /// The rule's position in the file, which keys its secrets.
-    pub index: usize,
+    pub(crate) index: usize,
     /// The redirect budget of a whole chain that starts under this rule.
     pub follow_redirects: u32,
     /// Header name (as configured) and where its value comes from.
@@ -131,7 +138,7 @@ impl RuleSecurity {
     /// Whether a hop to `url` may be sent under this rule: with an origin, only to
     /// exactly that scheme, host and port. A request the rule's pattern matches but
     /// whose origin differs is refused, never sent without the injected headers.
-    pub fn check_origin(&self, url: &Url) -> Result<(), String> {
+    pub(crate) fn check_origin(&self, url: &Url) -> Result<(), String> {
         match &self.origin {
             Some(origin) if url.origin() != *origin => Err(format!(
                 "is bound to origin {}, not {}",
@@ -207,7 +214,7 @@ pub(crate) fn suggested_origin(pattern: &str) -> Option<String> {
 
 /// Whether a request is within the request limits; the error is `invalid_request`
 /// naming the limit. Counted on the caller's headers as received.
-pub fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
+pub(crate) fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
     if request.body.len() as u64 > outbound.max_request_bytes {
         return Err(invalid_request(
             "body",
@@ -278,7 +285,7 @@ fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigError> {
                 .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
                 .map(|net| net.trunc())
                 .map_err(|_| {
-                    config_error(
+                    ConfigError::new(
                         format!("{key}[{index}]"),
                         format!("{text:?} is not a CIDR (like \"10.0.0.0/8\") or an IP address"),
                     )

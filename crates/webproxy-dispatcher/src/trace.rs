@@ -8,7 +8,7 @@ use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::{Context, global};
 
 /// The headers trace context travels in, which hops forward unchanged.
-pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+pub(crate) const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 struct NatsHeaders<'a>(Option<&'a HeaderMap>);
 
@@ -43,22 +43,22 @@ impl Injector for HttpHeaders<'_> {
 
 /// The caller's trace context from a message's headers (an empty context when there is
 /// none, so webproxy's spans start a new trace).
-pub fn extract(headers: Option<&HeaderMap>) -> Context {
+pub(crate) fn extract(headers: Option<&HeaderMap>) -> Context {
     global::get_text_map_propagator(|p| p.extract(&NatsHeaders(headers)))
 }
 
 /// Writes `context` into NATS headers.
-pub fn inject_nats(context: &Context, headers: &mut HeaderMap) {
+pub(crate) fn inject_nats(context: &Context, headers: &mut HeaderMap) {
     global::get_text_map_propagator(|p| p.inject_context(context, &mut NatsHeadersMut(headers)));
 }
 
 /// Writes `context` into outbound HTTP headers.
-pub fn inject_http(context: &Context, headers: &mut Vec<(String, String)>) {
+pub(crate) fn inject_http(context: &Context, headers: &mut Vec<(String, String)>) {
     global::get_text_map_propagator(|p| p.inject_context(context, &mut HttpHeaders(headers)));
 }
 
 /// Copies the trace headers of `from`, so a hop keeps the caller's trace.
-pub fn forward(from: Option<&HeaderMap>, to: &mut HeaderMap) {
+pub(crate) fn forward(from: Option<&HeaderMap>, to: &mut HeaderMap) {
     for name in TRACE_HEADERS {
         if let Some(value) = from.and_then(|h| h.get(name)) {
             to.insert(name, value.clone());

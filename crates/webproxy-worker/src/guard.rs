@@ -11,7 +11,7 @@ use url::{Host, Url};
 /// Which addresses may be connected to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GuardPolicy {
-    /// Lifts the ranges of class [`Class::Private`]: loopback, RFC 1918, CGNAT and
+    /// Lifts the ranges of the private class: loopback, RFC 1918, CGNAT and
     /// unique-local. Link-local, cloud metadata and the rest stay denied.
     pub allow_private_networks: bool,
     /// Opened whatever default range they fall in, except cloud metadata addresses;
@@ -23,8 +23,7 @@ pub struct GuardPolicy {
 }
 
 /// A destination the guard refuses. What the caller is told ([`fmt::Display`]) names
-/// only the kind of range; the address and the exact range are for the log
-/// ([`Denied::detail`]), since telling a caller what an internal name resolves to
+/// only the kind of range; the address and the exact range are for the log, since telling a caller what an internal name resolves to
 /// would map the internal network.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Denied {
@@ -33,16 +32,17 @@ pub struct Denied {
     /// The range it fell in, e.g. `the loopback range 127.0.0.0/8`, or for an embedded
     /// IPv4 address `the loopback range 127.0.0.0/8 (as 127.0.0.1 embedded in
     /// IPv4-mapped ::ffff:0:0/96)`.
-    pub range: String,
+    pub(crate) range: String,
     /// The kind of range, which is all the caller is told.
-    pub kind: Kind,
+    pub(crate) kind: Kind,
     /// Whether the address was judged as the IPv4 address it embeds.
-    pub embedded: bool,
+    pub(crate) embedded: bool,
 }
 
 impl Denied {
     /// The address and the range that refused it, for the log only.
-    pub fn detail(&self) -> String {
+    #[cfg(test)]
+    pub(crate) fn detail(&self) -> String {
         format!("address {} is in {}", self.address, self.range)
     }
 }
@@ -61,7 +61,7 @@ impl std::error::Error for Denied {}
 
 /// What lifts a default range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Class {
+pub(crate) enum Class {
     /// Lifted by `allow_private_networks` (and `allow_cidrs`).
     Private,
     /// Lifted only by `allow_cidrs`.
@@ -72,7 +72,7 @@ pub enum Class {
 
 /// The kind of range a denied address is in: what a denial tells the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Unspecified,
     Private,
     SharedAddressSpace,
@@ -92,7 +92,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Kind::Unspecified => "unspecified",
             Kind::Private => "private",
@@ -120,11 +120,11 @@ impl fmt::Display for Kind {
 
 /// A default-denied range.
 #[derive(Debug, Clone, Copy)]
-pub struct Range {
-    pub net: IpNet,
-    pub name: &'static str,
-    pub kind: Kind,
-    pub class: Class,
+pub(crate) struct Range {
+    pub(crate) net: IpNet,
+    pub(crate) name: &'static str,
+    pub(crate) kind: Kind,
+    pub(crate) class: Class,
 }
 
 const fn v4([a, b, c, d]: [u8; 4], len: u8, name: &'static str, kind: Kind, class: Class) -> Range {
@@ -163,7 +163,7 @@ use Class::{Always, Private};
 /// The IPv4 ranges denied by default. More specific entries come first, so an address
 /// is named by its most specific range (broadcast before reserved, a metadata address
 /// before the range it sits in).
-pub const IPV4_RANGES: &[Range] = &[
+pub(crate) const IPV4_RANGES: &[Range] = &[
     // Cloud metadata services, which hand out credentials.
     metadata4(
         [169, 254, 169, 254],
@@ -267,7 +267,7 @@ pub const IPV4_RANGES: &[Range] = &[
 
 /// The IPv6 ranges denied by default. The forms that embed an IPv4 address are not
 /// here: they are unwrapped and judged as that address (see [`embedded_ipv4`]).
-pub const IPV6_RANGES: &[Range] = &[
+pub(crate) const IPV6_RANGES: &[Range] = &[
     // Metadata services inside unique-local: they stay denied when private networks
     // are allowed.
     metadata6(
@@ -362,7 +362,7 @@ pub const IPV6_RANGES: &[Range] = &[
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Embedded {
     pub ipv4: Ipv4Addr,
-    pub form: &'static str,
+    pub(crate) form: &'static str,
 }
 
 /// The IPv4 address an IPv6 address stands for, if it is one of the forms that embed

@@ -5,7 +5,10 @@
 //! the response's size and headers, and a typed, redacted outcome. No NATS, no retries:
 //! what to do with the outcome is the dispatcher's decision.
 
+#![warn(unreachable_pub)]
+
 mod chain;
+/// The address guard's pure decision, public for the `guard_url` fuzz target.
 pub mod guard;
 mod redirect;
 mod resolve;
@@ -21,7 +24,8 @@ use url::Url;
 use webproxy_protocol::AttemptRecord;
 
 pub use crate::chain::{Chain, ChainRequest, Denial, Hop, HopPolicy};
-pub use crate::guard::{Denied, GuardPolicy};
+use crate::guard::Denied;
+pub use crate::guard::GuardPolicy;
 use crate::resolve::GuardedResolver;
 
 /// Why the HTTP client could not be built.
@@ -100,7 +104,7 @@ pub enum FailureKind {
 }
 
 impl FailureKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             FailureKind::Connect => "connect",
             FailureKind::Dns => "dns",

@@ -7,16 +7,16 @@ use webproxy_protocol::Method;
 
 /// The next hop of a redirect.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NextHop {
-    pub method: Method,
-    pub url: Url,
+pub(crate) struct NextHop {
+    pub(crate) method: Method,
+    pub(crate) url: Url,
     /// Whether the body (and its content headers) go along.
-    pub keep_body: bool,
+    pub(crate) keep_body: bool,
 }
 
 /// What a response means for the chain.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Redirect {
+pub(crate) enum Redirect {
     /// Not a redirect to follow: deliver the response.
     None,
     /// Follow to this hop.
@@ -34,7 +34,7 @@ pub enum Redirect {
 /// request other than GET or HEAD into a GET without a body (303 turns everything
 /// but HEAD into GET); 307 and 308 keep method and body. A 3xx without a usable
 /// `Location` is delivered as it is.
-pub fn redirect(method: Method, url: &Url, status: u16, location: Option<&str>) -> Redirect {
+pub(crate) fn redirect(method: Method, url: &Url, status: u16, location: Option<&str>) -> Redirect {
     if !matches!(status, 301 | 302 | 303 | 307 | 308) {
         return Redirect::None;
     }
@@ -69,7 +69,7 @@ pub fn redirect(method: Method, url: &Url, status: u16, location: Option<&str>) 
 }
 
 /// Headers that describe a body, dropped with it.
-pub fn is_content_header(name: &str) -> bool {
+pub(crate) fn is_content_header(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     lower.starts_with("content-")
 }

@@ -13,12 +13,12 @@ use crate::guard::{self, Denied, GuardPolicy};
 
 /// A reqwest resolver that drops the addresses the guard denies.
 #[derive(Debug, Clone)]
-pub struct GuardedResolver {
+pub(crate) struct GuardedResolver {
     policy: Arc<GuardPolicy>,
 }
 
 impl GuardedResolver {
-    pub fn new(policy: Arc<GuardPolicy>) -> Self {
+    pub(crate) fn new(policy: Arc<GuardPolicy>) -> Self {
         GuardedResolver { policy }
     }
 }
@@ -41,7 +41,10 @@ impl Resolve for GuardedResolver {
 /// The resolved addresses the guard allows, in resolver order; when it allows none,
 /// the denial of the first. A name with both public and denied addresses is only ever
 /// connected to on its public ones.
-pub fn filter(resolved: &[SocketAddr], policy: &GuardPolicy) -> Result<Vec<SocketAddr>, Denied> {
+pub(crate) fn filter(
+    resolved: &[SocketAddr],
+    policy: &GuardPolicy,
+) -> Result<Vec<SocketAddr>, Denied> {
     let mut first_denial = None;
     let mut allowed = Vec::with_capacity(resolved.len());
     for addr in resolved {

@@ -9,7 +9,7 @@ use anyhow::{Context as _, bail};
 use figment::Figment;
 use figment::providers::{Env, Format as _, Toml};
 use serde::Serialize;
-use webproxy_dispatcher::rules::RuleAction;
+use webproxy_dispatcher::RuleAction;
 
 /// Every key with its default, commented.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
@@ -74,15 +74,14 @@ struct EffectiveRule<'a> {
     action: RuleAction,
     pool: &'a str,
     timeout: String,
-    retry: &'a webproxy_dispatcher::retry::RetryPolicy,
+    retry: &'a webproxy_dispatcher::RetryPolicy,
     follow_redirects: u32,
     /// The one origin the rule's requests may go to.
     #[serde(skip_serializing_if = "Option::is_none")]
     origin: Option<String>,
     /// Where each injected header comes from; never its value.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    inject_headers:
-        std::collections::BTreeMap<&'a str, &'a webproxy_dispatcher::secrets::SecretSource>,
+    inject_headers: std::collections::BTreeMap<&'a str, &'a webproxy_dispatcher::SecretSource>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     deny_request_headers: &'a [String],
 }
@@ -90,9 +89,9 @@ struct EffectiveRule<'a> {
 #[derive(Serialize)]
 struct Effective<'a> {
     nats: &'a crate::nats_auth::NatsConfig,
-    streams: &'a webproxy_dispatcher::config::StreamsConfig,
-    outbound: &'a webproxy_dispatcher::config::OutboundConfig,
-    pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::config::PoolConfig>,
+    streams: &'a webproxy_dispatcher::StreamsConfig,
+    outbound: &'a webproxy_dispatcher::OutboundConfig,
+    pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::PoolConfig>,
     request_rules: Vec<EffectiveRule<'a>>,
     warnings: &'a [String],
 }
@@ -146,7 +145,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
     }
     println!("prefix: {}", settings.dispatcher.subjects.prefix());
     let guard = &settings.dispatcher.cluster.outbound.guard;
-    let nets = |nets: &[webproxy_dispatcher::ipnet::IpNet]| {
+    let nets = |nets: &[ipnet::IpNet]| {
         nets.iter()
             .map(ToString::to_string)
             .collect::<Vec<_>>()

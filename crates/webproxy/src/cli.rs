@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use webproxy_dispatcher::secrets::{Redactor, Secrets};
+use webproxy_dispatcher::{Redactor, Secrets};
 
 use crate::operator::NatsArgs;
 use crate::send::SendArgs;

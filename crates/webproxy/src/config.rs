@@ -1,7 +1,7 @@
 //! The configuration file's schema, parsed once (unknown keys rejected) and split in
 //! two: the process part (`[nats]`, `[streams]`, `[http]`, `[log]`, `[telemetry]`,
 //! `[service] shutdown_grace`), which is this process's, and the cluster part
-//! ([`webproxy_dispatcher::cluster::ClusterConfig`]), which the dispatcher takes whole.
+//! ([`webproxy_dispatcher::ClusterConfig`]), which the dispatcher takes whole.
 //! The checks across the two parts are here.
 //!
 //! Top-level defaults live in `config/default.toml`, which `cfg` loads as figment's
@@ -12,10 +12,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use webproxy_dispatcher::cluster::ClusterConfig;
-use webproxy_dispatcher::config::{
-    ConfigError, OutboundConfig, PoolConfig, RequestRuleConfig, ResponseRuleConfig, StreamsConfig,
-    config_error,
+use webproxy_dispatcher::{
+    ClusterConfig, ConfigError, OutboundConfig, PoolConfig, RequestRuleConfig, ResponseRuleConfig,
+    StreamsConfig,
 };
 
 use crate::nats_auth::NatsConfig;
@@ -132,14 +131,14 @@ impl Config {
     /// Checks everything that can be checked without a server and compiles the rules.
     pub fn validate(self) -> Result<Settings, ConfigError> {
         if self.nats.urls().is_empty() {
-            return Err(config_error("nats.url", "names no server"));
+            return Err(ConfigError::new("nats.url", "names no server"));
         }
         crate::nats_auth::check(&self.nats)?;
         let dispatcher = webproxy_dispatcher::Settings::new(self.streams.clone(), self.cluster())?;
         // A hop republished after a lost ack comes back within ack_wait; twice that
         // keeps the republish inside the window, where JetStream drops it as a duplicate.
         if self.streams.duplicate_window < self.service.ack_wait * 2 {
-            return Err(config_error(
+            return Err(ConfigError::new(
                 "streams.duplicate_window",
                 format!(
                     "must be at least twice [service] ack_wait ({:?}), got {:?}",
@@ -150,7 +149,7 @@ impl Config {
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
         if !endpoint.is_empty() && !is_http {
-            return Err(config_error(
+            return Err(ConfigError::new(
                 "telemetry.otlp_endpoint",
                 format!("{endpoint:?} is not an http or https URL"),
             ));

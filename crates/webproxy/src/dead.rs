@@ -9,7 +9,7 @@ use anyhow::{Context as _, bail};
 use async_nats::jetstream::{self, consumer};
 use serde::Serialize;
 use webproxy_client::Client;
-use webproxy_dispatcher::runtime::ReplayError;
+use webproxy_dispatcher::ReplayError;
 use webproxy_protocol::DeadLetter;
 
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
@@ -152,7 +152,7 @@ pub async fn replay(
     let mut replayed = Vec::new();
     for (origin, stored) in latest {
         let letter = &stored.letter;
-        match webproxy_dispatcher::runtime::replay(&outlet, letter).await {
+        match outlet.replay(letter).await {
             Ok(generation) => replayed.push(Replayed {
                 id: letter.id.clone(),
                 origin: origin.to_string(),

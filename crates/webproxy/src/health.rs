@@ -17,7 +17,7 @@ pub fn router(instruments: Instruments) -> Router {
         .route(
             "/healthz",
             get(|State(instruments): State<Instruments>| async move {
-                if instruments.health.is_alive() {
+                if instruments.is_alive() {
                     (StatusCode::OK, "ok\n")
                 } else {
                     (
@@ -30,7 +30,7 @@ pub fn router(instruments: Instruments) -> Router {
         .route(
             "/readyz",
             get(|State(instruments): State<Instruments>| async move {
-                if instruments.health.is_ready() {
+                if instruments.is_ready() {
                     (StatusCode::OK, "ready\n")
                 } else {
                     (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")

@@ -10,8 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use webproxy_protocol::SERVICE_INBOX;
 
-use webproxy_dispatcher::config::{ConfigError, config_error};
-use webproxy_dispatcher::secrets::REDACTED;
+use webproxy_dispatcher::{ConfigError, Redactor};
 
 /// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
 /// URL without its credentials and the token and password as `[REDACTED]`.
@@ -73,7 +72,7 @@ impl NatsConfig {
     }
 }
 
-/// A configured secret (a token or password): shown as [`REDACTED`] when printed or
+/// A configured secret (a token or password): shown as [`Redactor::REDACTED`] when printed or
 /// serialized, so `check-config` and debug output never carry it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -91,13 +90,13 @@ impl Secret {
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(REDACTED)
+        f.write_str(Redactor::REDACTED)
     }
 }
 
 impl Serialize for Secret {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(REDACTED)
+        s.serialize_str(Redactor::REDACTED)
     }
 }
 
@@ -121,7 +120,7 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
         .map(|(k, _)| *k)
         .collect();
     if set.len() > 1 {
-        return Err(config_error(
+        return Err(ConfigError::new(
             set[1],
             format!(
                 "set only one way to authenticate, not both {} and {}",
@@ -130,25 +129,35 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
         ));
     }
     match (&nats.user, &nats.password) {
-        (Some(_), None) => return Err(config_error("nats.password", "is required with nats.user")),
-        (None, Some(_)) => return Err(config_error("nats.user", "is required with nats.password")),
+        (Some(_), None) => {
+            return Err(ConfigError::new(
+                "nats.password",
+                "is required with nats.user",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::new(
+                "nats.user",
+                "is required with nats.password",
+            ));
+        }
         (Some(user), Some(_)) if user.is_empty() => {
-            return Err(config_error("nats.user", "must not be empty"));
+            return Err(ConfigError::new("nats.user", "must not be empty"));
         }
         _ => {}
     }
     if nats.token.as_ref().is_some_and(|t| t.expose().is_empty()) {
-        return Err(config_error("nats.token", "must not be empty"));
+        return Err(ConfigError::new("nats.token", "must not be empty"));
     }
     match (&nats.tls_cert_file, &nats.tls_key_file) {
         (Some(_), None) => {
-            return Err(config_error(
+            return Err(ConfigError::new(
                 "nats.tls_key_file",
                 "is required with nats.tls_cert_file",
             ));
         }
         (None, Some(_)) => {
-            return Err(config_error(
+            return Err(ConfigError::new(
                 "nats.tls_cert_file",
                 "is required with nats.tls_key_file",
             ));
@@ -171,14 +180,14 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
 
 fn readable(key: &str, path: &Path) -> Result<(), ConfigError> {
     if !path.is_file() {
-        return Err(config_error(
+        return Err(ConfigError::new(
             key,
             format!("{} does not exist or is not a file", path.display()),
         ));
     }
     std::fs::File::open(path)
         .map(|_| ())
-        .map_err(|e| config_error(key, format!("cannot read {}: {e}", path.display())))
+        .map_err(|e| ConfigError::new(key, format!("cannot read {}: {e}", path.display())))
 }
 
 /// The secret values of the NATS settings, for the redactor: the token, the
@@ -245,15 +254,17 @@ pub fn url_credentials(urls: &str) -> Vec<String> {
     values
 }
 
-/// The URLs with their user information replaced by [`REDACTED`], for display.
+/// The URLs with their user information replaced by [`Redactor::REDACTED`], for display.
 pub fn redact_url_credentials(urls: &str) -> String {
     urls.split(',')
         .map(str::trim)
         .map(
             |url| match authority(url).and_then(|a| a.rsplit_once('@')) {
-                Some((userinfo, _)) => {
-                    url.replacen(&format!("{userinfo}@"), &format!("{REDACTED}@"), 1)
-                }
+                Some((userinfo, _)) => url.replacen(
+                    &format!("{userinfo}@"),
+                    &format!("{}@", Redactor::REDACTED),
+                    1,
+                ),
                 None => url.to_string(),
             },
         )
@@ -453,7 +464,7 @@ mod tests {
         std::fs::write(&dir, creds).expect("write");
         let mut config = nats();
         config.credentials_file = Some(dir.clone());
-        let redactor = webproxy_dispatcher::secrets::Redactor::default();
+        let redactor = Redactor::default();
         redactor.add_fixed(secret_values(&config));
         let line = format!("connecting with {seed} failed");
         assert_eq!(redactor.redact(&line), "connecting with [REDACTED] failed");

@@ -3,16 +3,13 @@
 //! into the dispatcher's own settle and replay code.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer};
 use clap::Args;
 use futures::StreamExt as _;
 use webproxy_client::Client;
-use webproxy_dispatcher::Metrics;
-use webproxy_dispatcher::runtime::{Outlet, Progress};
-use webproxy_dispatcher::secrets::Redactor;
+use webproxy_dispatcher::Outlet;
 
 use crate::cfg;
 
@@ -86,12 +83,9 @@ pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
     let progress = js.get_key_value(&bucket).await.with_context(|| {
         format!("cannot open the progress bucket {bucket} (has `webproxy serve` run?)")
     })?;
-    Ok(Outlet::new(
+    Ok(Outlet::operator(
         client.nats().clone(),
         client.subjects().clone(),
-        client.nats().server_info().max_payload,
-        Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-        Redactor::default(),
-        Progress::new(progress),
+        progress,
     ))
 }

@@ -8,8 +8,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::TryStreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
-use webproxy_dispatcher::provision::{REMOVING_KEY, marked_removing};
-use webproxy_dispatcher::runtime::{Settled, end_unattempted};
+use webproxy_dispatcher::{Settled, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
@@ -187,28 +186,6 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     Ok(())
 }
 
-/// Sets the stream's `removing` metadata, keeping the rest of its config.
-async fn mark_removing(js: &jetstream::Context, stream: &mut stream::Stream) -> anyhow::Result<()> {
-    let mut config = stream
-        .info()
-        .await
-        .context("cannot read the pool's stream")?
-        .config
-        .clone();
-    let name = config.name.clone();
-    config
-        .metadata
-        .insert(REMOVING_KEY.to_string(), "true".to_string());
-    let updated = js
-        .update_stream(config)
-        .await
-        .with_context(|| format!("cannot mark stream {name} for removal"))?;
-    if !marked_removing(&updated.config.metadata) {
-        bail!("stream {name} did not keep its removal mark");
-    }
-    Ok(())
-}
-
 fn consumer_not_found(e: &stream::ConsumerError) -> bool {
     matches!(
         e.kind(),
@@ -239,7 +216,7 @@ async fn dead_letter_all(
             message: format!("pool {pool} was removed before this request was attempted"),
             status: None,
         };
-        match end_unattempted(&outlet, pool, &message, error).await {
+        match outlet.end_unattempted(pool, &message, error).await {
             Settled::Done => Ok(()),
             Settled::Left => {
                 bail!("could not store the ending of a waiting request; the pool is left as it is")

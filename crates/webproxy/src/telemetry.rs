@@ -27,7 +27,7 @@ use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
-use webproxy_dispatcher::secrets::Redactor;
+use webproxy_dispatcher::Redactor;
 
 /// Keeps telemetry alive; dropping it exports the spans still buffered.
 #[derive(Debug)]

@@ -17,31 +17,31 @@ use crate::outbox::ReplyContext;
 /// One conversation's state while its message is handled.
 #[derive(Debug)]
 pub(super) struct Conversation<'a> {
-    pub pool: &'a str,
+    pub(crate) pool: &'a str,
     /// Origin, generation, step, attempts and the caller's publish time.
-    pub state: HopState,
+    pub(crate) state: HopState,
     /// It arrived on a service-only subject (a hop), not the caller's request subject.
-    pub hop: bool,
+    pub(crate) hop: bool,
     /// A valid id: the reply goes to `<prefix>.reply.<id>`.
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// The id as given, for the reply body even when it is invalid.
-    pub raw_id: String,
-    pub reply_to: Option<String>,
-    pub metadata: Option<Box<RawValue>>,
-    pub payload: Bytes,
+    pub(crate) raw_id: String,
+    pub(crate) reply_to: Option<String>,
+    pub(crate) metadata: Option<Box<RawValue>>,
+    pub(crate) payload: Bytes,
     /// The rule that decided, `none` until one did: a metrics label.
-    pub rule: &'a str,
+    pub(crate) rule: &'a str,
     /// The revision of the conversation's progress record, once one is known to exist.
-    pub record: Option<u64>,
+    pub(crate) record: Option<u64>,
     /// Whether the delivery is still the server's current one: see `liveness`.
-    pub liveness: &'a Liveness,
+    pub(crate) liveness: &'a Liveness,
 }
 
 impl<'a> Conversation<'a> {
     /// The conversation of a delivery, and the error of a hop header that is not what
     /// the service writes (the conversation then falls back to the delivery's own
     /// origin, so it can still be answered and dead-lettered).
-    pub fn new(
+    pub(super) fn new(
         pool: &'a str,
         delivery: &impl Delivery,
         info: &DeliveryInfo,
@@ -80,7 +80,7 @@ impl<'a> Conversation<'a> {
 
     /// Takes the id, `reply_to` and metadata from the parsed payload: as far as they
     /// are valid even when the envelope is not, so the caller can be answered.
-    pub fn absorb(&mut self, parsed: &Result<Request, ParseError>) {
+    pub(super) fn absorb(&mut self, parsed: &Result<Request, ParseError>) {
         match parsed {
             Ok(request) => {
                 self.id = Some(request.id.clone());
@@ -98,16 +98,16 @@ impl<'a> Conversation<'a> {
         }
     }
 
-    pub fn origin(&self) -> &Origin {
+    pub(super) fn origin(&self) -> &Origin {
         &self.state.origin
     }
 
-    pub fn generation(&self) -> u64 {
+    pub(super) fn generation(&self) -> u64 {
         self.state.generation
     }
 
     /// What the reply says besides its outcome.
-    pub fn context(&self, max_payload: usize) -> ReplyContext<'_> {
+    pub(super) fn context(&self, max_payload: usize) -> ReplyContext<'_> {
         ReplyContext {
             id: &self.raw_id,
             attempts: self.state.attempts.count(),
@@ -118,7 +118,7 @@ impl<'a> Conversation<'a> {
     }
 
     /// Since the caller's publish: queue wait and backoff included.
-    pub fn elapsed_ms(&self) -> u64 {
+    pub(super) fn elapsed_ms(&self) -> u64 {
         let elapsed = SystemTime::now()
             .duration_since(self.state.first_published())
             .unwrap_or_default();

@@ -11,18 +11,18 @@ use bytes::Bytes;
 
 /// What JetStream says about one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryInfo {
+pub(super) struct DeliveryInfo {
     /// The stream that stores the message, and its sequence there.
-    pub stream: String,
-    pub seq: u64,
+    pub(crate) stream: String,
+    pub(crate) seq: u64,
     /// How often the server has delivered it, this time included.
-    pub delivered: u64,
+    pub(crate) delivered: u64,
     /// When the server stored it.
-    pub published: SystemTime,
+    pub(crate) published: SystemTime,
 }
 
 /// One delivered message and its acks.
-pub trait Delivery: Send + Sync {
+pub(super) trait Delivery: Send + Sync {
     fn subject(&self) -> &str;
     fn headers(&self) -> Option<&HeaderMap>;
     fn payload(&self) -> &Bytes;
@@ -77,11 +77,11 @@ pub(crate) mod fake {
 
     #[derive(Debug)]
     pub(crate) struct FakeDelivery {
-        pub subject: String,
-        pub headers: Option<HeaderMap>,
-        pub payload: Bytes,
-        pub info: DeliveryInfo,
-        pub acks: Mutex<Vec<AckKind>>,
+        pub(crate) subject: String,
+        pub(crate) headers: Option<HeaderMap>,
+        pub(crate) payload: Bytes,
+        pub(crate) info: DeliveryInfo,
+        pub(crate) acks: Mutex<Vec<AckKind>>,
     }
 
     impl FakeDelivery {

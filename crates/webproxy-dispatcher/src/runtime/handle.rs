@@ -451,30 +451,32 @@ async fn attempt(
 /// `reply_to`, and the request is dead-lettered. Used where a message must leave the
 /// stream unattempted (`pools remove --dead-letter`). `Left` means it could not be
 /// stored, and the message is still there.
-pub async fn end_unattempted(
-    outlet: &Outlet,
-    pool: &str,
-    message: &jetstream::Message,
-    error: ErrorBody,
-) -> Settled {
-    let Ok(info) = Delivery::info(message) else {
-        return Settled::Left;
-    };
-    // A one-off reader acks at once, long before its delivery could go stale.
-    let liveness = Liveness::new(
-        LivenessPolicy::for_ack_wait(Duration::from_secs(3600)),
-        tokio::time::Instant::now(),
-    );
-    let (mut conversation, _) =
-        Conversation::new(pool, message, &info, &outlet.subjects, &liveness);
-    conversation.absorb(&parse_request(&message.payload, &outlet.subjects));
-    conversation.record = outlet
-        .progress
-        .load(conversation.origin(), conversation.generation())
-        .await
-        .ok()
-        .flatten()
-        .map(|(_, revision)| revision);
-    let ending = reply_error(&conversation, error, AckKind::Ack, outlet.max_payload);
-    settle(outlet, message, &mut conversation, ending).await
+impl Outlet {
+    pub async fn end_unattempted(
+        &self,
+        pool: &str,
+        message: &jetstream::Message,
+        error: ErrorBody,
+    ) -> Settled {
+        let Ok(info) = Delivery::info(message) else {
+            return Settled::Left;
+        };
+        // A one-off reader acks at once, long before its delivery could go stale.
+        let liveness = Liveness::new(
+            LivenessPolicy::for_ack_wait(Duration::from_secs(3600)),
+            tokio::time::Instant::now(),
+        );
+        let (mut conversation, _) =
+            Conversation::new(pool, message, &info, &self.subjects, &liveness);
+        conversation.absorb(&parse_request(&message.payload, &self.subjects));
+        conversation.record = self
+            .progress
+            .load(conversation.origin(), conversation.generation())
+            .await
+            .ok()
+            .flatten()
+            .map(|(_, revision)| revision);
+        let ending = reply_error(&conversation, error, AckKind::Ack, self.max_payload);
+        settle(self, message, &mut conversation, ending).await
+    }
 }

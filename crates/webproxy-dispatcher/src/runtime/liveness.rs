@@ -20,22 +20,22 @@ use super::delivery::Delivery;
 
 /// The timings one pool consumer's deliveries are judged by.
 #[derive(Debug, Clone, Copy)]
-pub struct LivenessPolicy {
+pub(super) struct LivenessPolicy {
     /// The longest gap allowed between the delivery and the first confirmed progress
     /// ack sent, and between two of them: `ack_wait` minus a margin for clocks and
     /// the network.
-    pub limit: Duration,
+    pub(crate) limit: Duration,
     /// How often a progress ack is sent.
-    pub period: Duration,
+    pub(crate) period: Duration,
     /// How long a progress ack's confirmation is waited for.
-    pub confirm_within: Duration,
+    pub(crate) confirm_within: Duration,
 }
 
 impl LivenessPolicy {
     /// Progress every third of `ack_wait`, confirmations waited for up to a quarter
     /// of it, and a fifth of it as the margin: a lost confirmation or two is absorbed
     /// before the limit is reached.
-    pub fn for_ack_wait(ack_wait: Duration) -> LivenessPolicy {
+    pub(super) fn for_ack_wait(ack_wait: Duration) -> LivenessPolicy {
         LivenessPolicy {
             limit: ack_wait - ack_wait / 5,
             period: ack_wait / 3,
@@ -53,14 +53,14 @@ struct State {
 
 /// One delivery's liveness.
 #[derive(Debug)]
-pub struct Liveness {
+pub(super) struct Liveness {
     policy: LivenessPolicy,
     state: Mutex<State>,
 }
 
 impl Liveness {
     /// A delivery that arrived at `delivered`.
-    pub fn new(policy: LivenessPolicy, delivered: Instant) -> Liveness {
+    pub(super) fn new(policy: LivenessPolicy, delivered: Instant) -> Liveness {
         Liveness {
             policy,
             state: Mutex::new(State {
@@ -78,7 +78,7 @@ impl Liveness {
 
     /// Whether the delivery is still current at `now`: no interval has broken the
     /// limit, the open one included. Once it is not, it never is again.
-    pub fn is_current_at(&self, now: Instant) -> bool {
+    pub(super) fn is_current_at(&self, now: Instant) -> bool {
         let mut state = self.state();
         if !state.stale && now.saturating_duration_since(state.last) >= self.policy.limit {
             state.stale = true;
@@ -86,13 +86,13 @@ impl Liveness {
         !state.stale
     }
 
-    pub fn is_current(&self) -> bool {
+    pub(super) fn is_current(&self) -> bool {
         self.is_current_at(Instant::now())
     }
 
     /// A progress ack sent at `sent` was confirmed: the next interval starts there,
     /// if the one it closes stayed within the limit.
-    pub fn confirmed(&self, sent: Instant) {
+    pub(super) fn confirmed(&self, sent: Instant) {
         let mut state = self.state();
         if state.stale || sent.saturating_duration_since(state.last) >= self.policy.limit {
             state.stale = true;
@@ -103,7 +103,7 @@ impl Liveness {
 
     /// Sends confirmed progress acks for `delivery` every period until the delivery
     /// is stale (then it returns) or the caller stops polling it.
-    pub async fn keep(&self, delivery: &impl Delivery) {
+    pub(super) async fn keep(&self, delivery: &impl Delivery) {
         let period = self.policy.period;
         let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -34,16 +34,16 @@ use crate::hop::{HopKind, HopState};
 /// run moves them.
 #[derive(Debug, Error)]
 #[error("cannot migrate the parked retries of pool {pool}: {reason}")]
-pub struct MigrationError {
-    pub pool: String,
-    pub reason: String,
+pub(crate) struct MigrationError {
+    pub(crate) pool: String,
+    pub(crate) reason: String,
 }
 
 impl Dispatcher {
     /// Moves every retry that layout 1 parked in this instance's pools into layout 2,
     /// and returns how many there were. A pool whose stream never had layout 1 costs
     /// one message lookup.
-    pub async fn migrate_layout1_parked(&self) -> Result<u64, MigrationError> {
+    pub(crate) async fn migrate_layout1_parked(&self) -> Result<u64, MigrationError> {
         let mut moved = 0;
         for pool in self.shared.settings.cluster.pools.keys() {
             moved += migrate_pool(&self.shared.outlet, pool).await?;

@@ -16,16 +16,16 @@ mod publish;
 mod pull;
 mod replay;
 mod settle;
+mod start;
 #[cfg(test)]
 mod tests;
 
-pub use delivery::{Delivery, DeliveryInfo};
-pub use handle::end_unattempted;
-pub use migrate::MigrationError;
-pub use progress::{Progress, ProgressError, Record};
-pub use publish::{Outlet, PublishFailure};
-pub use replay::{ReplayError, replay};
+pub use publish::Outlet;
+pub use replay::ReplayError;
 pub use settle::Settled;
+pub use start::StartError;
+
+use progress::Progress;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +44,7 @@ use crate::backoff::Backoff;
 use crate::config::{Settings, jetstream_request_timeout};
 use crate::gauges::Gauges;
 use crate::health::Health;
-use crate::provision::PoolConsumers;
+use crate::provision::{PoolConsumers, Provisioned};
 use crate::secrets::Secrets;
 use liveness::{Liveness, LivenessPolicy};
 use pull::{PULL_EXPIRES, Pull, PullEnd};
@@ -63,8 +63,9 @@ pub async fn connect(
     options: async_nats::ConnectOptions,
     urls: Vec<String>,
     ack_wait: Duration,
-    health: Arc<Health>,
+    instruments: &Instruments,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let health = &instruments.health;
     let events = health.clone();
     let client = options
         .name("webproxy")
@@ -123,17 +124,20 @@ struct Shared {
 /// Consumes every pool of this instance until told to stop.
 pub struct Dispatcher {
     shared: Arc<Shared>,
+    /// The provisioned pools, which [`Dispatcher::run`] consumes.
+    pools: Vec<PoolConsumers>,
 }
 
 impl Dispatcher {
-    pub fn new(
+    /// A dispatcher for what `provisioned` made, publishing within `max_payload`.
+    fn new(
         settings: Arc<Settings>,
         client: async_nats::Client,
         worker: Worker,
         max_payload: usize,
         instruments: Instruments,
         secrets: Arc<Secrets>,
-        progress: Progress,
+        provisioned: Provisioned,
     ) -> Dispatcher {
         let mut outlet = Outlet::new(
             client,
@@ -141,7 +145,7 @@ impl Dispatcher {
             max_payload,
             instruments.metrics,
             secrets.redactor().clone(),
-            progress,
+            Progress::new(provisioned.progress),
         );
         outlet
             .js
@@ -155,21 +159,17 @@ impl Dispatcher {
                 health: instruments.health,
                 secrets,
             }),
+            pools: provisioned.pools,
         }
     }
 
     /// Runs the pool loops until `shutdown` is cancelled, then waits up to `grace` for
     /// the attempts in flight. Attempts still running at the deadline are left unacked,
     /// so the server redelivers them elsewhere.
-    pub async fn run(
-        &self,
-        consumers: Vec<PoolConsumers>,
-        shutdown: CancellationToken,
-        grace: Duration,
-    ) {
+    pub async fn run(self, shutdown: CancellationToken, grace: Duration) {
         let attempts = TaskTracker::new();
         let mut pulls = Vec::new();
-        for PoolConsumers { pool, work, parked } in consumers {
+        for PoolConsumers { pool, work, parked } in self.pools {
             let shared = self.shared.clone();
             let limit = self
                 .shared

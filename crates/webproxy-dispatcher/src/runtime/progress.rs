@@ -14,21 +14,21 @@ use crate::hop::{HopKind, HopState};
 
 /// The next hop of a conversation, as recorded before it is published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
-    pub kind: HopKind,
+pub(crate) struct Record {
+    pub(crate) kind: HopKind,
     /// Where the hop is published, and under which message id: a republish after a
     /// crash reuses both exactly.
-    pub subject: String,
-    pub msg_id: String,
+    pub(crate) subject: String,
+    pub(crate) msg_id: String,
     /// The hop's state, its step among it.
-    pub hop: HopState,
+    pub(crate) hop: HopState,
     /// The stream sequence of the hop message that started this step, once one has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub taken_by: Option<u64>,
+    pub(crate) taken_by: Option<u64>,
 }
 
 impl Record {
-    pub fn step(&self) -> u32 {
+    pub(crate) fn step(&self) -> u32 {
         self.hop.step
     }
 }
@@ -36,7 +36,7 @@ impl Record {
 /// What a delivery at `step`, stored at stream sequence `seq`, may do given the
 /// conversation's record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Claim {
+pub(super) enum Claim {
     /// This delivery is the recorded step: it carries on (taking the step first when
     /// no delivery has yet).
     Current { take: bool },
@@ -49,7 +49,7 @@ pub enum Claim {
 }
 
 /// Decides a delivery's claim on its conversation's record (pure).
-pub fn claim(record: &Record, step: u32, seq: u64) -> Claim {
+pub(super) fn claim(record: &Record, step: u32, seq: u64) -> Claim {
     match record.taken_by {
         _ if record.step() != step => {
             if record.taken_by.is_none() {
@@ -83,7 +83,7 @@ pub enum ProgressError {
 
 /// The progress bucket.
 #[derive(Debug, Clone)]
-pub struct Progress {
+pub(crate) struct Progress {
     store: kv::Store,
 }
 
@@ -100,13 +100,13 @@ fn encode(record: &Record) -> Bytes {
 }
 
 impl Progress {
-    pub fn new(store: kv::Store) -> Progress {
+    pub(crate) fn new(store: kv::Store) -> Progress {
         Progress { store }
     }
 
     /// The record of `origin`'s `generation` and its revision, if one exists. A
     /// deleted record reads as none; a lookup that fails is an error, never "none".
-    pub async fn load(
+    pub(crate) async fn load(
         &self,
         origin: &Origin,
         generation: u64,
@@ -134,7 +134,7 @@ impl Progress {
     /// Writes `record` for its conversation: created when `revision` is `None` (it must
     /// not exist), else updated only if the record is still at `revision`. Returns the
     /// new revision.
-    pub async fn write(
+    pub(crate) async fn write(
         &self,
         record: &Record,
         revision: Option<u64>,
@@ -160,7 +160,11 @@ impl Progress {
     }
 
     /// Deletes the record of a conversation that settled.
-    pub async fn delete(&self, origin: &Origin, generation: u64) -> Result<(), ProgressError> {
+    pub(crate) async fn delete(
+        &self,
+        origin: &Origin,
+        generation: u64,
+    ) -> Result<(), ProgressError> {
         let key = origin.record_key(generation);
         self.store
             .delete(&key)

@@ -24,21 +24,41 @@ use crate::secrets::Redactor;
 /// the names and limits that shape what is published.
 #[derive(Debug, Clone)]
 pub struct Outlet {
-    pub client: async_nats::Client,
-    pub js: jetstream::Context,
-    pub subjects: Subjects,
+    pub(crate) client: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+    pub(crate) subjects: Subjects,
     /// The server's `max_payload`: replies, dead letters and hops are built to fit it.
-    pub max_payload: usize,
+    pub(crate) max_payload: usize,
     /// Conversations and dead letters are counted where they are published.
-    pub metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Webproxy's own copies of a request (dead letters, parked retries) never hold a
     /// secret it knows.
-    pub redactor: Redactor,
-    pub progress: Progress,
+    pub(crate) redactor: Redactor,
+    pub(crate) progress: Progress,
 }
 
 impl Outlet {
-    pub fn new(
+    /// An outlet for the operator commands (`pools remove --dead-letter`, `dead
+    /// replay`), which end or replay conversations through the service's own code on
+    /// their own connection, with the deployment's `subjects` and progress bucket. It
+    /// loads no secrets: what it publishes is what the callers sent.
+    pub fn operator(
+        client: async_nats::Client,
+        subjects: Subjects,
+        progress: jetstream::kv::Store,
+    ) -> Outlet {
+        let max_payload = client.server_info().max_payload;
+        Outlet::new(
+            client,
+            subjects,
+            max_payload,
+            Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
+            Redactor::default(),
+            Progress::new(progress),
+        )
+    }
+
+    pub(crate) fn new(
         client: async_nats::Client,
         subjects: Subjects,
         max_payload: usize,
@@ -84,16 +104,19 @@ const PUBLISH_BACKOFF: Backoff =
 
 /// One publish into a stream, under a message id.
 #[derive(Debug, Clone, Copy)]
-pub struct Stored<'a> {
-    pub subject: &'a str,
-    pub msg_id: &'a str,
-    pub headers: &'a HeaderMap,
-    pub payload: &'a Bytes,
+pub(super) struct Stored<'a> {
+    pub(crate) subject: &'a str,
+    pub(crate) msg_id: &'a str,
+    pub(crate) headers: &'a HeaderMap,
+    pub(crate) payload: &'a Bytes,
 }
 
 /// Publishes into a stream and waits for the server to store it, retrying within the
 /// budget. The message being handled meanwhile is kept by its delivery's progress task.
-pub async fn publish_stored(outlet: &Outlet, message: Stored<'_>) -> Result<(), PublishFailure> {
+pub(super) async fn publish_stored(
+    outlet: &Outlet,
+    message: Stored<'_>,
+) -> Result<(), PublishFailure> {
     let subject = message.subject;
     let mut tries = 0u32;
     loop {
@@ -144,7 +167,12 @@ async fn stream_is_missing(outlet: &Outlet, subject: &str) -> bool {
 
 /// A core-NATS publish (a live reply, a copy to a caller's `reply_to`): nothing stores
 /// it, so a failure is logged and the conversation goes on.
-pub async fn publish_live(outlet: &Outlet, subject: &str, headers: HeaderMap, payload: Bytes) {
+pub(super) async fn publish_live(
+    outlet: &Outlet,
+    subject: &str,
+    headers: HeaderMap,
+    payload: Bytes,
+) {
     if let Err(e) = outlet
         .client
         .publish_with_headers(subject.to_string(), headers, payload)

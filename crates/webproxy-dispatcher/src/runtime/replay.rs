@@ -30,59 +30,61 @@ pub enum ReplayError {
 
 /// Publishes the letter's request as the first hop of the next generation of its
 /// conversation, into the letter's pool; returns that generation.
-pub async fn replay(outlet: &Outlet, letter: &DeadLetter) -> Result<u64, ReplayError> {
-    let origin: Origin = letter
-        .origin
-        .as_deref()
-        .ok_or(ReplayError::NoOrigin)?
-        .parse()
-        .map_err(|e: webproxy_protocol::InvalidName| ReplayError::BadOrigin(e.0))?;
-    let envelope = letter
-        .envelope
-        .as_ref()
-        .filter(|_| !letter.truncated)
-        .ok_or(ReplayError::Truncated)?;
-    let generation = letter.generation + 1;
-    let token = new_token();
-    let record = Record {
-        kind: HopKind::Replay,
-        subject: outlet.subjects.hop(&letter.pool, &token),
-        msg_id: hop_msg_id(HopKind::Replay, &token),
-        hop: HopState {
-            origin,
-            generation,
-            step: 1,
-            first_published_ms: unix_ms(std::time::SystemTime::now()),
-            due_ms: None,
-            attempts: AttemptHistory::default(),
-        },
-        taken_by: None,
-    };
-    let record = match outlet.progress.write(&record, None).await {
-        Ok(_) => record,
-        Err(ProgressError::Conflict { .. }) => {
-            // A replay that recorded its hop but did not get to publish it (or is
-            // publishing it now) is finished here, under the same message id.
-            match outlet.progress.load(&record.hop.origin, generation).await? {
-                Some((recorded, _))
-                    if recorded.kind == HopKind::Replay && recorded.taken_by.is_none() =>
-                {
-                    recorded
+impl Outlet {
+    pub async fn replay(&self, letter: &DeadLetter) -> Result<u64, ReplayError> {
+        let origin: Origin = letter
+            .origin
+            .as_deref()
+            .ok_or(ReplayError::NoOrigin)?
+            .parse()
+            .map_err(|e: webproxy_protocol::InvalidName| ReplayError::BadOrigin(e.0))?;
+        let envelope = letter
+            .envelope
+            .as_ref()
+            .filter(|_| !letter.truncated)
+            .ok_or(ReplayError::Truncated)?;
+        let generation = letter.generation + 1;
+        let token = new_token();
+        let record = Record {
+            kind: HopKind::Replay,
+            subject: self.subjects.hop(&letter.pool, &token),
+            msg_id: hop_msg_id(HopKind::Replay, &token),
+            hop: HopState {
+                origin,
+                generation,
+                step: 1,
+                first_published_ms: unix_ms(std::time::SystemTime::now()),
+                due_ms: None,
+                attempts: AttemptHistory::default(),
+            },
+            taken_by: None,
+        };
+        let record = match self.progress.write(&record, None).await {
+            Ok(_) => record,
+            Err(ProgressError::Conflict { .. }) => {
+                // A replay that recorded its hop but did not get to publish it (or is
+                // publishing it now) is finished here, under the same message id.
+                match self.progress.load(&record.hop.origin, generation).await? {
+                    Some((recorded, _))
+                        if recorded.kind == HopKind::Replay && recorded.taken_by.is_none() =>
+                    {
+                        recorded
+                    }
+                    _ => return Err(ReplayError::AlreadyReplayed { generation }),
                 }
-                _ => return Err(ReplayError::AlreadyReplayed { generation }),
             }
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let mut headers = HeaderMap::new();
-    headers.insert(header::HOP, record.hop.format().as_str());
-    let payload = Bytes::from(envelope.get().to_string());
-    let stored = Stored {
-        subject: &record.subject,
-        msg_id: &record.msg_id,
-        headers: &headers,
-        payload: &payload,
-    };
-    publish_stored(outlet, stored).await?;
-    Ok(generation)
+            Err(e) => return Err(e.into()),
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOP, record.hop.format().as_str());
+        let payload = Bytes::from(envelope.get().to_string());
+        let stored = Stored {
+            subject: &record.subject,
+            msg_id: &record.msg_id,
+            headers: &headers,
+            payload: &payload,
+        };
+        publish_stored(self, stored).await?;
+        Ok(generation)
+    }
 }

@@ -1,0 +1,207 @@
+//! Starting to consume, once connected: the server checked, the response limit
+//! resolved against its `max_payload`, the worker built, then provisioning and the
+//! layout-1 migration retried until they succeed or a signal arrives.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use webproxy_worker::{BuildError, Worker, WorkerConfig};
+
+use super::Dispatcher;
+use crate::Instruments;
+use crate::backoff::Backoff;
+use crate::cluster::jetstream_request_timeout;
+use crate::config::Settings;
+use crate::outbox::max_response_bytes_for;
+use crate::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
+use crate::secrets::Secrets;
+use crate::security::ByteLimit;
+
+/// Why this instance cannot consume from the server it connected to; retrying does
+/// not mend any of these.
+#[derive(Debug, Error)]
+pub enum StartError {
+    #[error(
+        "nats-server {version} is too old: webproxy needs {}.{} or newer",
+        MIN_SERVER_VERSION.0,
+        MIN_SERVER_VERSION.1
+    )]
+    ServerTooOld { version: String },
+    #[error("nats-server {version} has JetStream disabled")]
+    NoJetStream { version: String },
+    #[error(
+        "outbound.max_response_bytes = {configured} is too large: with the server's max_payload of {max_payload} bytes a reply can carry at most {largest} bytes of body"
+    )]
+    ResponseLimit {
+        configured: u64,
+        max_payload: usize,
+        largest: usize,
+    },
+    #[error(transparent)]
+    Worker(#[from] BuildError),
+}
+
+/// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
+/// doubling to at most 5 s, forever; until a signal.
+const START_BACKOFF: Backoff =
+    Backoff::doubling(Duration::from_millis(200), Duration::from_secs(5));
+
+impl Dispatcher {
+    /// Prepares to consume from the server `client` is connected to (`server`, its
+    /// INFO): checks the server, builds the worker, provisions this instance's pools
+    /// and moves the retries a webproxy of the previous stream layout parked, before
+    /// [`Dispatcher::run`] turns `/readyz` green. Provisioning and the migration are
+    /// retried: JetStream can be briefly unavailable, for example while a cluster
+    /// elects its leaders, and a stream of a newer layout, or one being removed, is
+    /// refused on every try while the instance stays not ready. `None` when
+    /// `shutdown` is cancelled first.
+    pub async fn start(
+        settings: Arc<Settings>,
+        client: async_nats::Client,
+        server: &async_nats::ServerInfo,
+        instruments: Instruments,
+        secrets: Arc<Secrets>,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Dispatcher>, StartError> {
+        check_server(server)?;
+        let max_payload = server.max_payload;
+        let outbound = &settings.cluster.outbound;
+        let max_response_bytes =
+            effective_max_response_bytes(outbound.max_response_bytes, max_payload)?;
+        info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
+        let worker = Worker::new(&WorkerConfig {
+            max_response_bytes,
+            guard: outbound.guard.clone(),
+            max_response_headers: outbound.max_headers,
+            max_response_header_bytes: outbound.max_header_bytes,
+        })?;
+        let mut js = async_nats::jetstream::new(client.clone());
+        js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
+        let Some(provisioned) =
+            retry_until_done("provisioning", shutdown, || provision(&js, &settings)).await
+        else {
+            return Ok(None);
+        };
+        let dispatcher = Dispatcher::new(
+            settings,
+            client,
+            worker,
+            max_payload,
+            instruments,
+            secrets,
+            provisioned,
+        );
+        let migrated = retry_until_done("migrating parked retries", shutdown, || {
+            dispatcher.migrate_layout1_parked()
+        })
+        .await;
+        Ok(migrated.map(|_| dispatcher))
+    }
+}
+
+/// Whether webproxy can run against the server that sent `server`.
+fn check_server(server: &async_nats::ServerInfo) -> Result<(), StartError> {
+    if !server_version_supported(&server.version) {
+        return Err(StartError::ServerTooOld {
+            version: server.version.clone(),
+        });
+    }
+    if !server.jetstream {
+        return Err(StartError::NoJetStream {
+            version: server.version.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// `[outbound] max_response_bytes`, resolved against the server's `max_payload`.
+fn effective_max_response_bytes(
+    configured: ByteLimit,
+    max_payload: usize,
+) -> Result<usize, StartError> {
+    let largest = max_response_bytes_for(max_payload);
+    match configured {
+        ByteLimit::Auto => Ok(largest),
+        ByteLimit::Bytes(n) if n <= largest as u64 => Ok(usize::try_from(n).unwrap_or(largest)),
+        ByteLimit::Bytes(configured) => Err(StartError::ResponseLimit {
+            configured,
+            max_payload,
+            largest,
+        }),
+    }
+}
+
+/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries; `None` when
+/// `shutdown` is cancelled first.
+async fn retry_until_done<T, E, F, Fut>(
+    what: &str,
+    shutdown: &CancellationToken,
+    mut step: F,
+) -> Option<T>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut failures = 0u32;
+    loop {
+        match step().await {
+            Ok(done) => return Some(done),
+            Err(e) => warn!(error = %e, "{what} failed; retrying"),
+        }
+        failures = failures.saturating_add(1);
+        if !START_BACKOFF.wait(failures, shutdown).await {
+            return None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn response_limit_is_derived_and_capped() {
+        let mib = 1024 * 1024;
+        assert_eq!(
+            effective_max_response_bytes(ByteLimit::Auto, mib).expect("auto"),
+            max_response_bytes_for(mib)
+        );
+        assert_eq!(
+            effective_max_response_bytes(ByteLimit::Bytes(1000), mib).expect("small"),
+            1000
+        );
+        let e =
+            effective_max_response_bytes(ByteLimit::Bytes(mib as u64), mib).expect_err("too big");
+        assert!(e.to_string().contains("outbound.max_response_bytes"), "{e}");
+    }
+
+    #[test]
+    fn an_old_server_or_one_without_jetstream_is_refused() {
+        let server = |version: &str, jetstream| async_nats::ServerInfo {
+            version: version.into(),
+            jetstream,
+            ..Default::default()
+        };
+        assert!(check_server(&server("2.10.0", true)).is_ok());
+        let old = check_server(&server("2.9.25", true)).expect_err("2.9");
+        assert!(matches!(old, StartError::ServerTooOld { .. }), "{old}");
+        assert!(old.to_string().contains("needs 2.10 or newer"), "{old}");
+        let no_js = check_server(&server("2.11.1", false)).expect_err("no JetStream");
+        assert!(matches!(no_js, StartError::NoJetStream { .. }), "{no_js}");
+    }
+
+    #[test]
+    fn starting_waits_200_ms_doubling_to_5_s() {
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(START_BACKOFF.after(1), ms(200));
+        assert_eq!(START_BACKOFF.after(2), ms(400));
+        assert_eq!(START_BACKOFF.after(5), ms(3200));
+        assert_eq!(START_BACKOFF.after(6), ms(5000));
+        assert_eq!(START_BACKOFF.after(u32::MAX), ms(5000));
+    }
+}
