@@ -152,6 +152,33 @@ async fn the_cli_resolves_nats_url_the_server_flag_and_contexts() {
     );
 }
 
+/// `serve` follows the same precedence: NATS_URL over the config file, and
+/// NATS_CONTEXT over NATS_URL.
+#[tokio::test]
+async fn serve_follows_the_same_precedence() {
+    let nats = NatsServer::start();
+    let closed = [closed_port(), closed_port()];
+    let [file_url, env_url] = closed
+        .each_ref()
+        .map(|(_, port)| format!("nats://127.0.0.1:{port}"));
+    let upstream = Upstream::start().await;
+    let rule = webproxy_tests::caller::accept_rule("local", &upstream);
+    // Ready means connected: the config file's URL has nothing behind it.
+    Service::start_with(
+        &file_url,
+        &rule,
+        ServiceOptions::default().env("NATS_URL", &nats.url()),
+    )
+    .await;
+    let xdg = tempfile::tempdir().expect("tempdir");
+    write_context(xdg.path(), "good", &serde_json::json!({"url": nats.url()}));
+    let options = ServiceOptions::default()
+        .env("NATS_URL", &env_url)
+        .env("NATS_CONTEXT", "good")
+        .env("XDG_CONFIG_HOME", xdg.path().to_str().expect("utf8"));
+    Service::start_with(&file_url, &rule, options).await;
+}
+
 /// A numeric token reaches NATS as written, from `WEBPROXY_NATS__TOKEN` (serve) and from
 /// a context file (the CLI); an injected rule secret from the environment reaches the
 /// upstream as written too.
