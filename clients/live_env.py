@@ -223,9 +223,12 @@ class LiveEnv:
             f"[[request_rules]]\nname = \"closed-port\"\nurl_pattern = '^{_escape(self.closed_url)}/'\n"
             "max_retries = 0\n"
         )
+        # The nats CLI's variables outrank the config's [nats]; a developer's own
+        # must not point the service elsewhere.
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("WEBPROXY_") and k.lower() not in
-               ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+               if not k.startswith("WEBPROXY_")
+               and k not in ("NATS_URL", "NATS_CREDS", "NATS_CONTEXT")
+               and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
         env.setdefault("RUST_LOG", "info")
         log = open(self._dir / "webproxy.log", "ab")
         proc = subprocess.Popen(

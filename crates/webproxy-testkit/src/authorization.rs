@@ -36,7 +36,7 @@ impl NatsServer {
             1,
         );
         NatsServer::start_with(&format!(
-            "WEBPROXY_NATS_PASSWORD: \"{}\"\n\
+            "SERVICE_NATS_PASSWORD: \"{}\"\n\
              CALLER_A_NATS_PASSWORD: \"{}\"\n\
              CALLER_B_NATS_PASSWORD: \"{}\"\n\n{with_admin}",
             password(SERVICE_USER),

@@ -26,7 +26,9 @@ mod wait;
 use std::sync::Once;
 
 pub use nats::NatsServer;
-pub use service::{ALLOW_PRIVATE_NETWORKS, Service, ServiceOptions, run_webproxy, webproxy_bin};
+pub use service::{
+    ALLOW_PRIVATE_NETWORKS, NATS_CLI_VARS, Service, ServiceOptions, run_webproxy, webproxy_bin,
+};
 pub use upstream::{Gate, Upstream, default_routes};
 pub use wait::{closed_port, free_port, wait_for, wait_until};
 

@@ -18,6 +18,10 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Proxy settings would let the service route loopback upstream traffic off
 /// the machine; tests must only ever talk to 127.0.0.1.
+/// The nats CLI's variables, which outrank the config file's `[nats]`: a developer's
+/// own must not point the binary under test elsewhere.
+pub const NATS_CLI_VARS: &[&str] = &["NATS_URL", "NATS_CREDS", "NATS_CONTEXT"];
+
 const PROXY_VARS: &[&str] = &[
     "http_proxy",
     "https_proxy",
@@ -61,7 +65,11 @@ pub fn webproxy_bin() -> PathBuf {
 /// Runs the `webproxy` binary with `args` (a CLI command, not `serve`) to its end,
 /// with the log level it would have for a user.
 pub async fn run_webproxy(args: &[&str]) -> std::process::Output {
-    tokio::process::Command::new(webproxy_bin())
+    let mut command = tokio::process::Command::new(webproxy_bin());
+    for var in NATS_CLI_VARS {
+        command.env_remove(var);
+    }
+    command
         .args(args)
         .env_remove("RUST_LOG")
         .output()
@@ -196,7 +204,7 @@ impl Service {
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }
-        for var in PROXY_VARS {
+        for var in PROXY_VARS.iter().chain(NATS_CLI_VARS) {
             command.env_remove(var);
         }
         // The service's settings must come from the config file the test

@@ -1,18 +1,62 @@
 //! Loads the configuration in figment layers, lowest first: the compiled-in
 //! `config/default.toml`, the `--config` file, then `WEBPROXY_` environment variables
-//! with `__` between levels.
+//! with `__` between levels; then lays the NATS connection settings of the flags and
+//! the nats CLI's variables (`crate::connection`) over `[nats]`.
 
 use std::path::Path;
 
 use crate::config::{Config, Settings};
+use crate::connection::Layer;
 use anyhow::{Context as _, bail};
-use figment::Figment;
-use figment::providers::{Env, Format as _, Toml};
+use figment::providers::{Env, Format as _, Serialized, Toml};
+use figment::value::{Dict, Map};
+use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
 use webproxy_dispatcher::RuleAction;
 
 /// Every key with its default, commented.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
+
+/// The prefix of the configuration's environment variables.
+const PREFIX: &str = "WEBPROXY_";
+
+/// Variables under the prefix that are not configuration: the test builds'
+/// fault-injection hooks and the tests' path to the binary.
+const NOT_CONFIGURATION: [&str; 2] = ["WEBPROXY_TEST_HOOK", "WEBPROXY_BIN"];
+
+/// The variables that name a key: `WEBPROXY_<SECTION>__<KEY>`. Every key lives in a
+/// section, so a variable without `__` is never one (see [`stray_variables`]).
+fn key_variables() -> Env {
+    Env::prefixed(PREFIX)
+        .filter(|key| key.as_str().contains("__"))
+        .split("__")
+}
+
+/// `[nats]` holds only strings (URLs, names, secrets and paths), which are taken as
+/// written: figment reads a variable's value as TOML would, so a token `007` would
+/// become the number 7 and a password `1.50` the number 1.5.
+fn is_raw(key: &str) -> bool {
+    key.to_ascii_lowercase().starts_with("nats.")
+}
+
+/// The `[nats]` variables, each value the string the environment holds.
+struct RawVariables;
+
+impl Provider for RawVariables {
+    fn metadata(&self) -> Metadata {
+        Metadata::named(format!("`{PREFIX}NATS__*` environment variable(s)"))
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        key_variables()
+            .iter()
+            .filter(|(key, _)| is_raw(key.as_str()))
+            .fold(Figment::new(), |figment, (key, value)| {
+                figment.merge(Serialized::default(key.as_str(), value))
+            })
+            .data()
+    }
+}
 
 /// The layers, unvalidated.
 pub fn figment(path: Option<&Path>) -> anyhow::Result<Figment> {
@@ -26,29 +70,82 @@ pub fn figment(path: Option<&Path>) -> anyhow::Result<Figment> {
         }
         figment = figment.merge(Toml::file_exact(path));
     }
-    // WEBPROXY_TEST_HOOK switches on the test builds' fault-injection hooks; it is
-    // not a configuration key.
-    Ok(figment.merge(
-        Env::prefixed("WEBPROXY_")
-            .ignore(&["TEST_HOOK"])
-            .split("__"),
-    ))
+    Ok(figment
+        .merge(key_variables().filter(|key| !is_raw(key.as_str())))
+        .merge(RawVariables))
 }
 
-/// Loads and validates the configuration; errors name the key.
-pub fn load(path: Option<&Path>) -> anyhow::Result<Settings> {
-    let config: Config = figment(path)?
+/// The names of the process's `WEBPROXY_` variables.
+fn prefixed_variables() -> Vec<String> {
+    std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| variable_key(name).is_some())
+        .collect()
+}
+
+/// The key a variable would set (`WEBPROXY_NATS__URL` sets `nats.url`), matching the
+/// prefix without regard to case, as figment does.
+fn variable_key(name: &str) -> Option<String> {
+    let prefix = name.get(..PREFIX.len())?;
+    prefix
+        .eq_ignore_ascii_case(PREFIX)
+        .then(|| name[PREFIX.len()..].to_ascii_lowercase().replace("__", "."))
+}
+
+/// A warning for each variable under the prefix that cannot be a key and is not one
+/// of [`NOT_CONFIGURATION`]; such variables are ignored. A Kubernetes Service named
+/// webproxy injects `WEBPROXY_SERVICE_HOST` and `WEBPROXY_PORT`, for example.
+fn stray_variables(names: &[String]) -> Vec<String> {
+    let mut stray: Vec<&String> = names
+        .iter()
+        .filter(|name| !name[PREFIX.len()..].contains("__"))
+        .filter(|name| {
+            !NOT_CONFIGURATION
+                .iter()
+                .any(|n| n.eq_ignore_ascii_case(name))
+        })
+        .collect();
+    stray.sort();
+    stray
+        .into_iter()
+        .map(|name| {
+            format!(
+                "{name} is not a configuration variable (those are {PREFIX}<SECTION>__<KEY>); ignored"
+            )
+        })
+        .collect()
+}
+
+/// Loads and validates the configuration, with `connection` laid over `[nats]`;
+/// errors name the key, and the variable when one set it.
+pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings> {
+    let variables = prefixed_variables();
+    let mut config: Config = figment(path)?
         .extract()
-        .map_err(|e| anyhow::anyhow!(describe(e)))
+        .map_err(|e| anyhow::anyhow!(describe(e, &variables)))
         .context("invalid configuration")?;
-    config.validate().context("invalid configuration")
+    connection.apply(&mut config.nats);
+    let mut settings = config.validate().context("invalid configuration")?;
+    settings.environment_warnings = stray_variables(&variables);
+    Ok(settings)
 }
 
-/// figment's errors, one line each, with the key path spelled out.
-fn describe(error: figment::Error) -> String {
+/// figment's errors, one line each, with the key path spelled out. An unknown key
+/// that one of `variables` set names that variable: it is probably misspelt.
+fn describe(error: figment::Error, variables: &[String]) -> String {
     error
         .into_iter()
         .map(|e| {
+            // For an unknown field, figment's path ends with the field.
+            if let figment::error::Kind::UnknownField(..) = &e.kind {
+                let key = e.path.join(".");
+                if let Some(name) = variables
+                    .iter()
+                    .find(|name| variable_key(name).as_deref() == Some(key.as_str()))
+                {
+                    return format!("{name} is not a configuration key ({key})");
+                }
+            }
             let key = e.path.join(".");
             let source = e
                 .metadata
@@ -238,7 +335,7 @@ mod tests {
     fn load_text(text: &str) -> anyhow::Result<Settings> {
         let mut file = tempfile::NamedTempFile::new()?;
         file.write_all(text.as_bytes())?;
-        jailed(|| load(Some(file.path())))
+        jailed(|| load(Some(file.path()), &Layer::default()))
     }
 
     fn error_of(text: &str) -> String {
@@ -250,7 +347,7 @@ mod tests {
 
     #[test]
     fn defaults_alone_are_valid() {
-        let settings = jailed(|| load(None)).expect("defaults load");
+        let settings = jailed(|| load(None, &Layer::default())).expect("defaults load");
         assert_eq!(settings.dispatcher.subjects.prefix(), "webproxy");
         assert_eq!(
             settings.dispatcher.cluster.pools["default"].max_in_flight,
@@ -262,7 +359,7 @@ mod tests {
     #[test]
     fn example_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/webproxy.toml");
-        let settings = jailed(|| load(Some(&path))).expect("example loads");
+        let settings = jailed(|| load(Some(&path), &Layer::default())).expect("example loads");
         assert!(settings.dispatcher.cluster.pools.contains_key("default"));
         assert!(settings.dispatcher.cluster.rules.iter().count() > 0);
         assert!(settings.warnings().is_empty(), "{:?}", settings.warnings());
@@ -304,7 +401,8 @@ mod tests {
             jail.create_file("webproxy.toml", "[nats]\nurl = \"nats://file:4222\"\n")?;
             jail.set_env("WEBPROXY_NATS__URL", "nats://env:4222");
             jail.set_env("WEBPROXY_POOLS__P1__MAX_IN_FLIGHT", "3");
-            let settings = load(Some(Path::new("webproxy.toml"))).map_err(|e| e.to_string())?;
+            let settings = load(Some(Path::new("webproxy.toml")), &Layer::default())
+                .map_err(|e| e.to_string())?;
             assert_eq!(settings.config.nats.url, "nats://env:4222");
             assert_eq!(settings.dispatcher.cluster.pools["p1"].max_in_flight, 3);
             Ok(())
@@ -312,13 +410,95 @@ mod tests {
     }
 
     #[test]
-    fn unknown_environment_key_is_rejected() {
+    fn a_variable_that_cannot_be_a_key_only_warns() {
         figment::Jail::expect_with(|jail| {
             jail.set_env("WEBPROXY_SERVICE_HOST", "10.0.0.1");
-            let e = format!("{:#}", load(None).err().ok_or("accepted")?);
-            assert!(e.contains("service_host"), "{e}");
+            jail.set_env("WEBPROXY_X", "1");
+            jail.set_env("WEBPROXY_TEST_HOOK", "none");
+            let settings = load(None, &Layer::default()).map_err(|e| format!("{e:#}"))?;
+            let warnings = settings.warnings();
+            assert_eq!(warnings.len(), 2, "{warnings:?}");
+            assert!(
+                warnings[0].starts_with("WEBPROXY_SERVICE_HOST is not"),
+                "{warnings:?}"
+            );
+            assert!(warnings[1].starts_with("WEBPROXY_X is not"), "{warnings:?}");
             Ok(())
         });
+    }
+
+    #[test]
+    fn a_misspelt_key_variable_is_refused_by_name() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("WEBPROXY_NATS__PASSWRD", "pw");
+            let e = format!(
+                "{:#}",
+                load(None, &Layer::default()).err().ok_or("accepted")?
+            );
+            assert!(
+                e.contains("WEBPROXY_NATS__PASSWRD is not a configuration key (nats.passwrd)"),
+                "{e}"
+            );
+            Ok(())
+        });
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("WEBPROXY_SERVICE__SHUTDOWN_GRAC", "1s");
+            let e = format!(
+                "{:#}",
+                load(None, &Layer::default()).err().ok_or("accepted")?
+            );
+            assert!(
+                e.contains("WEBPROXY_SERVICE__SHUTDOWN_GRAC is not a configuration key"),
+                "{e}"
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn nats_values_are_taken_as_written() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("WEBPROXY_NATS__TOKEN", "007");
+            let settings = load(None, &Layer::default()).map_err(|e| format!("{e:#}"))?;
+            let token = settings.config.nats.token.as_ref().ok_or("no token")?;
+            assert_eq!(token.expose(), "007");
+            Ok(())
+        });
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("WEBPROXY_NATS__USER", "1.50");
+            jail.set_env("WEBPROXY_NATS__PASSWORD", "1.50");
+            jail.set_env("WEBPROXY_POOLS__P1__MAX_IN_FLIGHT", "3");
+            let settings = load(None, &Layer::default()).map_err(|e| format!("{e:#}"))?;
+            let nats = &settings.config.nats;
+            assert_eq!(nats.user.as_deref(), Some("1.50"));
+            assert_eq!(nats.password.as_ref().map(|p| p.expose()), Some("1.50"));
+            // Other sections' values are still read as TOML values.
+            assert_eq!(settings.dispatcher.cluster.pools["p1"].max_in_flight, 3);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn connection_settings_outrank_the_nats_variables() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("WEBPROXY_NATS__URL", "nats://env:4222");
+            jail.set_env("WEBPROXY_NATS__TOKEN", "env-token");
+            let layer = Layer {
+                url: Some("nats://nats-url:4222".into()),
+                ..Layer::default()
+            };
+            let settings = load(None, &layer).map_err(|e| format!("{e:#}"))?;
+            assert_eq!(settings.config.nats.url, "nats://nats-url:4222");
+            assert!(settings.config.nats.token.is_some());
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_file_keys_are_still_refused() {
+        let e = error_of("[nats]\nurl = \"nats://127.0.0.1:4222\"\npasswrd = \"x\"\n");
+        assert!(e.contains("passwrd"), "{e}");
+        assert!(!e.contains("WEBPROXY_"), "{e}");
     }
 
     #[test]
@@ -378,7 +558,7 @@ mod tests {
         .expect("valid");
         assert!(allowed.warnings().is_empty(), "{:?}", allowed.warnings());
         assert!(
-            jailed(|| load(None))
+            jailed(|| load(None, &Layer::default()))
                 .expect("defaults")
                 .warnings()
                 .is_empty()

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use webproxy_dispatcher::{Redactor, Secrets};
 
+use crate::connection::{self, ConnectionArgs};
 use crate::operator::NatsArgs;
 use crate::send::SendArgs;
 use crate::{cfg, dead, pools, send, serve, telemetry};
@@ -29,6 +30,8 @@ enum Command {
         /// The configuration file (layered over the built-in defaults).
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
+        #[command(flatten)]
+        connection: ConnectionArgs,
     },
     /// Validate a configuration and print the effective pools and rules.
     CheckConfig {
@@ -111,8 +114,11 @@ impl Cli {
     /// down after it ends (see `telemetry`).
     pub fn run(self) -> anyhow::Result<ExitCode> {
         match self.command {
-            Command::Serve { config } => {
-                let settings = cfg::load(config.as_deref())?;
+            Command::Serve {
+                config,
+                connection: flags,
+            } => {
+                let settings = cfg::load(config.as_deref(), &connection::overrides(&flags)?)?;
                 // Shared with the logger, which redacts the secrets serve loads.
                 let redactor = Redactor::default();
                 let _telemetry = telemetry::init_service(
@@ -124,7 +130,10 @@ impl Cli {
                 Ok(ExitCode::SUCCESS)
             }
             Command::CheckConfig { config, json } => {
-                let settings = cfg::load(config.as_deref())?;
+                // What serve would run on in this environment: NATS_URL and the
+                // other nats CLI variables apply, as they do to serve.
+                let overrides = connection::overrides(&ConnectionArgs::default())?;
+                let settings = cfg::load(config.as_deref(), &overrides)?;
                 // Every secret must be readable for the configuration to be valid; the
                 // values are never printed.
                 Secrets::load(&settings.dispatcher.cluster.rules, Redactor::default())

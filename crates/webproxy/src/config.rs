@@ -94,13 +94,16 @@ pub struct Settings {
     pub config: Config,
     /// The streams and the compiled cluster part, which the dispatcher runs on.
     pub dispatcher: std::sync::Arc<webproxy_dispatcher::Settings>,
+    /// `WEBPROXY_` variables that are not configuration and were ignored, each named.
+    pub environment_warnings: Vec<String>,
 }
 
 impl Settings {
     /// What `check-config` (and `serve`, at start) warns about: a configuration that
     /// runs, but probably not as meant. Each names the key.
     pub fn warnings(&self) -> Vec<String> {
-        let mut warnings = self.dispatcher.cluster.rules.warnings();
+        let mut warnings = self.environment_warnings.clone();
+        warnings.extend(self.dispatcher.cluster.rules.warnings());
         let nats = &self.config.nats;
         let authenticated = nats.credentials_file.is_some()
             || nats.nkey_seed_file.is_some()
@@ -157,6 +160,7 @@ impl Config {
         Ok(Settings {
             config: self,
             dispatcher: std::sync::Arc::new(dispatcher),
+            environment_warnings: Vec::new(),
         })
     }
 }

@@ -4,6 +4,7 @@
 mod cfg;
 mod cli;
 mod config;
+mod connection;
 mod dead;
 mod health;
 mod nats_auth;

@@ -78,7 +78,6 @@ impl NatsConfig {
 pub struct Secret(String);
 
 impl Secret {
-    #[cfg(test)]
     pub fn new(value: impl Into<String>) -> Secret {
         Secret(value.into())
     }
@@ -334,12 +333,13 @@ fn named(path: &Path, e: std::io::Error) -> std::io::Error {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::path::PathBuf;
 
     use super::*;
 
-    fn nats() -> NatsConfig {
+    /// `[nats]` with a URL and nothing else.
+    pub(crate) fn nats() -> NatsConfig {
         NatsConfig {
             url: "nats://127.0.0.1:4222".into(),
             credentials_file: None,

@@ -12,6 +12,7 @@ use webproxy_client::Client;
 use webproxy_dispatcher::Outlet;
 
 use crate::cfg;
+use crate::connection::{self, ConnectionArgs};
 
 /// Options of every subcommand that talks to NATS.
 #[derive(Debug, Args)]
@@ -19,28 +20,30 @@ pub struct NatsArgs {
     /// The configuration file, for the NATS settings and the subject prefix.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// The NATS server URL, overriding the configuration.
-    #[arg(long, value_name = "URL")]
-    pub nats: Option<String>,
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
 }
 
-/// Connects as the configuration (or `--nats`) says; returns the client and prefix.
+/// Connects as the flags, the nats CLI's variables and the configuration say (see
+/// `connection` for the precedence); returns the client, which knows the prefix.
 pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
-    let settings = cfg::load(args.config.as_deref())?;
-    let url = args
-        .nats
-        .clone()
-        .unwrap_or_else(|| settings.config.nats.url.clone());
-    let urls: Vec<String> = url.split(',').map(|u| u.trim().to_string()).collect();
-    let nats = crate::nats_auth::connect_options(&settings.config.nats)
+    let settings = cfg::load(
+        args.config.as_deref(),
+        &connection::overrides(&args.connection)?,
+    )?;
+    for warning in &settings.environment_warnings {
+        tracing::warn!("{warning}");
+    }
+    let nats_config = &settings.config.nats;
+    let nats = crate::nats_auth::connect_options(nats_config)
         .await
         .context("cannot read the NATS credentials")?
-        .connect(urls)
+        .connect(nats_config.urls())
         .await
         .with_context(|| {
             format!(
                 "cannot connect to NATS at {}",
-                crate::nats_auth::redact_url_credentials(&url)
+                crate::nats_auth::redact_url_credentials(&nats_config.url)
             )
         })?;
     Ok(Client::new(nats, settings.dispatcher.subjects.prefix())?)

@@ -1,0 +1,432 @@
+//! Where the `[nats]` settings come from besides the configuration: the nats CLI's
+//! conventions (`-s/--server`, `--creds`, `--user`, `--password`, `--tlsca`,
+//! `--context`, and `NATS_URL`, `NATS_CREDS`, `NATS_CONTEXT` with the nats CLI's
+//! context files), resolved in one pure function into a [`Layer`] that is laid over
+//! the configuration's `[nats]`.
+//!
+//! Precedence, highest first: flags (`-s` before `--context`), then `NATS_CONTEXT`,
+//! then `NATS_URL` (and `NATS_CREDS`), then the configuration (`WEBPROXY_NATS__*`, the
+//! file, the compiled default). `NATS_URL` is read here rather than by clap's `env`,
+//! which would make it outrank an explicit `--context`.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
+use clap::Args;
+use serde::Deserialize;
+
+use crate::nats_auth::{NatsConfig, Secret};
+
+/// The nats CLI's connection flags, on every command that talks to NATS.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ConnectionArgs {
+    /// NATS server URL(s), comma-separated [env: NATS_URL].
+    #[arg(
+        short = 's',
+        long = "server",
+        visible_alias = "nats",
+        value_name = "URL"
+    )]
+    pub server: Option<String>,
+    /// NATS user credentials file [env: NATS_CREDS].
+    #[arg(long, value_name = "FILE", conflicts_with = "user")]
+    pub creds: Option<PathBuf>,
+    /// NATS user name; without --password, a token (as the nats CLI reads it).
+    #[arg(long, value_name = "USER")]
+    pub user: Option<String>,
+    /// NATS password, with --user.
+    #[arg(long, value_name = "PASSWORD", requires = "user")]
+    pub password: Option<String>,
+    /// The CA that signs the NATS server's certificate; turns TLS on.
+    #[arg(long, value_name = "FILE")]
+    pub tlsca: Option<PathBuf>,
+    /// A nats CLI context, read from $XDG_CONFIG_HOME/nats/context/NAME.json
+    /// [env: NATS_CONTEXT].
+    #[arg(long, value_name = "NAME")]
+    pub context: Option<String>,
+}
+
+/// The nats CLI's environment variables; an empty one counts as unset.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NatsEnvironment {
+    pub url: Option<String>,
+    pub creds: Option<PathBuf>,
+    pub context: Option<String>,
+}
+
+impl NatsEnvironment {
+    pub fn from_process() -> NatsEnvironment {
+        let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
+        NatsEnvironment {
+            url: var("NATS_URL"),
+            creds: var("NATS_CREDS").map(PathBuf::from),
+            context: var("NATS_CONTEXT"),
+        }
+    }
+}
+
+/// How to authenticate: one way at a time, so a higher layer's choice replaces a
+/// lower layer's whole.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Auth {
+    Creds(PathBuf),
+    NkeySeed(PathBuf),
+    Token(Secret),
+    UserPassword(String, Secret),
+}
+
+/// Connection settings from one source; `None` leaves the setting to the sources below.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Layer {
+    pub url: Option<String>,
+    pub auth: Option<Auth>,
+    pub tls_ca_file: Option<PathBuf>,
+    /// The client certificate and its key.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+}
+
+impl Layer {
+    /// `self` with every setting `higher` has replaced by `higher`'s.
+    fn under(self, higher: Layer) -> Layer {
+        Layer {
+            url: higher.url.or(self.url),
+            auth: higher.auth.or(self.auth),
+            tls_ca_file: higher.tls_ca_file.or(self.tls_ca_file),
+            client_cert: higher.client_cert.or(self.client_cert),
+        }
+    }
+
+    /// Lays these settings over the configuration's `[nats]`: an authentication
+    /// replaces whichever the configuration names.
+    pub fn apply(&self, nats: &mut NatsConfig) {
+        if let Some(url) = &self.url {
+            nats.url.clone_from(url);
+        }
+        if let Some(auth) = &self.auth {
+            nats.credentials_file = None;
+            nats.nkey_seed_file = None;
+            nats.token = None;
+            nats.user = None;
+            nats.password = None;
+            match auth {
+                Auth::Creds(path) => nats.credentials_file = Some(path.clone()),
+                Auth::NkeySeed(path) => nats.nkey_seed_file = Some(path.clone()),
+                Auth::Token(token) => nats.token = Some(token.clone()),
+                Auth::UserPassword(user, password) => {
+                    nats.user = Some(user.clone());
+                    nats.password = Some(password.clone());
+                }
+            }
+        }
+        if let Some(ca) = &self.tls_ca_file {
+            nats.tls_ca_file = Some(ca.clone());
+        }
+        if let Some((cert, key)) = &self.client_cert {
+            nats.tls_cert_file = Some(cert.clone());
+            nats.tls_key_file = Some(key.clone());
+        }
+    }
+}
+
+/// The context to read: `--context`, else `NATS_CONTEXT`.
+pub fn context_name<'a>(flags: &'a ConnectionArgs, env: &'a NatsEnvironment) -> Option<&'a str> {
+    flags.context.as_deref().or(env.context.as_deref())
+}
+
+/// The one precedence: `NATS_URL` and `NATS_CREDS`, under the context's settings,
+/// under the flags.
+pub fn resolve(flags: &ConnectionArgs, env: &NatsEnvironment, context: Option<Layer>) -> Layer {
+    let environment = Layer {
+        url: env.url.clone(),
+        auth: env.creds.clone().map(Auth::Creds),
+        ..Layer::default()
+    };
+    let auth = match (&flags.creds, &flags.user, &flags.password) {
+        (Some(creds), _, _) => Some(Auth::Creds(creds.clone())),
+        (None, Some(user), Some(password)) => Some(Auth::UserPassword(
+            user.clone(),
+            Secret::new(password.clone()),
+        )),
+        (None, Some(token), None) => Some(Auth::Token(Secret::new(token.clone()))),
+        (None, None, _) => None,
+    };
+    let flags = Layer {
+        url: flags.server.clone(),
+        auth,
+        tls_ca_file: flags.tlsca.clone(),
+        client_cert: None,
+    };
+    environment.under(context.unwrap_or_default()).under(flags)
+}
+
+/// Resolves the flags with the process's environment, reading the chosen context.
+pub fn overrides(flags: &ConnectionArgs) -> anyhow::Result<Layer> {
+    let env = NatsEnvironment::from_process();
+    let home = std::env::home_dir();
+    let context = match context_name(flags, &env) {
+        Some(name) => {
+            let dir = context_dir(std::env::var_os("XDG_CONFIG_HOME"), home.as_deref())?;
+            Some(read_context(&dir, name, home.as_deref())?)
+        }
+        None => None,
+    };
+    Ok(resolve(flags, &env, context))
+}
+
+/// `$XDG_CONFIG_HOME/nats/context`, with `~/.config` when the variable is unset or
+/// empty, as the nats CLI has it.
+pub fn context_dir(
+    xdg_config_home: Option<OsString>,
+    home: Option<&Path>,
+) -> anyhow::Result<PathBuf> {
+    let base = match xdg_config_home.filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => home
+            .context("cannot find the nats contexts: neither XDG_CONFIG_HOME nor HOME is set")?
+            .join(".config"),
+    };
+    Ok(base.join("nats").join("context"))
+}
+
+/// A nats CLI context file. Keys webproxy has no use for (`description`,
+/// `jetstream_domain`, ...) are ignored, as other nats tools ignore keys they do not
+/// know.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ContextFile {
+    url: String,
+    token: String,
+    user: String,
+    password: String,
+    creds: String,
+    nkey: String,
+    cert: String,
+    key: String,
+    ca: String,
+    nsc: String,
+}
+
+/// Reads the context `name` from `dir`.
+fn read_context(dir: &Path, name: &str, home: Option<&Path>) -> anyhow::Result<Layer> {
+    if name.is_empty() || name.contains("..") || name.contains('/') || name.contains('\\') {
+        bail!("invalid nats context name {name:?}");
+    }
+    let path = dir.join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read nats context {name:?} at {}", path.display()))?;
+    context_layer(&text, home).with_context(|| format!("nats context {}", path.display()))
+}
+
+/// The settings a context file's text names (pure). Among several ways to
+/// authenticate, the nats CLI's order decides: user, creds, nkey, token.
+fn context_layer(text: &str, home: Option<&Path>) -> anyhow::Result<Layer> {
+    let file: ContextFile = serde_json::from_str(text).context("is not a context file")?;
+    if !file.nsc.is_empty() {
+        bail!("uses an nsc lookup (\"nsc\"), which webproxy does not run; give \"creds\" instead");
+    }
+    let set = |value: String| Some(value).filter(|v| !v.is_empty());
+    let path = |value: String| set(value).map(|v| expand_home(&v, home));
+    let auth = if let Some(user) = set(file.user) {
+        Some(Auth::UserPassword(user, Secret::new(file.password)))
+    } else if let Some(creds) = path(file.creds) {
+        Some(Auth::Creds(creds))
+    } else if let Some(seed) = path(file.nkey) {
+        Some(Auth::NkeySeed(seed))
+    } else {
+        set(file.token).map(|t| Auth::Token(Secret::new(t)))
+    };
+    let client_cert = match (path(file.cert), path(file.key)) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => bail!("names only one of \"cert\" and \"key\"; a client certificate needs both"),
+    };
+    Ok(Layer {
+        url: set(file.url),
+        auth,
+        tls_ca_file: path(file.ca),
+        client_cert,
+    })
+}
+
+/// `~/x` under the home directory, as the nats CLI expands its contexts' paths.
+fn expand_home(path: &str, home: Option<&Path>) -> PathBuf {
+    match (path.strip_prefix("~/"), home) {
+        (Some(rest), Some(home)) => home.join(rest),
+        _ => PathBuf::from(path),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn url(layer: &Layer) -> Option<&str> {
+        layer.url.as_deref()
+    }
+
+    fn context(url: &str) -> Option<Layer> {
+        Some(Layer {
+            url: Some(url.into()),
+            ..Layer::default()
+        })
+    }
+
+    #[test]
+    fn each_step_of_the_precedence() {
+        let mut flags = ConnectionArgs::default();
+        let mut env = NatsEnvironment::default();
+        // Nothing set: the configuration decides.
+        assert_eq!(resolve(&flags, &env, None), Layer::default());
+        env.url = Some("nats://from-nats-url:4222".into());
+        assert_eq!(
+            url(&resolve(&flags, &env, None)),
+            Some("nats://from-nats-url:4222")
+        );
+        // A context (NATS_CONTEXT or --context) outranks NATS_URL...
+        assert_eq!(
+            url(&resolve(&flags, &env, context("nats://ctx:4222"))),
+            Some("nats://ctx:4222")
+        );
+        // ...but a context without a URL leaves it to NATS_URL.
+        assert_eq!(
+            url(&resolve(&flags, &env, Some(Layer::default()))),
+            Some("nats://from-nats-url:4222")
+        );
+        // -s outranks the context.
+        flags.server = Some("nats://flag:4222".into());
+        assert_eq!(
+            url(&resolve(&flags, &env, context("nats://ctx:4222"))),
+            Some("nats://flag:4222")
+        );
+    }
+
+    #[test]
+    fn the_context_flag_outranks_nats_context() {
+        let mut flags = ConnectionArgs::default();
+        let env = NatsEnvironment {
+            context: Some("from-env".into()),
+            ..NatsEnvironment::default()
+        };
+        assert_eq!(context_name(&flags, &env), Some("from-env"));
+        flags.context = Some("from-flag".into());
+        assert_eq!(context_name(&flags, &env), Some("from-flag"));
+        assert_eq!(
+            context_name(&ConnectionArgs::default(), &NatsEnvironment::default()),
+            None
+        );
+    }
+
+    #[test]
+    fn authentication_is_replaced_whole() {
+        let env = NatsEnvironment {
+            creds: Some("/env.creds".into()),
+            ..NatsEnvironment::default()
+        };
+        let mut flags = ConnectionArgs::default();
+        assert_eq!(
+            resolve(&flags, &env, None).auth,
+            Some(Auth::Creds("/env.creds".into()))
+        );
+        let ctx = Layer {
+            auth: Some(Auth::Token(Secret::new("007"))),
+            ..Layer::default()
+        };
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx.clone())).auth,
+            Some(Auth::Token(Secret::new("007")))
+        );
+        flags.user = Some("alice".into());
+        flags.password = Some("1.50".into());
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx)).auth,
+            Some(Auth::UserPassword("alice".into(), Secret::new("1.50")))
+        );
+        // --user alone is a token, as the nats CLI has it.
+        flags.password = None;
+        assert_eq!(
+            resolve(&flags, &env, None).auth,
+            Some(Auth::Token(Secret::new("alice")))
+        );
+
+        let mut nats = crate::nats_auth::tests::nats();
+        nats.token = Some(Secret::new("config-token"));
+        nats.tls_ca_file = Some("/config-ca.pem".into());
+        let layer = Layer {
+            auth: Some(Auth::Creds("/flag.creds".into())),
+            ..Layer::default()
+        };
+        layer.apply(&mut nats);
+        assert_eq!(nats.token, None);
+        assert_eq!(nats.credentials_file, Some("/flag.creds".into()));
+        assert_eq!(nats.tls_ca_file, Some("/config-ca.pem".into()));
+        assert!(
+            crate::nats_auth::check(&nats).is_err(),
+            "the file is absent"
+        );
+    }
+
+    #[test]
+    fn a_context_file_maps_onto_the_nats_settings() {
+        let home = Path::new("/home/op");
+        let layer = context_layer(
+            r#"{"description": "prod", "url": "nats://a:4222,nats://b:4222", "token": "",
+                "user": "", "password": "", "creds": "~/prod.creds", "nkey": "",
+                "cert": "/c.pem", "key": "/k.pem", "ca": "~/ca.pem",
+                "jetstream_domain": "hub", "color_scheme": "", "future_key": {"x": 1}}"#,
+            Some(home),
+        )
+        .expect("a context");
+        assert_eq!(url(&layer), Some("nats://a:4222,nats://b:4222"));
+        assert_eq!(layer.auth, Some(Auth::Creds("/home/op/prod.creds".into())));
+        assert_eq!(layer.tls_ca_file, Some("/home/op/ca.pem".into()));
+        assert_eq!(layer.client_cert, Some(("/c.pem".into(), "/k.pem".into())));
+
+        let layer = context_layer(r#"{"user": "u", "password": "007", "token": "t"}"#, None)
+            .expect("a context");
+        assert_eq!(
+            layer.auth,
+            Some(Auth::UserPassword("u".into(), Secret::new("007")))
+        );
+        assert_eq!(layer.url, None);
+        let layer = context_layer(r#"{"token": "007"}"#, None).expect("a context");
+        assert_eq!(layer.auth, Some(Auth::Token(Secret::new("007"))));
+        let layer = context_layer(r#"{"nkey": "/u.nk"}"#, None).expect("a context");
+        assert_eq!(layer.auth, Some(Auth::NkeySeed("/u.nk".into())));
+    }
+
+    #[test]
+    fn a_context_webproxy_cannot_follow_is_refused() {
+        let e = context_layer(r#"{"nsc": "nsc://op/acc/user"}"#, None).expect_err("nsc");
+        assert!(format!("{e:#}").contains("nsc"), "{e:#}");
+        let e = context_layer(r#"{"cert": "/c.pem"}"#, None).expect_err("no key");
+        assert!(format!("{e:#}").contains("\"key\""), "{e:#}");
+        assert!(context_layer("not json", None).is_err());
+        let dir = tempfile::tempdir().expect("tempdir");
+        for name in ["", "../x", "a/b"] {
+            let e = read_context(dir.path(), name, None).expect_err("bad name");
+            assert!(
+                format!("{e:#}").contains("invalid nats context name"),
+                "{e:#}"
+            );
+        }
+        let e = read_context(dir.path(), "missing", None).expect_err("absent");
+        assert!(format!("{e:#}").contains("missing.json"), "{e:#}");
+    }
+
+    #[test]
+    fn contexts_live_under_xdg_config_home_or_home() {
+        let home = Path::new("/home/op");
+        assert_eq!(
+            context_dir(Some("/xdg".into()), Some(home)).expect("dir"),
+            Path::new("/xdg/nats/context")
+        );
+        for unset in [None, Some(OsString::new())] {
+            assert_eq!(
+                context_dir(unset, Some(home)).expect("dir"),
+                Path::new("/home/op/.config/nats/context")
+            );
+        }
+        assert!(context_dir(None, None).is_err());
+    }
+}
