@@ -2,6 +2,7 @@
 //! `dead`): their NATS options, connecting, reading a stream to its end, and an outlet
 //! into the dispatcher's own settle and replay code.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -49,18 +50,23 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
     Ok(Client::new(nats, settings.dispatcher.subjects.prefix())?)
 }
 
-/// Hands every message `reader` has now to `each`, in batches, and returns how many
-/// there were. `fetch` returns what is there without waiting, so an empty batch is
-/// the end.
+/// Hands every message `reader` has now to `each`, in batches, until `each` breaks or
+/// the reader has no more; returns how many `each` was given. `fetch` returns what is
+/// there without waiting, so an empty batch is the end. A batch holds at most 500
+/// messages and twice `max_payload` bytes (at least 4 MiB), which bounds the memory a
+/// reader of a large stream needs: a message is at most `max_payload`, so one always
+/// fits.
 pub async fn for_each_message(
     reader: &consumer::PullConsumer,
-    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<()>,
+    max_payload: usize,
+    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<ControlFlow<()>>,
 ) -> anyhow::Result<u64> {
     let mut count = 0;
     loop {
         let mut batch = reader
             .fetch()
             .max_messages(500)
+            .max_bytes(batch_bytes(max_payload))
             .messages()
             .await
             .context("cannot read from the stream")?;
@@ -68,13 +74,23 @@ pub async fn for_each_message(
         while let Some(message) = batch.next().await {
             let message = message.map_err(|e| anyhow::anyhow!("cannot read a message: {e}"))?;
             got += 1;
-            each(message).await?;
+            count += 1;
+            if each(message).await?.is_break() {
+                return Ok(count);
+            }
         }
         if got == 0 {
             return Ok(count);
         }
-        count += got;
     }
+}
+
+/// The most bytes one fetch asks for. The server refuses a fetch whose byte limit is
+/// below the next message's size (subject and headers included), so the limit leaves
+/// room above `max_payload`.
+fn batch_bytes(max_payload: usize) -> usize {
+    const AT_LEAST: usize = 4 << 20;
+    max_payload.saturating_mul(2).max(AT_LEAST)
 }
 
 /// An outlet for the operator commands, which end or replay conversations through
@@ -94,4 +110,16 @@ pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
         Redactor::default(),
         Progress::new(progress),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batch_bytes;
+
+    #[test]
+    fn a_batch_always_has_room_for_the_largest_message() {
+        assert_eq!(batch_bytes(1 << 20), 4 << 20);
+        assert_eq!(batch_bytes(8 << 20), 16 << 20);
+        assert_eq!(batch_bytes(usize::MAX), usize::MAX);
+    }
 }
