@@ -276,9 +276,7 @@ fn check_codes(codes: &[ErrorCode], include_denied: bool) -> anyhow::Result<()> 
         .iter()
         .find(|code| !include_denied && excluded_by_default(**code))
     {
-        bail!(
-            "--code {code} selects letters that replay skips unless --include-denied is given"
-        );
+        bail!("--code {code} selects letters that replay skips unless --include-denied is given");
     }
     Ok(())
 }
@@ -318,7 +316,10 @@ struct Newest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Action {
     /// Replay it, as generation `generation`.
-    Replay { origin: Origin, generation: u64 },
+    Replay {
+        origin: Origin,
+        generation: u64,
+    },
     Skip(Skip),
     /// A newer letter of its conversation is replayed instead (or skipped).
     Superseded,
@@ -375,8 +376,7 @@ impl Plan {
         self.newest
             .entry(origin)
             .and_modify(|newest| {
-                if (candidate.generation, candidate.sequence)
-                    > (newest.generation, newest.sequence)
+                if (candidate.generation, candidate.sequence) > (newest.generation, newest.sequence)
                 {
                     *newest = candidate.clone();
                 }
@@ -826,6 +826,9 @@ mod tests {
         assert_eq!(consent(&args(None, false, false), true), Consent::Ask);
         assert_eq!(consent(&args(None, false, true), false), Consent::Given);
         assert_eq!(consent(&args(None, true, false), false), Consent::Given);
-        assert_eq!(consent(&args(Some("a"), false, false), false), Consent::Given);
+        assert_eq!(
+            consent(&args(Some("a"), false, false), false),
+            Consent::Given
+        );
     }
 }

@@ -72,7 +72,12 @@ pub async fn for_each_message(
             .context("cannot read from the stream")?;
         let mut got = 0;
         while let Some(message) = batch.next().await {
-            let message = message.map_err(|e| anyhow::anyhow!("cannot read a message: {e}"))?;
+            let message = match message {
+                Ok(message) => message,
+                // The server ends a batch whose next message would not fit that way.
+                Err(e) if got > 0 && is_batch_full(&e.to_string()) => break,
+                Err(e) => anyhow::bail!("cannot read a message: {e}"),
+            };
             got += 1;
             count += 1;
             if each(message).await?.is_break() {
@@ -83,6 +88,12 @@ pub async fn for_each_message(
             return Ok(count);
         }
     }
+}
+
+/// Whether a fetch's error is the server saying that the batch's byte limit is reached:
+/// a `409 Message Size Exceeds MaxBytes` status, which async-nats reports as an error.
+fn is_batch_full(error: &str) -> bool {
+    error.contains("Message Size Exceeds MaxBytes")
 }
 
 /// The most bytes one fetch asks for. The server refuses a fetch whose byte limit is
@@ -114,12 +125,22 @@ pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
 
 #[cfg(test)]
 mod tests {
-    use super::batch_bytes;
+    use super::{batch_bytes, is_batch_full};
 
     #[test]
     fn a_batch_always_has_room_for_the_largest_message() {
         assert_eq!(batch_bytes(1 << 20), 4 << 20);
         assert_eq!(batch_bytes(8 << 20), 16 << 20);
         assert_eq!(batch_bytes(usize::MAX), usize::MAX);
+    }
+
+    #[test]
+    fn only_the_byte_limit_status_ends_a_batch_early() {
+        assert!(is_batch_full(
+            "error while processing messages from the stream: 409, Some(\"Message Size Exceeds MaxBytes\")"
+        ));
+        assert!(!is_batch_full(
+            "error while processing messages from the stream: 409, Some(\"Consumer Deleted\")"
+        ));
     }
 }
