@@ -578,10 +578,10 @@ pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
     })
     .await?;
     if !args.json {
-        let verb = if outlet.is_some() {
-            "replayed"
-        } else {
+        let verb = if args.dry_run {
             "would be replayed"
+        } else {
+            "replayed"
         };
         let _ = print_line(format_args!("{replayed} {verb}, {skipped} skipped"))?;
     }
