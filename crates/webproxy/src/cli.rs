@@ -77,14 +77,13 @@ enum PoolsCommand {
 
 #[derive(Debug, Subcommand)]
 enum DeadCommand {
-    /// List dead letters, oldest first.
+    /// List dead letters, oldest first, as they are read.
     List {
         #[command(flatten)]
         nats: NatsArgs,
-        /// Only this pool's.
-        #[arg(long)]
-        pool: Option<String>,
-        /// Print JSON.
+        #[command(flatten)]
+        selection: dead::Selection,
+        /// Print JSON lines, one letter per line.
         #[arg(long)]
         json: bool,
     },
@@ -93,15 +92,8 @@ enum DeadCommand {
     Replay {
         #[command(flatten)]
         nats: NatsArgs,
-        /// Only this pool's.
-        #[arg(long)]
-        pool: Option<String>,
-        /// Only this conversation.
-        #[arg(long)]
-        id: Option<String>,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        args: dead::ReplayArgs,
     },
 }
 
@@ -169,15 +161,12 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Dead { command } => {
             match command {
-                DeadCommand::List { nats, pool, json } => {
-                    dead::list(&nats, pool.as_deref(), json).await?
-                }
-                DeadCommand::Replay {
+                DeadCommand::List {
                     nats,
-                    pool,
-                    id,
+                    selection,
                     json,
-                } => dead::replay(&nats, pool.as_deref(), id.as_deref(), json).await?,
+                } => dead::list(&nats, &selection, json).await?,
+                DeadCommand::Replay { nats, args } => dead::replay(&nats, &args).await?,
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -1,18 +1,93 @@
 //! `webproxy dead list` and `webproxy dead replay`: read the dead-letter stream, and
 //! replay failed conversations as a new generation from their origin, through the
 //! dispatcher's own replay. Dead letters stay where they are, as an audit trail.
+//!
+//! Both stream the dead-letter stream rather than load it (it may hold up to
+//! `dead_max_bytes`, 1 GiB by default): a read holds one fetched batch at a time, and
+//! stops at the stream's last letter as it was when the command started, so letters
+//! stored meanwhile (a replay that fails again, say) are not read in the same run.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{IsTerminal as _, Write as _};
+use std::num::NonZeroU64;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use async_nats::jetstream::{self, consumer};
-use serde::Serialize;
+use async_nats::jetstream::{self, consumer, stream};
+use clap::Args;
+use serde::{Deserialize as _, Serialize};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::ReplayError;
-use webproxy_protocol::DeadLetter;
+use webproxy_dispatcher::{Outlet, ReplayError};
+use webproxy_protocol::{DeadLetter, ErrorCode, Origin};
 
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
+
+/// Which dead letters `dead list` and `dead replay` read. Letters match when they
+/// pass every filter given.
+#[derive(Debug, Clone, Default, Args)]
+pub struct Selection {
+    /// Only this pool's.
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// Only letters stored at or after TIME: an RFC 3339 time (2026-05-01T12:00:00Z)
+    /// or a duration ago (90m, 1h, 2days).
+    #[arg(long, value_name = "TIME", value_parser = since_now)]
+    pub since: Option<OffsetDateTime>,
+    /// Only letters with this error code (invalid_request, denied, expired,
+    /// upstream_error, retries_exhausted, transport_error, response_too_large,
+    /// internal). Repeat it, or separate codes with commas, for several.
+    #[arg(long, value_name = "CODE", value_delimiter = ',', value_parser = parse_code)]
+    pub code: Vec<ErrorCode>,
+    /// Only this conversation's: the request's `id`.
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Stop after N matching letters.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<NonZeroU64>,
+}
+
+impl Selection {
+    /// Whether `letter` passes the filters the server does not apply (`--pool` is the
+    /// reader's subject filter, `--since` its start time).
+    fn matches(&self, letter: &DeadLetter) -> bool {
+        (self.code.is_empty() || self.code.contains(&letter.error.code))
+            && self
+                .id
+                .as_ref()
+                .is_none_or(|id| letter.id.as_ref() == Some(id))
+    }
+}
+
+/// `--since`: an RFC 3339 time, or a duration (humantime's syntax) before `now`.
+pub fn parse_since(value: &str, now: OffsetDateTime) -> Result<OffsetDateTime, String> {
+    if let Ok(at) = OffsetDateTime::parse(value, &Rfc3339) {
+        return Ok(at);
+    }
+    let ago = humantime::parse_duration(value).map_err(|e| {
+        format!(
+            "{value:?} is neither an RFC 3339 time (like 2026-05-01T12:00:00Z) nor a \
+             duration ago (like 90m, 1h or 2days): {e}"
+        )
+    })?;
+    time::Duration::try_from(ago)
+        .ok()
+        .and_then(|ago| now.checked_sub(ago))
+        .ok_or_else(|| format!("{value:?} reaches back before any representable time"))
+}
+
+fn since_now(value: &str) -> Result<OffsetDateTime, String> {
+    parse_since(value, OffsetDateTime::now_utc())
+}
+
+/// `--code`: an error code as the protocol spells it; the error lists the valid ones.
+fn parse_code(value: &str) -> Result<ErrorCode, String> {
+    ErrorCode::deserialize(serde::de::value::StrDeserializer::<serde::de::value::Error>::new(value))
+        .map_err(|e| e.to_string())
+}
 
 /// One stored dead letter.
 #[derive(Debug, Serialize)]
@@ -24,166 +99,736 @@ pub struct StoredLetter {
     pub letter: DeadLetter,
 }
 
-/// Every dead letter, of one pool or all, oldest first.
-pub async fn read_letters(
-    client: &Client,
-    pool: Option<&str>,
-) -> anyhow::Result<Vec<StoredLetter>> {
-    let subjects = client.subjects();
-    let js = jetstream::new(client.nats().clone());
-    let stream = js
-        .get_stream(subjects.dead_stream())
-        .await
-        .with_context(|| format!("cannot open stream {}", subjects.dead_stream()))?;
-    let filter = pool.map_or_else(|| subjects.dead_wildcard(), |p| subjects.dead(p));
-    // An ephemeral consumer that acks nothing reads without changing the stream.
-    let reader: consumer::PullConsumer = stream
-        .create_consumer(consumer::pull::Config {
-            filter_subject: filter,
-            ack_policy: consumer::AckPolicy::None,
-            inactive_threshold: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .await
-        .context("cannot create a reader on the dead-letter stream")?;
-    let mut letters = Vec::new();
-    for_each_message(&reader, async |message| {
-        let info = message
-            .info()
-            .map_err(|e| anyhow::anyhow!("dead letter without metadata: {e}"))?;
-        let (sequence, stored_at) = (
-            info.stream_sequence,
-            info.published
-                .format(&time::format_description::well_known::Rfc3339)
-                .unwrap_or_default(),
-        );
-        match serde_json::from_slice::<DeadLetter>(&message.payload) {
-            Ok(letter) => letters.push(StoredLetter {
-                sequence,
-                stored_at,
-                letter,
-            }),
-            Err(e) => eprintln!("warning: dead letter {sequence} is not readable: {e}"),
-        }
-        Ok(())
-    })
-    .await?;
-    Ok(letters)
+/// The dead-letter stream as it was when the command opened it.
+struct DeadStream {
+    stream: stream::Stream,
+    subjects: webproxy_protocol::Subjects,
+    /// The stream's last sequence at opening: reads stop there.
+    end: u64,
+    max_payload: usize,
 }
 
-pub async fn list(args: &NatsArgs, pool: Option<&str>, json: bool) -> anyhow::Result<()> {
-    let client = connect(args).await?;
-    let letters = read_letters(&client, pool).await?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&letters)?);
-        return Ok(());
+impl DeadStream {
+    async fn open(client: &Client) -> anyhow::Result<DeadStream> {
+        let subjects = client.subjects().clone();
+        let js = jetstream::new(client.nats().clone());
+        let stream = js
+            .get_stream(subjects.dead_stream())
+            .await
+            .with_context(|| format!("cannot open stream {}", subjects.dead_stream()))?;
+        Ok(DeadStream {
+            end: stream.cached_info().state.last_sequence,
+            stream,
+            subjects,
+            max_payload: client.nats().server_info().max_payload,
+        })
     }
-    if letters.is_empty() {
-        println!("no dead letters");
-        return Ok(());
-    }
-    println!(
-        "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  message",
-        "seq", "stored", "pool", "id", "gen", "code"
-    );
-    for stored in &letters {
-        let letter = &stored.letter;
-        println!(
-            "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  {}",
-            stored.sequence,
-            stored.stored_at,
-            letter.pool,
-            letter.id.as_deref().unwrap_or("-"),
-            letter.generation,
-            letter.error.code.as_str(),
-            letter.error.message
+
+    /// Hands each letter that `selection` matches to `each`, oldest first, until
+    /// `each` breaks, `--limit` letters matched, or the end; returns how many matched.
+    async fn for_each(
+        &self,
+        selection: &Selection,
+        mut each: impl AsyncFnMut(StoredLetter) -> anyhow::Result<ControlFlow<()>>,
+    ) -> anyhow::Result<u64> {
+        if self.end == 0 {
+            return Ok(0);
+        }
+        let filter = selection.pool.as_deref().map_or_else(
+            || self.subjects.dead_wildcard(),
+            |pool| self.subjects.dead(pool),
         );
+        let deliver_policy = selection
+            .since
+            .map_or(consumer::DeliverPolicy::All, |start_time| {
+                consumer::DeliverPolicy::ByStartTime { start_time }
+            });
+        // An ephemeral consumer that acks nothing reads without changing the stream.
+        let reader: consumer::PullConsumer = self
+            .stream
+            .create_consumer(consumer::pull::Config {
+                filter_subject: filter,
+                deliver_policy,
+                ack_policy: consumer::AckPolicy::None,
+                inactive_threshold: Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .context("cannot create a reader on the dead-letter stream")?;
+        let limit = selection.limit.map_or(u64::MAX, NonZeroU64::get);
+        let mut matched = 0;
+        for_each_message(&reader, self.max_payload, async |message| {
+            let info = message
+                .info()
+                .map_err(|e| anyhow::anyhow!("dead letter without metadata: {e}"))?;
+            let sequence = info.stream_sequence;
+            if sequence > self.end {
+                return Ok(ControlFlow::Break(()));
+            }
+            let stored_at = info.published.format(&Rfc3339).unwrap_or_default();
+            match serde_json::from_slice::<DeadLetter>(&message.payload) {
+                Ok(letter) if selection.matches(&letter) => {
+                    matched += 1;
+                    let stored = StoredLetter {
+                        sequence,
+                        stored_at,
+                        letter,
+                    };
+                    if each(stored).await?.is_break() || matched == limit {
+                        return Ok(ControlFlow::Break(()));
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("warning: dead letter {sequence} is not readable: {e}"),
+            }
+            Ok(if sequence == self.end {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            })
+        })
+        .await?;
+        Ok(matched)
+    }
+}
+
+/// Prints one line on stdout. A closed stdout (`dead list | head`) breaks, so the
+/// command stops reading and ends quietly.
+fn print_line(line: fmt::Arguments<'_>) -> anyhow::Result<ControlFlow<()>> {
+    match writeln!(std::io::stdout(), "{line}") {
+        Ok(()) => Ok(ControlFlow::Continue(())),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ControlFlow::Break(())),
+        Err(e) => Err(e).context("cannot write to stdout"),
+    }
+}
+
+/// `dead list`: the selected letters, oldest first, as a table or as JSON lines (one
+/// letter per line), printed as they are read.
+pub async fn list(args: &NatsArgs, selection: &Selection, json: bool) -> anyhow::Result<()> {
+    let client = connect(args).await?;
+    let dead = DeadStream::open(&client).await?;
+    let mut header = !json;
+    let listed = dead
+        .for_each(selection, async |stored| {
+            if json {
+                return print_line(format_args!("{}", serde_json::to_string(&stored)?));
+            }
+            if std::mem::take(&mut header)
+                && print_line(format_args!(
+                    "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  message",
+                    "seq", "stored", "pool", "id", "gen", "code"
+                ))?
+                .is_break()
+            {
+                return Ok(ControlFlow::Break(()));
+            }
+            let letter = &stored.letter;
+            print_line(format_args!(
+                "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  {}",
+                stored.sequence,
+                stored.stored_at,
+                letter.pool,
+                letter.id.as_deref().unwrap_or("-"),
+                letter.generation,
+                letter.error.code.as_str(),
+                letter.error.message
+            ))
+        })
+        .await?;
+    if listed == 0 && !json {
+        // The last line: whether stdout is still open changes nothing.
+        let _ = print_line(format_args!("no dead letters"))?;
     }
     Ok(())
 }
 
-/// What a replay did with one conversation.
-#[derive(Debug, Serialize)]
-struct Replayed {
-    id: Option<String>,
-    origin: String,
-    pool: String,
-    generation: u64,
+/// `dead replay`'s options beyond the NATS ones.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    pub selection: Selection,
+    /// Replay `denied` and `invalid_request` letters too. They are skipped otherwise:
+    /// the same request would most likely fail the same way again.
+    #[arg(long)]
+    pub include_denied: bool,
+    /// Print what would be replayed, and replay nothing. Needs no confirmation.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Replay without asking. Without --id, replay asks on a terminal, and without a
+    /// terminal it replays nothing unless --yes is given.
+    #[arg(long)]
+    pub yes: bool,
+    /// Print JSON lines, one per conversation replayed or letter skipped.
+    #[arg(long)]
+    pub json: bool,
 }
 
-pub async fn replay(
-    args: &NatsArgs,
-    pool: Option<&str>,
-    id: Option<&str>,
-    json: bool,
-) -> anyhow::Result<()> {
-    let client = connect(args).await?;
-    let letters = read_letters(&client, pool).await?;
-    // The newest letter of each conversation (its origin) is the one to replay: it has
-    // the highest generation, and the next one starts above it.
-    let mut latest: BTreeMap<&str, &StoredLetter> = BTreeMap::new();
-    let mut skipped = Vec::new();
-    for stored in &letters {
-        let letter = &stored.letter;
-        if id.is_some_and(|wanted| letter.id.as_deref() != Some(wanted)) {
-            continue;
-        }
-        let Some(origin) = letter.origin.as_deref() else {
-            skipped.push(format!(
-                "seq {}: no origin (the payload was not a request, or an older webproxy stored it)",
-                stored.sequence
-            ));
-            continue;
-        };
-        let entry = latest.entry(origin).or_insert(stored);
-        if (letter.generation, stored.sequence) > (entry.letter.generation, entry.sequence) {
-            *entry = stored;
+/// The codes `dead replay` skips unless `--include-denied`: the caller's mistakes and
+/// the rules' refusals, which a replay would most likely only repeat.
+fn excluded_by_default(code: ErrorCode) -> bool {
+    matches!(code, ErrorCode::Denied | ErrorCode::InvalidRequest)
+}
+
+/// Refuses `--code denied` (or `invalid_request`) without `--include-denied`, which
+/// would select letters only to skip every one of them.
+fn check_codes(codes: &[ErrorCode], include_denied: bool) -> anyhow::Result<()> {
+    if let Some(code) = codes
+        .iter()
+        .find(|code| !include_denied && excluded_by_default(**code))
+    {
+        bail!("--code {code} selects letters that replay skips unless --include-denied is given");
+    }
+    Ok(())
+}
+
+/// Why a letter is not replayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Skip {
+    NoOrigin,
+    BadOrigin(String),
+    Truncated,
+    Excluded(ErrorCode),
+}
+
+impl fmt::Display for Skip {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Skip::NoOrigin => f.write_str(
+                "no origin (the payload was not a request, or an older webproxy stored it)",
+            ),
+            Skip::BadOrigin(e) => write!(f, "malformed origin: {e}"),
+            Skip::Truncated => f.write_str("the letter does not hold the whole request"),
+            Skip::Excluded(code) => write!(f, "{code} (--include-denied replays it)"),
         }
     }
-    if let Some(wanted) = id
-        && latest.is_empty()
+}
+
+/// The newest letter of one conversation: the one a replay starts from, since it has
+/// the highest generation and the next one starts above it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Newest {
+    generation: u64,
+    sequence: u64,
+    skip: Option<Skip>,
+}
+
+/// What to do with one letter, once the first pass has seen them all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Action {
+    /// Replay it, as generation `generation`.
+    Replay {
+        origin: Origin,
+        generation: u64,
+    },
+    Skip(Skip),
+    /// A newer letter of its conversation is replayed instead (or skipped).
+    Superseded,
+}
+
+/// The first pass over the selected letters: each conversation's newest letter.
+#[derive(Debug, Default)]
+struct Plan {
+    include_denied: bool,
+    newest: HashMap<Origin, Newest>,
+    /// Letters without a usable origin: skipped whatever else holds.
+    unoriginated: u64,
+}
+
+impl Plan {
+    fn new(include_denied: bool) -> Plan {
+        Plan {
+            include_denied,
+            ..Plan::default()
+        }
+    }
+
+    fn origin(stored: &StoredLetter) -> Result<Origin, Skip> {
+        stored
+            .letter
+            .origin
+            .as_deref()
+            .ok_or(Skip::NoOrigin)?
+            .parse()
+            .map_err(|e: webproxy_protocol::InvalidName| Skip::BadOrigin(e.0))
+    }
+
+    /// Why `letter` would be skipped as its conversation's newest, if it would.
+    fn skip(&self, letter: &DeadLetter) -> Option<Skip> {
+        if !self.include_denied && excluded_by_default(letter.error.code) {
+            Some(Skip::Excluded(letter.error.code))
+        } else if letter.truncated || letter.envelope.is_none() {
+            Some(Skip::Truncated)
+        } else {
+            None
+        }
+    }
+
+    fn add(&mut self, stored: &StoredLetter) {
+        let Ok(origin) = Self::origin(stored) else {
+            self.unoriginated += 1;
+            return;
+        };
+        let candidate = Newest {
+            generation: stored.letter.generation,
+            sequence: stored.sequence,
+            skip: self.skip(&stored.letter),
+        };
+        self.newest
+            .entry(origin)
+            .and_modify(|newest| {
+                if (candidate.generation, candidate.sequence) > (newest.generation, newest.sequence)
+                {
+                    *newest = candidate.clone();
+                }
+            })
+            .or_insert(candidate);
+    }
+
+    /// How many conversations would be replayed.
+    fn to_replay(&self) -> usize {
+        self.newest.values().filter(|n| n.skip.is_none()).count()
+    }
+
+    /// How many letters would be reported as skipped.
+    fn to_skip(&self) -> u64 {
+        let newest_skipped = self.newest.values().filter(|n| n.skip.is_some()).count();
+        self.unoriginated + newest_skipped as u64
+    }
+
+    /// The second pass: what to do with `stored`.
+    fn action(&self, stored: &StoredLetter) -> Action {
+        let origin = match Self::origin(stored) {
+            Ok(origin) => origin,
+            Err(skip) => return Action::Skip(skip),
+        };
+        match self.newest.get(&origin) {
+            Some(newest) if newest.sequence == stored.sequence => match &newest.skip {
+                Some(skip) => Action::Skip(skip.clone()),
+                None => Action::Replay {
+                    generation: newest.generation + 1,
+                    origin,
+                },
+            },
+            // Letters stored between the passes are not in the plan.
+            _ => Action::Superseded,
+        }
+    }
+}
+
+/// Whether a replay may go ahead without asking.
+#[derive(Debug, PartialEq, Eq)]
+enum Consent {
+    Given,
+    /// Ask on the terminal.
+    Ask,
+    /// No terminal to ask on, and no --yes.
+    Missing,
+}
+
+/// One conversation (`--id`) and a dry run need no confirmation; otherwise --yes or
+/// an answer on the terminal.
+fn consent(args: &ReplayArgs, stdin_is_terminal: bool) -> Consent {
+    if args.yes || args.dry_run || args.selection.id.is_some() {
+        Consent::Given
+    } else if stdin_is_terminal {
+        Consent::Ask
+    } else {
+        Consent::Missing
+    }
+}
+
+/// Asks on the terminal whether to replay `count` conversations.
+async fn confirm(count: usize, skipped: u64) -> anyhow::Result<bool> {
+    eprint!("replay {count} conversation(s) ({skipped} letter(s) skipped)? [y/N] ");
+    let answer = tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map(|_| line)
+    })
+    .await
+    .context("cannot read the answer")?
+    .context("cannot read the answer")?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
+}
+
+/// One line of `dead replay`'s output.
+#[derive(Debug, Serialize)]
+struct Reported<'a> {
+    action: &'static str,
+    sequence: u64,
+    id: Option<&'a str>,
+    origin: Option<&'a str>,
+    pool: &'a str,
+    code: ErrorCode,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    generation: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+}
+
+impl fmt::Display for Reported<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let id = self.id.unwrap_or("-");
+        match (self.generation, &self.reason) {
+            (Some(generation), _) => write!(
+                f,
+                "{} {id} ({}) to pool {} as generation {generation}",
+                self.action.replace('_', " "),
+                self.origin.unwrap_or("-"),
+                self.pool,
+            ),
+            (None, reason) => write!(
+                f,
+                "skipped seq {} ({id}): {}",
+                self.sequence,
+                reason.as_deref().unwrap_or("-")
+            ),
+        }
+    }
+}
+
+/// `dead replay`: a first pass finds each selected conversation's newest letter and
+/// counts what would be replayed; after consent, a second pass over the same letters
+/// replays (or, with --dry-run, prints) each, as it is read.
+pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
+    let selection = &args.selection;
+    check_codes(&selection.code, args.include_denied)?;
+    let client = connect(nats).await?;
+    let dead = DeadStream::open(&client).await?;
+    let mut plan = Plan::new(args.include_denied);
+    let matched = dead
+        .for_each(selection, async |stored| {
+            plan.add(&stored);
+            Ok(ControlFlow::Continue(()))
+        })
+        .await?;
+    if let Some(wanted) = &selection.id
+        && matched == 0
     {
         bail!(
             "no dead letter for id {wanted:?}{}",
-            pool.map(|p| format!(" in pool {p}")).unwrap_or_default()
+            selection
+                .pool
+                .as_ref()
+                .map(|p| format!(" in pool {p}"))
+                .unwrap_or_default()
         );
     }
-    let outlet = operator_outlet(&client).await?;
-    let mut replayed = Vec::new();
-    for (origin, stored) in latest {
-        let letter = &stored.letter;
-        match outlet.replay(letter).await {
-            Ok(generation) => replayed.push(Replayed {
-                id: letter.id.clone(),
-                origin: origin.to_string(),
-                pool: letter.pool.clone(),
-                generation,
-            }),
-            Err(e @ (ReplayError::Progress(_) | ReplayError::Publish(_))) => {
-                return Err(e).with_context(|| format!("cannot replay {origin}"));
+    let count = plan.to_replay();
+    if count > 0 {
+        match consent(args, std::io::stdin().is_terminal()) {
+            Consent::Given => {}
+            Consent::Ask => {
+                if !confirm(count, plan.to_skip()).await? {
+                    bail!("nothing replayed");
+                }
             }
-            Err(e) => skipped.push(format!("{origin}: {e}")),
+            Consent::Missing => bail!(
+                "{count} conversation(s) would be replayed, and there is no terminal to \
+                 confirm on: nothing replayed. Pass --yes to replay them (--dry-run lists \
+                 them)"
+            ),
         }
     }
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({"replayed": replayed, "skipped": skipped})
-        );
+    let outlet = if args.dry_run || count == 0 {
+        None
     } else {
-        for r in &replayed {
-            println!(
-                "replayed {} ({}) to pool {} as generation {}",
-                r.id.as_deref().unwrap_or("-"),
-                r.origin,
-                r.pool,
-                r.generation
-            );
+        Some(operator_outlet(&client).await?)
+    };
+    let (mut replayed, mut skipped) = (0_u64, 0_u64);
+    dead.for_each(selection, async |stored| {
+        let action = plan.action(&stored);
+        let letter = &stored.letter;
+        let mut line = Reported {
+            action: "skipped",
+            sequence: stored.sequence,
+            id: letter.id.as_deref(),
+            origin: letter.origin.as_deref(),
+            pool: &letter.pool,
+            code: letter.error.code,
+            generation: None,
+            reason: None,
+        };
+        match action {
+            Action::Superseded => return Ok(ControlFlow::Continue(())),
+            Action::Skip(skip) => line.reason = Some(skip.to_string()),
+            Action::Replay { origin, generation } => match &outlet {
+                None => {
+                    line.action = "would_replay";
+                    line.generation = Some(generation);
+                }
+                Some(outlet) => match replay_one(outlet, letter, &origin).await? {
+                    Ok(generation) => {
+                        line.action = "replayed";
+                        line.generation = Some(generation);
+                    }
+                    Err(e) => line.reason = Some(e.to_string()),
+                },
+            },
         }
-        for s in &skipped {
-            println!("skipped {s}");
+        if line.generation.is_some() {
+            replayed += 1;
+        } else {
+            skipped += 1;
         }
-        println!("{} replayed, {} skipped", replayed.len(), skipped.len());
+        if args.json {
+            print_line(format_args!("{}", serde_json::to_string(&line)?))
+        } else {
+            print_line(format_args!("{line}"))
+        }
+    })
+    .await?;
+    if !args.json {
+        let verb = if args.dry_run {
+            "would be replayed"
+        } else {
+            "replayed"
+        };
+        let _ = print_line(format_args!("{replayed} {verb}, {skipped} skipped"))?;
     }
     Ok(())
+}
+
+/// Replays one letter. The outer error stops the command (NATS failed); the inner one
+/// only skips this letter (it was replayed already, say).
+async fn replay_one(
+    outlet: &Outlet,
+    letter: &DeadLetter,
+    origin: &Origin,
+) -> anyhow::Result<Result<u64, ReplayError>> {
+    match outlet.replay(letter).await {
+        Err(e @ (ReplayError::Progress(_) | ReplayError::Publish(_))) => {
+            Err(e).with_context(|| format!("cannot replay {origin}"))
+        }
+        result => Ok(result),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(value: &str) -> OffsetDateTime {
+        OffsetDateTime::parse(value, &Rfc3339).expect("test time")
+    }
+
+    #[test]
+    fn since_takes_an_rfc3339_time() {
+        let now = at("2026-05-01T12:00:00Z");
+        assert_eq!(
+            parse_since("2026-04-30T08:15:00+02:00", now),
+            Ok(at("2026-04-30T06:15:00Z"))
+        );
+    }
+
+    #[test]
+    fn since_takes_a_duration_ago() {
+        let now = at("2026-05-01T12:00:00Z");
+        assert_eq!(parse_since("1h", now), Ok(at("2026-05-01T11:00:00Z")));
+        assert_eq!(parse_since("90m", now), Ok(at("2026-05-01T10:30:00Z")));
+        assert_eq!(parse_since("2days", now), Ok(at("2026-04-29T12:00:00Z")));
+        assert_eq!(parse_since("1h 30m", now), Ok(at("2026-05-01T10:30:00Z")));
+    }
+
+    #[test]
+    fn since_refuses_what_is_neither_and_says_what_it_takes() {
+        let now = at("2026-05-01T12:00:00Z");
+        for value in ["yesterday", "2026-05-01", "12:00", "-1h", ""] {
+            let error = parse_since(value, now).expect_err(value);
+            assert!(error.contains("RFC 3339"), "{value}: {error}");
+            assert!(error.contains(&format!("{value:?}")), "{value}: {error}");
+        }
+        let error = parse_since("100000000years", now).expect_err("too far");
+        assert!(error.contains("representable"), "{error}");
+    }
+
+    #[test]
+    fn codes_are_spelt_as_the_protocol_spells_them() {
+        assert_eq!(parse_code("denied"), Ok(ErrorCode::Denied));
+        assert_eq!(
+            parse_code("retries_exhausted"),
+            Ok(ErrorCode::RetriesExhausted)
+        );
+        let error = parse_code("Denied").expect_err("case matters");
+        assert!(error.contains("invalid_request"), "{error}");
+    }
+
+    #[test]
+    fn codes_come_repeated_or_comma_separated() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            selection: Selection,
+        }
+        let cli = <Cli as clap::Parser>::try_parse_from([
+            "x",
+            "--code",
+            "denied,expired",
+            "--code",
+            "internal",
+        ])
+        .expect("parse");
+        assert_eq!(
+            cli.selection.code,
+            [ErrorCode::Denied, ErrorCode::Expired, ErrorCode::Internal]
+        );
+        assert!(<Cli as clap::Parser>::try_parse_from(["x", "--code", "nope"]).is_err());
+        assert!(<Cli as clap::Parser>::try_parse_from(["x", "--limit", "0"]).is_err());
+    }
+
+    fn letter(id: &str, code: ErrorCode, origin: Option<&str>, generation: u64) -> DeadLetter {
+        serde_json::from_value(serde_json::json!({
+            "pool": "default",
+            "id": id,
+            "generation": generation,
+            "origin": origin,
+            "error": {"code": code, "message": "failed"},
+            "envelope": {"id": id, "method": "GET", "url": "https://example.com/"},
+        }))
+        .expect("letter")
+    }
+
+    fn stored(sequence: u64, letter: DeadLetter) -> StoredLetter {
+        StoredLetter {
+            sequence,
+            stored_at: String::new(),
+            letter,
+        }
+    }
+
+    #[test]
+    fn selection_matches_every_filter_given() {
+        let a = letter("a", ErrorCode::Denied, Some("S:1"), 0);
+        let b = letter("b", ErrorCode::Expired, Some("S:2"), 0);
+        let all = Selection::default();
+        assert!(all.matches(&a) && all.matches(&b));
+        let codes = Selection {
+            code: vec![ErrorCode::Expired, ErrorCode::Internal],
+            ..Selection::default()
+        };
+        assert!(!codes.matches(&a) && codes.matches(&b));
+        let id = Selection {
+            id: Some("a".into()),
+            ..Selection::default()
+        };
+        assert!(id.matches(&a) && !id.matches(&b));
+        let both = Selection {
+            id: Some("a".into()),
+            code: vec![ErrorCode::Expired],
+            ..Selection::default()
+        };
+        assert!(!both.matches(&a) && !both.matches(&b));
+    }
+
+    #[test]
+    fn replay_refuses_an_excluded_code_without_include_denied() {
+        let error = check_codes(&[ErrorCode::Expired, ErrorCode::Denied], false)
+            .expect_err("denied without --include-denied");
+        assert!(error.to_string().contains("--include-denied"), "{error}");
+        assert!(check_codes(&[ErrorCode::InvalidRequest], false).is_err());
+        assert!(check_codes(&[ErrorCode::Denied], true).is_ok());
+        assert!(check_codes(&[ErrorCode::Expired], false).is_ok());
+    }
+
+    #[test]
+    fn the_newest_letter_of_each_conversation_is_replayed_once() {
+        let letters = [
+            stored(1, letter("a", ErrorCode::UpstreamError, Some("S:1"), 0)),
+            stored(2, letter("b", ErrorCode::Expired, Some("S:2"), 0)),
+            stored(3, letter("a", ErrorCode::UpstreamError, Some("S:1"), 1)),
+        ];
+        let mut plan = Plan::new(false);
+        letters.iter().for_each(|l| plan.add(l));
+        assert_eq!(plan.to_replay(), 2);
+        let actions: Vec<Action> = letters.iter().map(|l| plan.action(l)).collect();
+        assert_eq!(
+            actions,
+            [
+                Action::Superseded,
+                Action::Replay {
+                    origin: Origin::new("S", 2),
+                    generation: 1
+                },
+                Action::Replay {
+                    origin: Origin::new("S", 1),
+                    generation: 2
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn denied_and_invalid_requests_are_skipped_unless_included() {
+        let letters = [
+            stored(1, letter("a", ErrorCode::Denied, Some("S:1"), 0)),
+            stored(2, letter("b", ErrorCode::InvalidRequest, Some("S:2"), 0)),
+            stored(3, letter("c", ErrorCode::Internal, Some("S:3"), 0)),
+        ];
+        let mut plan = Plan::new(false);
+        letters.iter().for_each(|l| plan.add(l));
+        assert_eq!((plan.to_replay(), plan.to_skip()), (1, 2));
+        assert_eq!(
+            plan.action(&letters[0]),
+            Action::Skip(Skip::Excluded(ErrorCode::Denied))
+        );
+        assert_eq!(
+            plan.action(&letters[1]),
+            Action::Skip(Skip::Excluded(ErrorCode::InvalidRequest))
+        );
+        let mut included = Plan::new(true);
+        letters.iter().for_each(|l| included.add(l));
+        assert_eq!(included.to_replay(), 3);
+    }
+
+    #[test]
+    fn letters_without_a_whole_request_or_an_origin_are_skipped() {
+        let mut truncated = letter("a", ErrorCode::Internal, Some("S:1"), 0);
+        truncated.truncated = true;
+        let letters = [
+            stored(1, truncated),
+            stored(2, letter("b", ErrorCode::Internal, None, 0)),
+            stored(3, letter("c", ErrorCode::Internal, Some("no-sequence"), 0)),
+        ];
+        let mut plan = Plan::new(true);
+        letters.iter().for_each(|l| plan.add(l));
+        assert_eq!(plan.to_replay(), 0);
+        assert_eq!(plan.to_skip(), 3);
+        assert_eq!(plan.action(&letters[0]), Action::Skip(Skip::Truncated));
+        assert_eq!(plan.action(&letters[1]), Action::Skip(Skip::NoOrigin));
+        assert!(matches!(
+            plan.action(&letters[2]),
+            Action::Skip(Skip::BadOrigin(_))
+        ));
+    }
+
+    #[test]
+    fn a_letter_stored_after_the_first_pass_is_not_replayed() {
+        let mut plan = Plan::new(false);
+        plan.add(&stored(1, letter("a", ErrorCode::Internal, Some("S:1"), 0)));
+        let later = stored(9, letter("a", ErrorCode::Internal, Some("S:1"), 1));
+        assert_eq!(plan.action(&later), Action::Superseded);
+        let unseen = stored(10, letter("z", ErrorCode::Internal, Some("S:7"), 0));
+        assert_eq!(plan.action(&unseen), Action::Superseded);
+    }
+
+    #[test]
+    fn only_a_replay_of_many_conversations_needs_consent() {
+        let args = |id: Option<&str>, dry_run, yes| ReplayArgs {
+            selection: Selection {
+                id: id.map(str::to_string),
+                ..Selection::default()
+            },
+            include_denied: false,
+            dry_run,
+            yes,
+            json: false,
+        };
+        assert_eq!(consent(&args(None, false, false), false), Consent::Missing);
+        assert_eq!(consent(&args(None, false, false), true), Consent::Ask);
+        assert_eq!(consent(&args(None, false, true), false), Consent::Given);
+        assert_eq!(consent(&args(None, true, false), false), Consent::Given);
+        assert_eq!(
+            consent(&args(Some("a"), false, false), false),
+            Consent::Given
+        );
+    }
 }

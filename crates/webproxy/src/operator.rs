@@ -2,6 +2,7 @@
 //! `dead`): their NATS options, connecting, reading a stream to its end, and an outlet
 //! into the dispatcher's own settle and replay code.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
@@ -49,32 +50,58 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
     Ok(Client::new(nats, settings.dispatcher.subjects.prefix())?)
 }
 
-/// Hands every message `reader` has now to `each`, in batches, and returns how many
-/// there were. `fetch` returns what is there without waiting, so an empty batch is
-/// the end.
+/// Hands every message `reader` has now to `each`, in batches, until `each` breaks or
+/// the reader has no more; returns how many `each` was given. `fetch` returns what is
+/// there without waiting, so an empty batch is the end. A batch holds at most 500
+/// messages and twice `max_payload` bytes (at least 4 MiB), which bounds the memory a
+/// reader of a large stream needs: a message is at most `max_payload`, so one always
+/// fits.
 pub async fn for_each_message(
     reader: &consumer::PullConsumer,
-    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<()>,
+    max_payload: usize,
+    mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<ControlFlow<()>>,
 ) -> anyhow::Result<u64> {
     let mut count = 0;
     loop {
         let mut batch = reader
             .fetch()
             .max_messages(500)
+            .max_bytes(batch_bytes(max_payload))
             .messages()
             .await
             .context("cannot read from the stream")?;
         let mut got = 0;
         while let Some(message) = batch.next().await {
-            let message = message.map_err(|e| anyhow::anyhow!("cannot read a message: {e}"))?;
+            let message = match message {
+                Ok(message) => message,
+                // The server ends a batch whose next message would not fit that way.
+                Err(e) if got > 0 && is_batch_full(&e.to_string()) => break,
+                Err(e) => anyhow::bail!("cannot read a message: {e}"),
+            };
             got += 1;
-            each(message).await?;
+            count += 1;
+            if each(message).await?.is_break() {
+                return Ok(count);
+            }
         }
         if got == 0 {
             return Ok(count);
         }
-        count += got;
     }
+}
+
+/// Whether a fetch's error is the server saying that the batch's byte limit is reached:
+/// a `409 Message Size Exceeds MaxBytes` status, which async-nats reports as an error.
+fn is_batch_full(error: &str) -> bool {
+    error.contains("Message Size Exceeds MaxBytes")
+}
+
+/// The most bytes one fetch asks for. The server refuses a fetch whose byte limit is
+/// below the next message's size (subject and headers included), so the limit leaves
+/// room above `max_payload`.
+fn batch_bytes(max_payload: usize) -> usize {
+    const AT_LEAST: usize = 4 << 20;
+    max_payload.saturating_mul(2).max(AT_LEAST)
 }
 
 /// An outlet for the operator commands, which end or replay conversations through
@@ -91,4 +118,26 @@ pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
         client.subjects().clone(),
         progress,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{batch_bytes, is_batch_full};
+
+    #[test]
+    fn a_batch_always_has_room_for_the_largest_message() {
+        assert_eq!(batch_bytes(1 << 20), 4 << 20);
+        assert_eq!(batch_bytes(8 << 20), 16 << 20);
+        assert_eq!(batch_bytes(usize::MAX), usize::MAX);
+    }
+
+    #[test]
+    fn only_the_byte_limit_status_ends_a_batch_early() {
+        assert!(is_batch_full(
+            "error while processing messages from the stream: 409, Some(\"Message Size Exceeds MaxBytes\")"
+        ));
+        assert!(!is_batch_full(
+            "error while processing messages from the stream: 409, Some(\"Consumer Deleted\")"
+        ));
+    }
 }

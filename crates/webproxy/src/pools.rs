@@ -1,6 +1,7 @@
 //! `webproxy pools`: each pool's limit and queue, read from JetStream; and
 //! `webproxy pools remove`, which deletes a pool that no longer has waiting work.
 
+use std::ops::ControlFlow;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, bail};
@@ -210,14 +211,15 @@ async fn dead_letter_all(
         })
         .await
         .context("cannot read the pool's messages")?;
-    for_each_message(&reader, async |message| {
+    let max_payload = client.nats().server_info().max_payload;
+    for_each_message(&reader, max_payload, async |message| {
         let error = ErrorBody {
             code: ErrorCode::Internal,
             message: format!("pool {pool} was removed before this request was attempted"),
             status: None,
         };
         match outlet.end_unattempted(pool, &message, error).await {
-            Settled::Done => Ok(()),
+            Settled::Done => Ok(ControlFlow::Continue(())),
             Settled::Left => {
                 bail!("could not store the ending of a waiting request; the pool is left as it is")
             }
