@@ -117,7 +117,10 @@ mod tests {
         assert!(http.contains(&("tracestate".to_string(), "vendor=x".to_string())));
 
         let mut from = HeaderMap::new();
-        from.insert("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+        from.insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        );
         from.insert("tracestate", "");
         let mut to = HeaderMap::new();
         forward(Some(&from), &mut to);

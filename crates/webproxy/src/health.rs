@@ -46,10 +46,7 @@ pub fn router(instruments: Instruments) -> Router {
         .route(
             "/metrics",
             get(|State(instruments): State<Instruments>| async move {
-                (
-                    [(CONTENT_TYPE, OPENMETRICS)],
-                    instruments.render_metrics(),
-                )
+                ([(CONTENT_TYPE, OPENMETRICS)], instruments.render_metrics())
             }),
         )
         .with_state(instruments)

@@ -88,9 +88,12 @@ fn env_var(name: &str) -> Option<String> {
 
 impl OtelEnv {
     fn read() -> OtelEnv {
-        let endpoint_set = ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
-            .into_iter()
-            .any(|name| env_var(name).is_some());
+        let endpoint_set = [
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ]
+        .into_iter()
+        .any(|name| env_var(name).is_some());
         let protocol = [
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
             "OTEL_EXPORTER_OTLP_PROTOCOL",
@@ -307,7 +310,8 @@ where
             return self.inner.format_event(ctx, writer, event);
         };
         let mut line = String::new();
-        self.inner.format_event(ctx, Writer::new(&mut line), event)?;
+        self.inner
+            .format_event(ctx, Writer::new(&mut line), event)?;
         writer.write_str(&with_trace_ids(&line, trace_id, span_id))
     }
 }
@@ -490,6 +494,16 @@ mod tests {
             .extend_from_slice(line);
     }
 
+    fn text_of(buffer: &Mutex<Vec<u8>>) -> String {
+        String::from_utf8(
+            buffer
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+        )
+        .expect("utf8")
+    }
+
     struct Capturing(RedactingStderr);
 
     impl<'a> MakeWriter<'a> for Capturing {
@@ -529,13 +543,7 @@ mod tests {
                 tracing::error!(value = ?"tok\"en-42", "error");
             });
         }
-        let captured = String::from_utf8(
-            CAPTURED
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone(),
-        )
-        .expect("utf8");
+        let captured = text_of(&CAPTURED);
         assert_eq!(captured.lines().count(), 6, "{captured}");
         assert!(!captured.contains("en-42"), "{captured}");
         assert_eq!(captured.matches("[REDACTED]").count(), 6, "{captured}");
@@ -557,7 +565,10 @@ mod tests {
 
     #[test]
     fn export_is_on_when_the_environment_or_the_file_names_an_endpoint() {
-        assert_eq!(export(&telemetry(""), &OtelEnv::default()).expect("ok"), None);
+        assert_eq!(
+            export(&telemetry(""), &OtelEnv::default()).expect("ok"),
+            None
+        );
         let from_env = OtelEnv {
             endpoint_set: true,
             ..OtelEnv::default()
@@ -587,9 +598,12 @@ mod tests {
             })
         );
         assert_eq!(
-            export(&telemetry("http://c:4318/v1/traces"), &protocol("HTTP/JSON"))
-                .expect("ok")
-                .map(|e| (e.protocol, e.endpoint)),
+            export(
+                &telemetry("http://c:4318/v1/traces"),
+                &protocol("HTTP/JSON")
+            )
+            .expect("ok")
+            .map(|e| (e.protocol, e.endpoint)),
             Some((Protocol::HttpJson, Some("http://c:4318/v1/traces".into())))
         );
         let error = export(&telemetry("http://c:4318"), &protocol("thrift"))
@@ -683,14 +697,7 @@ mod tests {
             tracing::info!(id = "abc", "inside");
             span.context().span().span_context().span_id().to_string()
         });
-        let text = String::from_utf8(
-            lines
-                .0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone(),
-        )
-        .expect("utf8");
+        let text = text_of(&lines.0);
         let events: Vec<serde_json::Value> = text
             .lines()
             .map(|line| serde_json::from_str(line).expect("json"))
