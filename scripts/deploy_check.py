@@ -51,6 +51,7 @@ METRICS = {
     "webproxy_in_flight": {"pool"},
     "webproxy_pool_waiting": {"pool"},
     "webproxy_pool_parked": {"pool"},
+    "webproxy_pool_max_in_flight": {"pool"},
     "webproxy_dead_letters_total": {"pool", "code"},
     "webproxy_consumer_recreations_total": {"pool"},
     "webproxy_nats_connected": set(),
@@ -59,7 +60,11 @@ METRICS = {
 HISTOGRAMS = {"webproxy_attempt_duration_seconds", "webproxy_queue_wait_seconds"}
 # Gauges every pod reports with the same cluster-wide value: summing them over pods
 # multiplies the value by the replica count.
-CLUSTER_WIDE = {"webproxy_pool_waiting", "webproxy_pool_parked"}
+CLUSTER_WIDE = {"webproxy_pool_waiting", "webproxy_pool_parked", "webproxy_pool_max_in_flight"}
+# An aggregation up to the opening bracket of its argument: `max by (pool) (`.
+AGGREGATION = r"\b([a-z_]+)\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*$"
+# The callers' own mistakes, which error ratios and alerts leave out.
+CALLER_MISTAKES = 'code!~"denied|invalid_request"'
 # A Kubernetes resource quantity: 128Mi, 100m, 1.5, 2e3.
 QUANTITY = r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?"
 # Labels Prometheus adds to every scraped series.
@@ -517,8 +522,14 @@ def promql_problems(expr: str) -> list[str]:
         for label in re.findall(r"[a-zA-Z_][a-zA-Z0-9_]*", labels):
             if label not in known_labels:
                 problems.append(f"grouping by unknown label {label}")
-    if any(m in bare for m in CLUSTER_WIDE) and (re.search(r"\bsum\b", bare) or not re.search(r"\bmax\b", bare)):
-        problems.append("waiting/parked gauges are cluster-wide: aggregate them with max, not sum")
+    for metric in CLUSTER_WIDE:
+        for use in re.finditer(rf"\b{metric}\b", bare):
+            aggregation = re.search(AGGREGATION, bare[: use.start()])
+            if not aggregation or aggregation.group(1) != "max":
+                problems.append(f"{metric} is cluster-wide: aggregate it with max, not sum")
+    for selector in re.findall(r"\bwebproxy_requests_total\s*\{[^}]*\}", expr):
+        if 'outcome="error"' in selector and CALLER_MISTAKES not in selector:
+            problems.append(f"an error count must leave out the callers' mistakes with {CALLER_MISTAKES}")
     if "histogram_quantile" in bare and not re.search(r"_bucket\b", bare):
         problems.append("histogram_quantile needs the _bucket series")
     return problems
@@ -560,6 +571,13 @@ def check_dashboard(report: Report) -> None:
                 problems.append('a pool metric not filtered by pool=~"$pool"')
             report.check(not problems, f"panel {title!r} query {target.get('refId')} is sound", f"{expr}: {problems}")
     report.check(set(METRICS) <= used, "the dashboard shows every metric", f"unused: {sorted(set(METRICS) - used)}")
+    in_flight_versus_limit = [
+        panel.get("title")
+        for panel in panels
+        if {"webproxy_in_flight", "webproxy_pool_max_in_flight"}
+        <= {m for t in panel.get("targets", []) for m in re.findall(r"\bwebproxy_[a-z0-9_]+", t.get("expr", ""))}
+    ]
+    report.check(bool(in_flight_versus_limit), "a dashboard panel shows in flight against the pool's limit")
 
 
 def check_docs_promql(report: Report) -> None:

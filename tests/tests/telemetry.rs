@@ -1,7 +1,9 @@
 //! Operability end to end: the caller's trace continues through webproxy to the
-//! upstream and the reply (with and without export), spans reach an in-process
-//! OTLP/HTTP receiver with the right parents, `/metrics` counts a known workload, and
-//! the log format follows `[log] format`.
+//! upstream and the reply (with and without export, never with an empty `tracestate`),
+//! spans reach an in-process OTLP receiver (HTTP or gRPC) with the right parents, when
+//! the configuration or the standard OTEL_* environment alone asks for it,
+//! `/metrics` counts a known workload in the OpenMetrics format, and the log format
+//! follows `[log] format`, JSON lines carrying the caller's trace id.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,9 +14,13 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
 use serde_json::Value;
@@ -87,43 +93,111 @@ fn reply_traceparent(reply: &async_nats::Message) -> String {
         .expect("the reply carries a traceparent")
 }
 
+/// What a collector received: each span with its resource's `service.name`.
 #[derive(Clone, Default)]
-struct Received(Arc<Mutex<Vec<Span>>>);
+struct Received(Arc<Mutex<Vec<(String, Span)>>>);
 
 impl Received {
     fn spans(&self) -> Vec<Span> {
+        self.lock().iter().map(|(_, span)| span.clone()).collect()
+    }
+
+    fn service_names(&self) -> Vec<String> {
+        self.lock().iter().map(|(name, _)| name.clone()).collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, Span)>> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+    }
+
+    fn add(&self, request: ExportTraceServiceRequest) {
+        let mut received = self.lock();
+        for resource_spans in request.resource_spans {
+            let service_name = resource_spans
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|a| a.key == "service.name")
+                .and_then(|a| a.value.as_ref()?.value.as_ref())
+                .map(|v| match v {
+                    AnyValue::StringValue(name) => name.clone(),
+                    other => format!("{other:?}"),
+                })
+                .unwrap_or_default();
+            for scope in resource_spans.scope_spans {
+                received.extend(scope.spans.into_iter().map(|s| (service_name.clone(), s)));
+            }
+        }
     }
 }
 
 async fn otlp_receiver(State(received): State<Received>, body: Bytes) -> Vec<u8> {
     if let Ok(request) = ExportTraceServiceRequest::decode(body) {
-        let spans = request
-            .resource_spans
-            .into_iter()
-            .flat_map(|r| r.scope_spans)
-            .flat_map(|s| s.spans);
-        received
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend(spans);
+        received.add(request);
     }
     ExportTraceServiceResponse::default().encode_to_vec()
+}
+
+/// Stops `service`, which flushes its batch exporter, and waits (10 s: the flush is
+/// one local request) until `received` holds what `enough` asks for.
+async fn stop_and_collect(
+    service: &mut Service,
+    received: &Received,
+    what: &str,
+    enough: impl Fn(&[Span]) -> bool,
+) -> Vec<Span> {
+    service.terminate();
+    service
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .expect("exited");
+    wait_until(Duration::from_secs(10), what, || async {
+        enough(&received.spans())
+    })
+    .await;
+    received.spans()
+}
+
+/// An OTLP/HTTP collector: `POST /v1/traces` with protobuf.
+async fn http_collector(received: &Received) -> Upstream {
+    Upstream::start_with(
+        Router::new()
+            .route("/v1/traces", post(otlp_receiver))
+            .with_state(received.clone()),
+    )
+    .await
+}
+
+#[tonic::async_trait]
+impl TraceService for Received {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.add(request.into_inner());
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+/// An OTLP/gRPC collector serving the trace service until the test ends; its URL.
+async fn grpc_collector(received: &Received) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the gRPC collector");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let server = tonic::transport::Server::builder()
+        .add_service(TraceServiceServer::new(received.clone()))
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener));
+    tokio::spawn(server);
+    url
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_callers_trace_continues_to_the_upstream_the_reply_and_the_exporter() {
     let received = Received::default();
-    let collector = Upstream::start_with(
-        Router::new()
-            .route("/v1/traces", post(otlp_receiver))
-            .with_state(received.clone()),
-    )
-    .await;
+    let collector = http_collector(&received).await;
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     let config = format!(
@@ -142,20 +216,11 @@ async fn the_callers_trace_continues_to_the_upstream_the_reply_and_the_exporter(
     let (reply_trace, request_span) = parse_traceparent(&reply_traceparent(&reply));
     assert_eq!(reply_trace, TRACE_ID);
 
-    // Stopping flushes the batch exporter.
-    service.terminate();
-    service
-        .wait_exit(Duration::from_secs(20))
+    let spans: Vec<Span> =
+        stop_and_collect(&mut service, &received, "spans at the collector", |spans| {
+            spans.len() >= 2
+        })
         .await
-        .expect("exited");
-    wait_until(
-        Duration::from_secs(10),
-        "spans at the collector",
-        || async { received.spans().len() >= 2 },
-    )
-    .await;
-    let spans: Vec<Span> = received
-        .spans()
         .into_iter()
         .filter(|s| hex(&s.trace_id) == TRACE_ID)
         .collect();
@@ -212,6 +277,118 @@ async fn the_callers_trace_continues_to_the_upstream_the_reply_and_the_exporter(
         "{:#?}",
         request_spans[0]
     );
+}
+
+/// Sends one traced request through a service that has no `[telemetry]` section, only
+/// the standard variables `env` and `OTEL_SERVICE_NAME`, stops it, and checks that
+/// `received` got its spans under that service name.
+async fn export_configured_by_the_environment_alone(received: &Received, env: &[(&str, &str)]) {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let options = env.iter().fold(
+        webproxy_tests::ServiceOptions::default().env("OTEL_SERVICE_NAME", "webproxy-from-env"),
+        |options, (name, value)| options.env(name, value),
+    );
+    let mut service =
+        Service::start_with(&nats.url(), &accept_rule("local", &upstream), options).await;
+    let reply = send_with_headers(
+        &nats.client().await,
+        &envelope("GET", &upstream.url("/echo")),
+        caller_headers(),
+    )
+    .await;
+    assert_eq!(parse_traceparent(&upstream_traceparent(&reply)).0, TRACE_ID);
+    let spans = stop_and_collect(
+        &mut service,
+        received,
+        "the request span at the collector",
+        |spans| {
+            spans
+                .iter()
+                .any(|s| s.name == "webproxy request" && hex(&s.trace_id) == TRACE_ID)
+        },
+    )
+    .await;
+    let names = received.service_names();
+    assert!(
+        names.iter().all(|name| name == "webproxy-from-env"),
+        "OTEL_SERVICE_NAME must name every exported span's service: {names:?}"
+    );
+    assert!(spans.len() >= 2, "{spans:#?}");
+}
+
+/// What the OpenTelemetry Operator injects is enough: `OTEL_EXPORTER_OTLP_ENDPOINT`
+/// (the signal path appended, as specified for HTTP) switches export on, and
+/// `OTEL_SERVICE_NAME` names the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_alone_switches_otlp_http_export_on() {
+    let received = Received::default();
+    let collector = http_collector(&received).await;
+    export_configured_by_the_environment_alone(
+        &received,
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &collector.url(""))],
+    )
+    .await;
+}
+
+/// `OTEL_EXPORTER_OTLP_PROTOCOL=grpc` exports over gRPC to the environment's endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_alone_switches_otlp_grpc_export_on() {
+    let received = Received::default();
+    let collector = grpc_collector(&received).await;
+    export_configured_by_the_environment_alone(
+        &received,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &collector),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ],
+    )
+    .await;
+}
+
+/// W3C lets an empty `tracestate` be left out, and some receivers reject it: a caller
+/// without one causes none upstream or on the reply, and a caller's vendor state is
+/// passed on.
+#[tokio::test]
+async fn no_empty_tracestate_reaches_the_upstream_or_the_reply() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let client = h.js.client();
+    let upstream_tracestate = |reply: &async_nats::Message| {
+        let reply: Reply = serde_json::from_slice(&reply.payload).expect("reply");
+        let echo: Value =
+            serde_json::from_str(reply.body.body.as_deref().expect("body")).expect("echo");
+        echo["headers"].get("tracestate").cloned()
+    };
+    let reply_tracestate = |reply: &async_nats::Message| {
+        reply
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("tracestate"))
+            .map(|v| v.as_str().to_string())
+    };
+
+    let without = send_with_headers(
+        &client,
+        &envelope("GET", &h.upstream.url("/echo")),
+        caller_headers(),
+    )
+    .await;
+    assert_eq!(
+        parse_traceparent(&upstream_traceparent(&without)).0,
+        TRACE_ID
+    );
+    assert_eq!(upstream_tracestate(&without), None);
+    assert_eq!(reply_tracestate(&without), None);
+
+    let mut headers = caller_headers();
+    headers.insert("tracestate", "vendor=abc");
+    let with =
+        send_with_headers(&client, &envelope("GET", &h.upstream.url("/echo")), headers).await;
+    assert_eq!(
+        upstream_tracestate(&with),
+        Some(serde_json::json!(["vendor=abc"]))
+    );
+    assert_eq!(reply_tracestate(&with).as_deref(), Some("vendor=abc"));
 }
 
 #[tokio::test]
@@ -282,6 +459,9 @@ async fn metrics_count_a_known_workload() {
         r#"webproxy_dead_letters_total{pool="default",code="retries_exhausted"} 1"#,
         r#"webproxy_dead_letters_total{pool="default",code="invalid_request"} 1"#,
         r#"webproxy_in_flight{pool="default"} 0"#,
+        r#"webproxy_pool_max_in_flight{pool="p1"} 1"#,
+        r#"webproxy_pool_max_in_flight{pool="default"} "#,
+        r#"webproxy_queue_wait_seconds_bucket{le="1310.72",pool="default"} "#,
         "webproxy_nats_connected 1",
         "webproxy_build_info{version=",
     ];
@@ -306,6 +486,16 @@ async fn metrics_count_a_known_workload() {
         !text.contains("127.0.0.1"),
         "a URL leaked into a label:\n{text}"
     );
+    // prometheus_client writes OpenMetrics, and the content type says so.
+    let scrape = http.get(&url).send().await.expect("scrape");
+    assert_eq!(
+        scrape.headers()["content-type"],
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(
+        scrape.text().await.expect("body").ends_with("# EOF\n"),
+        "OpenMetrics ends with # EOF"
+    );
     assert!(
         text.contains("webproxy_pool_waiting{pool=\"p1\"}"),
         "{text}"
@@ -317,7 +507,7 @@ async fn metrics_count_a_known_workload() {
 }
 
 #[tokio::test]
-async fn log_format_follows_the_config() {
+async fn log_format_follows_the_config_and_json_lines_carry_the_callers_trace() {
     for (format, json) in [("json", true), ("text", false)] {
         let h = Harness::start(|up| {
             format!(
@@ -327,7 +517,7 @@ async fn log_format_follows_the_config() {
         })
         .await;
         let request = envelope("GET", &h.upstream.url("/echo"));
-        h.request(&request).await;
+        send_with_headers(&h.js.client(), &request, caller_headers()).await;
         wait_until(
             Duration::from_secs(10),
             "the outcome to be logged",
@@ -348,6 +538,18 @@ async fn log_format_follows_the_config() {
             assert_eq!(event["id"], request.id.as_str());
             assert_eq!(event["pool"], "default");
             assert_eq!(event["outcome"], "response");
+            // The caller's trace, and the id of a span of webproxy's own in it.
+            assert_eq!(event["trace_id"], TRACE_ID, "{outcome}");
+            let span_id = event["span_id"].as_str().expect("a span_id");
+            assert_eq!(span_id.len(), 16, "{outcome}");
+            assert_ne!(span_id, CALLER_SPAN);
+            // Lines outside any conversation carry none.
+            assert!(
+                logs.lines()
+                    .filter(|l| !l.trim().is_empty())
+                    .any(|l| !l.contains("\"trace_id\"")),
+                "{logs}"
+            );
         } else {
             assert!(serde_json::from_str::<Value>(outcome).is_err(), "{outcome}");
             assert!(outcome.contains(&format!("id={}", request.id)), "{outcome}");

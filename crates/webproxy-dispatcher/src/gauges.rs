@@ -1,7 +1,7 @@
 //! Per-pool gauges kept in memory, for the metrics endpoint to export: attempts in
-//! flight on this instance (live), and the pool's waiting and parked messages across
-//! the cluster (refreshed from consumer info on a fixed interval, whatever the number
-//! of readers).
+//! flight on this instance (live), and the pool's waiting and parked messages and its
+//! concurrency limit across the cluster (refreshed from consumer info on a fixed
+//! interval, whatever the number of readers).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,6 +12,7 @@ pub(crate) struct PoolGauge {
     in_flight: AtomicU64,
     waiting: AtomicU64,
     parked: AtomicU64,
+    max_in_flight: AtomicU64,
 }
 
 impl PoolGauge {
@@ -30,6 +31,11 @@ impl PoolGauge {
         self.parked.load(Ordering::Relaxed)
     }
 
+    /// The pool's limit on messages in flight across every instance, as last read.
+    pub(crate) fn max_in_flight(&self) -> u64 {
+        self.max_in_flight.load(Ordering::Relaxed)
+    }
+
     /// Counts one message as in flight until the guard is dropped.
     pub(crate) fn start(&self) -> InFlight<'_> {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -39,6 +45,10 @@ impl PoolGauge {
     pub(crate) fn set_queued(&self, waiting: u64, parked: u64) {
         self.waiting.store(waiting, Ordering::Relaxed);
         self.parked.store(parked, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_max_in_flight(&self, limit: u64) {
+        self.max_in_flight.store(limit, Ordering::Relaxed);
     }
 }
 
@@ -94,6 +104,8 @@ mod tests {
         assert_eq!(pool.in_flight(), 0);
         pool.set_queued(5, 2);
         assert_eq!((pool.waiting(), pool.parked()), (5, 2));
+        pool.set_max_in_flight(16);
+        assert_eq!(pool.max_in_flight(), 16);
         assert!(gauges.pool("other").is_none());
     }
 }

@@ -54,9 +54,20 @@ struct BuildLabels {
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
-/// From 1 ms to about 65 s: HTTP attempts and queue waits both span that range.
-fn seconds_histogram() -> Histogram {
+/// HTTP attempts, from 1 ms to about 65 s.
+fn attempt_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// Queue waits, from 5 ms to about 22 min: queue timeouts of several minutes are usual
+/// (the examples use 2 to 5), and a wait of up to 15 min must still fall in a bucket
+/// below `+Inf`.
+fn queue_wait_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.005, 2.0, 19)
+}
+
+fn queue_wait_histogram() -> Histogram {
+    Histogram::new(queue_wait_buckets())
 }
 
 /// Every metric webproxy exports.
@@ -70,6 +81,7 @@ pub(crate) struct Metrics {
     in_flight: Family<PoolLabels, Gauge>,
     pool_waiting: Family<PoolLabels, Gauge>,
     pool_parked: Family<PoolLabels, Gauge>,
+    pool_max_in_flight: Family<PoolLabels, Gauge>,
     dead_letters: Family<DeadLabels, Counter>,
     consumer_recreations: Family<PoolLabels, Counter>,
     nats_connected: Gauge,
@@ -91,14 +103,14 @@ impl Metrics {
             attempts.clone(),
         );
         let attempt_duration: HistogramFamily<RuleLabels> =
-            Family::new_with_constructor(seconds_histogram);
+            Family::new_with_constructor(attempt_histogram);
         registry.register(
             "attempt_duration_seconds",
             "Duration of HTTP attempts",
             attempt_duration.clone(),
         );
         let queue_wait: HistogramFamily<PoolLabels> =
-            Family::new_with_constructor(seconds_histogram);
+            Family::new_with_constructor(queue_wait_histogram);
         registry.register(
             "queue_wait_seconds",
             "Time from the caller's publish to the first attempt",
@@ -121,6 +133,12 @@ impl Metrics {
             "pool_parked",
             "Retries parked waiting for their due time, cluster-wide: every pod reports the same value, so aggregate with max, not sum",
             pool_parked.clone(),
+        );
+        let pool_max_in_flight = Family::default();
+        registry.register(
+            "pool_max_in_flight",
+            "The pool's limit on messages in flight across all instances (its consumer's max_ack_pending), cluster-wide: every pod reports the same value, so aggregate with max, not sum",
+            pool_max_in_flight.clone(),
         );
         let dead_letters = Family::default();
         registry.register(
@@ -156,6 +174,7 @@ impl Metrics {
             in_flight,
             pool_waiting,
             pool_parked,
+            pool_max_in_flight,
             dead_letters,
             consumer_recreations,
             nats_connected,
@@ -231,6 +250,7 @@ impl Metrics {
             set(&self.in_flight, gauge.in_flight());
             set(&self.pool_waiting, gauge.waiting());
             set(&self.pool_parked, gauge.parked());
+            set(&self.pool_max_in_flight, gauge.max_in_flight());
         }
         self.nats_connected.set(i64::from(health.nats_connected()));
         let mut text = String::new();
@@ -256,6 +276,7 @@ mod tests {
         let pool = gauges.pool("default").expect("pool");
         let _busy = pool.start();
         pool.set_queued(7, 2);
+        pool.set_max_in_flight(16);
         let health = Health::new();
         health.set_nats_connected(true);
         let text = metrics.render(&gauges, &health);
@@ -268,6 +289,7 @@ mod tests {
             r#"webproxy_in_flight{pool="default"} 1"#,
             r#"webproxy_pool_waiting{pool="default"} 7"#,
             r#"webproxy_pool_parked{pool="default"} 2"#,
+            r#"webproxy_pool_max_in_flight{pool="default"} 16"#,
             r#"webproxy_dead_letters_total{pool="default",code="denied"} 1"#,
             "webproxy_nats_connected 1",
             r#"webproxy_build_info{version="1.2.3"} 1"#,
@@ -275,5 +297,23 @@ mod tests {
             assert!(text.contains(line), "missing {line}\n{text}");
         }
         assert!(text.contains("aggregate with max"), "{text}");
+    }
+
+    /// A 14 min wait lands below `+Inf`; HTTP attempts keep their buckets.
+    #[test]
+    fn queue_wait_buckets_reach_fifteen_minutes() {
+        let last = queue_wait_buckets().last().expect("buckets");
+        assert!(last >= 15.0 * 60.0, "last bucket {last}");
+        let metrics = Metrics::new("1.2.3");
+        metrics.queue_wait("default", Duration::from_secs(14 * 60));
+        metrics.attempt("default", "r", "2xx", Duration::from_millis(20));
+        let text = metrics.render(&Gauges::default(), &Health::new());
+        for line in [
+            r#"webproxy_queue_wait_seconds_bucket{le="655.36",pool="default"} 0"#,
+            r#"webproxy_queue_wait_seconds_bucket{le="1310.72",pool="default"} 1"#,
+            r#"webproxy_attempt_duration_seconds_bucket{le="65.536",pool="default",rule="r"} 1"#,
+        ] {
+            assert!(text.contains(line), "missing {line}\n{text}");
+        }
     }
 }

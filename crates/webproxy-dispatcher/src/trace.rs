@@ -1,7 +1,9 @@
 //! Trace context across NATS and HTTP: the caller's `traceparent`/`tracestate`
 //! message headers become the parent of webproxy's spans, and the current span's
 //! context goes out on the upstream request and on the reply. Uses the globally
-//! installed propagator, which the binary sets to W3C trace context.
+//! installed propagator, which the binary sets to W3C trace context. An empty
+//! `tracestate` (the propagator writes one whenever the trace has no vendor state) is
+//! never sent: W3C allows leaving it out, and some receivers reject an empty one.
 
 use async_nats::HeaderMap;
 use opentelemetry::propagation::{Extractor, Injector};
@@ -26,7 +28,9 @@ struct NatsHeadersMut<'a>(&'a mut HeaderMap);
 
 impl Injector for NatsHeadersMut<'_> {
     fn set(&mut self, key: &str, value: String) {
-        self.0.insert(key, value.as_str());
+        if !value.is_empty() {
+            self.0.insert(key, value.as_str());
+        }
     }
 }
 
@@ -37,7 +41,9 @@ impl Injector for HttpHeaders<'_> {
         // The attempt's own context replaces whatever trace header the caller put in
         // the request's HTTP headers.
         self.0.retain(|(name, _)| !name.eq_ignore_ascii_case(key));
-        self.0.push((key.to_string(), value));
+        if !value.is_empty() {
+            self.0.push((key.to_string(), value));
+        }
     }
 }
 
@@ -60,8 +66,65 @@ pub(crate) fn inject_http(context: &Context, headers: &mut Vec<(String, String)>
 /// Copies the trace headers of `from`, so a hop keeps the caller's trace.
 pub(crate) fn forward(from: Option<&HeaderMap>, to: &mut HeaderMap) {
     for name in TRACE_HEADERS {
-        if let Some(value) = from.and_then(|h| h.get(name)) {
+        if let Some(value) = from.and_then(|h| h.get(name))
+            && !value.as_str().is_empty()
+        {
             to.insert(name, value.clone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use opentelemetry::trace::{
+        SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+    };
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+
+    use super::*;
+
+    fn context(state: TraceState) -> Context {
+        Context::new().with_remote_span_context(SpanContext::new(
+            TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").expect("trace id"),
+            SpanId::from_hex("b7ad6b7169203331").expect("span id"),
+            TraceFlags::SAMPLED,
+            true,
+            state,
+        ))
+    }
+
+    /// Without vendor state only `traceparent` goes out, on NATS and HTTP alike, and a
+    /// caller's HTTP `tracestate` is dropped rather than left beside a new parent; with
+    /// vendor state both go out.
+    #[test]
+    fn an_empty_tracestate_is_never_sent() {
+        global::set_text_map_propagator(TraceContextPropagator::new());
+        let mut nats = HeaderMap::new();
+        inject_nats(&context(TraceState::NONE), &mut nats);
+        assert!(nats.get("traceparent").is_some());
+        assert!(nats.get("tracestate").is_none(), "{nats:?}");
+        let mut http = vec![("TraceState".to_string(), "caller=1".to_string())];
+        inject_http(&context(TraceState::NONE), &mut http);
+        let names: Vec<&str> = http.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["traceparent"]);
+
+        let state = TraceState::from_key_value([("vendor", "x")]).expect("state");
+        let mut nats = HeaderMap::new();
+        inject_nats(&context(state.clone()), &mut nats);
+        assert_eq!(nats.get("tracestate").map(|v| v.as_str()), Some("vendor=x"));
+        let mut http = Vec::new();
+        inject_http(&context(state), &mut http);
+        assert!(http.contains(&("tracestate".to_string(), "vendor=x".to_string())));
+
+        let mut from = HeaderMap::new();
+        from.insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        );
+        from.insert("tracestate", "");
+        let mut to = HeaderMap::new();
+        forward(Some(&from), &mut to);
+        assert!(to.get("traceparent").is_some());
+        assert!(to.get("tracestate").is_none(), "{to:?}");
     }
 }

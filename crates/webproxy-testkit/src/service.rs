@@ -208,9 +208,13 @@ impl Service {
             command.env_remove(var);
         }
         // The service's settings must come from the config file the test
-        // wrote, not from whatever WEBPROXY_* the developer has exported.
+        // wrote, not from whatever WEBPROXY_* or OTEL_* (which switches span export
+        // on) the developer has exported.
         for (var, _) in std::env::vars_os() {
-            if var.to_str().is_some_and(|var| var.starts_with("WEBPROXY_")) {
+            if var
+                .to_str()
+                .is_some_and(|var| var.starts_with("WEBPROXY_") || var.starts_with("OTEL_"))
+            {
                 command.env_remove(var);
             }
         }

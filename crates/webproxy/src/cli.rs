@@ -102,8 +102,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 impl Cli {
-    /// Runs the command. Telemetry is set up before the async runtime starts and torn
-    /// down after it ends (see `telemetry`).
+    /// Runs the command. The service's telemetry is set up inside the async runtime
+    /// (the gRPC exporter needs it) and flushed before the runtime ends.
     pub fn run(self) -> anyhow::Result<ExitCode> {
         match self.command {
             Command::Serve {
@@ -113,12 +113,17 @@ impl Cli {
                 let settings = cfg::load(config.as_deref(), &connection::overrides(&flags)?)?;
                 // Shared with the logger, which redacts the secrets serve loads.
                 let redactor = Redactor::default();
-                let _telemetry = telemetry::init_service(
-                    &settings.config.log,
-                    &settings.config.telemetry,
-                    redactor.clone(),
-                )?;
-                runtime()?.block_on(serve::run(settings, redactor))?;
+                let runtime = runtime()?;
+                // Declared after the runtime, so dropped (flushing spans) before it.
+                let _telemetry = {
+                    let _entered = runtime.enter();
+                    telemetry::init_service(
+                        &settings.config.log,
+                        &settings.config.telemetry,
+                        redactor.clone(),
+                    )?
+                };
+                runtime.block_on(serve::run(settings, redactor))?;
                 Ok(ExitCode::SUCCESS)
             }
             Command::CheckConfig { config, json } => {

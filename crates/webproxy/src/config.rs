@@ -82,8 +82,9 @@ pub enum LogFormat {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TelemetryConfig {
-    /// The OTLP/HTTP base URL (`http://collector:4318`); empty turns export off. Spans
-    /// and context propagation exist either way.
+    /// The OTLP base URL (`http://collector:4318`, or `:4317` with gRPC); empty leaves
+    /// export to the `OTEL_EXPORTER_OTLP_*` environment, which wins over it. Spans and
+    /// context propagation exist either way.
     pub otlp_endpoint: String,
     pub service_name: String,
 }

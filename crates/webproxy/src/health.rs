@@ -10,8 +10,14 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use webproxy_dispatcher::Instruments;
 
+/// The content type of `/metrics`: what prometheus_client writes is OpenMetrics 1.0
+/// (`# EOF`, `_total` counters), and a scraper told `text/plain; version=0.0.4` parses
+/// it with the older format's rules.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// `GET /healthz`: the process is alive (every pool's pull loop runs). `GET /readyz`:
-/// connected to NATS, consumers provisioned and present, and not draining. `GET /metrics`: Prometheus text format.
+/// connected to NATS, consumers provisioned and present, and not draining. `GET /metrics`:
+/// the OpenMetrics text format, labelled as such.
 pub fn router(instruments: Instruments) -> Router {
     Router::new()
         .route(
@@ -40,10 +46,7 @@ pub fn router(instruments: Instruments) -> Router {
         .route(
             "/metrics",
             get(|State(instruments): State<Instruments>| async move {
-                (
-                    [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-                    instruments.render_metrics(),
-                )
+                ([(CONTENT_TYPE, OPENMETRICS)], instruments.render_metrics())
             }),
         )
         .with_state(instruments)

@@ -1,31 +1,40 @@
 //! Logs and traces. Spans exist and W3C trace context propagates whether or not an
-//! exporter is configured; `[telemetry] otlp_endpoint` only adds OTLP/HTTP export.
-//! Set up outside the async runtime, because the exporter's blocking HTTP client must
-//! not be dropped inside it; the returned guard flushes and shuts down on drop. Every
-//! log line passes the [`Redactor`], so no injected secret is ever logged, at any
-//! level, by any crate; so does every exported span ([`RedactingExporter`]).
+//! exporter is configured. OTLP export is on when the standard environment names an
+//! endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, as the
+//! OpenTelemetry Operator injects) or `[telemetry] otlp_endpoint` does; the environment
+//! wins, and `OTEL_EXPORTER_OTLP_PROTOCOL` picks gRPC, HTTP/protobuf (the default) or
+//! HTTP/JSON. Set up with the async runtime entered (the gRPC exporter's channel needs
+//! it) and dropped before the runtime is, since the guard flushes on drop. Every log
+//! line passes the [`Redactor`], so no injected secret is ever logged, at any level, by
+//! any crate; so does every exported span ([`RedactingExporter`]). JSON log lines inside
+//! a span carry its `trace_id` and `span_id`.
 
 use std::io::{IsTerminal as _, Write};
+use std::sync::{Arc, OnceLock};
 
 use std::borrow::Cow;
 
 use crate::config::{LogConfig, LogFormat, TelemetryConfig};
 use anyhow::Context as _;
-use opentelemetry::trace::Status;
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry::{Array, KeyValue, StringValue, Value, global};
-use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry::trace::{SpanId, Status, TraceContextExt as _, TraceId};
+use opentelemetry::{Array, Key, KeyValue, StringValue, Value, global};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::resource::{EnvResourceDetector, ResourceDetector as _};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
-use tracing::Level;
+use tracing::dispatcher::WeakDispatch;
+use tracing::{Dispatch, Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::filter::Targets;
-use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
 use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use webproxy_dispatcher::Redactor;
 
@@ -57,36 +66,154 @@ fn json(format: LogFormat) -> bool {
     }
 }
 
+/// The standard OpenTelemetry variables that decide export and the service name, as
+/// read at start (empty counts as unset, as in the exporter).
+#[derive(Debug, Default)]
+struct OtelEnv {
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` is set; the
+    /// exporter reads and resolves them itself.
+    endpoint_set: bool,
+    /// `(variable, value)`: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else
+    /// `OTEL_EXPORTER_OTLP_PROTOCOL`.
+    protocol: Option<(&'static str, String)>,
+    /// `OTEL_SERVICE_NAME`.
+    service_name: Option<String>,
+    /// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`.
+    resource_service_name: Option<String>,
+}
+
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|value| !value.is_empty())
+}
+
+impl OtelEnv {
+    fn read() -> OtelEnv {
+        let endpoint_set = [
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ]
+        .into_iter()
+        .any(|name| env_var(name).is_some());
+        let protocol = [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ]
+        .into_iter()
+        .find_map(|name| env_var(name).map(|value| (name, value)));
+        OtelEnv {
+            endpoint_set,
+            protocol,
+            service_name: env_var("OTEL_SERVICE_NAME"),
+            // The SDK's own parsing of the variable.
+            resource_service_name: EnvResourceDetector::new()
+                .detect()
+                .get(&Key::new("service.name"))
+                .map(|name| name.to_string())
+                .filter(|name| !name.is_empty()),
+        }
+    }
+}
+
+/// Where and how spans are exported.
+#[derive(Debug, PartialEq)]
+struct Export {
+    protocol: Protocol,
+    /// `None`: the endpoint the environment names, which the exporter resolves (the
+    /// signal path is appended to `OTEL_EXPORTER_OTLP_ENDPOINT` for HTTP, as specified).
+    endpoint: Option<String>,
+}
+
+/// Export is on when the environment or the configuration names an endpoint; the
+/// environment wins, as it does over a configured service name. The protocol defaults to
+/// HTTP/protobuf, the specification's default, whatever the exporter's features prefer.
+fn export(telemetry: &TelemetryConfig, env: &OtelEnv) -> anyhow::Result<Option<Export>> {
+    let protocol = match &env.protocol {
+        None => Protocol::HttpBinary,
+        Some((_, value)) if value.eq_ignore_ascii_case("http/protobuf") => Protocol::HttpBinary,
+        Some((_, value)) if value.eq_ignore_ascii_case("http/json") => Protocol::HttpJson,
+        Some((_, value)) if value.eq_ignore_ascii_case("grpc") => Protocol::Grpc,
+        Some((name, value)) => anyhow::bail!(
+            "{name} = {value:?} is not an OTLP protocol: use grpc, http/protobuf or http/json"
+        ),
+    };
+    if env.endpoint_set {
+        return Ok(Some(Export {
+            protocol,
+            endpoint: None,
+        }));
+    }
+    let configured = telemetry.otlp_endpoint.trim().trim_end_matches('/');
+    if configured.is_empty() {
+        return Ok(None);
+    }
+    // An HTTP endpoint is a URL per signal; gRPC has no path.
+    let endpoint = if protocol == Protocol::Grpc || configured.ends_with("/v1/traces") {
+        configured.to_string()
+    } else {
+        format!("{configured}/v1/traces")
+    };
+    Ok(Some(Export {
+        protocol,
+        endpoint: Some(endpoint),
+    }))
+}
+
+/// `OTEL_SERVICE_NAME`, else `service.name` in `OTEL_RESOURCE_ATTRIBUTES`, else
+/// `[telemetry] service_name`: the platform's name for the service (the OpenTelemetry
+/// Operator sets both variables) wins over the file's.
+fn service_name<'a>(env: &'a OtelEnv, configured: &'a str) -> &'a str {
+    env.service_name
+        .as_deref()
+        .or(env.resource_service_name.as_deref())
+        .unwrap_or(configured)
+}
+
+fn with_endpoint<B: WithExportConfig>(builder: B, endpoint: Option<&str>) -> B {
+    match endpoint {
+        Some(url) => builder.with_endpoint(url),
+        None => builder,
+    }
+}
+
+/// The OTLP exporter; every other `OTEL_EXPORTER_OTLP_*` setting (headers, timeout,
+/// compression, insecure) is the exporter's own reading of the environment.
+fn exporter(export: &Export) -> anyhow::Result<opentelemetry_otlp::SpanExporter> {
+    // An https endpoint needs the process-wide rustls provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let endpoint = export.endpoint.as_deref();
+    let built = match export.protocol {
+        Protocol::Grpc => with_endpoint(builder.with_tonic(), endpoint).build(),
+        protocol => with_endpoint(builder.with_http().with_protocol(protocol), endpoint).build(),
+    };
+    built.with_context(|| match endpoint {
+        Some(url) => format!("cannot export spans to telemetry.otlp_endpoint = {url}"),
+        None => "cannot export spans to the endpoint OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or \
+                 OTEL_EXPORTER_OTLP_ENDPOINT names"
+            .to_string(),
+    })
+}
+
 /// The service's telemetry: logs as `[log]` says (level overridden by `RUST_LOG`),
-/// spans with the caller's trace as parent, exported when an endpoint is set. Secret
-/// values `redactor` knows (now or later) are replaced in every log line.
+/// spans with the caller's trace as parent, exported when the environment or the
+/// configuration names an endpoint. Secret values `redactor` knows (now or later) are
+/// replaced in every log line. Call with the async runtime entered.
 pub fn init_service(
     log: &LogConfig,
     telemetry: &TelemetryConfig,
     redactor: Redactor,
 ) -> anyhow::Result<TelemetryGuard> {
     global::set_text_map_propagator(TraceContextPropagator::new());
-    // Resource::builder reads OTEL_RESOURCE_ATTRIBUTES; the configured name wins.
+    let env = OtelEnv::read();
+    // Resource::builder reads OTEL_RESOURCE_ATTRIBUTES; the name is set last because its
+    // detectors let the attributes' service.name win over OTEL_SERVICE_NAME.
     let resource = Resource::builder()
-        .with_service_name(telemetry.service_name.clone())
+        .with_service_name(service_name(&env, &telemetry.service_name).to_string())
         .build();
     let mut provider = SdkTracerProvider::builder().with_resource(resource);
-    let endpoint = telemetry.otlp_endpoint.trim().trim_end_matches('/');
-    if !endpoint.is_empty() {
-        // An https endpoint needs the process-wide rustls provider.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let url = if endpoint.ends_with("/v1/traces") {
-            endpoint.to_string()
-        } else {
-            format!("{endpoint}/v1/traces")
-        };
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_endpoint(url.clone())
-            .build()
-            .with_context(|| format!("cannot export spans to telemetry.otlp_endpoint = {url}"))?;
+    if let Some(export) = export(telemetry, &env)? {
         provider = provider.with_batch_exporter(RedactingExporter {
-            inner: exporter,
+            inner: exporter(&export)?,
             redactor: redactor.clone(),
         });
     }
@@ -106,15 +233,104 @@ pub fn init_service(
         .with_ansi(std::io::stderr().is_terminal());
     let logs = filter(&log.level);
     if json(log.format) {
+        let ids = TraceIds::default();
+        let format = tracing_subscriber::fmt::format().json().flatten_event(true);
         registry
-            .with(fmt.json().flatten_event(true).with_filter(logs))
+            .with(
+                fmt.json()
+                    .event_format(ids.around(format))
+                    .with_filter(logs),
+            )
             .init();
+        tracing::dispatcher::get_default(|dispatch| ids.set(dispatch));
     } else {
         registry.with(fmt.with_filter(logs)).init();
     }
     Ok(TelemetryGuard {
         provider: Some(provider),
     })
+}
+
+/// Gives JSON log lines the trace ids of the span they are logged in. A span's
+/// OpenTelemetry context is reached through the dispatch it belongs to, which exists
+/// only once the subscriber holding this formatter is built: hence set afterwards.
+#[derive(Debug, Clone, Default)]
+struct TraceIds(Arc<OnceLock<WeakDispatch>>);
+
+impl TraceIds {
+    fn set(&self, dispatch: &Dispatch) {
+        // Weak: the dispatch holds the formatter that holds this.
+        let _ = self.0.set(dispatch.downgrade());
+    }
+
+    fn around<F>(&self, inner: F) -> JsonWithTraceIds<F> {
+        JsonWithTraceIds {
+            inner,
+            ids: self.clone(),
+        }
+    }
+
+    /// The ids of the innermost span around the event that has trace context (spans of
+    /// other crates have none).
+    fn of<S, N>(&self, ctx: &FmtContext<'_, S, N>) -> Option<(TraceId, SpanId)>
+    where
+        S: Subscriber + for<'a> LookupSpan<'a>,
+        N: for<'w> FormatFields<'w> + 'static,
+    {
+        let dispatch = self.0.get()?.upgrade()?;
+        ctx.event_scope()?.find_map(|span| {
+            let context = tracing_opentelemetry::get_otel_context(&span.id(), &dispatch)?;
+            let span = context.span();
+            let ids = span.span_context();
+            ids.is_valid().then(|| (ids.trace_id(), ids.span_id()))
+        })
+    }
+}
+
+/// A JSON event format whose lines start with `trace_id` and `span_id` when the event is
+/// logged inside a traced span.
+struct JsonWithTraceIds<F> {
+    inner: F,
+    ids: TraceIds,
+}
+
+impl<S, N, F> FormatEvent<S, N> for JsonWithTraceIds<F>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'w> FormatFields<'w> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        let Some((trace_id, span_id)) = self.ids.of(ctx) else {
+            return self.inner.format_event(ctx, writer, event);
+        };
+        let mut line = String::new();
+        self.inner
+            .format_event(ctx, Writer::new(&mut line), event)?;
+        writer.write_str(&with_trace_ids(&line, trace_id, span_id))
+    }
+}
+
+/// `line`, a JSON object, with the two ids as its first members.
+fn with_trace_ids(line: &str, trace_id: TraceId, span_id: SpanId) -> Cow<'_, str> {
+    match line.strip_prefix('{') {
+        Some(rest) => {
+            let comma = if rest.trim_start().starts_with('}') {
+                ""
+            } else {
+                ","
+            };
+            Cow::Owned(format!(
+                "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\"{comma}{rest}"
+            ))
+        }
+        None => Cow::Borrowed(line),
+    }
 }
 
 /// A span exporter that hands spans on with every secret value the [`Redactor`]
@@ -278,6 +494,16 @@ mod tests {
             .extend_from_slice(line);
     }
 
+    fn text_of(buffer: &Mutex<Vec<u8>>) -> String {
+        String::from_utf8(
+            buffer
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+        )
+        .expect("utf8")
+    }
+
     struct Capturing(RedactingStderr);
 
     impl<'a> MakeWriter<'a> for Capturing {
@@ -317,16 +543,171 @@ mod tests {
                 tracing::error!(value = ?"tok\"en-42", "error");
             });
         }
-        let captured = String::from_utf8(
-            CAPTURED
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone(),
-        )
-        .expect("utf8");
+        let captured = text_of(&CAPTURED);
         assert_eq!(captured.lines().count(), 6, "{captured}");
         assert!(!captured.contains("en-42"), "{captured}");
         assert_eq!(captured.matches("[REDACTED]").count(), 6, "{captured}");
+    }
+
+    fn telemetry(endpoint: &str) -> TelemetryConfig {
+        TelemetryConfig {
+            otlp_endpoint: endpoint.to_string(),
+            service_name: "webproxy".to_string(),
+        }
+    }
+
+    fn protocol(value: &str) -> OtelEnv {
+        OtelEnv {
+            protocol: Some(("OTEL_EXPORTER_OTLP_PROTOCOL", value.to_string())),
+            ..OtelEnv::default()
+        }
+    }
+
+    #[test]
+    fn export_is_on_when_the_environment_or_the_file_names_an_endpoint() {
+        assert_eq!(
+            export(&telemetry(""), &OtelEnv::default()).expect("ok"),
+            None
+        );
+        let from_env = OtelEnv {
+            endpoint_set: true,
+            ..OtelEnv::default()
+        };
+        // The environment's endpoint wins, and the exporter resolves it.
+        for configured in ["", "http://file:4318"] {
+            assert_eq!(
+                export(&telemetry(configured), &from_env).expect("ok"),
+                Some(Export {
+                    protocol: Protocol::HttpBinary,
+                    endpoint: None
+                })
+            );
+        }
+        assert_eq!(
+            export(&telemetry("http://c:4318/"), &OtelEnv::default()).expect("ok"),
+            Some(Export {
+                protocol: Protocol::HttpBinary,
+                endpoint: Some("http://c:4318/v1/traces".into())
+            })
+        );
+        assert_eq!(
+            export(&telemetry("http://c:4317"), &protocol("grpc")).expect("ok"),
+            Some(Export {
+                protocol: Protocol::Grpc,
+                endpoint: Some("http://c:4317".into())
+            })
+        );
+        assert_eq!(
+            export(
+                &telemetry("http://c:4318/v1/traces"),
+                &protocol("HTTP/JSON")
+            )
+            .expect("ok")
+            .map(|e| (e.protocol, e.endpoint)),
+            Some((Protocol::HttpJson, Some("http://c:4318/v1/traces".into())))
+        );
+        let error = export(&telemetry("http://c:4318"), &protocol("thrift"))
+            .expect_err("not a protocol")
+            .to_string();
+        assert!(
+            error.contains("OTEL_EXPORTER_OTLP_PROTOCOL") && error.contains("thrift"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_environments_service_name_wins_over_the_files() {
+        let mut env = OtelEnv::default();
+        assert_eq!(service_name(&env, "from-file"), "from-file");
+        env.resource_service_name = Some("from-attributes".into());
+        assert_eq!(service_name(&env, "from-file"), "from-attributes");
+        env.service_name = Some("from-otel-service-name".into());
+        assert_eq!(service_name(&env, "from-file"), "from-otel-service-name");
+    }
+
+    #[test]
+    fn trace_ids_become_the_first_members_of_a_json_line() {
+        let trace_id = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").expect("id");
+        let span_id = SpanId::from_hex("b7ad6b7169203331").expect("id");
+        let line = with_trace_ids("{\"level\":\"INFO\"}\n", trace_id, span_id);
+        let parsed: serde_json::Value = serde_json::from_str(&line).expect("json");
+        assert_eq!(parsed["trace_id"], "0af7651916cd43dd8448eb211c80319c");
+        assert_eq!(parsed["span_id"], "b7ad6b7169203331");
+        assert_eq!(parsed["level"], "INFO");
+        assert!(line.ends_with('\n'));
+        let empty: serde_json::Value =
+            serde_json::from_str(&with_trace_ids("{}", trace_id, span_id)).expect("json");
+        assert_eq!(empty["span_id"], "b7ad6b7169203331");
+        assert_eq!(with_trace_ids("not json", trace_id, span_id), "not json");
+    }
+
+    /// A log line's buffer, shared with the test.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Inside a span whose parent is a caller's trace, JSON lines carry that trace and
+    /// the span's own id; outside any span they carry neither.
+    #[test]
+    fn json_lines_carry_the_trace_of_their_span() {
+        use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
+        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+        let provider = SdkTracerProvider::builder().build();
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let ids = TraceIds::default();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .event_format(
+                        ids.around(tracing_subscriber::fmt::format().json().flatten_event(true)),
+                    )
+                    .with_writer(move || writer.clone()),
+            );
+        let dispatch = Dispatch::new(subscriber);
+        ids.set(&dispatch);
+        let caller = opentelemetry::Context::new().with_remote_span_context(SpanContext::new(
+            TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").expect("id"),
+            SpanId::from_hex("b7ad6b7169203331").expect("id"),
+            TraceFlags::SAMPLED,
+            true,
+            TraceState::NONE,
+        ));
+        let own_span_id = tracing::dispatcher::with_default(&dispatch, || {
+            tracing::info!("outside");
+            let span = tracing::info_span!("conversation");
+            let _ = span.set_parent(caller);
+            let _entered = span.enter();
+            tracing::info!(id = "abc", "inside");
+            span.context().span().span_context().span_id().to_string()
+        });
+        let text = text_of(&lines.0);
+        let events: Vec<serde_json::Value> = text
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("json"))
+            .collect();
+        assert_eq!(events.len(), 2, "{text}");
+        assert!(events[0].get("trace_id").is_none(), "{text}");
+        assert_eq!(events[1]["trace_id"], "0af7651916cd43dd8448eb211c80319c");
+        assert_eq!(events[1]["span_id"], own_span_id.as_str());
+        assert_ne!(events[1]["span_id"], "b7ad6b7169203331");
+        assert_eq!(events[1]["id"], "abc");
     }
 
     /// Collects what the redacting exporter hands on.

@@ -178,6 +178,11 @@ impl Dispatcher {
                 .pools
                 .get(&pool)
                 .map_or(1, |p| p.max_in_flight);
+            // Shown from the start; the refresh then reports the server's value,
+            // which the last instance to provision the consumer set.
+            if let Some(gauge) = self.shared.gauges.pool(&pool) {
+                gauge.set_max_in_flight(limit);
+            }
             pulls.push(tokio::spawn(refresh_gauges(
                 shared.clone(),
                 pool.clone(),
@@ -241,7 +246,8 @@ impl Dispatcher {
 /// How often the cluster-wide gauges of a pool are read from its consumers.
 const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 
-/// Reads a pool's waiting and parked counts from its consumers on a fixed interval.
+/// Reads a pool's waiting and parked counts and its limit from its consumers on a fixed
+/// interval.
 async fn refresh_gauges(
     shared: Arc<Shared>,
     pool: String,
@@ -259,10 +265,16 @@ async fn refresh_gauges(
             _ = shutdown.cancelled() => return,
         }
         match (work.get_info().await, parked.get_info().await) {
-            (Ok(work), Ok(parked)) => gauge.set_queued(
-                work.num_pending,
-                parked.num_pending + parked.num_ack_pending as u64,
-            ),
+            (Ok(work), Ok(parked)) => {
+                gauge.set_queued(
+                    work.num_pending,
+                    parked.num_pending + parked.num_ack_pending as u64,
+                );
+                // Negative means unlimited, which webproxy never provisions.
+                if let Ok(limit) = u64::try_from(work.config.max_ack_pending) {
+                    gauge.set_max_in_flight(limit);
+                }
+            }
             (Err(e), _) | (_, Err(e)) => debug!(pool, error = %e, "cannot refresh pool gauges"),
         }
     }
