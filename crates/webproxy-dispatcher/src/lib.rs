@@ -10,6 +10,7 @@
 mod backoff;
 mod cluster;
 mod config;
+mod config_store;
 mod config_error;
 mod decision;
 mod egress;
@@ -33,6 +34,10 @@ mod trace;
 // else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
 pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
+pub use config_store::{
+    ConfigStore, ConfigStoreError, DOCUMENT_KEY, PushNote, Seeded, StoredRevision,
+    document_at_start, seed_at_start,
+};
 pub use config_error::ConfigError;
 pub use provision::mark_removing;
 pub use response_rules::ResponseRuleConfig;
@@ -57,12 +62,20 @@ pub struct Instruments {
     pub(crate) gauges: Arc<Gauges>,
 }
 
+impl Default for Instruments {
+    fn default() -> Self {
+        Instruments::new()
+    }
+}
+
 impl Instruments {
-    pub fn new(settings: &Settings) -> Instruments {
+    /// Health, metrics and gauges with nothing recorded; the dispatcher adds its pools'
+    /// gauges when it starts.
+    pub fn new() -> Instruments {
         Instruments {
             health: Arc::new(Health::new()),
             metrics: Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
+            gauges: Arc::new(Gauges::default()),
         }
     }
 

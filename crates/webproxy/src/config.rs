@@ -138,17 +138,6 @@ impl Config {
         }
         crate::nats_auth::check(&self.nats)?;
         let dispatcher = webproxy_dispatcher::Settings::new(self.streams.clone(), self.cluster())?;
-        // A hop republished after a lost ack comes back within ack_wait; twice that
-        // keeps the republish inside the window, where JetStream drops it as a duplicate.
-        if self.streams.duplicate_window < self.service.ack_wait * 2 {
-            return Err(ConfigError::new(
-                "streams.duplicate_window",
-                format!(
-                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
-                    self.service.ack_wait, self.streams.duplicate_window
-                ),
-            ));
-        }
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
         if !endpoint.is_empty() && !is_http {

@@ -23,7 +23,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
             .context("cannot read an injected secret")?,
     );
     let settings = Arc::new(settings);
-    let instruments = Instruments::new(&settings.dispatcher);
+    let instruments = Instruments::new();
     let listen = settings.config.http.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await

@@ -135,9 +135,10 @@ fn effective_max_response_bytes(
     }
 }
 
-/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries; `None` when
+/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (also the
+/// configuration bucket's reads at start, `crate::config_store`); `None` when
 /// `shutdown` is cancelled first.
-async fn retry_until_done<T, E, F, Fut>(
+pub(crate) async fn retry_until_done<T, E, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
     mut step: F,
