@@ -187,7 +187,10 @@ impl ConfigStore {
 
     /// The document at `revision`, or `None` when that revision is not one of the
     /// document's, or is no longer in the history.
-    pub async fn revision(&self, revision: u64) -> Result<Option<StoredRevision>, ConfigStoreError> {
+    pub async fn revision(
+        &self,
+        revision: u64,
+    ) -> Result<Option<StoredRevision>, ConfigStoreError> {
         let entry = self
             .kv
             .entry_for_revision(DOCUMENT_KEY, revision)
@@ -315,12 +318,16 @@ pub async fn seed_at_start(
     shutdown: &CancellationToken,
 ) -> Option<Seeded> {
     let js = start_context(client, settings);
-    retry_until_done("reading or seeding the configuration bucket", shutdown, || async {
-        ConfigStore::open_or_create(&js, settings)
-            .await?
-            .seed(note, document)
-            .await
-    })
+    retry_until_done(
+        "reading or seeding the configuration bucket",
+        shutdown,
+        || async {
+            ConfigStore::open_or_create(&js, settings)
+                .await?
+                .seed(note, document)
+                .await
+        },
+    )
     .await
 }
 
@@ -378,7 +385,10 @@ mod tests {
         assert_eq!(strip_note(&text), (Some(note.clone()), document));
         // The stored value is a TOML document with the same content.
         let stored: toml::Table = toml::from_str(&text).expect("TOML");
-        assert_eq!(stored, toml::from_str::<toml::Table>(document).expect("TOML"));
+        assert_eq!(
+            stored,
+            toml::from_str::<toml::Table>(document).expect("TOML")
+        );
         // Pushing a saved value again replaces its note rather than stacking them.
         let again = stored_text(&PushNote::default(), &text);
         assert_eq!(strip_note(&again), (Some(PushNote::default()), document));

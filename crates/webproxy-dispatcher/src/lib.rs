@@ -10,8 +10,8 @@
 mod backoff;
 mod cluster;
 mod config;
-mod config_store;
 mod config_error;
+mod config_store;
 mod decision;
 mod egress;
 mod gauges;
@@ -34,11 +34,11 @@ mod trace;
 // else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
 pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
+pub use config_error::ConfigError;
 pub use config_store::{
     ConfigStore, ConfigStoreError, DOCUMENT_KEY, PushNote, Seeded, StoredRevision,
     document_at_start, seed_at_start,
 };
-pub use config_error::ConfigError;
 pub use provision::mark_removing;
 pub use response_rules::ResponseRuleConfig;
 pub use retry::RetryPolicy;
