@@ -228,7 +228,10 @@ async fn invalid_documents_and_literal_secrets_are_refused_naming_the_key() {
     }
     // Nothing was written, and no bucket made.
     let shown = failure(&config(&nats, &["show"]).await);
-    assert!(shown.contains("there is no bucket WEBPROXY_CONFIG"), "{shown}");
+    assert!(
+        shown.contains("there is no bucket WEBPROXY_CONFIG"),
+        "{shown}"
+    );
 }
 
 #[tokio::test]

@@ -16,7 +16,7 @@ use crate::config::Settings;
 use crate::runtime::retry_until_done;
 
 /// The key of the cluster document.
-pub const DOCUMENT_KEY: &str = "cluster";
+pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
 /// The revisions the bucket keeps of the document, for `config history`, `show
 /// --revision` and `rollback`: JetStream's most.

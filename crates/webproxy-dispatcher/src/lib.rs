@@ -36,8 +36,8 @@ pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
 pub use config_error::ConfigError;
 pub use config_store::{
-    ConfigStore, ConfigStoreError, DOCUMENT_KEY, PushNote, Seeded, StoredRevision,
-    document_at_start, seed_at_start,
+    ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision, document_at_start,
+    seed_at_start,
 };
 pub use provision::mark_removing;
 pub use response_rules::ResponseRuleConfig;
