@@ -1,8 +1,9 @@
 //! The cluster part of the configuration in the KV bucket WEBPROXY_CONFIG (issue 18,
 //! first half): `webproxy config push`, `show`, `history`, `rollback` and `diff`
 //! against a real nats-server, and `serve` with `[config] source = "file"` and
-//! `"kv"`: seeding an empty bucket once, refusing a seeded bucket in file mode, and
-//! serving by the bucket's rules.
+//! `"kv"`: seeding an empty bucket once, refusing a seeded bucket in file mode,
+//! serving by the bucket's rules, and doing so with deploy/nats/authorization.conf's
+//! permissions.
 
 use std::path::Path;
 use std::process::Output;
@@ -11,6 +12,7 @@ use std::time::Duration;
 use serde_json::Value;
 use webproxy_client::Client;
 use webproxy_protocol::{ErrorCode, Outcome};
+use webproxy_tests::authorized::{ADMIN, SERVICE_USER, password, service_as};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, path_rule, to};
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
@@ -52,10 +54,16 @@ fn write(dir: &Path, name: &str, document: &str) -> String {
 
 /// `webproxy config ARGS --nats URL`.
 async fn config(nats: &NatsServer, args: &[&str]) -> Output {
+    config_as(nats, args, &[]).await
+}
+
+/// `webproxy config ARGS --nats URL CREDENTIALS`.
+async fn config_as(nats: &NatsServer, args: &[&str], credentials: &[&str]) -> Output {
     let url = nats.url();
     let mut all = vec!["config"];
     all.extend_from_slice(args);
     all.extend_from_slice(&["--nats", &url]);
+    all.extend_from_slice(credentials);
     webproxy(&all).await
 }
 
@@ -309,10 +317,15 @@ async fn two_kv_instances_starting_together_seed_the_bucket_once() {
     for service in &services {
         service.wait_ready(Duration::from_secs(30)).await;
     }
-    let listed = history(&nats).await;
-    assert_eq!(listed.len(), 1, "seeded more than once: {listed:?}");
-    assert_eq!(listed[0]["message"], "seeded from the configuration file");
     let logs: Vec<String> = services.iter().map(Service::logs).collect();
+    let listed = history(&nats).await;
+    assert_eq!(
+        listed.len(),
+        1,
+        "seeded more than once: {listed:?}\n{}",
+        logs.join("\n----\n")
+    );
+    assert_eq!(listed[0]["message"], "seeded from the configuration file");
     let seeders = logs
         .iter()
         .filter(|log| log.contains("seeded the configuration bucket"))
@@ -401,4 +414,71 @@ async fn a_kv_instance_serves_by_the_buckets_rules_not_its_files() {
     js.get_stream("WEBPROXY_POOL_PARTNER")
         .await
         .expect("the bucket's pool is provisioned");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_instances_seed_and_read_the_bucket_with_the_deploy_permissions() {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start().await;
+    // deploy/nats/authorization.conf confines reply_to to the callers' reply spaces.
+    let config = kv_config(&format!(
+        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        accept_rule("local", &upstream)
+    ));
+    let seeder = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let reader = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    assert!(
+        seeder.logs().contains("seeded the configuration bucket"),
+        "{}",
+        seeder.logs()
+    );
+    assert!(
+        reader
+            .logs()
+            .contains("running on the bucket's cluster configuration"),
+        "{}",
+        reader.logs()
+    );
+    let admin = password(ADMIN);
+    let listed = success(
+        &config_as(
+            &nats,
+            &["history", "--json"],
+            &["--user", ADMIN, "--password", &admin],
+        )
+        .await,
+    );
+    let listed: Value = serde_json::from_str(&listed).expect("JSON");
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_instance_refuses_to_start_on_an_invalid_document_written_by_hand() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "cluster.toml", &document(&upstream, ""));
+    success(&config(&nats, &["push", &file]).await);
+    // Written around webproxy, as `nats kv put` would: no validation, no note.
+    let js = async_nats::jetstream::new(nats.client().await);
+    let bucket = js.get_key_value("WEBPROXY_CONFIG").await.expect("bucket");
+    bucket
+        .put("cluster", "[pools.partner]\nmax_in_flight = -1\n".into())
+        .await
+        .expect("put");
+    let mut service = Service::spawn(
+        &nats.url(),
+        &kv_config(&accept_rule("local", &upstream)),
+        ServiceOptions::default(),
+    );
+    let status = service.wait_exit(EXIT_TIMEOUT).await;
+    let logs = service.logs();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {logs}");
+    assert!(
+        logs.contains("the document at revision 2 of WEBPROXY_CONFIG is invalid"),
+        "{logs}"
+    );
+    assert!(logs.contains("pools.partner.max_in_flight"), "{logs}");
+    let listed = success(&config(&nats, &["history"]).await);
+    assert!(listed.contains("(written without a note)"), "{listed}");
 }

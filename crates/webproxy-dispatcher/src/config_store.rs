@@ -256,10 +256,14 @@ impl ConfigStore {
     /// Writes `document` if there is none; if there is one, returns it. Of several
     /// instances seeding at once, one writes and the others read what it wrote.
     pub async fn seed(&self, note: &PushNote, document: &str) -> Result<Seeded, ConfigStoreError> {
-        if let Some(found) = self.current().await? {
-            return Ok(Seeded::Found(found));
-        }
-        let expected = self.latest().await?.map(|deleted| deleted.revision);
+        // One read decides: a document is found, or the write expects exactly this
+        // state (nothing, or this deletion). Two reads would let another seed land
+        // between them and be taken for a deletion.
+        let expected = match self.latest().await? {
+            Some(found) if !found.deleted => return Ok(Seeded::Found(found)),
+            Some(deleted) => Some(deleted.revision),
+            None => None,
+        };
         match self.put(note, document, expected).await {
             Ok(revision) => Ok(Seeded::Written(revision)),
             Err(ConfigStoreError::Conflict { .. }) => match self.current().await? {
@@ -403,6 +407,62 @@ mod tests {
             "# webproxy-push: not json\n[pools.a]\n",
         ] {
             assert_eq!(strip_note(text), (None, text));
+        }
+    }
+}
+
+#[cfg(test)]
+mod seeding {
+    use super::*;
+    use webproxy_testkit::NatsServer;
+
+    /// Many seeds at once, over and over: exactly one writes each time, and every other
+    /// one finds what it wrote.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_seeds_write_once() {
+        let nats = NatsServer::start();
+        let js = jetstream::new(nats.client().await);
+        for round in 0..50 {
+            let kv = js
+                .create_key_value(kv::Config {
+                    bucket: format!("SEED{round}"),
+                    history: HISTORY,
+                    ..Default::default()
+                })
+                .await
+                .expect("bucket");
+            let store = ConfigStore {
+                kv,
+                bucket: format!("SEED{round}"),
+            };
+            if round % 2 == 1 {
+                // A deleted document is an empty bucket too.
+                store
+                    .put(&PushNote::default(), "old", None)
+                    .await
+                    .expect("put");
+                store.kv.delete(DOCUMENT_KEY).await.expect("delete");
+            }
+            let seeds = futures::future::join_all((0..4).map(|i| {
+                let store = store.clone();
+                async move { store.seed(&PushNote::default(), &format!("seed {i}")).await }
+            }))
+            .await;
+            let written: Vec<u64> = seeds
+                .iter()
+                .filter_map(|s| match s {
+                    Ok(Seeded::Written(revision)) => Some(*revision),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(written.len(), 1, "round {round}: {seeds:?}");
+            for seed in &seeds {
+                match seed {
+                    Ok(Seeded::Found(found)) => assert_eq!(found.revision, written[0]),
+                    Ok(Seeded::Written(_)) => {}
+                    Err(e) => panic!("round {round}: {e}"),
+                }
+            }
         }
     }
 }
