@@ -346,25 +346,29 @@ async fn two_kv_instances_starting_together_seed_the_bucket_once() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_file_mode_instance_refuses_to_start_against_a_seeded_bucket() {
+/// A server whose bucket holds revision 1, `document(upstream, "")`, pushed.
+async fn seeded_bucket() -> (NatsServer, Upstream) {
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let file = write(dir.path(), "cluster.toml", &document(&upstream, ""));
     success(&config(&nats, &["push", &file]).await);
-    let mut service = Service::spawn(
-        &nats.url(),
-        &accept_rule("local", &upstream),
-        ServiceOptions::default(),
-    );
+    (nats, upstream)
+}
+
+/// Starts an instance with `config` that must exit with an error; its logs.
+async fn refused_start(nats: &NatsServer, config: &str) -> String {
+    let mut service = Service::spawn(&nats.url(), config, ServiceOptions::default());
     let status = service.wait_exit(EXIT_TIMEOUT).await;
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "{status:?}: {}",
-        service.logs()
-    );
     let logs = service.logs();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {logs}");
+    logs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_mode_instance_refuses_to_start_against_a_seeded_bucket() {
+    let (nats, upstream) = seeded_bucket().await;
+    let logs = refused_start(&nats, &accept_rule("local", &upstream)).await;
     assert!(
         logs.contains("[config] source = \"file\", but the bucket WEBPROXY_CONFIG holds a cluster document (revision 1)"),
         "{logs}"
@@ -454,11 +458,7 @@ async fn kv_instances_seed_and_read_the_bucket_with_the_deploy_permissions() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_instance_refuses_to_start_on_an_invalid_document_written_by_hand() {
-    let nats = NatsServer::start();
-    let upstream = Upstream::start().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = write(dir.path(), "cluster.toml", &document(&upstream, ""));
-    success(&config(&nats, &["push", &file]).await);
+    let (nats, upstream) = seeded_bucket().await;
     // Written around webproxy, as `nats kv put` would: no validation, no note.
     let js = async_nats::jetstream::new(nats.client().await);
     let bucket = js.get_key_value("WEBPROXY_CONFIG").await.expect("bucket");
@@ -466,14 +466,7 @@ async fn a_kv_instance_refuses_to_start_on_an_invalid_document_written_by_hand()
         .put("cluster", "[pools.partner]\nmax_in_flight = -1\n".into())
         .await
         .expect("put");
-    let mut service = Service::spawn(
-        &nats.url(),
-        &kv_config(&accept_rule("local", &upstream)),
-        ServiceOptions::default(),
-    );
-    let status = service.wait_exit(EXIT_TIMEOUT).await;
-    let logs = service.logs();
-    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {logs}");
+    let logs = refused_start(&nats, &kv_config(&accept_rule("local", &upstream))).await;
     assert!(
         logs.contains("the document at revision 2 of WEBPROXY_CONFIG is invalid"),
         "{logs}"
