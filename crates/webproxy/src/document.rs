@@ -25,11 +25,11 @@ use webproxy_dispatcher::{
 pub struct ClusterDocument {
     pub outbound: OutboundConfig,
     pub service: ClusterService,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub pools: BTreeMap<String, PoolConfig>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub request_rules: Vec<RequestRuleConfig>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub response_rules: Vec<ResponseRuleConfig>,
 }
 
@@ -292,6 +292,7 @@ mod tests {
         let text = "[outbound]\nallow_private_networks = true\n[service]\nack_wait = \"2s\"\nmax_deliver = 3\n[pools.partner]\nmax_in_flight = 4\nqueue_timeout = \"30s\"\n[[request_rules]]\nname = \"partner\"\nurl_pattern = '^https://p\\.example/'\npool = \"partner\"\norigin = \"https://p.example\"\nmax_retries = 1\nidempotency_header = true\n[request_rules.inject_headers]\nAuthorization = { env = \"T\", prefix = \"Bearer \" }\n[[request_rules.response_rules]]\nstatus = \"503\"\naction = \"retry\"\n[[response_rules]]\nstatus = \"500-599\"\naction = \"error\"\n";
         let document = parse(text).expect("valid");
         let written = to_text(&document).expect("TOML");
+        assert!(written.starts_with("[outbound]\n"), "{written}");
         let again = parse(&written).expect("the written text parses");
         assert_eq!(to_text(&again).expect("TOML"), written);
         assert_eq!(

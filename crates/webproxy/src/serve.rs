@@ -45,9 +45,9 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     };
     let (settings, secrets) = match file_secrets {
         Some(secrets) => {
-            let Some(()) = refuse_a_seeded_bucket(&client, &settings, &shutdown).await? else {
+            if !refuse_a_seeded_bucket(&client, &settings, &shutdown).await? {
                 return Ok(());
-            };
+            }
             (settings, secrets)
         }
         None => {
@@ -96,15 +96,15 @@ fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<
 }
 
 /// `source = "file"`: a bucket holding a document is a second source of truth, which
-/// instances in `kv` mode would follow while this one follows its file. `None` when a
-/// signal arrives first.
+/// instances in `kv` mode would follow while this one follows its file. `false` when a
+/// signal arrives before the bucket could be read.
 async fn refuse_a_seeded_bucket(
     client: &async_nats::Client,
     settings: &Settings,
     shutdown: &CancellationToken,
-) -> anyhow::Result<Option<()>> {
+) -> anyhow::Result<bool> {
     let Some(found) = document_at_start(client, &settings.dispatcher, shutdown).await else {
-        return Ok(None);
+        return Ok(false);
     };
     if let Some(found) = found {
         let bucket = settings.dispatcher.subjects.config_bucket();
@@ -113,7 +113,7 @@ async fn refuse_a_seeded_bucket(
             found.revision
         );
     }
-    Ok(Some(()))
+    Ok(true)
 }
 
 /// A document another writer put in the bucket: the file's cluster settings are
