@@ -2,7 +2,7 @@
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
-# Shell prefix putting a nats-server >= 2.10 first on PATH. A plain assignment
+# Shell prefix putting a nats-server >= 2.11 first on PATH. A plain assignment
 # (not `export PATH="$(...)"`) so a failing script aborts the recipe under -e.
 # Kept as text rather than a backtick variable so `just fmt` never installs it.
 _nats_path := 'nats_dir="$(bash scripts/ensure-nats-server.sh | tail -n1)"; export PATH="$nats_dir:$PATH"'

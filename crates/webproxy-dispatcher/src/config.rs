@@ -40,7 +40,9 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Checks `[streams]` and compiles the cluster part; an error names the key.
+    /// Checks `[streams]`, compiles the cluster part and checks the two together; an
+    /// error names the key. Every cluster document goes through here, the file's at
+    /// start and a pushed one (`webproxy config push`) alike.
     pub fn new(streams: StreamsConfig, cluster: ClusterConfig) -> Result<Settings, ConfigError> {
         let subjects = Subjects::new(&streams.prefix)
             .map_err(|e| ConfigError::new("streams.prefix", e.to_string()))?
@@ -51,9 +53,21 @@ impl Settings {
         if !(1..=5).contains(&streams.replicas) {
             return Err(ConfigError::new("streams.replicas", "must be from 1 to 5"));
         }
+        let cluster = cluster.validate()?;
+        // A hop republished after a lost ack comes back within ack_wait; twice that
+        // keeps the republish inside the window, where JetStream drops it as a duplicate.
+        if streams.duplicate_window < cluster.ack_wait * 2 {
+            return Err(ConfigError::new(
+                "streams.duplicate_window",
+                format!(
+                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
+                    cluster.ack_wait, streams.duplicate_window
+                ),
+            ));
+        }
         Ok(Settings {
             subjects,
-            cluster: cluster.validate()?,
+            cluster,
             streams,
         })
     }

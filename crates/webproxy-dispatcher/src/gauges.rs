@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 /// One pool's gauges.
 #[derive(Debug, Default)]
@@ -37,9 +38,9 @@ impl PoolGauge {
     }
 
     /// Counts one message as in flight until the guard is dropped.
-    pub(crate) fn start(&self) -> InFlight<'_> {
+    pub(crate) fn start(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self)
+        InFlight(self.clone())
     }
 
     pub(crate) fn set_queued(&self, waiting: u64, parked: u64) {
@@ -54,36 +55,40 @@ impl PoolGauge {
 
 /// Keeps a message counted in flight while it lives.
 #[derive(Debug)]
-pub(crate) struct InFlight<'a>(&'a PoolGauge);
+pub(crate) struct InFlight(Arc<PoolGauge>);
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// The gauges of every pool of this instance.
+/// The gauges of every pool of this instance. The pools are known once the cluster
+/// part is (from the file, or from the bucket after connecting), so the dispatcher
+/// adds them; the metrics endpoint may already be serving by then.
 #[derive(Debug, Default)]
 pub(crate) struct Gauges {
-    pools: BTreeMap<String, PoolGauge>,
+    pools: RwLock<BTreeMap<String, Arc<PoolGauge>>>,
 }
 
 impl Gauges {
-    pub(crate) fn new<'a>(pools: impl IntoIterator<Item = &'a String>) -> Gauges {
-        Gauges {
-            pools: pools
-                .into_iter()
-                .map(|p| (p.clone(), PoolGauge::default()))
-                .collect(),
+    /// Adds a gauge for every one of `pools` that has none.
+    pub(crate) fn add<'a>(&self, pools: impl IntoIterator<Item = &'a String>) {
+        let mut gauges = self.pools.write().unwrap_or_else(PoisonError::into_inner);
+        for pool in pools {
+            gauges.entry(pool.clone()).or_default();
         }
     }
 
-    pub(crate) fn pool(&self, name: &str) -> Option<&PoolGauge> {
-        self.pools.get(name)
+    pub(crate) fn pool(&self, name: &str) -> Option<Arc<PoolGauge>> {
+        let gauges = self.pools.read().unwrap_or_else(PoisonError::into_inner);
+        gauges.get(name).cloned()
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &PoolGauge)> {
-        self.pools.iter().map(|(n, g)| (n.as_str(), g))
+    /// Every pool's gauge, as now.
+    pub(crate) fn all(&self) -> Vec<(String, Arc<PoolGauge>)> {
+        let gauges = self.pools.read().unwrap_or_else(PoisonError::into_inner);
+        gauges.iter().map(|(n, g)| (n.clone(), g.clone())).collect()
     }
 }
 
@@ -93,7 +98,8 @@ mod tests {
 
     #[test]
     fn in_flight_counts_while_the_guard_lives() {
-        let gauges = Gauges::new(&["default".to_string()]);
+        let gauges = Gauges::default();
+        gauges.add(&["default".to_string()]);
         let pool = gauges.pool("default").expect("pool");
         let first = pool.start();
         let second = pool.start();

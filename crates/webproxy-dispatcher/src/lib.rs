@@ -11,6 +11,7 @@ mod backoff;
 mod cluster;
 mod config;
 mod config_error;
+mod config_store;
 mod decision;
 mod egress;
 mod gauges;
@@ -34,6 +35,7 @@ mod trace;
 pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
 pub use config_error::ConfigError;
+pub use config_store::{ConfigStore, PushNote, Seeded, StoredRevision};
 pub use provision::mark_removing;
 pub use response_rules::ResponseRuleConfig;
 pub use retry::RetryPolicy;
@@ -57,12 +59,20 @@ pub struct Instruments {
     pub(crate) gauges: Arc<Gauges>,
 }
 
+impl Default for Instruments {
+    fn default() -> Self {
+        Instruments::new()
+    }
+}
+
 impl Instruments {
-    pub fn new(settings: &Settings) -> Instruments {
+    /// Health, metrics and gauges with nothing recorded; the dispatcher adds its pools'
+    /// gauges when it starts.
+    pub fn new() -> Instruments {
         Instruments {
             health: Arc::new(Health::new()),
             metrics: Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
-            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
+            gauges: Arc::new(Gauges::default()),
         }
     }
 

@@ -238,10 +238,8 @@ impl Metrics {
 
     /// The Prometheus text exposition, with the gauges read now.
     pub(crate) fn render(&self, gauges: &Gauges, health: &Health) -> String {
-        for (pool, gauge) in gauges.iter() {
-            let labels = PoolLabels {
-                pool: pool.to_string(),
-            };
+        for (pool, gauge) in gauges.all() {
+            let labels = PoolLabels { pool };
             let set = |family: &Family<PoolLabels, Gauge>, value: u64| {
                 family
                     .get_or_create(&labels)
@@ -272,7 +270,8 @@ mod tests {
         metrics.attempt("default", "orders", "5xx", Duration::from_millis(20));
         metrics.queue_wait("default", Duration::from_millis(5));
         metrics.dead_letter("default", "denied");
-        let gauges = Gauges::new(&["default".to_string()]);
+        let gauges = Gauges::default();
+        gauges.add(&["default".to_string()]);
         let pool = gauges.pool("default").expect("pool");
         let _busy = pool.start();
         pool.set_queued(7, 2);

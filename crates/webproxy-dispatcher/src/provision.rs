@@ -181,10 +181,11 @@ fn provision_error(
 }
 
 /// The oldest server webproxy runs against: it needs multi-filter consumers, create
-/// actions and TERM with a reason.
-pub(crate) const MIN_SERVER_VERSION: (u64, u64) = (2, 10);
+/// actions and TERM with a reason (2.10), and consumer pause (2.11), which the pool
+/// consumers' owner keeps across updates.
+pub(crate) const MIN_SERVER_VERSION: (u64, u64) = (2, 11);
 
-/// Whether a server version string (`"2.10.4"`, `"v2.15.1"`) is new enough.
+/// Whether a server version string (`"2.11.4"`, `"v2.15.1"`) is new enough.
 pub(crate) fn server_version_supported(version: &str) -> bool {
     let mut parts = version
         .trim_start_matches('v')
@@ -667,7 +668,8 @@ mod tests {
 
     #[test]
     fn versions() {
-        assert!(server_version_supported("2.10.0"));
+        assert!(server_version_supported("2.11.0"));
+        assert!(!server_version_supported("2.10.29"));
         assert!(server_version_supported("2.15.1"));
         assert!(server_version_supported("v3.0.0"));
         assert!(server_version_supported("2.11.0-beta.1"));

@@ -241,6 +241,12 @@ impl Subjects {
         format!("{}_PROGRESS", self.stream_prefix)
     }
 
+    /// The KV bucket that holds the cluster part of the configuration, with history,
+    /// when `[config] source = "kv"`.
+    pub fn config_bucket(&self) -> String {
+        format!("{}_CONFIG", self.stream_prefix)
+    }
+
     /// The durable consumer of `pool`'s request and hop subjects, e.g.
     /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
     /// get names of their own, so that an instance of an older layout cannot find, and
@@ -369,6 +375,7 @@ mod tests {
             &s.reply("order-42")
         ));
         assert_eq!(s.progress_bucket(), "WEBPROXY_PROGRESS");
+        assert_eq!(s.config_bucket(), "WEBPROXY_CONFIG");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");

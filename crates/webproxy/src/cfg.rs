@@ -127,12 +127,56 @@ pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings>
     connection.apply(&mut config.nats);
     let mut settings = config.validate().context("invalid configuration")?;
     settings.environment_warnings = stray_variables(&variables);
+    let file = match path {
+        Some(path) => Figment::from(Toml::file_exact(path))
+            .data()
+            .map_err(|e| anyhow::anyhow!(describe(e, &variables)))?
+            .remove(&Profile::Default)
+            .unwrap_or_default(),
+        None => Dict::new(),
+    };
+    settings.cluster_keys_set = cluster_keys_set(&file, &variables);
     Ok(settings)
+}
+
+/// The cluster sections (those of a cluster document) that `file` sets, then the
+/// variables among `variables` that set a cluster key: what `[config] source = "kv"`
+/// ignores once the bucket holds a document.
+fn cluster_keys_set(file: &Dict, variables: &[String]) -> Vec<String> {
+    let service = file.get("service").and_then(|s| s.as_dict());
+    let sets = |section: &str| match section {
+        "[service] ack_wait" => service.is_some_and(|s| s.contains_key("ack_wait")),
+        "[service] max_deliver" => service.is_some_and(|s| s.contains_key("max_deliver")),
+        _ => {
+            let key = section.trim_matches(['[', ']']).trim_end_matches(".*");
+            file.contains_key(key)
+        }
+    };
+    let is_cluster_key = |key: &str| {
+        ["outbound.", "pools.", "request_rules", "response_rules"]
+            .iter()
+            .any(|prefix| key.starts_with(prefix))
+            || key == "service.ack_wait"
+            || key == "service.max_deliver"
+    };
+    let mut set: Vec<String> = crate::document::SECTIONS
+        .iter()
+        .filter(|section| sets(section))
+        .map(ToString::to_string)
+        .collect();
+    let mut named: Vec<String> = variables
+        .iter()
+        .filter(|name| variable_key(name).is_some_and(|key| is_cluster_key(&key)))
+        .cloned()
+        .collect();
+    named.sort();
+    set.extend(named);
+    set
 }
 
 /// figment's errors, one line each, with the key path spelled out. An unknown key
 /// that one of `variables` set names that variable: it is probably misspelt.
-fn describe(error: figment::Error, variables: &[String]) -> String {
+pub fn describe(error: figment::Error, variables: &[String]) -> String {
     error
         .into_iter()
         .map(|e| {
@@ -387,6 +431,34 @@ mod tests {
             "[[request_rules]]\nname = \"r\"\nurl_pattern = \".\"\ntimeout = \"5 parsecs\"\n",
         );
         assert!(e.contains("request_rules.0.timeout"), "{e}");
+    }
+
+    #[test]
+    fn the_cluster_sections_a_file_and_the_environment_set_are_named() {
+        let file: figment::value::Dict = Figment::from(Toml::string(
+            "[nats]\nurl = \"nats://x:4222\"\n[service]\nmax_deliver = 3\nshutdown_grace = \"5s\"\n[pools.a]\n[[request_rules]]\nname = \"r\"\nurl_pattern = \"x\"\n",
+        ))
+        .data()
+        .expect("TOML")
+        .remove(&Profile::Default)
+        .expect("default profile");
+        let variables = [
+            "WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS".to_string(),
+            "WEBPROXY_SERVICE__SHUTDOWN_GRACE".to_string(),
+            "WEBPROXY_SERVICE__ACK_WAIT".to_string(),
+            "WEBPROXY_NATS__URL".to_string(),
+        ];
+        assert_eq!(
+            super::cluster_keys_set(&file, &variables),
+            [
+                "[service] max_deliver",
+                "[pools.*]",
+                "[[request_rules]]",
+                "WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS",
+                "WEBPROXY_SERVICE__ACK_WAIT",
+            ]
+        );
+        assert!(super::cluster_keys_set(&figment::value::Dict::new(), &[]).is_empty());
     }
 
     #[test]

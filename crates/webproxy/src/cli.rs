@@ -1,4 +1,5 @@
-//! The command line: `serve`, `check-config` and `send`.
+//! The command line: `serve`, `check-config`, `send` and the operator commands
+//! (`pools`, `dead`, `config`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,6 +8,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use webproxy_dispatcher::{Redactor, Secrets};
 
+use crate::config_commands::{self, ConfigCommand};
 use crate::connection::{self, ConnectionArgs};
 use crate::operator::NatsArgs;
 use crate::send::SendArgs;
@@ -37,6 +39,10 @@ enum Command {
     CheckConfig {
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
+        /// Validate this cluster document (what `config push` takes) in place of the
+        /// configuration's cluster sections.
+        #[arg(long, value_name = "FILE")]
+        document: Option<PathBuf>,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -58,6 +64,12 @@ enum Command {
     Dead {
         #[command(subcommand)]
         command: DeadCommand,
+    },
+    /// The cluster part of the configuration in the KV bucket <PREFIX>_CONFIG, which
+    /// instances with [config] source = "kv" run on.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
     },
 }
 
@@ -126,11 +138,23 @@ impl Cli {
                 runtime.block_on(serve::run(settings, redactor))?;
                 Ok(ExitCode::SUCCESS)
             }
-            Command::CheckConfig { config, json } => {
+            Command::CheckConfig {
+                config,
+                document,
+                json,
+            } => {
                 // What serve would run on in this environment: NATS_URL and the
                 // other nats CLI variables apply, as they do to serve.
                 let overrides = connection::overrides(&ConnectionArgs::default())?;
-                let settings = cfg::load(config.as_deref(), &overrides)?;
+                let mut settings = cfg::load(config.as_deref(), &overrides)?;
+                if let Some(path) = document {
+                    let text = std::fs::read_to_string(&path)
+                        .with_context(|| format!("cannot read {}", path.display()))?;
+                    let (document, dispatcher) =
+                        crate::document::validate(&text, &settings.config.streams)
+                            .with_context(|| format!("invalid document {}", path.display()))?;
+                    settings = settings.with_document(document, dispatcher);
+                }
                 // Every secret must be readable for the configuration to be valid; the
                 // values are never printed.
                 Secrets::load(&settings.dispatcher.cluster.rules, Redactor::default())
@@ -173,6 +197,10 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
                 } => dead::list(&nats, &selection, json).await?,
                 DeadCommand::Replay { nats, args } => dead::replay(&nats, &args).await?,
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Config { command } => {
+            config_commands::run(command).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Serve { .. } | Command::CheckConfig { .. } => {

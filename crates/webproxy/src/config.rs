@@ -17,6 +17,7 @@ use webproxy_dispatcher::{
     StreamsConfig,
 };
 
+use crate::document::{ClusterDocument, ClusterService};
 use crate::nats_auth::NatsConfig;
 
 /// The whole configuration file.
@@ -30,6 +31,7 @@ pub struct Config {
     pub service: ServiceConfig,
     pub log: LogConfig,
     pub telemetry: TelemetryConfig,
+    pub config: SourceConfig,
     #[serde(default)]
     pub pools: BTreeMap<String, PoolConfig>,
     #[serde(default)]
@@ -58,6 +60,22 @@ pub struct ServiceConfig {
     /// A pool message delivered more often than this crashed or stalled an instance
     /// that many times: it is answered `internal` and dead-lettered, not attempted.
     pub max_deliver: u32,
+}
+
+/// `[config]`: where the cluster part comes from.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    pub source: ClusterSource,
+}
+
+/// `file`: the cluster sections of this configuration. `kv`: the bucket
+/// `<PREFIX>_CONFIG`, seeded from this configuration when it is empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClusterSource {
+    File,
+    Kv,
 }
 
 /// How logs are written.
@@ -97,9 +115,30 @@ pub struct Settings {
     pub dispatcher: std::sync::Arc<webproxy_dispatcher::Settings>,
     /// `WEBPROXY_` variables that are not configuration and were ignored, each named.
     pub environment_warnings: Vec<String>,
+    /// The cluster sections and variables the `--config` file and the environment
+    /// set, which `source = "kv"` ignores once the bucket holds a document.
+    pub cluster_keys_set: Vec<String>,
 }
 
 impl Settings {
+    /// These settings with a cluster document (parsed and validated by `document`) in
+    /// place of the file's cluster part.
+    pub fn with_document(
+        mut self,
+        document: ClusterDocument,
+        dispatcher: webproxy_dispatcher::Settings,
+    ) -> Settings {
+        let config = &mut self.config;
+        config.outbound = document.outbound;
+        config.service.ack_wait = document.service.ack_wait;
+        config.service.max_deliver = document.service.max_deliver;
+        config.pools = document.pools;
+        config.request_rules = document.request_rules;
+        config.response_rules = document.response_rules;
+        self.dispatcher = std::sync::Arc::new(dispatcher);
+        self
+    }
+
     /// What `check-config` (and `serve`, at start) warns about: a configuration that
     /// runs, but probably not as meant. Each names the key.
     pub fn warnings(&self) -> Vec<String> {
@@ -120,16 +159,23 @@ impl Settings {
 }
 
 impl Config {
-    /// The cluster part of the file: the document the dispatcher takes whole.
-    pub fn cluster(&self) -> ClusterConfig {
-        ClusterConfig {
+    /// The cluster part of the file, as the document a bucket would hold.
+    pub fn document(&self) -> ClusterDocument {
+        ClusterDocument {
             outbound: self.outbound.clone(),
+            service: ClusterService {
+                ack_wait: self.service.ack_wait,
+                max_deliver: self.service.max_deliver,
+            },
             pools: self.pools.clone(),
             request_rules: self.request_rules.clone(),
             response_rules: self.response_rules.clone(),
-            ack_wait: self.service.ack_wait,
-            max_deliver: self.service.max_deliver,
         }
+    }
+
+    /// The cluster part of the file: the document the dispatcher takes whole.
+    pub fn cluster(&self) -> ClusterConfig {
+        self.document().into()
     }
 
     /// Checks everything that can be checked without a server and compiles the rules.
@@ -139,17 +185,6 @@ impl Config {
         }
         crate::nats_auth::check(&self.nats)?;
         let dispatcher = webproxy_dispatcher::Settings::new(self.streams.clone(), self.cluster())?;
-        // A hop republished after a lost ack comes back within ack_wait; twice that
-        // keeps the republish inside the window, where JetStream drops it as a duplicate.
-        if self.streams.duplicate_window < self.service.ack_wait * 2 {
-            return Err(ConfigError::new(
-                "streams.duplicate_window",
-                format!(
-                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
-                    self.service.ack_wait, self.streams.duplicate_window
-                ),
-            ));
-        }
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
         if !endpoint.is_empty() && !is_http {
@@ -162,6 +197,7 @@ impl Config {
             config: self,
             dispatcher: std::sync::Arc::new(dispatcher),
             environment_warnings: Vec::new(),
+            cluster_keys_set: Vec::new(),
         })
     }
 }

@@ -4,8 +4,10 @@
 mod cfg;
 mod cli;
 mod config;
+mod config_commands;
 mod connection;
 mod dead;
+mod document;
 mod health;
 mod nats_auth;
 mod operator;

@@ -1,5 +1,5 @@
 //! What the commands that talk to a running deployment share (`send`, `pools`,
-//! `dead`): their NATS options, connecting, reading a stream to its end, and an outlet
+//! `dead`, `config`): their NATS options, connecting, reading a stream to its end, and an outlet
 //! into the dispatcher's own settle and replay code.
 
 use std::ops::ControlFlow;
@@ -13,6 +13,7 @@ use webproxy_client::Client;
 use webproxy_dispatcher::Outlet;
 
 use crate::cfg;
+use crate::config::Settings;
 use crate::connection::{self, ConnectionArgs};
 
 /// Options of every subcommand that talks to NATS.
@@ -28,6 +29,12 @@ pub struct NatsArgs {
 /// Connects as the flags, the nats CLI's variables and the configuration say (see
 /// `connection` for the precedence); returns the client, which knows the prefix.
 pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
+    Ok(connect_with_settings(args).await?.0)
+}
+
+/// [`connect`], and the configuration it read (`config push` validates documents
+/// with its `[streams]`).
+pub async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, Settings)> {
     let settings = cfg::load(
         args.config.as_deref(),
         &connection::overrides(&args.connection)?,
@@ -47,7 +54,8 @@ pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
                 crate::nats_auth::redact_url_credentials(&nats_config.url)
             )
         })?;
-    Ok(Client::new(nats, settings.dispatcher.subjects.prefix())?)
+    let client = Client::new(nats, settings.dispatcher.subjects.prefix())?;
+    Ok((client, settings))
 }
 
 /// Hands every message `reader` has now to `each`, in batches, until `each` breaks or

@@ -1,4 +1,5 @@
-//! `webproxy serve`: connect, start the dispatcher (which provisions), consume until a
+//! `webproxy serve`: connect, take the cluster part from the file or from the bucket
+//! (`[config] source`), start the dispatcher (which provisions), consume until a
 //! signal, drain with a deadline.
 
 use std::sync::Arc;
@@ -6,24 +7,27 @@ use std::time::Duration;
 
 use crate::nats_auth;
 use anyhow::{Context as _, bail};
+use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
-use webproxy_dispatcher::{Dispatcher, Instruments, Redactor, Secrets, connect};
+use webproxy_dispatcher::{
+    ConfigStore, Dispatcher, Instruments, PushNote, Redactor, Secrets, Seeded, StoredRevision,
+    connect,
+};
 
-use crate::config::Settings;
-use crate::health;
+use crate::config::{ClusterSource, Settings};
+use crate::{document, health};
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
-    for warning in settings.warnings() {
-        warn!("configuration: {warning}");
-    }
-    let secrets = Arc::new(
-        Secrets::load(&settings.dispatcher.cluster.rules, redactor)
-            .context("cannot read an injected secret")?,
-    );
-    let settings = Arc::new(settings);
-    let instruments = Instruments::new(&settings.dispatcher);
+    let source = settings.config.config.source;
+    // In file mode the rules are known now, and an unreadable secret stops the start
+    // before anything connects; in kv mode they are known once the bucket is read.
+    let file_secrets = match source {
+        ClusterSource::File => Some(load_secrets(&settings, &redactor)?),
+        ClusterSource::Kv => None,
+    };
+    let instruments = Instruments::new();
     let listen = settings.config.http.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -33,11 +37,31 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
-    tokio::spawn(reload_on_hangup(settings.clone(), secrets.clone()));
+    // Listened for from the start: SIGHUP's default action ends the process.
+    let hangups = hangups();
 
     let Some((client, server)) = connect_until_up(&settings, &instruments, &shutdown).await? else {
         return Ok(());
     };
+    let (settings, secrets) = match file_secrets {
+        Some(secrets) => {
+            if !refuse_a_seeded_bucket(&client, &settings, &shutdown).await? {
+                return Ok(());
+            }
+            (settings, secrets)
+        }
+        None => {
+            let Some(settings) = cluster_from_bucket(&client, settings, &shutdown).await? else {
+                return Ok(());
+            };
+            let secrets = load_secrets(&settings, &redactor)?;
+            (settings, secrets)
+        }
+    };
+    let settings = Arc::new(settings);
+    if let Some(hangups) = hangups {
+        tokio::spawn(reload_on_hangup(hangups, settings.clone(), secrets.clone()));
+    }
     let Some(dispatcher) = Dispatcher::start(
         settings.dispatcher.clone(),
         client.clone(),
@@ -59,6 +83,102 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// Logs the configuration's warnings and reads the injected secrets of its rules.
+fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<Secrets>> {
+    for warning in settings.warnings() {
+        warn!("configuration: {warning}");
+    }
+    let secrets = Secrets::load(&settings.dispatcher.cluster.rules, redactor.clone())
+        .context("cannot read an injected secret")?;
+    Ok(Arc::new(secrets))
+}
+
+/// `source = "file"`: a bucket holding a document is a second source of truth, which
+/// instances in `kv` mode would follow while this one follows its file. `false` when a
+/// signal arrives before the bucket could be read.
+async fn refuse_a_seeded_bucket(
+    client: &async_nats::Client,
+    settings: &Settings,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    let Some(found) = ConfigStore::document_at_start(client, &settings.dispatcher, shutdown).await
+    else {
+        return Ok(false);
+    };
+    if let Some(found) = found {
+        let bucket = settings.dispatcher.subjects.config_bucket();
+        bail!(
+            "[config] source = \"file\", but the bucket {bucket} holds a cluster document (revision {}): two sources of truth would diverge. Set [config] source = \"kv\" (WEBPROXY_CONFIG__SOURCE=kv) to run on the bucket's document, or delete the bucket (`nats kv del {bucket}`) to run on this file",
+            found.revision
+        );
+    }
+    Ok(true)
+}
+
+/// A document another writer put in the bucket: the file's cluster settings are
+/// ignored, and the log says which.
+fn found_in_bucket(settings: &Settings, found: StoredRevision) -> (u64, String) {
+    if !settings.cluster_keys_set.is_empty() {
+        warn!(
+            bucket = settings.dispatcher.subjects.config_bucket(),
+            revision = found.revision,
+            "[config] source = \"kv\": the bucket's document is the cluster part; these settings of the configuration file and environment are ignored: {}",
+            settings.cluster_keys_set.join(", ")
+        );
+    }
+    (found.revision, found.document)
+}
+
+/// `source = "kv"`: the settings with the bucket's document as the cluster part. An
+/// empty bucket is seeded from the file's cluster part first (compare-and-set: of
+/// instances starting together, one writes it and the rest read it). `None` when a
+/// signal arrives first.
+async fn cluster_from_bucket(
+    client: &async_nats::Client,
+    settings: Settings,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Settings>> {
+    let bucket = settings.dispatcher.subjects.config_bucket();
+    let Some(found) = ConfigStore::document_at_start(client, &settings.dispatcher, shutdown).await
+    else {
+        return Ok(None);
+    };
+    let (revision, text) = match found {
+        Some(found) => found_in_bucket(&settings, found),
+        None => {
+            let text = document::to_text(&settings.config.document())?;
+            // What a push must pass, the seed must too (no secret written out).
+            document::validate(&text, &settings.config.streams)
+                .with_context(|| format!("cannot seed {bucket} from this configuration"))?;
+            let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "an unnamed host".into());
+            let note = PushNote {
+                user: format!("webproxy serve on {host}"),
+                message: "seeded from the configuration file".into(),
+            };
+            match ConfigStore::seed_at_start(client, &settings.dispatcher, &note, &text, shutdown)
+                .await
+            {
+                None => return Ok(None),
+                Some(Seeded::Written(revision)) => {
+                    info!(
+                        bucket,
+                        revision, "seeded the configuration bucket from this configuration"
+                    );
+                    (revision, text)
+                }
+                Some(Seeded::Found(found)) => found_in_bucket(&settings, found),
+            }
+        }
+    };
+    let (document, dispatcher) = document::validate(&text, &settings.config.streams)
+        .with_context(|| format!("the document at revision {revision} of {bucket} is invalid"))?;
+    info!(
+        bucket,
+        revision, "running on the bucket's cluster configuration"
+    );
+    Ok(Some(settings.with_document(document, dispatcher)))
 }
 
 /// The server's INFO, which arrives just after the connection is made.
@@ -113,16 +233,20 @@ async fn connect_until_up(
     }
 }
 
-/// SIGHUP re-reads the secret files of `inject_headers`; a file that cannot be read
-/// keeps every old value in use and is logged.
-async fn reload_on_hangup(settings: Arc<Settings>, secrets: Arc<Secrets>) {
-    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(s) => s,
+/// SIGHUP, listened for; `None` (logged) when it cannot be.
+fn hangups() -> Option<Signal> {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
         Err(e) => {
             warn!(error = %e, "cannot listen for SIGHUP; secret files will not be reloaded");
-            return;
+            None
         }
-    };
+    }
+}
+
+/// SIGHUP re-reads the secret files of `inject_headers`; a file that cannot be read
+/// keeps every old value in use and is logged.
+async fn reload_on_hangup(mut hangups: Signal, settings: Arc<Settings>, secrets: Arc<Secrets>) {
     while hangups.recv().await.is_some() {
         match secrets.reload_files(&settings.dispatcher.cluster.rules) {
             Ok(files) => info!(files, "SIGHUP: secret files reloaded"),

@@ -24,6 +24,7 @@ pub use publish::Outlet;
 pub use replay::ReplayError;
 pub use settle::Settled;
 pub use start::StartError;
+pub(crate) use start::retry_until_done;
 
 use progress::Progress;
 
@@ -150,6 +151,7 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
+        instruments.gauges.add(settings.cluster.pools.keys());
         Dispatcher {
             shared: Arc::new(Shared {
                 gauges: instruments.gauges,

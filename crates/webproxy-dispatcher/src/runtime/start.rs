@@ -135,9 +135,10 @@ fn effective_max_response_bytes(
     }
 }
 
-/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries; `None` when
+/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (also the
+/// configuration bucket's reads at start, `crate::config_store`); `None` when
 /// `shutdown` is cancelled first.
-async fn retry_until_done<T, E, F, Fut>(
+pub(crate) async fn retry_until_done<T, E, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
     mut step: F,
@@ -187,10 +188,12 @@ mod tests {
             jetstream,
             ..Default::default()
         };
-        assert!(check_server(&server("2.10.0", true)).is_ok());
-        let old = check_server(&server("2.9.25", true)).expect_err("2.9");
-        assert!(matches!(old, StartError::ServerTooOld { .. }), "{old}");
-        assert!(old.to_string().contains("needs 2.10 or newer"), "{old}");
+        assert!(check_server(&server("2.11.0", true)).is_ok());
+        for version in ["2.10.29", "2.9.25"] {
+            let old = check_server(&server(version, true)).expect_err(version);
+            assert!(matches!(old, StartError::ServerTooOld { .. }), "{old}");
+            assert!(old.to_string().contains("needs 2.11 or newer"), "{old}");
+        }
         let no_js = check_server(&server("2.11.1", false)).expect_err("no JetStream");
         assert!(matches!(no_js, StartError::NoJetStream { .. }), "{no_js}");
     }

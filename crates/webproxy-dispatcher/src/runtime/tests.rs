@@ -84,7 +84,11 @@ impl Fixture {
         );
         let shared = Shared {
             health: Arc::new(Health::new()),
-            gauges: Arc::new(Gauges::new(settings.cluster.pools.keys())),
+            gauges: {
+                let gauges = Gauges::default();
+                gauges.add(settings.cluster.pools.keys());
+                Arc::new(gauges)
+            },
             settings: Arc::new(settings),
             outlet,
             worker,

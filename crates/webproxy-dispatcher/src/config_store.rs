@@ -1,0 +1,470 @@
+//! The KV bucket `<PREFIX>_CONFIG`, which holds the cluster part of the configuration
+//! when `[config] source = "kv"`: one key, [`DOCUMENT_KEY`], whose value is the TOML
+//! document (the file's shape) after one comment line saying who pushed it and why
+//! ([`PushNote`]). The bucket's history is the document's history; every write is a
+//! compare-and-set, so two writers never both win. Parsing and validating a document
+//! is the binary's; this module only stores text.
+
+use async_nats::jetstream::{self, kv, stream};
+use futures::TryStreamExt as _;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+use webproxy_protocol::Subjects;
+
+use crate::config::Settings;
+use crate::runtime::retry_until_done;
+
+/// The key of the cluster document.
+pub(crate) const DOCUMENT_KEY: &str = "cluster";
+
+/// The revisions the bucket keeps of the document, for `config history`, `show
+/// --revision` and `rollback`: JetStream's most.
+const HISTORY: i64 = 64;
+
+/// What the first line of a stored value starts with, before the note's JSON. A TOML
+/// comment, so the stored value is itself a valid document.
+const NOTE_LINE: &str = "# webproxy-push: ";
+
+/// Who pushed a revision and why, as the pushing process said: self-reported (the
+/// pusher's `USER`, or `--author`), not authenticated.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushNote {
+    pub user: String,
+    pub message: String,
+}
+
+/// One revision of the document as stored.
+#[derive(Debug, Clone)]
+pub struct StoredRevision {
+    /// The bucket's revision (its stream sequence).
+    pub revision: u64,
+    pub created: time::OffsetDateTime,
+    /// `None` for a value written without one (by hand, with `nats kv put`).
+    pub note: Option<PushNote>,
+    /// The TOML document, without the note line.
+    pub document: String,
+    /// The key was deleted or purged at this revision: there is no document.
+    pub deleted: bool,
+}
+
+/// How seeding an empty bucket went.
+#[derive(Debug, Clone)]
+pub enum Seeded {
+    /// This call wrote the document, at this revision.
+    Written(u64),
+    /// The bucket already held one (another instance seeded it first, or a push).
+    Found(StoredRevision),
+}
+
+#[derive(Debug, Error)]
+pub enum ConfigStoreError {
+    #[error("cannot open or create the configuration bucket {bucket}: {message}")]
+    Bucket { bucket: String, message: String },
+    #[error("cannot read the configuration bucket {bucket}: {message}")]
+    Read { bucket: String, message: String },
+    #[error("cannot write the configuration bucket {bucket}: {message}")]
+    Write { bucket: String, message: String },
+    /// A compare-and-set lost: the document is not at the revision the writer read.
+    #[error(
+        "the document in {bucket} is no longer {}: it changed since it was read; review it and push again",
+        match expected { Some(revision) => format!("at revision {revision}"), None => "absent".to_string() }
+    )]
+    Conflict {
+        bucket: String,
+        expected: Option<u64>,
+    },
+}
+
+/// The stored value: the note line, then the document.
+pub(crate) fn stored_text(note: &PushNote, document: &str) -> String {
+    // serde_json writes a string's newlines as `\n`, so the note stays on one line.
+    let note = serde_json::to_string(note).unwrap_or_default();
+    format!("{NOTE_LINE}{note}\n{}", strip_note(document).1)
+}
+
+/// A stored value's note (when its first line is one) and its document.
+pub(crate) fn strip_note(text: &str) -> (Option<PushNote>, &str) {
+    let (first, rest) = text.split_once('\n').unwrap_or((text, ""));
+    match first
+        .strip_prefix(NOTE_LINE)
+        .and_then(|json| serde_json::from_str(json).ok())
+    {
+        Some(note) => (Some(note), rest),
+        None => (None, text),
+    }
+}
+
+fn stored_revision(entry: kv::Entry) -> StoredRevision {
+    let text = String::from_utf8_lossy(&entry.value);
+    let (note, document) = strip_note(&text);
+    StoredRevision {
+        revision: entry.revision,
+        created: entry.created,
+        note,
+        document: document.to_string(),
+        deleted: entry.operation != kv::Operation::Put,
+    }
+}
+
+/// The bucket: file storage, the streams' replicas, [`HISTORY`] revisions.
+pub(crate) fn config_bucket_config(settings: &Settings) -> kv::Config {
+    kv::Config {
+        bucket: settings.subjects.config_bucket(),
+        description: "webproxy's cluster configuration: rules, pools, outbound policy".into(),
+        history: HISTORY,
+        storage: stream::StorageType::File,
+        num_replicas: settings.streams.replicas,
+        ..Default::default()
+    }
+}
+
+/// The cluster document's bucket.
+#[derive(Debug, Clone)]
+pub struct ConfigStore {
+    kv: kv::Store,
+    bucket: String,
+}
+
+impl ConfigStore {
+    /// The bucket, or `None` when it does not exist.
+    pub async fn open(
+        js: &jetstream::Context,
+        subjects: &Subjects,
+    ) -> Result<Option<ConfigStore>, ConfigStoreError> {
+        let bucket = subjects.config_bucket();
+        match js.get_key_value(&bucket).await {
+            Ok(kv) => Ok(Some(ConfigStore { kv, bucket })),
+            Err(e) if is_missing(&e) => Ok(None),
+            Err(e) => Err(ConfigStoreError::Bucket {
+                bucket,
+                message: error_chain(&e),
+            }),
+        }
+    }
+
+    /// The bucket, created with `settings`' replicas when it does not exist.
+    pub async fn open_or_create(
+        js: &jetstream::Context,
+        settings: &Settings,
+    ) -> Result<ConfigStore, ConfigStoreError> {
+        if let Some(store) = ConfigStore::open(js, &settings.subjects).await? {
+            return Ok(store);
+        }
+        let config = config_bucket_config(settings);
+        let bucket = config.bucket.clone();
+        // Two creators at once: the same configuration, so the second create succeeds.
+        let kv = js
+            .create_key_value(config)
+            .await
+            .map_err(|e| ConfigStoreError::Bucket {
+                bucket: bucket.clone(),
+                message: error_chain(&e),
+            })?;
+        Ok(ConfigStore { kv, bucket })
+    }
+
+    /// The bucket's name.
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// The latest revision of the document's key (a deletion included), or `None`
+    /// when it was never written.
+    pub async fn latest(&self) -> Result<Option<StoredRevision>, ConfigStoreError> {
+        let entry = self
+            .kv
+            .entry(DOCUMENT_KEY)
+            .await
+            .map_err(|e| self.read_error(&e))?;
+        Ok(entry.map(stored_revision))
+    }
+
+    /// The current document, or `None` when there is none (never written, or deleted).
+    pub async fn current(&self) -> Result<Option<StoredRevision>, ConfigStoreError> {
+        Ok(self.latest().await?.filter(|r| !r.deleted))
+    }
+
+    /// The document at `revision`, or `None` when that revision is not one of the
+    /// document's, or is no longer in the history.
+    pub async fn revision(
+        &self,
+        revision: u64,
+    ) -> Result<Option<StoredRevision>, ConfigStoreError> {
+        let entry = self
+            .kv
+            .entry_for_revision(DOCUMENT_KEY, revision)
+            .await
+            .map_err(|e| self.read_error(&e))?;
+        Ok(entry.map(stored_revision))
+    }
+
+    /// Every revision the bucket keeps, oldest first, deletions included.
+    pub async fn history(&self) -> Result<Vec<StoredRevision>, ConfigStoreError> {
+        if self.latest().await?.is_none() {
+            // The history of a key never written would wait for its first value.
+            return Ok(Vec::new());
+        }
+        let entries = self
+            .kv
+            .history(DOCUMENT_KEY)
+            .await
+            .map_err(|e| self.read_error(&e))?;
+        let entries: Vec<kv::Entry> = entries
+            .try_collect()
+            .await
+            .map_err(|e| self.read_error(&e))?;
+        Ok(entries.into_iter().map(stored_revision).collect())
+    }
+
+    /// Writes `document` with `note` if the document's key is still at `expected`
+    /// (`None`: there is no document); returns the new revision.
+    pub async fn put(
+        &self,
+        note: &PushNote,
+        document: &str,
+        expected: Option<u64>,
+    ) -> Result<u64, ConfigStoreError> {
+        let value = stored_text(note, document).into_bytes().into();
+        let conflict = || ConfigStoreError::Conflict {
+            bucket: self.bucket.clone(),
+            expected,
+        };
+        match expected {
+            // `create` also replaces a deletion marker.
+            None => self.kv.create(DOCUMENT_KEY, value).await.map_err(|e| {
+                if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                    conflict()
+                } else {
+                    self.write_error(&e)
+                }
+            }),
+            Some(revision) => self
+                .kv
+                .update(DOCUMENT_KEY, value, revision)
+                .await
+                .map_err(|e| {
+                    if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                        conflict()
+                    } else {
+                        self.write_error(&e)
+                    }
+                }),
+        }
+    }
+
+    /// Writes `document` if there is none; if there is one, returns it. Of several
+    /// instances seeding at once, one writes and the others read what it wrote.
+    pub async fn seed(&self, note: &PushNote, document: &str) -> Result<Seeded, ConfigStoreError> {
+        // One read decides: a document is found, or the write expects exactly this
+        // state (nothing, or this deletion). Two reads would let another seed land
+        // between them and be taken for a deletion.
+        let expected = match self.latest().await? {
+            Some(found) if !found.deleted => return Ok(Seeded::Found(found)),
+            Some(deleted) => Some(deleted.revision),
+            None => None,
+        };
+        match self.put(note, document, expected).await {
+            Ok(revision) => Ok(Seeded::Written(revision)),
+            Err(ConfigStoreError::Conflict { .. }) => match self.current().await? {
+                Some(found) => Ok(Seeded::Found(found)),
+                // Written and deleted again in between: rare enough to report.
+                None => Err(ConfigStoreError::Conflict {
+                    bucket: self.bucket.clone(),
+                    expected,
+                }),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    fn read_error(&self, e: &dyn std::error::Error) -> ConfigStoreError {
+        ConfigStoreError::Read {
+            bucket: self.bucket.clone(),
+            message: error_chain(e),
+        }
+    }
+
+    fn write_error(&self, e: &dyn std::error::Error) -> ConfigStoreError {
+        ConfigStoreError::Write {
+            bucket: self.bucket.clone(),
+            message: error_chain(e),
+        }
+    }
+}
+
+impl ConfigStore {
+    /// At start, in `file` mode: the current document in the bucket, if the bucket exists
+    /// and holds one. Retried like provisioning (JetStream may be electing leaders);
+    /// `None` when `shutdown` is cancelled first.
+    pub async fn document_at_start(
+        client: &async_nats::Client,
+        settings: &Settings,
+        shutdown: &CancellationToken,
+    ) -> Option<Option<StoredRevision>> {
+        let js = start_context(client, settings);
+        retry_until_done("reading the configuration bucket", shutdown, || async {
+            match ConfigStore::open(&js, &settings.subjects).await? {
+                Some(store) => store.current().await,
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    /// At start, in `kv` mode: the bucket's document, or `document` (with `note`) written
+    /// into an empty bucket, created if need be. Retried like provisioning; `None` when
+    /// `shutdown` is cancelled first.
+    pub async fn seed_at_start(
+        client: &async_nats::Client,
+        settings: &Settings,
+        note: &PushNote,
+        document: &str,
+        shutdown: &CancellationToken,
+    ) -> Option<Seeded> {
+        let js = start_context(client, settings);
+        retry_until_done(
+            "reading or seeding the configuration bucket",
+            shutdown,
+            || async {
+                ConfigStore::open_or_create(&js, settings)
+                    .await?
+                    .seed(note, document)
+                    .await
+            },
+        )
+        .await
+    }
+}
+
+fn start_context(client: &async_nats::Client, settings: &Settings) -> jetstream::Context {
+    let mut js = jetstream::new(client.clone());
+    js.set_timeout(crate::config::jetstream_request_timeout(
+        settings.cluster.ack_wait,
+    ));
+    js
+}
+
+/// Whether opening a bucket failed because its stream does not exist.
+fn is_missing(e: &jetstream::context::KeyValueError) -> bool {
+    use std::error::Error as _;
+    e.source()
+        .and_then(|source| source.downcast_ref::<jetstream::context::GetStreamError>())
+        .is_some_and(|e| {
+            matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            )
+        })
+}
+
+/// An error and its sources, `: `-separated: async-nats' own messages are terse.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_note_is_one_comment_line_before_the_document() {
+        let note = PushNote {
+            user: "alice".into(),
+            message: "deny example.org\nfor the incident".into(),
+        };
+        let document = "[pools.a]\nmax_in_flight = 3\n";
+        let text = stored_text(&note, document);
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(text.starts_with("# webproxy-push: {"), "{text}");
+        assert_eq!(strip_note(&text), (Some(note.clone()), document));
+        // The stored value is a TOML document with the same content.
+        let stored: toml::Table = toml::from_str(&text).expect("TOML");
+        assert_eq!(
+            stored,
+            toml::from_str::<toml::Table>(document).expect("TOML")
+        );
+        // Pushing a saved value again replaces its note rather than stacking them.
+        let again = stored_text(&PushNote::default(), &text);
+        assert_eq!(strip_note(&again), (Some(PushNote::default()), document));
+    }
+
+    #[test]
+    fn a_value_without_a_note_is_all_document() {
+        for text in [
+            "",
+            "[pools.a]\n",
+            "# a comment\n[pools.a]\n",
+            "# webproxy-push: not json\n[pools.a]\n",
+        ] {
+            assert_eq!(strip_note(text), (None, text));
+        }
+    }
+}
+
+#[cfg(test)]
+mod seeding {
+    use super::*;
+    use webproxy_testkit::NatsServer;
+
+    /// Many seeds at once, over and over: exactly one writes each time, and every other
+    /// one finds what it wrote.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_seeds_write_once() {
+        let nats = NatsServer::start();
+        let js = jetstream::new(nats.client().await);
+        for round in 0..50 {
+            let kv = js
+                .create_key_value(kv::Config {
+                    bucket: format!("SEED{round}"),
+                    history: HISTORY,
+                    ..Default::default()
+                })
+                .await
+                .expect("bucket");
+            let store = ConfigStore {
+                kv,
+                bucket: format!("SEED{round}"),
+            };
+            if round % 2 == 1 {
+                // A deleted document is an empty bucket too.
+                store
+                    .put(&PushNote::default(), "old", None)
+                    .await
+                    .expect("put");
+                store.kv.delete(DOCUMENT_KEY).await.expect("delete");
+            }
+            let seeds = futures::future::join_all((0..4).map(|i| {
+                let store = store.clone();
+                async move { store.seed(&PushNote::default(), &format!("seed {i}")).await }
+            }))
+            .await;
+            let written: Vec<u64> = seeds
+                .iter()
+                .filter_map(|s| match s {
+                    Ok(Seeded::Written(revision)) => Some(*revision),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(written.len(), 1, "round {round}: {seeds:?}");
+            for seed in &seeds {
+                match seed {
+                    Ok(Seeded::Found(found)) => assert_eq!(found.revision, written[0]),
+                    Ok(Seeded::Written(_)) => {}
+                    Err(e) => panic!("round {round}: {e}"),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,352 @@
+//! `webproxy config`: the cluster document in the bucket `<PREFIX>_CONFIG` (`push`,
+//! `show`, `history`, `rollback`, `diff`). Every document is validated as
+//! `check-config` validates the file (with this configuration's `[streams]`), and
+//! every write is a compare-and-set on the revision read, so a push made in between
+//! is never overwritten.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
+use async_nats::jetstream;
+use clap::{Args, Subcommand};
+use serde::Serialize;
+use webproxy_dispatcher::{ConfigStore, PushNote, StoredRevision};
+
+use crate::config::Settings;
+use crate::document::{self, ClusterDocument};
+use crate::operator::{NatsArgs, connect_with_settings};
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a cluster document and write it as the new revision, with
+    /// compare-and-set; print the revision and the diff against the current one.
+    Push {
+        /// The document: the file's [outbound], [service] ack_wait and max_deliver,
+        /// [pools.*], [[request_rules]] and [[response_rules]], nothing else.
+        file: PathBuf,
+        /// Write only if the current revision is N (0: only if there is no document
+        /// yet). Without it, the revision read just before writing.
+        #[arg(long, value_name = "N")]
+        expect_revision: Option<u64>,
+        #[command(flatten)]
+        note: NoteArgs,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// Print the current document, or an older revision's.
+    Show {
+        #[arg(long, value_name = "N")]
+        revision: Option<u64>,
+        /// Print JSON: revision, time, user, message and document.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// List the revisions the bucket keeps: revision, time, user, message.
+    History {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// Push revision N's document again, with compare-and-set on the current revision.
+    Rollback {
+        revision: u64,
+        #[command(flatten)]
+        note: NoteArgs,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// Validate a document and print its diff against the current revision; write
+    /// nothing.
+    Diff {
+        file: PathBuf,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+}
+
+/// What `history` shows of a push. Self-reported: the bucket records what the pushing
+/// process says.
+#[derive(Debug, Args)]
+pub struct NoteArgs {
+    /// Why: shown by `config history`.
+    #[arg(long, value_name = "TEXT", default_value = "")]
+    message: String,
+    /// Who, as `config history` shows it; by default the USER (or LOGNAME) variable.
+    #[arg(long, value_name = "NAME")]
+    author: Option<String>,
+}
+
+impl NoteArgs {
+    fn note(self, default_message: impl FnOnce() -> String) -> PushNote {
+        let user = self.author.unwrap_or_else(|| {
+            ["USER", "LOGNAME", "USERNAME"]
+                .iter()
+                .find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+                .unwrap_or_else(|| "unknown".into())
+        });
+        let message = if self.message.is_empty() {
+            default_message()
+        } else {
+            self.message
+        };
+        PushNote { user, message }
+    }
+}
+
+pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
+    match command {
+        ConfigCommand::Push {
+            file,
+            expect_revision,
+            note,
+            nats,
+        } => {
+            let (client, settings) = connect_with_settings(&nats).await?;
+            let name = file.display().to_string();
+            let text = read_document(&file)?;
+            let pushed = validated(&text, &settings, &name)?;
+            let js = jetstream::new(client.nats().clone());
+            let store = ConfigStore::open_or_create(&js, &settings.dispatcher).await?;
+            let current = store.latest().await?;
+            let expected = match expect_revision {
+                Some(0) => None,
+                Some(revision) => Some(revision),
+                None => current.as_ref().map(|r| r.revision),
+            };
+            let push = Push {
+                store: &store,
+                current: current.as_ref(),
+                expected,
+            };
+            push.write(&text, &pushed, note.note(String::new)).await
+        }
+        ConfigCommand::Rollback {
+            revision,
+            note,
+            nats,
+        } => {
+            let (settings, store) = open(&nats).await?;
+            let old = revision_of(&store, revision).await?;
+            let pushed = validated(&old.document, &settings, &format!("revision {revision}"))?;
+            let current = store.latest().await?;
+            if current.as_ref().is_some_and(|c| c.revision == revision) {
+                bail!("revision {revision} is the current one already");
+            }
+            let push = Push {
+                store: &store,
+                current: current.as_ref(),
+                expected: current.as_ref().map(|r| r.revision),
+            };
+            let note = note.note(|| format!("rollback to revision {revision}"));
+            push.write(&old.document, &pushed, note).await
+        }
+        ConfigCommand::Show {
+            revision,
+            json,
+            nats,
+        } => {
+            let store = open(&nats).await?.1;
+            let shown = match revision {
+                Some(revision) => revision_of(&store, revision).await?,
+                None => store
+                    .current()
+                    .await?
+                    .with_context(|| format!("the bucket {} holds no document", store.bucket()))?,
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&Listed::from(&shown))?);
+            } else {
+                eprintln!("{}", describe(&shown));
+                print!("{}", shown.document);
+            }
+            Ok(())
+        }
+        ConfigCommand::History { json, nats } => {
+            let store = open(&nats).await?.1;
+            let history = store.history().await?;
+            if json {
+                let listed: Vec<Listed> = history.iter().map(Listed::from).collect();
+                println!("{}", serde_json::to_string_pretty(&listed)?);
+            } else {
+                for revision in &history {
+                    println!("{}", describe(revision));
+                }
+            }
+            Ok(())
+        }
+        ConfigCommand::Diff { file, nats } => {
+            let (client, settings) = connect_with_settings(&nats).await?;
+            let name = file.display().to_string();
+            let text = read_document(&file)?;
+            validated(&text, &settings, &name)?;
+            let js = jetstream::new(client.nats().clone());
+            let current = match ConfigStore::open(&js, &settings.dispatcher.subjects).await? {
+                Some(store) => store.current().await?,
+                None => None,
+            };
+            let diff = document::unified_diff(
+                current.as_ref().map_or("", |c| &c.document),
+                &text,
+                &current_name(current.as_ref()),
+                &name,
+            );
+            if diff.is_empty() {
+                println!("no difference from {}", current_name(current.as_ref()));
+            } else {
+                print!("{diff}");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `text` (the document `name`) parsed and validated with this configuration's
+/// `[streams]`, as `check-config` validates a file.
+fn validated(text: &str, settings: &Settings, name: &str) -> anyhow::Result<ClusterDocument> {
+    let (document, _) = document::validate(text, &settings.config.streams)
+        .with_context(|| format!("invalid document {name}"))?;
+    Ok(document)
+}
+
+/// One compare-and-set write over `current`.
+struct Push<'a> {
+    store: &'a ConfigStore,
+    /// The latest revision read (a deletion included), or none.
+    current: Option<&'a StoredRevision>,
+    /// The revision the document must still be at (`None`: no document).
+    expected: Option<u64>,
+}
+
+impl Push<'_> {
+    /// Writes `text` (validated: `pushed`) if the document is still at the expected
+    /// revision, and prints the new revision, the diff and the pools it leaves out.
+    async fn write(
+        &self,
+        text: &str,
+        pushed: &ClusterDocument,
+        note: PushNote,
+    ) -> anyhow::Result<()> {
+        let current = self.current.filter(|c| !c.deleted);
+        let old_text = current.map_or("", |c| c.document.as_str());
+        if let Some(current) = current
+            && old_text == text
+            && self.expected == Some(current.revision)
+        {
+            println!(
+                "unchanged: revision {} holds this document already",
+                current.revision
+            );
+            return Ok(());
+        }
+        let revision = self.store.put(&note, text, self.expected).await?;
+        println!("pushed revision {revision} to {}", self.store.bucket());
+        print!(
+            "{}",
+            document::unified_diff(
+                old_text,
+                text,
+                &current_name(current),
+                &format!("revision {revision}")
+            )
+        );
+        // A document that no longer parses (written by hand) names no pools to compare.
+        if let Some(Ok(before)) = current.map(|c| document::parse(&c.document)) {
+            for pool in document::removed_pools(&before, pushed) {
+                eprintln!(
+                    "notice: pool {pool} is not in the pushed document; it keeps being served until `webproxy pools remove {pool}`"
+                );
+            }
+        }
+        eprintln!(
+            "note: instances read the document when they start ([config] source = \"kv\"); restart them to apply it"
+        );
+        Ok(())
+    }
+}
+
+/// A revision in `show --json` and `history --json`.
+#[derive(Debug, Serialize)]
+struct Listed<'a> {
+    revision: u64,
+    /// RFC 3339.
+    time: String,
+    user: Option<&'a str>,
+    message: Option<&'a str>,
+    deleted: bool,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    document: &'a str,
+}
+
+impl<'a> From<&'a StoredRevision> for Listed<'a> {
+    fn from(revision: &'a StoredRevision) -> Listed<'a> {
+        Listed {
+            revision: revision.revision,
+            time: rfc3339(revision.created),
+            user: revision.note.as_ref().map(|n| n.user.as_str()),
+            message: revision.note.as_ref().map(|n| n.message.as_str()),
+            deleted: revision.deleted,
+            document: &revision.document,
+        }
+    }
+}
+
+fn rfc3339(time: time::OffsetDateTime) -> String {
+    time.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| time.to_string())
+}
+
+/// One line: revision, time, user and message (`-` where the value carries no note).
+fn describe(revision: &StoredRevision) -> String {
+    let (user, message) = match (&revision.note, revision.deleted) {
+        (_, true) => ("-", "(deleted)"),
+        (Some(note), false) => (note.user.as_str(), note.message.as_str()),
+        (None, false) => ("-", "(written without a note)"),
+    };
+    let message = message.replace('\n', " ");
+    format!(
+        "{:>6}  {}  {user}  {message}",
+        revision.revision,
+        rfc3339(revision.created)
+    )
+}
+
+fn current_name(current: Option<&StoredRevision>) -> String {
+    current.map_or_else(
+        || "no document".to_string(),
+        |c| format!("revision {}", c.revision),
+    )
+}
+
+async fn revision_of(store: &ConfigStore, revision: u64) -> anyhow::Result<StoredRevision> {
+    match store.revision(revision).await? {
+        Some(found) if !found.deleted => Ok(found),
+        Some(_) => bail!("revision {revision} deleted the document; it holds none"),
+        None => bail!(
+            "revision {revision} is not a revision of the document in {} (the bucket keeps the last 64)",
+            store.bucket()
+        ),
+    }
+}
+
+fn read_document(file: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))
+}
+
+/// The bucket, which must exist.
+async fn open(nats: &NatsArgs) -> anyhow::Result<(Settings, ConfigStore)> {
+    let (client, settings) = connect_with_settings(nats).await?;
+    let js = jetstream::new(client.nats().clone());
+    let store = ConfigStore::open(&js, &settings.dispatcher.subjects)
+        .await?
+        .with_context(|| {
+            format!(
+                "there is no bucket {}: nothing was pushed yet",
+                settings.dispatcher.subjects.config_bucket()
+            )
+        })?;
+    Ok((settings, store))
+}

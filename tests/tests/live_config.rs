@@ -1,0 +1,477 @@
+//! The cluster part of the configuration in the KV bucket WEBPROXY_CONFIG (issue 18,
+//! first half): `webproxy config push`, `show`, `history`, `rollback` and `diff`
+//! against a real nats-server, and `serve` with `[config] source = "file"` and
+//! `"kv"`: seeding an empty bucket once, refusing a seeded bucket in file mode,
+//! serving by the bucket's rules, and doing so with deploy/nats/authorization.conf's
+//! permissions.
+
+use std::path::Path;
+use std::process::Output;
+use std::time::Duration;
+
+use serde_json::Value;
+use webproxy_client::Client;
+use webproxy_protocol::{ErrorCode, Outcome};
+use webproxy_tests::authorized::{ADMIN, SERVICE_USER, password, service_as};
+use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, path_rule, to};
+use webproxy_tests::run_webproxy as webproxy;
+use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
+
+/// How long a refused instance may take to exit: connecting and one read of the
+/// bucket, well under the fixture's 30 s readiness bound.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn success(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "failed: {}\nstdout: {}",
+        text(&output.stderr),
+        text(&output.stdout)
+    );
+    text(&output.stdout)
+}
+
+fn failure(output: &Output) -> String {
+    assert!(
+        !output.status.success(),
+        "succeeded: {}\nstderr: {}",
+        text(&output.stdout),
+        text(&output.stderr)
+    );
+    text(&output.stderr)
+}
+
+/// Writes a document into `dir` and returns its path.
+fn write(dir: &Path, name: &str, document: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, document).expect("write a document");
+    path.display().to_string()
+}
+
+/// `webproxy config ARGS --nats URL`.
+async fn config(nats: &NatsServer, args: &[&str]) -> Output {
+    config_as(nats, args, &[]).await
+}
+
+/// `webproxy config ARGS --nats URL CREDENTIALS`.
+async fn config_as(nats: &NatsServer, args: &[&str], credentials: &[&str]) -> Output {
+    let url = nats.url();
+    let mut all = vec!["config"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--nats", &url]);
+    all.extend_from_slice(credentials);
+    webproxy(&all).await
+}
+
+/// `config history --json`.
+async fn history(nats: &NatsServer) -> Vec<Value> {
+    let output = config(nats, &["history", "--json"]).await;
+    let listed: Value = serde_json::from_str(&success(&output)).expect("JSON");
+    listed.as_array().expect("a list").clone()
+}
+
+/// A document that opens `upstream` (loopback, so the guard must allow it) with one
+/// pool, `partner`, and nothing else.
+fn document(upstream: &Upstream, extra: &str) -> String {
+    format!(
+        "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = 4\n\n{extra}{}",
+        accept_rule("local", upstream)
+    )
+}
+
+#[tokio::test]
+async fn push_prints_the_revision_and_a_diff_and_history_says_who_and_why() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = write(dir.path(), "first.toml", &document(&upstream, ""));
+    let pushed = success(
+        &config(
+            &nats,
+            &[
+                "push",
+                &first,
+                "--message",
+                "open the partner",
+                "--author",
+                "alice",
+            ],
+        )
+        .await,
+    );
+    assert!(
+        pushed.starts_with("pushed revision 1 to WEBPROXY_CONFIG\n"),
+        "{pushed}"
+    );
+    assert!(pushed.contains("+++ revision 1\n"), "{pushed}");
+    assert!(pushed.contains("+[pools.partner]\n"), "{pushed}");
+
+    // The second document drops pool partner and adds a deny rule.
+    let deny = path_rule("no-admin", &upstream, "/admin") + "action = \"deny\"\n";
+    let second_text = format!(
+        "[outbound]\nallow_private_networks = true\n\n{deny}{}",
+        accept_rule("local", &upstream)
+    );
+    let second = write(dir.path(), "second.toml", &second_text);
+    let output = config(
+        &nats,
+        &[
+            "push",
+            &second,
+            "--author",
+            "bob",
+            "--message",
+            "deny\nadmin",
+        ],
+    )
+    .await;
+    let pushed = success(&output);
+    assert!(pushed.starts_with("pushed revision 2 "), "{pushed}");
+    assert!(
+        pushed.contains("--- revision 1\n+++ revision 2\n"),
+        "{pushed}"
+    );
+    assert!(pushed.contains("-[pools.partner]\n"), "{pushed}");
+    assert!(pushed.contains("+name = \"no-admin\"\n"), "{pushed}");
+    let notice = text(&output.stderr);
+    assert!(
+        notice.contains("pool partner is not in the pushed document; it keeps being served until `webproxy pools remove partner`"),
+        "{notice}"
+    );
+
+    let listed = history(&nats).await;
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed[0]["revision"], 1);
+    assert_eq!(listed[0]["user"], "alice");
+    assert_eq!(listed[0]["message"], "open the partner");
+    assert_eq!(listed[1]["user"], "bob");
+    assert_eq!(listed[1]["message"], "deny\nadmin");
+    assert!(
+        listed[1]["time"].as_str().is_some_and(|t| t.contains('T')),
+        "{listed:?}"
+    );
+    let lines = success(&config(&nats, &["history"]).await);
+    assert!(lines.contains("bob  deny admin"), "{lines}");
+    assert!(lines.contains("alice  open the partner"), "{lines}");
+}
+
+#[tokio::test]
+async fn a_stale_expect_revision_is_refused() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one = write(dir.path(), "one.toml", &document(&upstream, ""));
+    let two = write(
+        dir.path(),
+        "two.toml",
+        &document(&upstream, "[pools.other]\n\n"),
+    );
+    success(&config(&nats, &["push", &one, "--expect-revision", "0"]).await);
+    // Pushing over "no document" again: someone pushed revision 1 meanwhile.
+    let refused = failure(&config(&nats, &["push", &two, "--expect-revision", "0"]).await);
+    assert!(refused.contains("is no longer absent"), "{refused}");
+    success(&config(&nats, &["push", &two, "--expect-revision", "1"]).await);
+    // Operator A read revision 1; operator B pushed revision 2 since.
+    let refused = failure(&config(&nats, &["push", &one, "--expect-revision", "1"]).await);
+    assert!(
+        refused.contains("is no longer at revision 1: it changed since it was read"),
+        "{refused}"
+    );
+    assert_eq!(history(&nats).await.len(), 2);
+}
+
+#[tokio::test]
+async fn invalid_documents_and_literal_secrets_are_refused_naming_the_key() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        (
+            "[pools.partner]\nmax_in_flight = 0\n".to_string(),
+            "pools.partner.max_in_flight",
+        ),
+        (
+            "[pools.partner]\nmax_in_fligth = 3\n".to_string(),
+            "pools.partner.max_in_fligth",
+        ),
+        (
+            "[service]\nshutdown_grace = \"1s\"\n".to_string(),
+            "service.shutdown_grace",
+        ),
+        // The check across the parts: with the default duplicate_window of 2m.
+        (
+            "[service]\nack_wait = \"90s\"\nmax_deliver = 5\n".to_string(),
+            "streams.duplicate_window",
+        ),
+        (
+            accept_rule("local", &upstream) + "pool = \"nowhere\"\n",
+            "request_rules[0] (local).pool",
+        ),
+        (
+            accept_rule("local", &upstream)
+                + "origin = \"https://partner.example\"\n[request_rules.inject_headers]\nAuthorization = \"Bearer sk_live_4242\"\n",
+            "request_rules[0] (local).inject_headers.Authorization",
+        ),
+        (
+            accept_rule("local", &upstream)
+                + "origin = \"https://partner.example\"\n[request_rules.inject_headers]\nAuthorization = { env = \"TOKEN\", prefix = \"Bearer sk_live_4242 \" }\n",
+            "request_rules[0] (local).inject_headers.Authorization.prefix",
+        ),
+    ];
+    for (index, (document, key)) in cases.iter().enumerate() {
+        let file = write(dir.path(), &format!("bad{index}.toml"), document);
+        let refused = failure(&config(&nats, &["push", &file]).await);
+        assert!(refused.contains(key), "{key}: {refused}");
+        assert!(
+            !refused.contains("sk_live_4242"),
+            "a secret repeated: {refused}"
+        );
+        // check-config validates a document the same way.
+        let checked = failure(&webproxy(&["check-config", "--document", &file]).await);
+        assert!(checked.contains(key), "{key}: {checked}");
+    }
+    // Nothing was written, and no bucket made.
+    let shown = failure(&config(&nats, &["show"]).await);
+    assert!(
+        shown.contains("there is no bucket WEBPROXY_CONFIG"),
+        "{shown}"
+    );
+}
+
+#[tokio::test]
+async fn show_diff_and_rollback() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one_text = document(&upstream, "");
+    let two_text = document(&upstream, "[pools.other]\nmax_in_flight = 2\n\n");
+    let one = write(dir.path(), "one.toml", &one_text);
+    let two = write(dir.path(), "two.toml", &two_text);
+    let diff = success(&config(&nats, &["diff", &one]).await);
+    assert!(diff.starts_with("--- no document\n+++ "), "{diff}");
+    success(&config(&nats, &["push", &one]).await);
+    let diff = success(&config(&nats, &["diff", &one]).await);
+    assert_eq!(diff, "no difference from revision 1\n");
+    let diff = success(&config(&nats, &["diff", &two]).await);
+    assert!(
+        diff.contains("+[pools.other]\n+max_in_flight = 2\n"),
+        "{diff}"
+    );
+    // diff writes nothing.
+    assert_eq!(history(&nats).await.len(), 1);
+    success(&config(&nats, &["push", &two]).await);
+
+    assert_eq!(success(&config(&nats, &["show"]).await), two_text);
+    assert_eq!(
+        success(&config(&nats, &["show", "--revision", "1"]).await),
+        one_text
+    );
+    let shown: Value =
+        serde_json::from_str(&success(&config(&nats, &["show", "--json"]).await)).expect("JSON");
+    assert_eq!(shown["revision"], 2);
+    assert_eq!(shown["document"], two_text.as_str());
+    let missing = failure(&config(&nats, &["show", "--revision", "9"]).await);
+    assert!(
+        missing.contains("revision 9 is not a revision"),
+        "{missing}"
+    );
+
+    let rolled = success(&config(&nats, &["rollback", "1", "--author", "carol"]).await);
+    assert!(rolled.starts_with("pushed revision 3 "), "{rolled}");
+    assert!(rolled.contains("-[pools.other]\n"), "{rolled}");
+    assert_eq!(success(&config(&nats, &["show"]).await), one_text);
+    let listed = history(&nats).await;
+    assert_eq!(listed.len(), 3);
+    assert_eq!(listed[2]["user"], "carol");
+    assert_eq!(listed[2]["message"], "rollback to revision 1");
+    let again = failure(&config(&nats, &["rollback", "3"]).await);
+    assert!(
+        again.contains("revision 3 is the current one already"),
+        "{again}"
+    );
+}
+
+/// A service config in `kv` mode, its cluster part from `cluster`.
+fn kv_config(cluster: &str) -> String {
+    format!("[config]\nsource = \"kv\"\n\n{cluster}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_kv_instances_starting_together_seed_the_bucket_once() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let services: Vec<Service> = [3, 7]
+        .iter()
+        .map(|limit| {
+            let cluster = format!(
+                "[pools.partner]\nmax_in_flight = {limit}\n\n{}",
+                accept_rule("local", &upstream)
+            );
+            Service::spawn(&nats.url(), &kv_config(&cluster), ServiceOptions::default())
+        })
+        .collect();
+    for service in &services {
+        service.wait_ready(Duration::from_secs(30)).await;
+    }
+    let logs: Vec<String> = services.iter().map(Service::logs).collect();
+    let listed = history(&nats).await;
+    assert_eq!(
+        listed.len(),
+        1,
+        "seeded more than once: {listed:?}\n{}",
+        logs.join("\n----\n")
+    );
+    assert_eq!(listed[0]["message"], "seeded from the configuration file");
+    let seeders = logs
+        .iter()
+        .filter(|log| log.contains("seeded the configuration bucket"))
+        .count();
+    assert_eq!(seeders, 1, "{}", logs.join("\n----\n"));
+    // The other read the seeder's document and says what of its own it ignores.
+    assert!(
+        logs.iter().any(|log| log.contains(
+            "are ignored: [pools.*], [[request_rules]], WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS"
+        )),
+        "{}",
+        logs.join("\n----\n")
+    );
+    let shown = success(&config(&nats, &["show"]).await);
+    assert!(
+        shown.contains("max_in_flight = 3") != shown.contains("max_in_flight = 7"),
+        "{shown}"
+    );
+}
+
+/// A server whose bucket holds revision 1, `document(upstream, "")`, pushed.
+async fn seeded_bucket() -> (NatsServer, Upstream) {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "cluster.toml", &document(&upstream, ""));
+    success(&config(&nats, &["push", &file]).await);
+    (nats, upstream)
+}
+
+/// Starts an instance with `config` that must exit with an error; its logs.
+async fn refused_start(nats: &NatsServer, config: &str) -> String {
+    let mut service = Service::spawn(&nats.url(), config, ServiceOptions::default());
+    let status = service.wait_exit(EXIT_TIMEOUT).await;
+    let logs = service.logs();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {logs}");
+    logs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_mode_instance_refuses_to_start_against_a_seeded_bucket() {
+    let (nats, upstream) = seeded_bucket().await;
+    let logs = refused_start(&nats, &accept_rule("local", &upstream)).await;
+    assert!(
+        logs.contains("[config] source = \"file\", but the bucket WEBPROXY_CONFIG holds a cluster document (revision 1)"),
+        "{logs}"
+    );
+    assert!(logs.contains("WEBPROXY_CONFIG__SOURCE=kv"), "{logs}");
+    assert!(logs.contains("delete the bucket"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_instance_serves_by_the_buckets_rules_not_its_files() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The bucket denies /admin; the instance's file accepts everything.
+    let deny = path_rule("no-admin", &upstream, "/admin") + "action = \"deny\"\n";
+    let file = write(dir.path(), "cluster.toml", &document(&upstream, &deny));
+    success(&config(&nats, &["push", &file]).await);
+    let service = Service::start_with(
+        &nats.url(),
+        &kv_config(&accept_rule("everything", &upstream)),
+        ServiceOptions::default(),
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let request =
+        |path: &str| to("default", &envelope("GET", &upstream.url(path))).wait(REPLY_TIMEOUT);
+    let denied = client
+        .request(&request("/admin/users"))
+        .await
+        .expect("reply");
+    assert_eq!(denied.outcome, Outcome::Error, "{denied:?}");
+    assert_eq!(denied.error.map(|e| e.code), Some(ErrorCode::Denied));
+    let served = client.request(&request("/echo")).await.expect("reply");
+    assert_eq!(served.status, Some(200), "{served:?}");
+    assert_eq!(upstream.hits_for("/admin/users"), 0);
+    let logs = service.logs();
+    assert!(
+        logs.contains("these settings of the configuration file and environment are ignored: [[request_rules]]"),
+        "{logs}"
+    );
+    assert!(
+        logs.contains("running on the bucket's cluster configuration"),
+        "{logs}"
+    );
+    // The bucket's pool exists; the file named none.
+    let js = async_nats::jetstream::new(nats.client().await);
+    js.get_stream("WEBPROXY_POOL_PARTNER")
+        .await
+        .expect("the bucket's pool is provisioned");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_instances_seed_and_read_the_bucket_with_the_deploy_permissions() {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start().await;
+    // deploy/nats/authorization.conf confines reply_to to the callers' reply spaces.
+    let config = kv_config(&format!(
+        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        accept_rule("local", &upstream)
+    ));
+    let seeder = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let reader = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    assert!(
+        seeder.logs().contains("seeded the configuration bucket"),
+        "{}",
+        seeder.logs()
+    );
+    assert!(
+        reader
+            .logs()
+            .contains("running on the bucket's cluster configuration"),
+        "{}",
+        reader.logs()
+    );
+    let admin = password(ADMIN);
+    let listed = success(
+        &config_as(
+            &nats,
+            &["history", "--json"],
+            &["--user", ADMIN, "--password", &admin],
+        )
+        .await,
+    );
+    let listed: Value = serde_json::from_str(&listed).expect("JSON");
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_instance_refuses_to_start_on_an_invalid_document_written_by_hand() {
+    let (nats, upstream) = seeded_bucket().await;
+    // Written around webproxy, as `nats kv put` would: no validation, no note.
+    let js = async_nats::jetstream::new(nats.client().await);
+    let bucket = js.get_key_value("WEBPROXY_CONFIG").await.expect("bucket");
+    bucket
+        .put("cluster", "[pools.partner]\nmax_in_flight = -1\n".into())
+        .await
+        .expect("put");
+    let logs = refused_start(&nats, &kv_config(&accept_rule("local", &upstream))).await;
+    assert!(
+        logs.contains("the document at revision 2 of WEBPROXY_CONFIG is invalid"),
+        "{logs}"
+    );
+    assert!(logs.contains("pools.partner.max_in_flight"), "{logs}");
+    let listed = success(&config(&nats, &["history"]).await);
+    assert!(listed.contains("(written without a note)"), "{listed}");
+}
