@@ -159,7 +159,7 @@ fn cluster_keys_set(file: &Dict, variables: &[String]) -> Vec<String> {
             || key == "service.ack_wait"
             || key == "service.max_deliver"
     };
-    let mut set: Vec<String> = crate::document::SECTIONS
+    let mut set: Vec<String> = crate::config::SECTIONS
         .iter()
         .filter(|section| sets(section))
         .map(ToString::to_string)

@@ -17,7 +17,6 @@ use webproxy_dispatcher::{
     StreamsConfig,
 };
 
-use crate::document::{ClusterDocument, ClusterService};
 use crate::nats_auth::NatsConfig;
 
 /// The whole configuration file.
@@ -201,6 +200,53 @@ impl Config {
         })
     }
 }
+
+/// The cluster part, with the file's shape.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterDocument {
+    pub outbound: OutboundConfig,
+    pub service: ClusterService,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pools: BTreeMap<String, PoolConfig>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub request_rules: Vec<RequestRuleConfig>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub response_rules: Vec<ResponseRuleConfig>,
+}
+
+/// The document's `[service]`: the consumer timings. `shutdown_grace` is the
+/// process's and has no place here.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterService {
+    #[serde(with = "humantime_serde")]
+    pub ack_wait: Duration,
+    pub max_deliver: u32,
+}
+
+impl From<ClusterDocument> for ClusterConfig {
+    fn from(document: ClusterDocument) -> ClusterConfig {
+        ClusterConfig {
+            outbound: document.outbound,
+            pools: document.pools,
+            request_rules: document.request_rules,
+            response_rules: document.response_rules,
+            ack_wait: document.service.ack_wait,
+            max_deliver: document.service.max_deliver,
+        }
+    }
+}
+
+/// The sections a document holds, as `check-config` and the start-up warning name them.
+pub const SECTIONS: [&str; 6] = [
+    "[outbound]",
+    "[service] ack_wait",
+    "[service] max_deliver",
+    "[pools.*]",
+    "[[request_rules]]",
+    "[[response_rules]]",
+];
 
 #[cfg(test)]
 mod tests {

@@ -12,8 +12,9 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 use webproxy_dispatcher::{ConfigStore, PushNote, StoredRevision};
 
+use crate::config::ClusterDocument;
 use crate::config::Settings;
-use crate::document::{self, ClusterDocument};
+use crate::document;
 use crate::operator::{NatsArgs, connect_with_settings};
 
 #[derive(Debug, Subcommand)]

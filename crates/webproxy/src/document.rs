@@ -6,65 +6,15 @@
 //! validated by `webproxy_dispatcher::Settings::new`, as the file's part is. A document
 //! names its secrets' sources, never a secret.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::collections::BTreeSet;
 
 use anyhow::Context as _;
 use figment::Figment;
 use figment::providers::{Format as _, Serialized, Toml};
 use figment::value::Value;
-use serde::{Deserialize, Serialize};
-use webproxy_dispatcher::{
-    ClusterConfig, ConfigError, OutboundConfig, PoolConfig, RequestRuleConfig, ResponseRuleConfig,
-    StreamsConfig,
-};
+use webproxy_dispatcher::{ConfigError, StreamsConfig};
 
-/// The cluster part, with the file's shape.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClusterDocument {
-    pub outbound: OutboundConfig,
-    pub service: ClusterService,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub pools: BTreeMap<String, PoolConfig>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub request_rules: Vec<RequestRuleConfig>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub response_rules: Vec<ResponseRuleConfig>,
-}
-
-/// The document's `[service]`: the consumer timings. `shutdown_grace` is the
-/// process's and has no place here.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClusterService {
-    #[serde(with = "humantime_serde")]
-    pub ack_wait: Duration,
-    pub max_deliver: u32,
-}
-
-impl From<ClusterDocument> for ClusterConfig {
-    fn from(document: ClusterDocument) -> ClusterConfig {
-        ClusterConfig {
-            outbound: document.outbound,
-            pools: document.pools,
-            request_rules: document.request_rules,
-            response_rules: document.response_rules,
-            ack_wait: document.service.ack_wait,
-            max_deliver: document.service.max_deliver,
-        }
-    }
-}
-
-/// The sections a document holds, as `check-config` and the start-up warning name them.
-pub const SECTIONS: [&str; 6] = [
-    "[outbound]",
-    "[service] ack_wait",
-    "[service] max_deliver",
-    "[pools.*]",
-    "[[request_rules]]",
-    "[[response_rules]]",
-];
+use crate::config::ClusterDocument;
 
 /// The compiled-in defaults of the document's sections: what a document leaves out.
 fn defaults() -> anyhow::Result<ClusterDocument> {
@@ -177,6 +127,8 @@ pub fn unified_diff(old: &str, new: &str, old_name: &str, new_name: &str) -> Str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+    use webproxy_dispatcher::ClusterConfig;
 
     fn error_of(text: &str) -> String {
         format!("{:#}", parse(text).expect_err("refused"))
