@@ -9,7 +9,7 @@ use crate::config::{Config, Settings};
 use crate::connection::Layer;
 use anyhow::{Context as _, bail};
 use figment::providers::{Env, Format as _, Serialized, Toml};
-use figment::value::{Dict, Map};
+use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
 use webproxy_dispatcher::RuleAction;
@@ -127,13 +127,11 @@ pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings>
     connection.apply(&mut config.nats);
     let mut settings = config.validate().context("invalid configuration")?;
     settings.environment_warnings = stray_variables(&variables);
-    let file = match path {
+    let file: Value = match path {
         Some(path) => Figment::from(Toml::file_exact(path))
-            .data()
-            .map_err(|e| anyhow::anyhow!(describe(e, &variables)))?
-            .remove(&Profile::Default)
-            .unwrap_or_default(),
-        None => Dict::new(),
+            .extract()
+            .map_err(|e| anyhow::anyhow!(describe(e, &variables)))?,
+        None => Value::from(Dict::new()),
     };
     settings.cluster_keys_set = cluster_keys_set(&file, &variables);
     Ok(settings)
@@ -142,27 +140,17 @@ pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings>
 /// The cluster sections (those of a cluster document) that `file` sets, then the
 /// variables among `variables` that set a cluster key: what `[config] source = "kv"`
 /// ignores once the bucket holds a document.
-fn cluster_keys_set(file: &Dict, variables: &[String]) -> Vec<String> {
-    let service = file.get("service").and_then(|s| s.as_dict());
-    let sets = |section: &str| match section {
-        "[service] ack_wait" => service.is_some_and(|s| s.contains_key("ack_wait")),
-        "[service] max_deliver" => service.is_some_and(|s| s.contains_key("max_deliver")),
-        _ => {
-            let key = section.trim_matches(['[', ']']).trim_end_matches(".*");
-            file.contains_key(key)
-        }
-    };
+fn cluster_keys_set(file: &Value, variables: &[String]) -> Vec<String> {
     let is_cluster_key = |key: &str| {
-        ["outbound.", "pools.", "request_rules", "response_rules"]
-            .iter()
-            .any(|prefix| key.starts_with(prefix))
-            || key == "service.ack_wait"
-            || key == "service.max_deliver"
+        crate::config::SECTIONS.iter().any(|(_, path)| {
+            key.strip_prefix(path)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        })
     };
     let mut set: Vec<String> = crate::config::SECTIONS
         .iter()
-        .filter(|section| sets(section))
-        .map(ToString::to_string)
+        .filter(|(_, path)| file.find_ref(path).is_some())
+        .map(|(name, _)| name.to_string())
         .collect();
     let mut named: Vec<String> = variables
         .iter()
@@ -435,13 +423,11 @@ mod tests {
 
     #[test]
     fn the_cluster_sections_a_file_and_the_environment_set_are_named() {
-        let file: figment::value::Dict = Figment::from(Toml::string(
+        let file: figment::value::Value = Figment::from(Toml::string(
             "[nats]\nurl = \"nats://x:4222\"\n[service]\nmax_deliver = 3\nshutdown_grace = \"5s\"\n[pools.a]\n[[request_rules]]\nname = \"r\"\nurl_pattern = \"x\"\n",
         ))
-        .data()
-        .expect("TOML")
-        .remove(&Profile::Default)
-        .expect("default profile");
+        .extract()
+        .expect("TOML");
         let variables = [
             "WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS".to_string(),
             "WEBPROXY_SERVICE__SHUTDOWN_GRACE".to_string(),
@@ -458,7 +444,7 @@ mod tests {
                 "WEBPROXY_SERVICE__ACK_WAIT",
             ]
         );
-        assert!(super::cluster_keys_set(&figment::value::Dict::new(), &[]).is_empty());
+        assert!(super::cluster_keys_set(&Dict::new().into(), &[]).is_empty());
     }
 
     #[test]

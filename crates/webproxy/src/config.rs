@@ -238,14 +238,16 @@ impl From<ClusterDocument> for ClusterConfig {
     }
 }
 
-/// The sections a document holds, as `check-config` and the start-up warning name them.
-pub const SECTIONS: [&str; 6] = [
-    "[outbound]",
-    "[service] ack_wait",
-    "[service] max_deliver",
-    "[pools.*]",
-    "[[request_rules]]",
-    "[[response_rules]]",
+/// The sections and keys a document holds: how the start-up warning names each, and
+/// its key path in the configuration (`kv` mode ignores the file's and the
+/// environment's values under these paths).
+pub const SECTIONS: [(&str, &str); 6] = [
+    ("[outbound]", "outbound"),
+    ("[service] ack_wait", "service.ack_wait"),
+    ("[service] max_deliver", "service.max_deliver"),
+    ("[pools.*]", "pools"),
+    ("[[request_rules]]", "request_rules"),
+    ("[[response_rules]]", "response_rules"),
 ];
 
 #[cfg(test)]
