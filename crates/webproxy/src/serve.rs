@@ -15,7 +15,7 @@ use webproxy_dispatcher::{
     connect,
 };
 
-use crate::config::{ClusterSource, Settings};
+use crate::config::{ClusterDocument, ClusterSource, Settings};
 use crate::{document, health};
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
@@ -117,9 +117,9 @@ async fn refuse_a_seeded_bucket(
     Ok(true)
 }
 
-/// A document another writer put in the bucket: the file's cluster settings are
-/// ignored, and the log says which.
-fn found_in_bucket(settings: &Settings, found: StoredRevision) -> (u64, String) {
+/// A document another writer put in the bucket, validated: the file's cluster
+/// settings are ignored, and the log says which.
+fn found_in_bucket(settings: &Settings, found: StoredRevision) -> anyhow::Result<Validated> {
     if !settings.cluster_keys_set.is_empty() {
         warn!(
             bucket = settings.dispatcher.subjects.config_bucket(),
@@ -128,8 +128,19 @@ fn found_in_bucket(settings: &Settings, found: StoredRevision) -> (u64, String) 
             settings.cluster_keys_set.join(", ")
         );
     }
-    (found.revision, found.document)
+    let validated =
+        document::validate(&found.document, &settings.config.streams).with_context(|| {
+            format!(
+                "the document at revision {} of {} is invalid",
+                found.revision,
+                settings.dispatcher.subjects.config_bucket()
+            )
+        })?;
+    Ok((found.revision, validated))
 }
+
+/// A revision of the bucket and its document, parsed and compiled.
+type Validated = (u64, (ClusterDocument, webproxy_dispatcher::Settings));
 
 /// `source = "kv"`: the settings with the bucket's document as the cluster part. An
 /// empty bucket is seeded from the file's cluster part first (compare-and-set: of
@@ -145,12 +156,12 @@ async fn cluster_from_bucket(
     else {
         return Ok(None);
     };
-    let (revision, text) = match found {
-        Some(found) => found_in_bucket(&settings, found),
+    let (revision, (document, dispatcher)) = match found {
+        Some(found) => found_in_bucket(&settings, found)?,
         None => {
             let text = document::to_text(&settings.config.document())?;
             // What a push must pass, the seed must too (no secret written out).
-            document::validate(&text, &settings.config.streams)
+            let validated = document::validate(&text, &settings.config.streams)
                 .with_context(|| format!("cannot seed {bucket} from this configuration"))?;
             let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "an unnamed host".into());
             let note = PushNote {
@@ -166,14 +177,12 @@ async fn cluster_from_bucket(
                         bucket,
                         revision, "seeded the configuration bucket from this configuration"
                     );
-                    (revision, text)
+                    (revision, validated)
                 }
-                Some(Seeded::Found(found)) => found_in_bucket(&settings, found),
+                Some(Seeded::Found(found)) => found_in_bucket(&settings, found)?,
             }
         }
     };
-    let (document, dispatcher) = document::validate(&text, &settings.config.streams)
-        .with_context(|| format!("the document at revision {revision} of {bucket} is invalid"))?;
     info!(
         bucket,
         revision, "running on the bucket's cluster configuration"
