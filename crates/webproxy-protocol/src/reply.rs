@@ -228,6 +228,14 @@ pub struct DeadLetter {
     pub truncated: bool,
 }
 
+impl DeadLetter {
+    /// The caller's request, when the letter holds it whole: what a replay
+    /// republishes. A truncated letter's envelope is not the request.
+    pub fn whole_request(&self) -> Option<&RawValue> {
+        self.envelope.as_deref().filter(|_| !self.truncated)
+    }
+}
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }
@@ -259,6 +267,23 @@ pub fn excerpt(body: &[u8], max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_whole_envelope_is_the_request() {
+        let mut letter: DeadLetter = serde_json::from_str(
+            r#"{"pool":"p","error":{"code":"internal","message":"m"},"envelope":{"url":"u"}}"#,
+        )
+        .expect("a dead letter");
+        assert_eq!(
+            letter.whole_request().map(RawValue::get),
+            Some(r#"{"url":"u"}"#)
+        );
+        letter.truncated = true;
+        assert!(letter.whole_request().is_none());
+        letter.truncated = false;
+        letter.envelope = None;
+        assert!(letter.whole_request().is_none());
+    }
 
     #[test]
     fn body_encoding() {

@@ -356,7 +356,7 @@ impl Plan {
     fn skip(&self, letter: &DeadLetter) -> Option<Skip> {
         if !self.include_denied && excluded_by_default(letter.error.code) {
             Some(Skip::Excluded(letter.error.code))
-        } else if letter.truncated || letter.envelope.is_none() {
+        } else if letter.whole_request().is_none() {
             Some(Skip::Truncated)
         } else {
             None

@@ -38,11 +38,7 @@ impl Outlet {
             .ok_or(ReplayError::NoOrigin)?
             .parse()
             .map_err(|e: webproxy_protocol::InvalidName| ReplayError::BadOrigin(e.0))?;
-        let envelope = letter
-            .envelope
-            .as_ref()
-            .filter(|_| !letter.truncated)
-            .ok_or(ReplayError::Truncated)?;
+        let envelope = letter.whole_request().ok_or(ReplayError::Truncated)?;
         let generation = letter.generation + 1;
         let token = new_token();
         let record = Record {
