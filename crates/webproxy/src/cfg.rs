@@ -487,30 +487,26 @@ mod tests {
 
     #[test]
     fn a_misspelt_key_variable_is_refused_by_name() {
-        figment::Jail::expect_with(|jail| {
-            jail.set_env("WEBPROXY_NATS__PASSWRD", "pw");
-            let e = format!(
-                "{:#}",
-                load(None, &Layer::default()).err().ok_or("accepted")?
-            );
-            assert!(
-                e.contains("WEBPROXY_NATS__PASSWRD is not a configuration key (nats.passwrd)"),
-                "{e}"
-            );
-            Ok(())
-        });
-        figment::Jail::expect_with(|jail| {
-            jail.set_env("WEBPROXY_SERVICE__SHUTDOWN_GRAC", "1s");
-            let e = format!(
-                "{:#}",
-                load(None, &Layer::default()).err().ok_or("accepted")?
-            );
-            assert!(
-                e.contains("WEBPROXY_SERVICE__SHUTDOWN_GRAC is not a configuration key"),
-                "{e}"
-            );
-            Ok(())
-        });
+        for (variable, expected) in [
+            (
+                "WEBPROXY_NATS__PASSWRD",
+                "WEBPROXY_NATS__PASSWRD is not a configuration key (nats.passwrd)",
+            ),
+            (
+                "WEBPROXY_SERVICE__SHUTDOWN_GRAC",
+                "WEBPROXY_SERVICE__SHUTDOWN_GRAC is not a configuration key",
+            ),
+        ] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env(variable, "1s");
+                let e = format!(
+                    "{:#}",
+                    load(None, &Layer::default()).err().ok_or("accepted")?
+                );
+                assert!(e.contains(expected), "{e}");
+                Ok(())
+            });
+        }
     }
 
     #[test]
