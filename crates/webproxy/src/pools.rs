@@ -126,8 +126,8 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     if !instances.is_empty() {
         println!();
         println!(
-            "{:<40}  {:>8}  {:<10}  {}",
-            "instance", "revision", "version", "reported"
+            "{:<40}  {:>8}  {:<10}  reported",
+            "instance", "revision", "version"
         );
         for i in &instances {
             println!(
