@@ -55,6 +55,8 @@ METRICS = {
     "webproxy_dead_letters_total": {"pool", "code"},
     "webproxy_consumer_recreations_total": {"pool"},
     "webproxy_nats_connected": set(),
+    "webproxy_config_revision": set(),
+    "webproxy_config_refused_total": set(),
     "webproxy_build_info": {"version"},
 }
 HISTOGRAMS = {"webproxy_attempt_duration_seconds", "webproxy_queue_wait_seconds"}

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use serde_json::Value;
 use webproxy_client::Client;
 use webproxy_protocol::{ErrorCode, Outcome};
@@ -474,4 +475,242 @@ async fn a_kv_instance_refuses_to_start_on_an_invalid_document_written_by_hand()
     assert!(logs.contains("pools.partner.max_in_flight"), "{logs}");
     let listed = success(&config(&nats, &["history"]).await);
     assert!(listed.contains("(written without a note)"), "{listed}");
+}
+
+/// How long every instance may take to run a pushed revision: the issue asks for 5 s;
+/// the test prints what it measured (usually well under a second).
+const CONVERGED: Duration = Duration::from_secs(5);
+
+/// How long the instances may take to show something they report (a metric, an
+/// attempt at the upstream): generous for a loaded CI machine.
+const SEEN: Duration = Duration::from_secs(20);
+
+/// Pushes `text` with `--wait`, asserts it returned within [`CONVERGED`] and that
+/// every instance's `webproxy_config_revision` is the new revision; returns it.
+async fn push_and_wait(
+    nats: &NatsServer,
+    dir: &Path,
+    name: &str,
+    text: &str,
+    services: &[Service],
+) -> u64 {
+    let file = write(dir, name, text);
+    let started = std::time::Instant::now();
+    let output = config(nats, &["push", &file, "--wait"]).await;
+    let took = started.elapsed();
+    let pushed = success(&output);
+    println!("{name}: config push --wait returned after {took:?}");
+    assert!(took < CONVERGED, "push --wait took {took:?}: {pushed}");
+    assert!(
+        pushed.contains("every live instance (3) runs revision"),
+        "{pushed}"
+    );
+    let revision: u64 = pushed
+        .strip_prefix("pushed revision ")
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no revision in {pushed}"));
+    for service in services {
+        let running = service.metric("webproxy_config_revision").await;
+        assert_eq!(running, Some(revision as f64), "{}", service.logs());
+    }
+    revision
+}
+
+/// Live replies (`webproxy.reply.<id>`, not the stored copies) seen so far, per id.
+fn live_replies(seen: &[async_nats::Message]) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for message in seen {
+        let tokens: Vec<&str> = message.subject.split('.').collect();
+        if let [_, "reply", id] = tokens.as_slice() {
+            *counts.entry((*id).to_string()).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+/// Issue 18's "Done when": three instances in kv mode follow pushes, a rollback, a
+/// raised limit and a new pool, and keep their last good revision when an invalid one
+/// is written by hand; conversations in flight during a push get exactly one reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_kv_instances_follow_every_push_live() {
+    let nats = NatsServer::start();
+    let gate = webproxy_tests::Gate::new();
+    let upstream =
+        Upstream::start_with(webproxy_tests::default_routes().merge(gate.routes())).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gated = path_rule("gated", &upstream, "/gated/") + "pool = \"partner\"\n";
+    let base = |max_in_flight: u64, extra: &str| {
+        format!(
+            "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = {max_in_flight}\n\n{extra}{gated}{}",
+            accept_rule("local", &upstream)
+        )
+    };
+    success(
+        &config(
+            &nats,
+            &["push", &write(dir.path(), "r1.toml", &base(1, ""))],
+        )
+        .await,
+    );
+    let services: Vec<Service> = (0..3)
+        .map(|_| {
+            Service::spawn(
+                &nats.url(),
+                &kv_config(&accept_rule("local", &upstream)),
+                ServiceOptions::default(),
+            )
+        })
+        .collect();
+    for service in &services {
+        service.wait_ready(Duration::from_secs(30)).await;
+    }
+    let nats_client = nats.client().await;
+    let mut replies = nats_client
+        .subscribe("webproxy.reply.>")
+        .await
+        .expect("subscribe");
+    let client = Client::new(nats_client.clone(), "webproxy").expect("client");
+    let get = |pool: &str, path: &str| {
+        to(pool, &envelope("GET", &upstream.url(path))).wait(REPLY_TIMEOUT)
+    };
+
+    // A push that denies a URL: every instance denies it.
+    let deny = path_rule("no-admin", &upstream, "/admin") + "action = \"deny\"\n";
+    let denying = push_and_wait(&nats, dir.path(), "deny.toml", &base(1, &deny), &services).await;
+    for _ in 0..6 {
+        let denied = client
+            .request(&get("default", "/admin/x"))
+            .await
+            .expect("reply");
+        assert_eq!(denied.error.map(|e| e.code), Some(ErrorCode::Denied));
+    }
+    assert_eq!(upstream.hits_for("/admin/x"), 0);
+
+    // A rollback restores the previous behaviour.
+    let started = std::time::Instant::now();
+    let rolled = success(&config(&nats, &["rollback", "1", "--wait"]).await);
+    println!("rollback --wait returned after {:?}", started.elapsed());
+    assert!(started.elapsed() < CONVERGED, "{rolled}");
+    assert!(
+        rolled.contains(&format!("pushed revision {}", denying + 1)),
+        "{rolled}"
+    );
+    let served = client
+        .request(&get("default", "/echo"))
+        .await
+        .expect("reply");
+    assert_eq!(served.status, Some(200), "{served:?}");
+    let admin = client
+        .request(&get("default", "/admin/x"))
+        .await
+        .expect("reply");
+    assert_eq!(admin.status, Some(404), "{admin:?}");
+
+    // max_in_flight 1 holds one attempt at the gate; three conversations are in
+    // flight when the push raising it to 4 lands, and the other two then reach the
+    // gate too, with a fourth sent after it.
+    let in_flight: Vec<_> = (0..3)
+        .map(|_| {
+            let client = client.clone();
+            let request = get("partner", "/gated/0");
+            tokio::spawn(async move { client.request(&request).await })
+        })
+        .collect();
+    webproxy_tests::wait_until(SEEN, "one attempt at the gate", || async {
+        upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    assert_eq!(upstream.max_concurrent(), 1);
+    let raised = push_and_wait(&nats, dir.path(), "raise.toml", &base(4, ""), &services).await;
+    let fourth = {
+        let client = client.clone();
+        let request = get("partner", "/gated/0");
+        tokio::spawn(async move { client.request(&request).await })
+    };
+    webproxy_tests::wait_until(SEEN, "four attempts at the gate at once", || async {
+        upstream.hits_for("/gated/0") == 4
+    })
+    .await;
+    assert!(
+        upstream.max_concurrent() >= 4,
+        "{}",
+        upstream.max_concurrent()
+    );
+    let js = async_nats::jetstream::new(nats_client.clone());
+    let stream = js
+        .get_stream("WEBPROXY_POOL_PARTNER")
+        .await
+        .expect("stream");
+    let consumer = stream
+        .consumer_info("webproxy-partner-l2")
+        .await
+        .expect("consumer");
+    assert_eq!(consumer.config.max_ack_pending, 4);
+    gate.open();
+    let mut ids = Vec::new();
+    for conversation in in_flight.into_iter().chain([fourth]) {
+        let reply = conversation.await.expect("task").expect("reply");
+        assert_eq!(reply.status, Some(200), "{reply:?}");
+        ids.push(reply.id);
+    }
+
+    // A new pool is provisioned and served.
+    let fresh = "[pools.fresh]\nmax_in_flight = 2\n\n".to_string()
+        + &path_rule("fresh", &upstream, "/status/")
+        + "pool = \"fresh\"\n";
+    let added = push_and_wait(&nats, dir.path(), "fresh.toml", &base(4, &fresh), &services).await;
+    assert!(added > raised);
+    // Provisioned just after the swap that `--wait` confirms.
+    webproxy_tests::wait_until(SEEN, "the new pool's stream", || async {
+        js.get_stream("WEBPROXY_POOL_FRESH").await.is_ok()
+    })
+    .await;
+    let fresh_reply = client
+        .request(&get("fresh", "/status/201"))
+        .await
+        .expect("reply");
+    assert_eq!(fresh_reply.status, Some(201), "{fresh_reply:?}");
+
+    // A value written by hand that is not a valid document: every instance refuses
+    // it, counts it and keeps the last good revision.
+    let bucket = js.get_key_value("WEBPROXY_CONFIG").await.expect("bucket");
+    bucket
+        .put("cluster", "[pools.partner]\nmax_in_flight = -1\n".into())
+        .await
+        .expect("put");
+    for service in &services {
+        webproxy_tests::wait_until(SEEN, "the invalid revision refused", || async {
+            service.metric("webproxy_config_refused_total").await == Some(1.0)
+        })
+        .await;
+        assert_eq!(
+            service.metric("webproxy_config_revision").await,
+            Some(added as f64)
+        );
+        let logs = service.logs();
+        assert!(
+            logs.contains(&format!("refused revision {}", added + 1)),
+            "{logs}"
+        );
+        assert!(logs.contains("pools.partner.max_in_flight"), "{logs}");
+        assert!(service.is_ready().await);
+    }
+    let still = client
+        .request(&get("fresh", "/status/202"))
+        .await
+        .expect("reply");
+    assert_eq!(still.status, Some(202), "{still:?}");
+
+    // Each conversation of the push got exactly one live reply.
+    let mut seen = Vec::new();
+    while let Ok(Some(message)) =
+        tokio::time::timeout(Duration::from_millis(200), replies.next()).await
+    {
+        seen.push(message);
+    }
+    let counts = live_replies(&seen);
+    for id in &ids {
+        assert_eq!(counts.get(id), Some(&1), "{id}: {counts:?}");
+    }
 }

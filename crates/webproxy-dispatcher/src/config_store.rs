@@ -6,7 +6,7 @@
 //! is the binary's; this module only stores text.
 
 use async_nats::jetstream::{self, kv, stream};
-use futures::TryStreamExt as _;
+use futures::{StreamExt as _, TryStreamExt as _};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
@@ -276,6 +276,58 @@ impl ConfigStore {
             },
             Err(e) => Err(e),
         }
+    }
+
+    /// The revisions of the document written after `revision`, as they are written
+    /// (deletions included). An error in the stream means the watch is lost: watch
+    /// again after the last revision seen.
+    pub async fn watch_after(
+        &self,
+        revision: u64,
+    ) -> Result<
+        impl futures::Stream<Item = Result<StoredRevision, ConfigStoreError>> + Send + Unpin + use<>,
+        ConfigStoreError,
+    > {
+        let watch = self
+            .kv
+            .watch_from_revision(DOCUMENT_KEY, revision.saturating_add(1))
+            .await
+            .map_err(|e| self.read_error(&e))?;
+        let bucket = self.bucket.clone();
+        Ok(watch.map(move |entry| {
+            entry
+                .map(stored_revision)
+                .map_err(|e| ConfigStoreError::Read {
+                    bucket: bucket.clone(),
+                    message: error_chain(&e),
+                })
+        }))
+    }
+
+    /// The bucket `<PREFIX>_INSTANCES`, created if need be: every running instance's
+    /// heartbeat, one key per instance, each value kept for `ttl` (so an instance
+    /// that stopped vanishes), with the streams' replicas.
+    pub async fn instances(
+        js: &jetstream::Context,
+        settings: &Settings,
+        ttl: std::time::Duration,
+    ) -> Result<kv::Store, ConfigStoreError> {
+        let bucket = settings.subjects.instances_bucket();
+        js.create_or_update_key_value(kv::Config {
+            bucket: bucket.clone(),
+            description: "webproxy's running instances and the configuration revision each runs"
+                .into(),
+            history: 1,
+            max_age: ttl,
+            storage: stream::StorageType::File,
+            num_replicas: settings.streams.replicas,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| ConfigStoreError::Bucket {
+            bucket,
+            message: error_chain(&e),
+        })
     }
 
     fn read_error(&self, e: &dyn std::error::Error) -> ConfigStoreError {

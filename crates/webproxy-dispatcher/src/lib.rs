@@ -86,6 +86,24 @@ impl Instruments {
         self.health.is_ready()
     }
 
+    /// The instance runs revision `revision` of the configuration bucket's document
+    /// (`webproxy_config_revision`).
+    pub fn set_config_revision(&self, revision: u64) {
+        self.metrics.set_config_revision(revision);
+    }
+
+    /// The revision of the configuration bucket's document this instance runs; 0
+    /// when its cluster part is the file's.
+    pub fn config_revision(&self) -> u64 {
+        self.metrics.config_revision()
+    }
+
+    /// A revision of the document was refused (`webproxy_config_refused_total`); the
+    /// caller has logged why.
+    pub fn count_config_refused(&self) {
+        self.metrics.config_refused();
+    }
+
     /// The Prometheus exposition.
     pub fn render_metrics(&self) -> String {
         self.metrics.render(&self.gauges, &self.health)

@@ -85,6 +85,8 @@ pub(crate) struct Metrics {
     dead_letters: Family<DeadLabels, Counter>,
     consumer_recreations: Family<PoolLabels, Counter>,
     nats_connected: Gauge,
+    config_revision: Gauge,
+    config_refused: Counter,
 }
 
 impl Metrics {
@@ -158,6 +160,18 @@ impl Metrics {
             "1 while this instance is connected to NATS",
             nats_connected.clone(),
         );
+        let config_revision = Gauge::default();
+        registry.register(
+            "config_revision",
+            "The revision of the configuration bucket's document this instance runs (0 when the cluster part comes from the file)",
+            config_revision.clone(),
+        );
+        let config_refused = Counter::default();
+        registry.register(
+            "config_refused",
+            "Revisions of the configuration bucket's document this instance refused, keeping the one it ran",
+            config_refused.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -178,7 +192,25 @@ impl Metrics {
             dead_letters,
             consumer_recreations,
             nats_connected,
+            config_revision,
+            config_refused,
         }
+    }
+
+    /// The instance now runs the document of `revision`.
+    pub(crate) fn set_config_revision(&self, revision: u64) {
+        self.config_revision
+            .set(i64::try_from(revision).unwrap_or(i64::MAX));
+    }
+
+    /// The revision this instance runs (0: the file's cluster part).
+    pub(crate) fn config_revision(&self) -> u64 {
+        u64::try_from(self.config_revision.get()).unwrap_or(0)
+    }
+
+    /// A revision of the document was refused.
+    pub(crate) fn config_refused(&self) {
+        self.config_refused.inc();
     }
 
     /// A conversation ended with `code` (`None` for a response).
@@ -278,6 +310,9 @@ mod tests {
         pool.set_max_in_flight(16);
         let health = Health::new();
         health.set_nats_connected(true);
+        metrics.set_config_revision(12);
+        metrics.config_refused();
+        assert_eq!(metrics.config_revision(), 12);
         let text = metrics.render(&gauges, &health);
         for line in [
             r#"webproxy_requests_total{pool="default",rule="orders",outcome="response",code="none"} 1"#,
@@ -291,6 +326,8 @@ mod tests {
             r#"webproxy_pool_max_in_flight{pool="default"} 16"#,
             r#"webproxy_dead_letters_total{pool="default",code="denied"} 1"#,
             "webproxy_nats_connected 1",
+            "webproxy_config_revision 12",
+            "webproxy_config_refused_total 1",
             r#"webproxy_build_info{version="1.2.3"} 1"#,
         ] {
             assert!(text.contains(line), "missing {line}\n{text}");

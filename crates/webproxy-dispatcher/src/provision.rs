@@ -29,7 +29,6 @@ pub(crate) struct ProvisionError {
 impl ProvisionError {
     /// Why provisioning declined to touch the stream, when it did: retrying is then
     /// pointless until an operator (or a newer instance) changes the stream.
-    #[cfg(test)]
     pub(crate) fn refusal(&self) -> Option<&Refusal> {
         self.source.downcast_ref()
     }
@@ -137,6 +136,13 @@ pub(crate) enum Refusal {
     Missing,
 }
 
+impl Refusal {
+    /// The stream is gone or going: `pools remove` took the pool away.
+    pub(crate) fn is_removal(&self) -> bool {
+        matches!(self, Refusal::Removing | Refusal::Missing)
+    }
+}
+
 /// What provisioning does with an existing stream, given its metadata (pure).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Examined {
@@ -229,6 +235,26 @@ pub(crate) fn pool_stream_config(
         discard: stream::DiscardPolicy::New,
         discard_new_per_subject: config.max_waiting.is_some(),
         ..Default::default()
+    }
+}
+
+/// What provisioning writes to the server for one pool, from the configuration: a
+/// revision that changes any of it has the pool's stream and consumers updated
+/// ([`provision_pool`] again), and the local permits resized to `max_in_flight`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PoolSpec {
+    pub(crate) max_in_flight: u64,
+    pub(crate) max_waiting: Option<u64>,
+    pub(crate) ack_wait: Duration,
+}
+
+impl PoolSpec {
+    pub(crate) fn of(settings: &Settings, config: &PoolConfig) -> PoolSpec {
+        PoolSpec {
+            max_in_flight: config.max_in_flight,
+            max_waiting: config.max_waiting,
+            ack_wait: settings.cluster.ack_wait,
+        }
     }
 }
 
@@ -558,8 +584,11 @@ pub(crate) async fn provision(
 }
 
 /// Provisions one pool: its stream (migrated from an older layout if need be), its
-/// fence and its two consumers.
-async fn provision_pool(
+/// fence and its two consumers. The one writer of a pool's consumer settings: at
+/// start, and again for a revision of the document that changes its [`PoolSpec`]
+/// (an update that leaves out `pause_until`, so a pause set through the JetStream API
+/// is kept).
+pub(crate) async fn provision_pool(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,

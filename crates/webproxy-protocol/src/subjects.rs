@@ -247,6 +247,12 @@ impl Subjects {
         format!("{}_CONFIG", self.stream_prefix)
     }
 
+    /// The KV bucket where every running instance reports the configuration revision
+    /// it runs (a heartbeat, expiring with the instance).
+    pub fn instances_bucket(&self) -> String {
+        format!("{}_INSTANCES", self.stream_prefix)
+    }
+
     /// The durable consumer of `pool`'s request and hop subjects, e.g.
     /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
     /// get names of their own, so that an instance of an older layout cannot find, and
@@ -376,6 +382,7 @@ mod tests {
         ));
         assert_eq!(s.progress_bucket(), "WEBPROXY_PROGRESS");
         assert_eq!(s.config_bucket(), "WEBPROXY_CONFIG");
+        assert_eq!(s.instances_bucket(), "WEBPROXY_INSTANCES");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");

@@ -5,16 +5,19 @@
 //! is never overwritten.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use async_nats::jetstream;
 use clap::{Args, Subcommand};
 use serde::Serialize;
 use webproxy_dispatcher::{ConfigStore, PushNote, StoredRevision};
+use webproxy_protocol::Subjects;
 
 use crate::config::ClusterDocument;
 use crate::config::Settings;
 use crate::document;
+use crate::live;
 use crate::operator::{NatsArgs, connect_with_settings};
 
 #[derive(Debug, Subcommand)]
@@ -31,6 +34,8 @@ pub enum ConfigCommand {
         expect_revision: Option<u64>,
         #[command(flatten)]
         note: NoteArgs,
+        #[command(flatten)]
+        wait: WaitArgs,
         #[command(flatten)]
         nats: NatsArgs,
     },
@@ -58,6 +63,8 @@ pub enum ConfigCommand {
         #[command(flatten)]
         note: NoteArgs,
         #[command(flatten)]
+        wait: WaitArgs,
+        #[command(flatten)]
         nats: NatsArgs,
     },
     /// Validate a document and print its diff against the current revision; write
@@ -79,6 +86,68 @@ pub struct NoteArgs {
     /// Who, as `config history` shows it; by default the USER (or LOGNAME) variable.
     #[arg(long, value_name = "NAME")]
     author: Option<String>,
+}
+
+/// Waiting for the instances to run what was pushed.
+#[derive(Debug, Args)]
+pub struct WaitArgs {
+    /// Return once every live instance reports the new revision (in the bucket
+    /// <PREFIX>_INSTANCES); after --wait-timeout, name those that do not and fail.
+    #[arg(long)]
+    wait: bool,
+    /// How long --wait waits.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    wait_timeout: Duration,
+}
+
+impl WaitArgs {
+    /// With `--wait`: until every live instance runs `revision` or a later one, or
+    /// the timeout, which is an error naming the instances that do not.
+    async fn wait_for(
+        &self,
+        js: &jetstream::Context,
+        subjects: &Subjects,
+        revision: u64,
+    ) -> anyhow::Result<()> {
+        if !self.wait {
+            return Ok(());
+        }
+        let started = Instant::now();
+        // Polled: a CLI waiting a few seconds at most, on reports that expire silently.
+        loop {
+            let reports = live::reports(js, subjects).await?;
+            let lagging = live::lagging(&reports, revision);
+            if lagging.is_empty() {
+                if reports.is_empty() {
+                    eprintln!(
+                        "notice: no live instance reports to {}: nothing runs in kv mode to wait for",
+                        subjects.instances_bucket()
+                    );
+                } else {
+                    println!(
+                        "every live instance ({}) runs revision {revision}, after {} ms",
+                        reports.len(),
+                        started.elapsed().as_millis()
+                    );
+                }
+                return Ok(());
+            }
+            if started.elapsed() >= self.wait_timeout {
+                let names: Vec<String> = lagging
+                    .iter()
+                    .map(|r| format!("{} (revision {})", r.instance, r.revision))
+                    .collect();
+                bail!(
+                    "after {}, {} of {} live instances do not run revision {revision}: {}",
+                    humantime::format_duration(self.wait_timeout),
+                    lagging.len(),
+                    reports.len(),
+                    names.join(", ")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 impl NoteArgs {
@@ -104,6 +173,7 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             file,
             expect_revision,
             note,
+            wait,
             nats,
         } => {
             let (client, settings) = connect_with_settings(&nats).await?;
@@ -123,14 +193,17 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
                 current: current.as_ref(),
                 expected,
             };
-            push.write(&text, &pushed, note.note(String::new)).await
+            let revision = push.write(&text, &pushed, note.note(String::new)).await?;
+            wait.wait_for(&js, &settings.dispatcher.subjects, revision)
+                .await
         }
         ConfigCommand::Rollback {
             revision,
             note,
+            wait,
             nats,
         } => {
-            let (settings, store) = open(&nats).await?;
+            let (settings, store, js) = open(&nats).await?;
             let old = revision_of(&store, revision).await?;
             let pushed = validated(&old.document, &settings, &format!("revision {revision}"))?;
             let current = store.latest().await?;
@@ -143,7 +216,9 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
                 expected: current.as_ref().map(|r| r.revision),
             };
             let note = note.note(|| format!("rollback to revision {revision}"));
-            push.write(&old.document, &pushed, note).await
+            let revision = push.write(&old.document, &pushed, note).await?;
+            wait.wait_for(&js, &settings.dispatcher.subjects, revision)
+                .await
         }
         ConfigCommand::Show {
             revision,
@@ -224,13 +299,14 @@ struct Push<'a> {
 
 impl Push<'_> {
     /// Writes `text` (validated: `pushed`) if the document is still at the expected
-    /// revision, and prints the new revision, the diff and the pools it leaves out.
+    /// revision, and prints the new revision, the diff and the pools it leaves out;
+    /// returns the revision that holds `text`.
     async fn write(
         &self,
         text: &str,
         pushed: &ClusterDocument,
         note: PushNote,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<u64> {
         let current = self.current.filter(|c| !c.deleted);
         let old_text = current.map_or("", |c| c.document.as_str());
         if let Some(current) = current
@@ -241,7 +317,7 @@ impl Push<'_> {
                 "unchanged: revision {} holds this document already",
                 current.revision
             );
-            return Ok(());
+            return Ok(current.revision);
         }
         let revision = self.store.put(&note, text, self.expected).await?;
         println!("pushed revision {revision} to {}", self.store.bucket());
@@ -262,10 +338,7 @@ impl Push<'_> {
                 );
             }
         }
-        eprintln!(
-            "note: instances read the document when they start ([config] source = \"kv\"); restart them to apply it"
-        );
-        Ok(())
+        Ok(revision)
     }
 }
 
@@ -338,7 +411,7 @@ fn read_document(file: &Path) -> anyhow::Result<String> {
 }
 
 /// The bucket, which must exist.
-async fn open(nats: &NatsArgs) -> anyhow::Result<(Settings, ConfigStore)> {
+async fn open(nats: &NatsArgs) -> anyhow::Result<(Settings, ConfigStore, jetstream::Context)> {
     let (client, settings) = connect_with_settings(nats).await?;
     let js = jetstream::new(client.nats().clone());
     let store = ConfigStore::open(&js, &settings.dispatcher.subjects)
@@ -349,5 +422,5 @@ async fn open(nats: &NatsArgs) -> anyhow::Result<(Settings, ConfigStore)> {
                 settings.dispatcher.subjects.config_bucket()
             )
         })?;
-    Ok((settings, store))
+    Ok((settings, store, js))
 }

@@ -9,6 +9,7 @@ mod connection;
 mod dead;
 mod document;
 mod health;
+mod live;
 mod nats_auth;
 mod operator;
 mod pools;

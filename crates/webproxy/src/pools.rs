@@ -12,6 +12,7 @@ use webproxy_client::Client;
 use webproxy_dispatcher::{Settled, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
+use crate::live;
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
 
 /// One pool as the server sees it.
@@ -120,6 +121,20 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
             "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
             s.pool, s.max_in_flight, s.waiting, s.in_flight, s.parked, oldest
         );
+    }
+    let instances = live::reports(&js, client.subjects()).await?;
+    if !instances.is_empty() {
+        println!();
+        println!(
+            "{:<40}  {:>8}  {:<10}  reported",
+            "instance", "revision", "version"
+        );
+        for i in &instances {
+            println!(
+                "{:<40}  {:>8}  {:<10}  {}",
+                i.instance, i.revision, i.version, i.time
+            );
+        }
     }
     Ok(())
 }

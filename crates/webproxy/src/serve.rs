@@ -16,7 +16,9 @@ use webproxy_dispatcher::{
 };
 
 use crate::config::{ClusterDocument, ClusterSource, Settings};
+use crate::live::{self, Running};
 use crate::{document, health};
+use tokio::sync::watch;
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
@@ -43,30 +45,37 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     let Some((client, server)) = connect_until_up(&settings, &instruments, &shutdown).await? else {
         return Ok(());
     };
-    let (settings, secrets) = match file_secrets {
+    let (settings, secrets, revision) = match file_secrets {
         Some(secrets) => {
             if !refuse_a_seeded_bucket(&client, &settings, &shutdown).await? {
                 return Ok(());
             }
-            (settings, secrets)
+            (settings, secrets, None)
         }
         None => {
-            let Some(settings) = cluster_from_bucket(&client, settings, &shutdown).await? else {
+            let Some((settings, revision)) =
+                cluster_from_bucket(&client, settings, &shutdown).await?
+            else {
                 return Ok(());
             };
             let secrets = load_secrets(&settings, &redactor)?;
-            (settings, secrets)
+            (settings, secrets, Some(revision))
         }
     };
     let settings = Arc::new(settings);
+    let (running, following) = watch::channel(Running {
+        revision: revision.unwrap_or(0),
+        settings: settings.clone(),
+        secrets: secrets.clone(),
+    });
     if let Some(hangups) = hangups {
-        tokio::spawn(reload_on_hangup(hangups, settings.clone(), secrets.clone()));
+        tokio::spawn(reload_on_hangup(hangups, following.clone()));
     }
     let Some(dispatcher) = Dispatcher::start(
         settings.dispatcher.clone(),
         client.clone(),
         &server,
-        instruments,
+        instruments.clone(),
         secrets,
         &shutdown,
     )
@@ -74,10 +83,33 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
+    // In kv mode the instance follows the bucket and reports the revision it runs.
+    let mut reporting = None;
+    if let Some(revision) = revision {
+        instruments.set_config_revision(revision);
+        tokio::spawn(live::follow(
+            client.clone(),
+            running,
+            redactor,
+            instruments,
+            dispatcher.reconfigure(),
+            shutdown.clone(),
+        ));
+        reporting = Some(tokio::spawn(live::heartbeat(
+            client.clone(),
+            settings.dispatcher.clone(),
+            following,
+            shutdown.clone(),
+        )));
+    }
     info!(pools = ?settings.dispatcher.cluster.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
         .run(shutdown, settings.config.service.shutdown_grace)
         .await;
+    if let Some(reporting) = reporting {
+        // Its report deleted, so that `config push --wait` stops waiting for it.
+        let _ = reporting.await;
+    }
     if let Err(e) = client.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
     }
@@ -142,15 +174,15 @@ fn found_in_bucket(settings: &Settings, found: StoredRevision) -> anyhow::Result
 /// A revision of the bucket and its document, parsed and compiled.
 type Validated = (u64, (ClusterDocument, webproxy_dispatcher::Settings));
 
-/// `source = "kv"`: the settings with the bucket's document as the cluster part. An
-/// empty bucket is seeded from the file's cluster part first (compare-and-set: of
-/// instances starting together, one writes it and the rest read it). `None` when a
-/// signal arrives first.
+/// `source = "kv"`: the settings with the bucket's document as the cluster part, and
+/// its revision. An empty bucket is seeded from the file's cluster part first
+/// (compare-and-set: of instances starting together, one writes it and the rest read
+/// it). `None` when a signal arrives first.
 async fn cluster_from_bucket(
     client: &async_nats::Client,
     settings: Settings,
     shutdown: &CancellationToken,
-) -> anyhow::Result<Option<Settings>> {
+) -> anyhow::Result<Option<(Settings, u64)>> {
     let bucket = settings.dispatcher.subjects.config_bucket();
     let Some(found) = ConfigStore::document_at_start(client, &settings.dispatcher, shutdown).await
     else {
@@ -187,7 +219,10 @@ async fn cluster_from_bucket(
         bucket,
         revision, "running on the bucket's cluster configuration"
     );
-    Ok(Some(settings.with_document(document, dispatcher)))
+    Ok(Some((
+        settings.with_document(document, dispatcher),
+        revision,
+    )))
 }
 
 /// The server's INFO, which arrives just after the connection is made.
@@ -253,10 +288,13 @@ fn hangups() -> Option<Signal> {
     }
 }
 
-/// SIGHUP re-reads the secret files of `inject_headers`; a file that cannot be read
-/// keeps every old value in use and is logged.
-async fn reload_on_hangup(mut hangups: Signal, settings: Arc<Settings>, secrets: Arc<Secrets>) {
+/// SIGHUP re-reads the secret files of `inject_headers` of the revision running; a
+/// file that cannot be read keeps every old value in use and is logged.
+async fn reload_on_hangup(mut hangups: Signal, running: watch::Receiver<Running>) {
     while hangups.recv().await.is_some() {
+        let Running {
+            settings, secrets, ..
+        } = running.borrow().clone();
         match secrets.reload_files(&settings.dispatcher.cluster.rules) {
             Ok(files) => info!(files, "SIGHUP: secret files reloaded"),
             Err(e) => {

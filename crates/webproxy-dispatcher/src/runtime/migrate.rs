@@ -45,8 +45,9 @@ impl Dispatcher {
     /// one message lookup.
     pub(crate) async fn migrate_layout1_parked(&self) -> Result<u64, MigrationError> {
         let mut moved = 0;
-        for pool in self.shared.settings.cluster.pools.keys() {
-            moved += migrate_pool(&self.shared.outlet, pool).await?;
+        let shared = self.live.load();
+        for pool in shared.settings.cluster.pools.keys() {
+            moved += migrate_pool(&shared.outlet, pool).await?;
         }
         Ok(moved)
     }

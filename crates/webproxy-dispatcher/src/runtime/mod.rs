@@ -8,6 +8,7 @@ mod conversation;
 mod delivery;
 mod handle;
 mod hooks;
+mod live;
 mod liveness;
 mod migrate;
 mod parked;
@@ -37,7 +38,7 @@ use futures::StreamExt as _;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
@@ -45,8 +46,9 @@ use crate::backoff::Backoff;
 use crate::config::{Settings, jetstream_request_timeout};
 use crate::gauges::Gauges;
 use crate::health::Health;
-use crate::provision::{PoolConsumers, Provisioned};
+use crate::provision::{PoolConsumers, Provisioned, Refusal};
 use crate::secrets::Secrets;
+use live::{Live, Pools};
 use liveness::{Liveness, LivenessPolicy};
 use pull::{PULL_EXPIRES, Pull, PullEnd};
 
@@ -111,7 +113,9 @@ fn reconnect_delay(attempts: usize) -> Duration {
         .unwrap_or(Duration::from_secs(1))
 }
 
-/// Everything a message handler needs, shared by all of them.
+/// Everything a message handler needs, shared by all of them: one revision of the
+/// cluster part, swapped whole by [`live::Live`].
+#[derive(Clone)]
 struct Shared {
     settings: Arc<Settings>,
     health: Arc<Health>,
@@ -124,7 +128,7 @@ struct Shared {
 
 /// Consumes every pool of this instance until told to stop.
 pub struct Dispatcher {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
     /// The provisioned pools, which [`Dispatcher::run`] consumes.
     pools: Vec<PoolConsumers>,
 }
@@ -151,17 +155,33 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
-        instruments.gauges.add(settings.cluster.pools.keys());
         Dispatcher {
-            shared: Arc::new(Shared {
+            live: Arc::new(Live::new(Shared {
                 gauges: instruments.gauges,
                 outlet,
                 settings,
                 worker,
                 health: instruments.health,
                 secrets,
-            }),
+            })),
             pools: provisioned.pools,
+        }
+    }
+
+    /// How the binary hands this dispatcher a new revision of the cluster document
+    /// (its number, the settings `Settings::new` compiled, the secrets its rules
+    /// inject): the next message is handled under it, and the pools follow it while
+    /// [`Dispatcher::run`] runs (new pools provisioned and served, changed limits
+    /// written to the consumers and the local permits, dropped pools still served
+    /// until `pools remove`). An error refuses the revision, which this instance
+    /// cannot run; the running one stays.
+    pub fn reconfigure(
+        &self,
+    ) -> impl Fn(u64, Arc<Settings>, Arc<Secrets>) -> Result<(), StartError> + Send + Sync + 'static
+    {
+        let live = self.live.clone();
+        move |revision, settings, secrets| {
+            live.apply(revision, Arc::unwrap_or_clone(settings), secrets)
         }
     }
 
@@ -170,67 +190,17 @@ impl Dispatcher {
     /// so the server redelivers them elsewhere.
     pub async fn run(self, shutdown: CancellationToken, grace: Duration) {
         let attempts = TaskTracker::new();
-        let mut pulls = Vec::new();
-        for PoolConsumers { pool, work, parked } in self.pools {
-            let shared = self.shared.clone();
-            let limit = self
-                .shared
-                .settings
-                .cluster
-                .pools
-                .get(&pool)
-                .map_or(1, |p| p.max_in_flight);
-            // Shown from the start; the refresh then reports the server's value,
-            // which the last instance to provision the consumer set.
-            if let Some(gauge) = self.shared.gauges.pool(&pool) {
-                gauge.set_max_in_flight(limit);
-            }
-            pulls.push(tokio::spawn(refresh_gauges(
-                shared.clone(),
-                pool.clone(),
-                work.clone(),
-                parked.clone(),
-                shutdown.clone(),
-            )));
-            pulls.push(tokio::spawn(parked::park_loop(
-                shared.clone(),
-                Arc::from(pool.as_str()),
-                parked,
-                attempts.clone(),
-                shutdown.clone(),
-            )));
-            let attempts = attempts.clone();
-            let permits = Arc::new(Semaphore::new(
-                usize::try_from(limit)
-                    .unwrap_or(usize::MAX)
-                    .min(Semaphore::MAX_PERMITS),
-            ));
-            let loop_shutdown = shutdown.clone();
-            pulls.push(tokio::spawn(async move {
-                let name = Arc::<str>::from(pool.as_str());
-                let ended = tokio::spawn(pull_loop(
-                    shared.clone(),
-                    name,
-                    work,
-                    permits,
-                    attempts,
-                    loop_shutdown.clone(),
-                ))
-                .await;
-                // A pull loop ends only on shutdown; any other end (a panic) leaves the
-                // pool unserved, which only a restart repairs.
-                if !loop_shutdown.is_cancelled() {
-                    error!(pool, outcome = ?ended, "the pool's pull loop ended; not alive");
-                    shared.health.set_pull_loop_dead(&pool);
-                }
-            }));
+        let health = self.live.load().health.clone();
+        let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
+        for consumers in self.pools {
+            pools.serve(consumers);
         }
-        self.shared.health.set_provisioned();
-        shutdown.cancelled().await;
-        self.shared.health.set_draining();
-        for pull in pulls {
-            let _ = pull.await;
-        }
+        health.set_provisioned();
+        // Until the signal the pools follow the revisions; then the pool loops end.
+        tokio::join!(pools.follow(), async {
+            shutdown.cancelled().await;
+            health.set_draining();
+        });
         attempts.close();
         let in_flight = attempts.len();
         info!(in_flight, grace = ?grace, "draining");
@@ -304,17 +274,19 @@ async fn next_or_stop<S: futures::Stream + Unpin>(
 /// made again the moment the connection is back; a missing consumer is recreated (the
 /// pool is not ready meanwhile); failures and quick empty pulls back off.
 async fn pull_loop(
-    shared: Arc<Shared>,
+    live: Arc<Live>,
     pool: Arc<str>,
     mut consumer: PullConsumer,
     permits: Arc<Semaphore>,
     attempts: TaskTracker,
     shutdown: CancellationToken,
 ) {
-    let policy = LivenessPolicy::for_ack_wait(shared.settings.cluster.ack_wait);
-    let mut connections = shared.health.connections();
+    let mut connections = live.load().health.connections();
     let mut failures = 0u32;
     loop {
+        // The revision running when the pull starts: ack_wait may have changed.
+        let shared = live.load();
+        let policy = LivenessPolicy::for_ack_wait(shared.settings.cluster.ack_wait);
         // As many as can start now, and never fewer than one: a pull already waiting
         // at the server lets the next message go out the moment a slot frees, instead
         // of a round trip later. It cannot overfill this instance: the server holds
@@ -339,7 +311,7 @@ async fn pull_loop(
                         _ = connections.changed() => return PullEnd::Lost,
                     };
                     delivered += 1;
-                    start(&shared, &pool, message, &permits, &attempts, &shutdown, policy).await;
+                    start(&live, &pool, message, &permits, &attempts, &shutdown, policy).await;
                 }
             } => end,
             _ = shutdown.cancelled() => return,
@@ -374,6 +346,15 @@ async fn pull_loop(
                         info!(pool = %pool, "recreated the pool's consumer");
                         failures = 0;
                     }
+                    Err(e)
+                        if live.is_retained(&pool)
+                            && e.refusal().is_some_and(Refusal::is_removal) =>
+                    {
+                        info!(pool = %pool, reason = %e, "the pool is removed and no longer in the document; no longer serving it");
+                        shared.health.set_pool_down(&pool, false);
+                        live.forget(&pool);
+                        return;
+                    }
                     Err(e) => {
                         warn!(pool = %pool, error = %e, "cannot recreate the pool's consumer");
                         failures += 1;
@@ -396,7 +377,7 @@ async fn pull_loop(
 /// permit is free. Returns when the handler holds its permit (or at shutdown), so the
 /// pull loop never has more messages waiting than the one in hand.
 async fn start(
-    shared: &Arc<Shared>,
+    live: &Arc<Live>,
     pool: &Arc<str>,
     message: async_nats::jetstream::Message,
     permits: &Arc<Semaphore>,
@@ -405,7 +386,7 @@ async fn start(
     policy: LivenessPolicy,
 ) {
     let (started, has_started) = tokio::sync::oneshot::channel();
-    let shared = shared.clone();
+    let live = live.clone();
     let pool = pool.clone();
     let permits = permits.clone();
     let stop = shutdown.clone();
@@ -421,6 +402,8 @@ async fn start(
                 _ = stop.cancelled() => return,
             };
             let _ = started.send(());
+            // Handled to its end under the revision running now.
+            let shared = live.load();
             let _in_flight = shared.gauges.pool(&pool).map(|g| g.start());
             Box::pin(handle::handle(&shared, &pool, &message, &liveness)).await;
             drop(permit);

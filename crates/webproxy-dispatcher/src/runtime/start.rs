@@ -19,7 +19,7 @@ use crate::config::Settings;
 use crate::outbox::max_response_bytes_for;
 use crate::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
 use crate::secrets::Secrets;
-use crate::security::ByteLimit;
+use crate::security::{ByteLimit, Outbound};
 
 /// Why this instance cannot consume from the server it connected to; retrying does
 /// not mend any of these.
@@ -69,16 +69,8 @@ impl Dispatcher {
     ) -> Result<Option<Dispatcher>, StartError> {
         check_server(server)?;
         let max_payload = server.max_payload;
-        let outbound = &settings.cluster.outbound;
-        let max_response_bytes =
-            effective_max_response_bytes(outbound.max_response_bytes, max_payload)?;
-        info!(server = %server.version, max_payload, max_response_bytes, "connected to NATS");
-        let worker = Worker::new(&WorkerConfig {
-            max_response_bytes,
-            guard: outbound.guard.clone(),
-            max_response_headers: outbound.max_headers,
-            max_response_header_bytes: outbound.max_header_bytes,
-        })?;
+        info!(server = %server.version, max_payload, "connected to NATS");
+        let worker = worker_for(&settings.cluster.outbound, max_payload)?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
         let Some(provisioned) =
@@ -116,6 +108,19 @@ fn check_server(server: &async_nats::ServerInfo) -> Result<(), StartError> {
         });
     }
     Ok(())
+}
+
+/// The HTTP client for `[outbound]`, its response limit resolved against the server's
+/// `max_payload`: at start, and for every revision of the document.
+pub(super) fn worker_for(outbound: &Outbound, max_payload: usize) -> Result<Worker, StartError> {
+    let max_response_bytes =
+        effective_max_response_bytes(outbound.max_response_bytes, max_payload)?;
+    Ok(Worker::new(&WorkerConfig {
+        max_response_bytes,
+        guard: outbound.guard.clone(),
+        max_response_headers: outbound.max_headers,
+        max_response_header_bytes: outbound.max_header_bytes,
+    })?)
 }
 
 /// `[outbound] max_response_bytes`, resolved against the server's `max_payload`.

@@ -1,0 +1,316 @@
+//! `serve` in `kv` mode after start: follows the configuration bucket (every new
+//! revision validated as a push is, then handed to the dispatcher to swap in, or
+//! refused, keeping the running one), and reports the revision it runs in the
+//! `<PREFIX>_INSTANCES` bucket on a heartbeat that `config push --wait` and `pools`
+//! read.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, kv};
+use futures::{StreamExt as _, TryStreamExt as _};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, warn};
+use webproxy_dispatcher::{
+    ConfigStore, Instruments, Redactor, Secrets, StartError, StoredRevision,
+};
+
+use crate::config::Settings;
+use crate::document;
+
+/// What this instance runs: the settings of one revision and its rules' secrets.
+#[derive(Clone)]
+pub struct Running {
+    pub revision: u64,
+    pub settings: Arc<Settings>,
+    pub secrets: Arc<Secrets>,
+}
+
+/// How often an instance reports; an instance's report outlives it by
+/// [`HEARTBEAT_TTL`] at most.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// How long a report is kept: three heartbeats and a little, so one late heartbeat does
+/// not make a live instance vanish.
+const HEARTBEAT_TTL: Duration = Duration::from_secs(20);
+
+/// One instance's report in `<PREFIX>_INSTANCES`, under its id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    pub instance: String,
+    /// The configuration revision it runs.
+    pub revision: u64,
+    pub version: String,
+    /// RFC 3339, when it reported.
+    pub time: String,
+}
+
+/// This process's id in the bucket: the host name (a pod's name) and the process id,
+/// in the characters a KV key allows.
+pub fn instance_id() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
+    let host: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{host}-{}", std::process::id())
+}
+
+/// The instances in `reports` that do not run `revision` or a later one (pure).
+pub fn lagging(reports: &[Report], revision: u64) -> Vec<&Report> {
+    reports.iter().filter(|r| r.revision < revision).collect()
+}
+
+/// The live instances' reports, by id; none when the bucket does not exist.
+pub async fn reports(
+    js: &jetstream::Context,
+    subjects: &webproxy_protocol::Subjects,
+) -> anyhow::Result<Vec<Report>> {
+    let bucket = subjects.instances_bucket();
+    let Ok(store) = js.get_key_value(&bucket).await else {
+        return Ok(Vec::new());
+    };
+    let keys: Vec<String> = store
+        .keys()
+        .await
+        .with_context(|| format!("cannot list {bucket}"))?
+        .try_collect()
+        .await
+        .with_context(|| format!("cannot list {bucket}"))?;
+    let mut reports = BTreeMap::new();
+    for key in keys {
+        // A report that expired between the listing and the read is gone: skipped.
+        if let Some(value) = store
+            .get(&key)
+            .await
+            .with_context(|| format!("cannot read {bucket} key {key}"))?
+        {
+            match serde_json::from_slice::<Report>(&value) {
+                Ok(report) => {
+                    reports.insert(key, report);
+                }
+                Err(e) => debug!(key, error = %e, "not an instance report; skipped"),
+            }
+        }
+    }
+    Ok(reports.into_values().collect())
+}
+
+/// Reports `running`'s revision every [`HEARTBEAT`] and at once when it changes, until
+/// `shutdown`; then deletes the report, so `--wait` does not wait for this instance.
+pub async fn heartbeat(
+    client: async_nats::Client,
+    settings: Arc<webproxy_dispatcher::Settings>,
+    mut running: watch::Receiver<Running>,
+    shutdown: CancellationToken,
+) {
+    let js = jetstream::new(client);
+    let id = instance_id();
+    let mut store: Option<kv::Store> = None;
+    let mut interval = tokio::time::interval(HEARTBEAT);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            changed = running.changed() => if changed.is_err() { return },
+            _ = shutdown.cancelled() => break,
+        }
+        if store.is_none() {
+            match ConfigStore::instances(&js, &settings, HEARTBEAT_TTL).await {
+                Ok(opened) => store = Some(opened),
+                Err(e) => warn!(error = %e, "cannot report this instance's revision"),
+            }
+        }
+        let Some(store) = &store else { continue };
+        let report = Report {
+            instance: id.clone(),
+            revision: running.borrow_and_update().revision,
+            version: env!("CARGO_PKG_VERSION").into(),
+            time: time::OffsetDateTime::now_utc()
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default(),
+        };
+        let value = serde_json::to_vec(&report).unwrap_or_default();
+        if let Err(e) = store.put(&id, value.into()).await {
+            warn!(error = %e, "cannot report this instance's revision");
+        }
+    }
+    if let Some(store) = store
+        && let Err(e) = store.purge(&id).await
+    {
+        debug!(error = %e, "cannot delete this instance's report; it expires");
+    }
+}
+
+/// Follows the document in the configuration bucket from `running`'s revision until
+/// `shutdown`: each new revision is validated (as `config push` validates it), its
+/// secrets read and handed to `apply`; a revision that fails any of it is refused,
+/// logged with its number and counted, and the running one stays. A watch that is lost
+/// (NATS reconnects, the bucket is briefly unavailable) is made again after the last
+/// revision seen.
+pub async fn follow(
+    client: async_nats::Client,
+    running: watch::Sender<Running>,
+    redactor: Redactor,
+    instruments: Instruments,
+    apply: impl Fn(u64, Arc<webproxy_dispatcher::Settings>, Arc<Secrets>) -> Result<(), StartError>,
+    shutdown: CancellationToken,
+) {
+    let js = jetstream::new(client);
+    let mut seen = running.borrow().revision;
+    let mut failures = 0u32;
+    loop {
+        if failures > 0 {
+            // 100 ms more per failure, at most 2 s: the pull loops' backoff.
+            let wait = Duration::from_millis(100 * u64::from(failures.min(20)));
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+        let settings = running.borrow().settings.clone();
+        let watched = async {
+            let store = ConfigStore::open_or_create(&js, &settings.dispatcher).await?;
+            store.watch_after(seen).await
+        };
+        let mut revisions = tokio::select! {
+            watched = watched => match watched {
+                Ok(revisions) => revisions,
+                Err(e) => {
+                    warn!(error = %e, after = seen, "cannot watch the configuration bucket; retrying");
+                    failures = failures.saturating_add(1);
+                    continue;
+                }
+            },
+            _ = shutdown.cancelled() => return,
+        };
+        loop {
+            let next = tokio::select! {
+                next = revisions.next() => next,
+                _ = shutdown.cancelled() => return,
+            };
+            match next {
+                Some(Ok(revision)) => {
+                    seen = revision.revision;
+                    take(revision, &running, &redactor, &instruments, &apply);
+                }
+                Some(Err(e)) => {
+                    warn!(error = %e, after = seen, "lost the watch of the configuration bucket; watching again");
+                    // Lost after it was made: the next watch is tried soon.
+                    failures = 1;
+                    break;
+                }
+                None => {
+                    warn!(
+                        after = seen,
+                        "the watch of the configuration bucket ended; watching again"
+                    );
+                    failures = 1;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Validates one revision and runs it, or refuses it.
+fn take(
+    stored: StoredRevision,
+    running: &watch::Sender<Running>,
+    redactor: &Redactor,
+    instruments: &Instruments,
+    apply: &impl Fn(u64, Arc<webproxy_dispatcher::Settings>, Arc<Secrets>) -> Result<(), StartError>,
+) {
+    let revision = stored.revision;
+    let current = running.borrow().clone();
+    match candidate(&stored, &current.settings, redactor).and_then(|(settings, secrets)| {
+        apply(revision, settings.dispatcher.clone(), secrets.clone())
+            .with_context(|| "this instance cannot run it")?;
+        Ok((settings, secrets))
+    }) {
+        Ok((settings, secrets)) => {
+            for warning in settings.warnings() {
+                warn!(revision, "configuration: {warning}");
+            }
+            running.send_replace(Running {
+                revision,
+                settings: Arc::new(settings),
+                secrets,
+            });
+        }
+        Err(e) => {
+            error!(
+                revision,
+                running = current.revision,
+                error = format!("{e:#}"),
+                "refused revision {revision} of the configuration bucket; still running revision {}",
+                current.revision
+            );
+            instruments.count_config_refused();
+        }
+    }
+}
+
+/// The settings and secrets of a stored revision, or why it cannot run.
+fn candidate(
+    stored: &StoredRevision,
+    running: &Settings,
+    redactor: &Redactor,
+) -> anyhow::Result<(Settings, Arc<Secrets>)> {
+    if stored.deleted {
+        anyhow::bail!("the document was deleted; a push or a rollback writes one again");
+    }
+    let (document, dispatcher) = document::validate(&stored.document, &running.config.streams)?;
+    let settings = running.clone().with_document(document, dispatcher);
+    let secrets = Secrets::load(&settings.dispatcher.cluster.rules, redactor.clone())
+        .context("cannot read an injected secret")?;
+    Ok((settings, Arc::new(secrets)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(instance: &str, revision: u64) -> Report {
+        Report {
+            instance: instance.into(),
+            revision,
+            version: "1".into(),
+            time: String::new(),
+        }
+    }
+
+    #[test]
+    fn an_instance_lags_until_it_runs_the_revision_or_a_later_one() {
+        let reports = [report("a", 3), report("b", 4), report("c", 5)];
+        let lagging: Vec<&str> = lagging(&reports, 4)
+            .iter()
+            .map(|r| r.instance.as_str())
+            .collect();
+        assert_eq!(lagging, ["a"]);
+        assert!(lagging_none(&reports, 3));
+    }
+
+    fn lagging_none(reports: &[Report], revision: u64) -> bool {
+        lagging(reports, revision).is_empty()
+    }
+
+    #[test]
+    fn instance_ids_are_valid_keys() {
+        let id = instance_id();
+        assert!(
+            id.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+            "{id}"
+        );
+    }
+}
