@@ -18,7 +18,9 @@ use webproxy_client::new_id;
 use webproxy_protocol::{Subjects, header::ORIGIN};
 
 pub use webproxy_protocol::Origin;
-pub use webproxy_testkit::authorization::{ADMIN, AUTHORIZATION, SERVICE_USER, password};
+pub use webproxy_testkit::authorization::{
+    ADMIN, AUTHORIZATION, CALLERS_ADMIN, OPERATOR_USER, SERVICE_USER, password,
+};
 
 use crate::caller::REPLY_TIMEOUT;
 use crate::{NatsServer, ServiceOptions};

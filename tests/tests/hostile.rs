@@ -25,7 +25,7 @@ use webproxy_client::new_id;
 use webproxy_protocol::header::{GENERATION, HOP, MSG_ID, ORIGIN, OUTCOME, REPLY_TO};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::authorized::{
-    ADMIN, Admin, Caller, Origin, SERVICE_USER, first_and_repeats, header, origin_of, service_as,
+    Admin, Caller, Origin, SERVICE_USER, first_and_repeats, header, origin_of, service_as,
     stored_msg_id, violation,
 };
 use webproxy_tests::caller::{REPLY_TIMEOUT, next_message, path_rule};
@@ -552,12 +552,12 @@ fn ids_with_origin(origin: &Origin) -> Vec<String> {
 /// contract documents, filled in for a victim as far as a caller can know it, cannot
 /// stop the victim's retried or moved conversation from ending normally.
 ///
-/// The service runs as the admin here: the moved conversation needs a second pool,
-/// and the file grants its `webproxy` user the default pool's subjects only. The
-/// hostile caller has exactly the file's `caller_a` permissions.
+/// The moved conversation needs a second pool, which the file's `webproxy` user may
+/// serve without a change (its account's JetStream API is all its own). The hostile
+/// caller has exactly the file's `caller_a` permissions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prepublished_message_ids_cannot_stop_a_retried_or_moved_conversation() {
-    let scene = Scene::start(service_as(ADMIN), |up| {
+    let scene = Scene::start(service_as(SERVICE_USER), |up| {
         let retry = "max_retries = 2\nretry_delay = \"500ms\"\nbackoff_factor = 1.0\n";
         format!(
             "{SERVICE}\n[pools.p1]\nmax_in_flight = 4\n\n\

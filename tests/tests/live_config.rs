@@ -13,7 +13,7 @@ use futures::StreamExt as _;
 use serde_json::Value;
 use webproxy_client::Client;
 use webproxy_protocol::{ErrorCode, Outcome};
-use webproxy_tests::authorized::{ADMIN, SERVICE_USER, password, service_as};
+use webproxy_tests::authorized::{OPERATOR_USER, SERVICE_USER, password, service_as};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, path_rule, to};
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
@@ -444,12 +444,12 @@ async fn kv_instances_seed_and_read_the_bucket_with_the_deploy_permissions() {
         "{}",
         reader.logs()
     );
-    let admin = password(ADMIN);
+    let operator = password(OPERATOR_USER);
     let listed = success(
         &config_as(
             &nats,
             &["history", "--json"],
-            &["--user", ADMIN, "--password", &admin],
+            &["--user", OPERATOR_USER, "--password", &operator],
         )
         .await,
     );

@@ -1,16 +1,29 @@
-//! A nats-server with deploy/nats/authorization.conf's users and permissions, plus an
-//! `admin` who may do anything (to observe what callers cannot).
+//! A nats-server with deploy/nats/authorization.conf's accounts, users and permissions,
+//! plus a user who may do anything in each account (to observe what callers cannot,
+//! and to show that the account boundary holds whatever a user's permissions say).
 
 use crate::NatsServer;
 
-/// The users and permissions the repository ships, as the tests run them.
+/// The accounts, users and permissions the repository ships, as the tests run them.
 pub const AUTHORIZATION: &str = include_str!("../../../deploy/nats/authorization.conf");
 
-/// The user with every permission the fixtures add to the file's users.
+/// The user with every permission in webproxy's account, added by the fixture.
 pub const ADMIN: &str = "admin";
+
+/// The user with every permission in the callers' account, added by the fixture.
+pub const CALLERS_ADMIN: &str = "callers_admin";
 
 /// The service's user in the file.
 pub const SERVICE_USER: &str = "webproxy";
+
+/// The operators' user in the file (`config push`, `pools`, `dead`).
+pub const OPERATOR_USER: &str = "operator";
+
+/// webproxy's account in the file.
+pub const SERVICE_ACCOUNT: &str = "WEBPROXY";
+
+/// The callers' account in the file.
+pub const CALLERS_ACCOUNT: &str = "CALLERS";
 
 /// The password of `user` on [`NatsServer::start_authorized`]'s servers.
 pub fn password(user: &str) -> String {
@@ -18,30 +31,49 @@ pub fn password(user: &str) -> String {
 }
 
 impl NatsServer {
-    /// A server with deploy/nats/authorization.conf's users (`webproxy`, `caller_a`,
-    /// `caller_b`, each with the password [`password`] gives) and their permissions,
-    /// plus [`ADMIN`], who may publish and subscribe to anything.
+    /// A server with deploy/nats/authorization.conf's accounts and users (`webproxy`,
+    /// `operator`, `caller_a`, `caller_b`, each with the password [`password`] gives)
+    /// and their permissions, plus [`ADMIN`] in webproxy's account and
+    /// [`CALLERS_ADMIN`] in the callers' account, who may publish and subscribe to
+    /// anything there.
     pub fn start_authorized() -> NatsServer {
-        let users = "users = [";
-        assert!(
-            AUTHORIZATION.contains(users),
-            "deploy/nats/authorization.conf has no `{users}` list to add the admin to"
+        let with_admins = with_user(
+            &with_user(AUTHORIZATION, SERVICE_ACCOUNT, ADMIN),
+            CALLERS_ACCOUNT,
+            CALLERS_ADMIN,
         );
-        let with_admin = AUTHORIZATION.replacen(
-            users,
-            &format!(
-                "{users}\n    {{ user: {ADMIN}, password: \"{}\" }}",
-                password(ADMIN)
-            ),
-            1,
-        );
-        NatsServer::start_with(&format!(
-            "SERVICE_NATS_PASSWORD: \"{}\"\n\
-             CALLER_A_NATS_PASSWORD: \"{}\"\n\
-             CALLER_B_NATS_PASSWORD: \"{}\"\n\n{with_admin}",
-            password(SERVICE_USER),
-            password("caller_a"),
-            password("caller_b"),
-        ))
+        let variables: String = [
+            ("SERVICE_NATS_PASSWORD", SERVICE_USER),
+            ("OPERATOR_NATS_PASSWORD", OPERATOR_USER),
+            ("CALLER_A_NATS_PASSWORD", "caller_a"),
+            ("CALLER_B_NATS_PASSWORD", "caller_b"),
+        ]
+        .iter()
+        .map(|(variable, user)| format!("{variable}: \"{}\"\n", password(user)))
+        .collect();
+        NatsServer::start_with(&format!("{variables}\n{with_admins}"))
     }
+}
+
+/// `config` with `user` (every permission, [`password`]'s password) added to the
+/// users of `account`.
+fn with_user(config: &str, account: &str, user: &str) -> String {
+    let account_start = format!("\n  {account}: {{");
+    let users = "users: [";
+    let at = config
+        .find(&account_start)
+        .and_then(|start| {
+            config[start..]
+                .find(users)
+                .map(|at| start + at + users.len())
+        })
+        .unwrap_or_else(|| {
+            panic!("deploy/nats/authorization.conf has no `{users}` list in account {account}")
+        });
+    format!(
+        "{}\n      {{ user: {user}, password: \"{}\" }}{}",
+        &config[..at],
+        password(user),
+        &config[at..]
+    )
 }
