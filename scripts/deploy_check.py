@@ -57,6 +57,8 @@ METRICS = {
     "webproxy_nats_connected": set(),
     "webproxy_config_revision": set(),
     "webproxy_config_refused_total": set(),
+    "webproxy_pool_consumer_writes_total": {"pool", "write"},
+    "webproxy_pool_consumers_owner": set(),
     "webproxy_build_info": {"version"},
 }
 HISTOGRAMS = {"webproxy_attempt_duration_seconds", "webproxy_queue_wait_seconds"}

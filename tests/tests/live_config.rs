@@ -714,3 +714,154 @@ async fn three_kv_instances_follow_every_push_live() {
         assert_eq!(counts.get(id), Some(&1), "{id}: {counts:?}");
     }
 }
+
+/// The number of instances in `services` for which `series` is `value`.
+async fn instances_with(services: &[Service], series: &str, value: f64) -> usize {
+    let mut count = 0;
+    for service in services {
+        if service.metric(series).await == Some(value) {
+            count += 1;
+        }
+    }
+    count
+}
+
+/// Updates of the partner pool's consumer, summed over `services`.
+async fn consumer_updates(services: &[Service]) -> f64 {
+    let mut sum = 0.0;
+    for service in services {
+        sum += service
+            .metric(r#"webproxy_pool_consumer_writes_total{pool="partner",write="update"}"#)
+            .await
+            .unwrap_or(0.0);
+    }
+    sum
+}
+
+/// Issue 18, point 4: one instance at a time (the lease holder) writes a pool
+/// consumer's settings, from the configured limits and the pool's runtime state. A
+/// consumer paused by hand through the JetStream API stays paused across a push that
+/// changes its limit; an adaptive limit in the runtime state is applied, and a push
+/// does not undo it; each change is one update, however many instances run; and when
+/// the holder stops, another takes the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_state() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let document = |max_in_flight: u64| {
+        format!(
+            "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = {max_in_flight}\n\n{}",
+            accept_rule("local", &upstream)
+        )
+    };
+    success(
+        &config(
+            &nats,
+            &["push", &write(dir.path(), "r1.toml", &document(2))],
+        )
+        .await,
+    );
+    let mut services: Vec<Service> = (0..3)
+        .map(|_| {
+            Service::spawn(
+                &nats.url(),
+                &kv_config(&accept_rule("local", &upstream)),
+                ServiceOptions::default(),
+            )
+        })
+        .collect();
+    for service in &services {
+        service.wait_ready(Duration::from_secs(30)).await;
+    }
+    webproxy_tests::wait_until(SEEN, "one lease holder", || async {
+        instances_with(&services, "webproxy_pool_consumers_owner", 1.0).await == 1
+            && instances_with(&services, "webproxy_pool_consumers_owner", 0.0).await == 2
+    })
+    .await;
+
+    let js = async_nats::jetstream::new(nats.client().await);
+    let stream = js
+        .get_stream("WEBPROXY_POOL_PARTNER")
+        .await
+        .expect("stream");
+    let consumer = "webproxy-partner-l2";
+    let limit = || async {
+        let info = stream.consumer_info(consumer).await.expect("consumer");
+        (info.config.max_ack_pending, info.paused)
+    };
+    assert_eq!(limit().await, (2, false));
+    let until = time::OffsetDateTime::now_utc() + time::Duration::minutes(10);
+    let paused = stream
+        .pause_consumer(consumer, until)
+        .await
+        .expect("paused by hand");
+    assert!(paused.paused);
+
+    // A push that changes the limit: one update, and the pause stays.
+    push_and_wait(&nats, dir.path(), "raise.toml", &document(5), &services).await;
+    webproxy_tests::wait_until(SEEN, "the raised limit on the consumer", || async {
+        limit().await.0 == 5
+    })
+    .await;
+    assert_eq!(limit().await, (5, true), "the pause was undone");
+
+    // An adaptive limit in the runtime state lowers the consumer's; a push that
+    // raises the configured limit does not undo it.
+    let state = js
+        .get_key_value("WEBPROXY_POOL_STATE")
+        .await
+        .expect("state bucket");
+    state
+        .put("partner", r#"{"adaptive_limit":3}"#.into())
+        .await
+        .expect("state");
+    webproxy_tests::wait_until(SEEN, "the adaptive limit on the consumer", || async {
+        limit().await.0 == 3
+    })
+    .await;
+    push_and_wait(
+        &nats,
+        dir.path(),
+        "raise-more.toml",
+        &document(8),
+        &services,
+    )
+    .await;
+    // The owner handles one change at a time: once this later state change is on the
+    // consumer, the push's has been handled too.
+    state
+        .put("partner", r#"{"adaptive_limit":4}"#.into())
+        .await
+        .expect("state");
+    webproxy_tests::wait_until(SEEN, "the second adaptive limit", || async {
+        limit().await.0 == 4
+    })
+    .await;
+    assert_eq!(limit().await, (4, true));
+    // 2 -> 5, 5 -> 3, 3 -> 4: the push to 8 wrote nothing, and no other instance
+    // wrote anything.
+    assert_eq!(consumer_updates(&services).await, 3.0);
+
+    // The holder stops: another instance takes the lease.
+    let mut holder = None;
+    for (i, service) in services.iter().enumerate() {
+        if service.metric("webproxy_pool_consumers_owner").await == Some(1.0) {
+            holder = Some(i);
+        }
+    }
+    let holder = holder.expect("a holder");
+    let mut stopped = services.remove(holder);
+    stopped.terminate();
+    assert!(stopped.wait_exit(EXIT_TIMEOUT).await.is_some());
+    webproxy_tests::wait_until(SEEN, "a new lease holder", || async {
+        instances_with(&services, "webproxy_pool_consumers_owner", 1.0).await == 1
+    })
+    .await;
+    let pools = webproxy(&["pools", "--nats", &nats.url()]).await;
+    let listed = success(&pools);
+    assert!(
+        listed.contains("writes the pool consumers' settings"),
+        "{listed}"
+    );
+}

@@ -18,6 +18,15 @@ use crate::runtime::retry_until_done;
 /// The key of the cluster document.
 pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
+/// How long `<PREFIX>_INSTANCES` keeps a value: an instance's heartbeat (every 5 s)
+/// and the lease holder's renewals are written well within it, so one late write does
+/// not make a live instance vanish or lose its lease.
+pub(crate) const INSTANCES_TTL: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The key in `<PREFIX>_INSTANCES` of the lease that makes one instance at a time
+/// the writer of the pool consumers' settings; its value is the holder's instance id.
+pub(crate) const POOL_CONSUMERS_LEASE: &str = "lease.pool-consumers";
+
 /// The revisions the bucket keeps of the document, for `config history`, `show
 /// --revision` and `rollback`: JetStream's most.
 const HISTORY: i64 = 64;
@@ -305,12 +314,13 @@ impl ConfigStore {
     }
 
     /// The bucket `<PREFIX>_INSTANCES`, created if need be: every running instance's
-    /// heartbeat, one key per instance, each value kept for `ttl` (so an instance
-    /// that stopped vanishes), with the streams' replicas.
+    /// heartbeat, one key per instance (its [`ConfigStore::instance_id`]), and the
+    /// lease of the pool consumers' settings, each value kept for [`INSTANCES_TTL`]
+    /// (so an instance that stopped vanishes, and its lease ends), with the streams'
+    /// replicas.
     pub async fn instances(
         js: &jetstream::Context,
         settings: &Settings,
-        ttl: std::time::Duration,
     ) -> Result<kv::Store, ConfigStoreError> {
         let bucket = settings.subjects.instances_bucket();
         js.create_or_update_key_value(kv::Config {
@@ -318,7 +328,7 @@ impl ConfigStore {
             description: "webproxy's running instances and the configuration revision each runs"
                 .into(),
             history: 1,
-            max_age: ttl,
+            max_age: INSTANCES_TTL,
             storage: stream::StorageType::File,
             num_replicas: settings.streams.replicas,
             ..Default::default()
@@ -328,6 +338,43 @@ impl ConfigStore {
             bucket,
             message: error_chain(&e),
         })
+    }
+
+    /// This process's id in `<PREFIX>_INSTANCES`: the host name (a pod's name) and the
+    /// process id, in the characters a KV key allows, and never a dot (which the
+    /// bucket's other keys have).
+    pub fn instance_id() -> String {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
+        let host: String = host
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        format!("{host}-{}", std::process::id())
+    }
+
+    /// The instance that holds the lease of the pool consumers' settings now, if any.
+    pub async fn pool_consumers_owner(
+        js: &jetstream::Context,
+        subjects: &Subjects,
+    ) -> Result<Option<String>, ConfigStoreError> {
+        let bucket = subjects.instances_bucket();
+        let Ok(store) = js.get_key_value(&bucket).await else {
+            return Ok(None);
+        };
+        let value = store
+            .get(POOL_CONSUMERS_LEASE)
+            .await
+            .map_err(|e| ConfigStoreError::Read {
+                bucket,
+                message: error_chain(&e),
+            })?;
+        Ok(value.map(|holder| String::from_utf8_lossy(&holder).into_owned()))
     }
 
     fn read_error(&self, e: &dyn std::error::Error) -> ConfigStoreError {
@@ -429,6 +476,16 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn instance_ids_are_valid_keys_without_a_dot() {
+        let id = ConfigStore::instance_id();
+        assert!(
+            id.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+            "{id}"
+        );
+    }
 
     #[test]
     fn the_note_is_one_comment_line_before_the_document() {

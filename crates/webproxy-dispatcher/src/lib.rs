@@ -20,6 +20,7 @@ mod hop;
 mod metrics;
 mod outbox;
 mod plan;
+mod pool_state;
 mod provision;
 mod response_rules;
 mod retry;

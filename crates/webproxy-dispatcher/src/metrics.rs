@@ -14,6 +14,7 @@ use prometheus_client::registry::Registry;
 
 use crate::gauges::Gauges;
 use crate::health::Health;
+use crate::pool_state::ConsumerWrite;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -45,6 +46,12 @@ struct PoolLabels {
 struct DeadLabels {
     pool: String,
     code: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConsumerWriteLabels {
+    pool: String,
+    write: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -87,6 +94,8 @@ pub(crate) struct Metrics {
     nats_connected: Gauge,
     config_revision: Gauge,
     config_refused: Counter,
+    pool_consumer_writes: Family<ConsumerWriteLabels, Counter>,
+    pool_consumers_owner: Gauge,
 }
 
 impl Metrics {
@@ -172,6 +181,18 @@ impl Metrics {
             "Revisions of the configuration bucket's document this instance refused, keeping the one it ran",
             config_refused.clone(),
         );
+        let pool_consumer_writes = Family::default();
+        registry.register(
+            "pool_consumer_writes",
+            "Writes of a pool consumer's settings by this instance, while it held the lease of them: \"update\" (limits) or \"pause\"",
+            pool_consumer_writes.clone(),
+        );
+        let pool_consumers_owner = Gauge::default();
+        registry.register(
+            "pool_consumers_owner",
+            "1 while this instance holds the lease that makes it the one writer of the pool consumers' settings",
+            pool_consumers_owner.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -194,7 +215,24 @@ impl Metrics {
             nats_connected,
             config_revision,
             config_refused,
+            pool_consumer_writes,
+            pool_consumers_owner,
         }
+    }
+
+    /// This instance wrote `write` to `pool`'s work consumer.
+    pub(crate) fn pool_consumer_written(&self, pool: &str, write: &ConsumerWrite) {
+        self.pool_consumer_writes
+            .get_or_create(&ConsumerWriteLabels {
+                pool: pool.to_string(),
+                write: write.kind(),
+            })
+            .inc();
+    }
+
+    /// Whether this instance holds the lease of the pool consumers' settings.
+    pub(crate) fn set_pool_consumers_owner(&self, holding: bool) {
+        self.pool_consumers_owner.set(i64::from(holding));
     }
 
     /// The instance now runs the document of `revision`.

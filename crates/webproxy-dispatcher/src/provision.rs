@@ -16,6 +16,7 @@ use thiserror::Error;
 use tracing::{error, info, warn};
 
 use crate::config::{PoolConfig, Settings};
+use crate::pool_state::PoolState;
 
 /// Provisioning failed; the message names the stream or consumer.
 #[derive(Debug, Error)]
@@ -258,11 +259,14 @@ impl PoolSpec {
     }
 }
 
-/// The durable pull consumer of one pool's request subject.
+/// The durable pull consumer of one pool's request subject: the configured limits with
+/// the pool's runtime `state` on top. Every write of its settings (creation, and the
+/// owner's updates) is computed here, so none can undo that state.
 pub(crate) fn pool_consumer_config(
     settings: &Settings,
     pool: &str,
     config: &PoolConfig,
+    state: &PoolState,
 ) -> consumer::pull::Config {
     let subjects = &settings.subjects;
     consumer::pull::Config {
@@ -271,7 +275,8 @@ pub(crate) fn pool_consumer_config(
         filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.cluster.ack_wait,
-        max_ack_pending: i64::try_from(config.max_in_flight).unwrap_or(i64::MAX),
+        max_ack_pending: i64::try_from(state.max_ack_pending(config.max_in_flight))
+            .unwrap_or(i64::MAX),
         // Unlimited: poison messages are counted and ended by the dispatcher itself.
         max_deliver: -1,
         metadata: with_layout(&HashMap::new()),
@@ -372,6 +377,46 @@ pub(crate) fn progress_bucket_config(settings: &Settings) -> kv::Config {
         storage: stream::StorageType::File,
         num_replicas: streams.replicas,
         ..Default::default()
+    }
+}
+
+/// The bucket of the pools' runtime state ([`PoolState`], one key per pool): kept
+/// until changed, with the streams' replicas, a few revisions for whoever looks into
+/// why a pool paused.
+pub(crate) fn pool_state_bucket_config(settings: &Settings) -> kv::Config {
+    kv::Config {
+        bucket: settings.subjects.pool_state_bucket(),
+        description: "webproxy pools' runtime state: pauses and their reasons, adaptive limits"
+            .into(),
+        history: 5,
+        storage: stream::StorageType::File,
+        num_replicas: settings.streams.replicas,
+        ..Default::default()
+    }
+}
+
+/// `pool`'s runtime state as stored now: none when the bucket or the key is missing.
+/// A value that cannot be read is logged and taken as none, so a consumer is still
+/// created; the owner keeps logging it while it writes nothing from it.
+pub(crate) async fn read_pool_state(
+    js: &jetstream::Context,
+    settings: &Settings,
+    pool: &str,
+) -> PoolState {
+    let bucket = settings.subjects.pool_state_bucket();
+    let Ok(store) = js.get_key_value(&bucket).await else {
+        return PoolState::default();
+    };
+    match store.get(pool).await {
+        Ok(Some(value)) => PoolState::from_json(&value).unwrap_or_else(|e| {
+            warn!(pool, bucket, error = %e, "the pool's runtime state cannot be read; ignored");
+            PoolState::default()
+        }),
+        Ok(None) => PoolState::default(),
+        Err(e) => {
+            warn!(pool, bucket, error = %e, "cannot read the pool's runtime state; ignored");
+            PoolState::default()
+        }
     }
 }
 
@@ -528,17 +573,18 @@ async fn delete_consumer(stream: &stream::Stream, name: &str) -> Result<(), Prov
             info!(consumer = name, "deleted a consumer of the older layout");
             Ok(())
         }
-        Err(e)
-            if matches!(
-                e.kind(),
-                stream::ConsumerErrorKind::JetStream(ref js)
-                    if js.error_code() == jetstream::ErrorCode::CONSUMER_NOT_FOUND
-            ) =>
-        {
-            Ok(())
-        }
+        Err(e) if consumer_missing(&e) => Ok(()),
         Err(e) => Err(provision_error(format!("consumer {name}"), e)),
     }
+}
+
+/// The consumer asked for does not exist.
+pub(crate) fn consumer_missing(e: &stream::ConsumerError) -> bool {
+    matches!(
+        e.kind(),
+        stream::ConsumerErrorKind::JetStream(ref js)
+            if js.error_code() == jetstream::ErrorCode::CONSUMER_NOT_FOUND
+    )
 }
 
 /// What provisioning made: the pools' consumers and the progress bucket.
@@ -573,6 +619,11 @@ pub(crate) async fn provision(
         .create_or_update_key_value(bucket)
         .await
         .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
+    let bucket = pool_state_bucket_config(settings);
+    let bucket_name = bucket.bucket.clone();
+    js.create_or_update_key_value(bucket)
+        .await
+        .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
     let mut consumers = Vec::new();
     for (pool, pool_config) in &settings.cluster.pools {
         consumers.push(provision_pool(js, settings, pool, pool_config).await?);
@@ -584,10 +635,10 @@ pub(crate) async fn provision(
 }
 
 /// Provisions one pool: its stream (migrated from an older layout if need be), its
-/// fence and its two consumers. The one writer of a pool's consumer settings: at
-/// start, and again for a revision of the document that changes its [`PoolSpec`]
-/// (an update that leaves out `pause_until`, so a pause set through the JetStream API
-/// is kept).
+/// fence and its two consumers. A work consumer that exists is bound as it is: its
+/// settings are written only by their owner (`runtime::owner`), under a lease, from
+/// the configured limits and the pool's runtime state; one that does not is created
+/// from them.
 pub(crate) async fn provision_pool(
     js: &jetstream::Context,
     settings: &Settings,
@@ -610,29 +661,18 @@ pub(crate) async fn provision_pool(
         },
     )
     .await?;
-    let wanted = pool_consumer_config(settings, pool, pool_config);
-    let name = wanted.durable_name.clone().unwrap_or_default();
+    let name = subjects.pool_consumer(pool);
     let what = format!("consumer {name} on {stream_name}");
     let stream = js
         .get_stream_no_info(&stream_name)
         .await
         .map_err(|e| provision_error(what.clone(), e))?;
-    if let Ok(info) = stream.consumer_info(&name).await {
-        let current = &info.config;
-        if current.max_ack_pending != wanted.max_ack_pending || current.ack_wait != wanted.ack_wait
-        {
-            warn!(
-                consumer = %name,
-                server_max_ack_pending = current.max_ack_pending,
-                local_max_in_flight = wanted.max_ack_pending,
-                server_ack_wait = ?current.ack_wait,
-                local_ack_wait = ?wanted.ack_wait,
-                "the server's consumer config differs from this instance's; updating it (last writer wins)"
-            );
-        }
-    }
+    let state = read_pool_state(js, settings, pool).await;
     let work: consumer::PullConsumer = stream
-        .create_consumer(wanted)
+        .get_or_create_consumer(
+            &name,
+            pool_consumer_config(settings, pool, pool_config, &state),
+        )
         .await
         .map_err(|e| provision_error(what, e))?;
     let retry = retry_consumer_config(settings, pool);
@@ -685,8 +725,9 @@ pub(crate) async fn recreate_pool_consumer(
         }
         Examined::Refuse(refusal) => return Err(refused(what, refusal)),
     }
+    let state = read_pool_state(js, settings, pool).await;
     stream
-        .create_consumer(pool_consumer_config(settings, pool, pool_config))
+        .create_consumer(pool_consumer_config(settings, pool, pool_config, &state))
         .await
         .map_err(|e| provision_error(what, e))
 }

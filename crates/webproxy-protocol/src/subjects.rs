@@ -253,6 +253,13 @@ impl Subjects {
         format!("{}_INSTANCES", self.stream_prefix)
     }
 
+    /// The KV bucket of each pool's runtime state, one key per pool: its pauses (each
+    /// with a reason and an end) and an adaptive limit, which the owner of the pool
+    /// consumers' settings applies on top of the configured limits.
+    pub fn pool_state_bucket(&self) -> String {
+        format!("{}_POOL_STATE", self.stream_prefix)
+    }
+
     /// The durable consumer of `pool`'s request and hop subjects, e.g.
     /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
     /// get names of their own, so that an instance of an older layout cannot find, and
@@ -383,6 +390,7 @@ mod tests {
         assert_eq!(s.progress_bucket(), "WEBPROXY_PROGRESS");
         assert_eq!(s.config_bucket(), "WEBPROXY_CONFIG");
         assert_eq!(s.instances_bucket(), "WEBPROXY_INSTANCES");
+        assert_eq!(s.pool_state_bucket(), "WEBPROXY_POOL_STATE");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");

@@ -30,13 +30,10 @@ pub struct Running {
     pub secrets: Arc<Secrets>,
 }
 
-/// How often an instance reports; an instance's report outlives it by
-/// [`HEARTBEAT_TTL`] at most.
+/// How often an instance reports; the bucket keeps a report for 20 s, so an instance
+/// that stopped vanishes within that, and one late heartbeat does not make a live
+/// instance vanish.
 const HEARTBEAT: Duration = Duration::from_secs(5);
-
-/// How long a report is kept: three heartbeats and a little, so one late heartbeat does
-/// not make a live instance vanish.
-const HEARTBEAT_TTL: Duration = Duration::from_secs(20);
 
 /// One instance's report in `<PREFIX>_INSTANCES`, under its id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,23 +44,6 @@ pub struct Report {
     pub version: String,
     /// RFC 3339, when it reported.
     pub time: String,
-}
-
-/// This process's id in the bucket: the host name (a pod's name) and the process id,
-/// in the characters a KV key allows.
-pub fn instance_id() -> String {
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
-    let host: String = host
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!("{host}-{}", std::process::id())
 }
 
 /// The instances in `reports` that do not run `revision` or a later one (pure).
@@ -89,6 +69,10 @@ pub async fn reports(
         .with_context(|| format!("cannot list {bucket}"))?;
     let mut reports = BTreeMap::new();
     for key in keys {
+        // Instance ids have no dot; other keys (the owner's lease) do.
+        if key.contains('.') {
+            continue;
+        }
         // A report that expired between the listing and the read is gone: skipped.
         if let Some(value) = store
             .get(&key)
@@ -115,7 +99,7 @@ pub async fn heartbeat(
     shutdown: CancellationToken,
 ) {
     let js = jetstream::new(client);
-    let id = instance_id();
+    let id = ConfigStore::instance_id();
     let mut store: Option<kv::Store> = None;
     let mut interval = tokio::time::interval(HEARTBEAT);
     loop {
@@ -125,7 +109,7 @@ pub async fn heartbeat(
             _ = shutdown.cancelled() => break,
         }
         if store.is_none() {
-            match ConfigStore::instances(&js, &settings, HEARTBEAT_TTL).await {
+            match ConfigStore::instances(&js, &settings).await {
                 Ok(opened) => store = Some(opened),
                 Err(e) => warn!(error = %e, "cannot report this instance's revision"),
             }
@@ -302,15 +286,5 @@ mod tests {
 
     fn lagging_none(reports: &[Report], revision: u64) -> bool {
         lagging(reports, revision).is_empty()
-    }
-
-    #[test]
-    fn instance_ids_are_valid_keys() {
-        let id = instance_id();
-        assert!(
-            id.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
-            "{id}"
-        );
     }
 }

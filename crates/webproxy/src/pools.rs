@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::TryStreamExt as _;
 use serde::Serialize;
 use webproxy_client::Client;
-use webproxy_dispatcher::{Settled, mark_removing};
+use webproxy_dispatcher::{ConfigStore, Settled, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
 use crate::live;
@@ -135,6 +135,10 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
                 i.instance, i.revision, i.version, i.time
             );
         }
+    }
+    if let Some(owner) = ConfigStore::pool_consumers_owner(&js, client.subjects()).await? {
+        println!();
+        println!("{owner} writes the pool consumers' settings (it holds their lease)");
     }
     Ok(())
 }

@@ -37,7 +37,7 @@ impl Live {
         self.current.borrow().clone()
     }
 
-    fn changes(&self) -> watch::Receiver<Arc<Shared>> {
+    pub(super) fn changes(&self) -> watch::Receiver<Arc<Shared>> {
         self.current.subscribe()
     }
 
@@ -239,8 +239,9 @@ impl Pools {
     }
 
     /// Brings the pools in line with the running revision: provisions and serves the
-    /// new ones, updates the consumers and permits of those whose [`PoolSpec`]
-    /// changed. `false` when some could not be, to be tried again.
+    /// new ones, resizes the local permits of those whose [`PoolSpec`] changed (their
+    /// consumers are their owner's to update: `owner`). `false` when some could not
+    /// be, to be tried again.
     async fn reconcile(&mut self) -> bool {
         let shared = self.live.load();
         let settings = &shared.settings;
@@ -248,33 +249,26 @@ impl Pools {
         let mut done = true;
         for (pool, config) in &settings.cluster.pools {
             let wanted = PoolSpec::of(settings, config);
-            if self.served.get(pool).is_some_and(|s| s.spec == wanted) {
-                continue;
-            }
-            let provisioned = match provision_pool(js, settings, pool, config).await {
-                Ok(provisioned) => provisioned,
-                Err(e) => {
-                    warn!(pool, error = %e, "cannot bring the pool in line with the configuration; retrying");
-                    done = false;
-                    continue;
-                }
-            };
-            match self.served.get_mut(pool) {
-                Some(served) => {
+            if let Some(served) = self.served.get_mut(pool) {
+                if served.spec != wanted {
                     info!(pool, from = ?served.spec, to = ?wanted, "pool limits updated");
                     resize(
                         &served.permits,
                         served.spec.max_in_flight,
                         wanted.max_in_flight,
                     );
-                    if let Some(gauge) = shared.gauges.pool(pool) {
-                        gauge.set_max_in_flight(wanted.max_in_flight);
-                    }
                     served.spec = wanted;
                 }
-                None => {
+                continue;
+            }
+            match provision_pool(js, settings, pool, config).await {
+                Ok(provisioned) => {
                     info!(pool, "new pool provisioned; serving it");
                     self.serve(provisioned);
+                }
+                Err(e) => {
+                    warn!(pool, error = %e, "cannot provision the new pool; retrying");
+                    done = false;
                 }
             }
         }

@@ -11,6 +11,7 @@ mod hooks;
 mod live;
 mod liveness;
 mod migrate;
+mod owner;
 mod parked;
 mod progress;
 mod publish;
@@ -191,13 +192,14 @@ impl Dispatcher {
     pub async fn run(self, shutdown: CancellationToken, grace: Duration) {
         let attempts = TaskTracker::new();
         let health = self.live.load().health.clone();
+        let owner = owner::own_pool_consumers(self.live.clone(), shutdown.clone());
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
         }
         health.set_provisioned();
         // Until the signal the pools follow the revisions; then the pool loops end.
-        tokio::join!(pools.follow(), async {
+        tokio::join!(pools.follow(), owner, async {
             shutdown.cancelled().await;
             health.set_draining();
         });

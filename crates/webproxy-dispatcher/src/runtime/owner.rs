@@ -1,0 +1,251 @@
+//! The one writer of the pool consumers' settings. One instance at a time holds a
+//! lease in `<PREFIX>_INSTANCES` and brings every pool's work consumer in line with
+//! the running revision's limits and the pool's runtime state in
+//! `<PREFIX>_POOL_STATE`, writing only what differs (`pool_state::consumer_writes`).
+//!
+//! Provisioning creates a missing consumer from the same computation and never
+//! rewrites one that exists. So instances running different revisions (a rolling
+//! deploy in file mode, a push on its way) do not fight over the settings, and no
+//! write undoes a pause or an adaptive limit.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt as _;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::live::Live;
+use crate::config::{PoolConfig, Settings};
+use crate::config_store::{ConfigStore, POOL_CONSUMERS_LEASE};
+use crate::metrics::Metrics;
+use crate::pool_state::{ConsumerWrite, PoolState, consumer_writes};
+use crate::provision::{pool_consumer_config, pool_state_bucket_config};
+
+/// How often the holder renews its lease and checks every pool's consumer, and how
+/// often the others try to take the lease: a quarter of how long the bucket keeps
+/// the lease, so one late renewal does not lose it.
+const ROUND: Duration = Duration::from_secs(5);
+
+/// The lease, held while this instance's last write of its key is the key's latest
+/// (compare-and-set on the revision). It ends with the bucket's TTL when its holder
+/// stops renewing, and at once when the holder stops cleanly.
+struct Lease {
+    store: kv::Store,
+    holder: String,
+    revision: Option<u64>,
+}
+
+impl Lease {
+    /// Takes or renews the lease; whether this instance holds it now.
+    async fn hold(&mut self) -> bool {
+        let value = bytes::Bytes::from(self.holder.clone());
+        let written = match self.revision {
+            Some(revision) => self
+                .store
+                .update(POOL_CONSUMERS_LEASE, value, revision)
+                .await
+                .map_err(|e| e.to_string()),
+            None => self
+                .store
+                .create(POOL_CONSUMERS_LEASE, value)
+                .await
+                .map_err(|e| e.to_string()),
+        };
+        let held = self.revision.is_some();
+        match written {
+            Ok(revision) => {
+                if !held {
+                    info!(
+                        holder = self.holder,
+                        "took the lease: this instance writes the pool consumers' settings"
+                    );
+                }
+                self.revision = Some(revision);
+            }
+            Err(e) => {
+                if held {
+                    warn!(error = %e, "lost the lease of the pool consumers' settings");
+                } else {
+                    debug!(error = %e, "the lease of the pool consumers' settings is held elsewhere");
+                }
+                self.revision = None;
+            }
+        }
+        self.revision.is_some()
+    }
+
+    /// Ends the lease at once, so another instance takes it on its next round.
+    async fn release(self) {
+        if let Some(revision) = self.revision
+            && let Err(e) = self
+                .store
+                .delete_expect_revision(POOL_CONSUMERS_LEASE, Some(revision))
+                .await
+        {
+            debug!(error = %e, "cannot end the lease; it expires");
+        }
+    }
+}
+
+/// What the holder reads the pools' state from, and the watch that wakes it when the
+/// state changes.
+struct States {
+    store: kv::Store,
+    changes: kv::Watch,
+}
+
+impl States {
+    async fn open(js: &jetstream::Context, settings: &Settings) -> Result<States, String> {
+        let store = js
+            .create_or_update_key_value(pool_state_bucket_config(settings))
+            .await
+            .map_err(|e| e.to_string())?;
+        let changes = store.watch_all().await.map_err(|e| e.to_string())?;
+        Ok(States { store, changes })
+    }
+
+    /// `pool`'s state; `None` (logged) when it cannot be read, which leaves the
+    /// consumer as it is.
+    async fn of(&self, pool: &str) -> Option<PoolState> {
+        match self.store.get(pool).await {
+            Ok(None) => Some(PoolState::default()),
+            Ok(Some(value)) => PoolState::from_json(&value)
+                .inspect_err(|e| warn!(pool, error = %e, "the pool's runtime state cannot be read; its consumer is left as it is"))
+                .ok(),
+            Err(e) => {
+                warn!(pool, error = %e, "cannot read the pool's runtime state; its consumer is left as it is");
+                None
+            }
+        }
+    }
+}
+
+/// A change of some pool's state; `false` when the watch ended.
+async fn state_changed(states: &mut Option<States>) -> bool {
+    match states {
+        Some(states) => matches!(states.changes.next().await, Some(Ok(_))),
+        None => std::future::pending().await,
+    }
+}
+
+/// Holds or tries to take the lease every [`ROUND`] until `shutdown`; while held, brings
+/// every pool's consumer in line each round, at once when a revision is swapped in or
+/// a pool's state changes. Ends the lease on the way out.
+pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationToken) {
+    let mut revisions = live.changes();
+    let mut interval = tokio::time::interval(ROUND);
+    let mut lease: Option<Lease> = None;
+    let mut states: Option<States> = None;
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            changed = revisions.changed() => if changed.is_err() { break },
+            changed = state_changed(&mut states) => if !changed { states = None },
+            _ = shutdown.cancelled() => break,
+        }
+        let shared = live.load();
+        let (js, settings, metrics) = (&shared.outlet.js, &shared.settings, &shared.outlet.metrics);
+        let lease = match &mut lease {
+            Some(lease) => lease,
+            None => match ConfigStore::instances(js, settings).await {
+                Ok(store) => lease.insert(Lease {
+                    store,
+                    holder: ConfigStore::instance_id(),
+                    revision: None,
+                }),
+                Err(e) => {
+                    warn!(error = %e, "cannot reach the lease of the pool consumers' settings");
+                    continue;
+                }
+            },
+        };
+        let holding = lease.hold().await;
+        metrics.set_pool_consumers_owner(holding);
+        if !holding {
+            states = None;
+            continue;
+        }
+        let states = match &mut states {
+            Some(states) => states,
+            None => match States::open(js, settings).await {
+                Ok(opened) => states.insert(opened),
+                Err(e) => {
+                    warn!(error = %e, "cannot read the pools' runtime state; consumers left as they are");
+                    continue;
+                }
+            },
+        };
+        for (pool, config) in &settings.cluster.pools {
+            if let Some(state) = states.of(pool).await {
+                bring_in_line(js, settings, metrics, pool, config, &state).await;
+            }
+        }
+    }
+    live.load().outlet.metrics.set_pool_consumers_owner(false);
+    if let Some(lease) = lease {
+        lease.release().await;
+    }
+}
+
+/// Writes to `pool`'s work consumer what [`consumer_writes`] says it lacks. A consumer
+/// that is not there is left to provisioning and the pull loop, which create it
+/// (and know when not to: a pool being removed).
+async fn bring_in_line(
+    js: &jetstream::Context,
+    settings: &Settings,
+    metrics: &Metrics,
+    pool: &str,
+    config: &PoolConfig,
+    state: &PoolState,
+) {
+    let name = settings.subjects.pool_consumer(pool);
+    let stream = match js
+        .get_stream_no_info(settings.subjects.pool_stream(pool))
+        .await
+    {
+        Ok(stream) => stream,
+        Err(e) => {
+            debug!(pool, error = %e, "no pool stream; nothing to bring in line");
+            return;
+        }
+    };
+    let current = match stream.consumer_info(&name).await {
+        Ok(info) => info.config,
+        Err(e) => {
+            debug!(pool, error = %e, "no pool consumer; nothing to bring in line");
+            return;
+        }
+    };
+    let wanted = pool_consumer_config(settings, pool, config, state);
+    let paused_until = state.paused_until(time::OffsetDateTime::now_utc());
+    for write in consumer_writes(&current, &wanted, paused_until) {
+        let written = match write {
+            ConsumerWrite::Update => stream
+                .update_consumer(wanted.clone())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            ConsumerWrite::Pause(until) => stream
+                .pause_consumer(&name, until)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        };
+        match written {
+            Ok(()) => {
+                info!(
+                    pool,
+                    ?write,
+                    max_ack_pending = wanted.max_ack_pending,
+                    "pool consumer brought in line"
+                );
+                metrics.pool_consumer_written(pool, &write);
+            }
+            Err(e) => {
+                warn!(pool, ?write, error = %e, "cannot bring the pool consumer in line; trying again next round")
+            }
+        }
+    }
+}
