@@ -531,7 +531,9 @@ fn live_replies(seen: &[async_nats::Message]) -> std::collections::BTreeMap<Stri
 
 /// Issue 18's "Done when": three instances in kv mode follow pushes, a rollback, a
 /// raised limit and a new pool, and keep their last good revision when an invalid one
-/// is written by hand; conversations in flight during a push get exactly one reply.
+/// is written by hand; a stale `--expect-revision` is refused; a file-mode pod refuses
+/// to start against the bucket; conversations in flight during a push get exactly
+/// one reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_kv_instances_follow_every_push_live() {
     let nats = NatsServer::start();
@@ -701,6 +703,35 @@ async fn three_kv_instances_follow_every_push_live() {
         .await
         .expect("reply");
     assert_eq!(still.status, Some(202), "{still:?}");
+
+    // A push with a stale --expect-revision is refused, and changes nothing.
+    let stale = write(dir.path(), "stale.toml", &base(9, ""));
+    let refused = failure(
+        &config(
+            &nats,
+            &["push", &stale, "--expect-revision", &denying.to_string()],
+        )
+        .await,
+    );
+    assert!(
+        refused.contains(&format!("is no longer at revision {denying}")),
+        "{refused}"
+    );
+    for service in &services {
+        assert_eq!(
+            service.metric("webproxy_config_revision").await,
+            Some(added as f64)
+        );
+    }
+
+    // A pod in file mode refuses to start against the seeded bucket.
+    let logs = refused_start(&nats, &accept_rule("local", &upstream)).await;
+    assert!(
+        logs.contains(
+            "[config] source = \"file\", but the bucket WEBPROXY_CONFIG holds a cluster document"
+        ),
+        "{logs}"
+    );
 
     // Each conversation of the push got exactly one live reply.
     let mut seen = Vec::new();

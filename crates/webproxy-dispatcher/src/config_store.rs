@@ -13,19 +13,11 @@ use tokio_util::sync::CancellationToken;
 use webproxy_protocol::Subjects;
 
 use crate::config::Settings;
+use crate::instances;
 use crate::runtime::retry_until_done;
 
 /// The key of the cluster document.
 pub(crate) const DOCUMENT_KEY: &str = "cluster";
-
-/// How long `<PREFIX>_INSTANCES` keeps a value: an instance's heartbeat (every 5 s)
-/// and the lease holder's renewals are written well within it, so one late write does
-/// not make a live instance vanish or lose its lease.
-pub(crate) const INSTANCES_TTL: std::time::Duration = std::time::Duration::from_secs(20);
-
-/// The key in `<PREFIX>_INSTANCES` of the lease that makes one instance at a time
-/// the writer of the pool consumers' settings; its value is the holder's instance id.
-pub(crate) const POOL_CONSUMERS_LEASE: &str = "lease.pool-consumers";
 
 /// The revisions the bucket keeps of the document, for `config history`, `show
 /// --revision` and `rollback`: JetStream's most.
@@ -315,47 +307,25 @@ impl ConfigStore {
 
     /// The bucket `<PREFIX>_INSTANCES`, created if need be: every running instance's
     /// heartbeat, one key per instance (its [`ConfigStore::instance_id`]), and the
-    /// lease of the pool consumers' settings, each value kept for [`INSTANCES_TTL`]
-    /// (so an instance that stopped vanishes, and its lease ends), with the streams'
-    /// replicas.
+    /// lease of the pool consumers' settings, each value kept 20 s (so an instance that
+    /// stopped vanishes, and its lease ends), with the streams' replicas.
     pub async fn instances(
         js: &jetstream::Context,
         settings: &Settings,
     ) -> Result<kv::Store, ConfigStoreError> {
-        let bucket = settings.subjects.instances_bucket();
-        js.create_or_update_key_value(kv::Config {
-            bucket: bucket.clone(),
-            description: "webproxy's running instances and the configuration revision each runs"
-                .into(),
-            history: 1,
-            max_age: INSTANCES_TTL,
-            storage: stream::StorageType::File,
-            num_replicas: settings.streams.replicas,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| ConfigStoreError::Bucket {
-            bucket,
-            message: error_chain(&e),
-        })
+        let config = instances::bucket_config(settings);
+        let bucket = config.bucket.clone();
+        js.create_or_update_key_value(config)
+            .await
+            .map_err(|e| ConfigStoreError::Bucket {
+                bucket,
+                message: error_chain(&e),
+            })
     }
 
-    /// This process's id in `<PREFIX>_INSTANCES`: the host name (a pod's name) and the
-    /// process id, in the characters a KV key allows, and never a dot (which the
-    /// bucket's other keys have).
+    /// This process's id in `<PREFIX>_INSTANCES`.
     pub fn instance_id() -> String {
-        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
-        let host: String = host
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        format!("{host}-{}", std::process::id())
+        instances::instance_id()
     }
 
     /// The instance that holds the lease of the pool consumers' settings now, if any.
@@ -368,7 +338,7 @@ impl ConfigStore {
             return Ok(None);
         };
         let value = store
-            .get(POOL_CONSUMERS_LEASE)
+            .get(instances::POOL_CONSUMERS_LEASE)
             .await
             .map_err(|e| ConfigStoreError::Read {
                 bucket,
@@ -476,16 +446,6 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn instance_ids_are_valid_keys_without_a_dot() {
-        let id = ConfigStore::instance_id();
-        assert!(
-            id.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
-            "{id}"
-        );
-    }
 
     #[test]
     fn the_note_is_one_comment_line_before_the_document() {

@@ -17,6 +17,7 @@ mod egress;
 mod gauges;
 mod health;
 mod hop;
+mod instances;
 mod metrics;
 mod outbox;
 mod plan;

@@ -14,7 +14,6 @@ use prometheus_client::registry::Registry;
 
 use crate::gauges::Gauges;
 use crate::health::Health;
-use crate::pool_state::ConsumerWrite;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -220,12 +219,12 @@ impl Metrics {
         }
     }
 
-    /// This instance wrote `write` to `pool`'s work consumer.
-    pub(crate) fn pool_consumer_written(&self, pool: &str, write: &ConsumerWrite) {
+    /// This instance wrote a `write` (`ConsumerWrite::kind`) to `pool`'s work consumer.
+    pub(crate) fn pool_consumer_written(&self, pool: &str, write: &'static str) {
         self.pool_consumer_writes
             .get_or_create(&ConsumerWriteLabels {
                 pool: pool.to_string(),
-                write: write.kind(),
+                write,
             })
             .inc();
     }

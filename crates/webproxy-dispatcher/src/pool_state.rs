@@ -1,20 +1,14 @@
-//! A pool's runtime state, kept in `<PREFIX>_POOL_STATE` (one key per pool), and the
-//! one decision of what the pool's work consumer is written to be: the configured
-//! limits with that state on top. Pure: the owner of the consumers' settings
-//! (`runtime::owner`) reads the state and the consumer, and writes what
-//! [`consumer_writes`] says.
+//! A pool's runtime state, kept in `<PREFIX>_POOL_STATE` (one key per pool), which
+//! `provision::pool_consumer_config` lays over the configured limits. Pure.
 //!
 //! The state is what changes while a pool runs, set by operators and by the service
 //! itself, never by a configuration push: a push or a restart keeps it, and no write
-//! of the consumer's settings can undo it, because every such write is computed here.
+//! of the consumer's settings can undo it, because every such write is computed from it.
 
 use std::collections::BTreeMap;
 
-use async_nats::jetstream::consumer;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-
-use crate::provision::layout;
 
 /// One pause of a pool: until when, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,65 +57,9 @@ impl PoolState {
     }
 }
 
-/// A write that brings a pool's work consumer in line.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ConsumerWrite {
-    /// Its settings differ from the wanted ones: an update, which leaves out
-    /// `pause_until`, so a pause made through the JetStream API stays.
-    Update,
-    /// The state holds a pause in force that the consumer lacks, or that ends at
-    /// another time: through the pause API.
-    Pause(OffsetDateTime),
-}
-
-impl ConsumerWrite {
-    /// Its label in `webproxy_pool_consumer_writes_total`.
-    pub(crate) fn kind(&self) -> &'static str {
-        match self {
-            ConsumerWrite::Update => "update",
-            ConsumerWrite::Pause(_) => "pause",
-        }
-    }
-}
-
-/// How far apart two ends of a pause may be and count as the same: the server keeps
-/// what it is sent, but RFC 3339 round trips may drop sub-second digits.
-const PAUSE_TOLERANCE: time::Duration = time::Duration::seconds(1);
-
-/// What to write so that the consumer whose server-side settings are `current` has
-/// the `wanted` ones and the state's pause in force, `paused_until`; nothing when it
-/// has them already, so the server sees an update only for a change.
-pub(crate) fn consumer_writes(
-    current: &consumer::Config,
-    wanted: &consumer::pull::Config,
-    paused_until: Option<OffsetDateTime>,
-) -> Vec<ConsumerWrite> {
-    let mut writes = Vec::new();
-    let differs = current.max_ack_pending != wanted.max_ack_pending
-        || current.ack_wait != wanted.ack_wait
-        || current.max_deliver != wanted.max_deliver
-        || current.filter_subjects != wanted.filter_subjects
-        || current.description != wanted.description
-        || layout(&current.metadata) != layout(&wanted.metadata);
-    if differs {
-        writes.push(ConsumerWrite::Update);
-    }
-    if let Some(until) = paused_until {
-        let paused_then = current
-            .pause_until
-            .is_some_and(|current| (current - until).abs() < PAUSE_TOLERANCE);
-        if !paused_then {
-            writes.push(ConsumerWrite::Pause(until));
-        }
-    }
-    writes
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tests::settings_from;
-    use crate::provision::pool_consumer_config;
 
     fn at(seconds: i64) -> OffsetDateTime {
         OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(seconds)
@@ -166,81 +104,5 @@ mod tests {
         let json = serde_json::to_vec(&state).expect("json");
         assert_eq!(PoolState::from_json(&json).expect("read"), state);
         assert!(PoolState::from_json(b"\"paused\"").is_err());
-    }
-
-    /// The consumer as the server reports it after `wanted` was written.
-    fn as_written(wanted: &consumer::pull::Config) -> consumer::Config {
-        consumer::Config {
-            durable_name: wanted.durable_name.clone(),
-            description: wanted.description.clone(),
-            filter_subjects: wanted.filter_subjects.clone(),
-            ack_policy: wanted.ack_policy,
-            ack_wait: wanted.ack_wait,
-            max_ack_pending: wanted.max_ack_pending,
-            max_deliver: wanted.max_deliver,
-            // The server adds keys of its own.
-            metadata: wanted
-                .metadata
-                .clone()
-                .into_iter()
-                .chain([("_nats.level".to_string(), "1".to_string())])
-                .collect(),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn only_a_change_is_written() {
-        let settings = settings_from("[pools.p]\nmax_in_flight = 4\n").expect("settings");
-        let config = &settings.cluster.pools["p"];
-        let state = PoolState::default();
-        let wanted = pool_consumer_config(&settings, "p", config, &state);
-        let current = as_written(&wanted);
-        assert_eq!(consumer_writes(&current, &wanted, None), vec![]);
-
-        let raised = settings_from("[pools.p]\nmax_in_flight = 9\n").expect("raised");
-        let wanted_raised = pool_consumer_config(&raised, "p", &raised.cluster.pools["p"], &state);
-        assert_eq!(
-            consumer_writes(&current, &wanted_raised, None),
-            vec![ConsumerWrite::Update]
-        );
-
-        // An adaptive limit is part of what is wanted: a push cannot undo it.
-        let lowered = PoolState {
-            adaptive_limit: Some(2),
-            ..Default::default()
-        };
-        let wanted_lowered =
-            pool_consumer_config(&raised, "p", &raised.cluster.pools["p"], &lowered);
-        assert_eq!(wanted_lowered.max_ack_pending, 2);
-        assert_eq!(
-            consumer_writes(&as_written(&wanted_lowered), &wanted_lowered, None),
-            vec![]
-        );
-    }
-
-    #[test]
-    fn a_pause_is_written_when_missing_or_moved_and_never_lifted_here() {
-        let settings = settings_from("[pools.p]\nmax_in_flight = 4\n").expect("settings");
-        let wanted = pool_consumer_config(
-            &settings,
-            "p",
-            &settings.cluster.pools["p"],
-            &PoolState::default(),
-        );
-        let mut current = as_written(&wanted);
-        assert_eq!(
-            consumer_writes(&current, &wanted, Some(at(500))),
-            vec![ConsumerWrite::Pause(at(500))]
-        );
-        current.pause_until = Some(at(500) + time::Duration::milliseconds(300));
-        assert_eq!(consumer_writes(&current, &wanted, Some(at(500))), vec![]);
-        assert_eq!(
-            consumer_writes(&current, &wanted, Some(at(900))),
-            vec![ConsumerWrite::Pause(at(900))]
-        );
-        // A pause the state does not hold (made by hand through the JetStream API) is
-        // left as it is.
-        assert_eq!(consumer_writes(&current, &wanted, None), vec![]);
     }
 }

@@ -17,6 +17,7 @@ use tracing::{error, info, warn};
 
 use crate::config::{PoolConfig, Settings};
 use crate::pool_state::PoolState;
+use time::OffsetDateTime;
 
 /// Provisioning failed; the message names the stream or consumer.
 #[derive(Debug, Error)]
@@ -282,6 +283,60 @@ pub(crate) fn pool_consumer_config(
         metadata: with_layout(&HashMap::new()),
         ..Default::default()
     }
+}
+
+/// A write that brings a pool's work consumer in line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ConsumerWrite {
+    /// Its settings differ from the wanted ones: an update, which leaves out
+    /// `pause_until`, so a pause made through the JetStream API stays.
+    Update,
+    /// The state holds a pause in force that the consumer lacks, or that ends at
+    /// another time: through the pause API.
+    Pause(OffsetDateTime),
+}
+
+impl ConsumerWrite {
+    /// Its label in `webproxy_pool_consumer_writes_total`.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            ConsumerWrite::Update => "update",
+            ConsumerWrite::Pause(_) => "pause",
+        }
+    }
+}
+
+/// How far apart two ends of a pause may be and count as the same: the server keeps
+/// what it is sent, but RFC 3339 round trips may drop sub-second digits.
+const PAUSE_TOLERANCE: time::Duration = time::Duration::seconds(1);
+
+/// What to write so that the consumer whose server-side settings are `current` has
+/// the `wanted` ones and the state's pause in force, `paused_until`; nothing when it
+/// has them already, so the server sees an update only for a change.
+pub(crate) fn consumer_writes(
+    current: &consumer::Config,
+    wanted: &consumer::pull::Config,
+    paused_until: Option<OffsetDateTime>,
+) -> Vec<ConsumerWrite> {
+    let mut writes = Vec::new();
+    let differs = current.max_ack_pending != wanted.max_ack_pending
+        || current.ack_wait != wanted.ack_wait
+        || current.max_deliver != wanted.max_deliver
+        || current.filter_subjects != wanted.filter_subjects
+        || current.description != wanted.description
+        || layout(&current.metadata) != layout(&wanted.metadata);
+    if differs {
+        writes.push(ConsumerWrite::Update);
+    }
+    if let Some(until) = paused_until {
+        let paused_then = current
+            .pause_until
+            .is_some_and(|current| (current - until).abs() < PAUSE_TOLERANCE);
+        if !paused_then {
+            writes.push(ConsumerWrite::Pause(until));
+        }
+    }
+    writes
 }
 
 /// The most parked retries a pool holds at once; a parked retry waiting out its delay
@@ -735,6 +790,7 @@ pub(crate) async fn recreate_pool_consumer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::tests::settings_from;
 
     #[test]
     fn versions() {
@@ -817,5 +873,85 @@ mod tests {
         assert!(error.to_string().contains("stream S"), "{error}");
         let other = provision_error("stream S", "timed out");
         assert_eq!(other.refusal(), None);
+    }
+
+    fn at(seconds: i64) -> time::OffsetDateTime {
+        time::OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(seconds)
+    }
+
+    /// The consumer as the server reports it after `wanted` was written.
+    fn as_written(wanted: &consumer::pull::Config) -> consumer::Config {
+        consumer::Config {
+            durable_name: wanted.durable_name.clone(),
+            description: wanted.description.clone(),
+            filter_subjects: wanted.filter_subjects.clone(),
+            ack_policy: wanted.ack_policy,
+            ack_wait: wanted.ack_wait,
+            max_ack_pending: wanted.max_ack_pending,
+            max_deliver: wanted.max_deliver,
+            // The server adds keys of its own.
+            metadata: wanted
+                .metadata
+                .clone()
+                .into_iter()
+                .chain([("_nats.level".to_string(), "1".to_string())])
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_a_change_is_written() {
+        let settings = settings_from("[pools.p]\nmax_in_flight = 4\n").expect("settings");
+        let config = &settings.cluster.pools["p"];
+        let state = PoolState::default();
+        let wanted = pool_consumer_config(&settings, "p", config, &state);
+        let current = as_written(&wanted);
+        assert_eq!(consumer_writes(&current, &wanted, None), vec![]);
+
+        let raised = settings_from("[pools.p]\nmax_in_flight = 9\n").expect("raised");
+        let wanted_raised = pool_consumer_config(&raised, "p", &raised.cluster.pools["p"], &state);
+        assert_eq!(
+            consumer_writes(&current, &wanted_raised, None),
+            vec![ConsumerWrite::Update]
+        );
+
+        // An adaptive limit is part of what is wanted: a push cannot undo it.
+        let lowered = PoolState {
+            adaptive_limit: Some(2),
+            ..Default::default()
+        };
+        let wanted_lowered =
+            pool_consumer_config(&raised, "p", &raised.cluster.pools["p"], &lowered);
+        assert_eq!(wanted_lowered.max_ack_pending, 2);
+        assert_eq!(
+            consumer_writes(&as_written(&wanted_lowered), &wanted_lowered, None),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn a_pause_is_written_when_missing_or_moved_and_never_lifted_here() {
+        let settings = settings_from("[pools.p]\nmax_in_flight = 4\n").expect("settings");
+        let wanted = pool_consumer_config(
+            &settings,
+            "p",
+            &settings.cluster.pools["p"],
+            &PoolState::default(),
+        );
+        let mut current = as_written(&wanted);
+        assert_eq!(
+            consumer_writes(&current, &wanted, Some(at(500))),
+            vec![ConsumerWrite::Pause(at(500))]
+        );
+        current.pause_until = Some(at(500) + time::Duration::milliseconds(300));
+        assert_eq!(consumer_writes(&current, &wanted, Some(at(500))), vec![]);
+        assert_eq!(
+            consumer_writes(&current, &wanted, Some(at(900))),
+            vec![ConsumerWrite::Pause(at(900))]
+        );
+        // A pause the state does not hold (made by hand through the JetStream API) is
+        // left as it is.
+        assert_eq!(consumer_writes(&current, &wanted, None), vec![]);
     }
 }

@@ -18,10 +18,12 @@ use tracing::{debug, info, warn};
 
 use super::live::Live;
 use crate::config::{PoolConfig, Settings};
-use crate::config_store::{ConfigStore, POOL_CONSUMERS_LEASE};
+use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
-use crate::pool_state::{ConsumerWrite, PoolState, consumer_writes};
-use crate::provision::{pool_consumer_config, pool_state_bucket_config};
+use crate::pool_state::PoolState;
+use crate::provision::{
+    ConsumerWrite, consumer_writes, pool_consumer_config, pool_state_bucket_config,
+};
 
 /// How often the holder renews its lease and checks every pool's consumer, and how
 /// often the others try to take the lease: a quarter of how long the bucket keeps
@@ -149,10 +151,13 @@ pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationTo
         let (js, settings, metrics) = (&shared.outlet.js, &shared.settings, &shared.outlet.metrics);
         let lease = match &mut lease {
             Some(lease) => lease,
-            None => match ConfigStore::instances(js, settings).await {
+            None => match js
+                .create_or_update_key_value(instances::bucket_config(settings))
+                .await
+            {
                 Ok(store) => lease.insert(Lease {
                     store,
-                    holder: ConfigStore::instance_id(),
+                    holder: instances::instance_id(),
                     revision: None,
                 }),
                 Err(e) => {
@@ -241,7 +246,7 @@ async fn bring_in_line(
                     max_ack_pending = wanted.max_ack_pending,
                     "pool consumer brought in line"
                 );
-                metrics.pool_consumer_written(pool, &write);
+                metrics.pool_consumer_written(pool, write.kind());
             }
             Err(e) => {
                 warn!(pool, ?write, error = %e, "cannot bring the pool consumer in line; trying again next round")
