@@ -269,6 +269,8 @@ async fn pools_are_listed_and_removed() {
 }
 
 /// A new `max_in_flight` updates the consumer in place: same consumer, nothing lost.
+/// The first instance stops cleanly, ending its lease of the consumers' settings, so
+/// the second takes it at once and writes its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changing_the_limit_updates_the_consumer_in_place() {
     let nats = NatsServer::start();
@@ -290,7 +292,8 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         .await
         .expect("consumer");
     assert_eq!(before.config.max_ack_pending, 2);
-    first.kill();
+    first.terminate();
+    assert!(first.wait_exit(Duration::from_secs(30)).await.is_some());
 
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     let waiting: Vec<_> = (0..3)
@@ -306,15 +309,25 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         );
     }
     let second = Service::start(&nats, &config(5)).await;
+    webproxy_tests::wait_until(
+        Duration::from_secs(20),
+        "the new limit on the consumer",
+        || async {
+            stream
+                .consumer_info("webproxy-default-l2")
+                .await
+                .is_ok_and(|info| info.config.max_ack_pending == 5)
+        },
+    )
+    .await;
     let after = stream
         .consumer_info("webproxy-default-l2")
         .await
         .expect("consumer");
-    assert_eq!(after.config.max_ack_pending, 5);
     assert_eq!(after.created, before.created, "the consumer was recreated");
     assert!(
-        second.logs().contains("differs from this instance"),
-        "no warning about the changed config:\n{}",
+        second.logs().contains("pool consumer brought in line"),
+        "no log of the update:\n{}",
         second.logs()
     );
     for submitted in &submitted {
