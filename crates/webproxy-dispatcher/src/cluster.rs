@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use webproxy_protocol::validate_pool_name;
 
 use crate::config_error::ConfigError;
+use crate::rate::Rate;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
 use crate::rules::{RequestRule, RequestRuleConfig, RequestRules};
 use crate::security::{Outbound, OutboundConfig};
@@ -65,6 +66,17 @@ pub struct PoolConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub(crate) queue_timeout: Option<Duration>,
+    /// Attempts per second (or minute, or hour) across all instances; absent means
+    /// unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rate: Option<Rate>,
+    /// Attempts an idle pool may make at once under `rate`.
+    #[serde(default = "default_burst")]
+    pub(crate) burst: u32,
+}
+
+fn default_burst() -> u32 {
+    1
 }
 
 impl Default for PoolConfig {
@@ -73,6 +85,8 @@ impl Default for PoolConfig {
             max_in_flight: default_max_in_flight(),
             max_waiting: None,
             queue_timeout: None,
+            rate: None,
+            burst: default_burst(),
         }
     }
 }
@@ -108,6 +122,12 @@ impl ClusterConfig {
             if pool.max_in_flight == 0 || pool.max_in_flight > i64::MAX as u64 {
                 return Err(ConfigError::new(
                     format!("pools.{name}.max_in_flight"),
+                    "must be at least 1",
+                ));
+            }
+            if pool.burst == 0 {
+                return Err(ConfigError::new(
+                    format!("pools.{name}.burst"),
                     "must be at least 1",
                 ));
             }

@@ -151,6 +151,30 @@ pub(crate) struct AttemptContext<'a> {
 /// How much of an upstream body an error message quotes.
 pub(crate) const BODY_EXCERPT_BYTES: usize = 256;
 
+/// The wait a 429 or 503 asks for with `Retry-After`.
+fn retry_after(response: &HttpResponse, now: SystemTime) -> Option<Duration> {
+    matches!(response.status, 429 | 503)
+        .then(|| response.header("retry-after"))
+        .flatten()
+        .and_then(|v| parse_retry_after(v, now))
+}
+
+/// How long an attempt's outcome pauses the rule's whole pool: the `Retry-After` of a
+/// 429 or 503 under a rule with `pause_on_retry_after`, at most its `max_pause`.
+pub(crate) fn pool_pause(
+    rule: &RequestRule,
+    outcome: &AttemptOutcome,
+    now: SystemTime,
+) -> Option<Duration> {
+    let max_pause = rule.max_pause?;
+    let AttemptOutcome::Response(response) = outcome else {
+        return None;
+    };
+    retry_after(response, now)
+        .map(|wait| wait.min(max_pause))
+        .filter(|wait| !wait.is_zero())
+}
+
 /// Judges one attempt's outcome under the rule's response rules and retry policy.
 pub(crate) fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
     match outcome {
@@ -163,10 +187,7 @@ pub(crate) fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Ve
                 ResponseAction::Respond => Verdict::Respond(response),
                 ResponseAction::Error => Verdict::Fail(upstream_error(&response)),
                 ResponseAction::Retry => {
-                    let retry_after = matches!(response.status, 429 | 503)
-                        .then(|| response.header("retry-after"))
-                        .flatten()
-                        .and_then(|v| parse_retry_after(v, context.now));
+                    let retry_after = retry_after(&response, context.now);
                     let last = LastFailure {
                         status: Some(response.status),
                         description: format!(
@@ -486,6 +507,32 @@ mod tests {
         ) {
             Verdict::Retry { after, .. } => assert_eq!(after, Duration::from_millis(300)),
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn retry_after_pauses_the_pool_only_under_a_rule_that_asks_and_at_most_max_pause() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let off = rule_with(3, &[]);
+        let asked = response(429, &[("retry-after", "2")], "");
+        assert_eq!(pool_pause(&off, &asked, now), None);
+        let mut config = rule_config("r", "*", ".", RuleAction::Accept);
+        config.pause_on_retry_after = true;
+        config.max_pause = Duration::from_secs(60);
+        let on = RequestRule::compile(&config, &Arc::from([])).expect("rule");
+        assert_eq!(pool_pause(&on, &asked, now), Some(Duration::from_secs(2)));
+        let unavailable = response(503, &[("retry-after", "3600")], "");
+        assert_eq!(
+            pool_pause(&on, &unavailable, now),
+            Some(Duration::from_secs(60))
+        );
+        for other in [
+            response(500, &[("retry-after", "2")], ""),
+            response(429, &[], ""),
+            response(429, &[("retry-after", "0")], ""),
+            failure(FailureKind::Timeout, true),
+        ] {
+            assert_eq!(pool_pause(&on, &other, now), None);
         }
     }
 

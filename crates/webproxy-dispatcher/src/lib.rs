@@ -23,6 +23,7 @@ mod outbox;
 mod plan;
 mod pool_state;
 mod provision;
+mod rate;
 mod response_rules;
 mod retry;
 mod rules;

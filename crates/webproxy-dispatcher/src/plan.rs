@@ -118,18 +118,7 @@ pub(crate) fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
             rule: Some(rule),
         };
     }
-    let waited = input.now.duration_since(input.since).unwrap_or_default();
-    // The queue that counts is the rule's pool's, where the request runs; a moved
-    // request's wait counts from the caller's publish all the same.
-    let queued = settings
-        .cluster
-        .pools
-        .get(&rule.pool)
-        .and_then(|p| p.queue_timeout)
-        .filter(|_| input.first_attempt)
-        .map(|limit| (waited, limit));
-    let deadline = request.deadline.map(SystemTime::from);
-    if let Some(error) = expiry(input.now, deadline, queued) {
+    if let Some(error) = expired(input, request, rule, input.now) {
         return Plan::Reject {
             error,
             rule: Some(rule),
@@ -140,8 +129,33 @@ pub(crate) fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
     }
     Plan::Attempt {
         rule,
-        queue_wait: input.first_attempt.then_some(waited),
+        queue_wait: input
+            .first_attempt
+            .then(|| input.now.duration_since(input.since).unwrap_or_default()),
     }
+}
+
+/// Whether `request`, under `rule`, is past its deadline or its pool's
+/// `queue_timeout` at `now`: when planned, and again after a wait at the pool's gate.
+pub(crate) fn expired(
+    input: &PlanInput<'_, '_>,
+    request: &Request,
+    rule: &RequestRule,
+    now: SystemTime,
+) -> Option<ErrorBody> {
+    let waited = now.duration_since(input.since).unwrap_or_default();
+    // The queue that counts is the rule's pool's, where the request runs; a moved
+    // request's wait counts from the caller's publish all the same.
+    let queued = input
+        .settings
+        .cluster
+        .pools
+        .get(&rule.pool)
+        .and_then(|p| p.queue_timeout)
+        .filter(|_| input.first_attempt)
+        .map(|limit| (waited, limit));
+    let deadline = request.deadline.map(SystemTime::from);
+    expiry(now, deadline, queued)
 }
 
 #[cfg(test)]

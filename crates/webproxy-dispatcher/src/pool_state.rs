@@ -28,7 +28,22 @@ pub(crate) struct PoolState {
     /// A concurrency limit the service chose below the configured `max_in_flight`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) adaptive_limit: Option<u64>,
+    /// When the pool was last resumed by hand: a change every instance sees, and pulls
+    /// again on (the server does not serve a pull that waited through a pause lifted
+    /// through its API).
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub(crate) resumed: Option<OffsetDateTime>,
 }
+
+/// The cause of a pause made by hand (`webproxy pools pause`).
+pub(crate) const MANUAL: &str = "manual";
+
+/// The cause of a pause an upstream's `Retry-After` made.
+pub(crate) const RETRY_AFTER: &str = "retry_after";
 
 impl PoolState {
     /// The state stored under a pool's key; an unreadable value is an error the owner
@@ -37,13 +52,17 @@ impl PoolState {
         serde_json::from_slice(value)
     }
 
+    /// The pauses in force at `now`, by cause.
+    pub(crate) fn in_force(&self, now: OffsetDateTime) -> impl Iterator<Item = (&str, &Pause)> {
+        self.pauses
+            .iter()
+            .filter(move |(_, pause)| pause.until > now)
+            .map(|(cause, pause)| (cause.as_str(), pause))
+    }
+
     /// The end of the pause in force at `now`: the latest end of those not over.
     pub(crate) fn paused_until(&self, now: OffsetDateTime) -> Option<OffsetDateTime> {
-        self.pauses
-            .values()
-            .map(|pause| pause.until)
-            .filter(|until| *until > now)
-            .max()
+        self.in_force(now).map(|(_, pause)| pause.until).max()
     }
 
     /// The pool's limit on messages in flight across all instances: `max_in_flight`,

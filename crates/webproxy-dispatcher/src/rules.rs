@@ -40,6 +40,10 @@ fn default_max_retry_delay() -> Duration {
     Duration::from_secs(300)
 }
 
+fn default_max_pause() -> Duration {
+    Duration::from_secs(300)
+}
+
 /// `true` for `Idempotency-Key`, or a header name.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(untagged)]
@@ -81,6 +85,12 @@ pub struct RequestRuleConfig {
     /// How many redirects the whole chain may follow; 0 returns the 3xx.
     #[serde(default)]
     pub(crate) follow_redirects: u32,
+    /// A 429 or 503 with `Retry-After` under this rule pauses its whole pool until then
+    /// (capped by `max_pause`), on every instance.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) pause_on_retry_after: bool,
+    #[serde(default = "default_max_pause", with = "humantime_serde")]
+    pub(crate) max_pause: Duration,
     /// Headers set from secrets, replacing any the caller sends.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub(crate) inject_headers: BTreeMap<String, SecretSource>,
@@ -127,6 +137,9 @@ pub struct RequestRule {
     pub(crate) idempotency_header: Option<String>,
     /// The rule's own response rules, or the global ones.
     pub(crate) response_rules: Arc<[ResponseRule]>,
+    /// The longest pause of the pool a `Retry-After` under this rule makes; `None`
+    /// when `pause_on_retry_after` is off.
+    pub(crate) max_pause: Option<Duration>,
     /// Redirects, injected credentials and dropped headers.
     pub security: RuleSecurity,
 }
@@ -169,6 +182,9 @@ impl RequestRule {
                 "backoff_factor".into(),
                 "must be a number of at least 1.0".into(),
             ));
+        }
+        if config.pause_on_retry_after && config.max_pause.is_zero() {
+            return Err(("max_pause".into(), "must be more than 0".into()));
         }
         if !(config.jitter.is_finite() && (0.0..=1.0).contains(&config.jitter)) {
             return Err(("jitter".into(), "must be a fraction from 0.0 to 1.0".into()));
@@ -218,6 +234,7 @@ impl RequestRule {
             retry_non_idempotent: config.retry_non_idempotent,
             idempotency_header,
             response_rules,
+            max_pause: config.pause_on_retry_after.then_some(config.max_pause),
             security: RuleSecurity::compile(config)
                 .map_err(|(field, message)| (field.to_string(), message))?,
         })

@@ -260,6 +260,12 @@ impl Subjects {
         format!("{}_POOL_STATE", self.stream_prefix)
     }
 
+    /// The KV bucket of the pools' rate schedules, one key per pool with a `rate`: the
+    /// time of its next unclaimed slot.
+    pub fn rate_bucket(&self) -> String {
+        format!("{}_RATE", self.stream_prefix)
+    }
+
     /// The durable consumer of `pool`'s request and hop subjects, e.g.
     /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
     /// get names of their own, so that an instance of an older layout cannot find, and
@@ -391,6 +397,7 @@ mod tests {
         assert_eq!(s.config_bucket(), "WEBPROXY_CONFIG");
         assert_eq!(s.instances_bucket(), "WEBPROXY_INSTANCES");
         assert_eq!(s.pool_state_bucket(), "WEBPROXY_POOL_STATE");
+        assert_eq!(s.rate_bucket(), "WEBPROXY_RATE");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");

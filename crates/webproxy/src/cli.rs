@@ -85,6 +85,25 @@ enum PoolsCommand {
         #[arg(long)]
         dead_letter: bool,
     },
+    /// Stop a pool's deliveries on every instance, through consumer pause: requests keep
+    /// waiting in its stream. Other pauses (an upstream's Retry-After) keep their own ends.
+    Pause {
+        name: String,
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// How long, e.g. 10m; without it, until `pools resume`.
+        #[arg(long = "for", value_parser = humantime::parse_duration)]
+        duration: Option<std::time::Duration>,
+        /// Why, shown by `webproxy pools`.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// End a pool's pause by hand; a pause of another cause stays until its end.
+    Resume {
+        name: String,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -185,6 +204,13 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
                     nats,
                     dead_letter,
                 }) => pools::remove(&nats, &name, dead_letter).await?,
+                Some(PoolsCommand::Pause {
+                    name,
+                    nats,
+                    duration,
+                    reason,
+                }) => pools::pause(&nats, &name, duration, reason).await?,
+                Some(PoolsCommand::Resume { name, nats }) => pools::resume(&nats, &name).await?,
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -8,8 +8,10 @@ use anyhow::{Context as _, bail};
 use async_nats::jetstream::{self, consumer, stream};
 use futures::TryStreamExt as _;
 use serde::Serialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{ConfigStore, Settled, mark_removing};
+use webproxy_dispatcher::{ConfigStore, Outlet, Settled, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode};
 
 use crate::live;
@@ -19,6 +21,8 @@ use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
 #[derive(Debug, Serialize)]
 struct PoolState {
     pool: String,
+    /// Its pauses in force.
+    pauses: Vec<Paused>,
     /// The pool consumer's `max_ack_pending`.
     max_in_flight: i64,
     waiting: u64,
@@ -48,8 +52,10 @@ async fn pool_names(client: &Client, js: &jetstream::Context) -> anyhow::Result<
 async fn pool_state(
     client: &Client,
     js: &jetstream::Context,
+    outlet: &Outlet,
     pool: &str,
 ) -> anyhow::Result<PoolState> {
+    let pauses = outlet.pool_pauses(pool).await?;
     let subjects = client.subjects();
     let stream = js
         .get_stream_no_info(subjects.pool_stream(pool))
@@ -88,8 +94,13 @@ async fn pool_state(
                 .duration_since(SystemTime::from(message.time))
                 .unwrap_or_default()
         });
+    let pauses = pauses
+        .iter()
+        .map(|p| Paused::new(&p.cause, p.until, &p.reason))
+        .collect();
     Ok(PoolState {
         pool: pool.to_string(),
+        pauses,
         max_in_flight: work.config.max_ack_pending,
         waiting: work.num_pending,
         in_flight: work.num_ack_pending,
@@ -101,9 +112,10 @@ async fn pool_state(
 pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let js = jetstream::new(client.nats().clone());
+    let outlet = operator_outlet(&client).await?;
     let mut states = Vec::new();
     for pool in pool_names(&client, &js).await? {
-        states.push(pool_state(&client, &js, &pool).await?);
+        states.push(pool_state(&client, &js, &outlet, &pool).await?);
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&states)?);
@@ -121,6 +133,14 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
             "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
             s.pool, s.max_in_flight, s.waiting, s.in_flight, s.parked, oldest
         );
+    }
+    for s in &states {
+        for pause in &s.pauses {
+            println!(
+                "{} paused until {} ({}: {})",
+                s.pool, pause.until, pause.cause, pause.reason
+            );
+        }
     }
     let instances = live::reports(&js, client.subjects()).await?;
     if !instances.is_empty() {
@@ -141,6 +161,83 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
         println!("{owner} writes the pool consumers' settings (it holds their lease)");
     }
     Ok(())
+}
+
+/// One pause in force, as `pools` shows it.
+#[derive(Debug, Serialize)]
+struct Paused {
+    cause: String,
+    /// RFC 3339, or "resumed by hand" for a pause by hand with no end.
+    until: String,
+    reason: String,
+}
+
+/// How long a pause by hand without `--for` lasts: until resumed, in practice, and
+/// within what the server's timers hold.
+const UNTIL_RESUMED: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+impl Paused {
+    fn new(cause: &str, until: OffsetDateTime, reason: &str) -> Paused {
+        let open_ended = until - OffsetDateTime::now_utc()
+            > time::Duration::seconds(UNTIL_RESUMED.as_secs() as i64 / 2);
+        Paused {
+            cause: cause.to_string(),
+            until: if open_ended {
+                "resumed by hand".into()
+            } else {
+                until.format(&Rfc3339).unwrap_or_default()
+            },
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// `pools pause`: a pause by hand of an existing pool, for `duration` or until resumed.
+pub async fn pause(
+    args: &NatsArgs,
+    pool: &str,
+    duration: Option<Duration>,
+    reason: Option<String>,
+) -> anyhow::Result<()> {
+    let client = connect(args).await?;
+    let outlet = existing_pool(&client, pool).await?;
+    let until = OffsetDateTime::now_utc() + duration.unwrap_or(UNTIL_RESUMED);
+    let reason = reason.unwrap_or_else(|| "paused by hand".into());
+    outlet.pause_pool(pool, until, reason).await?;
+    let shown = Paused::new("manual", until, "");
+    println!(
+        "pool {pool} paused until {}; requests wait in its stream",
+        shown.until
+    );
+    Ok(())
+}
+
+/// `pools resume`: ends the pause by hand; says which pauses are still in force.
+pub async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
+    let client = connect(args).await?;
+    let outlet = existing_pool(&client, pool).await?;
+    let left = outlet.resume_pool(pool).await?;
+    if left.is_empty() {
+        println!("pool {pool} resumed");
+    }
+    for pause in &left {
+        let shown = Paused::new(&pause.cause, pause.until, &pause.reason);
+        println!(
+            "pool {pool} is still paused until {} ({}: {})",
+            shown.until, shown.cause, shown.reason
+        );
+    }
+    Ok(())
+}
+
+/// The operator's outlet, once `pool`'s stream is known to exist.
+async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<Outlet> {
+    let js = jetstream::new(client.nats().clone());
+    let stream_name = client.subjects().pool_stream(pool);
+    js.get_stream_no_info(&stream_name)
+        .await
+        .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
+    operator_outlet(client).await
 }
 
 pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::Result<()> {

@@ -22,11 +22,12 @@ use super::liveness::{Liveness, LivenessPolicy};
 use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
-use crate::decision::{AttemptContext, Verdict, judge};
+use crate::decision::{AttemptContext, Verdict, judge, pool_pause};
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
 use crate::outbox::{error_reply, response_reply};
-use crate::plan::{Plan, PlanInput, plan};
+use crate::plan::{Plan, PlanInput, expired, plan};
+use crate::pool_state::RETRY_AFTER;
 use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
 use crate::trace;
 
@@ -184,6 +185,15 @@ async fn decide<'a>(
                     "attempt planned without a request".into(),
                 );
             };
+            // The pool's gate (a pause, a rate limit), passed holding the slot; what
+            // the wait may have made too late is not attempted.
+            if let Some(config) = settings.cluster.pools.get(&rule.pool) {
+                shared.flow.pass(&rule.pool, config).await;
+                if let Some(error) = expired(&input, request, rule, SystemTime::now()) {
+                    let error = with_last_failure(error, conversation.state.attempts.last());
+                    return reply_error(conversation, error, AckKind::Ack, max_payload);
+                }
+            }
             Box::pin(attempt_and_judge(shared, request, rule, conversation)).await
         }
     }
@@ -312,6 +322,21 @@ async fn attempt_and_judge<'a>(
     conversation: &mut Conversation<'a>,
 ) -> Ending {
     let (outcome, record) = Box::pin(attempt(shared, request, rule, conversation)).await;
+    if let Some(pause) = pool_pause(rule, &outcome, SystemTime::now()) {
+        let reason = format!(
+            "rule {}: the upstream asked to retry after {}",
+            rule.name,
+            humantime::format_duration(pause)
+        );
+        let until = OffsetDateTime::now_utc() + pause;
+        if let Err(e) = shared
+            .flow
+            .pause(&rule.pool, RETRY_AFTER, until, reason)
+            .await
+        {
+            warn!(pool = rule.pool, error = %e, "cannot pause the pool on the upstream's Retry-After");
+        }
+    }
     if let Some(record) = record {
         conversation.state.attempts.push(record);
     }

@@ -100,6 +100,7 @@ impl Live {
             outlet,
             worker,
             secrets,
+            flow: running.flow.clone(),
         }));
         info!(revision, "running the configuration bucket's revision");
         Ok(())

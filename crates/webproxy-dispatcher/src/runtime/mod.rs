@@ -6,6 +6,7 @@
 
 mod conversation;
 mod delivery;
+mod flow;
 mod handle;
 mod hooks;
 mod live;
@@ -13,6 +14,7 @@ mod liveness;
 mod migrate;
 mod owner;
 mod parked;
+mod pauses;
 mod progress;
 mod publish;
 mod pull;
@@ -125,6 +127,8 @@ struct Shared {
     worker: Worker,
     /// Injected credentials, per rule.
     secrets: Arc<Secrets>,
+    /// Pauses and rate limits: the same for every revision.
+    flow: Arc<flow::Flow>,
 }
 
 /// Consumes every pool of this instance until told to stop.
@@ -156,8 +160,10 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
+        let flow = Arc::new(flow::Flow::new(outlet.js.clone(), &settings));
         Dispatcher {
             live: Arc::new(Live::new(Shared {
+                flow,
                 gauges: instruments.gauges,
                 outlet,
                 settings,
@@ -193,13 +199,17 @@ impl Dispatcher {
         let attempts = TaskTracker::new();
         let health = self.live.load().health.clone();
         let owner = owner::own_pool_consumers(self.live.clone(), shutdown.clone());
+        let running = self.live.load();
+        let states = running
+            .flow
+            .follow_states(&running.settings, shutdown.clone());
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
         }
         health.set_provisioned();
         // Until the signal the pools follow the revisions; then the pool loops end.
-        tokio::join!(pools.follow(), owner, async {
+        tokio::join!(pools.follow(), owner, states, async {
             shutdown.cancelled().await;
             health.set_draining();
         });
@@ -284,6 +294,7 @@ async fn pull_loop(
     shutdown: CancellationToken,
 ) {
     let mut connections = live.load().health.connections();
+    let mut states = live.load().flow.states();
     let mut failures = 0u32;
     loop {
         // The revision running when the pull starts: ack_wait may have changed.
@@ -311,6 +322,8 @@ async fn pull_loop(
                         },
                         // The request may have been lost with the old connection.
                         _ = connections.changed() => return PullEnd::Lost,
+                        // A pause lifted by hand leaves this request unserved.
+                        _ = flow::pool_state_changed(&mut states, &pool) => return PullEnd::Lost,
                     };
                     delivered += 1;
                     start(&live, &pool, message, &permits, &attempts, &shutdown, policy).await;

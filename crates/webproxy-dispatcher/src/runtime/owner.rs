@@ -1,7 +1,8 @@
 //! The one writer of the pool consumers' settings. One instance at a time holds a
 //! lease in `<PREFIX>_INSTANCES` and brings every pool's work consumer in line with
 //! the running revision's limits and the pool's runtime state in
-//! `<PREFIX>_POOL_STATE`, writing only what differs (`pool_state::consumer_writes`).
+//! `<PREFIX>_POOL_STATE` (as `flow` follows it), writing only what differs
+//! (`provision::consumer_writes`).
 //!
 //! Provisioning creates a missing consumer from the same computation and never
 //! rewrites one that exists. So instances running different revisions (a rolling
@@ -12,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use futures::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -21,9 +21,7 @@ use crate::config::{PoolConfig, Settings};
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
 use crate::pool_state::PoolState;
-use crate::provision::{
-    ConsumerWrite, consumer_writes, pool_consumer_config, pool_state_bucket_config,
-};
+use crate::provision::{ConsumerWrite, consumer_writes, pool_consumer_config};
 
 /// How often the holder renews its lease and checks every pool's consumer, and how
 /// often the others try to take the lease: a quarter of how long the bucket keeps
@@ -91,60 +89,19 @@ impl Lease {
     }
 }
 
-/// What the holder reads the pools' state from, and the watch that wakes it when the
-/// state changes.
-struct States {
-    store: kv::Store,
-    changes: kv::Watch,
-}
-
-impl States {
-    async fn open(js: &jetstream::Context, settings: &Settings) -> Result<States, String> {
-        let store = js
-            .create_or_update_key_value(pool_state_bucket_config(settings))
-            .await
-            .map_err(|e| e.to_string())?;
-        let changes = store.watch_all().await.map_err(|e| e.to_string())?;
-        Ok(States { store, changes })
-    }
-
-    /// `pool`'s state; `None` (logged) when it cannot be read, which leaves the
-    /// consumer as it is.
-    async fn of(&self, pool: &str) -> Option<PoolState> {
-        match self.store.get(pool).await {
-            Ok(None) => Some(PoolState::default()),
-            Ok(Some(value)) => PoolState::from_json(&value)
-                .inspect_err(|e| warn!(pool, error = %e, "the pool's runtime state cannot be read; its consumer is left as it is"))
-                .ok(),
-            Err(e) => {
-                warn!(pool, error = %e, "cannot read the pool's runtime state; its consumer is left as it is");
-                None
-            }
-        }
-    }
-}
-
-/// A change of some pool's state; `false` when the watch ended.
-async fn state_changed(states: &mut Option<States>) -> bool {
-    match states {
-        Some(states) => matches!(states.changes.next().await, Some(Ok(_))),
-        None => std::future::pending().await,
-    }
-}
-
 /// Holds or tries to take the lease every [`ROUND`] until `shutdown`; while held, brings
 /// every pool's consumer in line each round, at once when a revision is swapped in or
 /// a pool's state changes. Ends the lease on the way out.
 pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationToken) {
     let mut revisions = live.changes();
+    let mut states = live.load().flow.states();
     let mut interval = tokio::time::interval(ROUND);
     let mut lease: Option<Lease> = None;
-    let mut states: Option<States> = None;
     loop {
         tokio::select! {
             _ = interval.tick() => {}
             changed = revisions.changed() => if changed.is_err() { break },
-            changed = state_changed(&mut states) => if !changed { states = None },
+            changed = states.changed() => if changed.is_err() { break },
             _ = shutdown.cancelled() => break,
         }
         let shared = live.load();
@@ -168,24 +125,14 @@ pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationTo
         };
         let holding = lease.hold().await;
         metrics.set_pool_consumers_owner(holding);
-        if !holding {
-            states = None;
+        // Writes computed before the pools' state is read could undo it.
+        if !holding || !shared.flow.loaded() {
             continue;
         }
-        let states = match &mut states {
-            Some(states) => states,
-            None => match States::open(js, settings).await {
-                Ok(opened) => states.insert(opened),
-                Err(e) => {
-                    warn!(error = %e, "cannot read the pools' runtime state; consumers left as they are");
-                    continue;
-                }
-            },
-        };
+        let current = states.borrow_and_update().clone();
         for (pool, config) in &settings.cluster.pools {
-            if let Some(state) = states.of(pool).await {
-                bring_in_line(js, settings, metrics, pool, config, &state).await;
-            }
+            let state = current.get(pool).cloned().unwrap_or_default();
+            bring_in_line(js, settings, metrics, pool, config, &state).await;
         }
     }
     live.load().outlet.metrics.set_pool_consumers_owner(false);

@@ -83,6 +83,7 @@ impl Fixture {
             Progress::new(provisioned.progress),
         );
         let shared = Shared {
+            flow: Arc::new(super::flow::Flow::new(outlet.js.clone(), &settings)),
             health: Arc::new(Health::new()),
             gauges: {
                 let gauges = Gauges::default();

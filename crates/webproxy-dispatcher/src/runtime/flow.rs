@@ -1,0 +1,466 @@
+//! Flow control per pool, cluster-wide: the gate a message passes between its plan and
+//! its attempt. A pool paused in its runtime state (`<PREFIX>_POOL_STATE`, watched by
+//! every instance) makes no attempt until the pause ends; a pool with a `rate` makes
+//! each attempt at a slot of its shared schedule (`<PREFIX>_RATE`, one key per pool:
+//! the next unclaimed slot's time), claimed a few at a time with compare-and-set.
+//!
+//! A message waiting at the gate holds its local permit, and so one of the pool's
+//! `max_in_flight` slots, and its progress acks go on.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, kv, stream};
+use futures::StreamExt as _;
+use time::OffsetDateTime;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::{PoolConfig, Settings};
+use crate::pool_state::{Pause, PoolState};
+use crate::provision::pool_state_bucket_config;
+use crate::rate::{Claim, Rate, Schedule};
+
+/// Every pool's runtime state as last seen.
+pub(super) type PoolStates = Arc<BTreeMap<String, PoolState>>;
+
+/// The pools' runtime state and rate schedules, for every handler of this instance.
+pub(super) struct Flow {
+    js: jetstream::Context,
+    state_bucket: String,
+    rate_bucket: String,
+    replicas: usize,
+    states: watch::Sender<PoolStates>,
+    /// Whether [`Flow::states`] holds every pool's state the bucket held when it was
+    /// first watched; until then, no pool's state is known.
+    loaded: std::sync::atomic::AtomicBool,
+    limiters: Mutex<HashMap<String, Arc<Limiter>>>,
+}
+
+/// Microseconds since the Unix epoch: the schedule's clock, shared by every instance
+/// (so their clocks must agree, as NTP keeps them, to within a few milliseconds).
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// Sleeps until `at_us` on the schedule's clock.
+async fn sleep_until_us(at_us: u64) {
+    let now = now_us();
+    if at_us > now {
+        tokio::time::sleep(Duration::from_micros(at_us - now)).await;
+    }
+}
+
+impl Flow {
+    pub(super) fn new(js: jetstream::Context, settings: &Settings) -> Flow {
+        Flow {
+            js,
+            state_bucket: settings.subjects.pool_state_bucket(),
+            rate_bucket: settings.subjects.rate_bucket(),
+            replicas: settings.streams.replicas,
+            states: watch::Sender::new(Arc::new(BTreeMap::new())),
+            loaded: std::sync::atomic::AtomicBool::new(false),
+            limiters: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The pools' runtime state, as it changes.
+    pub(super) fn states(&self) -> watch::Receiver<PoolStates> {
+        self.states.subscribe()
+    }
+
+    /// Whether the pools' state has been read: a write computed from the state before
+    /// then could undo it.
+    pub(super) fn loaded(&self) -> bool {
+        self.loaded.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Marks the state read, and wakes whoever waits for a change of it.
+    fn set_loaded(&self) {
+        if !self.loaded.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            self.states.send_modify(|_| {});
+        }
+    }
+
+    /// Keeps [`Flow::states`] in step with the bucket until `shutdown`; a watch that is
+    /// lost is made again (it starts with every key's latest value).
+    pub(super) async fn follow_states(&self, settings: &Settings, shutdown: CancellationToken) {
+        let mut failures = 0u32;
+        loop {
+            if failures > 0 && !super::PULL_BACKOFF.wait(failures, &shutdown).await {
+                return;
+            }
+            let watched = async {
+                let store = self
+                    .js
+                    .create_or_update_key_value(pool_state_bucket_config(settings))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let watch = store
+                    .watch_with_history(">")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                // An empty bucket sends no history to say it is read.
+                if store
+                    .status()
+                    .await
+                    .is_ok_and(|status| status.values() == 0)
+                {
+                    self.set_loaded();
+                }
+                Ok::<_, String>(watch)
+            };
+            let mut entries = tokio::select! {
+                watched = watched => match watched {
+                    Ok(entries) => entries,
+                    Err(e) => {
+                        warn!(bucket = self.state_bucket, error = %e, "cannot watch the pools' runtime state; retrying");
+                        failures = failures.saturating_add(1);
+                        continue;
+                    }
+                },
+                _ = shutdown.cancelled() => return,
+            };
+            loop {
+                let entry = tokio::select! {
+                    entry = entries.next() => entry,
+                    _ = shutdown.cancelled() => return,
+                };
+                let entry = match entry {
+                    Some(Ok(entry)) => entry,
+                    Some(Err(e)) => {
+                        warn!(error = %e, "the watch of the pools' runtime state was lost; watching again");
+                        failures = 1;
+                        break;
+                    }
+                    None => {
+                        failures = 1;
+                        break;
+                    }
+                };
+                let state = if entry.operation == kv::Operation::Put {
+                    match PoolState::from_json(&entry.value) {
+                        Ok(state) => Some(state),
+                        Err(e) => {
+                            warn!(pool = entry.key, error = %e, "the pool's runtime state cannot be read; taken as none");
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                self.states.send_modify(|states| {
+                    let states = Arc::make_mut(states);
+                    match state {
+                        Some(state) => states.insert(entry.key.clone(), state),
+                        None => states.remove(&entry.key),
+                    };
+                });
+                if entry.seen_current {
+                    self.set_loaded();
+                }
+            }
+        }
+    }
+
+    /// Waits until `pool` may make an attempt: not paused, and under a `rate`, at a
+    /// slot of the pool's schedule.
+    pub(super) async fn pass(&self, pool: &str, config: &PoolConfig) {
+        self.wait_out_pauses(pool).await;
+        if let Some(rate) = config.rate {
+            self.limiter(pool, rate, config.burst).acquire().await;
+        }
+    }
+
+    /// Returns once the state of `pool` holds no pause in force.
+    async fn wait_out_pauses(&self, pool: &str) {
+        let mut states = self.states();
+        loop {
+            let until = states
+                .borrow_and_update()
+                .get(pool)
+                .and_then(|state| state.paused_until(OffsetDateTime::now_utc()));
+            let Some(until) = until else { return };
+            let left = until - OffsetDateTime::now_utc();
+            let left = Duration::try_from(left).unwrap_or_default();
+            tokio::select! {
+                _ = tokio::time::sleep(left) => {}
+                changed = states.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+
+    /// `pool`'s limiter for `rate` and `burst`, made anew when they change.
+    fn limiter(&self, pool: &str, rate: Rate, burst: u32) -> Arc<Limiter> {
+        let schedule = Schedule::new(rate, burst);
+        let mut limiters = self.limiters.lock().unwrap_or_else(PoisonError::into_inner);
+        match limiters.get(pool) {
+            Some(limiter) if limiter.schedule == schedule => limiter.clone(),
+            _ => {
+                let limiter = Arc::new(Limiter {
+                    pool: pool.to_string(),
+                    schedule,
+                    js: self.js.clone(),
+                    bucket: rate_bucket_config(&self.rate_bucket, self.replicas),
+                    slots: Mutex::new(VecDeque::new()),
+                    claiming: tokio::sync::Mutex::new(Claiming::default()),
+                    waiting: std::sync::atomic::AtomicU64::new(0),
+                });
+                limiters.insert(pool.to_string(), limiter.clone());
+                limiter
+            }
+        }
+    }
+
+    /// Pauses `pool` until `until` for `reason`, under `cause`, keeping a later end of
+    /// the same cause: a compare-and-set on the pool's state, which every instance
+    /// sees and the owner of the consumers' settings applies.
+    pub(super) async fn pause(
+        &self,
+        pool: &str,
+        cause: &str,
+        until: OffsetDateTime,
+        reason: String,
+    ) -> Result<(), StateError> {
+        let paused = update_pool_state(&self.js, &self.state_bucket, pool, |state| {
+            if state.pauses.get(cause).is_some_and(|p| p.until >= until) {
+                return false;
+            }
+            state.pauses.insert(
+                cause.to_string(),
+                Pause {
+                    until,
+                    reason: reason.clone(),
+                },
+            );
+            true
+        })
+        .await?;
+        if paused.is_some() {
+            info!(pool, cause, %until, reason, "pool paused");
+        }
+        Ok(())
+    }
+}
+
+/// The pools' runtime state could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot update the runtime state of pool {pool} in {bucket}: {message}")]
+pub struct StateError {
+    pool: String,
+    bucket: String,
+    message: String,
+}
+
+impl StateError {
+    pub(super) fn new(pool: &str, bucket: &str, message: String) -> StateError {
+        StateError {
+            pool: pool.to_string(),
+            bucket: bucket.to_string(),
+            message,
+        }
+    }
+}
+
+/// Changes `pool`'s state in `bucket` with `change` (which says whether it changed
+/// anything), by compare-and-set, again while other writers win. The state written,
+/// or `None` when `change` left it as it was.
+pub(super) async fn update_pool_state(
+    js: &jetstream::Context,
+    bucket: &str,
+    pool: &str,
+    mut change: impl FnMut(&mut PoolState) -> bool,
+) -> Result<Option<PoolState>, StateError> {
+    let error = |message: String| StateError::new(pool, bucket, message);
+    let store = js
+        .get_key_value(bucket)
+        .await
+        .map_err(|e| error(e.to_string()))?;
+    for _ in 0..CAS_TRIES {
+        let entry = store.entry(pool).await.map_err(|e| error(e.to_string()))?;
+        let (mut state, revision) = match entry {
+            Some(entry) if entry.operation == kv::Operation::Put => (
+                PoolState::from_json(&entry.value).map_err(|e| error(e.to_string()))?,
+                Some(entry.revision),
+            ),
+            Some(entry) => (PoolState::default(), Some(entry.revision)),
+            None => (PoolState::default(), None),
+        };
+        if !change(&mut state) {
+            return Ok(None);
+        }
+        let value = serde_json::to_vec(&state).map_err(|e| error(e.to_string()))?;
+        let written = match revision {
+            Some(revision) => store.update(pool, value.into(), revision).await.is_ok(),
+            None => store.create(pool, value.into()).await.is_ok(),
+        };
+        if written {
+            return Ok(Some(state));
+        }
+    }
+    Err(error(format!(
+        "it kept changing; gave up after {CAS_TRIES} tries"
+    )))
+}
+
+/// Returns when `pool`'s state changes: its pulls are then made again, since the
+/// server does not serve a pull that waited through a pause lifted by hand.
+pub(super) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>, pool: &str) {
+    let before = states.borrow_and_update().get(pool).cloned();
+    loop {
+        if states.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        if states.borrow_and_update().get(pool) != before.as_ref() {
+            return;
+        }
+    }
+}
+
+/// Compare-and-set tries before a write of shared state gives up: each lost try means
+/// another instance wrote meanwhile.
+const CAS_TRIES: usize = 20;
+
+/// The bucket of the pools' rate schedules: one small value per pool, rewritten a few
+/// times a second; kept in memory (a lost schedule only lets an idle pool burst).
+fn rate_bucket_config(bucket: &str, replicas: usize) -> kv::Config {
+    kv::Config {
+        bucket: bucket.to_string(),
+        description: "webproxy pools' rate schedules: the next unclaimed slot of each".into(),
+        history: 1,
+        storage: stream::StorageType::Memory,
+        num_replicas: replicas,
+        ..Default::default()
+    }
+}
+
+/// What the claiming handler knows of the stored schedule: its last write, which the
+/// next claim tries first (one round trip when no other instance claimed since).
+#[derive(Default)]
+struct Claiming {
+    store: Option<kv::Store>,
+    last: Option<(u64, u64)>,
+}
+
+/// One pool's rate limit on this instance: slots claimed and not yet used, and one
+/// claim at a time.
+struct Limiter {
+    pool: String,
+    schedule: Schedule,
+    js: jetstream::Context,
+    bucket: kv::Config,
+    /// Claimed slots, earliest first: (time, usable until).
+    slots: Mutex<VecDeque<(u64, u64)>>,
+    claiming: tokio::sync::Mutex<Claiming>,
+    /// Handlers waiting for a slot: how many the next claim asks for.
+    waiting: std::sync::atomic::AtomicU64,
+}
+
+impl Limiter {
+    /// Waits for a slot of the schedule and until its time.
+    async fn acquire(&self) {
+        use std::sync::atomic::Ordering;
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        // A handler that leaves the wait (its deadline, a shutdown) no longer counts.
+        scopeguard::defer! {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        let mut failures = 0u32;
+        loop {
+            if let Some(slot) = self.take() {
+                sleep_until_us(slot).await;
+                return;
+            }
+            let mut claiming = self.claiming.lock().await;
+            // Another handler may have claimed while this one waited for the lock.
+            if let Some(slot) = self.take() {
+                drop(claiming);
+                sleep_until_us(slot).await;
+                return;
+            }
+            let wanted = self.waiting.load(Ordering::Relaxed).max(1);
+            match self.claim(&mut claiming, wanted).await {
+                Ok(claim) => {
+                    failures = 0;
+                    let claimed = now_us();
+                    let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+                    slots.extend(
+                        claim
+                            .slots()
+                            .map(|slot| (slot, Schedule::usable_until(slot, claimed))),
+                    );
+                }
+                Err(e) => {
+                    drop(claiming);
+                    failures = failures.saturating_add(1);
+                    warn!(pool = self.pool, error = %e, "cannot claim a slot of the pool's rate schedule; retrying");
+                    let wait = super::PULL_BACKOFF
+                        .after(failures)
+                        .unwrap_or(Duration::from_secs(1));
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    /// The earliest claimed slot still usable, dropping those whose time passed.
+    fn take(&self) -> Option<u64> {
+        let now = now_us();
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some((slot, until)) = slots.pop_front() {
+            if until > now {
+                return Some(slot);
+            }
+            debug!(pool = self.pool, slot, "a claimed slot went unused");
+        }
+        None
+    }
+
+    /// Claims up to `wanted` slots with a compare-and-set on the stored schedule.
+    async fn claim(&self, claiming: &mut Claiming, wanted: u64) -> Result<Claim, String> {
+        let store = match &claiming.store {
+            Some(store) => store.clone(),
+            None => {
+                let store = self
+                    .js
+                    .create_or_update_key_value(self.bucket.clone())
+                    .await
+                    .map_err(|e| format!("bucket {}: {e}", self.bucket.bucket))?;
+                claiming.store = Some(store.clone());
+                store
+            }
+        };
+        for _ in 0..CAS_TRIES {
+            let (stored, revision) = match claiming.last.take() {
+                Some((next, revision)) => (Some(next), Some(revision)),
+                None => match store.entry(&self.pool).await.map_err(|e| e.to_string())? {
+                    Some(entry) if entry.operation == kv::Operation::Put => (
+                        std::str::from_utf8(&entry.value)
+                            .ok()
+                            .and_then(|v| v.parse().ok()),
+                        Some(entry.revision),
+                    ),
+                    Some(entry) => (None, Some(entry.revision)),
+                    None => (None, None),
+                },
+            };
+            let claim = self.schedule.claim(stored, now_us(), wanted);
+            let value = claim.next_us.to_string().into_bytes();
+            let written = match revision {
+                Some(revision) => store.update(&self.pool, value.into(), revision).await.ok(),
+                None => store.create(&self.pool, value.into()).await.ok(),
+            };
+            if let Some(revision) = written {
+                claiming.last = Some((claim.next_us, revision));
+                return Ok(claim);
+            }
+        }
+        Err(format!(
+            "the schedule kept changing; gave up after {CAS_TRIES} tries"
+        ))
+    }
+}

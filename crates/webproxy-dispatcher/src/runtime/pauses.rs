@@ -1,0 +1,109 @@
+//! The operator's pauses (`webproxy pools pause`, `resume`, and what `pools` shows),
+//! written to the pools' runtime state like every other pause: the owner of the pool
+//! consumers' settings applies them, every instance's gate honours them.
+
+use time::OffsetDateTime;
+
+use super::flow::{StateError, update_pool_state};
+use super::publish::Outlet;
+use crate::pool_state::{MANUAL, Pause, PoolState};
+
+/// One pause of a pool in force: its cause (`manual`, `retry_after`, ...), its end
+/// and its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolPause {
+    pub cause: String,
+    pub until: OffsetDateTime,
+    pub reason: String,
+}
+
+fn in_force(state: &PoolState) -> Vec<PoolPause> {
+    state
+        .in_force(OffsetDateTime::now_utc())
+        .map(|(cause, pause)| PoolPause {
+            cause: cause.to_string(),
+            until: pause.until,
+            reason: pause.reason.clone(),
+        })
+        .collect()
+}
+
+impl Outlet {
+    /// Pauses `pool` by hand until `until`, cluster-wide, for `reason`: requests keep
+    /// waiting in its stream. A later `resume_pool` ends it; other pauses keep their
+    /// own ends.
+    pub async fn pause_pool(
+        &self,
+        pool: &str,
+        until: OffsetDateTime,
+        reason: String,
+    ) -> Result<(), StateError> {
+        update_pool_state(
+            &self.js,
+            &self.subjects.pool_state_bucket(),
+            pool,
+            |state| {
+                state.pauses.insert(
+                    MANUAL.into(),
+                    Pause {
+                        until,
+                        reason: reason.clone(),
+                    },
+                );
+                true
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Ends `pool`'s pause by hand. When no other pause is in force it lifts the pool
+    /// consumer's pause (the owner of its settings never lifts one) and then marks the
+    /// resume, so that every instance pulls again at once. Returns the pauses still
+    /// in force.
+    pub async fn resume_pool(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
+        let bucket = self.subjects.pool_state_bucket();
+        let state = update_pool_state(&self.js, &bucket, pool, |state| {
+            state.pauses.remove(MANUAL).is_some()
+        })
+        .await?;
+        let left = match state {
+            Some(state) => in_force(&state),
+            None => self.pool_pauses(pool).await?,
+        };
+        if !left.is_empty() {
+            return Ok(left);
+        }
+        let error = |e: &dyn std::error::Error| StateError::new(pool, &bucket, e.to_string());
+        let consumer = self.subjects.pool_consumer(pool);
+        let stream = self
+            .js
+            .get_stream_no_info(self.subjects.pool_stream(pool))
+            .await
+            .map_err(|e| error(&e))?;
+        stream
+            .resume_consumer(&consumer)
+            .await
+            .map_err(|e| error(&e))?;
+        update_pool_state(&self.js, &bucket, pool, |state| {
+            state.resumed = Some(OffsetDateTime::now_utc());
+            true
+        })
+        .await?;
+        Ok(Vec::new())
+    }
+
+    /// `pool`'s pauses in force now.
+    pub async fn pool_pauses(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
+        let bucket = self.subjects.pool_state_bucket();
+        let error = |e: String| StateError::new(pool, &bucket, e);
+        let Ok(store) = self.js.get_key_value(&bucket).await else {
+            return Ok(Vec::new());
+        };
+        let Some(value) = store.get(pool).await.map_err(|e| error(e.to_string()))? else {
+            return Ok(Vec::new());
+        };
+        let state = PoolState::from_json(&value).map_err(|e| error(e.to_string()))?;
+        Ok(in_force(&state))
+    }
+}
