@@ -307,8 +307,8 @@ pub(super) async fn update_pool_state(
     )))
 }
 
-/// Returns when `pool`'s state changes: its pulls are then made again, since the
-/// server does not serve a pull that waited through a pause lifted by hand.
+/// Returns when `pool`'s state changes: its pull then nudges the server, which serves
+/// a pull that waited through a pause lifted by hand only at its next heartbeat.
 pub(super) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>, pool: &str) {
     let before = states.borrow_and_update().get(pool).cloned();
     loop {

@@ -323,7 +323,14 @@ async fn pull_loop(
                         // The request may have been lost with the old connection.
                         _ = connections.changed() => return PullEnd::Lost,
                         // A pause lifted by hand leaves this request unserved.
-                        _ = flow::pool_state_changed(&mut states, &pool) => return PullEnd::Lost,
+                        // A pause lifted by hand: the server would serve this pull only
+                        // at its next heartbeat.
+                        _ = flow::pool_state_changed(&mut states, &pool) => {
+                            if let Err(end) = pull.nudge(&consumer).await {
+                                return end;
+                            }
+                            continue;
+                        }
                     };
                     delivered += 1;
                     start(&live, &pool, message, &permits, &attempts, &shutdown, policy).await;

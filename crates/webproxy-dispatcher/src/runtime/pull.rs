@@ -55,6 +55,8 @@ pub(super) fn status_end(status: StatusCode, description: Option<&str>) -> Optio
 /// One pull request in flight.
 pub(super) struct Pull {
     subscriber: Subscriber,
+    /// Where the server sends this pull's messages, and a nudge's.
+    inbox: String,
     context: jetstream::Context,
     remaining: usize,
     /// The pull ends for good at this instant, heartbeats or not.
@@ -74,6 +76,19 @@ impl Pull {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| PullEnd::Failed(e.to_string()))?;
+        let mut pull = Pull {
+            subscriber,
+            inbox,
+            context: js.clone(),
+            remaining: 0,
+            deadline: Instant::now(),
+        };
+        pull.request(consumer, batch).await?;
+        Ok(pull)
+    }
+
+    /// Asks for `batch` more messages on the same inbox, until a fresh expiry.
+    async fn request(&mut self, consumer: &PullConsumer, batch: usize) -> Result<(), PullEnd> {
         let request = jetstream::consumer::pull::BatchConfig {
             batch,
             expires: Some(PULL_EXPIRES),
@@ -81,15 +96,19 @@ impl Pull {
             ..Default::default()
         };
         consumer
-            .request_batch(request, inbox.into())
+            .request_batch(request, self.inbox.clone().into())
             .await
             .map_err(|e| PullEnd::Failed(e.to_string()))?;
-        Ok(Pull {
-            subscriber,
-            context: js.clone(),
-            remaining: batch,
-            deadline: Instant::now() + PULL_EXPIRES + HEARTBEAT * MISSED_HEARTBEATS,
-        })
+        self.remaining += batch;
+        self.deadline = Instant::now() + PULL_EXPIRES + HEARTBEAT * MISSED_HEARTBEATS;
+        Ok(())
+    }
+
+    /// Wakes the server for this pull: after a consumer's pause is lifted by hand, it
+    /// serves the requests that waited through it only at its next heartbeat, but a
+    /// new request at once, and then the waiting ones too. One message more at most.
+    pub(super) async fn nudge(&mut self, consumer: &PullConsumer) -> Result<(), PullEnd> {
+        self.request(consumer, 1).await
     }
 
     /// The next message, or why the pull ended.
