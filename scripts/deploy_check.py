@@ -59,12 +59,24 @@ METRICS = {
     "webproxy_config_refused_total": set(),
     "webproxy_pool_consumer_writes_total": {"pool", "write"},
     "webproxy_pool_consumers_owner": set(),
+    "webproxy_pool_paused": {"pool"},
+    "webproxy_gate_wait_seconds": {"pool"},
+    "webproxy_rate_schedule_requests_total": {"pool"},
     "webproxy_build_info": {"version"},
 }
-HISTOGRAMS = {"webproxy_attempt_duration_seconds", "webproxy_queue_wait_seconds"}
+HISTOGRAMS = {
+    "webproxy_attempt_duration_seconds",
+    "webproxy_queue_wait_seconds",
+    "webproxy_gate_wait_seconds",
+}
 # Gauges every pod reports with the same cluster-wide value: summing them over pods
 # multiplies the value by the replica count.
-CLUSTER_WIDE = {"webproxy_pool_waiting", "webproxy_pool_parked", "webproxy_pool_max_in_flight"}
+CLUSTER_WIDE = {
+    "webproxy_pool_waiting",
+    "webproxy_pool_parked",
+    "webproxy_pool_max_in_flight",
+    "webproxy_pool_paused",
+}
 # An aggregation up to the opening bracket of its argument: `max by (pool) (`.
 AGGREGATION = r"\b([a-z_]+)\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*$"
 # The callers' own mistakes, which error ratios and alerts leave out.

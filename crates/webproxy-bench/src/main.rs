@@ -298,6 +298,62 @@ struct Report {
     nats_restart_recovery_s: f64,
     /// Conversations of that probe that got no 200 answer.
     nats_restart_failed: usize,
+    /// Pools with a cluster-wide rate limit, under demand above it.
+    rates: Vec<RateFigures>,
+}
+
+/// A rate-limited pool under 64 outstanding conversations for the run's duration.
+#[derive(Debug, Serialize)]
+struct RateFigures {
+    rate_per_s: u32,
+    /// Attempts per second achieved, ÷ the rate.
+    achieved: f64,
+    /// NATS requests made to claim slots of the schedule (reads and compare-and-set
+    /// writes) per attempt.
+    nats_requests_per_attempt: f64,
+}
+
+/// The rates the bench measures: per second, the pool, and the upstream status (a
+/// path of its own, `/status/<status>`, which the pool's rule sends there).
+const RATES: [(u32, &str, u16); 2] = [(20, "rate20", 221), (200, "rate200", 222)];
+
+/// Runs `rate`'s pool under 64 outstanding conversations for `duration` and reads the
+/// service's own counters of attempts and schedule requests.
+async fn rate_figures(
+    service: &Service,
+    client: &Client,
+    replies: &Replies,
+    upstream: &Upstream,
+    (rate, pool, status): (u32, &'static str, u16),
+    duration: Duration,
+) -> RateFigures {
+    let url: Arc<str> = Arc::from(upstream.url(&format!("/status/{status}")));
+    let figures = closed_loop(64, duration, {
+        let (client, replies, url) = (client.clone(), replies.clone(), url.clone());
+        move || proxied(client.clone(), replies.clone(), pool, url.clone())
+    })
+    .await;
+    let attempts = service
+        .metric(&format!(
+            "webproxy_attempts_total{{pool=\"{pool}\",rule=\"{pool}\",result=\"2xx\"}}"
+        ))
+        .await
+        .unwrap_or(0.0);
+    let requests = service
+        .metric(&format!(
+            "webproxy_rate_schedule_requests_total{{pool=\"{pool}\"}}"
+        ))
+        .await
+        .unwrap_or(0.0);
+    RateFigures {
+        rate_per_s: rate,
+        achieved: figures.rps / f64::from(rate),
+        nats_requests_per_attempt: if attempts > 0.0 {
+            requests / attempts
+        } else {
+            0.0
+        },
+    }
 }
 
 fn machine() -> String {
@@ -327,11 +383,20 @@ async fn main() -> anyhow::Result<()> {
     let mut nats = NatsServer::start();
     let gate = Gate::new();
     let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
+    let rated: String = RATES
+        .iter()
+        .map(|(rate, pool, status)| {
+            format!(
+                "[pools.{pool}]\nmax_in_flight = 64\nrate = \"{rate}/s\"\n\n\
+                 [[request_rules]]\nname = \"{pool}\"\nurl_pattern = '/status/{status}$'\npool = \"{pool}\"\n\n"
+            )
+        })
+        .collect();
     let config = format!(
         "[log]\nlevel = \"warn\"\n\n[pools.default]\nmax_in_flight = 512\n\n[pools.slot]\nmax_in_flight = 1\n\n\
          [pools.recovery]\nmax_in_flight = 16\n\n\
          [[request_rules]]\nname = \"slot\"\nurl_pattern = '/delay/'\npool = \"slot\"\n\n\
-         [[request_rules]]\nname = \"recovery\"\nurl_pattern = '/gated/'\npool = \"recovery\"\n\n{}",
+         [[request_rules]]\nname = \"recovery\"\nurl_pattern = '/gated/'\npool = \"recovery\"\n\n{rated}{}",
         accept_rule("local", &upstream)
     );
     // The outcome of every conversation is logged at info; the bench measures the
@@ -422,6 +487,21 @@ async fn main() -> anyhow::Result<()> {
     })
     .await;
 
+    let mut rates = Vec::new();
+    for measured in RATES {
+        rates.push(
+            rate_figures(
+                &service,
+                &client,
+                &replies,
+                &upstream,
+                measured,
+                args.duration,
+            )
+            .await,
+        );
+    }
+
     // Last, since it takes the server away from everything above.
     let caller = Client::new(nats.quick_client().await, "webproxy")?;
     let load = Load {
@@ -441,6 +521,7 @@ async fn main() -> anyhow::Result<()> {
         nats_restart_recovery_s: recovery.last_answer.as_secs_f64(),
         nats_restart_failed: recovery.failed.len(),
         levels,
+        rates,
     };
 
     println!();
@@ -466,6 +547,14 @@ async fn main() -> anyhow::Result<()> {
         "recovery after NATS restart: {:.2} s (last of 100 conversations answered after a {OUTAGE:?} outage; pool of 16, upstream 50 ms; {} failed)",
         report.nats_restart_recovery_s, report.nats_restart_failed
     );
+    for rate in &report.rates {
+        println!(
+            "rate {}/s (64 outstanding): {:.0}% of the rate achieved, {:.2} NATS requests per attempt for the schedule",
+            rate.rate_per_s,
+            rate.achieved * 100.0,
+            rate.nats_requests_per_attempt
+        );
+    }
     if let Some(dir) = args.json.parent() {
         std::fs::create_dir_all(dir)?;
     }

@@ -95,6 +95,9 @@ pub(crate) struct Metrics {
     config_refused: Counter,
     pool_consumer_writes: Family<ConsumerWriteLabels, Counter>,
     pool_consumers_owner: Gauge,
+    pool_paused: Family<PoolLabels, Gauge>,
+    gate_wait: HistogramFamily<PoolLabels>,
+    rate_schedule_requests: Family<PoolLabels, Counter>,
 }
 
 impl Metrics {
@@ -192,6 +195,25 @@ impl Metrics {
             "1 while this instance holds the lease that makes it the one writer of the pool consumers' settings",
             pool_consumers_owner.clone(),
         );
+        let pool_paused = Family::default();
+        registry.register(
+            "pool_paused",
+            "1 while the pool's runtime state holds a pause in force (by hand, Retry-After), cluster-wide: every pod reports the same value, so aggregate with max, not sum",
+            pool_paused.clone(),
+        );
+        let gate_wait: HistogramFamily<PoolLabels> =
+            Family::new_with_constructor(queue_wait_histogram);
+        registry.register(
+            "gate_wait_seconds",
+            "Time a message waited, holding its slot, for its pool's pause to end and for a slot of its rate schedule",
+            gate_wait.clone(),
+        );
+        let rate_schedule_requests = Family::default();
+        registry.register(
+            "rate_schedule_requests",
+            "NATS requests this instance made to claim slots of the pool's rate schedule (reads and compare-and-set writes); divide by attempts for the cost per attempt",
+            rate_schedule_requests.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -216,7 +238,37 @@ impl Metrics {
             config_refused,
             pool_consumer_writes,
             pool_consumers_owner,
+            pool_paused,
+            gate_wait,
+            rate_schedule_requests,
         }
+    }
+
+    /// Whether `pool` is paused now, as its runtime state says.
+    pub(crate) fn set_pool_paused(&self, pool: &str, paused: bool) {
+        self.pool_paused
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
+            })
+            .set(i64::from(paused));
+    }
+
+    /// A message of `pool` waited `wait` at its pool's gate.
+    pub(crate) fn gate_wait(&self, pool: &str, wait: Duration) {
+        self.gate_wait
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
+            })
+            .observe(wait.as_secs_f64());
+    }
+
+    /// `requests` NATS requests were made to claim slots of `pool`'s rate schedule.
+    pub(crate) fn rate_schedule_requests(&self, pool: &str, requests: u64) {
+        self.rate_schedule_requests
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
+            })
+            .inc_by(requests);
     }
 
     /// This instance wrote a `write` (`ConsumerWrite::kind`) to `pool`'s work consumer.

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{PoolConfig, Settings};
+use crate::metrics::Metrics;
 use crate::pool_state::{Pause, PoolState};
 use crate::provision::pool_state_bucket_config;
 use crate::rate::{Claim, Rate, Schedule};
@@ -29,6 +30,7 @@ pub(super) type PoolStates = Arc<BTreeMap<String, PoolState>>;
 /// The pools' runtime state and rate schedules, for every handler of this instance.
 pub(super) struct Flow {
     js: jetstream::Context,
+    metrics: Arc<Metrics>,
     state_bucket: String,
     rate_bucket: String,
     replicas: usize,
@@ -56,9 +58,10 @@ async fn sleep_until_us(at_us: u64) {
 }
 
 impl Flow {
-    pub(super) fn new(js: jetstream::Context, settings: &Settings) -> Flow {
+    pub(super) fn new(js: jetstream::Context, metrics: Arc<Metrics>, settings: &Settings) -> Flow {
         Flow {
             js,
+            metrics,
             state_bucket: settings.subjects.pool_state_bucket(),
             rate_bucket: settings.subjects.rate_bucket(),
             replicas: settings.streams.replicas,
@@ -170,26 +173,41 @@ impl Flow {
     /// Waits until `pool` may make an attempt: not paused, and under a `rate`, at a
     /// slot of the pool's schedule.
     pub(super) async fn pass(&self, pool: &str, config: &PoolConfig) {
-        self.wait_out_pauses(pool).await;
+        let started = std::time::Instant::now();
+        let paused = self.wait_out_pauses(pool).await;
         if let Some(rate) = config.rate {
             self.limiter(pool, rate, config.burst).acquire().await;
         }
+        if paused || config.rate.is_some() {
+            self.metrics.gate_wait(pool, started.elapsed());
+        }
     }
 
-    /// Returns once the state of `pool` holds no pause in force.
-    async fn wait_out_pauses(&self, pool: &str) {
+    /// Whether `pool`'s state holds a pause in force now.
+    pub(super) fn is_paused(&self, pool: &str) -> bool {
+        self.states
+            .borrow()
+            .get(pool)
+            .is_some_and(|state| state.paused_until(OffsetDateTime::now_utc()).is_some())
+    }
+
+    /// Returns once the state of `pool` holds no pause in force; whether it had to
+    /// wait.
+    async fn wait_out_pauses(&self, pool: &str) -> bool {
         let mut states = self.states();
+        let mut waited = false;
         loop {
             let until = states
                 .borrow_and_update()
                 .get(pool)
                 .and_then(|state| state.paused_until(OffsetDateTime::now_utc()));
-            let Some(until) = until else { return };
+            let Some(until) = until else { return waited };
+            waited = true;
             let left = until - OffsetDateTime::now_utc();
             let left = Duration::try_from(left).unwrap_or_default();
             tokio::select! {
                 _ = tokio::time::sleep(left) => {}
-                changed = states.changed() => if changed.is_err() { return },
+                changed = states.changed() => if changed.is_err() { return waited },
             }
         }
     }
@@ -203,6 +221,7 @@ impl Flow {
             _ => {
                 let limiter = Arc::new(Limiter {
                     pool: pool.to_string(),
+                    metrics: self.metrics.clone(),
                     schedule,
                     js: self.js.clone(),
                     bucket: rate_bucket_config(&self.rate_bucket, self.replicas),
@@ -350,6 +369,7 @@ struct Claiming {
 /// claim at a time.
 struct Limiter {
     pool: String,
+    metrics: Arc<Metrics>,
     schedule: Schedule,
     js: jetstream::Context,
     bucket: kv::Config,
@@ -420,6 +440,23 @@ impl Limiter {
         None
     }
 
+    /// The stored schedule's next slot and its revision; none when never written.
+    async fn read_schedule(&self, store: &kv::Store) -> Result<(Option<u64>, Option<u64>), String> {
+        self.metrics.rate_schedule_requests(&self.pool, 1);
+        Ok(
+            match store.entry(&self.pool).await.map_err(|e| e.to_string())? {
+                Some(entry) if entry.operation == kv::Operation::Put => (
+                    std::str::from_utf8(&entry.value)
+                        .ok()
+                        .and_then(|v| v.parse().ok()),
+                    Some(entry.revision),
+                ),
+                Some(entry) => (None, Some(entry.revision)),
+                None => (None, None),
+            },
+        )
+    }
+
     /// Claims up to `wanted` slots with a compare-and-set on the stored schedule.
     async fn claim(&self, claiming: &mut Claiming, wanted: u64) -> Result<Claim, String> {
         let store = match &claiming.store {
@@ -437,19 +474,11 @@ impl Limiter {
         for _ in 0..CAS_TRIES {
             let (stored, revision) = match claiming.last.take() {
                 Some((next, revision)) => (Some(next), Some(revision)),
-                None => match store.entry(&self.pool).await.map_err(|e| e.to_string())? {
-                    Some(entry) if entry.operation == kv::Operation::Put => (
-                        std::str::from_utf8(&entry.value)
-                            .ok()
-                            .and_then(|v| v.parse().ok()),
-                        Some(entry.revision),
-                    ),
-                    Some(entry) => (None, Some(entry.revision)),
-                    None => (None, None),
-                },
+                None => self.read_schedule(&store).await?,
             };
             let claim = self.schedule.claim(stored, now_us(), wanted);
             let value = claim.next_us.to_string().into_bytes();
+            self.metrics.rate_schedule_requests(&self.pool, 1);
             let written = match revision {
                 Some(revision) => store.update(&self.pool, value.into(), revision).await.ok(),
                 None => store.create(&self.pool, value.into()).await.ok(),

@@ -160,7 +160,11 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
-        let flow = Arc::new(flow::Flow::new(outlet.js.clone(), &settings));
+        let flow = Arc::new(flow::Flow::new(
+            outlet.js.clone(),
+            outlet.metrics.clone(),
+            &settings,
+        ));
         Dispatcher {
             live: Arc::new(Live::new(Shared {
                 flow,
@@ -254,6 +258,10 @@ async fn refresh_gauges(
                     work.num_pending,
                     parked.num_pending + parked.num_ack_pending as u64,
                 );
+                shared
+                    .outlet
+                    .metrics
+                    .set_pool_paused(&pool, shared.flow.is_paused(&pool));
                 // Negative means unlimited, which webproxy never provisions.
                 if let Ok(limit) = u64::try_from(work.config.max_ack_pending) {
                     gauge.set_max_in_flight(limit);

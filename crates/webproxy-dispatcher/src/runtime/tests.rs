@@ -83,7 +83,11 @@ impl Fixture {
             Progress::new(provisioned.progress),
         );
         let shared = Shared {
-            flow: Arc::new(super::flow::Flow::new(outlet.js.clone(), &settings)),
+            flow: Arc::new(super::flow::Flow::new(
+                outlet.js.clone(),
+                outlet.metrics.clone(),
+                &settings,
+            )),
             health: Arc::new(Health::new()),
             gauges: {
                 let gauges = Gauges::default();
