@@ -56,17 +56,6 @@ fn config(upstream: &Upstream, pool: &str, rule: &str) -> String {
     )
 }
 
-/// Three instances on `config`, ready.
-async fn three(nats: &NatsServer, config: &str) -> Vec<Service> {
-    let services: Vec<Service> = (0..3)
-        .map(|_| Service::spawn(&nats.url(), config, ServiceOptions::default()))
-        .collect();
-    for service in &services {
-        service.wait_ready(Duration::from_secs(30)).await;
-    }
-    services
-}
-
 /// One request for `url` to the partner pool, in the background; its reply's status.
 fn spawn_request(client: &Client, url: &str) -> tokio::task::JoinHandle<u16> {
     let client = client.clone();
@@ -114,13 +103,14 @@ async fn rate_limit_holds(rate: u32, count: usize) {
     let nats = NatsServer::start();
     let upstream = upstream(1).await;
     let burst = 1u32;
-    let services = three(
-        &nats,
+    let services = Service::start_many(
+        &nats.url(),
         &config(
             &upstream,
             &format!("max_in_flight = 150\nrate = \"{rate}/s\"\nburst = {burst}\n"),
             "",
         ),
+        3,
     )
     .await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
@@ -182,7 +172,12 @@ async fn cli(nats: &NatsServer, args: &[&str]) -> String {
 async fn a_pool_paused_by_hand_makes_no_call_until_resumed_and_loses_nothing() {
     let nats = NatsServer::start();
     let upstream = upstream(1).await;
-    let _services = three(&nats, &config(&upstream, "max_in_flight = 8\n", "")).await;
+    let _services = Service::start_many(
+        &nats.url(),
+        &config(&upstream, "max_in_flight = 8\n", ""),
+        3,
+    )
+    .await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
 
     let paused = cli(&nats, &["pools", "pause", POOL, "--reason", "maintenance"]).await;
@@ -243,13 +238,14 @@ fn steady_load(
 async fn a_retry_after_pauses_the_whole_pool_on_every_instance() {
     let nats = NatsServer::start();
     let upstream = upstream(2).await;
-    let _services = three(
-        &nats,
+    let _services = Service::start_many(
+        &nats.url(),
         &config(
             &upstream,
             "max_in_flight = 8\n",
             "pause_on_retry_after = true\nmax_pause = \"1m\"\n",
         ),
+        3,
     )
     .await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
@@ -315,7 +311,7 @@ async fn pauses_of_two_causes_survive_a_push_and_a_restart_and_end_separately() 
         path.to_string_lossy().into_owned()
     };
     cli(&nats, &["config", "push", &push("one.toml", document(4))]).await;
-    let mut services = three(&nats, "[config]\nsource = \"kv\"\n").await;
+    let mut services = Service::start_many(&nats.url(), "[config]\nsource = \"kv\"\n", 3).await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
 
     // A Retry-After of 6 s, then a pause by hand.

@@ -555,18 +555,8 @@ async fn three_kv_instances_follow_every_push_live() {
         )
         .await,
     );
-    let services: Vec<Service> = (0..3)
-        .map(|_| {
-            Service::spawn(
-                &nats.url(),
-                &kv_config(&accept_rule("local", &upstream)),
-                ServiceOptions::default(),
-            )
-        })
-        .collect();
-    for service in &services {
-        service.wait_ready(Duration::from_secs(30)).await;
-    }
+    let services =
+        Service::start_many(&nats.url(), &kv_config(&accept_rule("local", &upstream)), 3).await;
     let nats_client = nats.client().await;
     let mut replies = nats_client
         .subscribe("webproxy.reply.>")
@@ -793,18 +783,8 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
         )
         .await,
     );
-    let mut services: Vec<Service> = (0..3)
-        .map(|_| {
-            Service::spawn(
-                &nats.url(),
-                &kv_config(&accept_rule("local", &upstream)),
-                ServiceOptions::default(),
-            )
-        })
-        .collect();
-    for service in &services {
-        service.wait_ready(Duration::from_secs(30)).await;
-    }
+    let mut services =
+        Service::start_many(&nats.url(), &kv_config(&accept_rule("local", &upstream)), 3).await;
     webproxy_tests::wait_until(SEEN, "one lease holder", || async {
         instances_with(&services, "webproxy_pool_consumers_owner", 1.0).await == 1
             && instances_with(&services, "webproxy_pool_consumers_owner", 0.0).await == 2

@@ -164,6 +164,18 @@ impl Service {
         service
     }
 
+    /// `count` instances on one `config`, started together (so they race for what
+    /// instances race for: seeding, leases), then each waited for until ready.
+    pub async fn start_many(nats_url: &str, config: &str, count: usize) -> Vec<Service> {
+        let services: Vec<Service> = (0..count)
+            .map(|_| Self::spawn(nats_url, config, ServiceOptions::default()))
+            .collect();
+        for service in &services {
+            service.wait_ready(READY_TIMEOUT).await;
+        }
+        services
+    }
+
     /// Like [`Service::start_with`], without waiting for it to be ready (for an
     /// instance that is expected to stay not ready; see [`Service::is_ready`]).
     pub fn spawn(nats_url: &str, config: &str, options: ServiceOptions) -> Service {
