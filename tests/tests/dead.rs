@@ -299,6 +299,8 @@ async fn dead_list_streams_ten_thousand_letters_in_bounded_memory() {
 /// hop it publishes, the progress record it creates).
 async fn streams(js: &jetstream::Context) -> BTreeMap<String, (u64, u64)> {
     js.streams()
+        // The running service's own heartbeat and lease change on their own clock.
+        .try_filter(|info| futures::future::ready(info.config.name != "KV_WEBPROXY_INSTANCES"))
         .map_ok(|info| {
             (
                 info.config.name,

@@ -112,10 +112,14 @@ async fn pool_state(
 pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let js = jetstream::new(client.nats().clone());
-    let outlet = operator_outlet(&client).await?;
+    let names = pool_names(&client, &js).await?;
     let mut states = Vec::new();
-    for pool in pool_names(&client, &js).await? {
-        states.push(pool_state(&client, &js, &outlet, &pool).await?);
+    // No pool, no service run yet: nothing to read pauses from.
+    if !names.is_empty() {
+        let outlet = operator_outlet(&client).await?;
+        for pool in names {
+            states.push(pool_state(&client, &js, &outlet, &pool).await?);
+        }
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&states)?);
