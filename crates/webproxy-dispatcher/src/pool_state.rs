@@ -39,6 +39,15 @@ pub(crate) struct PoolState {
     pub(crate) resumed: Option<OffsetDateTime>,
 }
 
+/// How a new pause meets one of the same cause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Extend {
+    /// A later end stays.
+    KeepLater,
+    /// The new end replaces it, earlier or later.
+    Replace,
+}
+
 /// The cause of a pause made by hand (`webproxy pools pause`).
 pub(crate) const MANUAL: &str = "manual";
 
@@ -50,6 +59,29 @@ impl PoolState {
     /// logs, keeping the consumer as it is.
     pub(crate) fn from_json(value: &[u8]) -> Result<PoolState, serde_json::Error> {
         serde_json::from_slice(value)
+    }
+
+    /// Pauses the pool under `cause` until `until`, for `reason`; whether that changed
+    /// the state. `Extend::KeepLater` leaves a later end of the same cause alone (an
+    /// upstream's second, shorter `Retry-After`); `Replace` sets it (an operator's).
+    pub(crate) fn pause(
+        &mut self,
+        cause: &str,
+        until: OffsetDateTime,
+        reason: &str,
+        extend: Extend,
+    ) -> bool {
+        if extend == Extend::KeepLater && self.pauses.get(cause).is_some_and(|p| p.until >= until) {
+            return false;
+        }
+        self.pauses.insert(
+            cause.to_string(),
+            Pause {
+                until,
+                reason: reason.to_string(),
+            },
+        );
+        true
     }
 
     /// The pauses in force at `now`, by cause.
@@ -100,6 +132,19 @@ mod tests {
         state.pauses.insert("breaker".into(), pause(90));
         assert_eq!(state.paused_until(at(100)), Some(at(150)));
         assert_eq!(state.paused_until(at(150)), None);
+    }
+
+    #[test]
+    fn a_pause_keeps_a_later_end_of_its_cause_unless_replaced() {
+        let mut state = PoolState::default();
+        assert!(state.pause(RETRY_AFTER, at(200), "429", Extend::KeepLater));
+        assert!(!state.pause(RETRY_AFTER, at(150), "429 again", Extend::KeepLater));
+        assert_eq!(state.pauses[RETRY_AFTER].until, at(200));
+        assert!(state.pause(RETRY_AFTER, at(300), "longer", Extend::KeepLater));
+        assert!(state.pause(MANUAL, at(900), "incident", Extend::Replace));
+        assert!(state.pause(MANUAL, at(400), "shorter", Extend::Replace));
+        assert_eq!(state.pauses[MANUAL].until, at(400));
+        assert_eq!(state.paused_until(at(100)), Some(at(400)));
     }
 
     #[test]

@@ -450,9 +450,25 @@ pub(crate) fn pool_state_bucket_config(settings: &Settings) -> kv::Config {
     }
 }
 
-/// `pool`'s runtime state as stored now: none when the bucket or the key is missing.
-/// A value that cannot be read is logged and taken as none, so a consumer is still
-/// created; the owner keeps logging it while it writes nothing from it.
+/// `pool`'s runtime state in `store`, and the revision it was read at (none when the
+/// key was never written): the one reader of a stored state. A deleted key is no state.
+pub(crate) async fn stored_pool_state(
+    store: &kv::Store,
+    pool: &str,
+) -> Result<(PoolState, Option<u64>), String> {
+    match store.entry(pool).await.map_err(|e| e.to_string())? {
+        Some(entry) if entry.operation == kv::Operation::Put => Ok((
+            PoolState::from_json(&entry.value).map_err(|e| e.to_string())?,
+            Some(entry.revision),
+        )),
+        Some(entry) => Ok((PoolState::default(), Some(entry.revision))),
+        None => Ok((PoolState::default(), None)),
+    }
+}
+
+/// `pool`'s runtime state as stored now, for creating its consumer: none when the
+/// bucket or the key is missing. A value that cannot be read is logged and taken as
+/// none (as every instance's watch takes it), so a consumer is still created.
 pub(crate) async fn read_pool_state(
     js: &jetstream::Context,
     settings: &Settings,
@@ -462,17 +478,13 @@ pub(crate) async fn read_pool_state(
     let Ok(store) = js.get_key_value(&bucket).await else {
         return PoolState::default();
     };
-    match store.get(pool).await {
-        Ok(Some(value)) => PoolState::from_json(&value).unwrap_or_else(|e| {
-            warn!(pool, bucket, error = %e, "the pool's runtime state cannot be read; ignored");
+    stored_pool_state(&store, pool)
+        .await
+        .map(|(state, _)| state)
+        .unwrap_or_else(|e| {
+            warn!(pool, bucket, error = %e, "cannot read the pool's runtime state; taken as none");
             PoolState::default()
-        }),
-        Ok(None) => PoolState::default(),
-        Err(e) => {
-            warn!(pool, bucket, error = %e, "cannot read the pool's runtime state; ignored");
-            PoolState::default()
-        }
-    }
+        })
 }
 
 /// A fence: a tiny stream that captures `subject`, a subject an instance of layout 1

@@ -20,8 +20,8 @@ use tracing::{debug, info, warn};
 
 use crate::config::{PoolConfig, Settings};
 use crate::metrics::Metrics;
-use crate::pool_state::{Pause, PoolState};
-use crate::provision::pool_state_bucket_config;
+use crate::pool_state::{Extend, PoolState};
+use crate::provision::{pool_state_bucket_config, stored_pool_state};
 use crate::rate::{Claim, Rate, Schedule};
 
 /// Every pool's runtime state as last seen.
@@ -246,17 +246,7 @@ impl Flow {
         reason: String,
     ) -> Result<(), StateError> {
         let paused = update_pool_state(&self.js, &self.state_bucket, pool, |state| {
-            if state.pauses.get(cause).is_some_and(|p| p.until >= until) {
-                return false;
-            }
-            state.pauses.insert(
-                cause.to_string(),
-                Pause {
-                    until,
-                    reason: reason.clone(),
-                },
-            );
-            true
+            state.pause(cause, until, &reason, Extend::KeepLater)
         })
         .await?;
         if paused.is_some() {
@@ -300,15 +290,7 @@ pub(super) async fn update_pool_state(
         .await
         .map_err(|e| error(e.to_string()))?;
     for _ in 0..CAS_TRIES {
-        let entry = store.entry(pool).await.map_err(|e| error(e.to_string()))?;
-        let (mut state, revision) = match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => (
-                PoolState::from_json(&entry.value).map_err(|e| error(e.to_string()))?,
-                Some(entry.revision),
-            ),
-            Some(entry) => (PoolState::default(), Some(entry.revision)),
-            None => (PoolState::default(), None),
-        };
+        let (mut state, revision) = stored_pool_state(&store, pool).await.map_err(error)?;
         if !change(&mut state) {
             return Ok(None);
         }

@@ -6,7 +6,8 @@ use time::OffsetDateTime;
 
 use super::flow::{StateError, update_pool_state};
 use super::publish::Outlet;
-use crate::pool_state::{MANUAL, Pause, PoolState};
+use crate::pool_state::{Extend, MANUAL, PoolState};
+use crate::provision::stored_pool_state;
 
 /// One pause of a pool in force: its cause (`manual`, `retry_after`, ...), its end
 /// and its reason.
@@ -42,16 +43,7 @@ impl Outlet {
             &self.js,
             &self.subjects.pool_state_bucket(),
             pool,
-            |state| {
-                state.pauses.insert(
-                    MANUAL.into(),
-                    Pause {
-                        until,
-                        reason: reason.clone(),
-                    },
-                );
-                true
-            },
+            |state| state.pause(MANUAL, until, &reason, Extend::Replace),
         )
         .await?;
         Ok(())
@@ -96,14 +88,12 @@ impl Outlet {
     /// `pool`'s pauses in force now.
     pub async fn pool_pauses(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
         let bucket = self.subjects.pool_state_bucket();
-        let error = |e: String| StateError::new(pool, &bucket, e);
         let Ok(store) = self.js.get_key_value(&bucket).await else {
             return Ok(Vec::new());
         };
-        let Some(value) = store.get(pool).await.map_err(|e| error(e.to_string()))? else {
-            return Ok(Vec::new());
-        };
-        let state = PoolState::from_json(&value).map_err(|e| error(e.to_string()))?;
+        let (state, _) = stored_pool_state(&store, pool)
+            .await
+            .map_err(|e| StateError::new(pool, &bucket, e))?;
         Ok(in_force(&state))
     }
 }
