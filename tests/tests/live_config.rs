@@ -736,27 +736,22 @@ async fn three_kv_instances_follow_every_push_live() {
     }
 }
 
-/// The number of instances in `services` for which `series` is `value`.
-async fn instances_with(services: &[Service], series: &str, value: f64) -> usize {
-    let mut count = 0;
+/// `series` as each of `services` reports it, in their order.
+async fn each(services: &[Service], series: &str) -> Vec<Option<f64>> {
+    let mut values = Vec::new();
     for service in services {
-        if service.metric(series).await == Some(value) {
-            count += 1;
-        }
+        values.push(service.metric(series).await);
     }
-    count
+    values
 }
 
-/// Updates of the partner pool's consumer, summed over `services`.
-async fn consumer_updates(services: &[Service]) -> f64 {
-    let mut sum = 0.0;
-    for service in services {
-        sum += service
-            .metric(r#"webproxy_pool_consumer_writes_total{pool="partner",write="update"}"#)
-            .await
-            .unwrap_or(0.0);
-    }
-    sum
+/// Which of `services` hold the lease of the pool consumers' settings.
+async fn holders(services: &[Service]) -> Vec<bool> {
+    each(services, "webproxy_pool_consumers_owner")
+        .await
+        .into_iter()
+        .map(|value| value == Some(1.0))
+        .collect()
 }
 
 /// Issue 18, point 4: one instance at a time (the lease holder) writes a pool
@@ -786,8 +781,9 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
     let mut services =
         Service::start_many(&nats.url(), &kv_config(&accept_rule("local", &upstream)), 3).await;
     webproxy_tests::wait_until(SEEN, "one lease holder", || async {
-        instances_with(&services, "webproxy_pool_consumers_owner", 1.0).await == 1
-            && instances_with(&services, "webproxy_pool_consumers_owner", 0.0).await == 2
+        let reported = each(&services, "webproxy_pool_consumers_owner").await;
+        reported.iter().filter(|v| **v == Some(1.0)).count() == 1
+            && reported.iter().filter(|v| **v == Some(0.0)).count() == 2
     })
     .await;
 
@@ -852,21 +848,29 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
     assert_eq!(limit().await, (4, true));
     // 2 -> 5, 5 -> 3, 3 -> 4: the push to 8 wrote nothing, and no other instance
     // wrote anything.
-    assert_eq!(consumer_updates(&services).await, 3.0);
+    let updates = each(
+        &services,
+        r#"webproxy_pool_consumer_writes_total{pool="partner",write="update"}"#,
+    )
+    .await;
+    assert_eq!(updates.into_iter().flatten().sum::<f64>(), 3.0);
 
     // The holder stops: another instance takes the lease.
-    let mut holder = None;
-    for (i, service) in services.iter().enumerate() {
-        if service.metric("webproxy_pool_consumers_owner").await == Some(1.0) {
-            holder = Some(i);
-        }
-    }
-    let holder = holder.expect("a holder");
+    let holder = holders(&services)
+        .await
+        .iter()
+        .position(|holds| *holds)
+        .expect("a holder");
     let mut stopped = services.remove(holder);
     stopped.terminate();
     assert!(stopped.wait_exit(EXIT_TIMEOUT).await.is_some());
     webproxy_tests::wait_until(SEEN, "a new lease holder", || async {
-        instances_with(&services, "webproxy_pool_consumers_owner", 1.0).await == 1
+        holders(&services)
+            .await
+            .iter()
+            .filter(|holds| **holds)
+            .count()
+            == 1
     })
     .await;
     let pools = webproxy(&["pools", "--nats", &nats.url()]).await;
