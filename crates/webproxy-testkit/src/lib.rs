@@ -16,6 +16,7 @@
 
 pub mod authorization;
 mod nats;
+pub mod process;
 #[cfg(feature = "recovery")]
 pub mod recovery;
 pub mod rules;
