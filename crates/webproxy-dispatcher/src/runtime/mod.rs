@@ -304,6 +304,11 @@ async fn pull_loop(
     let mut connections = live.load().health.connections();
     let mut states = live.load().flow.states();
     let mut failures = 0u32;
+    // The inbox is kept from one pull request to the next while they end cleanly: a
+    // subscription per request cost the server a SUB and an UNSUB per batch, which at
+    // low concurrency is one per message, and a message that arrived after its
+    // request's end went to a dead inbox.
+    let mut pulling: Option<Pull> = None;
     loop {
         // The revision running when the pull starts: ack_wait may have changed.
         let shared = live.load();
@@ -318,9 +323,15 @@ async fn pull_loop(
         let mut delivered = 0usize;
         let end = tokio::select! {
             end = async {
-                let mut pull = match Pull::start(&consumer, &shared.outlet.js, wanted).await {
-                    Ok(pull) => pull,
-                    Err(end) => return end,
+                let pull = match &mut pulling {
+                    Some(pull) => match pull.request(&consumer, wanted).await {
+                        Ok(()) => pull,
+                        Err(end) => return end,
+                    },
+                    None => match Pull::start(&consumer, &shared.outlet.js, wanted).await {
+                        Ok(pull) => pulling.insert(pull),
+                        Err(end) => return end,
+                    },
                 };
                 loop {
                     let message = tokio::select! {
@@ -346,6 +357,9 @@ async fn pull_loop(
             } => end,
             _ = shutdown.cancelled() => return,
         };
+        if end != PullEnd::Done {
+            pulling = None;
+        }
         match end {
             PullEnd::Done if delivered > 0 || started.elapsed() >= PULL_EXPIRES / 2 => failures = 0,
             PullEnd::Lost => {

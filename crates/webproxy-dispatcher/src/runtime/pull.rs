@@ -1,5 +1,6 @@
-//! One pull request with idle heartbeats, watched: a pull lost in an outage or a
-//! stream-leader change is noticed within a few heartbeats instead of at its expiry.
+//! Pull requests with idle heartbeats, one after another on one inbox, watched: a pull
+//! lost in an outage or a stream-leader change is noticed within a few heartbeats
+//! instead of at its expiry.
 //! async-nats' own batch hides the heartbeats and only gives up five seconds after
 //! `expires`, so the pull loop sends the request and reads the replies itself.
 
@@ -88,7 +89,11 @@ impl Pull {
     }
 
     /// Asks for `batch` more messages on the same inbox, until a fresh expiry.
-    async fn request(&mut self, consumer: &PullConsumer, batch: usize) -> Result<(), PullEnd> {
+    pub(super) async fn request(
+        &mut self,
+        consumer: &PullConsumer,
+        batch: usize,
+    ) -> Result<(), PullEnd> {
         let request = jetstream::consumer::pull::BatchConfig {
             batch,
             expires: Some(PULL_EXPIRES),
@@ -120,7 +125,10 @@ impl Pull {
             let watchdog = (Instant::now() + HEARTBEAT * MISSED_HEARTBEATS).min(self.deadline);
             let message = match tokio::time::timeout_at(watchdog, self.subscriber.next()).await {
                 // Past the deadline the server has expired the request itself.
-                Err(_) if Instant::now() >= self.deadline => return Err(PullEnd::Done),
+                Err(_) if Instant::now() >= self.deadline => {
+                    self.remaining = 0;
+                    return Err(PullEnd::Done);
+                }
                 Err(_) => return Err(PullEnd::Lost),
                 Ok(None) => return Err(PullEnd::Failed("the subscription ended".into())),
                 Ok(Some(message)) => message,
@@ -135,6 +143,9 @@ impl Pull {
                 }
                 Some(status) => {
                     if let Some(end) = status_end(status, message.description.as_deref()) {
+                        // The request is over, whatever it had left to deliver; the
+                        // next one on this inbox counts afresh.
+                        self.remaining = 0;
                         return Err(end);
                     }
                 }
