@@ -280,27 +280,51 @@ where
         let Some((trace_id, span_id)) = webproxy_dispatcher::request_ids() else {
             return self.inner.format_event(ctx, writer, event);
         };
-        let mut line = String::new();
-        self.inner
-            .format_event(ctx, Writer::new(&mut line), event)?;
-        writer.write_str(&with_trace_ids(&line, trace_id, span_id))
+        // Straight into the line, not through a second buffer.
+        let mut line = IdsFirst::new(&mut writer, trace_id, span_id);
+        self.inner.format_event(ctx, Writer::new(&mut line), event)
     }
 }
 
-/// `line`, a JSON object, with the two ids as its first members.
-fn with_trace_ids(line: &str, trace_id: TraceId, span_id: SpanId) -> Cow<'_, str> {
-    match line.strip_prefix('{') {
-        Some(rest) => {
-            let comma = if rest.trim_start().starts_with('}') {
-                ""
-            } else {
-                ","
-            };
-            Cow::Owned(format!(
-                "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\"{comma}{rest}"
-            ))
+/// Writes a JSON object with `trace_id` and `span_id` as its first members: passes
+/// through what is written to it, opening the object with the ids.
+struct IdsFirst<'a, W> {
+    out: &'a mut W,
+    ids: Option<(TraceId, SpanId)>,
+    /// The ids are written and the object's next character decides the comma.
+    after_ids: bool,
+}
+
+impl<'a, W: std::fmt::Write> IdsFirst<'a, W> {
+    fn new(out: &'a mut W, trace_id: TraceId, span_id: SpanId) -> Self {
+        IdsFirst {
+            out,
+            ids: Some((trace_id, span_id)),
+            after_ids: false,
         }
-        None => Cow::Borrowed(line),
+    }
+}
+
+impl<W: std::fmt::Write> std::fmt::Write for IdsFirst<'_, W> {
+    fn write_str(&mut self, mut text: &str) -> std::fmt::Result {
+        // Not an object, there is nothing to put the ids in.
+        if let Some((trace_id, span_id)) = self.ids.take()
+            && let Some(rest) = text.strip_prefix('{')
+        {
+            write!(
+                self.out,
+                "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\""
+            )?;
+            self.after_ids = true;
+            text = rest;
+        }
+        if self.after_ids && !text.is_empty() {
+            self.after_ids = false;
+            if !text.starts_with('}') {
+                self.out.write_char(',')?;
+            }
+        }
+        self.out.write_str(text)
     }
 }
 
@@ -433,7 +457,14 @@ struct RedactedLine {
 
 impl Write for RedactedLine {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.buffer.extend_from_slice(bytes);
+        // The formatter hands over a whole line in one write: it goes out as it is
+        // redacted, with no copy into the buffer. Pieces are gathered first, so that a
+        // secret split between two of them is still found.
+        if self.buffer.is_empty() && bytes.ends_with(b"\n") {
+            (self.sink)(&self.redactor.redact_bytes(bytes));
+        } else {
+            self.buffer.extend_from_slice(bytes);
+        }
         Ok(bytes.len())
     }
 
@@ -600,6 +631,15 @@ mod tests {
     fn trace_ids_become_the_first_members_of_a_json_line() {
         let trace_id = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").expect("id");
         let span_id = SpanId::from_hex("b7ad6b7169203331").expect("id");
+        let with_trace_ids = |line: &str, trace_id, span_id| {
+            let mut out = String::new();
+            // In pieces, as a formatter writes.
+            let mut ids = IdsFirst::new(&mut out, trace_id, span_id);
+            for piece in line.split_inclusive(['{', '"']) {
+                std::fmt::Write::write_str(&mut ids, piece).expect("write");
+            }
+            out
+        };
         let line = with_trace_ids("{\"level\":\"INFO\"}\n", trace_id, span_id);
         let parsed: serde_json::Value = serde_json::from_str(&line).expect("json");
         assert_eq!(parsed["trace_id"], "0af7651916cd43dd8448eb211c80319c");
