@@ -54,9 +54,10 @@ struct Args {
 
 fn reference(arg: &str) -> Result<(String, PathBuf), String> {
     match arg.split_once('=') {
-        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
-            Ok((name.to_string(), PathBuf::from(path)))
-        }
+        // Absolute: the service runs in a directory of its own.
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => std::path::absolute(path)
+            .map(|path| (name.to_string(), path))
+            .map_err(|e| format!("{path}: {e}")),
         _ => Err(format!("{arg:?} is not NAME=PATH")),
     }
 }
