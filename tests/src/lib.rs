@@ -22,7 +22,7 @@ pub use relay::Relay;
 pub use tls::TestCa;
 pub use webproxy_testkit::recovery;
 pub use webproxy_testkit::{
-    ALLOW_PRIVATE_NETWORKS, Gate, NATS_CLI_VARS, NatsServer, Service, ServiceOptions, Upstream,
-    closed_port, default_routes, free_port, http_client, run_webproxy, wait_for, wait_until,
-    webproxy_bin,
+    ALLOW_PRIVATE_NETWORKS, Gate, Gateway, NATS_CLI_VARS, NatsServer, Service, ServiceOptions,
+    Upstream, closed_port, default_routes, free_port, http_client, run_webproxy, wait_for,
+    wait_until, webproxy_bin,
 };
