@@ -835,3 +835,120 @@ async fn the_listener_serves_tls_from_pem_files() {
             .is_err()
     );
 }
+
+/// The gateway as deploy/nats/authorization.conf's `gateway` user, beside the
+/// service as its `webproxy` user: what its permissions allow is enough for a round
+/// trip, a 202 read later from `Location` and an idempotent retry, and the server
+/// reports no permission violation of the gateway's.
+#[tokio::test]
+async fn the_deploy_files_gateway_user_may_do_what_the_gateway_does() {
+    use webproxy_tests::authorized::{GATEWAY_USER, SERVICE_USER, service_as};
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start_with(routes()).await;
+    let _service =
+        Service::start_with(&nats.url(), &accept(&upstream), service_as(SERVICE_USER)).await;
+    let gateway = Gateway::start_with(
+        &nats,
+        &open_route(&upstream.url("/")),
+        service_as(GATEWAY_USER),
+    )
+    .await;
+    let http = http_client();
+    let direct = fetch(&gateway.url("/svc/item")).await;
+    assert_eq!(direct.status(), 200);
+    let location = accepted(http.get(gateway.url("/svc/item"))).await;
+    assert_eq!(reply_at(&gateway.url(&location), &[]).await.status(), 200);
+    for _ in 0..2 {
+        let keyed = http
+            .get(gateway.url("/svc/item?keyed=1"))
+            .header("Idempotency-Key", "k")
+            .send()
+            .await
+            .expect("gateway");
+        assert_eq!(keyed.status(), 200);
+    }
+    assert_eq!(upstream.hits_for("/item"), 3);
+    assert!(
+        !nats.logs().contains("Permissions Violation"),
+        "{}",
+        nats.logs()
+    );
+}
+
+/// Telemetry: `/metrics` on the health listener counts requests by route and
+/// outcome and observes their wait; the caller's `traceparent` becomes the
+/// envelope's trace (the upstream's request is in the same trace).
+#[tokio::test]
+async fn metrics_count_by_route_and_outcome_and_traceparent_flows_through() {
+    let scene = Scene::start(routes(), outcome_rules, open_route).await;
+    let http = http_client();
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let echo = echo_of(
+        http.get(scene.gateway.url("/svc/echo"))
+            .header("traceparent", format!("00-{trace}-b7ad6b7169203331-01")),
+    )
+    .await;
+    let upstream_trace = echo["headers"]["traceparent"][0]
+        .as_str()
+        .expect("traceparent");
+    assert!(
+        upstream_trace.starts_with(&format!("00-{trace}-")),
+        "{upstream_trace}"
+    );
+    assert_eq!(
+        fetch(&scene.gateway.url("/svc/denied/x")).await.status(),
+        403
+    );
+    assert_eq!(fetch(&scene.gateway.url("/nowhere")).await.status(), 404);
+    let gateway = &scene.gateway;
+    for (series, value) in [
+        (
+            r#"webproxy_gateway_requests_total{route="/svc",outcome="response"}"#,
+            1.0,
+        ),
+        (
+            r#"webproxy_gateway_requests_total{route="/svc",outcome="denied"}"#,
+            1.0,
+        ),
+        (
+            r#"webproxy_gateway_requests_total{route="none",outcome="no_route"}"#,
+            1.0,
+        ),
+        (r#"webproxy_gateway_wait_seconds_count{route="/svc"}"#, 2.0),
+        ("webproxy_gateway_waiting", 0.0),
+        ("webproxy_gateway_nats_connected", 1.0),
+    ] {
+        assert_eq!(gateway.metric(series).await, Some(value), "{series}");
+    }
+}
+
+/// A publish that the pool's `max_waiting` refuses is 503 with `Retry-After`.
+#[tokio::test]
+async fn a_full_queue_is_503_with_retry_after() {
+    let gate = Gate::new();
+    let scene = Scene::start(
+        routes().merge(gate.routes()),
+        |up| {
+            format!(
+                "[pools.default]\nmax_in_flight = 1\nmax_waiting = 2\n\n{}",
+                accept_rule("local", up)
+            )
+        },
+        open_route,
+    )
+    .await;
+    let http = http_client();
+    // The one in flight and one waiting fill the subject's two places.
+    accepted(http.get(scene.gateway.url("/svc/gated/0"))).await;
+    wait_until(ANSWER, "the first at the gate", || async {
+        scene.upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    accepted(http.get(scene.gateway.url("/svc/gated/0"))).await;
+    let refused = fetch(&scene.gateway.url("/svc/gated/0")).await;
+    assert_eq!(refused.status(), 503);
+    assert_eq!(header(&refused, "retry-after"), "1");
+    let (_, _, _, body) = answer_of(refused).await;
+    assert_eq!(body["error"]["code"], "queue_full", "{body}");
+    gate.open();
+}
