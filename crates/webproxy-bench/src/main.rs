@@ -7,7 +7,8 @@
 //! `webproxy serve` as a subprocess, and closed-loop load generators that keep a fixed
 //! number of conversations outstanding. Last, a probe restarts the nats-server under
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
-//! the last conversation is answered.
+//! the last conversation is answered. The HTTP gateway (`webproxy gateway`) gets rows of
+//! its own beside the NATS-client path, measured in the same run.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -25,7 +26,9 @@ use tokio::sync::oneshot;
 use webproxy_client::{Client, Request, new_id};
 use webproxy_testkit::recovery::{Load, OUTAGE, restart_under_load};
 use webproxy_testkit::rules::accept_rule;
-use webproxy_testkit::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
+use webproxy_testkit::{
+    Gate, Gateway, NatsServer, Service, ServiceOptions, Upstream, default_routes,
+};
 
 #[derive(Debug, Parser)]
 #[command(about = "Benchmark webproxy against direct calls and a broker-only loop")]
@@ -300,6 +303,8 @@ struct Report {
     nats_restart_failed: usize,
     /// Pools with a cluster-wide rate limit, under demand above it.
     rates: Vec<RateFigures>,
+    /// The HTTP gateway beside the NATS-client path (issue 21).
+    gateway: Vec<GatewayFigures>,
 }
 
 /// A rate-limited pool under 64 outstanding conversations for the run's duration.
@@ -354,6 +359,82 @@ async fn rate_figures(
             0.0
         },
     }
+}
+
+/// The concurrency levels of the gateway's rows.
+const GATEWAY_LEVELS: [usize; 2] = [1, 64];
+
+/// The same request through `webproxy gateway` (HTTP in, the reply as the HTTP
+/// answer) and through the Rust NATS client, measured back to back at one level.
+#[derive(Debug, Serialize)]
+struct GatewayFigures {
+    concurrency: usize,
+    gateway: Figures,
+    proxied: Figures,
+    /// gateway req/s ÷ NATS-client req/s.
+    throughput_vs_proxied: f64,
+    /// gateway p50 ÷ NATS-client p50.
+    p50_vs_proxied: f64,
+}
+
+/// One call through the gateway: answered 200 with the upstream's response.
+async fn through_gateway(http: reqwest::Client, url: Arc<str>) -> bool {
+    match http.get(url.as_ref()).send().await {
+        Ok(response) => {
+            response.status().is_success()
+                && response
+                    .headers()
+                    .get("webproxy-outcome")
+                    .is_some_and(|v| v.as_bytes() == b"response")
+                && response.bytes().await.is_ok()
+        }
+        Err(_) => false,
+    }
+}
+
+/// Starts a gateway with one open route to `upstream` and measures it beside
+/// `proxied_op` (the NATS-client path to the same URL) at [`GATEWAY_LEVELS`]; prints
+/// a `gateway` and a `proxied` row per level.
+async fn gateway_figures<F, Fut>(
+    nats: &NatsServer,
+    upstream: &Upstream,
+    path: &str,
+    proxied_op: F,
+    duration: Duration,
+) -> anyhow::Result<Vec<GatewayFigures>>
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = bool> + Send,
+{
+    let gateway = Gateway::start_with(
+        nats,
+        &format!(
+            "[[gateway.routes]]\npath = \"/up\"\nupstream = \"{}\"\n\n[log]\nlevel = \"warn\"\n",
+            upstream.url("/")
+        ),
+        ServiceOptions::default().env("RUST_LOG", "warn"),
+    )
+    .await;
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let url: Arc<str> = Arc::from(gateway.url(&format!("/up{path}")));
+    let gateway_op = move || through_gateway(http.clone(), url.clone());
+    let warm = GATEWAY_LEVELS.iter().copied().max().unwrap_or(16);
+    closed_loop(warm, Duration::from_secs(1), gateway_op.clone()).await;
+    let mut figures = Vec::new();
+    for concurrency in GATEWAY_LEVELS {
+        let proxied = closed_loop(concurrency, duration, proxied_op.clone()).await;
+        let through = closed_loop(concurrency, duration, gateway_op.clone()).await;
+        row("gateway", concurrency, &through);
+        row("proxied", concurrency, &proxied);
+        figures.push(GatewayFigures {
+            concurrency,
+            throughput_vs_proxied: through.rps / proxied.rps,
+            p50_vs_proxied: through.p50_ms / proxied.p50_ms,
+            gateway: through,
+            proxied,
+        });
+    }
+    Ok(figures)
 }
 
 fn machine() -> String {
@@ -475,6 +556,16 @@ async fn main() -> anyhow::Result<()> {
         });
     }
 
+    let gateway = gateway_figures(
+        &nats,
+        &upstream,
+        "/bytes/64",
+        proxied_op.clone(),
+        args.duration,
+    )
+    .await
+    .context("cannot measure the gateway")?;
+
     let delayed: Arc<str> = Arc::from(upstream.url("/delay/10"));
     let slot_direct = closed_loop(1, args.duration, {
         let (http, url) = (http.clone(), delayed.clone());
@@ -522,6 +613,7 @@ async fn main() -> anyhow::Result<()> {
         nats_restart_failed: recovery.failed.len(),
         levels,
         rates,
+        gateway,
     };
 
     println!();
@@ -553,6 +645,16 @@ async fn main() -> anyhow::Result<()> {
             rate.rate_per_s,
             rate.achieved * 100.0,
             rate.nats_requests_per_attempt
+        );
+    }
+    for level in &report.gateway {
+        println!(
+            "gateway at concurrency {}: {:.2} of the NATS client's req/s, p50 {:.2}x ({:.2} ms vs {:.2} ms)",
+            level.concurrency,
+            level.throughput_vs_proxied,
+            level.p50_vs_proxied,
+            level.gateway.p50_ms,
+            level.proxied.p50_ms
         );
     }
     if let Some(dir) = args.json.parent() {
