@@ -952,3 +952,66 @@ async fn a_full_queue_is_503_with_retry_after() {
     assert_eq!(body["error"]["code"], "queue_full", "{body}");
     gate.open();
 }
+
+/// A token from a file is read again on SIGHUP (the old one stops working, the new
+/// one works), and `allow_sources` closes connections from other addresses before
+/// any request is read.
+#[tokio::test]
+async fn file_tokens_reload_on_sighup_and_allow_sources_closes_other_addresses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "first-token\n").expect("write token");
+    let scene = Scene::start(routes(), accept, |up| {
+        format!(
+            "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{up}\"\ntoken = {{ file = \"{}\" }}\n",
+            token.display()
+        )
+    })
+    .await;
+    let call = |token: &'static str| {
+        http_client()
+            .get(scene.gateway.url("/svc/item"))
+            .header("Proxy-Authorization", format!("Bearer {token}"))
+            .send()
+    };
+    assert_eq!(call("first-token").await.expect("gateway").status(), 200);
+    std::fs::write(&token, "second-token\n").expect("rewrite token");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &scene.gateway.pid().to_string()])
+        .status()
+        .expect("kill -HUP");
+    assert!(status.success());
+    wait_until(ANSWER, "the tokens to be reloaded", || async {
+        scene.gateway.logs().contains("gateway tokens reloaded")
+    })
+    .await;
+    assert_eq!(call("first-token").await.expect("gateway").status(), 407);
+    assert_eq!(call("second-token").await.expect("gateway").status(), 200);
+    assert!(
+        !scene.gateway.logs().contains("second-token"),
+        "a token in the log"
+    );
+
+    // Loopback is outside 10.0.0.0/8: the connection is closed, nothing is answered.
+    let closed = Gateway::start(
+        &scene.nats,
+        &format!(
+            "allow_sources = [\"10.0.0.0/8\"]\n{}",
+            open_route(&scene.upstream.url("/"))
+        ),
+    )
+    .await;
+    assert!(
+        http_client()
+            .get(closed.url("/svc/item"))
+            .send()
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        closed
+            .metric("webproxy_gateway_refused_connections_total")
+            .await,
+        Some(1.0)
+    );
+}

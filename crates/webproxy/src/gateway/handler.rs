@@ -32,8 +32,8 @@ const HEADER_ROOM: usize = 1024;
 /// Everything a request needs, shared by all of them.
 pub struct Gateway {
     routes: Vec<Route>,
-    /// Each route's token, read at start.
-    tokens: Vec<Option<String>>,
+    /// Each route's token, read at start and (files) again on SIGHUP.
+    tokens: std::sync::RwLock<Arc<Vec<Option<String>>>>,
     key: Key,
     records: Records,
     client: Client,
@@ -58,7 +58,7 @@ impl Gateway {
         let config = &settings.config.gateway;
         Gateway {
             routes: settings.gateway.routes.clone(),
-            tokens,
+            tokens: std::sync::RwLock::new(Arc::new(tokens)),
             key,
             records,
             client,
@@ -127,12 +127,29 @@ fn refused(answer: Answer) -> Answered {
 }
 
 impl Gateway {
+    /// The tokens in force.
+    fn tokens(&self) -> Arc<Vec<Option<String>>> {
+        self.tokens
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Puts re-read tokens in force, all at once (SIGHUP).
+    pub fn replace_tokens(&self, tokens: Vec<Option<String>>) {
+        *self
+            .tokens
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(tokens);
+    }
+
     /// The token a request presents for `route`, checked: the caller's token
     /// identity, or the answer to a missing or wrong token (407 for
     /// `Proxy-Authorization`, 401 for a route's own header).
     fn authenticate(&self, index: usize, headers: &HeaderMap) -> Result<String, Answer> {
         let route = &self.routes[index];
-        let Some(expected) = self.tokens.get(index).and_then(Option::as_deref) else {
+        let tokens = self.tokens();
+        let Some(expected) = tokens.get(index).and_then(Option::as_deref) else {
             return Ok(self.key.identity(None));
         };
         let given = headers

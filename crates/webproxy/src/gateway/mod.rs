@@ -49,22 +49,7 @@ pub struct Secrets {
 /// Reads the tokens, the key and the TLS files; errors name the key.
 pub fn load_secrets(settings: &Settings) -> anyhow::Result<Secrets> {
     let gateway = &settings.gateway;
-    let tokens = gateway
-        .routes
-        .iter()
-        .enumerate()
-        .map(|(index, route)| {
-            route
-                .token
-                .as_ref()
-                .map(|source| {
-                    source.read().map_err(|message| {
-                        anyhow::anyhow!("gateway.routes[{index}].token: {message}")
-                    })
-                })
-                .transpose()
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let tokens = read_tokens(settings)?;
     let key = settings
         .config
         .gateway
@@ -81,6 +66,28 @@ pub fn load_secrets(settings: &Settings) -> anyhow::Result<Secrets> {
         None => None,
     };
     Ok(Secrets { tokens, key, tls })
+}
+
+/// Every route's token, read from its variable or file; the first that cannot be read
+/// fails them all.
+fn read_tokens(settings: &Settings) -> anyhow::Result<Vec<Option<String>>> {
+    settings
+        .gateway
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(index, route)| {
+            route
+                .token
+                .as_ref()
+                .map(|source| {
+                    source.read().map_err(|message| {
+                        anyhow::anyhow!("gateway.routes[{index}].token: {message}")
+                    })
+                })
+                .transpose()
+        })
+        .collect()
 }
 
 /// Runs the gateway until SIGTERM or SIGINT.
@@ -156,6 +163,18 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         server.max_payload,
         telemetry.clone(),
     ));
+    // Listened for before serving: SIGHUP's default action ends the process.
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(hangups) => {
+            tokio::spawn(reload_on_hangup(
+                hangups,
+                settings.clone(),
+                state.clone(),
+                redactor,
+            ));
+        }
+        Err(e) => warn!(error = %e, "cannot listen for SIGHUP; token files will not be reloaded"),
+    }
     telemetry.set_ready(true);
     info!(routes = settings.gateway.routes.len(), "gateway serving");
     listener::serve(
@@ -179,6 +198,29 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     }
     info!("gateway stopped");
     Ok(())
+}
+
+/// SIGHUP re-reads the routes' tokens (a file's may have been rotated), all or
+/// nothing: one that cannot be read keeps every old token in force and is logged.
+async fn reload_on_hangup(
+    mut hangups: tokio::signal::unix::Signal,
+    settings: Settings,
+    state: Arc<handler::Gateway>,
+    redactor: Redactor,
+) {
+    while hangups.recv().await.is_some() {
+        match read_tokens(&settings) {
+            Ok(tokens) => {
+                redactor.add_fixed(tokens.iter().flatten().cloned().collect());
+                state.replace_tokens(tokens);
+                info!("SIGHUP: gateway tokens reloaded");
+            }
+            Err(e) => tracing::error!(
+                error = format!("{e:#}"),
+                "SIGHUP: gateway tokens not reloaded; the old ones stay in force"
+            ),
+        }
+    }
 }
 
 /// `f` until it succeeds, logging each failure; `None` when a signal comes first.
