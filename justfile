@@ -11,14 +11,20 @@ _nats_path := 'nats_dir="$(bash scripts/ensure-nats-server.sh | tail -n1)"; expo
 default:
     @{{ just_executable() }} --justfile {{ justfile() }} --list
 
-# Run webproxy against a local JetStream nats-server on 127.0.0.1:4222 (started here unless one is already listening).
+# Run webproxy and its HTTP gateway (127.0.0.1:8080) against a local JetStream nats-server on 127.0.0.1:4222 (started here unless one is already listening).
 run:
     #!/usr/bin/env bash
     set -euo pipefail
     {{ _nats_path }}
     listening() { (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; }
     nats_pid=""
+    gateway_pid=""
     stop_nats() {
+        if [[ -n "$gateway_pid" ]]; then
+            kill -TERM "$gateway_pid" 2>/dev/null || true
+            wait "$gateway_pid" 2>/dev/null || true
+            gateway_pid=""
+        fi
         [[ -n "$nats_pid" ]] || return 0
         # TERM first so JetStream flushes its store; KILL only if it hangs.
         kill -TERM "$nats_pid" 2>/dev/null || true
@@ -54,7 +60,12 @@ run:
             exit 1
         fi
     fi
-    cargo run --release -p webproxy -- serve --config config/webproxy.toml
+    # The HTTP gateway beside the service (README, "Without a NATS client"): built once,
+    # then both run from the same build.
+    cargo build --release -p webproxy
+    cargo run --release -q -p webproxy -- gateway --config config/webproxy.toml &
+    gateway_pid=$!
+    cargo run --release -q -p webproxy -- serve --config config/webproxy.toml
 
 # Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' last.
 test: && test-python test-node

@@ -5,6 +5,8 @@ here talks to a cluster: the Kubernetes base is rendered with `kubectl kustomize
 kinds are validated against kubernetes-validate's schemas, the KEDA ScaledObject and the
 NATS Helm values against the schemas in deploy/schemas, and the webproxy config in the
 ConfigMap with the real `webproxy check-config`, then checked against the Deployment.
+The HTTP gateway's base (deploy/kubernetes/gateway) is rendered and checked the same
+way, against its own Deployment, Service and NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 KUBE = DEPLOY / "kubernetes"
+# The HTTP gateway's own base (`webproxy gateway`), rendered and checked on its own.
+GATEWAY = KUBE / "gateway"
+GATEWAY_KINDS = {"Deployment", "Service", "NetworkPolicy", "ConfigMap"}
+GATEWAY_CONTAINER = "webproxy-gateway"
+# deploy/nats/authorization.conf's user for the gateway.
+GATEWAY_NATS_USER = "gateway"
 SCHEMAS = DEPLOY / "schemas"
 
 # The oldest Kubernetes the base supports (PodDisruptionBudget's
@@ -63,11 +71,18 @@ METRICS = {
     "webproxy_gate_wait_seconds": {"pool"},
     "webproxy_rate_schedule_requests_total": {"pool"},
     "webproxy_build_info": {"version"},
+    # `webproxy gateway` (issue 21), on its own health listener.
+    "webproxy_gateway_requests_total": {"route", "outcome"},
+    "webproxy_gateway_wait_seconds": {"route"},
+    "webproxy_gateway_waiting": set(),
+    "webproxy_gateway_refused_connections_total": set(),
+    "webproxy_gateway_nats_connected": set(),
 }
 HISTOGRAMS = {
     "webproxy_attempt_duration_seconds",
     "webproxy_queue_wait_seconds",
     "webproxy_gate_wait_seconds",
+    "webproxy_gateway_wait_seconds",
 }
 # Gauges every pod reports with the same cluster-wide value: summing them over pods
 # multiplies the value by the replica count.
@@ -108,25 +123,25 @@ def load_yaml_docs(text: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-def render(kubectl: str, report: Report) -> list[dict]:
+def render(kubectl: str, report: Report, base: Path = KUBE) -> list[dict]:
     result = subprocess.run(
-        [kubectl, "kustomize", str(KUBE)], capture_output=True, text=True, check=False
+        [kubectl, "kustomize", str(base)], capture_output=True, text=True, check=False
     )
-    if not report.check(result.returncode == 0, "kustomize renders deploy/kubernetes", result.stderr.strip()):
+    if not report.check(result.returncode == 0, f"kustomize renders {base.relative_to(REPO)}", result.stderr.strip()):
         return []
     return load_yaml_docs(result.stdout)
 
 
-def check_kustomization_lists_every_file(report: Report) -> None:
+def check_kustomization_lists_every_file(report: Report, base: Path = KUBE) -> None:
     """A manifest left out of kustomization.yaml would never be applied or validated."""
-    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
     listed = set(kustomization.get("resources", []))
     for generator in kustomization.get("configMapGenerator", []):
         listed.update(f.split("=", 1)[-1] for f in generator.get("files", []))
-    present = {p.name for p in KUBE.iterdir() if p.is_file() and p.name != "kustomization.yaml"}
+    present = {p.name for p in base.iterdir() if p.is_file() and p.name != "kustomization.yaml"}
     report.check(
         listed == present,
-        "kustomization.yaml lists exactly the files in deploy/kubernetes",
+        f"kustomization.yaml lists exactly the files in {base.relative_to(REPO)}",
         f"not listed: {sorted(present - listed)}, missing: {sorted(listed - present)}",
     )
 
@@ -144,12 +159,12 @@ def schema_errors(schema_path: Path, instance: object) -> list[str]:
     ]
 
 
-def check_schemas(docs: list[dict], report: Report) -> None:
+def check_schemas(docs: list[dict], report: Report, expected: set[str] | None = None, base: str = "the base") -> None:
     kinds = [d.get("kind") for d in docs]
-    expected = BUILTIN_KINDS | {kind for _, kind in CRD_SCHEMAS}
+    expected = expected if expected is not None else BUILTIN_KINDS | {kind for _, kind in CRD_SCHEMAS}
     report.check(
         sorted(kinds) == sorted(expected),
-        "the base renders one of each expected kind",
+        f"{base} renders one of each expected kind",
         f"rendered {sorted(map(str, kinds))}, expected {sorted(expected)}",
     )
     for doc in docs:
@@ -211,12 +226,14 @@ def effective_config(text: str) -> dict:
     return merged(tomllib.loads((REPO / "config" / "default.toml").read_text()), tomllib.loads(text))
 
 
-def check_config(webproxy: str, label: str, text: str, report: Report) -> dict | None:
-    """Runs the real `webproxy check-config --json` on the text."""
+def check_config(webproxy: str, label: str, text: str, report: Report, secrets: dict[str, str] | None = None) -> dict | None:
+    """Runs the real `webproxy check-config --json` on the text, with `secrets` (the
+    variables the pod gets from Secrets, placeholders here) in the environment."""
     # WEBPROXY_ variables and the nats CLI's (NATS_URL, NATS_CREDS, NATS_CONTEXT) are
     # configuration too; a developer's own must not leak in.
     nats_cli = ("NATS_URL", "NATS_CREDS", "NATS_CONTEXT")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEBPROXY_") and k not in nats_cli}
+    env.update(secrets or {})
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
         f.write(text)
         f.flush()
@@ -401,6 +418,17 @@ def check_network_policy(policy: dict, port: int, config: dict, report: Report) 
     spec = policy.get("spec", {})
     ingress_ports = {p.get("port") for rule in spec.get("ingress", []) for p in rule.get("ports", [])}
     report.check(ingress_ports == {port}, f"the NetworkPolicy admits port {port} alone", f"it admits {ingress_ports}")
+    check_nats_egress("the NetworkPolicy", spec, config, report)
+    blocks = [peer["ipBlock"] for rule in spec.get("egress", []) for peer in rule.get("to", []) if "ipBlock" in peer]
+    private = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16"}
+    report.check(
+        all(private <= set(b.get("except", [])) for b in blocks) and bool(blocks),
+        "the NetworkPolicy's internet egress excludes every private and link-local range",
+        f"ipBlocks: {blocks}",
+    )
+
+
+def check_nats_egress(label: str, spec: dict, config: dict, report: Report) -> None:
     nats = urlsplit(config["nats"]["url"].split(",")[0])
     nats_namespace = nats.hostname.split(".")[1] if nats.hostname and "." in nats.hostname else None
     allowed = [
@@ -414,15 +442,114 @@ def check_network_policy(policy: dict, port: int, config: dict, report: Report) 
     ]
     report.check(
         bool(allowed),
-        f"the NetworkPolicy lets webproxy reach NATS at namespace {nats_namespace}, port {nats.port}",
+        f"{label} lets its pods reach NATS at namespace {nats_namespace}, port {nats.port}",
         f"nats.url = {config['nats']['url']}",
     )
-    blocks = [peer["ipBlock"] for rule in spec.get("egress", []) for peer in rule.get("to", []) if "ipBlock" in peer]
-    private = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16"}
+
+
+def secret_variables(config: dict) -> set[str]:
+    """The environment variables the gateway's tokens and key are read from."""
+    gateway = config.get("gateway", {})
+    sources = [route.get("token") for route in gateway.get("routes", [])] + [gateway.get("key")]
+    return {source["env"] for source in sources if isinstance(source, dict) and "env" in source}
+
+
+def check_gateway(kubectl: str, webproxy: str, service_docs: list[dict], report: Report) -> None:
+    """deploy/kubernetes/gateway: its own Deployment, Service and NetworkPolicy, whose
+    config is valid and agrees with them, apart from the service's pods."""
+    check_kustomization_lists_every_file(report, GATEWAY)
+    docs = render(kubectl, report, GATEWAY)
+    if not docs:
+        return
+    check_schemas(docs, report, GATEWAY_KINDS, "the gateway base")
+    kinds = by_kind(docs)
+    deployment, configmap = kinds.get("Deployment"), kinds.get("ConfigMap")
+    if not report.check(bool(deployment and configmap), "the gateway base has a Deployment and a ConfigMap"):
+        return
+    text = configmap.get("data", {}).get(CONFIG_KEY, "")
+    config = effective_config(text)
+    spec = deployment["spec"]["template"]["spec"]
+    container = next((c for c in spec["containers"] if c["name"] == GATEWAY_CONTAINER), None)
+    if not report.check(container is not None, f"the gateway Deployment has a container named {GATEWAY_CONTAINER}"):
+        return
+    env = {e["name"]: e for e in container.get("env", [])}
+    wanted = secret_variables(config)
     report.check(
-        all(private <= set(b.get("except", [])) for b in blocks) and bool(blocks),
-        "the NetworkPolicy's internet egress excludes every private and link-local range",
-        f"ipBlocks: {blocks}",
+        wanted <= set(env),
+        "the gateway's container sets every variable its tokens and key are read from",
+        f"missing: {sorted(wanted - set(env))}",
+    )
+    check_config(webproxy, "the gateway's webproxy.toml", text, report, dict.fromkeys(wanted, "deploy-check-placeholder"))
+    report.check(
+        env.get("WEBPROXY_NATS__USER", {}).get("value") == GATEWAY_NATS_USER,
+        f"the gateway connects as authorization.conf's user {GATEWAY_NATS_USER}",
+        f"WEBPROXY_NATS__USER: {env.get('WEBPROXY_NATS__USER')}",
+    )
+    command = container.get("command", [])
+    report.check(
+        command[1:3] == ["gateway", "--config"],
+        "the gateway's container runs `webproxy gateway --config ...`",
+        f"command: {command}",
+    )
+    check_config_mount(spec, container, configmap, command, report)
+    check_pod_security(spec, container, dockerfile_facts()[2], report)
+    check_shutdown(spec, config, report)
+
+    listen, health = (host_port(config["gateway"][key]) for key in ("listen", "health_listen"))
+    for key, (host, port), name in (("listen", listen, "http"), ("health_listen", health, "health")):
+        report.check(
+            host not in ("127.0.0.1", "localhost", "::1"),
+            f"gateway.{key} is reachable from outside the container",
+            f"{host} is loopback",
+        )
+        report.check(
+            container_port(container, name) == port,
+            f"the gateway's container port `{name}` is gateway.{key}'s port {port}",
+            f"{container_port(container, name)} != {port}",
+        )
+    for probe, path in PROBES.items():
+        get = container.get(probe, {}).get("httpGet", {})
+        report.check(
+            get.get("path") == path and container_port(container, get.get("port")) == health[1],
+            f"the gateway's {probe} asks {path} on gateway.health_listen",
+            f"it asks {get.get('path')} on {get.get('port')}",
+        )
+    service = kinds.get("Service", {}).get("spec", {})
+    report.check(
+        any(container_port(container, p.get("targetPort", p.get("port"))) == listen[1] for p in service.get("ports", [])),
+        f"the gateway's Service forwards to gateway.listen's port {listen[1]}",
+        f"ports: {service.get('ports')}",
+    )
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+    policy = kinds.get("NetworkPolicy", {}).get("spec", {})
+    for kind, selector in (
+        ("Deployment", deployment["spec"]["selector"]),
+        ("Service", {"matchLabels": service.get("selector", {})}),
+        ("NetworkPolicy", policy.get("podSelector", {})),
+    ):
+        report.check(selects(selector, labels), f"the gateway's {kind} selects the gateway pods", f"{selector} vs {labels}")
+    service_kinds = by_kind(service_docs)
+    for kind, selector in (
+        ("Service", {"matchLabels": service_kinds.get("Service", {}).get("spec", {}).get("selector", {})}),
+        ("NetworkPolicy", service_kinds.get("NetworkPolicy", {}).get("spec", {}).get("podSelector", {})),
+        ("PodDisruptionBudget", service_kinds.get("PodDisruptionBudget", {}).get("spec", {}).get("selector", {})),
+    ):
+        report.check(
+            not selects(selector, labels),
+            f"the service's {kind} does not select the gateway pods",
+            f"{selector} selects {labels}",
+        )
+    ingress_ports = {p.get("port") for rule in policy.get("ingress", []) for p in rule.get("ports", [])}
+    report.check(
+        ingress_ports == {listen[1], health[1]},
+        f"the gateway's NetworkPolicy admits ports {listen[1]} and {health[1]} alone",
+        f"it admits {ingress_ports}",
+    )
+    check_nats_egress("the gateway's NetworkPolicy", policy, config, report)
+    report.check(
+        not any("ipBlock" in peer for rule in policy.get("egress", []) for peer in rule.get("to", [])),
+        "the gateway's NetworkPolicy opens no address range: it calls no upstream itself",
+        f"egress: {policy.get('egress')}",
     )
 
 
@@ -627,6 +754,7 @@ def main() -> int:
     check_listen("deploy/image-config.toml", effective_config(image_config), exposed, report)
     if docs:
         check_deployment_agrees(docs, nats_values, args.webproxy, report)
+    check_gateway(args.kubectl, args.webproxy, docs, report)
     check_dashboard(report)
     check_docs_promql(report)
 

@@ -19,7 +19,7 @@ use webproxy_protocol::{Subjects, header::ORIGIN};
 
 pub use webproxy_protocol::Origin;
 pub use webproxy_testkit::authorization::{
-    ADMIN, AUTHORIZATION, CALLERS_ADMIN, OPERATOR_USER, SERVICE_USER, password,
+    ADMIN, AUTHORIZATION, CALLERS_ADMIN, GATEWAY_USER, OPERATOR_USER, SERVICE_USER, password,
 };
 
 use crate::caller::REPLY_TIMEOUT;

@@ -10,9 +10,11 @@
 //! `webproxy serve` as a subprocess, and closed-loop load generators that keep a fixed
 //! number of conversations outstanding. Last, a probe restarts the nats-server under
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
-//! the last conversation is answered.
+//! the last conversation is answered. The HTTP gateway (`webproxy gateway`) gets rows of
+//! its own beside the NATS-client path, measured in the same run.
 
 mod cost;
+mod gateway;
 mod load;
 
 use std::path::PathBuf;
@@ -29,6 +31,7 @@ use webproxy_testkit::rules::accept_rule;
 use webproxy_testkit::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
 use cost::{Cost, Counters, median};
+use gateway::{GatewayFigures, gateway_figures};
 use load::{Figures, Replies, broker, broker_echo, closed_loop, direct, proxied};
 
 #[derive(Debug, Parser)]
@@ -243,6 +246,8 @@ struct Report {
     nats_restart_failed: usize,
     /// Pools with a cluster-wide rate limit, under demand above it.
     rates: Vec<RateFigures>,
+    /// The HTTP gateway beside the NATS-client path (issue 21).
+    gateway: Vec<GatewayFigures>,
 }
 
 /// A rate-limited pool under 64 outstanding conversations for the run's duration.
@@ -332,7 +337,7 @@ fn header() {
 }
 
 /// One table row; the cost columns are per completed conversation.
-fn row(mode: &str, concurrency: usize, f: &Figures, cost: Option<&Cost>) {
+pub(crate) fn row(mode: &str, concurrency: usize, f: &Figures, cost: Option<&Cost>) {
     let cost = cost.map_or_else(String::new, |c| {
         format!(
             " {:>8.1} {:>8.1} {:>7.2} {:>7.2}",
@@ -537,6 +542,23 @@ async fn main() -> anyhow::Result<()> {
             .await,
         );
     }
+    let proxied_op = {
+        let (client, replies, url) = (
+            current.client.clone(),
+            current.replies.clone(),
+            echo.clone(),
+        );
+        move || proxied(client.clone(), replies.clone(), "default", url.clone())
+    };
+    let gateway = gateway_figures(
+        &current.nats,
+        &upstream,
+        "/bytes/64",
+        proxied_op,
+        args.duration,
+    )
+    .await
+    .context("cannot measure the gateway")?;
     // Last, since it takes the server away from everything above.
     let caller = Client::new(current.nats.quick_client().await, "webproxy")?;
     let load = Load {
@@ -595,6 +617,16 @@ async fn main() -> anyhow::Result<()> {
             rate.nats_requests_per_attempt
         );
     }
+    for level in &gateway {
+        println!(
+            "gateway at concurrency {}: {:.2} of the NATS client's req/s, p50 {:.2}x ({:.2} ms vs {:.2} ms)",
+            level.concurrency,
+            level.throughput_vs_proxied,
+            level.p50_vs_proxied,
+            level.gateway.p50_ms,
+            level.proxied.p50_ms
+        );
+    }
     let report = Report {
         machine: machine(),
         duration_s: args.duration.as_secs_f64(),
@@ -604,6 +636,7 @@ async fn main() -> anyhow::Result<()> {
         nats_restart_recovery_s: recovery.last_answer.as_secs_f64(),
         nats_restart_failed: recovery.failed.len(),
         rates,
+        gateway,
     };
     if let Some(dir) = args.json.parent() {
         std::fs::create_dir_all(dir)?;

@@ -125,6 +125,23 @@ pub enum Error {
     Decode(#[source] serde_json::Error),
 }
 
+impl Error {
+    /// The pool refused the publish because its queue is full: `max_waiting`, the
+    /// request subject's per-subject limit, is reached. Publishing later may succeed.
+    pub fn is_queue_full(&self) -> bool {
+        let Error::Publish(error) = self else {
+            return false;
+        };
+        error
+            .source()
+            .and_then(|source| source.downcast_ref::<jetstream::Error>())
+            .is_some_and(|e| {
+                e.error_code() == JsErrorCode::STREAM_STORE_FAILED
+                    || e.to_string().contains("maximum messages per subject")
+            })
+    }
+}
+
 /// A fresh conversation id (a NUID: 22 characters of `[A-Za-z0-9]`). It correlates
 /// the reply with the request and names the live reply subject; it need not be secret.
 pub fn new_id() -> String {
@@ -157,6 +174,8 @@ pub struct Request {
     pool: String,
     wait: Duration,
     msg_id: Option<String>,
+    /// Headers of the NATS message itself (trace context), not of the HTTP request.
+    message_headers: Vec<(String, String)>,
 }
 
 impl Request {
@@ -177,6 +196,7 @@ impl Request {
             pool: DEFAULT_POOL.to_string(),
             wait: DEFAULT_WAIT,
             msg_id: None,
+            message_headers: Vec::new(),
         }
     }
 
@@ -195,6 +215,14 @@ impl Request {
     /// caller pre-empt the publish. Unset, every call draws a fresh one.
     pub fn msg_id(mut self, msg_id: impl Into<String>) -> Request {
         self.msg_id = Some(msg_id.into());
+        self
+    }
+
+    /// A header on the NATS message rather than in the envelope: `traceparent` and
+    /// `tracestate`, which the service reads as the parent of its spans. The
+    /// service ignores every `Webproxy-*` header a caller sends.
+    pub fn message_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Request {
+        self.message_headers.push((name.into(), value.into()));
         self
     }
 
@@ -313,6 +341,63 @@ pub struct Answer {
     pub reply: Reply,
 }
 
+/// A subscription to a live reply subject, made before publishing, and what is
+/// needed to notice a reconnect (when a live reply can have been missed).
+#[derive(Debug)]
+pub struct Watch {
+    client: Client,
+    replies: async_nats::Subscriber,
+    statistics: std::sync::Arc<async_nats::Statistics>,
+    seen_connects: u64,
+}
+
+impl Watch {
+    /// Waits until `deadline` for the final reply of the conversation `origin` with
+    /// envelope id `id`: the first live reply whose `Webproxy-Origin` is `origin`, or
+    /// its stored reply, read first when `stored_first` (a duplicate publish, or a
+    /// conversation published earlier), after a reconnect, and when the wait runs
+    /// out. `None` when none came and none is stored.
+    pub async fn answer(
+        mut self,
+        id: &str,
+        origin: &Origin,
+        stored_first: bool,
+        deadline: Instant,
+    ) -> Result<Option<Reply>, Error> {
+        let client = &self.client;
+        if stored_first && let Some(reply) = client.reply(id, origin).await? {
+            return Ok(Some(reply));
+        }
+        let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
+        loop {
+            tokio::select! {
+                message = self.replies.next() => match message {
+                    Some(message) if is_own_reply(message.headers.as_ref(), origin) => {
+                        return decode(&message.payload).map(Some);
+                    }
+                    // Another conversation that uses the same id (or subject).
+                    Some(_) => {}
+                    // The subscription ends only when the client is closed.
+                    None => break,
+                },
+                _ = reconnect_check.tick() => {
+                    let now = self.statistics.connects.load(Ordering::Relaxed);
+                    // Resubscribing is part of reconnecting, so a reply published after
+                    // this lookup reaches the subscription.
+                    if now != self.seen_connects {
+                        self.seen_connects = now;
+                        if let Some(reply) = client.reply(id, origin).await? {
+                            return Ok(Some(reply));
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        client.reply(id, origin).await
+    }
+}
+
 /// What JetStream said about a stored request.
 struct Stored {
     origin: Origin,
@@ -365,52 +450,47 @@ impl Client {
             }
             None => self.subjects.reply(id),
         };
-        let mut replies = self.nats.subscribe(live).await.map_err(Error::Subscribe)?;
-        let statistics = self.nats.statistics();
-        let mut seen_connects = statistics.connects.load(Ordering::Relaxed);
+        let watch = self.watch_subject(live).await?;
         let deadline = Instant::now() + request.wait;
         let Stored { origin, duplicate } = self.publish(request).await?;
-        let answer = |reply| Answer {
-            origin: origin.clone(),
-            reply,
-        };
-        if duplicate && let Some(reply) = self.reply(id, &origin).await? {
-            return Ok(answer(reply));
-        }
-        let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
-        loop {
-            tokio::select! {
-                message = replies.next() => match message {
-                    Some(message) if is_own_reply(message.headers.as_ref(), &origin) => {
-                        return decode(&message.payload).map(answer);
-                    }
-                    // Another conversation that uses the same id (or subject).
-                    Some(_) => {}
-                    // The subscription ends only when the client is closed.
-                    None => break,
-                },
-                _ = reconnect_check.tick() => {
-                    let now = statistics.connects.load(Ordering::Relaxed);
-                    // Resubscribing is part of reconnecting, so a reply published after
-                    // this lookup reaches the subscription.
-                    if now != seen_connects {
-                        seen_connects = now;
-                        if let Some(reply) = self.reply(id, &origin).await? {
-                            return Ok(answer(reply));
-                        }
-                    }
-                }
-                _ = tokio::time::sleep_until(deadline) => break,
-            }
-        }
-        match self.reply(id, &origin).await? {
-            Some(reply) => Ok(answer(reply)),
+        match watch.answer(id, &origin, duplicate, deadline).await? {
+            Some(reply) => Ok(Answer { origin, reply }),
             None => Err(Error::Timeout {
                 id: id.clone(),
                 origin,
                 waited: request.wait,
             }),
         }
+    }
+
+    /// Subscribes to the live reply subject of `id`, `<prefix>.reply.<id>`, to wait
+    /// for a conversation published (or to be published) with that envelope id: make
+    /// it before publishing, then [`Watch::answer`] with the origin. The gateway
+    /// splits [`Client::request_answer`] this way to record the origin in between.
+    pub async fn watch(&self, id: &str) -> Result<Watch, Error> {
+        check_id(id)?;
+        self.watch_subject(self.subjects.reply(id)).await
+    }
+
+    async fn watch_subject(&self, live: String) -> Result<Watch, Error> {
+        let replies = self.nats.subscribe(live).await.map_err(Error::Subscribe)?;
+        let statistics = self.nats.statistics();
+        let seen_connects = statistics.connects.load(Ordering::Relaxed);
+        Ok(Watch {
+            client: self.clone(),
+            replies,
+            statistics,
+            seen_connects,
+        })
+    }
+
+    /// Publishes `request` and returns its origin, and whether the publish was a
+    /// duplicate of an earlier one with the same `Nats-Msg-Id` (whose reply may be
+    /// stored already). Subscribe with [`Client::watch`] first.
+    pub async fn publish_request(&self, request: &Request) -> Result<(Origin, bool), Error> {
+        check_id(&request.envelope.id)?;
+        let stored = self.publish(request).await?;
+        Ok((stored.origin, stored.duplicate))
     }
 
     /// Publishes `request` to its pool and returns its id and origin once JetStream
@@ -464,9 +544,12 @@ impl Client {
         };
         let payload = Bytes::from(serde_json::to_vec(&request.envelope).map_err(Error::Encode)?);
         let ack = publish_retrying(&msg_id, |msg_id| {
-            let publish = jetstream::message::PublishMessage::build()
+            let mut publish = jetstream::message::PublishMessage::build()
                 .payload(payload.clone())
                 .message_id(msg_id);
+            for (name, value) in &request.message_headers {
+                publish = publish.header(name.as_str(), value.as_str());
+            }
             let subject = subject.clone();
             async move { self.js.send_publish(subject, publish).await?.await }
         })

@@ -30,6 +30,18 @@ pub struct StreamsConfig {
     pub duplicate_window: Duration,
 }
 
+impl StreamsConfig {
+    /// Every stream's and bucket's replicas (the gateway's buckets too).
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// How long replies are kept, and so the gateway's records of its ids.
+    pub fn reply_max_age(&self) -> Duration {
+        self.reply_max_age
+    }
+}
+
 /// What the dispatcher runs on: the streams, their subjects and the cluster part.
 #[derive(Debug, Clone)]
 pub struct Settings {

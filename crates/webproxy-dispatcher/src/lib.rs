@@ -46,7 +46,7 @@ pub use rules::{RequestRuleConfig, RuleAction};
 pub use runtime::{Dispatcher, Outlet, ReplayError, Settled, StartError, connect};
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};
-pub use security::OutboundConfig;
+pub use security::{OutboundConfig, parse_cidrs};
 pub use trace::request_ids;
 
 use gauges::Gauges;

@@ -11,7 +11,7 @@ use serde_json::Value;
 use thiserror::Error;
 
 use crate::rules::RequestRules;
-pub(crate) use crate::secret_source::SecretSource;
+use crate::secret_source::read_secret;
 
 /// What replaces a secret value in text webproxy writes.
 pub(crate) const REDACTED: &str = Redactor::REDACTED;
@@ -23,43 +23,6 @@ pub(crate) const REDACTED: &str = Redactor::REDACTED;
 pub struct SecretError {
     pub(crate) key: String,
     pub(crate) message: String,
-}
-
-/// Reads one secret with `env` and `read_file` (injected so the rules are tested without
-/// touching the process environment). A file's trailing newline is dropped.
-pub(crate) fn read_secret(
-    source: &SecretSource,
-    env: &dyn Fn(&str) -> Option<String>,
-    read_file: &dyn Fn(&std::path::Path) -> std::io::Result<Vec<u8>>,
-) -> Result<String, String> {
-    let value = match (&source.env, &source.file) {
-        (Some(var), _) => {
-            env(var).ok_or_else(|| format!("environment variable {var} is not set"))?
-        }
-        (_, Some(path)) => {
-            let bytes = read_file(path)
-                .map_err(|e| format!("cannot read secret file {}: {e}", path.display()))?;
-            let mut text = String::from_utf8(bytes)
-                .map_err(|_| format!("secret file {} is not UTF-8", path.display()))?;
-            if text.ends_with('\n') {
-                text.pop();
-                if text.ends_with('\r') {
-                    text.pop();
-                }
-            }
-            text
-        }
-        _ => return Err("names no environment variable or file".into()),
-    };
-    if value.is_empty() {
-        return Err(format!("the {source} is empty"));
-    }
-    if value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
-        return Err(format!(
-            "the {source} contains CR, LF or NUL, which a header cannot carry"
-        ));
-    }
-    Ok(value)
 }
 
 /// One header a rule injects, with its value read.
@@ -382,6 +345,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::secret_source::SecretSource;
 
     fn env_source(var: &str, prefix: &str) -> SecretSource {
         SecretSource {

@@ -33,6 +33,14 @@ pub struct OutboundConfig {
     pub(crate) deny_request_headers: Vec<String>,
 }
 
+impl OutboundConfig {
+    /// `max_request_bytes`: the largest request body, which the gateway also refuses
+    /// (413) before publishing.
+    pub fn max_request_bytes(&self) -> u64 {
+        self.max_request_bytes
+    }
+}
+
 /// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
@@ -275,7 +283,9 @@ pub(crate) fn header_names(names: &[String]) -> Result<Vec<String>, (usize, Stri
 }
 
 /// CIDRs, or single addresses taken as one-address networks.
-fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigError> {
+/// CIDRs or bare addresses (a host's /32 or /128), truncated to their network;
+/// the error names `key[index]`.
+pub fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigError> {
     items
         .iter()
         .enumerate()

@@ -266,6 +266,18 @@ impl Subjects {
         format!("{}_RATE", self.stream_prefix)
     }
 
+    /// The KV bucket of the HTTP gateway's minted conversation ids: each id's route,
+    /// token identity and origin, kept for `reply_max_age`.
+    pub fn gateway_bucket(&self) -> String {
+        format!("{}_GATEWAY", self.stream_prefix)
+    }
+
+    /// The KV bucket holding the HTTP gateway's shared HMAC key when `[gateway] key`
+    /// is unset: created once with compare-and-set, kept without an age limit.
+    pub fn gateway_key_bucket(&self) -> String {
+        format!("{}_GATEWAY_KEY", self.stream_prefix)
+    }
+
     /// The durable consumer of `pool`'s request and hop subjects, e.g.
     /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
     /// get names of their own, so that an instance of an older layout cannot find, and

@@ -16,6 +16,9 @@ pub const CALLERS_ADMIN: &str = "callers_admin";
 /// The service's user in the file.
 pub const SERVICE_USER: &str = "webproxy";
 
+/// The HTTP gateway's user in the file.
+pub const GATEWAY_USER: &str = "gateway";
+
 /// The operators' user in the file (`config push`, `pools`, `dead`).
 pub const OPERATOR_USER: &str = "operator";
 
@@ -32,7 +35,7 @@ pub fn password(user: &str) -> String {
 
 impl NatsServer {
     /// A server with deploy/nats/authorization.conf's accounts and users (`webproxy`,
-    /// `operator`, `caller_a`, `caller_b`, each with the password [`password`] gives)
+    /// `gateway`, `operator`, `caller_a`, `caller_b`, each with the password [`password`] gives)
     /// and their permissions, plus [`ADMIN`] in webproxy's account and
     /// [`CALLERS_ADMIN`] in the callers' account, who may publish and subscribe to
     /// anything there.
@@ -45,6 +48,7 @@ impl NatsServer {
         let variables: String = [
             ("SERVICE_NATS_PASSWORD", SERVICE_USER),
             ("OPERATOR_NATS_PASSWORD", OPERATOR_USER),
+            ("GATEWAY_NATS_PASSWORD", GATEWAY_USER),
             ("CALLER_A_NATS_PASSWORD", "caller_a"),
             ("CALLER_B_NATS_PASSWORD", "caller_b"),
         ]

@@ -1,5 +1,5 @@
 //! Fixtures shared by webproxy's integration tests and its bench: a private
-//! nats-server, the `webproxy serve` binary as a subprocess, an in-process HTTP
+//! nats-server, the `webproxy serve` and `webproxy gateway` binaries as subprocesses, an in-process HTTP
 //! upstream on loopback that counts what it sees, and bounded waits.
 //!
 //! Nothing here is shared between users (ports, store dirs and config files are
@@ -15,6 +15,7 @@
 //! the `recovery` feature adds only the Rust client.
 
 pub mod authorization;
+mod gateway;
 mod nats;
 pub mod process;
 #[cfg(feature = "recovery")]
@@ -26,6 +27,7 @@ mod wait;
 
 use std::sync::Once;
 
+pub use gateway::Gateway;
 pub use nats::NatsServer;
 pub use service::{
     ALLOW_PRIVATE_NETWORKS, NATS_CLI_VARS, Service, ServiceOptions, run_webproxy, webproxy_bin,

@@ -179,9 +179,27 @@ impl Service {
     /// Like [`Service::start_with`], without waiting for it to be ready (for an
     /// instance that is expected to stay not ready; see [`Service::is_ready`]).
     pub fn spawn(nats_url: &str, config: &str, options: ServiceOptions) -> Service {
-        for table in ["[nats]", "[http]"] {
+        Self::spawn_command(nats_url, config, options, None)
+    }
+
+    /// `webproxy serve`, or with `gateway_port`, `webproxy gateway` listening on it
+    /// (its health listener on the port [`Service::health_url`] names). For the
+    /// gateway the fixture writes `[gateway]` with both listeners, so `config` starts
+    /// with more of its keys (or a table of its own).
+    pub(crate) fn spawn_command(
+        nats_url: &str,
+        config: &str,
+        options: ServiceOptions,
+        gateway_port: Option<u16>,
+    ) -> Service {
+        let written = if gateway_port.is_some() {
+            ["[nats]", "[http]", "[gateway]"].as_slice()
+        } else {
+            ["[nats]", "[http]"].as_slice()
+        };
+        for table in written {
             assert!(
-                !config.lines().any(|line| line.trim() == table),
+                !config.lines().any(|line| line.trim() == *table),
                 "Service config must not contain {table}: the fixture writes it"
             );
         }
@@ -192,10 +210,21 @@ impl Service {
         let config_path = dir.path().join("webproxy.toml");
         let log_path = dir.path().join("webproxy.log");
         let port = crate::free_port();
-        let text = format!(
-            "[nats]\nurl = {url}\n\n[http]\nlisten = \"127.0.0.1:{port}\"\n\n{config}\n",
-            url = toml::Value::String(nats_url.to_owned()),
-        );
+        let url = toml::Value::String(nats_url.to_owned());
+        let (subcommand, text) = match gateway_port {
+            None => (
+                "serve",
+                format!(
+                    "[nats]\nurl = {url}\n\n[http]\nlisten = \"127.0.0.1:{port}\"\n\n{config}\n"
+                ),
+            ),
+            Some(listen) => (
+                "gateway",
+                format!(
+                    "[nats]\nurl = {url}\n\n[gateway]\nlisten = \"127.0.0.1:{listen}\"\nhealth_listen = \"127.0.0.1:{port}\"\n{config}\n"
+                ),
+            ),
+        };
         fs::write(&config_path, text).expect("write webproxy config");
 
         let log = File::options()
@@ -206,7 +235,7 @@ impl Service {
         let binary = options.binary.clone().unwrap_or_else(webproxy_bin);
         let mut command = Command::new(binary);
         command
-            .arg("serve")
+            .arg(subcommand)
             .arg("--config")
             .arg(&config_path)
             .current_dir(dir.path())

@@ -1,4 +1,4 @@
-//! The command line: `serve`, `check-config`, `send` and the operator commands
+//! The command line: `serve`, `gateway`, `check-config`, `send` and the operator commands
 //! (`pools`, `dead`, `config`).
 
 use std::path::PathBuf;
@@ -8,11 +8,12 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use webproxy_dispatcher::{Redactor, Secrets};
 
+use crate::config::Settings;
 use crate::config_commands::{self, ConfigCommand};
 use crate::connection::{self, ConnectionArgs};
 use crate::operator::NatsArgs;
 use crate::send::SendArgs;
-use crate::{cfg, dead, pools, send, serve, telemetry};
+use crate::{cfg, dead, gateway, pools, send, serve, telemetry};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -30,6 +31,15 @@ enum Command {
     /// Run the service.
     Serve {
         /// The configuration file (layered over the built-in defaults).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        connection: ConnectionArgs,
+    },
+    /// Run the HTTP gateway: callers with no NATS client send HTTP requests to its
+    /// routes, which go through the pools like any request envelope.
+    Gateway {
+        /// The configuration file; `[gateway]` holds the gateway's own settings.
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
         #[command(flatten)]
@@ -132,6 +142,34 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Runtime::new().context("cannot start the async runtime")
 }
 
+/// Runs a long-lived command (`serve`, `gateway`) with the service's logging and
+/// telemetry, set up inside the async runtime (the gRPC exporter needs it) and
+/// flushed before the runtime ends.
+fn run_service<F>(
+    config: Option<PathBuf>,
+    flags: &ConnectionArgs,
+    command: impl FnOnce(Settings, Redactor) -> F,
+) -> anyhow::Result<ExitCode>
+where
+    F: Future<Output = anyhow::Result<()>>,
+{
+    let settings = cfg::load(config.as_deref(), &connection::overrides(flags)?)?;
+    // Shared with the logger, which redacts the secrets the command loads.
+    let redactor = Redactor::default();
+    let runtime = runtime()?;
+    // Declared after the runtime, so dropped (flushing spans) before it.
+    let _telemetry = {
+        let _entered = runtime.enter();
+        telemetry::init_service(
+            &settings.config.log,
+            &settings.config.telemetry,
+            redactor.clone(),
+        )?
+    };
+    runtime.block_on(command(settings, redactor))?;
+    Ok(ExitCode::SUCCESS)
+}
+
 impl Cli {
     /// Runs the command. The service's telemetry is set up inside the async runtime
     /// (the gRPC exporter needs it) and flushed before the runtime ends.
@@ -140,23 +178,11 @@ impl Cli {
             Command::Serve {
                 config,
                 connection: flags,
-            } => {
-                let settings = cfg::load(config.as_deref(), &connection::overrides(&flags)?)?;
-                // Shared with the logger, which redacts the secrets serve loads.
-                let redactor = Redactor::default();
-                let runtime = runtime()?;
-                // Declared after the runtime, so dropped (flushing spans) before it.
-                let _telemetry = {
-                    let _entered = runtime.enter();
-                    telemetry::init_service(
-                        &settings.config.log,
-                        &settings.config.telemetry,
-                        redactor.clone(),
-                    )?
-                };
-                runtime.block_on(serve::run(settings, redactor))?;
-                Ok(ExitCode::SUCCESS)
-            }
+            } => run_service(config, &flags, serve::run),
+            Command::Gateway {
+                config,
+                connection: flags,
+            } => run_service(config, &flags, gateway::run),
             Command::CheckConfig {
                 config,
                 document,
@@ -178,6 +204,10 @@ impl Cli {
                 // values are never printed.
                 Secrets::load(&settings.dispatcher.cluster.rules, Redactor::default())
                     .context("invalid configuration: cannot read an injected secret")?;
+                if !settings.gateway.routes.is_empty() {
+                    gateway::load_secrets(&settings)
+                        .context("invalid configuration: the gateway cannot start")?;
+                }
                 cfg::print_effective(&settings, &settings.warnings(), json)?;
                 Ok(ExitCode::SUCCESS)
             }
@@ -229,7 +259,7 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
             config_commands::run(command).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Serve { .. } | Command::CheckConfig { .. } => {
+        Command::Serve { .. } | Command::Gateway { .. } | Command::CheckConfig { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }

@@ -1,6 +1,6 @@
 //! The configuration file's schema, parsed once (unknown keys rejected) and split in
 //! two: the process part (`[nats]`, `[streams]`, `[http]`, `[log]`, `[telemetry]`,
-//! `[service] shutdown_grace`), which is this process's, and the cluster part
+//! `[service] shutdown_grace`, and `[gateway]` for `webproxy gateway`), which is this process's, and the cluster part
 //! ([`webproxy_dispatcher::ClusterConfig`]), which the dispatcher takes whole.
 //! The checks across the two parts are here.
 //!
@@ -26,6 +26,7 @@ pub struct Config {
     pub nats: NatsConfig,
     pub streams: StreamsConfig,
     pub http: HttpConfig,
+    pub gateway: crate::gateway_config::GatewayConfig,
     pub outbound: OutboundConfig,
     pub service: ServiceConfig,
     pub log: LogConfig,
@@ -112,6 +113,8 @@ pub struct Settings {
     pub config: Config,
     /// The streams and the compiled cluster part, which the dispatcher runs on.
     pub dispatcher: std::sync::Arc<webproxy_dispatcher::Settings>,
+    /// `[gateway]`, checked: what `webproxy gateway` serves.
+    pub gateway: crate::gateway_config::Gateway,
     /// `WEBPROXY_` variables that are not configuration and were ignored, each named.
     pub environment_warnings: Vec<String>,
     /// The cluster sections and variables the `--config` file and the environment
@@ -183,6 +186,7 @@ impl Config {
             return Err(ConfigError::new("nats.url", "names no server"));
         }
         crate::nats_auth::check(&self.nats)?;
+        let gateway = self.gateway.check()?;
         let dispatcher = webproxy_dispatcher::Settings::new(self.streams.clone(), self.cluster())?;
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
@@ -195,6 +199,7 @@ impl Config {
         Ok(Settings {
             config: self,
             dispatcher: std::sync::Arc::new(dispatcher),
+            gateway,
             environment_warnings: Vec::new(),
             cluster_keys_set: Vec::new(),
         })

@@ -10,19 +10,41 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use webproxy_dispatcher::Instruments;
 
+/// What the listener reads: in-memory state only.
+pub trait Probes: Clone + Send + Sync + 'static {
+    fn is_alive(&self) -> bool;
+    fn is_ready(&self) -> bool;
+    fn render_metrics(&self) -> String;
+}
+
+impl Probes for Instruments {
+    fn is_alive(&self) -> bool {
+        Instruments::is_alive(self)
+    }
+
+    fn is_ready(&self) -> bool {
+        Instruments::is_ready(self)
+    }
+
+    fn render_metrics(&self) -> String {
+        Instruments::render_metrics(self)
+    }
+}
+
 /// The content type of `/metrics`: what prometheus_client writes is OpenMetrics 1.0
 /// (`# EOF`, `_total` counters), and a scraper told `text/plain; version=0.0.4` parses
 /// it with the older format's rules.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// `GET /healthz`: the process is alive (every pool's pull loop runs). `GET /readyz`:
-/// connected to NATS, consumers provisioned and present, and not draining. `GET /metrics`:
+/// `GET /healthz`: the process is alive (for `serve`, every pool's pull loop runs).
+/// `GET /readyz`: for `serve`, connected to NATS, consumers provisioned and present,
+/// and not draining; for `gateway`, connected with its key and bucket. `GET /metrics`:
 /// the OpenMetrics text format, labelled as such.
-pub fn router(instruments: Instruments) -> Router {
+pub fn router<P: Probes>(instruments: P) -> Router {
     Router::new()
         .route(
             "/healthz",
-            get(|State(instruments): State<Instruments>| async move {
+            get(|State(instruments): State<P>| async move {
                 if instruments.is_alive() {
                     (StatusCode::OK, "ok\n")
                 } else {
@@ -35,7 +57,7 @@ pub fn router(instruments: Instruments) -> Router {
         )
         .route(
             "/readyz",
-            get(|State(instruments): State<Instruments>| async move {
+            get(|State(instruments): State<P>| async move {
                 if instruments.is_ready() {
                     (StatusCode::OK, "ready\n")
                 } else {
@@ -45,7 +67,7 @@ pub fn router(instruments: Instruments) -> Router {
         )
         .route(
             "/metrics",
-            get(|State(instruments): State<Instruments>| async move {
+            get(|State(instruments): State<P>| async move {
                 ([(CONTENT_TYPE, OPENMETRICS)], instruments.render_metrics())
             }),
         )
@@ -54,7 +76,7 @@ pub fn router(instruments: Instruments) -> Router {
 
 /// Serves the health endpoints on `listener` until the process ends; they must keep
 /// answering (503) while the service drains.
-pub fn spawn(listener: TcpListener, instruments: Instruments) {
+pub fn spawn<P: Probes>(listener: TcpListener, instruments: P) {
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router(instruments)).await {
             tracing::error!(error = %e, "health listener failed");

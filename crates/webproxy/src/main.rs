@@ -8,6 +8,8 @@ mod config_commands;
 mod connection;
 mod dead;
 mod document;
+mod gateway;
+mod gateway_config;
 mod health;
 mod live;
 mod nats_auth;

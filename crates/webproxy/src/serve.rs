@@ -250,7 +250,7 @@ async fn server_info(client: &async_nats::Client) -> anyhow::Result<async_nats::
 /// background, and the wait for it ends at a signal. What `connect` itself returns is
 /// not worth retrying: an address that does not parse, or an unreadable credentials
 /// file.
-async fn connect_until_up(
+pub async fn connect_until_up(
     settings: &Settings,
     instruments: &Instruments,
     shutdown: &CancellationToken,
@@ -305,7 +305,7 @@ async fn reload_on_hangup(mut hangups: Signal, running: watch::Receiver<Running>
 }
 
 /// The one signal handler: SIGTERM or SIGINT starts the drain.
-async fn stop_on_signal(shutdown: CancellationToken) {
+pub async fn stop_on_signal(shutdown: CancellationToken) {
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

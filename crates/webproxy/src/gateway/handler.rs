@@ -1,0 +1,506 @@
+//! One HTTP request through the gateway: route, token, limits, envelope, publish,
+//! record, wait, answer; and `GET /_webproxy/replies/<id>`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use axum::response::Response;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tracing::{error, warn};
+use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
+
+use super::ids::{self, Key};
+use super::mapping::{self, Answer};
+use super::metrics::{NO_ROUTE, Telemetry};
+use super::store::{Record, Records};
+use super::{REPLIES_PATH, route};
+use crate::config::Settings;
+use crate::gateway_config::Route;
+
+/// What a 503 asks the client to wait before it tries again, in seconds.
+const RETRY_AFTER: &str = "1";
+
+/// Room left in `max_payload` for the NATS message's headers (`Nats-Msg-Id` and the
+/// trace context).
+const HEADER_ROOM: usize = 1024;
+
+/// Everything a request needs, shared by all of them.
+pub struct Gateway {
+    routes: Vec<Route>,
+    /// Each route's token, read at start and (files) again on SIGHUP.
+    tokens: std::sync::RwLock<Arc<Vec<Option<String>>>>,
+    key: Key,
+    records: Records,
+    client: Client,
+    wait: Duration,
+    idempotency_header: String,
+    max_request_bytes: usize,
+    max_payload: usize,
+    permits: Arc<Semaphore>,
+    telemetry: Telemetry,
+}
+
+impl Gateway {
+    pub fn new(
+        settings: &Settings,
+        tokens: Vec<Option<String>>,
+        key: Key,
+        records: Records,
+        client: Client,
+        max_payload: usize,
+        telemetry: Telemetry,
+    ) -> Gateway {
+        let config = &settings.config.gateway;
+        Gateway {
+            routes: settings.gateway.routes.clone(),
+            tokens: std::sync::RwLock::new(Arc::new(tokens)),
+            key,
+            records,
+            client,
+            wait: config.wait,
+            idempotency_header: settings.gateway.idempotency_header.clone(),
+            max_request_bytes: usize::try_from(settings.config.outbound.max_request_bytes())
+                .unwrap_or(usize::MAX),
+            max_payload,
+            permits: Arc::new(Semaphore::new(config.max_concurrent)),
+            telemetry,
+        }
+    }
+}
+
+pub fn router(gateway: Arc<Gateway>) -> Router {
+    Router::new().fallback(handle).with_state(gateway)
+}
+
+/// An answer and the id it names (minted, or a fresh one that names nothing when
+/// the request was refused before an id was minted).
+struct Answered {
+    id: String,
+    answer: Answer,
+}
+
+async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let path = request.uri().path().to_string();
+    let (route, answered) = match path.strip_prefix(REPLIES_PATH) {
+        Some(id) => {
+            let id = id.to_string();
+            gateway
+                .stored(&id, request.method(), request.headers())
+                .await
+        }
+        None => match route::find(&gateway.routes, &path) {
+            None => (
+                NO_ROUTE.to_string(),
+                refused(mapping::gateway_error(
+                    404,
+                    "no_route",
+                    &format!("no gateway route matches {path}"),
+                )),
+            ),
+            Some((route, rest)) => {
+                let rest = rest.to_string();
+                let index = gateway
+                    .routes
+                    .iter()
+                    .position(|r| r.path == route.path)
+                    .unwrap_or_default();
+                (
+                    route.path.clone(),
+                    gateway.proxy(index, &rest, request).await,
+                )
+            }
+        },
+    };
+    gateway.telemetry.count(&route, answered.answer.label);
+    respond(answered)
+}
+
+/// A refusal before any id was minted: `Webproxy-Id` names nothing published.
+fn refused(answer: Answer) -> Answered {
+    let id = ids::random_id().unwrap_or_else(|_| format!("{}none", ids::PREFIX));
+    Answered { id, answer }
+}
+
+impl Gateway {
+    /// The tokens in force.
+    fn tokens(&self) -> Arc<Vec<Option<String>>> {
+        self.tokens
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Puts re-read tokens in force, all at once (SIGHUP).
+    pub fn replace_tokens(&self, tokens: Vec<Option<String>>) {
+        *self
+            .tokens
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(tokens);
+    }
+
+    /// The token a request presents for `route`, checked: the caller's token
+    /// identity, or the answer to a missing or wrong token (407 for
+    /// `Proxy-Authorization`, 401 for a route's own header).
+    fn authenticate(&self, index: usize, headers: &HeaderMap) -> Result<String, Answer> {
+        let route = &self.routes[index];
+        let tokens = self.tokens();
+        let Some(expected) = tokens.get(index).and_then(Option::as_deref) else {
+            return Ok(self.key.identity(None));
+        };
+        let given = headers
+            .get(route.token_header.as_str())
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| ids::presented(value, route.proxy_credential()));
+        match given {
+            Some(given) if ids::token_matches(given, expected) => {
+                Ok(self.key.identity(Some(expected)))
+            }
+            _ => {
+                let (status, challenge) = if route.proxy_credential() {
+                    (407, "proxy-authenticate")
+                } else {
+                    (401, "www-authenticate")
+                };
+                let mut answer = mapping::gateway_error(
+                    status,
+                    "unauthorized",
+                    &format!(
+                        "route {} needs its token in {}",
+                        route.path, route.token_header
+                    ),
+                );
+                answer
+                    .headers
+                    .push((challenge.into(), "Bearer realm=\"webproxy\"".into()));
+                Err(answer)
+            }
+        }
+    }
+
+    /// A request to a route: checked, published, waited for.
+    async fn proxy(&self, index: usize, rest: &str, request: Request) -> Answered {
+        let route = &self.routes[index];
+        let identity = match self.authenticate(index, request.headers()) {
+            Ok(identity) => identity,
+            Err(answer) => return refused(answer),
+        };
+        let url = match route::target(route, rest, request.uri().query()) {
+            Ok(url) => url,
+            Err(message) => return refused(mapping::gateway_error(400, "bad_path", &message)),
+        };
+        let split = match mapping::split(request.headers(), &route.token_header) {
+            Ok(split) => split,
+            Err(message) => return refused(mapping::gateway_error(400, "bad_request", &message)),
+        };
+        let client_key = match request.headers().get(self.idempotency_header.as_str()) {
+            None => None,
+            Some(value) => match value.to_str() {
+                Ok(key) if !key.trim().is_empty() => Some(key.trim().to_string()),
+                _ => {
+                    return refused(mapping::gateway_error(
+                        400,
+                        "bad_request",
+                        &format!("{} must be visible ASCII text", self.idempotency_header),
+                    ));
+                }
+            },
+        };
+        let (id, msg_id) = match &client_key {
+            Some(client_key) => {
+                let id = self.key.id_for(&route.path, &identity, client_key);
+                let msg_id = self.key.msg_id_for(&id);
+                (id, msg_id)
+            }
+            None => match (ids::random_id(), ids::random_hex()) {
+                (Ok(id), Ok(msg_id)) => (id, msg_id),
+                _ => {
+                    return refused(mapping::gateway_error(
+                        500,
+                        "internal",
+                        "the operating system's random source failed",
+                    ));
+                }
+            },
+        };
+        let answered = |answer| Answered {
+            id: id.clone(),
+            answer,
+        };
+        // Past max_concurrent waiting requests, refuse before reading the body.
+        let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
+            let mut answer = mapping::gateway_error(
+                503,
+                "busy",
+                "the gateway has max_concurrent requests waiting",
+            );
+            answer
+                .headers
+                .push(("retry-after".into(), RETRY_AFTER.into()));
+            return answered(answer);
+        };
+        self.telemetry.waiting().inc();
+        let _waiting = scopeguard_dec(&self.telemetry);
+        let method = request.method().as_str().to_string();
+        let body = match axum::body::to_bytes(request.into_body(), self.max_request_bytes).await {
+            Ok(body) => body,
+            Err(_) => {
+                return answered(mapping::gateway_error(
+                    413,
+                    "too_large",
+                    &format!(
+                        "the body is over outbound.max_request_bytes = {} (or could not be read)",
+                        self.max_request_bytes
+                    ),
+                ));
+            }
+        };
+        let envelope = RequestEnvelope {
+            id: id.clone(),
+            method,
+            url: url.to_string(),
+            headers: split.headers,
+            body_base64: mapping::body_base64(&body),
+            deadline: split.deadline,
+            ..Default::default()
+        };
+        let size = serde_json::to_vec(&envelope).map_or(usize::MAX, |payload| payload.len());
+        if size + HEADER_ROOM > self.max_payload {
+            return answered(mapping::gateway_error(
+                413,
+                "too_large",
+                &format!(
+                    "the request's envelope would be {size} bytes, over the NATS server's max_payload of {}",
+                    self.max_payload
+                ),
+            ));
+        }
+        let mut publish = Publish::from_envelope(envelope)
+            .pool(route.pool.clone())
+            .msg_id(msg_id);
+        for (name, value) in split.trace {
+            publish = publish.message_header(name, value);
+        }
+        let started = Instant::now();
+        let answer = self
+            .converse(
+                route,
+                &identity,
+                &id,
+                client_key.is_some(),
+                &publish,
+                split.respond_async,
+            )
+            .await;
+        self.telemetry.waited(&route.path, started.elapsed());
+        answered(answer)
+    }
+
+    /// Publishes `publish` (unless a keyed id's record shows it published already),
+    /// records the id, and waits up to `wait` for the reply.
+    async fn converse(
+        &self,
+        route: &Route,
+        identity: &str,
+        id: &str,
+        keyed: bool,
+        publish: &Publish,
+        respond_async: bool,
+    ) -> Answer {
+        let known = if keyed {
+            match self.records.get(id).await {
+                Ok(record) => record,
+                Err(e) => return unavailable(&e),
+            }
+        } else {
+            None
+        };
+        let deadline = Instant::now() + self.wait;
+        let watch = match self.client.watch(id).await {
+            Ok(watch) => watch,
+            Err(e) => return unavailable(&e),
+        };
+        let (origin, stored_first) = match known {
+            // A retry with the same key: the same conversation, never a second publish.
+            Some(record) => match record.origin() {
+                Ok(origin) => (origin, true),
+                Err(e) => return unavailable(&e),
+            },
+            None => {
+                let (origin, duplicate) = match self.client.publish_request(publish).await {
+                    Ok(published) => published,
+                    Err(e) => return publish_failed(&e),
+                };
+                match self
+                    .records
+                    .create(id, Record::new(&route.path, identity, &origin))
+                    .await
+                {
+                    // A concurrent retry with the same key recorded first.
+                    Ok(record) => match record.origin() {
+                        Ok(recorded) => {
+                            let twin = recorded != origin;
+                            (recorded, duplicate || twin)
+                        }
+                        Err(e) => return unavailable(&e),
+                    },
+                    Err(e) => {
+                        // The conversation goes on; only /_webproxy/replies and
+                        // retries with the key cannot find it.
+                        error!(id, %origin, error = format!("{e:#}"), "cannot record a gateway id");
+                        (origin, duplicate)
+                    }
+                }
+            }
+        };
+        if respond_async {
+            return mapping::pending(id);
+        }
+        match watch.answer(id, &origin, stored_first, deadline).await {
+            Ok(Some(reply)) => mapping::from_reply(&reply),
+            Ok(None) => mapping::pending(id),
+            Err(e) => unavailable(&e),
+        }
+    }
+
+    /// `GET /_webproxy/replies/<id>`: the reply of an id this gateway's route minted
+    /// for the same token identity, as the original request would have been
+    /// answered; 404 for any other id, and while there is no reply yet.
+    async fn stored(&self, id: &str, method: &Method, headers: &HeaderMap) -> (String, Answered) {
+        let not_found = || {
+            (
+                NO_ROUTE.to_string(),
+                Answered {
+                    id: id.to_string(),
+                    answer: mapping::gateway_error(
+                        404,
+                        "not_found",
+                        "no conversation of this route and token has this id",
+                    ),
+                },
+            )
+        };
+        if method != Method::GET && method != Method::HEAD {
+            return (
+                NO_ROUTE.to_string(),
+                Answered {
+                    id: id.to_string(),
+                    answer: mapping::gateway_error(405, "method_not_allowed", "use GET"),
+                },
+            );
+        }
+        if !id.starts_with(ids::PREFIX) || webproxy_protocol::validate_id(id).is_err() {
+            return not_found();
+        }
+        let record = match self.records.get(id).await {
+            Ok(Some(record)) => record,
+            Ok(None) => return not_found(),
+            Err(e) => {
+                return (
+                    NO_ROUTE.to_string(),
+                    Answered {
+                        id: id.to_string(),
+                        answer: unavailable(&e),
+                    },
+                );
+            }
+        };
+        let Some(index) = self.routes.iter().position(|r| r.path == record.route) else {
+            return not_found();
+        };
+        // A wrong token reads as an unknown id: nothing says the id exists.
+        match self.authenticate(index, headers) {
+            Ok(identity) if identity == record.identity => {}
+            _ => return not_found(),
+        }
+        let route = record.route.clone();
+        let answer = match record.origin() {
+            Err(e) => unavailable(&e),
+            Ok(origin) => match self.client.reply(id, &origin).await {
+                Ok(Some(reply)) => mapping::from_reply(&reply),
+                Ok(None) => {
+                    let mut answer =
+                        mapping::gateway_error(404, "pending", "the conversation has no reply yet");
+                    answer.outcome = mapping::PENDING;
+                    answer
+                }
+                Err(e) => unavailable(&e),
+            },
+        };
+        (
+            route,
+            Answered {
+                id: id.to_string(),
+                answer,
+            },
+        )
+    }
+}
+
+/// Decrements the waiting gauge when dropped, however the request ends.
+fn scopeguard_dec(telemetry: &Telemetry) -> impl Drop + '_ {
+    scopeguard::guard((), move |()| {
+        telemetry.waiting().dec();
+    })
+}
+
+/// NATS could not be reached or refused: 503, try again.
+fn unavailable(error: &dyn std::fmt::Display) -> Answer {
+    warn!(error = %error, "gateway request failed on NATS");
+    let mut answer = mapping::gateway_error(503, "unavailable", &error.to_string());
+    answer
+        .headers
+        .push(("retry-after".into(), RETRY_AFTER.into()));
+    answer
+}
+
+/// A publish JetStream refused: a full queue (`max_waiting`) is 503 with
+/// `Retry-After`, a pool that does not exist 502.
+fn publish_failed(error: &ClientError) -> Answer {
+    if error.is_queue_full() {
+        let mut answer =
+            mapping::gateway_error(503, "queue_full", "the pool's queue is full (max_waiting)");
+        answer
+            .headers
+            .push(("retry-after".into(), RETRY_AFTER.into()));
+        return answer;
+    }
+    if let ClientError::NoSuchPool { .. } = error {
+        return mapping::gateway_error(502, "no_such_pool", &error.to_string());
+    }
+    unavailable(error)
+}
+
+/// The HTTP response, with `Webproxy-Id`, `Webproxy-Attempts` and
+/// `Webproxy-Outcome` on every answer.
+fn respond(Answered { id, answer }: Answered) -> Response {
+    let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut response = Response::new(Body::from(answer.body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in &answer.headers {
+        // The service checked the upstream's headers; one HTTP cannot carry is left
+        // out rather than failing the answer.
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    let own = [
+        (mapping::ID, id),
+        (mapping::ATTEMPTS, answer.attempts.to_string()),
+        (mapping::OUTCOME, answer.outcome.to_string()),
+    ];
+    for (name, value) in own {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(HeaderName::from_static(name), value);
+        }
+    }
+    response
+}

@@ -1,0 +1,155 @@
+//! The ids the gateway mints (pure but for the random ones): `gw-` and 32 hex
+//! characters, random without a client key, else an HMAC under the gateway key of
+//! the route, the token identity and the client key, so ids are neither guessable
+//! nor shared across routes and tokens. Tokens are compared in constant time.
+
+use hmac::{Hmac, Mac as _};
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Every minted id starts with this.
+pub const PREFIX: &str = "gw-";
+
+/// The token identity of a route without a token.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// The gateway's HMAC key.
+#[derive(Clone)]
+pub struct Key(Vec<u8>);
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Key(..)")
+    }
+}
+
+impl Key {
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Key {
+        Key(bytes.into())
+    }
+
+    /// HMAC-SHA256 of the length-prefixed `fields`, so no two field lists give
+    /// the same input.
+    fn mac(&self, fields: &[&[u8]]) -> [u8; 32] {
+        // HMAC takes a key of any length.
+        let mut mac = HmacSha256::new_from_slice(&self.0).unwrap_or_else(|_| unreachable!());
+        for field in fields {
+            mac.update(&(field.len() as u64).to_be_bytes());
+            mac.update(field);
+        }
+        mac.finalize().into_bytes().into()
+    }
+
+    /// The id of the conversation a client key names on a route for a token identity.
+    pub fn id_for(&self, route: &str, identity: &str, client_key: &str) -> String {
+        let mac = self.mac(&[
+            b"id",
+            route.as_bytes(),
+            identity.as_bytes(),
+            client_key.as_bytes(),
+        ]);
+        format!("{PREFIX}{}", hex(&mac[..16]))
+    }
+
+    /// The `Nats-Msg-Id` of a keyed id's publish: derived (a retry within the
+    /// duplicate window is stored once) but not the id itself, which the HTTP client
+    /// and reply subscribers see, so no one can publish first under it.
+    pub fn msg_id_for(&self, id: &str) -> String {
+        hex(&self.mac(&[b"msg-id", id.as_bytes()])[..16])
+    }
+
+    /// The identity of a route's token: an HMAC of its value, so a token's
+    /// identity is stable across gateways and never shows the token.
+    pub fn identity(&self, token: Option<&str>) -> String {
+        match token {
+            Some(token) => format!("t{}", hex(&self.mac(&[b"token", token.as_bytes()])[..12])),
+            None => ANONYMOUS.into(),
+        }
+    }
+}
+
+/// A random id, for a request without a client key.
+pub fn random_id() -> Result<String, getrandom::Error> {
+    Ok(format!("{PREFIX}{}", random_hex()?))
+}
+
+/// 32 hex characters, 128 bits from the operating system's CSPRNG.
+pub fn random_hex() -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes)?;
+    Ok(hex(&bytes))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether `given` is `expected`, in time that depends on neither (both hashed
+/// first, so not even the length shows).
+pub fn token_matches(given: &str, expected: &str) -> bool {
+    let given = Sha256::digest(given.as_bytes());
+    let expected = Sha256::digest(expected.as_bytes());
+    given.ct_eq(&expected).into()
+}
+
+/// The token in a header's value: `Bearer <token>` (scheme in any case), or for a
+/// header of the route's own, the whole value too.
+pub fn presented(value: &str, proxy_credential: bool) -> Option<&str> {
+    let value = value.trim();
+    match value.split_once(' ') {
+        Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => Some(token.trim()),
+        _ if !proxy_credential => Some(value),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyed_ids_differ_by_route_identity_key_and_gateway_key() {
+        let key = Key::new(b"k".to_vec());
+        let id = key.id_for("/a", "t1", "order-1");
+        assert!(
+            id.starts_with(PREFIX) && id.len() == PREFIX.len() + 32,
+            "{id}"
+        );
+        assert!(webproxy_protocol::validate_id(&id).is_ok());
+        assert_eq!(id, key.id_for("/a", "t1", "order-1"));
+        for other in [
+            key.id_for("/b", "t1", "order-1"),
+            key.id_for("/a", "t2", "order-1"),
+            key.id_for("/a", "t1", "order-2"),
+            key.id_for("/a", "t1o", "rder-1"),
+            Key::new(b"j".to_vec()).id_for("/a", "t1", "order-1"),
+        ] {
+            assert_ne!(id, other);
+        }
+        assert_ne!(key.msg_id_for(&id), id);
+        assert_ne!(key.identity(Some("a")), key.identity(Some("b")));
+        assert_eq!(key.identity(None), ANONYMOUS);
+    }
+
+    #[test]
+    fn random_ids_are_valid_and_distinct() {
+        let a = random_id().expect("random");
+        assert!(webproxy_protocol::validate_id(&a).is_ok());
+        assert_ne!(a, random_id().expect("random"));
+    }
+
+    #[test]
+    fn tokens_come_as_bearer_or_whole_in_a_routes_own_header() {
+        assert_eq!(presented("Bearer abc", true), Some("abc"));
+        assert_eq!(presented("bearer  abc ", true), Some("abc"));
+        assert_eq!(presented("abc", true), None);
+        assert_eq!(presented("Basic abc", true), None);
+        assert_eq!(presented("abc", false), Some("abc"));
+        assert_eq!(presented("Bearer abc", false), Some("abc"));
+        assert!(token_matches("abc", "abc"));
+        assert!(!token_matches("abd", "abc"));
+        assert!(!token_matches("", "abc"));
+    }
+}

@@ -1,0 +1,137 @@
+//! The gateway's HTTP/1.1 listener: connections from outside `allow_sources` are
+//! closed before a byte is read, and with TLS every connection is a TLS session
+//! from the PEM files.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use ipnet::IpNet;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::Telemetry;
+
+/// A TLS handshake that takes longer than this is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The acceptor for the certificate chain in `cert` and the private key in `key`.
+pub fn tls_acceptor(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .with_context(|| {
+            format!(
+                "gateway.tls_cert_file {}: no PEM certificates",
+                cert.display()
+            )
+        })?;
+    if chain.is_empty() {
+        anyhow::bail!(
+            "gateway.tls_cert_file {} holds no certificate",
+            cert.display()
+        );
+    }
+    let private = PrivateKeyDer::from_pem_file(key)
+        .with_context(|| format!("gateway.tls_key_file {}: no PEM private key", key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("no TLS protocol version")?
+        .with_no_client_auth()
+        .with_single_cert(chain, private)
+        .with_context(|| {
+            format!(
+                "gateway.tls_cert_file {} and tls_key_file {} do not make a certificate and its key",
+                cert.display(),
+                key.display()
+            )
+        })?;
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Whether `peer` may connect: `allow` is empty, or holds it (an IPv4-mapped IPv6
+/// address is compared as IPv4).
+fn allowed(allow: &[IpNet], peer: std::net::IpAddr) -> bool {
+    let peer = peer.to_canonical();
+    allow.is_empty() || allow.iter().any(|net| net.contains(&peer))
+}
+
+/// Serves `app` on `listener` until `shutdown`; connections already open finish on
+/// their own tasks.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<TlsAcceptor>,
+    allow: Vec<IpNet>,
+    telemetry: Telemetry,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shutdown.cancelled() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of file descriptors, say: wait rather than spin.
+                warn!(error = %e, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if !allowed(&allow, peer.ip()) {
+            telemetry.refused_connection();
+            debug!(%peer, "connection outside gateway.allow_sources closed");
+            continue;
+        }
+        let service = TowerToHyperService::new(app.clone());
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            let http = hyper::server::conn::http1::Builder::new();
+            let served = match tls {
+                None => http.serve_connection(TokioIo::new(stream), service).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            http.serve_connection(TokioIo::new(stream), service).await
+                        }
+                        Ok(Err(e)) => {
+                            debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    }
+                }
+            };
+            if let Err(e) = served {
+                debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_allowed_sources_connect() {
+        let allow: Vec<IpNet> = vec!["10.0.0.0/8".parse().expect("net")];
+        assert!(allowed(&allow, "10.1.2.3".parse().expect("ip")));
+        assert!(allowed(&allow, "::ffff:10.1.2.3".parse().expect("ip")));
+        assert!(!allowed(&allow, "127.0.0.1".parse().expect("ip")));
+        assert!(allowed(&[], "127.0.0.1".parse().expect("ip")));
+    }
+}

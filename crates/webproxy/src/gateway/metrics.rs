@@ -1,0 +1,154 @@
+//! The gateway's metrics: requests by route and outcome, and the time requests
+//! wait for their answer. Label values come from the configuration (route paths) and
+//! closed sets (outcomes and the gateway's own codes), never from URLs or ids.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+/// Waits from 1 ms to about 65 s: `wait` is 30 s by default.
+fn wait_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// The gateway's observable state: what its listener reads, with no I/O.
+#[derive(Debug, Clone)]
+pub struct Telemetry {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    wait: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    waiting: Gauge,
+    refused_connections: Counter,
+    nats_connected: Gauge,
+    /// Connected to NATS, with the key and the records bucket: requests can be served.
+    ready: AtomicBool,
+}
+
+/// The route label of requests that match no route (and of the replies endpoint).
+pub const NO_ROUTE: &str = "none";
+
+impl Telemetry {
+    pub fn new() -> Telemetry {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "webproxy_gateway_requests",
+            "HTTP requests the gateway answered, by route and outcome (response, an error code, accepted, or the gateway's own refusal)",
+            requests.clone(),
+        );
+        let wait = Family::<RouteLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            wait_histogram,
+        );
+        registry.register(
+            "webproxy_gateway_wait_seconds",
+            "How long published requests waited in the gateway for their answer (a reply, or the 202 when wait ran out)",
+            wait.clone(),
+        );
+        let waiting = Gauge::default();
+        registry.register(
+            "webproxy_gateway_waiting",
+            "Requests waiting in this gateway now (at most max_concurrent)",
+            waiting.clone(),
+        );
+        let refused_connections = Counter::default();
+        registry.register(
+            "webproxy_gateway_refused_connections",
+            "Connections closed at once because their address is outside allow_sources",
+            refused_connections.clone(),
+        );
+        let nats_connected = Gauge::default();
+        registry.register(
+            "webproxy_gateway_nats_connected",
+            "1 while the gateway is connected to NATS",
+            nats_connected.clone(),
+        );
+        Telemetry {
+            inner: Arc::new(Inner {
+                registry,
+                requests,
+                wait,
+                waiting,
+                refused_connections,
+                nats_connected,
+                ready: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    pub fn count(&self, route: &str, outcome: &'static str) {
+        self.inner
+            .requests
+            .get_or_create(&RequestLabels {
+                route: route.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    pub fn waited(&self, route: &str, wait: Duration) {
+        self.inner
+            .wait
+            .get_or_create(&RouteLabels {
+                route: route.to_string(),
+            })
+            .observe(wait.as_secs_f64());
+    }
+
+    /// The gauge of requests waiting now.
+    pub fn waiting(&self) -> &Gauge {
+        &self.inner.waiting
+    }
+
+    pub fn refused_connection(&self) {
+        self.inner.refused_connections.inc();
+    }
+
+    pub fn set_nats_connected(&self, connected: bool) {
+        self.inner.nats_connected.set(i64::from(connected));
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.inner.ready.store(ready, Ordering::SeqCst);
+    }
+}
+
+impl crate::health::Probes for Telemetry {
+    fn is_alive(&self) -> bool {
+        true
+    }
+
+    fn is_ready(&self) -> bool {
+        self.inner.ready.load(Ordering::SeqCst) && self.inner.nats_connected.get() == 1
+    }
+
+    fn render_metrics(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut text, &self.inner.registry);
+        text
+    }
+}

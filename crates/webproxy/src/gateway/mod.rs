@@ -1,0 +1,251 @@
+//! `webproxy gateway`: a stateless HTTP front door on the pools. Each request to a
+//! route is published as a request envelope (so the request rules, the pools'
+//! limits and the retries apply as to any caller) and answered with its reply; a
+//! reply that takes longer than `wait` is answered 202 and served later from
+//! `/_webproxy/replies/<id>`. State lives in NATS only (the ids' records and the
+//! shared key), so any number of gateways run behind one Kubernetes Service.
+
+mod handler;
+mod ids;
+mod listener;
+mod mapping;
+mod metrics;
+mod route;
+mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use webproxy_dispatcher::{Instruments, Redactor};
+
+use crate::config::Settings;
+use crate::gateway_config::RESERVED_PATH;
+use crate::health;
+
+pub use metrics::Telemetry;
+
+/// Where the reply of a conversation that goes on is read: `<REPLIES_PATH><id>`.
+pub const REPLIES_PATH: &str = "/_webproxy/replies/";
+
+const _: () = assert!(REPLIES_PATH.len() > RESERVED_PATH.len());
+
+/// How long a failed start-up step (the key, the bucket) waits before it is tried
+/// again.
+const START_RETRY: Duration = Duration::from_secs(1);
+
+/// What the gateway needs before it serves, read from files and the environment:
+/// each route's token, the configured key, the TLS acceptor. `check-config` reads
+/// them too, so a token that cannot be read fails there as at start.
+pub struct Secrets {
+    pub tokens: Vec<Option<String>>,
+    pub key: Option<String>,
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+/// Reads the tokens, the key and the TLS files; errors name the key.
+pub fn load_secrets(settings: &Settings) -> anyhow::Result<Secrets> {
+    let gateway = &settings.gateway;
+    let tokens = read_tokens(settings)?;
+    let key = settings
+        .config
+        .gateway
+        .key
+        .as_ref()
+        .map(|source| {
+            source
+                .read()
+                .map_err(|message| anyhow::anyhow!("gateway.key: {message}"))
+        })
+        .transpose()?;
+    let tls = match &gateway.tls {
+        Some((cert, key)) => Some(listener::tls_acceptor(cert, key)?),
+        None => None,
+    };
+    Ok(Secrets { tokens, key, tls })
+}
+
+/// Every route's token, read from its variable or file; the first that cannot be read
+/// fails them all.
+fn read_tokens(settings: &Settings) -> anyhow::Result<Vec<Option<String>>> {
+    settings
+        .gateway
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(index, route)| {
+            route
+                .token
+                .as_ref()
+                .map(|source| {
+                    source.read().map_err(|message| {
+                        anyhow::anyhow!("gateway.routes[{index}].token: {message}")
+                    })
+                })
+                .transpose()
+        })
+        .collect()
+}
+
+/// Runs the gateway until SIGTERM or SIGINT.
+/// The logger's `redactor` learns the NATS credentials, the tokens and the key.
+pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
+    redactor.add_fixed(crate::nats_auth::secret_values(&settings.config.nats));
+    for warning in &settings.environment_warnings {
+        warn!("configuration: {warning}");
+    }
+    let secrets = load_secrets(&settings)?;
+    redactor.add_fixed(
+        secrets
+            .tokens
+            .iter()
+            .flatten()
+            .chain(secrets.key.iter())
+            .cloned()
+            .collect(),
+    );
+    let config = &settings.config.gateway;
+    let telemetry = Telemetry::new();
+    let health_listen = config.health_listen;
+    let health_listener = tokio::net::TcpListener::bind(health_listen)
+        .await
+        .with_context(|| format!("cannot listen on gateway.health_listen = {health_listen}"))?;
+    health::spawn(health_listener, telemetry.clone());
+    let listen = config.listen;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on gateway.listen = {listen}"))?;
+    info!(%listen, %health_listen, tls = secrets.tls.is_some(), "gateway listening");
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(crate::serve::stop_on_signal(shutdown.clone()));
+    // The dispatcher's connection conventions (reconnect backoff, pings); its
+    // instruments are not the gateway's, which follows the connection below.
+    let Some((nats, server)) =
+        crate::serve::connect_until_up(&settings, &Instruments::new(), &shutdown).await?
+    else {
+        return Ok(());
+    };
+    tokio::spawn(follow_connection(nats.clone(), telemetry.clone()));
+    let js = jetstream::new(nats.clone());
+    let subjects = &settings.dispatcher.subjects;
+    let streams = &settings.config.streams;
+    let key = match &secrets.key {
+        Some(key) => ids::Key::new(key.as_bytes().to_vec()),
+        None => {
+            let Some(key) = retried(&shutdown, "the gateway key", || {
+                store::shared_key(&js, subjects, streams)
+            })
+            .await
+            else {
+                return Ok(());
+            };
+            key
+        }
+    };
+    let Some(records) = retried(&shutdown, "the gateway bucket", || {
+        store::Records::open(&js, subjects, streams)
+    })
+    .await
+    else {
+        return Ok(());
+    };
+    let client = webproxy_client::Client::new(nats.clone(), subjects.prefix())?;
+    let state = Arc::new(handler::Gateway::new(
+        &settings,
+        secrets.tokens,
+        key,
+        records,
+        client,
+        server.max_payload,
+        telemetry.clone(),
+    ));
+    // Listened for before serving: SIGHUP's default action ends the process.
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(hangups) => {
+            tokio::spawn(reload_on_hangup(
+                hangups,
+                settings.clone(),
+                state.clone(),
+                redactor,
+            ));
+        }
+        Err(e) => warn!(error = %e, "cannot listen for SIGHUP; token files will not be reloaded"),
+    }
+    telemetry.set_ready(true);
+    info!(routes = settings.gateway.routes.len(), "gateway serving");
+    listener::serve(
+        listener,
+        handler::router(state),
+        secrets.tls,
+        settings.gateway.allow_sources.clone(),
+        telemetry.clone(),
+        shutdown.clone(),
+    )
+    .await;
+    telemetry.set_ready(false);
+    // Requests already waiting get their answers, up to shutdown_grace; their
+    // conversations go on either way.
+    let grace = tokio::time::Instant::now() + settings.config.service.shutdown_grace;
+    while telemetry.waiting().get() > 0 && tokio::time::Instant::now() < grace {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if let Err(e) = nats.flush().await {
+        warn!(error = %e, "could not flush the NATS connection");
+    }
+    info!("gateway stopped");
+    Ok(())
+}
+
+/// SIGHUP re-reads the routes' tokens (a file's may have been rotated), all or
+/// nothing: one that cannot be read keeps every old token in force and is logged.
+async fn reload_on_hangup(
+    mut hangups: tokio::signal::unix::Signal,
+    settings: Settings,
+    state: Arc<handler::Gateway>,
+    redactor: Redactor,
+) {
+    while hangups.recv().await.is_some() {
+        match read_tokens(&settings) {
+            Ok(tokens) => {
+                redactor.add_fixed(tokens.iter().flatten().cloned().collect());
+                state.replace_tokens(tokens);
+                info!("SIGHUP: gateway tokens reloaded");
+            }
+            Err(e) => tracing::error!(
+                error = format!("{e:#}"),
+                "SIGHUP: gateway tokens not reloaded; the old ones stay in force"
+            ),
+        }
+    }
+}
+
+/// `f` until it succeeds, logging each failure; `None` when a signal comes first.
+async fn retried<T, F, Fut>(shutdown: &CancellationToken, what: &str, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    loop {
+        match f().await {
+            Ok(value) => return Some(value),
+            Err(e) => warn!(error = format!("{e:#}"), "cannot open {what}; trying again"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(START_RETRY) => {}
+            _ = shutdown.cancelled() => return None,
+        }
+    }
+}
+
+/// Keeps the connected gauge (which `/readyz` reads) in step with the connection.
+async fn follow_connection(nats: async_nats::Client, telemetry: Telemetry) {
+    loop {
+        let connected = nats.connection_state() == async_nats::connection::State::Connected;
+        telemetry.set_nats_connected(connected);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

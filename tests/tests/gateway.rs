@@ -1,0 +1,1017 @@
+//! `webproxy gateway` end to end (issue 21): a real nats-server, the real `serve` and
+//! `gateway` binaries, a real HTTP upstream, and reqwest as the HTTP caller. Every
+//! point of the issue's "Done when" has a test here.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use reqwest::Response;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use webproxy_client::{Client, Request};
+use webproxy_tests::caller::accept_rule;
+use webproxy_tests::{
+    Gate, Gateway, NatsServer, Service, ServiceOptions, TestCa, Upstream, default_routes,
+    http_client, run_webproxy, wait_for, wait_until,
+};
+
+/// Generous: a loaded 2-core machine runs several services per test.
+const ANSWER: Duration = Duration::from_secs(30);
+
+/// `GET /item`: 200 with a JSON body, a repeated and a custom header. `POST /soap`:
+/// a SOAP response echoing the action and the request's body length.
+fn routes() -> Router {
+    default_routes()
+        .route("/item", get(item))
+        .route("/soap", post(soap))
+}
+
+async fn item(uri: Uri) -> impl IntoResponse {
+    let mut headers = HeaderMap::new();
+    for (name, value) in [
+        ("content-type", "application/json"),
+        ("x-custom", "one"),
+        ("set-cookie", "a=1"),
+        ("set-cookie", "b=2"),
+        ("cache-control", "no-store"),
+    ] {
+        headers.append(name, HeaderValue::from_static(value));
+    }
+    (
+        StatusCode::OK,
+        headers,
+        json!({"query": uri.query()}).to_string(),
+    )
+}
+
+async fn soap(headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+    let action = headers
+        .get("soapaction")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    (
+        StatusCode::OK,
+        [("content-type", "text/xml; charset=utf-8")],
+        format!(
+            "<?xml version=\"1.0\"?><soap:Envelope xmlns:soap=\"http://schemas.xmlsoap.org/soap/envelope/\"><soap:Body><r action={action} length=\"{}\"/></soap:Body></soap:Envelope>",
+            body.len()
+        ),
+    )
+}
+
+/// A nats-server, an upstream, `serve` (with the configuration `service` makes of the
+/// upstream) and a gateway (`gateway`, given the upstream's root URL, continuing
+/// `[gateway]`).
+struct Scene {
+    nats: NatsServer,
+    upstream: Upstream,
+    _service: Service,
+    gateway: Gateway,
+}
+
+impl Scene {
+    async fn start(
+        router: Router,
+        service: impl FnOnce(&Upstream) -> String,
+        gateway: impl FnOnce(&str) -> String,
+    ) -> Scene {
+        Self::start_with(router, service, gateway, ServiceOptions::default()).await
+    }
+
+    async fn start_with(
+        router: Router,
+        service: impl FnOnce(&Upstream) -> String,
+        gateway: impl FnOnce(&str) -> String,
+        options: ServiceOptions,
+    ) -> Scene {
+        let nats = NatsServer::start();
+        let upstream = Upstream::start_with(router).await;
+        let service = Service::start(&nats, &service(&upstream)).await;
+        let gateway = Gateway::start_with(&nats, &gateway(&upstream.url("/")), options).await;
+        Scene {
+            nats,
+            upstream,
+            _service: service,
+            gateway,
+        }
+    }
+
+    /// The pool stream's last sequence: unchanged means nothing was published.
+    async fn last_sequence(&self) -> u64 {
+        let js = async_nats::jetstream::new(self.nats.client().await);
+        let mut stream = js
+            .get_stream("WEBPROXY_POOL_DEFAULT")
+            .await
+            .expect("pool stream");
+        stream
+            .info()
+            .await
+            .expect("stream info")
+            .state
+            .last_sequence
+    }
+}
+
+/// The service's configuration: one rule accepting the upstream.
+fn accept(upstream: &Upstream) -> String {
+    accept_rule("local", upstream)
+}
+
+/// One open route `/svc` to the upstream's root.
+fn open_route(upstream: &str) -> String {
+    format!("[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{upstream}\"\n")
+}
+
+/// Status, body and headers less those that may differ between two answers of the
+/// same upstream response (hop-by-hop ones, `Date`, `Content-Length`) and the
+/// gateway's own `Webproxy-*`.
+async fn comparable(response: Response) -> (u16, BTreeMap<String, Vec<String>>, Bytes) {
+    let status = response.status().as_u16();
+    let mut headers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, value) in response.headers() {
+        let name = name.as_str();
+        let skip = [
+            "date",
+            "content-length",
+            "connection",
+            "keep-alive",
+            "transfer-encoding",
+        ]
+        .contains(&name)
+            || name.starts_with("webproxy-");
+        if !skip {
+            headers
+                .entry(name.to_string())
+                .or_default()
+                .push(value.to_str().expect("text").to_string());
+        }
+    }
+    (status, headers, response.bytes().await.expect("body"))
+}
+
+/// The answer at `url` (a `Location`) with `headers`, once it is no longer 404.
+async fn reply_at(url: &str, headers: &[(&str, &str)]) -> Response {
+    let http = http_client();
+    wait_for(ANSWER, &format!("the reply at {url}"), || async {
+        let mut request = http.get(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = request.send().await.ok()?;
+        (response.status() != 404).then_some(response)
+    })
+    .await
+}
+
+/// What the upstream's `/echo` saw of `request`.
+async fn echo_of(request: reqwest::RequestBuilder) -> Value {
+    let body = request
+        .send()
+        .await
+        .expect("gateway")
+        .bytes()
+        .await
+        .expect("body");
+    serde_json::from_slice(&body).expect("echo json")
+}
+
+/// `request` with `Prefer: respond-async`, answered 202: its `Location`.
+async fn accepted(request: reqwest::RequestBuilder) -> String {
+    let response = request
+        .header("Prefer", "respond-async")
+        .send()
+        .await
+        .expect("gateway");
+    assert_eq!(response.status(), 202);
+    assert_eq!(header(&response, "webproxy-outcome"), "pending");
+    header(&response, "location").to_string()
+}
+
+/// `GET url`, answered.
+async fn fetch(url: &str) -> Response {
+    http_client().get(url).send().await.expect("gateway")
+}
+
+fn header<'a>(response: &'a Response, name: &str) -> &'a str {
+    response
+        .headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .expect("text")
+}
+
+/// Round trips: a GET and a SOAP-style POST answer exactly what the upstream answers
+/// directly (status, body, headers but hop-by-hop ones, `Date` and `Content-Length`),
+/// and the upstream gets the caller's method, query, headers and body.
+#[tokio::test]
+async fn a_get_and_a_soap_post_round_trip_exactly() {
+    let scene = Scene::start(routes(), accept, open_route).await;
+    let http = http_client();
+
+    let via = http
+        .get(scene.gateway.url("/svc/item?x=1&y=two"))
+        .send()
+        .await
+        .expect("gateway GET");
+    assert_eq!(header(&via, "webproxy-outcome"), "response");
+    assert_eq!(header(&via, "webproxy-attempts"), "1");
+    assert!(header(&via, "webproxy-id").starts_with("gw-"));
+    let direct = http
+        .get(scene.upstream.url("/item?x=1&y=two"))
+        .send()
+        .await
+        .expect("direct GET");
+    let (via, direct) = (comparable(via).await, comparable(direct).await);
+    assert_eq!(via, direct);
+    assert_eq!(via.1["set-cookie"], ["a=1", "b=2"]);
+    assert_eq!(via.2, json!({"query": "x=1&y=two"}).to_string());
+
+    let envelope =
+        "<?xml version=\"1.0\"?><soap:Envelope><soap:Body><get/></soap:Body></soap:Envelope>";
+    let soap = |url: String| {
+        http.post(url)
+            .header("Content-Type", "text/xml; charset=utf-8")
+            .header("SOAPAction", "\"urn:get\"")
+            .body(envelope)
+            .send()
+    };
+    let via = soap(scene.gateway.url("/svc/soap"))
+        .await
+        .expect("gateway POST");
+    let direct = soap(scene.upstream.url("/soap"))
+        .await
+        .expect("direct POST");
+    let (via, direct) = (comparable(via).await, comparable(direct).await);
+    assert_eq!(via, direct);
+    assert!(
+        String::from_utf8_lossy(&via.2)
+            .contains(&format!("action=\"urn:get\" length=\"{}\"", envelope.len())),
+        "{:?}",
+        via.2
+    );
+
+    // What the upstream got: the caller's headers, not the gateway's own or Host.
+    let echo = echo_of(
+        http.put(scene.gateway.url("/svc/echo?q=1"))
+            .header("X-Multi", "a")
+            .header("X-Single", "one")
+            .body("payload"),
+    )
+    .await;
+    assert_eq!(echo["method"], "PUT");
+    assert_eq!(echo["path"], "/echo");
+    assert_eq!(echo["query"], "q=1");
+    assert_eq!(echo["body"], "payload");
+    assert_eq!(echo["headers"]["x-single"], json!(["one"]));
+    assert_eq!(
+        echo["headers"]["host"],
+        json!([scene.upstream.addr().to_string()])
+    );
+}
+
+/// Limit: ten concurrent callers through a route whose pool allows one attempt at
+/// a time; the upstream never sees two at once, and all ten are answered.
+#[tokio::test]
+async fn ten_callers_share_a_pool_of_one() {
+    // The rule names the pool too: a request in another pool than its rule's is moved.
+    let scene = Scene::start(
+        routes(),
+        |up| {
+            format!(
+                "[pools.one]\nmax_in_flight = 1\n\n{}pool = \"one\"\n",
+                accept_rule("local", up)
+            )
+        },
+        |up| format!("[[gateway.routes]]\npath = \"/one\"\nupstream = \"{up}\"\npool = \"one\"\n"),
+    )
+    .await;
+    let http = http_client();
+    let calls = (0..10).map(|i| {
+        let http = http.clone();
+        let url = scene.gateway.url(&format!("/one/delay/50?n={i}"));
+        async move { http.get(url).send().await.expect("gateway") }
+    });
+    let answers = futures::future::join_all(calls).await;
+    for answer in answers {
+        assert_eq!(answer.status(), 200);
+        assert_eq!(header(&answer, "webproxy-outcome"), "response");
+    }
+    assert_eq!(scene.upstream.hits_for("/delay/50"), 10);
+    assert_eq!(scene.upstream.max_concurrent(), 1);
+}
+
+/// The service's configuration for the outcome tests: a rule per outcome, each
+/// under a path of its own (the rules are matched in file order).
+fn outcome_rules(upstream: &Upstream) -> String {
+    let path = |name: &str, path: &str, extra: &str| {
+        format!(
+            "{}{extra}\n",
+            webproxy_tests::caller::path_rule(name, upstream, path)
+        )
+    };
+    [
+        "[outbound]\nmax_response_bytes = 4096\n\n[[response_rules]]\nstatus = \"418\"\naction = \"error\"\n\n[[response_rules]]\nstatus = \"503\"\naction = \"retry\"\n"
+            .to_string(),
+        path("retry", "/status/503", "max_retries = 1\nretry_delay = \"50ms\""),
+        path(
+            "slow",
+            "/delay/",
+            "max_retries = 1\nretry_delay = \"50ms\"\ntimeout = \"200ms\"",
+        ),
+        path("rest", "/", ""),
+    ]
+    .concat()
+    .replace(
+        // Only /denied/ is refused: a deny rule above the rest.
+        "[[request_rules]]\nname = \"rest\"",
+        &format!(
+            "{}action = \"deny\"\n\n[[request_rules]]\nname = \"rest\"",
+            webproxy_tests::caller::path_rule("deny", upstream, "/denied/")
+        ),
+    )
+}
+
+async fn answer_of(response: Response) -> (u16, String, String, Value) {
+    let status = response.status().as_u16();
+    let outcome = header(&response, "webproxy-outcome").to_string();
+    let attempts = header(&response, "webproxy-attempts").to_string();
+    let body = response.bytes().await.expect("body");
+    let json = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    (status, outcome, attempts, json)
+}
+
+/// Outcomes: every outcome becomes its status, with `{"error": {"code", "message"}}`
+/// and `Webproxy-Outcome: error`. `internal` (a message that crashed more instances
+/// than max_deliver allows) is shown by
+/// `an_internal_outcome_is_a_500_read_from_location`.
+#[tokio::test]
+async fn every_outcome_maps_to_its_status() {
+    let scene = Scene::start(routes(), outcome_rules, open_route).await;
+    let http = http_client();
+    let cases = [
+        ("GET", "/svc/denied/x", None, 403, "denied"),
+        ("TRACE", "/svc/echo", None, 400, "invalid_request"),
+        (
+            "GET",
+            "/svc/echo",
+            Some("2000-01-01T00:00:00Z"),
+            504,
+            "expired",
+        ),
+        ("GET", "/svc/status/418", None, 502, "upstream_error"),
+        ("POST", "/svc/delay/1500", None, 502, "transport_error"),
+        ("GET", "/svc/status/503", None, 503, "retries_exhausted"),
+        ("GET", "/svc/delay/1600", None, 502, "retries_exhausted"),
+        ("GET", "/svc/bytes/10000", None, 502, "response_too_large"),
+    ];
+    for (method, path, deadline, status, code) in cases {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut request = http.request(method, scene.gateway.url(path));
+        if let Some(deadline) = deadline {
+            request = request.header("Webproxy-Deadline", deadline);
+        }
+        let (got, outcome, _, body) = answer_of(request.send().await.expect("gateway")).await;
+        assert_eq!(
+            (got, body["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{path}: {body}"
+        );
+        assert_eq!(outcome, "error", "{path}");
+        assert!(body["error"]["message"].is_string(), "{path}: {body}");
+    }
+    // The deadline header is the envelope's, never the upstream's.
+    let echo = echo_of(
+        http.get(scene.gateway.url("/svc/echo"))
+            .header("Webproxy-Deadline", "2100-01-01T00:00:00Z"),
+    )
+    .await;
+    assert!(echo["headers"].get("webproxy-deadline").is_none(), "{echo}");
+}
+
+/// `internal`: a message whose attempt killed the only instance more often than
+/// `max_deliver` allows is answered 500; the wait (1 s) runs out first, so the
+/// answer is read from `Location`. About 10 s: an instance is killed and another
+/// started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_internal_outcome_is_a_500_read_from_location() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start_with(routes()).await;
+    let config = format!(
+        "[service]\nack_wait = \"1s\"\nmax_deliver = 1\n\n[streams]\nduplicate_window = \"10s\"\n\n{}",
+        accept_rule("local", &upstream)
+    );
+    let mut service = Service::start(&nats, &config).await;
+    let gateway = Gateway::start(
+        &nats,
+        &format!("wait = \"1s\"\n{}", open_route(&upstream.url("/"))),
+    )
+    .await;
+    let pending = fetch(&gateway.url("/svc/hang")).await;
+    assert_eq!(pending.status(), 202);
+    let location = header(&pending, "location").to_string();
+    wait_until(ANSWER, "the attempt to hang", || async {
+        upstream.hits_for("/hang") == 1
+    })
+    .await;
+    service.kill();
+    let _again = Service::start(&nats, &config).await;
+    let answer = reply_at(&gateway.url(&location), &[]).await;
+    let (status, outcome, _, body) = answer_of(answer).await;
+    assert_eq!((status, outcome.as_str()), (500, "error"), "{body}");
+    assert_eq!(body["error"]["code"], "internal");
+}
+
+/// Limits: a body over `max_request_bytes` is 413 and publishes nothing; so is one
+/// whose envelope would not fit the server's `max_payload`; past `max_concurrent`
+/// waiting requests the answer is 503 with `Retry-After`.
+#[tokio::test]
+async fn bodies_too_large_and_too_many_waiting_are_refused() {
+    let gate = Gate::new();
+    let scene = Scene::start(routes().merge(gate.routes()), accept, |up| {
+        format!(
+            "max_concurrent = 1\n{}\n[outbound]\nmax_request_bytes = 2000000\n",
+            open_route(up)
+        )
+    })
+    .await;
+    let http = http_client();
+    let before = scene.last_sequence().await;
+    // The server's max_payload is 1 MiB: 900 KiB of body is 1.2 MiB of base64.
+    let large = http
+        .post(scene.gateway.url("/svc/echo"))
+        .body(vec![b'x'; 900 * 1024])
+        .send()
+        .await
+        .expect("gateway");
+    let (status, _, attempts, body) = answer_of(large).await;
+    assert_eq!((status, attempts.as_str()), (413, "0"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max_payload")),
+        "{body}"
+    );
+    let over = http
+        .post(scene.gateway.url("/svc/echo"))
+        .body(vec![b'x'; 2_000_001])
+        .send()
+        .await
+        .expect("gateway");
+    let (status, _, _, body) = answer_of(over).await;
+    assert_eq!(status, 413, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max_request_bytes")),
+        "{body}"
+    );
+    assert_eq!(
+        scene.last_sequence().await,
+        before,
+        "a refused body was published"
+    );
+
+    let waiting = tokio::spawn({
+        let http = http.clone();
+        let url = scene.gateway.url("/svc/gated/0");
+        async move { http.get(url).send().await.expect("gateway").status() }
+    });
+    wait_until(ANSWER, "the first request at the gate", || async {
+        scene.upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    let busy = fetch(&scene.gateway.url("/svc/echo")).await;
+    assert_eq!(busy.status(), 503);
+    assert_eq!(header(&busy, "retry-after"), "1");
+    gate.open();
+    assert_eq!(waiting.await.expect("first request"), 200);
+}
+
+/// Waiting: a wait that runs out is 202 with the id and `Location`; the
+/// conversation goes on and `Location` later answers as the request would have
+/// been (404 until then). Async: `Prefer: respond-async` is 202 at once.
+#[tokio::test]
+async fn a_wait_that_runs_out_and_respond_async_give_202_then_the_reply() {
+    let gate = Gate::new();
+    let scene = Scene::start(routes().merge(gate.routes()), accept, |up| {
+        format!("wait = \"1s\"\n{}", open_route(up))
+    })
+    .await;
+    let http = http_client();
+    let pending = fetch(&scene.gateway.url("/svc/gated/0")).await;
+    assert_eq!(pending.status(), 202);
+    assert_eq!(header(&pending, "webproxy-outcome"), "pending");
+    let id = header(&pending, "webproxy-id").to_string();
+    let location = header(&pending, "location").to_string();
+    assert_eq!(location, format!("/_webproxy/replies/{id}"));
+    let body: Value = serde_json::from_slice(&pending.bytes().await.expect("body")).expect("json");
+    assert_eq!(body["id"], id.as_str());
+    let early = fetch(&scene.gateway.url(&location)).await;
+    assert_eq!(early.status(), 404);
+    assert_eq!(header(&early, "webproxy-outcome"), "pending");
+    gate.open();
+    let answer = reply_at(&scene.gateway.url(&location), &[]).await;
+    assert_eq!(header(&answer, "webproxy-id"), id);
+    assert_eq!(header(&answer, "webproxy-outcome"), "response");
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.bytes().await.expect("body"), "ok");
+
+    // Async: 202 at once, even though the upstream answers at once.
+    let location = accepted(http.get(scene.gateway.url("/svc/item?async=1"))).await;
+    let answer = reply_at(&scene.gateway.url(&location), &[]).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(header(&answer, "x-custom"), "one");
+}
+
+/// Two token routes to the upstream: `/a` (token in `Proxy-Authorization`) and `/b`
+/// (token in `X-Gateway-Token`), their tokens from the environment.
+fn token_routes(upstream: &str) -> String {
+    format!(
+        "[[gateway.routes]]\npath = \"/a\"\nupstream = \"{upstream}\"\ntoken = {{ env = \"GW_TOKEN_A\" }}\n\n\
+         [[gateway.routes]]\npath = \"/b\"\nupstream = \"{upstream}\"\ntoken = {{ env = \"GW_TOKEN_B\" }}\ntoken_header = \"X-Gateway-Token\"\n"
+    )
+}
+
+fn token_options() -> ServiceOptions {
+    ServiceOptions::default()
+        .env("GW_TOKEN_A", "alpha-secret")
+        .env("GW_TOKEN_B", "beta-secret")
+}
+
+/// Tokens: a missing or wrong token is 407 (401 for a route's own header) and
+/// publishes nothing; with the right one, the client's own `Authorization` reaches
+/// the upstream and the token does not.
+#[tokio::test]
+async fn tokens_are_required_checked_and_never_forwarded() {
+    let scene = Scene::start_with(routes(), accept, token_routes, token_options()).await;
+    let http = http_client();
+    let before = scene.last_sequence().await;
+    for (path, name, value, status) in [
+        ("/a/echo", None, "", 407),
+        ("/a/echo", Some("Proxy-Authorization"), "Bearer wrong", 407),
+        ("/a/echo", Some("Proxy-Authorization"), "alpha-secret", 407),
+        ("/a/echo", Some("X-Gateway-Token"), "alpha-secret", 407),
+        ("/b/echo", None, "", 401),
+        ("/b/echo", Some("X-Gateway-Token"), "alpha-secret", 401),
+    ] {
+        let mut request = http.get(scene.gateway.url(path));
+        if let Some(name) = name {
+            request = request.header(name, value);
+        }
+        let response = request.send().await.expect("gateway");
+        assert_eq!(response.status(), status, "{path} {name:?} {value}");
+        let challenge = if status == 407 {
+            "proxy-authenticate"
+        } else {
+            "www-authenticate"
+        };
+        assert!(header(&response, challenge).starts_with("Bearer"));
+    }
+    assert_eq!(
+        scene.last_sequence().await,
+        before,
+        "a refused request was published"
+    );
+
+    for (path, name, token) in [
+        ("/a/echo", "Proxy-Authorization", "Bearer alpha-secret"),
+        ("/b/echo", "X-Gateway-Token", "beta-secret"),
+    ] {
+        let response = http
+            .get(scene.gateway.url(path))
+            .header(name, token)
+            .header("Authorization", "Basic dXNlcjpwYXNz")
+            .send()
+            .await
+            .expect("gateway");
+        assert_eq!(response.status(), 200, "{path}");
+        let body = response.bytes().await.expect("body");
+        let echo: Value = serde_json::from_slice(&body).expect("echo");
+        assert_eq!(
+            echo["headers"]["authorization"],
+            json!(["Basic dXNlcjpwYXNz"])
+        );
+        assert!(
+            echo["headers"].get(name.to_ascii_lowercase()).is_none(),
+            "{echo}"
+        );
+        let text = String::from_utf8_lossy(&body);
+        assert!(
+            !text.contains("alpha-secret") && !text.contains("beta-secret"),
+            "{text}"
+        );
+    }
+}
+
+/// Isolation: `/_webproxy/replies/<id>` serves an id only to its own route and token;
+/// another token's, no token's, a NATS caller's and a NATS-published `gw-` id are
+/// all 404.
+#[tokio::test]
+async fn replies_are_served_only_to_their_own_route_and_token() {
+    let scene = Scene::start_with(routes(), accept, token_routes, token_options()).await;
+    let http = http_client();
+    let location = accepted(
+        http.get(scene.gateway.url("/a/item"))
+            .header("Proxy-Authorization", "Bearer alpha-secret"),
+    )
+    .await;
+    let own = reply_at(
+        &scene.gateway.url(&location),
+        &[("Proxy-Authorization", "Bearer alpha-secret")],
+    )
+    .await;
+    assert_eq!(own.status(), 200);
+    for (name, value) in [
+        ("X-Gateway-Token", "beta-secret"),
+        ("Proxy-Authorization", "Bearer beta-secret"),
+        ("X-Other", "none"),
+    ] {
+        let other = http
+            .get(scene.gateway.url(&location))
+            .header(name, value)
+            .send()
+            .await
+            .expect("gateway");
+        assert_eq!(other.status(), 404, "{name}: {value}");
+    }
+
+    // NATS callers' conversations, one with an id the gateway could have minted.
+    let client = Client::new(scene.nats.client().await, "webproxy").expect("client");
+    for id in ["order-42", "gw-0123456789abcdef0123456789abcdef"] {
+        let reply = client
+            .request(&Request::new("GET", scene.upstream.url("/item")).id(id))
+            .await
+            .expect("a NATS caller's reply");
+        assert_eq!(reply.status, Some(200));
+        for token in ["Bearer alpha-secret", "Bearer beta-secret"] {
+            let response = http
+                .get(scene.gateway.url(&format!("/_webproxy/replies/{id}")))
+                .header("Proxy-Authorization", token)
+                .send()
+                .await
+                .expect("gateway");
+            assert_eq!(response.status(), 404, "{id}");
+        }
+    }
+}
+
+/// Idempotency: a call retried with the same `Idempotency-Key` makes one upstream
+/// call and gets the first call's conversation, also after the pool stream's
+/// duplicate window (2 s here) while the first is still at the upstream. Another
+/// key, or another route, is another conversation.
+#[tokio::test]
+async fn a_retry_with_the_same_idempotency_key_makes_one_upstream_call() {
+    let gate = Gate::new();
+    let scene = Scene::start_with(
+        routes().merge(gate.routes()),
+        |up| {
+            format!(
+                "[service]\nack_wait = \"1s\"\n\n[streams]\nduplicate_window = \"2s\"\n\n{}",
+                accept_rule("local", up)
+            )
+        },
+        |up| format!("wait = \"1s\"\n{}", token_routes(up)),
+        token_options(),
+    )
+    .await;
+    let http = http_client();
+    let call = |key: &'static str| {
+        http.post(scene.gateway.url("/a/gated/0"))
+            .header("Proxy-Authorization", "Bearer alpha-secret")
+            .header("Idempotency-Key", key)
+            .body("order")
+            .send()
+    };
+    let first = call("order-1").await.expect("gateway");
+    assert_eq!(first.status(), 202);
+    let id = header(&first, "webproxy-id").to_string();
+    wait_until(ANSWER, "the first call at the upstream", || async {
+        scene.upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    let started = tokio::time::Instant::now();
+    // Past the duplicate window, measured from the first publish (before `started`).
+    wait_until(ANSWER, "the duplicate window to pass", || async {
+        started.elapsed() > Duration::from_millis(2500)
+    })
+    .await;
+    let again = call("order-1").await.expect("gateway");
+    assert_eq!(again.status(), 202);
+    assert_eq!(header(&again, "webproxy-id"), id);
+    gate.open();
+    let last = call("order-1").await.expect("gateway");
+    assert_eq!(last.status(), 200);
+    assert_eq!(header(&last, "webproxy-id"), id);
+    assert_eq!(
+        scene.upstream.hits_for("/gated/0"),
+        1,
+        "a second upstream call"
+    );
+
+    let other = call("order-2").await.expect("gateway");
+    assert_ne!(header(&other, "webproxy-id"), id);
+    assert_eq!(other.status(), 200);
+    assert_eq!(scene.upstream.hits_for("/gated/0"), 2);
+}
+
+/// Routing: `..` and `%2e%2e` segments that would leave the upstream, and encoded
+/// separators, are 400 and publish nothing; a `..` that stays under it is fine.
+/// reqwest (like every WHATWG URL parser) resolves dot segments before sending, so
+/// those requests are written by hand on a TCP connection.
+#[tokio::test]
+async fn escapes_from_a_routes_upstream_are_400() {
+    let scene = Scene::start(routes(), accept, |up| {
+        format!("[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{up}echo\"\n")
+    })
+    .await;
+    let before = scene.last_sequence().await;
+    for path in [
+        "/svc/../item",
+        "/svc/%2e%2e/item",
+        "/svc/x/../../item",
+        "/svc/..%2Fitem",
+        "/svc/%2F..%2F..%2Fitem",
+        "/svc/..%5Citem",
+    ] {
+        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", scene.gateway.port()))
+            .await
+            .expect("connect");
+        tcp.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("write");
+        let mut answer = String::new();
+        tcp.read_to_string(&mut answer).await.expect("read");
+        assert!(answer.starts_with("HTTP/1.1 400"), "{path}: {answer}");
+        assert!(answer.contains("bad_path"), "{path}: {answer}");
+    }
+    assert_eq!(
+        scene.last_sequence().await,
+        before,
+        "an escape was published"
+    );
+    let encoded = fetch(&scene.gateway.url("/svc/..%2Fitem")).await;
+    assert_eq!(encoded.status(), 400);
+    // `/svc/a/..` is `/echo/` upstream, which has no such route: the upstream's 404.
+    let inside = fetch(&scene.gateway.url("/svc/a/..?q=1")).await;
+    assert_eq!(header(&inside, "webproxy-outcome"), "response");
+    assert_eq!(scene.upstream.hits_for("/echo/"), 1);
+}
+
+/// `check-config` refuses a gateway listening beyond loopback with a route that has
+/// neither a token nor `allow_sources`, naming the route, and accepts it with
+/// `anonymous = true`.
+#[tokio::test]
+async fn check_config_refuses_an_open_route_beyond_loopback() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("gateway.toml");
+    let route = "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"https://api.example.com/\"\n";
+    std::fs::write(
+        &path,
+        format!("[gateway]\nlisten = \"0.0.0.0:8080\"\n{route}"),
+    )
+    .expect("write");
+    let config = path.to_str().expect("utf-8 path");
+    let refused = run_webproxy(&["check-config", "--config", config]).await;
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("gateway.routes[0]") && stderr.contains("anonymous"),
+        "{stderr}"
+    );
+    std::fs::write(
+        &path,
+        format!("[gateway]\nlisten = \"0.0.0.0:8080\"\n{route}anonymous = true\n"),
+    )
+    .expect("write");
+    let accepted = run_webproxy(&["check-config", "--config", config]).await;
+    assert!(
+        accepted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&accepted.stderr)
+    );
+}
+
+/// TLS: the listener serves TLS from PEM files made in the test; a client trusting
+/// the test CA gets the upstream's answer over it.
+#[tokio::test]
+async fn the_listener_serves_tls_from_pem_files() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = TestCa::generate(dir.path());
+    let tls = format!(
+        "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+        ca.server_cert.display(),
+        ca.server_key.display()
+    );
+    let scene = Scene::start(routes(), accept, |up| format!("{tls}{}", open_route(up))).await;
+    let root = reqwest::Certificate::from_pem(&std::fs::read(&ca.ca).expect("ca")).expect("pem");
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .add_root_certificate(root)
+        .resolve("localhost", ([127, 0, 0, 1], scene.gateway.port()).into())
+        .build()
+        .expect("client");
+    let response = client
+        .get(scene.gateway.tls_url("/svc/item"))
+        .send()
+        .await
+        .expect("TLS request");
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-custom"), "one");
+    // Plain HTTP on the TLS port is not answered.
+    assert!(
+        http_client()
+            .get(scene.gateway.url("/svc/item"))
+            .send()
+            .await
+            .is_err()
+    );
+}
+
+/// The gateway as deploy/nats/authorization.conf's `gateway` user, beside the
+/// service as its `webproxy` user: what its permissions allow is enough for a round
+/// trip, a 202 read later from `Location` and an idempotent retry, and the server
+/// reports no permission violation of the gateway's.
+#[tokio::test]
+async fn the_deploy_files_gateway_user_may_do_what_the_gateway_does() {
+    use webproxy_tests::authorized::{GATEWAY_USER, SERVICE_USER, service_as};
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start_with(routes()).await;
+    let _service =
+        Service::start_with(&nats.url(), &accept(&upstream), service_as(SERVICE_USER)).await;
+    let gateway = Gateway::start_with(
+        &nats,
+        &open_route(&upstream.url("/")),
+        service_as(GATEWAY_USER),
+    )
+    .await;
+    let http = http_client();
+    let direct = fetch(&gateway.url("/svc/item")).await;
+    assert_eq!(direct.status(), 200);
+    let location = accepted(http.get(gateway.url("/svc/item"))).await;
+    assert_eq!(reply_at(&gateway.url(&location), &[]).await.status(), 200);
+    for _ in 0..2 {
+        let keyed = http
+            .get(gateway.url("/svc/item?keyed=1"))
+            .header("Idempotency-Key", "k")
+            .send()
+            .await
+            .expect("gateway");
+        assert_eq!(keyed.status(), 200);
+    }
+    assert_eq!(upstream.hits_for("/item"), 3);
+    assert!(
+        !nats.logs().contains("Permissions Violation"),
+        "{}",
+        nats.logs()
+    );
+}
+
+/// Telemetry: `/metrics` on the health listener counts requests by route and
+/// outcome and observes their wait; the caller's `traceparent` becomes the
+/// envelope's trace (the upstream's request is in the same trace).
+#[tokio::test]
+async fn metrics_count_by_route_and_outcome_and_traceparent_flows_through() {
+    let scene = Scene::start(routes(), outcome_rules, open_route).await;
+    let http = http_client();
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let echo = echo_of(
+        http.get(scene.gateway.url("/svc/echo"))
+            .header("traceparent", format!("00-{trace}-b7ad6b7169203331-01")),
+    )
+    .await;
+    let upstream_trace = echo["headers"]["traceparent"][0]
+        .as_str()
+        .expect("traceparent");
+    assert!(
+        upstream_trace.starts_with(&format!("00-{trace}-")),
+        "{upstream_trace}"
+    );
+    assert_eq!(
+        fetch(&scene.gateway.url("/svc/denied/x")).await.status(),
+        403
+    );
+    assert_eq!(fetch(&scene.gateway.url("/nowhere")).await.status(), 404);
+    let gateway = &scene.gateway;
+    for (series, value) in [
+        (
+            r#"webproxy_gateway_requests_total{route="/svc",outcome="response"}"#,
+            1.0,
+        ),
+        (
+            r#"webproxy_gateway_requests_total{route="/svc",outcome="denied"}"#,
+            1.0,
+        ),
+        (
+            r#"webproxy_gateway_requests_total{route="none",outcome="no_route"}"#,
+            1.0,
+        ),
+        (r#"webproxy_gateway_wait_seconds_count{route="/svc"}"#, 2.0),
+        ("webproxy_gateway_waiting", 0.0),
+        ("webproxy_gateway_nats_connected", 1.0),
+    ] {
+        assert_eq!(gateway.metric(series).await, Some(value), "{series}");
+    }
+}
+
+/// A publish that the pool's `max_waiting` refuses is 503 with `Retry-After`.
+#[tokio::test]
+async fn a_full_queue_is_503_with_retry_after() {
+    let gate = Gate::new();
+    let scene = Scene::start(
+        routes().merge(gate.routes()),
+        |up| {
+            format!(
+                "[pools.default]\nmax_in_flight = 1\nmax_waiting = 2\n\n{}",
+                accept_rule("local", up)
+            )
+        },
+        open_route,
+    )
+    .await;
+    let http = http_client();
+    // The one in flight and one waiting fill the subject's two places.
+    accepted(http.get(scene.gateway.url("/svc/gated/0"))).await;
+    wait_until(ANSWER, "the first at the gate", || async {
+        scene.upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    accepted(http.get(scene.gateway.url("/svc/gated/0"))).await;
+    let refused = fetch(&scene.gateway.url("/svc/gated/0")).await;
+    assert_eq!(refused.status(), 503);
+    assert_eq!(header(&refused, "retry-after"), "1");
+    let (_, _, _, body) = answer_of(refused).await;
+    assert_eq!(body["error"]["code"], "queue_full", "{body}");
+    gate.open();
+}
+
+/// A token from a file is read again on SIGHUP (the old one stops working, the new
+/// one works), and `allow_sources` closes connections from other addresses before
+/// any request is read.
+#[tokio::test]
+async fn file_tokens_reload_on_sighup_and_allow_sources_closes_other_addresses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "first-token\n").expect("write token");
+    let scene = Scene::start(routes(), accept, |up| {
+        format!(
+            "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{up}\"\ntoken = {{ file = \"{}\" }}\n",
+            token.display()
+        )
+    })
+    .await;
+    let call = |token: &'static str| {
+        http_client()
+            .get(scene.gateway.url("/svc/item"))
+            .header("Proxy-Authorization", format!("Bearer {token}"))
+            .send()
+    };
+    assert_eq!(call("first-token").await.expect("gateway").status(), 200);
+    std::fs::write(&token, "second-token\n").expect("rewrite token");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &scene.gateway.pid().to_string()])
+        .status()
+        .expect("kill -HUP");
+    assert!(status.success());
+    wait_until(ANSWER, "the tokens to be reloaded", || async {
+        scene.gateway.logs().contains("gateway tokens reloaded")
+    })
+    .await;
+    assert_eq!(call("first-token").await.expect("gateway").status(), 407);
+    assert_eq!(call("second-token").await.expect("gateway").status(), 200);
+    assert!(
+        !scene.gateway.logs().contains("second-token"),
+        "a token in the log"
+    );
+
+    // Loopback is outside 10.0.0.0/8: the connection is closed, nothing is answered.
+    let closed = Gateway::start(
+        &scene.nats,
+        &format!(
+            "allow_sources = [\"10.0.0.0/8\"]\n{}",
+            open_route(&scene.upstream.url("/"))
+        ),
+    )
+    .await;
+    assert!(
+        http_client()
+            .get(closed.url("/svc/item"))
+            .send()
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        closed
+            .metric("webproxy_gateway_refused_connections_total")
+            .await,
+        Some(1.0)
+    );
+}
