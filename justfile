@@ -164,3 +164,8 @@ bench-reference *args:
     reference="$(bash scripts/build-commit.sh {{ bench_reference }} release reference | tail -n1)"
     cargo build --release -p webproxy -p webproxy-bench
     target/release/webproxy-bench --rounds 3 --reference "{{ bench_reference }}=$reference" {{ args }}
+
+# Where `webproxy serve` (release) spends its CPU at 256 outstanding: perf samples for `seconds`, summarized by crate and by kind of work (data in target/profile/).
+profile seconds="10":
+    cargo build --release -p webproxy -p webproxy-bench
+    {{ _nats_path }}; bash scripts/profile.sh {{ seconds }}

@@ -125,6 +125,8 @@ impl Candidate {
         pool: &'static str,
         url: &Arc<str>,
     ) -> anyhow::Result<Sample> {
+        // `just profile` starts recording when it reads this.
+        eprintln!("measuring {} at {concurrency} on pool {pool}", self.name);
         let pid = self.nats_pid()?;
         let service = Some(self.service.pid());
         let before = Counters::read(http, service, pid, &self.monitoring).await?;
