@@ -276,8 +276,7 @@ pub(crate) fn pool_consumer_config(
         filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.cluster.ack_wait,
-        max_ack_pending: i64::try_from(state.max_ack_pending(config.max_in_flight))
-            .unwrap_or(i64::MAX),
+        max_ack_pending: i64::try_from(state.max_ack_pending(config)).unwrap_or(i64::MAX),
         // Unlimited: poison messages are counted and ended by the dispatcher itself.
         max_deliver: -1,
         metadata: with_layout(&HashMap::new()),
