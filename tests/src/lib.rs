@@ -20,9 +20,9 @@ mod tls;
 pub use cluster::NatsCluster;
 pub use relay::Relay;
 pub use tls::TestCa;
-pub use webproxy_testkit::recovery;
 pub use webproxy_testkit::{
     ALLOW_PRIVATE_NETWORKS, Gate, NATS_CLI_VARS, NatsServer, Service, ServiceOptions, Upstream,
     closed_port, default_routes, free_port, http_client, run_webproxy, wait_for, wait_until,
     webproxy_bin,
 };
+pub use webproxy_testkit::{adaptive, recovery};

@@ -7,7 +7,10 @@
 //! `webproxy serve` as a subprocess, and closed-loop load generators that keep a fixed
 //! number of conversations outstanding. Last, a probe restarts the nats-server under
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
-//! the last conversation is answered.
+//! the last conversation is answered. Then, apart, the adaptive limit's run
+//! (`adaptive.rs`, issue 20's scenario).
+
+mod adaptive;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -560,5 +563,7 @@ async fn main() -> anyhow::Result<()> {
     }
     std::fs::write(&args.json, serde_json::to_string_pretty(&report)?)?;
     println!("figures written to {}", args.json.display());
+    // Its own servers and instances: a section apart from everything above.
+    adaptive::report(&args.json).await?;
     Ok(())
 }
