@@ -22,7 +22,6 @@ use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{NatsServer, Service, Upstream, default_routes, wait_until};
 
 const POOL: &str = "partner";
-const CONSUMER: &str = "webproxy-partner-l2";
 
 /// How long a condition the service reports may take to show: generous for a loaded
 /// CI machine.
@@ -55,6 +54,19 @@ fn config(upstream: &Upstream, breaker: &str, rule: &str) -> String {
     )
 }
 
+/// A nats-server and three instances serving [`config`]`(upstream, breaker, rule)`,
+/// and a client.
+async fn cluster(
+    upstream: &Upstream,
+    breaker: &str,
+    rule: &str,
+) -> (NatsServer, Vec<Service>, Client) {
+    let nats = NatsServer::start();
+    let services = Service::start_many(&nats.url(), &config(upstream, breaker, rule), 3).await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    (nats, services, client)
+}
+
 /// One request for `url` to the partner pool, in the background; its reply's status,
 /// or its error code.
 fn spawn_request(client: &Client, url: &str) -> tokio::task::JoinHandle<Result<u16, String>> {
@@ -83,12 +95,7 @@ async fn pools(nats: &NatsServer) -> String {
 
 /// The partner pool's work consumer.
 async fn consumer(nats: &NatsServer) -> async_nats::jetstream::consumer::Info {
-    let js = async_nats::jetstream::new(nats.client().await);
-    let stream = js
-        .get_stream_no_info("WEBPROXY_POOL_PARTNER")
-        .await
-        .expect("stream");
-    stream.consumer_info(CONSUMER).await.expect("consumer")
+    webproxy_tests::caller::pool_consumer(nats, POOL).await
 }
 
 /// The reason `pools` shows for the breaker's pause, once it shows one.
@@ -132,19 +139,13 @@ fn counts_in(reason: &str) -> (u64, u64) {
 /// breaker although no instance made 40 of them: the counts are the cluster's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_breaker_opens_on_the_clusters_counts_not_an_instances() {
-    let nats = NatsServer::start();
     let upstream = Upstream::start().await;
-    let services = Service::start_many(
-        &nats.url(),
-        &config(
-            &upstream,
-            "min_attempts = 40\nfailure_ratio = 0.5\nwindow = \"2m\"\nopen_for = \"1m\"",
-            "max_retries = 0",
-        ),
-        3,
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 40\nfailure_ratio = 0.5\nwindow = \"2m\"\nopen_for = \"1m\"",
+        "max_retries = 0",
     )
     .await;
-    let client = Client::new(nats.client().await, "webproxy").expect("client");
     let url = upstream.url("/status/503");
     let calls: Vec<_> = (0..60).map(|_| spawn_request(&client, &url)).collect();
 
@@ -183,26 +184,21 @@ async fn the_breaker_opens_on_the_clusters_counts_not_an_instances() {
 /// through within two pause periods, every conversation with exactly one reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_open_one_call_per_pause_then_recovery_with_one_reply_each() {
-    let nats = NatsServer::start();
     let healthy = Arc::new(AtomicBool::new(false));
     let upstream = flaky_upstream(healthy.clone()).await;
-    let services = Service::start_many(
-        &nats.url(),
-        &config(
-            &upstream,
-            "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"2s\"\nmax_open_for = \"4s\"",
-            "max_retries = 30\nretry_delay = \"200ms\"\nbackoff_factor = 1.0",
-        ),
-        3,
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"2s\"\nmax_open_for = \"4s\"",
+        "max_retries = 30\nretry_delay = \"200ms\"\nbackoff_factor = 1.0",
     )
     .await;
-    let nats_client = nats.client().await;
-    // Every live reply, from before the first publish.
-    let mut replies = nats_client
+    // Every live reply: subscribed before the first publish.
+    let mut replies = nats
+        .client()
+        .await
         .subscribe("webproxy.reply.*")
         .await
         .expect("subscribe");
-    let client = Client::new(nats_client.clone(), "webproxy").expect("client");
     let url = upstream.url("/flaky");
     let count = 30;
     let calls: Vec<_> = (0..count).map(|_| spawn_request(&client, &url)).collect();
@@ -279,19 +275,13 @@ async fn while_open_one_call_per_pause_then_recovery_with_one_reply_each() {
 /// and its reason shows the earlier attempts counted as successes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_the_caller_chose_do_not_open_the_breaker() {
-    let nats = NatsServer::start();
     let upstream = Upstream::start().await;
-    let services = Service::start_many(
-        &nats.url(),
-        &config(
-            &upstream,
-            "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"5m\"\nopen_for = \"1m\"",
-            "max_retries = 0\n[[request_rules.response_rules]]\nstatus = \"404\"\naction = \"error\"\n[[request_rules.response_rules]]\nstatus = \"500-599\"\naction = \"retry\"",
-        ),
-        3,
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"5m\"\nopen_for = \"1m\"",
+        "max_retries = 0\n[[request_rules.response_rules]]\nstatus = \"404\"\naction = \"error\"\n[[request_rules.response_rules]]\nstatus = \"500-599\"\naction = \"retry\"",
     )
     .await;
-    let client = Client::new(nats.client().await, "webproxy").expect("client");
     let chosen: Vec<_> = (0..30)
         .map(|_| spawn_request(&client, &upstream.url("/status/404")))
         .chain((0..30).map(|_| spawn_request(&client, &upstream.url("/status/500"))))

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::breaker::Phase;
 use crate::config::{PoolConfig, Settings};
 use crate::metrics::Metrics;
 use crate::pool_state::{Extend, PoolState};
@@ -201,10 +202,17 @@ impl Flow {
         if paused || config.rate.is_some() {
             self.metrics.gate_wait(pool, started.elapsed());
         }
-        let half_open = self.states.borrow().get(pool).is_some_and(|state| {
-            state.phase(OffsetDateTime::now_utc()) == crate::breaker::Phase::HalfOpen
-        });
-        if half_open { Pass::Probe } else { Pass::Go }
+        // The breaker may have opened while this message waited for its rate slot.
+        let now = OffsetDateTime::now_utc();
+        let states = self.states.borrow();
+        let Some(state) = states.get(pool) else {
+            return Pass::Go;
+        };
+        match (state.phase(now), state.paused_until(now)) {
+            (Phase::Open, Some(until)) => Pass::Park(until),
+            (Phase::HalfOpen, _) => Pass::Probe,
+            _ => Pass::Go,
+        }
     }
 
     /// Changes `pool`'s state with `change` (which says whether it changed anything),
@@ -240,16 +248,12 @@ impl Flow {
         let mut waited = false;
         loop {
             let now = OffsetDateTime::now_utc();
-            let (until, open) =
-                states
-                    .borrow_and_update()
-                    .get(pool)
-                    .map_or((None, false), |state| {
-                        (
-                            state.paused_until(now),
-                            state.phase(now) == crate::breaker::Phase::Open,
-                        )
-                    });
+            let (until, open) = states
+                .borrow_and_update()
+                .get(pool)
+                .map_or((None, false), |state| {
+                    (state.paused_until(now), state.phase(now) == Phase::Open)
+                });
             let Some(until) = until else {
                 return Ok(waited);
             };

@@ -100,7 +100,7 @@ impl Outlet {
     }
 
     /// `pool`'s pauses in force now.
-    pub async fn pool_pauses(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
+    async fn pool_pauses(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
         Ok(self.pool_runtime(pool).await?.pauses)
     }
 
