@@ -16,9 +16,8 @@ use crate::breaker::Counts;
 /// layer, so no more than one per 5 s.
 pub(crate) const ADAPT_EVERY: Duration = Duration::from_secs(5);
 
-/// How far the mean latency may rise over its baseline and still count as near it:
-/// twice, since a loaded instance adds its own delays to what it measures.
-const TOLERANCE: f64 = 2.0;
+/// How far the mean latency may rise over its baseline and still count as near it.
+const TOLERANCE: f64 = 1.5;
 
 /// Latencies are reported in whole milliseconds: this much more always counts as near
 /// the baseline, so an upstream answering in under a millisecond does not look slow.
@@ -46,10 +45,10 @@ pub(crate) struct Bounds {
 }
 
 impl Bounds {
-    /// How much one step raises the limit: an eighth of `max_in_flight`, at least 1,
-    /// so the limit can climb its whole range in 40 s.
-    fn increase(&self) -> u64 {
-        (self.max / 8).max(1)
+    /// How much one step raises the limit at most (latency at its baseline): a tenth
+    /// of `max_in_flight`, so the limit can climb its whole range in under a minute.
+    fn increase(&self) -> f64 {
+        (self.max as f64 / 10.0).max(1.0)
     }
 }
 
@@ -65,8 +64,8 @@ pub(crate) fn start(bounds: Bounds) -> Adaptive {
 
 /// The next step from `current`, given the cluster's `counts` since the last one:
 /// lower when failures appear or the mean latency rose past the baseline, by as much
-/// as it rose (at most half, at least a tenth); higher by a fixed step otherwise. No
-/// attempts, no evidence: no change.
+/// as it rose (at most half, at least a tenth); higher otherwise, by a step that
+/// shrinks as the latency nears the threshold. No attempts, no evidence: no change.
 pub(crate) fn next_limit(current: Adaptive, counts: Counts, bounds: Bounds) -> Adaptive {
     let Some(mean) = counts.mean_latency_us() else {
         return current;
@@ -83,7 +82,10 @@ pub(crate) fn next_limit(current: Adaptive, counts: Counts, bounds: Bounds) -> A
         let factor = (threshold / mean as f64).clamp(MAX_DECREASE, MIN_DECREASE);
         ((limit as f64 * factor) as u64).min(limit.saturating_sub(1))
     } else {
-        limit + bounds.increase()
+        // The full step at the baseline, less as the latency nears the threshold, so
+        // the limit slows down before the knee instead of overshooting it.
+        let headroom = ((threshold - mean as f64) / (threshold - baseline as f64)).clamp(0.0, 1.0);
+        limit + ((bounds.increase() * headroom).round() as u64).max(1)
     };
     Adaptive {
         limit: limit.clamp(bounds.min, bounds.max),
@@ -168,6 +170,6 @@ mod tests {
         assert!(slower.limit < 10);
         let faster = next_limit(current, counts(10, 0, 5), BOUNDS);
         assert_eq!(faster.baseline_us, Some(5_000));
-        assert_eq!(faster.limit, 18);
+        assert_eq!(faster.limit, 16);
     }
 }
