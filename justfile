@@ -82,17 +82,7 @@ test-upgrade:
     #!/usr/bin/env bash
     set -euo pipefail
     {{ _nats_path }}
-    target="$(realpath -m "${CARGO_TARGET_DIR:-target}")"
-    old="$target/upgrade/{{ upgrade_from }}"
-    old_bin="$old/target/debug/webproxy"
-    if [[ -x "$old_bin" ]]; then
-        echo "using the old version's binary $old_bin" >&2
-    else
-        # A cold build takes about 4.5 minutes on 2 cores; the registry is shared.
-        rm -rf "$old/src" && mkdir -p "$old/src"
-        git archive {{ upgrade_from }} | tar -x -C "$old/src"
-        (cd "$old/src" && CARGO_TARGET_DIR="$old/target" cargo build --locked -p webproxy --bin webproxy)
-    fi
+    old_bin="$(bash scripts/build-commit.sh {{ upgrade_from }} debug upgrade | tail -n1)"
     cargo build --workspace --bins
     WEBPROXY_OLD_BINARY="$old_bin" cargo test -p webproxy-tests --test upgrade -- --ignored
 
@@ -156,3 +146,15 @@ lint:
 bench *args:
     cargo build --release -p webproxy -p webproxy-bench
     {{ _nats_path }}; target/release/webproxy-bench {{ args }}
+
+# The performance reference (issue 17): main as it stood when the performance work began.
+bench_reference := "1e76bb6"
+
+# `just bench` with the reference's release binary (built once into <target>/reference/) measured beside this build: 3 interleaved rounds, medians compared.
+bench-reference *args:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    {{ _nats_path }}
+    reference="$(bash scripts/build-commit.sh {{ bench_reference }} release reference | tail -n1)"
+    cargo build --release -p webproxy -p webproxy-bench
+    target/release/webproxy-bench --rounds 3 --reference "{{ bench_reference }}=$reference" {{ args }}

@@ -25,4 +25,4 @@ pub use webproxy_testkit::{
     closed_port, default_routes, free_port, http_client, run_webproxy, wait_for, wait_until,
     webproxy_bin,
 };
-pub use webproxy_testkit::{adaptive, recovery};
+pub use webproxy_testkit::{adaptive, process, recovery};

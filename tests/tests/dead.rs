@@ -178,20 +178,6 @@ async fn dead_list_filters_by_code_id_pool_since_and_limit() {
 const MANY_LETTERS: u64 = 10_000;
 const BODY_BYTES: usize = 8 * 1024;
 
-/// The process's peak resident set so far, in bytes (`VmHWM`); None once it exited.
-fn peak_rss(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib * 1024)
-}
-
 /// `dead list` streams: over a stream of about 80 MiB it lists every letter, in order,
 /// while its peak RSS stays below the stream's size. A list that loaded the stream
 /// would hold every letter at once and could not; a streaming one holds one fetched
@@ -268,7 +254,7 @@ async fn dead_list_streams_ten_thousand_letters_in_bounded_memory() {
     let mut peak = 0;
     let status = tokio::time::timeout(Duration::from_secs(120), async {
         loop {
-            if let Some(rss) = peak_rss(pid) {
+            if let Some(rss) = webproxy_tests::process::peak_rss(pid) {
                 peak = peak.max(rss);
             }
             if let Some(status) = child.try_wait().expect("wait") {

@@ -1,9 +1,12 @@
-//! `just bench`: webproxy's cost per request, measured in one run on one machine as
+//! `just bench`: webproxy's cost per conversation, measured in one run on one machine as
 //! ratios against two references: the same HTTP calls made directly, and a
 //! broker-only loop (JetStream publish → pull consumer → reply stored through
-//! JetStream → ack, no HTTP, no rules), which is webproxy's ceiling.
+//! JetStream → ack, no HTTP, no rules), which is webproxy's ceiling. With
+//! `--reference NAME=PATH` (`just bench-reference`), other webproxy binaries are measured
+//! in the same run, interleaved round by round, and compared by the median of the rounds.
 //!
-//! Everything runs here: a private nats-server, an in-process upstream, the release
+//! Everything runs here: a private nats-server per webproxy binary (so each server's CPU
+//! and message counts are that binary's alone), an in-process upstream, the release
 //! `webproxy serve` as a subprocess, and closed-loop load generators that keep a fixed
 //! number of conversations outstanding. Last, a probe restarts the nats-server under
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
@@ -12,26 +15,27 @@
 
 mod adaptive;
 
-use std::collections::HashMap;
-use std::future::Future;
+mod cost;
+mod load;
+
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer, stream};
-use bytes::Bytes;
+use async_nats::jetstream;
 use clap::Parser;
-use futures::StreamExt as _;
 use serde::Serialize;
-use tokio::sync::oneshot;
-use webproxy_client::{Client, Request, new_id};
+use webproxy_client::Client;
 use webproxy_testkit::recovery::{Load, OUTAGE, restart_under_load};
 use webproxy_testkit::rules::accept_rule;
 use webproxy_testkit::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
+use cost::{Cost, Counters, median};
+use load::{Figures, Replies, broker, broker_echo, closed_loop, direct, proxied};
+
 #[derive(Debug, Parser)]
-#[command(about = "Benchmark webproxy against direct calls and a broker-only loop")]
+#[command(about = "Benchmark webproxy against direct calls, a broker-only loop and other builds")]
 struct Args {
     /// How long each measurement runs.
     #[arg(long, default_value = "6s", value_parser = humantime::parse_duration)]
@@ -39,263 +43,201 @@ struct Args {
     /// The concurrency levels (outstanding conversations).
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
     levels: Vec<usize>,
+    /// Rounds: every level of every binary is measured once a round, the binaries
+    /// taking turns in an order that alternates from round to round.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Another webproxy binary to measure beside this build, as NAME=PATH; repeatable.
+    #[arg(long = "reference", value_parser = reference)]
+    references: Vec<(String, PathBuf)>,
     /// Where the figures are written as JSON.
     #[arg(long, default_value = "target/bench/latest.json")]
     json: PathBuf,
 }
 
-/// One measurement's figures.
+fn reference(arg: &str) -> Result<(String, PathBuf), String> {
+    match arg.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(path)))
+        }
+        _ => Err(format!("{arg:?} is not NAME=PATH")),
+    }
+}
+
+/// This build's name in the tables.
+const CURRENT: &str = "webproxy";
+
+/// One webproxy binary under test, with a nats-server of its own.
+struct Candidate {
+    name: String,
+    nats: NatsServer,
+    monitoring: String,
+    service: Service,
+    client: Client,
+    replies: Replies,
+}
+
+impl Candidate {
+    async fn start(name: &str, binary: Option<PathBuf>, config: &str) -> anyhow::Result<Self> {
+        let nats = NatsServer::start_with("http: \"127.0.0.1:-1\"");
+        let monitoring = nats
+            .monitoring_url()
+            .context("the bench's nats-server reports no monitoring port")?;
+        let mut options = ServiceOptions::default();
+        if let Some(binary) = binary {
+            options = options.binary(binary);
+        }
+        let service = Service::start_with(&nats.url(), config, options).await;
+        let nats_client = nats.client().await;
+        let client = Client::new(nats_client.clone(), "webproxy")?;
+        // The live copies only: the stored ones, on webproxy.reply.<id>.<STREAM>.<seq>,
+        // would arrive a second time.
+        let replies = Replies::subscribe(
+            &nats_client,
+            "webproxy.reply.*".into(),
+            "webproxy.reply.".len(),
+        )
+        .await?;
+        Ok(Candidate {
+            name: name.to_string(),
+            nats,
+            monitoring,
+            service,
+            client,
+            replies,
+        })
+    }
+
+    fn nats_pid(&self) -> anyhow::Result<u32> {
+        self.nats
+            .pid()
+            .context("the bench's nats-server is not running")
+    }
+
+    /// `concurrency` conversations on `pool` for `url`, kept outstanding for `duration`,
+    /// with what they cost.
+    async fn measure(
+        &self,
+        http: &reqwest::Client,
+        concurrency: usize,
+        duration: Duration,
+        pool: &'static str,
+        url: &Arc<str>,
+    ) -> anyhow::Result<Sample> {
+        let pid = self.nats_pid()?;
+        let service = Some(self.service.pid());
+        let before = Counters::read(http, service, pid, &self.monitoring).await?;
+        let figures = closed_loop(concurrency, duration, {
+            let (client, replies, url) = (self.client.clone(), self.replies.clone(), url.clone());
+            move || proxied(client.clone(), replies.clone(), pool, url.clone())
+        })
+        .await;
+        let after = Counters::read(http, service, pid, &self.monitoring).await?;
+        let cost = before.per_conversation(&after, figures.requests);
+        Ok(Sample { figures, cost })
+    }
+}
+
+/// One measurement and what its conversations cost.
 #[derive(Debug, Clone, Serialize)]
-struct Figures {
-    requests: usize,
-    errors: usize,
+struct Sample {
+    figures: Figures,
+    cost: Cost,
+}
+
+/// One round of one binary.
+#[derive(Debug, Default, Serialize)]
+struct Round {
+    /// By concurrency level, in the order of `--levels`.
+    levels: Vec<Sample>,
+    slot: Option<Sample>,
+    /// VmHWM of its `webproxy serve` after the concurrency-256 run, in MiB.
+    peak_rss_mib: f64,
+}
+
+/// A binary's figures: every round, and the median of each figure across them.
+#[derive(Debug, Serialize)]
+struct Measured {
+    name: String,
+    rounds: Vec<Round>,
+    medians: Vec<LevelMedian>,
+    /// Through a pool of one slot with 8 outstanding, ÷ direct req/s at concurrency 1,
+    /// against an upstream that holds each request 10 ms (the median of the rounds).
+    slot_utilization: f64,
+    peak_rss_mib: f64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+struct LevelMedian {
+    concurrency: usize,
     rps: f64,
     p50_ms: f64,
-    p90_ms: f64,
-    p99_ms: f64,
-    max_ms: f64,
+    cost: Cost,
 }
 
-impl Figures {
-    fn from(mut latencies: Vec<Duration>, errors: usize, elapsed: Duration) -> Figures {
-        latencies.sort_unstable();
-        let at = |q: f64| {
-            if latencies.is_empty() {
-                return 0.0;
-            }
-            let index = ((latencies.len() as f64 - 1.0) * q).round() as usize;
-            latencies[index].as_secs_f64() * 1000.0
-        };
-        Figures {
-            requests: latencies.len(),
-            errors,
-            rps: latencies.len() as f64 / elapsed.as_secs_f64(),
-            p50_ms: at(0.50),
-            p90_ms: at(0.90),
-            p99_ms: at(0.99),
-            max_ms: at(1.0),
-        }
-    }
-}
-
-/// Keeps `concurrency` operations outstanding for `duration`; an operation returns
-/// whether it succeeded.
-async fn closed_loop<F, Fut>(concurrency: usize, duration: Duration, op: F) -> Figures
-where
-    F: Fn() -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = bool> + Send,
-{
-    let started = Instant::now();
-    let deadline = started + duration;
-    let workers: Vec<_> = (0..concurrency)
-        .map(|_| {
-            let op = op.clone();
-            tokio::spawn(async move {
-                let mut latencies = Vec::new();
-                let mut errors = 0;
-                while Instant::now() < deadline {
-                    let t0 = Instant::now();
-                    if op().await {
-                        latencies.push(t0.elapsed());
-                    } else {
-                        errors += 1;
-                    }
+impl Measured {
+    fn summarize(name: String, rounds: Vec<Round>, levels: &[usize], slot_direct: &[f64]) -> Self {
+        let medians = levels
+            .iter()
+            .enumerate()
+            .map(|(i, &concurrency)| {
+                let of = |f: fn(&Sample) -> f64| {
+                    median(
+                        rounds
+                            .iter()
+                            .filter_map(|r| r.levels.get(i))
+                            .map(f)
+                            .collect(),
+                    )
+                };
+                LevelMedian {
+                    concurrency,
+                    rps: of(|s| s.figures.rps),
+                    p50_ms: of(|s| s.figures.p50_ms),
+                    cost: Cost {
+                        service_cpu_us: of(|s| s.cost.service_cpu_us),
+                        nats_cpu_us: of(|s| s.cost.nats_cpu_us),
+                        msgs_in: of(|s| s.cost.msgs_in),
+                        msgs_out: of(|s| s.cost.msgs_out),
+                    },
                 }
-                (latencies, errors)
             })
-        })
-        .collect();
-    let mut latencies = Vec::new();
-    let mut errors = 0;
-    for worker in workers {
-        if let Ok((l, e)) = worker.await {
-            latencies.extend(l);
-            errors += e;
+            .collect();
+        let slot_utilization = median(
+            rounds
+                .iter()
+                .zip(slot_direct)
+                .filter_map(|(round, direct)| Some(round.slot.as_ref()?.figures.rps / direct))
+                .collect(),
+        );
+        let peak_rss_mib = rounds.iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max);
+        Measured {
+            name,
+            rounds,
+            medians,
+            slot_utilization,
+            peak_rss_mib,
         }
     }
-    Figures::from(latencies, errors, started.elapsed())
 }
 
-/// Routes replies from one wildcard subscription, made before any publish, to the
-/// conversation waiting for each.
-#[derive(Clone, Default)]
-struct Replies(Arc<Mutex<HashMap<String, oneshot::Sender<async_nats::Message>>>>);
-
-impl Replies {
-    async fn subscribe(
-        nats: &async_nats::Client,
-        wildcard: String,
-        prefix_len: usize,
-    ) -> anyhow::Result<Replies> {
-        let replies = Replies::default();
-        let mut subscription = nats.subscribe(wildcard).await?;
-        let routes = replies.clone();
-        tokio::spawn(async move {
-            while let Some(message) = subscription.next().await {
-                let id = message
-                    .subject
-                    .get(prefix_len..)
-                    .unwrap_or_default()
-                    .to_string();
-                if let Some(waiter) = routes.lock().remove(&id) {
-                    let _ = waiter.send(message);
-                }
-            }
-        });
-        Ok(replies)
-    }
-
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<async_nats::Message>>> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn expect(&self, id: &str) -> oneshot::Receiver<async_nats::Message> {
-        let (tx, rx) = oneshot::channel();
-        self.lock().insert(id.to_string(), tx);
-        rx
-    }
-}
-
-const REPLY_WAIT: Duration = Duration::from_secs(30);
-
-/// One proxied conversation: publish with the client, wait for the reply.
-async fn proxied(client: Client, replies: Replies, pool: &'static str, url: Arc<str>) -> bool {
-    let id = new_id();
-    let reply = replies.expect(&id);
-    let request = Request::new("GET", url.as_ref()).id(id).pool(pool);
-    if client.submit(&request).await.is_err() {
-        return false;
-    }
-    match tokio::time::timeout(REPLY_WAIT, reply).await {
-        Ok(Ok(message)) => message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Webproxy-Outcome"))
-            .is_some_and(|v| v.as_str() == "response"),
-        _ => false,
-    }
-}
-
-async fn direct(http: reqwest::Client, url: Arc<str>) -> bool {
-    match http.get(url.as_ref()).send().await {
-        Ok(response) => response.status().is_success() && response.bytes().await.is_ok(),
-        Err(_) => false,
-    }
-}
-
-/// The broker-only loop's server side: what webproxy does with NATS, without HTTP.
-async fn broker_echo(js: jetstream::Context) -> anyhow::Result<()> {
-    js.create_stream(stream::Config {
-        name: "BENCH_WORK".into(),
-        subjects: vec!["bench.work".into()],
-        retention: stream::RetentionPolicy::WorkQueue,
-        storage: stream::StorageType::File,
-        ..Default::default()
-    })
-    .await?;
-    js.create_stream(stream::Config {
-        name: "BENCH_REPLIES".into(),
-        subjects: vec!["bench.reply.>".into()],
-        storage: stream::StorageType::File,
-        ..Default::default()
-    })
-    .await?;
-    let work: consumer::PullConsumer = js
-        .get_stream("BENCH_WORK")
-        .await?
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("bench".into()),
-            max_ack_pending: 512,
-            ..Default::default()
-        })
-        .await?;
-    tokio::spawn(async move {
-        loop {
-            let Ok(mut batch) = work
-                .batch()
-                .max_messages(256)
-                .expires(Duration::from_secs(5))
-                .messages()
-                .await
-            else {
-                continue;
-            };
-            while let Some(Ok(message)) = batch.next().await {
-                let js = js.clone();
-                tokio::spawn(async move {
-                    let id = String::from_utf8_lossy(&message.payload).into_owned();
-                    let publish = jetstream::message::PublishMessage::build()
-                        .payload(Bytes::from_static(b"{\"outcome\":\"response\"}"))
-                        .message_id(format!("{id}:0:reply"));
-                    if let Ok(ack) = js.send_publish(format!("bench.reply.{id}"), publish).await
-                        && ack.await.is_ok()
-                    {
-                        let _ = message.ack().await;
-                    }
-                });
-            }
-        }
-    });
-    Ok(())
-}
-
-async fn broker(js: jetstream::Context, replies: Replies) -> bool {
-    let id = new_id();
-    let reply = replies.expect(&id);
-    let publish = jetstream::message::PublishMessage::build()
-        .payload(Bytes::from(id.clone()))
-        .message_id(&id);
-    let Ok(ack) = js.send_publish("bench.work", publish).await else {
-        return false;
-    };
-    if ack.await.is_err() {
-        return false;
-    }
-    matches!(tokio::time::timeout(REPLY_WAIT, reply).await, Ok(Ok(_)))
-}
-
-/// Peak resident memory of a process, from `/proc/<pid>/status` (VmHWM), in KiB.
-fn peak_rss_kib(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-}
-
-#[derive(Debug, Serialize)]
-struct Level {
-    concurrency: usize,
-    proxied: Figures,
-    direct: Figures,
-    broker: Figures,
-    /// proxied req/s ÷ broker-only req/s: how close webproxy gets to its ceiling.
-    throughput_vs_broker: f64,
-    /// proxied p50 ÷ broker-only p50.
-    p50_vs_broker: f64,
-    /// proxied p50 ÷ direct p50.
-    p50_vs_direct: f64,
+/// The references of a round, measured once a round beside the binaries.
+#[derive(Debug, Default, Serialize)]
+struct Baselines {
+    direct: Vec<Figures>,
+    /// With the broker's nats-server cost (no service: its CPU is the bench's own).
+    broker: Vec<Sample>,
+    slot_direct: Option<Figures>,
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
     machine: String,
     duration_s: f64,
-    levels: Vec<Level>,
-    /// webproxy req/s through a pool of one slot with 8 outstanding, ÷ direct req/s at
-    /// concurrency 1, against an upstream that holds each request 10 ms.
-    slot_utilization: f64,
-    slot_proxied: Figures,
-    slot_direct: Figures,
-    /// `webproxy serve`'s VmHWM after the concurrency-256 run, in MiB.
-    peak_rss_mib: f64,
+    levels: Vec<usize>,
+    baselines: Vec<Baselines>,
+    /// This build first, then the references.
+    binaries: Vec<Measured>,
     /// From the nats-server's return after a 3 s outage until the last of 100
     /// conversations (pool of 16, upstream 50 ms) was answered, in seconds.
     nats_restart_recovery_s: f64,
@@ -373,19 +315,39 @@ fn machine() -> String {
     format!("{cores} cores, {model}")
 }
 
-fn row(mode: &str, concurrency: usize, f: &Figures) {
+fn header() {
     println!(
-        "{mode:<8} {concurrency:>5} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7}",
+        "{:<10} {:>5} {:>9} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>8} {:>7} {:>7}",
+        "mode",
+        "conc",
+        "req/s",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "max ms",
+        "errors",
+        "svc µs",
+        "nats µs",
+        "msg in",
+        "msg out"
+    );
+}
+
+/// One table row; the cost columns are per completed conversation.
+fn row(mode: &str, concurrency: usize, f: &Figures, cost: Option<&Cost>) {
+    let cost = cost.map_or_else(String::new, |c| {
+        format!(
+            " {:>8.1} {:>8.1} {:>7.2} {:>7.2}",
+            c.service_cpu_us, c.nats_cpu_us, c.msgs_in, c.msgs_out
+        )
+    });
+    println!(
+        "{mode:<10} {concurrency:>5} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6}{cost}",
         f.rps, f.p50_ms, f.p90_ms, f.p99_ms, f.max_ms, f.errors
     );
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let mut nats = NatsServer::start();
-    let gate = Gate::new();
-    let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
+fn config(upstream: &Upstream) -> String {
     let rated: String = RATES
         .iter()
         .map(|(rate, pool, status)| {
@@ -395,46 +357,79 @@ async fn main() -> anyhow::Result<()> {
             )
         })
         .collect();
-    let config = format!(
-        "[log]\nlevel = \"warn\"\n\n[pools.default]\nmax_in_flight = 512\n\n[pools.slot]\nmax_in_flight = 1\n\n\
+    // Logged as deployed (JSON, one line per finished conversation at info): what the
+    // log line costs is part of what a conversation costs.
+    format!(
+        "[log]\nlevel = \"info\"\nformat = \"json\"\n\n[pools.default]\nmax_in_flight = 512\n\n[pools.slot]\nmax_in_flight = 1\n\n\
          [pools.recovery]\nmax_in_flight = 16\n\n\
          [[request_rules]]\nname = \"slot\"\nurl_pattern = '/delay/'\npool = \"slot\"\n\n\
          [[request_rules]]\nname = \"recovery\"\nurl_pattern = '/gated/'\npool = \"recovery\"\n\n{rated}{}",
-        accept_rule("local", &upstream)
-    );
-    // The outcome of every conversation is logged at info; the bench measures the
-    // service, not its log volume.
-    let service = Service::start_with(
-        &nats.url(),
-        &config,
-        ServiceOptions::default().env("RUST_LOG", "warn"),
+        accept_rule("local", upstream)
     )
-    .await;
-    let nats_client = nats.client().await;
-    let client = Client::new(nats_client.clone(), "webproxy")?;
-    let js = jetstream::new(nats_client.clone());
-    // The live copies only: the stored ones, on webproxy.reply.<id>.<STREAM>.<seq>,
-    // would arrive a second time.
-    let replies = Replies::subscribe(
-        &nats_client,
-        "webproxy.reply.*".into(),
-        "webproxy.reply.".len(),
+}
+
+/// The ratios of this build's medians to a reference's.
+fn compare(current: &Measured, reference: &Measured) {
+    println!();
+    println!(
+        "{} ÷ {} (medians of the rounds; req/s above 1 and costs below 1 are better)",
+        current.name, reference.name
+    );
+    println!(
+        "{:>5} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8}",
+        "conc", "req/s", "p50", "svc cpu", "nats cpu", "msg in", "msg out"
+    );
+    for (mine, theirs) in current.medians.iter().zip(&reference.medians) {
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        println!(
+            "{:>5} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2}",
+            mine.concurrency,
+            ratio(mine.rps, theirs.rps),
+            ratio(mine.p50_ms, theirs.p50_ms),
+            ratio(mine.cost.service_cpu_us, theirs.cost.service_cpu_us),
+            ratio(mine.cost.nats_cpu_us, theirs.cost.nats_cpu_us),
+            ratio(mine.cost.msgs_in, theirs.cost.msgs_in),
+            ratio(mine.cost.msgs_out, theirs.cost.msgs_out),
+        );
+    }
+    println!(
+        "slot utilization: {:.3} vs {:.3}; peak RSS after 256 outstanding: {:.1} vs {:.1} MiB",
+        current.slot_utilization,
+        reference.slot_utilization,
+        current.peak_rss_mib,
+        reference.peak_rss_mib
+    );
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let gate = Gate::new();
+    let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
+    let config = config(&upstream);
+    let mut candidates = vec![Candidate::start(CURRENT, None, &config).await?];
+    for (name, binary) in &args.references {
+        let candidate = Candidate::start(name, Some(binary.clone()), &config)
+            .await
+            .with_context(|| format!("cannot start the reference {name}"))?;
+        candidates.push(candidate);
+    }
+    // The broker-only loop runs on this build's server, when it is idle.
+    let js = jetstream::new(candidates[0].nats.client().await);
+    let broker_replies = Replies::subscribe(
+        &candidates[0].nats.client().await,
+        "bench.reply.>".into(),
+        "bench.reply.".len(),
     )
     .await?;
-    let broker_replies =
-        Replies::subscribe(&nats_client, "bench.reply.>".into(), "bench.reply.".len()).await?;
     broker_echo(js.clone())
         .await
         .context("cannot set up the broker-only loop")?;
     let http = reqwest::Client::builder().no_proxy().build()?;
     let echo: Arc<str> = Arc::from(upstream.url("/bytes/64"));
-
-    let proxied_op = {
-        let (client, replies, url) = (client.clone(), replies.clone(), echo.clone());
-        move || proxied(client.clone(), replies.clone(), "default", url.clone())
-    };
-    let direct_op = {
-        let (http, url) = (http.clone(), echo.clone());
+    let delayed: Arc<str> = Arc::from(upstream.url("/delay/10"));
+    let direct_op = |url: Arc<str>| {
+        let http = http.clone();
         move || direct(http.clone(), url.clone())
     };
     let broker_op = {
@@ -446,57 +441,97 @@ async fn main() -> anyhow::Result<()> {
     // measurement: otherwise the first run at a new level pays for opening them.
     eprintln!("warming up");
     let warm = args.levels.iter().copied().max().unwrap_or(16);
-    closed_loop(warm, Duration::from_secs(2), proxied_op.clone()).await;
+    for candidate in &candidates {
+        candidate
+            .measure(&http, warm, Duration::from_secs(2), "default", &echo)
+            .await?;
+    }
     closed_loop(warm, Duration::from_secs(1), broker_op.clone()).await;
-    closed_loop(warm, Duration::from_secs(1), direct_op.clone()).await;
+    closed_loop(warm, Duration::from_secs(1), direct_op(echo.clone())).await;
 
     println!("machine: {}", machine());
-    println!(
-        "{:<8} {:>5} {:>10} {:>8} {:>8} {:>8} {:>8} {:>7}",
-        "mode", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "errors"
-    );
-    let mut levels = Vec::new();
-    let mut peak_rss_mib = 0.0;
-    for &concurrency in &args.levels {
-        let broker = closed_loop(concurrency, args.duration, broker_op.clone()).await;
-        let direct = closed_loop(concurrency, args.duration, direct_op.clone()).await;
-        let proxied = closed_loop(concurrency, args.duration, proxied_op.clone()).await;
-        if concurrency == 256 {
-            peak_rss_mib = peak_rss_kib(service.pid()).unwrap_or(0) as f64 / 1024.0;
+    let nats_pid = candidates[0].nats_pid()?;
+    let mut rounds: Vec<Vec<Round>> = candidates.iter().map(|_| Vec::new()).collect();
+    let mut baselines = Vec::new();
+    for round in 0..args.rounds {
+        println!();
+        println!("round {}/{}", round + 1, args.rounds);
+        header();
+        // Each binary first in turn, so no binary always runs after the same one.
+        let mut order: Vec<usize> = (0..candidates.len()).collect();
+        order.rotate_left(round % candidates.len());
+        let mut measured: Vec<Round> = candidates.iter().map(|_| Round::default()).collect();
+        let mut baseline = Baselines::default();
+        for &concurrency in &args.levels {
+            let before = Counters::read(&http, None, nats_pid, &candidates[0].monitoring).await?;
+            let figures = closed_loop(concurrency, args.duration, broker_op.clone()).await;
+            let after = Counters::read(&http, None, nats_pid, &candidates[0].monitoring).await?;
+            let cost = before.per_conversation(&after, figures.requests);
+            row("broker", concurrency, &figures, Some(&cost));
+            baseline.broker.push(Sample { figures, cost });
+            let figures = closed_loop(concurrency, args.duration, direct_op(echo.clone())).await;
+            row("direct", concurrency, &figures, None);
+            baseline.direct.push(figures);
+            for &i in &order {
+                let candidate = &candidates[i];
+                let sample = candidate
+                    .measure(&http, concurrency, args.duration, "default", &echo)
+                    .await?;
+                row(
+                    &candidate.name,
+                    concurrency,
+                    &sample.figures,
+                    Some(&sample.cost),
+                );
+                if concurrency == 256 {
+                    measured[i].peak_rss_mib =
+                        webproxy_testkit::process::peak_rss(candidate.service.pid()).unwrap_or(0)
+                            as f64
+                            / (1024.0 * 1024.0);
+                }
+                measured[i].levels.push(sample);
+            }
         }
-        row("broker", concurrency, &broker);
-        row("direct", concurrency, &direct);
-        row("proxied", concurrency, &proxied);
-        levels.push(Level {
-            concurrency,
-            throughput_vs_broker: proxied.rps / broker.rps,
-            p50_vs_broker: proxied.p50_ms / broker.p50_ms,
-            p50_vs_direct: proxied.p50_ms / direct.p50_ms,
-            proxied,
-            direct,
-            broker,
-        });
+        let slot_direct = closed_loop(1, args.duration, direct_op(delayed.clone())).await;
+        row("direct", 1, &slot_direct, None);
+        for &i in &order {
+            let sample = candidates[i]
+                .measure(&http, 8, args.duration, "slot", &delayed)
+                .await?;
+            println!(
+                "slot utilization of {} (max_in_flight 1, 10 ms upstream, 8 outstanding): {:.3} ({:.1} req/s, {:.1} direct)",
+                candidates[i].name,
+                sample.figures.rps / slot_direct.rps,
+                sample.figures.rps,
+                slot_direct.rps
+            );
+            measured[i].slot = Some(sample);
+        }
+        baseline.slot_direct = Some(slot_direct);
+        baselines.push(baseline);
+        for (i, round) in measured.into_iter().enumerate() {
+            rounds[i].push(round);
+        }
     }
 
-    let delayed: Arc<str> = Arc::from(upstream.url("/delay/10"));
-    let slot_direct = closed_loop(1, args.duration, {
-        let (http, url) = (http.clone(), delayed.clone());
-        move || direct(http.clone(), url.clone())
-    })
-    .await;
-    let slot_proxied = closed_loop(8, args.duration, {
-        let (client, replies, url) = (client.clone(), replies.clone(), delayed.clone());
-        move || proxied(client.clone(), replies.clone(), "slot", url.clone())
-    })
-    .await;
+    let slot_direct: Vec<f64> = baselines
+        .iter()
+        .map(|b| b.slot_direct.as_ref().map_or(0.0, |f| f.rps))
+        .collect();
+    let binaries: Vec<Measured> = candidates
+        .iter()
+        .zip(rounds)
+        .map(|(c, rounds)| Measured::summarize(c.name.clone(), rounds, &args.levels, &slot_direct))
+        .collect();
 
+    let current = &candidates[0];
     let mut rates = Vec::new();
     for measured in RATES {
         rates.push(
             rate_figures(
-                &service,
-                &client,
-                &replies,
+                &current.service,
+                &current.client,
+                &current.replies,
                 &upstream,
                 measured,
                 args.duration,
@@ -504,53 +539,57 @@ async fn main() -> anyhow::Result<()> {
             .await,
         );
     }
-
     // Last, since it takes the server away from everything above.
-    let caller = Client::new(nats.quick_client().await, "webproxy")?;
+    let caller = Client::new(current.nats.quick_client().await, "webproxy")?;
     let load = Load {
         pool: "recovery",
         count: 100,
         limit: 16,
         upstream_ms: 50,
     };
-    let recovery = restart_under_load(&mut nats, &caller, &upstream, &gate, load).await;
-    let report = Report {
-        machine: machine(),
-        duration_s: args.duration.as_secs_f64(),
-        slot_utilization: slot_proxied.rps / slot_direct.rps,
-        slot_proxied,
-        slot_direct,
-        peak_rss_mib,
-        nats_restart_recovery_s: recovery.last_answer.as_secs_f64(),
-        nats_restart_failed: recovery.failed.len(),
-        levels,
-        rates,
-    };
+    let nats = &mut candidates[0].nats;
+    let recovery = restart_under_load(nats, &caller, &upstream, &gate, load).await;
 
     println!();
     println!(
-        "{:>5} {:>18} {:>14} {:>14}",
-        "conc", "req/s vs broker", "p50 vs broker", "p50 vs direct"
+        "medians of {} round(s): {:>5} {:>18} {:>14} {:>14}",
+        args.rounds, "conc", "req/s vs broker", "p50 vs broker", "p50 vs direct"
     );
-    for level in &report.levels {
+    for (i, level) in binaries[0].medians.iter().enumerate() {
+        let broker_rps = median(baselines.iter().map(|b| b.broker[i].figures.rps).collect());
+        let broker_p50 = median(
+            baselines
+                .iter()
+                .map(|b| b.broker[i].figures.p50_ms)
+                .collect(),
+        );
+        let direct_p50 = median(baselines.iter().map(|b| b.direct[i].p50_ms).collect());
         println!(
-            "{:>5} {:>18.2} {:>14.2} {:>14.2}",
-            level.concurrency, level.throughput_vs_broker, level.p50_vs_broker, level.p50_vs_direct
+            "{:>27} {:>18.2} {:>14.2} {:>14.2}",
+            level.concurrency,
+            level.rps / broker_rps,
+            level.p50_ms / broker_p50,
+            level.p50_ms / direct_p50
         );
     }
     println!(
-        "slot utilization (max_in_flight 1, 10 ms upstream, 8 outstanding): {:.3} ({:.1} req/s proxied, {:.1} direct)",
-        report.slot_utilization, report.slot_proxied.rps, report.slot_direct.rps
+        "slot utilization (max_in_flight 1, 10 ms upstream, 8 outstanding): {:.3}",
+        binaries[0].slot_utilization
     );
     println!(
         "peak RSS of webproxy serve after concurrency 256: {:.1} MiB",
-        report.peak_rss_mib
+        binaries[0].peak_rss_mib
     );
+    for reference in &binaries[1..] {
+        compare(&binaries[0], reference);
+    }
+    println!();
     println!(
         "recovery after NATS restart: {:.2} s (last of 100 conversations answered after a {OUTAGE:?} outage; pool of 16, upstream 50 ms; {} failed)",
-        report.nats_restart_recovery_s, report.nats_restart_failed
+        recovery.last_answer.as_secs_f64(),
+        recovery.failed.len()
     );
-    for rate in &report.rates {
+    for rate in &rates {
         println!(
             "rate {}/s (64 outstanding): {:.0}% of the rate achieved, {:.2} NATS requests per attempt for the schedule",
             rate.rate_per_s,
@@ -558,6 +597,16 @@ async fn main() -> anyhow::Result<()> {
             rate.nats_requests_per_attempt
         );
     }
+    let report = Report {
+        machine: machine(),
+        duration_s: args.duration.as_secs_f64(),
+        levels: args.levels.clone(),
+        baselines,
+        binaries,
+        nats_restart_recovery_s: recovery.last_answer.as_secs_f64(),
+        nats_restart_failed: recovery.failed.len(),
+        rates,
+    };
     if let Some(dir) = args.json.parent() {
         std::fs::create_dir_all(dir)?;
     }

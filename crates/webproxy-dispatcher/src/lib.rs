@@ -49,6 +49,7 @@ pub use runtime::{Dispatcher, Outlet, ReplayError, Settled, StartError, connect}
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};
 pub use security::OutboundConfig;
+pub use trace::request_ids;
 
 use gauges::Gauges;
 use health::Health;

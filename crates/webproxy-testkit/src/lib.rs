@@ -18,6 +18,7 @@
 pub mod adaptive;
 pub mod authorization;
 mod nats;
+pub mod process;
 #[cfg(feature = "recovery")]
 pub mod recovery;
 pub mod rules;

@@ -67,6 +67,24 @@ impl NatsServer {
         self.port
     }
 
+    /// The running server's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The CPU time the running server has used so far (zero when it is not running).
+    pub fn cpu_time(&self) -> Duration {
+        self.pid().map_or(Duration::ZERO, crate::process::cpu_time)
+    }
+
+    /// `http://127.0.0.1:PORT` of the monitoring endpoint (`/varz`, ...), when the
+    /// server was started with one (`http: "127.0.0.1:-1"` in its extra config).
+    pub fn monitoring_url(&self) -> Option<String> {
+        let pid = self.pid()?;
+        let ports = self.ports_file(&format!("_{pid}.ports"))?;
+        Some(ports.get("monitoring")?.get(0)?.as_str()?.to_string())
+    }
+
     /// The JetStream store dir; it survives [`NatsServer::restart`].
     pub fn store_dir(&self) -> &Path {
         &self.store_dir
@@ -236,6 +254,13 @@ impl NatsServer {
 
     /// `None` until the file exists and parses (it may be caught half-written).
     fn read_ports_file(&self, suffix: &str) -> Option<u16> {
+        let ports = self.ports_file(suffix)?;
+        let url = ports.get("nats")?.get(0)?.as_str()?;
+        url.rsplit(':').next()?.parse().ok()
+    }
+
+    /// The ports file whose name ends in `suffix`, parsed.
+    fn ports_file(&self, suffix: &str) -> Option<serde_json::Value> {
         let path = fs::read_dir(&self.ports_dir)
             .ok()?
             .filter_map(Result::ok)
@@ -245,9 +270,7 @@ impl NatsServer {
                     .and_then(|name| name.to_str())
                     .is_some_and(|name| name.ends_with(suffix))
             })?;
-        let ports: serde_json::Value = serde_json::from_slice(&fs::read(path).ok()?).ok()?;
-        let url = ports.get("nats")?.get(0)?.as_str()?;
-        url.rsplit(':').next()?.parse().ok()
+        serde_json::from_slice(&fs::read(path).ok()?).ok()
     }
 
     /// The ports file is a strong hint; a completed TCP connect is the proof.

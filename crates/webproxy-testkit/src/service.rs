@@ -306,24 +306,9 @@ impl Service {
         self.pid
     }
 
-    /// The CPU time (user and system) the process has used so far, from
-    /// `/proc/<pid>/stat` (Linux only), in clock ticks of `getconf CLK_TCK`.
+    /// The CPU time (user and system) the process has used so far.
     pub fn cpu_time(&self) -> Duration {
-        let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid))
-            .unwrap_or_else(|e| panic!("read /proc/{}/stat: {e}", self.pid));
-        // The command name, field 2, is in parentheses and may hold spaces; utime and
-        // stime are fields 14 and 15, so the 12th and 13th after it.
-        let after_name = stat
-            .rsplit_once(')')
-            .map(|(_, rest)| rest)
-            .unwrap_or_else(|| panic!("unexpected /proc/{}/stat: {stat}", self.pid));
-        let ticks: u64 = after_name
-            .split_whitespace()
-            .skip(11)
-            .take(2)
-            .map(|field| field.parse::<u64>().expect("utime and stime are numbers"))
-            .sum();
-        Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second() as f64)
+        crate::process::cpu_time(self.pid)
     }
 
     /// SIGKILL, like a crash, and reap. A no-op if it already exited.
@@ -425,19 +410,4 @@ impl Drop for Service {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// `getconf CLK_TCK`: the unit of `/proc/<pid>/stat`'s times (100 on Linux).
-fn clock_ticks_per_second() -> u64 {
-    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        let output = Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .expect("run `getconf CLK_TCK`");
-        String::from_utf8_lossy(&output.stdout)
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("`getconf CLK_TCK` gave {output:?}: {e}"))
-    })
 }

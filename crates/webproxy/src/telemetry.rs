@@ -1,23 +1,23 @@
-//! Logs and traces. Spans exist and W3C trace context propagates whether or not an
-//! exporter is configured. OTLP export is on when the standard environment names an
+//! Logs and traces. W3C trace context propagates whether or not an exporter is
+//! configured. OTLP export is on when the standard environment names an
 //! endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, as the
 //! OpenTelemetry Operator injects) or `[telemetry] otlp_endpoint` does; the environment
 //! wins, and `OTEL_EXPORTER_OTLP_PROTOCOL` picks gRPC, HTTP/protobuf (the default) or
 //! HTTP/JSON. Set up with the async runtime entered (the gRPC exporter's channel needs
 //! it) and dropped before the runtime is, since the guard flushes on drop. Every log
 //! line passes the [`Redactor`], so no injected secret is ever logged, at any level, by
-//! any crate; so does every exported span ([`RedactingExporter`]). JSON log lines inside
-//! a span carry its `trace_id` and `span_id`.
+//! any crate; so does every exported span ([`RedactingExporter`]). JSON log lines logged
+//! while a delivery is handled carry its `trace_id` and `span_id`. Spans are built only
+//! when they are exported; log lines are events alone.
 
 use std::io::{IsTerminal as _, Write};
-use std::sync::{Arc, OnceLock};
 
 use std::borrow::Cow;
 
 use crate::config::{LogConfig, LogFormat, TelemetryConfig};
 use anyhow::Context as _;
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry::trace::{SpanId, Status, TraceContextExt as _, TraceId};
+use opentelemetry::trace::{SpanId, Status, TraceId};
 use opentelemetry::{Array, Key, KeyValue, StringValue, Value, global};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::Resource;
@@ -26,11 +26,10 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::resource::{EnvResourceDetector, ResourceDetector as _};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
-use tracing::dispatcher::WeakDispatch;
-use tracing::{Dispatch, Event, Level, Subscriber};
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{FilterExt as _, Targets, filter_fn};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -210,88 +209,60 @@ pub fn init_service(
     let resource = Resource::builder()
         .with_service_name(service_name(&env, &telemetry.service_name).to_string())
         .build();
-    let mut provider = SdkTracerProvider::builder().with_resource(resource);
-    if let Some(export) = export(telemetry, &env)? {
-        provider = provider.with_batch_exporter(RedactingExporter {
-            inner: exporter(&export)?,
-            redactor: redactor.clone(),
-        });
-    }
-    let provider = provider.build();
+    // Spans are built only to be exported: without an exporter the dispatcher makes the
+    // trace context it propagates itself, at a fraction of the cost.
+    let provider = match export(telemetry, &env)? {
+        Some(export) => Some(
+            SdkTracerProvider::builder()
+                .with_resource(resource)
+                .with_batch_exporter(RedactingExporter {
+                    inner: exporter(&export)?,
+                    redactor: redactor.clone(),
+                })
+                .build(),
+        ),
+        None => None,
+    };
     // Spans are filtered apart from logs: a quieter log level must not stop the
     // caller's trace context from reaching the upstream and the reply.
-    let spans = Targets::new()
-        .with_target("webproxy_dispatcher", Level::INFO)
-        .with_target("webproxy", Level::INFO);
-    let traces = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer("webproxy"))
-        .with_filter(spans);
+    let traces = provider.as_ref().map(|provider| {
+        let spans = Targets::new()
+            .with_target("webproxy_dispatcher", Level::INFO)
+            .with_target("webproxy", Level::INFO);
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("webproxy"))
+            .with_filter(spans)
+    });
     let registry = tracing_subscriber::registry().with(traces);
     // Colour codes only where a person reads them, never in a log file.
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(RedactingStderr { redactor })
         .with_ansi(std::io::stderr().is_terminal());
-    let logs = filter(&log.level);
+    // Log lines are events alone, each with the fields it needs: a span seen by this
+    // layer is formatted again on every field recorded into it, and its fields again in
+    // every line logged inside it.
+    let logs = filter(&log.level).and(filter_fn(|metadata| metadata.is_event()));
     if json(log.format) {
-        let ids = TraceIds::default();
         let format = tracing_subscriber::fmt::format().json().flatten_event(true);
         registry
             .with(
                 fmt.json()
-                    .event_format(ids.around(format))
+                    .with_current_span(false)
+                    .with_span_list(false)
+                    .event_format(JsonWithTraceIds { inner: format })
                     .with_filter(logs),
             )
             .init();
-        tracing::dispatcher::get_default(|dispatch| ids.set(dispatch));
     } else {
         registry.with(fmt.with_filter(logs)).init();
     }
-    Ok(TelemetryGuard {
-        provider: Some(provider),
-    })
-}
-
-/// Gives JSON log lines the trace ids of the span they are logged in. A span's
-/// OpenTelemetry context is reached through the dispatch it belongs to, which exists
-/// only once the subscriber holding this formatter is built: hence set afterwards.
-#[derive(Debug, Clone, Default)]
-struct TraceIds(Arc<OnceLock<WeakDispatch>>);
-
-impl TraceIds {
-    fn set(&self, dispatch: &Dispatch) {
-        // Weak: the dispatch holds the formatter that holds this.
-        let _ = self.0.set(dispatch.downgrade());
-    }
-
-    fn around<F>(&self, inner: F) -> JsonWithTraceIds<F> {
-        JsonWithTraceIds {
-            inner,
-            ids: self.clone(),
-        }
-    }
-
-    /// The ids of the innermost span around the event that has trace context (spans of
-    /// other crates have none).
-    fn of<S, N>(&self, ctx: &FmtContext<'_, S, N>) -> Option<(TraceId, SpanId)>
-    where
-        S: Subscriber + for<'a> LookupSpan<'a>,
-        N: for<'w> FormatFields<'w> + 'static,
-    {
-        let dispatch = self.0.get()?.upgrade()?;
-        ctx.event_scope()?.find_map(|span| {
-            let context = tracing_opentelemetry::get_otel_context(&span.id(), &dispatch)?;
-            let span = context.span();
-            let ids = span.span_context();
-            ids.is_valid().then(|| (ids.trace_id(), ids.span_id()))
-        })
-    }
+    Ok(TelemetryGuard { provider })
 }
 
 /// A JSON event format whose lines start with `trace_id` and `span_id` when the event is
-/// logged inside a traced span.
+/// logged while a delivery is handled (the ids of its `webproxy request` span).
 struct JsonWithTraceIds<F> {
     inner: F,
-    ids: TraceIds,
 }
 
 impl<S, N, F> FormatEvent<S, N> for JsonWithTraceIds<F>
@@ -306,7 +277,7 @@ where
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> std::fmt::Result {
-        let Some((trace_id, span_id)) = self.ids.of(ctx) else {
+        let Some((trace_id, span_id)) = webproxy_dispatcher::request_ids() else {
             return self.inner.format_event(ctx, writer, event);
         };
         let mut line = String::new();
@@ -639,75 +610,6 @@ mod tests {
             serde_json::from_str(&with_trace_ids("{}", trace_id, span_id)).expect("json");
         assert_eq!(empty["span_id"], "b7ad6b7169203331");
         assert_eq!(with_trace_ids("not json", trace_id, span_id), "not json");
-    }
-
-    /// A log line's buffer, shared with the test.
-    #[derive(Clone, Default)]
-    struct Lines(Arc<Mutex<Vec<u8>>>);
-
-    impl Write for Lines {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    /// Inside a span whose parent is a caller's trace, JSON lines carry that trace and
-    /// the span's own id; outside any span they carry neither.
-    #[test]
-    fn json_lines_carry_the_trace_of_their_span() {
-        use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
-        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-
-        let provider = SdkTracerProvider::builder().build();
-        let lines = Lines::default();
-        let writer = lines.clone();
-        let ids = TraceIds::default();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
-            .with(
-                tracing_subscriber::fmt::layer()
-                    .json()
-                    .event_format(
-                        ids.around(tracing_subscriber::fmt::format().json().flatten_event(true)),
-                    )
-                    .with_writer(move || writer.clone()),
-            );
-        let dispatch = Dispatch::new(subscriber);
-        ids.set(&dispatch);
-        let caller = opentelemetry::Context::new().with_remote_span_context(SpanContext::new(
-            TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").expect("id"),
-            SpanId::from_hex("b7ad6b7169203331").expect("id"),
-            TraceFlags::SAMPLED,
-            true,
-            TraceState::NONE,
-        ));
-        let own_span_id = tracing::dispatcher::with_default(&dispatch, || {
-            tracing::info!("outside");
-            let span = tracing::info_span!("conversation");
-            let _ = span.set_parent(caller);
-            let _entered = span.enter();
-            tracing::info!(id = "abc", "inside");
-            span.context().span().span_context().span_id().to_string()
-        });
-        let text = text_of(&lines.0);
-        let events: Vec<serde_json::Value> = text
-            .lines()
-            .map(|line| serde_json::from_str(line).expect("json"))
-            .collect();
-        assert_eq!(events.len(), 2, "{text}");
-        assert!(events[0].get("trace_id").is_none(), "{text}");
-        assert_eq!(events[1]["trace_id"], "0af7651916cd43dd8448eb211c80319c");
-        assert_eq!(events[1]["span_id"], own_span_id.as_str());
-        assert_ne!(events[1]["span_id"], "b7ad6b7169203331");
-        assert_eq!(events[1]["id"], "abc");
     }
 
     /// Collects what the redacting exporter hands on.

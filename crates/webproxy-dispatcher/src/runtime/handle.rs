@@ -11,7 +11,6 @@ use bytes::Bytes;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, Span, debug, field, info_span, warn};
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, header, parse_request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
@@ -61,10 +60,13 @@ pub(super) async fn handle(
         queue_wait_ms = field::Empty,
         backoff_ms = field::Empty,
     );
-    let _ = span.set_parent(trace::extract(message.headers.as_ref()));
-    handle_delivery(shared, pool, message, liveness)
-        .instrument(span)
-        .await;
+    let parent = trace::extract(message.headers.as_ref());
+    trace::in_request(
+        span,
+        parent,
+        handle_delivery(shared, pool, message, liveness),
+    )
+    .await;
 }
 
 /// Decides how the delivery ends and settles it.
@@ -454,7 +456,7 @@ async fn attempt(
                     .generation_key(conversation.generation()),
             ));
         }
-        trace::inject_http(&span.context(), &mut own_headers);
+        trace::inject_http(&trace::attempt_context(&span), &mut own_headers);
         let policy = RulePolicy {
             rules: &shared.settings.cluster.rules,
             outbound: &shared.settings.cluster.outbound,

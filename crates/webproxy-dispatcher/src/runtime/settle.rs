@@ -10,7 +10,6 @@
 use async_nats::HeaderMap;
 use async_nats::jetstream::AckKind;
 use tracing::{debug, error, info, warn};
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use webproxy_protocol::{ErrorBody, ErrorCode, header};
 
 use super::conversation::Conversation;
@@ -253,7 +252,7 @@ fn reply_headers(conversation: &Conversation<'_>, reply: &EncodedReply) -> Heade
     );
     headers.insert(header::ORIGIN, conversation.origin().to_string().as_str());
     // The caller continues its trace from the reply.
-    trace::inject_nats(&tracing::Span::current().context(), &mut headers);
+    trace::inject_nats(&trace::request_context(), &mut headers);
     headers
 }
 

@@ -1,0 +1,57 @@
+//! What a child process has cost so far, read from `/proc` (Linux only): its CPU time
+//! and its peak resident memory. The bench divides them by the conversations served;
+//! tests bound them.
+
+use std::fs;
+use std::process::Command;
+use std::time::Duration;
+
+/// The CPU time (user and system) process `pid` has used so far, from
+/// `/proc/<pid>/stat`, in clock ticks of `getconf CLK_TCK`.
+pub fn cpu_time(pid: u32) -> Duration {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap_or_else(|e| panic!("read /proc/{pid}/stat: {e}"));
+    // The command name, field 2, is in parentheses and may hold spaces; utime and
+    // stime are fields 14 and 15, so the 12th and 13th after it.
+    let after_name = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_else(|| panic!("unexpected /proc/{pid}/stat: {stat}"));
+    let ticks: u64 = after_name
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .map(|field| field.parse::<u64>().expect("utime and stime are numbers"))
+        .sum();
+    Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second() as f64)
+}
+
+/// Process `pid`'s peak resident set so far, in bytes (`VmHWM` in
+/// `/proc/<pid>/status`); `None` once it exited.
+pub fn peak_rss(pid: u32) -> Option<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// `getconf CLK_TCK`: the unit of `/proc/<pid>/stat`'s times (100 on Linux).
+fn clock_ticks_per_second() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        let output = Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .expect("run `getconf CLK_TCK`");
+        String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("`getconf CLK_TCK` gave {output:?}: {e}"))
+    })
+}
