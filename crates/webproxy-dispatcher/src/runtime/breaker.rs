@@ -396,11 +396,15 @@ async fn adapt(
     }
     let written = shared
         .flow
-        .change_state(pool, |state| {
+        .change_state(pool, |stored| {
+            // Computed from the state as read; another writer's limit since wins.
+            if stored.adaptive_limit != state.adaptive_limit {
+                return false;
+            }
             let changed =
-                state.adaptive_limit != Some(next.limit) || state.baseline_us != next.baseline_us;
-            state.adaptive_limit = Some(next.limit);
-            state.baseline_us = next.baseline_us;
+                stored.adaptive_limit != Some(next.limit) || stored.baseline_us != next.baseline_us;
+            stored.adaptive_limit = Some(next.limit);
+            stored.baseline_us = next.baseline_us;
             changed
         })
         .await;
