@@ -97,6 +97,11 @@ test-upgrade:
     cargo build --workspace --bins
     WEBPROXY_OLD_BINARY="$old_bin" cargo test -p webproxy-tests --test upgrade -- --ignored
 
+# Issue 20's adaptive-limit test: about 2 minutes, since the limit moves once per 5 s and needs tens of seconds to settle (ignored by `just test`; `.ci/run` runs it).
+test-adaptive:
+    cargo build --workspace --bins
+    {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo nextest run -p webproxy-tests --test adaptive --run-ignored ignored-only --no-capture; else cargo test -p webproxy-tests --test adaptive -- --ignored --nocapture; fi
+
 # The Python client's tests: the schema, and a live webproxy on a real nats-server. Dependencies (pinned) go into .venv-clients/.
 test-python:
     cargo build --workspace --bins

@@ -70,6 +70,8 @@ METRICS = {
     "webproxy_pool_paused": {"pool"},
     "webproxy_gate_wait_seconds": {"pool"},
     "webproxy_rate_schedule_requests_total": {"pool"},
+    "webproxy_breaker_transitions_total": {"pool", "to"},
+    "webproxy_pool_effective_limit": {"pool"},
     "webproxy_build_info": {"version"},
     # `webproxy gateway` (issue 21), on its own health listener.
     "webproxy_gateway_requests_total": {"route", "outcome"},
@@ -91,6 +93,7 @@ CLUSTER_WIDE = {
     "webproxy_pool_parked",
     "webproxy_pool_max_in_flight",
     "webproxy_pool_paused",
+    "webproxy_pool_effective_limit",
 }
 # An aggregation up to the opening bracket of its argument: `max by (pool) (`.
 AGGREGATION = r"\b([a-z_]+)\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*$"

@@ -129,16 +129,29 @@ impl Harness {
 
     /// The pool consumer's state on the server.
     pub async fn pool_consumer(&self, pool: &str) -> consumer::Info {
-        let stream = self
-            .js
-            .get_stream(self.subjects.pool_stream(pool))
-            .await
-            .expect("pool stream");
-        stream
-            .consumer_info(self.subjects.pool_consumer(pool))
-            .await
-            .expect("consumer info")
+        pool_consumer_in(&self.js, &self.subjects, pool).await
     }
+}
+
+/// `pool`'s work consumer's state on `nats`, under the default prefix.
+pub async fn pool_consumer(nats: &NatsServer, pool: &str) -> consumer::Info {
+    let js = jetstream::new(nats.client().await);
+    pool_consumer_in(&js, &Subjects::new("webproxy").expect("prefix"), pool).await
+}
+
+async fn pool_consumer_in(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    pool: &str,
+) -> consumer::Info {
+    let stream = js
+        .get_stream_no_info(subjects.pool_stream(pool))
+        .await
+        .expect("pool stream");
+    stream
+        .consumer_info(subjects.pool_consumer(pool))
+        .await
+        .expect("consumer info")
 }
 
 /// `envelope` as a client request to `pool`.

@@ -25,4 +25,4 @@ pub use webproxy_testkit::{
     Upstream, closed_port, default_routes, free_port, http_client, run_webproxy, wait_for,
     wait_until, webproxy_bin,
 };
-pub use webproxy_testkit::{process, recovery};
+pub use webproxy_testkit::{adaptive, process, recovery};

@@ -18,7 +18,6 @@ use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
 const POOL: &str = "partner";
-const CONSUMER: &str = "webproxy-partner-l2";
 
 /// How long a condition the service reports may take to show: generous for a loaded
 /// CI machine.
@@ -145,12 +144,7 @@ async fn a_rate_of_200_per_second_holds_across_three_instances() {
 
 /// The partner pool's work consumer.
 async fn consumer(nats: &NatsServer) -> async_nats::jetstream::consumer::Info {
-    let js = async_nats::jetstream::new(nats.client().await);
-    let stream = js
-        .get_stream_no_info("WEBPROXY_POOL_PARTNER")
-        .await
-        .expect("stream");
-    stream.consumer_info(CONSUMER).await.expect("consumer")
+    webproxy_tests::caller::pool_consumer(nats, POOL).await
 }
 
 /// `webproxy ARGS --nats URL`; its standard output, asserting it succeeded.

@@ -765,16 +765,18 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let document = |max_in_flight: u64| {
+    let document = |max_in_flight: u64, pool: &str| {
         format!(
-            "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = {max_in_flight}\n\n{}",
+            "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = {max_in_flight}\n{pool}\n{}",
             accept_rule("local", &upstream)
         )
     };
+    // Issue 20's adaptive limit starts at min_in_flight; with no attempts it stays.
+    let adaptive = "adaptive = true\nmin_in_flight = 3\n";
     success(
         &config(
             &nats,
-            &["push", &write(dir.path(), "r1.toml", &document(2))],
+            &["push", &write(dir.path(), "r1.toml", &document(2, ""))],
         )
         .await,
     );
@@ -806,7 +808,7 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
     assert!(paused.paused);
 
     // A push that changes the limit: one update, and the pause stays.
-    push_and_wait(&nats, dir.path(), "raise.toml", &document(5), &services).await;
+    push_and_wait(&nats, dir.path(), "raise.toml", &document(5, ""), &services).await;
     webproxy_tests::wait_until(SEEN, "the raised limit on the consumer", || async {
         limit().await.0 == 5
     })
@@ -815,14 +817,14 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
 
     // An adaptive limit in the runtime state lowers the consumer's; a push that
     // raises the configured limit does not undo it.
-    let state = js
-        .get_key_value("WEBPROXY_POOL_STATE")
-        .await
-        .expect("state bucket");
-    state
-        .put("partner", r#"{"adaptive_limit":3}"#.into())
-        .await
-        .expect("state");
+    push_and_wait(
+        &nats,
+        dir.path(),
+        "adaptive.toml",
+        &document(5, adaptive),
+        &services,
+    )
+    .await;
     webproxy_tests::wait_until(SEEN, "the adaptive limit on the consumer", || async {
         limit().await.0 == 3
     })
@@ -831,10 +833,14 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
         &nats,
         dir.path(),
         "raise-more.toml",
-        &document(8),
+        &document(8, adaptive),
         &services,
     )
     .await;
+    let state = js
+        .get_key_value("WEBPROXY_POOL_STATE")
+        .await
+        .expect("state bucket");
     // The owner handles one change at a time: once this later state change is on the
     // consumer, the push's has been handled too.
     state

@@ -11,8 +11,10 @@
 //! number of conversations outstanding. Last, a probe restarts the nats-server under
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
 //! the last conversation is answered. The HTTP gateway (`webproxy gateway`) gets rows of
-//! its own beside the NATS-client path, measured in the same run.
+//! its own beside the NATS-client path, measured in the same run. Then, apart, the
+//! adaptive limit's run (`adaptive.rs`, issue 20's scenario).
 
+mod adaptive;
 mod cost;
 mod gateway;
 mod load;
@@ -645,5 +647,7 @@ async fn main() -> anyhow::Result<()> {
     }
     std::fs::write(&args.json, serde_json::to_string_pretty(&report)?)?;
     println!("figures written to {}", args.json.display());
+    // Its own servers and instances: a section apart from everything above.
+    adaptive::report(&args.json).await?;
     Ok(())
 }

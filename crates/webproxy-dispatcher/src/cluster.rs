@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::validate_pool_name;
 
+use crate::breaker::BreakerConfig;
 use crate::config_error::ConfigError;
 use crate::rate::Rate;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
@@ -73,6 +74,20 @@ pub struct PoolConfig {
     /// Attempts an idle pool may make at once under `rate`.
     #[serde(default = "default_burst")]
     pub(crate) burst: u32,
+    /// `[pools.NAME.breaker]`: the circuit breaker, off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) breaker: Option<BreakerConfig>,
+    /// Whether the limit adapts, between `min_in_flight` and `max_in_flight`, to the
+    /// upstream's latency and failures.
+    #[serde(default)]
+    pub(crate) adaptive: bool,
+    /// The lowest the adaptive limit goes.
+    #[serde(default = "default_min_in_flight")]
+    pub(crate) min_in_flight: u64,
+}
+
+fn default_min_in_flight() -> u64 {
+    1
 }
 
 fn default_burst() -> u32 {
@@ -87,6 +102,9 @@ impl Default for PoolConfig {
             queue_timeout: None,
             rate: None,
             burst: default_burst(),
+            breaker: None,
+            adaptive: false,
+            min_in_flight: default_min_in_flight(),
         }
     }
 }
@@ -117,7 +135,7 @@ impl ClusterConfig {
         let outbound = Outbound::compile(&self.outbound)?;
         let mut pools = self.pools.clone();
         pools.entry("default".into()).or_default();
-        for (name, pool) in &pools {
+        for (name, pool) in &mut pools {
             validate_pool_name(name).map_err(|e| ConfigError::new(format!("pools.{name}"), e.0))?;
             if pool.max_in_flight == 0 || pool.max_in_flight > i64::MAX as u64 {
                 return Err(ConfigError::new(
@@ -136,6 +154,17 @@ impl ClusterConfig {
                     format!("pools.{name}.max_waiting"),
                     "must be at least 1 (leave it out for unlimited)",
                 ));
+            }
+            if pool.min_in_flight == 0 || pool.min_in_flight > pool.max_in_flight {
+                return Err(ConfigError::new(
+                    format!("pools.{name}.min_in_flight"),
+                    "must be at least 1 and at most max_in_flight",
+                ));
+            }
+            if let Some(breaker) = &mut pool.breaker {
+                breaker.compile().map_err(|(field, message)| {
+                    ConfigError::new(format!("pools.{name}.breaker.{field}"), message)
+                })?;
             }
         }
         let global_response_rules = self

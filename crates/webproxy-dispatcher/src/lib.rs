@@ -7,7 +7,9 @@
 
 #![warn(unreachable_pub)]
 
+mod adaptive;
 mod backoff;
+mod breaker;
 mod cluster;
 mod config;
 mod config_error;

@@ -54,6 +54,12 @@ struct ConsumerWriteLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TransitionLabels {
+    pool: String,
+    to: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
 }
@@ -98,6 +104,8 @@ pub(crate) struct Metrics {
     pool_paused: Family<PoolLabels, Gauge>,
     gate_wait: HistogramFamily<PoolLabels>,
     rate_schedule_requests: Family<PoolLabels, Counter>,
+    breaker_transitions: Family<TransitionLabels, Counter>,
+    pool_effective_limit: Family<PoolLabels, Gauge>,
 }
 
 impl Metrics {
@@ -214,6 +222,18 @@ impl Metrics {
             "NATS requests this instance made to claim slots of the pool's rate schedule (reads and compare-and-set writes); divide by attempts for the cost per attempt",
             rate_schedule_requests.clone(),
         );
+        let breaker_transitions = Family::default();
+        registry.register(
+            "breaker_transitions",
+            "Changes of the pool's circuit breaker this instance made or saw, by the state it went to: \"open\" (opened, or reopened by a failed probe), \"half_open\" (its pause ended and a message went through as its one probe) or \"closed\" (a probe succeeded); sum across pods",
+            breaker_transitions.clone(),
+        );
+        let pool_effective_limit = Family::default();
+        registry.register(
+            "pool_effective_limit",
+            "The pool's limit on attempts in flight across all instances as its runtime state sets it: max_in_flight, the adaptive limit when adaptive is on, 1 while the breaker is open or half-open; cluster-wide: every pod reports the same value, so aggregate with max, not sum",
+            pool_effective_limit.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -241,7 +261,28 @@ impl Metrics {
             pool_paused,
             gate_wait,
             rate_schedule_requests,
+            breaker_transitions,
+            pool_effective_limit,
         }
+    }
+
+    /// `pool`'s breaker went `to` "open", "half_open" or "closed".
+    pub(crate) fn breaker_transition(&self, pool: &str, to: &'static str) {
+        self.breaker_transitions
+            .get_or_create(&TransitionLabels {
+                pool: pool.to_string(),
+                to,
+            })
+            .inc();
+    }
+
+    /// `pool`'s limit as its runtime state sets it now.
+    pub(crate) fn set_pool_effective_limit(&self, pool: &str, limit: u64) {
+        self.pool_effective_limit
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
+            })
+            .set(i64::try_from(limit).unwrap_or(i64::MAX));
     }
 
     /// Whether `pool` is paused now, as its runtime state says.
@@ -401,6 +442,8 @@ mod tests {
         health.set_nats_connected(true);
         metrics.set_config_revision(12);
         metrics.config_refused();
+        metrics.breaker_transition("default", "open");
+        metrics.set_pool_effective_limit("default", 9);
         assert_eq!(metrics.config_revision(), 12);
         let text = metrics.render(&gauges, &health);
         for line in [
@@ -417,6 +460,8 @@ mod tests {
             "webproxy_nats_connected 1",
             "webproxy_config_revision 12",
             "webproxy_config_refused_total 1",
+            r#"webproxy_breaker_transitions_total{pool="default",to="open"} 1"#,
+            r#"webproxy_pool_effective_limit{pool="default"} 9"#,
             r#"webproxy_build_info{version="1.2.3"} 1"#,
         ] {
             assert!(text.contains(line), "missing {line}\n{text}");

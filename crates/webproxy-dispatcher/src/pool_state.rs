@@ -10,6 +10,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
+use crate::breaker::{BREAKER, Open, Phase};
+use crate::cluster::PoolConfig;
+
 /// One pause of a pool: until when, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Pause {
@@ -28,6 +31,20 @@ pub(crate) struct PoolState {
     /// A concurrency limit the service chose below the configured `max_in_flight`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) adaptive_limit: Option<u64>,
+    /// The latency the adaptive limit measures against, in microseconds
+    /// (`adaptive::Adaptive::baseline_us`), kept here so a new owner goes on from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) baseline_us: Option<u64>,
+    /// The circuit breaker, while open or half-open; its pause is `pauses["breaker"]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) breaker: Option<Open>,
+    /// When the breaker last closed: it counts only attempts after that.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub(crate) breaker_closed: Option<OffsetDateTime>,
     /// When the pool was last resumed by hand: a change every instance sees, and pulls
     /// again on (the server does not serve a pull that waited through a pause lifted
     /// through its API).
@@ -97,14 +114,80 @@ impl PoolState {
         self.in_force(now).map(|(_, pause)| pause.until).max()
     }
 
-    /// The pool's limit on messages in flight across all instances: `max_in_flight`,
-    /// lowered by an adaptive limit (never below 1, which would stop the pool: that is
-    /// what a pause is for).
-    pub(crate) fn max_ack_pending(&self, max_in_flight: u64) -> u64 {
-        match self.adaptive_limit {
-            Some(limit) => limit.clamp(1, max_in_flight.max(1)),
-            None => max_in_flight,
+    /// The pool's limit on messages in flight across all instances: 1 while its
+    /// breaker is open or half-open (the one probe), else `max_in_flight`, lowered by
+    /// an adaptive limit when `adaptive` is on (never below `min_in_flight`, nor 1,
+    /// which would stop the pool: that is what a pause is for).
+    pub(crate) fn max_ack_pending(&self, config: &PoolConfig) -> u64 {
+        if self.breaker.is_some() {
+            return 1;
         }
+        match self.adaptive_limit {
+            Some(limit) if config.adaptive => limit.clamp(
+                config.min_in_flight.clamp(1, config.max_in_flight.max(1)),
+                config.max_in_flight.max(1),
+            ),
+            _ => config.max_in_flight,
+        }
+    }
+
+    /// Where the pool's breaker stands at `now`.
+    pub(crate) fn phase(&self, now: OffsetDateTime) -> Phase {
+        match &self.breaker {
+            None => Phase::Closed,
+            Some(_) if self.pauses.get(BREAKER).is_some_and(|p| p.until > now) => Phase::Open,
+            Some(_) => Phase::HalfOpen,
+        }
+    }
+
+    /// Opens the breaker for `open_for` from `now`, for `reason`; false when it is
+    /// open already (another writer won).
+    pub(crate) fn open_breaker(
+        &mut self,
+        now: OffsetDateTime,
+        open_for: std::time::Duration,
+        reason: &str,
+    ) -> bool {
+        if self.breaker.is_some() {
+            return false;
+        }
+        self.set_open(now, open_for, reason);
+        true
+    }
+
+    /// The probe's outcome: a failure reopens the breaker for `reopen_for` from `now`,
+    /// a success closes it. False when the breaker is not half-open (another probe's
+    /// outcome came first).
+    pub(crate) fn probed(
+        &mut self,
+        now: OffsetDateTime,
+        failed: bool,
+        reopen_for: std::time::Duration,
+    ) -> bool {
+        if self.phase(now) != Phase::HalfOpen {
+            return false;
+        }
+        if failed {
+            self.set_open(now, reopen_for, "the probe failed; open again");
+        } else {
+            self.breaker = None;
+            self.pauses.remove(BREAKER);
+            self.breaker_closed = Some(now);
+        }
+        true
+    }
+
+    fn set_open(&mut self, now: OffsetDateTime, open_for: std::time::Duration, reason: &str) {
+        self.breaker = Some(Open {
+            open_for_ms: u64::try_from(open_for.as_millis()).unwrap_or(u64::MAX),
+        });
+        self.pauses.insert(
+            BREAKER.to_string(),
+            Pause {
+                until: now + open_for,
+                reason: reason.to_string(),
+            },
+        );
     }
 }
 
@@ -150,13 +233,54 @@ mod tests {
     #[test]
     fn an_adaptive_limit_lowers_the_configured_one_never_to_zero() {
         let mut state = PoolState::default();
-        assert_eq!(state.max_ack_pending(8), 8);
+        let mut config = PoolConfig {
+            max_in_flight: 8,
+            adaptive: true,
+            ..PoolConfig::default()
+        };
+        assert_eq!(state.max_ack_pending(&config), 8);
         state.adaptive_limit = Some(3);
-        assert_eq!(state.max_ack_pending(8), 3);
+        assert_eq!(state.max_ack_pending(&config), 3);
         state.adaptive_limit = Some(20);
-        assert_eq!(state.max_ack_pending(8), 8);
+        assert_eq!(state.max_ack_pending(&config), 8);
         state.adaptive_limit = Some(0);
-        assert_eq!(state.max_ack_pending(8), 1);
+        assert_eq!(state.max_ack_pending(&config), 1);
+        config.min_in_flight = 2;
+        assert_eq!(state.max_ack_pending(&config), 2);
+        // Switched off, a stored limit no longer applies.
+        config.adaptive = false;
+        assert_eq!(state.max_ack_pending(&config), 8);
+    }
+
+    #[test]
+    fn an_open_breaker_probes_once_then_closes_or_reopens() {
+        let config = PoolConfig {
+            max_in_flight: 8,
+            ..PoolConfig::default()
+        };
+        let mut state = PoolState::default();
+        assert_eq!(state.phase(at(0)), Phase::Closed);
+        assert!(state.open_breaker(
+            at(0),
+            std::time::Duration::from_secs(30),
+            "breaker: 20 of 20"
+        ));
+        assert!(!state.open_breaker(at(1), std::time::Duration::from_secs(30), "again"));
+        assert_eq!(state.phase(at(10)), Phase::Open);
+        assert_eq!(state.paused_until(at(10)), Some(at(30)));
+        assert_eq!(state.max_ack_pending(&config), 1);
+        // No probe's outcome counts while it is open.
+        assert!(!state.probed(at(10), false, std::time::Duration::from_secs(60)));
+        assert_eq!(state.phase(at(30)), Phase::HalfOpen);
+        assert!(state.probed(at(31), true, std::time::Duration::from_secs(60)));
+        assert_eq!(state.phase(at(40)), Phase::Open);
+        assert_eq!(state.paused_until(at(40)), Some(at(91)));
+        assert_eq!(state.breaker.as_ref().map(|b| b.open_for_ms), Some(60_000));
+        assert!(state.probed(at(92), false, std::time::Duration::from_secs(60)));
+        assert_eq!(state.phase(at(92)), Phase::Closed);
+        assert_eq!(state.breaker_closed, Some(at(92)));
+        assert_eq!(state.max_ack_pending(&config), 8);
+        assert!(state.pauses.is_empty());
     }
 
     #[test]

@@ -276,8 +276,7 @@ pub(crate) fn pool_consumer_config(
         filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.cluster.ack_wait,
-        max_ack_pending: i64::try_from(state.max_ack_pending(config.max_in_flight))
-            .unwrap_or(i64::MAX),
+        max_ack_pending: i64::try_from(state.max_ack_pending(config)).unwrap_or(i64::MAX),
         // Unlimited: poison messages are counted and ended by the dispatcher itself.
         max_deliver: -1,
         metadata: with_layout(&HashMap::new()),
@@ -929,17 +928,27 @@ mod tests {
         );
 
         // An adaptive limit is part of what is wanted: a push cannot undo it.
+        let adaptive =
+            settings_from("[pools.p]\nmax_in_flight = 9\nadaptive = true\n").expect("adaptive");
         let lowered = PoolState {
             adaptive_limit: Some(2),
             ..Default::default()
         };
         let wanted_lowered =
-            pool_consumer_config(&raised, "p", &raised.cluster.pools["p"], &lowered);
+            pool_consumer_config(&adaptive, "p", &adaptive.cluster.pools["p"], &lowered);
         assert_eq!(wanted_lowered.max_ack_pending, 2);
         assert_eq!(
             consumer_writes(&as_written(&wanted_lowered), &wanted_lowered, None),
             vec![]
         );
+        // Without `adaptive`, a stored limit does not apply.
+        let ignored = pool_consumer_config(&raised, "p", &raised.cluster.pools["p"], &lowered);
+        assert_eq!(ignored.max_ack_pending, 9);
+        // An open breaker's probe limit wins over both.
+        let mut open = lowered.clone();
+        open.open_breaker(OffsetDateTime::now_utc(), Duration::from_secs(30), "test");
+        let probing = pool_consumer_config(&adaptive, "p", &adaptive.cluster.pools["p"], &open);
+        assert_eq!(probing.max_ack_pending, 1);
     }
 
     #[test]

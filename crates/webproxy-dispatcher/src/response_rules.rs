@@ -72,7 +72,7 @@ impl ResponseRule {
     }
 }
 
-fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
+pub(crate) fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
     let (low, high) = match text.split_once('-') {
         Some((low, high)) => (low.trim().parse().ok()?, high.trim().parse().ok()?),
         None => {

@@ -12,8 +12,10 @@
 //!
 //! This crate depends on no crate of the service's, so a package that uses it (the
 //! bench) never builds the service with the tests' `test-hooks` feature (issue 15);
-//! the `recovery` feature adds only the Rust client.
+//! the `recovery` and `adaptive` features add only the Rust client.
 
+#[cfg(feature = "adaptive")]
+pub mod adaptive;
 pub mod authorization;
 mod gateway;
 mod nats;

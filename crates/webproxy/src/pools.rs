@@ -23,6 +23,10 @@ struct PoolState {
     pool: String,
     /// Its pauses in force.
     pauses: Vec<Paused>,
+    /// Its circuit breaker: `closed`, `open` or `half_open`.
+    breaker: &'static str,
+    /// The adaptive limit its runtime state holds, if any.
+    adaptive_limit: Option<u64>,
     /// The pool consumer's `max_ack_pending`.
     max_in_flight: i64,
     waiting: u64,
@@ -55,7 +59,7 @@ async fn pool_state(
     outlet: &Outlet,
     pool: &str,
 ) -> anyhow::Result<PoolState> {
-    let pauses = outlet.pool_pauses(pool).await?;
+    let runtime = outlet.pool_runtime(pool).await?;
     let subjects = client.subjects();
     let stream = js
         .get_stream_no_info(subjects.pool_stream(pool))
@@ -94,13 +98,16 @@ async fn pool_state(
                 .duration_since(SystemTime::from(message.time))
                 .unwrap_or_default()
         });
-    let pauses = pauses
+    let pauses = runtime
+        .pauses
         .iter()
         .map(|p| Paused::new(&p.cause, p.until, &p.reason))
         .collect();
     Ok(PoolState {
         pool: pool.to_string(),
         pauses,
+        breaker: runtime.breaker,
+        adaptive_limit: runtime.adaptive_limit,
         max_in_flight: work.config.max_ack_pending,
         waiting: work.num_pending,
         in_flight: work.num_ack_pending,
@@ -144,6 +151,20 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
                 "{} paused until {} ({}: {})",
                 s.pool, pause.until, pause.cause, pause.reason
             );
+        }
+        match s.breaker {
+            "open" => println!(
+                "{} breaker open: one probe attempt when its pause ends",
+                s.pool
+            ),
+            "half_open" => println!(
+                "{} breaker half-open: one probe attempt at a time (max_in_flight 1)",
+                s.pool
+            ),
+            _ => {}
+        }
+        if let Some(limit) = s.adaptive_limit {
+            println!("{} adaptive limit {limit}", s.pool);
         }
     }
     let instances = live::reports(&js, client.subjects()).await?;

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::breaker::Phase;
 use crate::config::{PoolConfig, Settings};
 use crate::metrics::Metrics;
 use crate::pool_state::{Extend, PoolState};
@@ -39,6 +40,19 @@ pub(super) struct Flow {
     /// first watched; until then, no pool's state is known.
     loaded: std::sync::atomic::AtomicBool,
     limiters: Mutex<HashMap<String, Arc<Limiter>>>,
+    /// This instance's attempts per pool, for the breaker and the adaptive limit.
+    pub(super) counts: super::breaker::Counts,
+}
+
+/// How a message leaves the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// Attempt it.
+    Go,
+    /// Attempt it as the probe of a half-open breaker: its outcome closes or reopens it.
+    Probe,
+    /// The pool's breaker is open: park it, without an attempt, due when the pause ends.
+    Park(OffsetDateTime),
 }
 
 /// Microseconds since the Unix epoch: the schedule's clock, shared by every instance
@@ -68,6 +82,7 @@ impl Flow {
             states: watch::Sender::new(Arc::new(BTreeMap::new())),
             loaded: std::sync::atomic::AtomicBool::new(false),
             limiters: Mutex::new(HashMap::new()),
+            counts: super::breaker::Counts::default(),
         }
     }
 
@@ -171,16 +186,51 @@ impl Flow {
     }
 
     /// Waits until `pool` may make an attempt: not paused, and under a `rate`, at a
-    /// slot of the pool's schedule.
-    pub(super) async fn pass(&self, pool: &str, config: &PoolConfig) {
+    /// slot of the pool's schedule. A pool whose breaker is open does not wait: the
+    /// message is to be parked until the pause ends (a message waiting out another
+    /// pause that the breaker's joins is parked then too). Past a half-open breaker,
+    /// the attempt is its probe.
+    pub(super) async fn pass(&self, pool: &str, config: &PoolConfig) -> Pass {
         let started = std::time::Instant::now();
-        let paused = self.wait_out_pauses(pool).await;
+        let paused = match self.wait_out_pauses(pool).await {
+            Ok(paused) => paused,
+            Err(until) => return Pass::Park(until),
+        };
         if let Some(rate) = config.rate {
             self.limiter(pool, rate, config.burst).acquire().await;
         }
         if paused || config.rate.is_some() {
             self.metrics.gate_wait(pool, started.elapsed());
         }
+        // The breaker may have opened while this message waited for its rate slot.
+        let now = OffsetDateTime::now_utc();
+        let states = self.states.borrow();
+        let Some(state) = states.get(pool) else {
+            return Pass::Go;
+        };
+        match (state.phase(now), state.paused_until(now)) {
+            (Phase::Open, Some(until)) => Pass::Park(until),
+            (Phase::HalfOpen, _) => Pass::Probe,
+            _ => Pass::Go,
+        }
+    }
+
+    /// Changes `pool`'s state with `change` (which says whether it changed anything),
+    /// by compare-and-set: the state written, or `None` when nothing changed.
+    pub(super) async fn change_state(
+        &self,
+        pool: &str,
+        change: impl FnMut(&mut PoolState) -> bool,
+    ) -> Result<Option<PoolState>, StateError> {
+        update_pool_state(&self.js, &self.state_bucket, pool, change).await
+    }
+
+    /// `pool`'s limit as its state sets it now (what the owner writes to its consumer).
+    pub(super) fn effective_limit(&self, pool: &str, config: &PoolConfig) -> u64 {
+        self.states
+            .borrow()
+            .get(pool)
+            .map_or(config.max_in_flight, |state| state.max_ack_pending(config))
     }
 
     /// Whether `pool`'s state holds a pause in force now.
@@ -191,23 +241,31 @@ impl Flow {
             .is_some_and(|state| state.paused_until(OffsetDateTime::now_utc()).is_some())
     }
 
-    /// Returns once the state of `pool` holds no pause in force; whether it had to
-    /// wait.
-    async fn wait_out_pauses(&self, pool: &str) -> bool {
+    /// Returns once the state of `pool` holds no pause in force: whether it had to
+    /// wait; or, at once, the end of the pause when the pool's breaker is open.
+    async fn wait_out_pauses(&self, pool: &str) -> Result<bool, OffsetDateTime> {
         let mut states = self.states();
         let mut waited = false;
         loop {
-            let until = states
+            let now = OffsetDateTime::now_utc();
+            let (until, open) = states
                 .borrow_and_update()
                 .get(pool)
-                .and_then(|state| state.paused_until(OffsetDateTime::now_utc()));
-            let Some(until) = until else { return waited };
+                .map_or((None, false), |state| {
+                    (state.paused_until(now), state.phase(now) == Phase::Open)
+                });
+            let Some(until) = until else {
+                return Ok(waited);
+            };
+            if open {
+                return Err(until);
+            }
             waited = true;
             let left = until - OffsetDateTime::now_utc();
             let left = Duration::try_from(left).unwrap_or_default();
             tokio::select! {
                 _ = tokio::time::sleep(left) => {}
-                changed = states.changed() => if changed.is_err() { return waited },
+                changed = states.changed() => if changed.is_err() { return Ok(waited) },
             }
         }
     }

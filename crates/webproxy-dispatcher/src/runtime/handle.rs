@@ -15,8 +15,10 @@ use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, header, pa
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Shared;
+use super::breaker;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
+use super::flow::Pass;
 use super::liveness::{Liveness, LivenessPolicy};
 use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
@@ -189,14 +191,38 @@ async fn decide<'a>(
             };
             // The pool's gate (a pause, a rate limit), passed holding the slot; what
             // the wait may have made too late is not attempted.
+            let mut pass = Pass::Go;
             if let Some(config) = settings.cluster.pools.get(&rule.pool) {
-                shared.flow.pass(&rule.pool, config).await;
+                pass = shared.flow.pass(&rule.pool, config).await;
                 if let Some(error) = expired(&input, request, rule, SystemTime::now()) {
                     let error = with_last_failure(error, conversation.state.attempts.last());
                     return reply_error(conversation, error, AckKind::Ack, max_payload);
                 }
             }
-            Box::pin(attempt_and_judge(shared, request, rule, conversation)).await
+            if let Pass::Park(until) = pass {
+                // Caught by an open breaker: parked as a recorded retry hop, due when
+                // its pause ends, with no attempt counted; never NAKed, which would
+                // count toward max_deliver and come back ahead of the probe limit.
+                debug!(id = %conversation.raw_id, pool = conversation.pool, %until, "breaker open: parking until its pause ends");
+                return Ending::Hop {
+                    kind: HopKind::Park,
+                    next: conversation
+                        .state
+                        .next(conversation.state.attempts.clone(), Some(until.into())),
+                    pool: conversation.pool.to_string(),
+                };
+            }
+            if pass == Pass::Probe {
+                breaker::probing(shared, conversation.pool);
+            }
+            Box::pin(attempt_and_judge(
+                shared,
+                request,
+                rule,
+                conversation,
+                pass == Pass::Probe,
+            ))
+            .await
         }
     }
 }
@@ -322,8 +348,20 @@ async fn attempt_and_judge<'a>(
     request: &Request,
     rule: &'a RequestRule,
     conversation: &mut Conversation<'a>,
+    probe: bool,
 ) -> Ending {
     let (outcome, record) = Box::pin(attempt(shared, request, rule, conversation)).await;
+    // Counted only when it reached the upstream; a probe that did not leaves the
+    // breaker half-open for the next.
+    if let (Some(record), Some(config)) = (&record, shared.settings.cluster.pools.get(&rule.pool)) {
+        let failed = shared
+            .flow
+            .counts
+            .attempted(&rule.pool, config, &outcome, record.duration_ms);
+        if probe {
+            breaker::probed(shared, &rule.pool, config, failed).await;
+        }
+    }
     if let Some(pause) = pool_pause(rule, &outcome, SystemTime::now()) {
         let reason = format!(
             "rule {}: the upstream asked to retry after {}",

@@ -4,6 +4,7 @@
 //! A message is always answered, dead-lettered, parked, or left unacked for
 //! redelivery; it is never acked before what it produced is stored.
 
+mod breaker;
 mod conversation;
 mod delivery;
 mod flow;
@@ -262,6 +263,12 @@ async fn refresh_gauges(
                     .outlet
                     .metrics
                     .set_pool_paused(&pool, shared.flow.is_paused(&pool));
+                if let Some(config) = shared.settings.cluster.pools.get(&pool) {
+                    shared.outlet.metrics.set_pool_effective_limit(
+                        &pool,
+                        shared.flow.effective_limit(&pool, config),
+                    );
+                }
                 // Negative means unlimited, which webproxy never provisions.
                 if let Ok(limit) = u64::try_from(work.config.max_ack_pending) {
                     gauge.set_max_in_flight(limit);

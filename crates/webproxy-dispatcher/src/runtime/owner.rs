@@ -93,6 +93,21 @@ impl Lease {
 /// every pool's consumer in line each round, at once when a revision is swapped in or
 /// a pool's state changes. Ends the lease on the way out.
 pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationToken) {
+    let (holding, held) = tokio::sync::watch::channel(false);
+    tokio::join!(
+        hold_and_write(live.clone(), holding, shutdown.clone()),
+        super::breaker::judge(live.clone(), held, shutdown.clone()),
+        super::breaker::report(live, shutdown),
+    );
+}
+
+/// The owner's loop: the lease, and the consumers' settings while it is held;
+/// `holding` tells the breaker's judge whether it is.
+async fn hold_and_write(
+    live: Arc<Live>,
+    holding_now: tokio::sync::watch::Sender<bool>,
+    shutdown: CancellationToken,
+) {
     let mut revisions = live.changes();
     let mut states = live.load().flow.states();
     let mut interval = tokio::time::interval(ROUND);
@@ -125,6 +140,7 @@ pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationTo
         };
         let holding = lease.hold().await;
         metrics.set_pool_consumers_owner(holding);
+        holding_now.send_if_modified(|held| std::mem::replace(held, holding) != holding);
         // Writes computed before the pools' state is read could undo it.
         if !holding || !shared.flow.loaded() {
             continue;
@@ -136,6 +152,7 @@ pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationTo
         }
     }
     live.load().outlet.metrics.set_pool_consumers_owner(false);
+    holding_now.send_replace(false);
     if let Some(lease) = lease {
         lease.release().await;
     }

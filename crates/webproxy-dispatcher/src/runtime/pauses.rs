@@ -6,6 +6,7 @@ use time::OffsetDateTime;
 
 use super::flow::{StateError, update_pool_state};
 use super::publish::Outlet;
+use crate::breaker::Phase;
 use crate::pool_state::{Extend, MANUAL, PoolState};
 use crate::provision::stored_pool_state;
 
@@ -16,6 +17,19 @@ pub struct PoolPause {
     pub cause: String,
     pub until: OffsetDateTime,
     pub reason: String,
+}
+
+/// A pool's runtime state as `pools` shows it: its pauses in force, its breaker and
+/// its adaptive limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolRuntime {
+    pub pauses: Vec<PoolPause>,
+    /// `closed`, `open` or `half_open`.
+    pub breaker: &'static str,
+    /// The breaker's last pause, while it is open or half-open (a failed probe
+    /// doubles it, up to `max_open_for`).
+    pub breaker_open_for: Option<std::time::Duration>,
+    pub adaptive_limit: Option<u64>,
 }
 
 fn in_force(state: &PoolState) -> Vec<PoolPause> {
@@ -86,14 +100,35 @@ impl Outlet {
     }
 
     /// `pool`'s pauses in force now.
-    pub async fn pool_pauses(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
+    async fn pool_pauses(&self, pool: &str) -> Result<Vec<PoolPause>, StateError> {
+        Ok(self.pool_runtime(pool).await?.pauses)
+    }
+
+    /// `pool`'s runtime state now: pauses in force, breaker, adaptive limit.
+    pub async fn pool_runtime(&self, pool: &str) -> Result<PoolRuntime, StateError> {
         let bucket = self.subjects.pool_state_bucket();
-        let Ok(store) = self.js.get_key_value(&bucket).await else {
-            return Ok(Vec::new());
+        let state = match self.js.get_key_value(&bucket).await {
+            Ok(store) => {
+                stored_pool_state(&store, pool)
+                    .await
+                    .map_err(|e| StateError::new(pool, &bucket, e))?
+                    .0
+            }
+            Err(_) => PoolState::default(),
         };
-        let (state, _) = stored_pool_state(&store, pool)
-            .await
-            .map_err(|e| StateError::new(pool, &bucket, e))?;
-        Ok(in_force(&state))
+        let breaker = match state.phase(OffsetDateTime::now_utc()) {
+            Phase::Closed => "closed",
+            Phase::Open => "open",
+            Phase::HalfOpen => "half_open",
+        };
+        Ok(PoolRuntime {
+            pauses: in_force(&state),
+            breaker,
+            breaker_open_for: state
+                .breaker
+                .as_ref()
+                .map(|open| std::time::Duration::from_millis(open.open_for_ms)),
+            adaptive_limit: state.adaptive_limit,
+        })
     }
 }

@@ -1,0 +1,359 @@
+//! A pool's circuit breaker and what it counts, cluster-wide: `[pools.NAME.breaker]`,
+//! which attempts are failures, the per-second counts each instance reports, and the
+//! pure decisions to open, close and reopen. Pure, unit-tested.
+//!
+//! Only what the upstream does counts: transport failures, timeouts and the
+//! configured `failure_statuses`. Other statuses never count, even when a rule retries
+//! them or makes them errors, because callers choose URLs and bodies, and one caller's
+//! requests that fail by design must not open the breaker for everyone.
+
+use std::ops::RangeInclusive;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use webproxy_worker::AttemptOutcome;
+
+use crate::response_rules::parse_status_range;
+
+/// `[pools.NAME.breaker]`: present means on.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BreakerConfig {
+    /// Failures ÷ attempts, across the cluster within `window`, that open the breaker.
+    #[serde(default = "default_failure_ratio")]
+    pub(crate) failure_ratio: f64,
+    /// Attempts, across the cluster within `window`, below which it never opens.
+    #[serde(default = "default_min_attempts")]
+    pub(crate) min_attempts: u64,
+    #[serde(default = "default_window", with = "humantime_serde")]
+    pub(crate) window: Duration,
+    /// The first pause; each failed probe doubles it, up to `max_open_for`.
+    #[serde(default = "default_open_for", with = "humantime_serde")]
+    pub(crate) open_for: Duration,
+    #[serde(default = "default_max_open_for", with = "humantime_serde")]
+    pub(crate) max_open_for: Duration,
+    /// Statuses (`"503"`) or inclusive ranges (`"502-504"`) that count as failures.
+    #[serde(default = "default_failure_statuses")]
+    pub(crate) failure_statuses: Vec<String>,
+    /// `failure_statuses`, compiled by [`BreakerConfig::compile`].
+    #[serde(skip)]
+    pub(crate) statuses: Vec<RangeInclusive<u16>>,
+}
+
+fn default_failure_ratio() -> f64 {
+    0.5
+}
+fn default_min_attempts() -> u64 {
+    20
+}
+fn default_window() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_open_for() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_open_for() -> Duration {
+    Duration::from_secs(600)
+}
+fn default_failure_statuses() -> Vec<String> {
+    vec!["429".into(), "502-504".into()]
+}
+
+/// The failure statuses when no breaker is configured (what the adaptive limit counts).
+pub(crate) fn default_statuses() -> Vec<RangeInclusive<u16>> {
+    default_failure_statuses()
+        .iter()
+        .filter_map(|s| parse_status_range(s))
+        .collect()
+}
+
+impl BreakerConfig {
+    /// Checks the section and compiles its statuses; an error names the field.
+    pub(crate) fn compile(&mut self) -> Result<(), (&'static str, String)> {
+        if !(self.failure_ratio > 0.0 && self.failure_ratio <= 1.0) {
+            return Err(("failure_ratio", "must be above 0 and at most 1".into()));
+        }
+        if self.min_attempts == 0 {
+            return Err(("min_attempts", "must be at least 1".into()));
+        }
+        if self.window < Duration::from_secs(1) {
+            return Err(("window", "must be at least 1s".into()));
+        }
+        if self.open_for < Duration::from_secs(1) {
+            return Err(("open_for", "must be at least 1s".into()));
+        }
+        if self.max_open_for < self.open_for {
+            return Err(("max_open_for", "must be at least open_for".into()));
+        }
+        self.statuses = self
+            .failure_statuses
+            .iter()
+            .map(|s| {
+                parse_status_range(s).ok_or_else(|| {
+                    format!(
+                        "{s:?} is not a status code (\"429\") or an inclusive range (\"502-504\") within 100-599"
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()
+            .map_err(|e| ("failure_statuses", e))?;
+        Ok(())
+    }
+}
+
+/// Whether an attempt's outcome counts against the upstream: a transport failure or
+/// timeout, or a status in `statuses`. A body or headers too large, a destination
+/// refused or a redirect webproxy refuses are the request's doing, not the upstream's.
+pub(crate) fn is_failure(outcome: &AttemptOutcome, statuses: &[RangeInclusive<u16>]) -> bool {
+    match outcome {
+        AttemptOutcome::Failed(_) => true,
+        AttemptOutcome::Response(response) => statuses.iter().any(|r| r.contains(&response.status)),
+        AttemptOutcome::TooLarge { .. }
+        | AttemptOutcome::HeadersTooLarge { .. }
+        | AttemptOutcome::Denied { .. }
+        | AttemptOutcome::Invalid { .. } => false,
+    }
+}
+
+/// Attempts, failures and their summed latency.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub(crate) attempts: u64,
+    pub(crate) failures: u64,
+    pub(crate) latency_ms: u64,
+}
+
+impl Counts {
+    fn add(&mut self, other: Counts) {
+        self.attempts += other.attempts;
+        self.failures += other.failures;
+        self.latency_ms += other.latency_ms;
+    }
+
+    /// The mean latency, in microseconds; none without attempts.
+    pub(crate) fn mean_latency_us(&self) -> Option<u64> {
+        (self.attempts > 0).then(|| self.latency_ms * 1000 / self.attempts)
+    }
+}
+
+/// One instance's counts for one pool, per second (Unix seconds of the attempts'
+/// ends), as it reports them under `stats.<pool>.<instance>` in `<PREFIX>_INSTANCES`.
+/// The owner of the consumers' settings sums every instance's report.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Report {
+    /// `[second, attempts, failures, latency_ms]`, oldest first.
+    #[serde(rename = "s")]
+    seconds: Vec<[u64; 4]>,
+}
+
+impl Report {
+    /// Counts one attempt that ended at Unix second `second`.
+    pub(crate) fn record(&mut self, second: u64, failed: bool, latency_ms: u64) {
+        let failed = u64::from(failed);
+        match self.seconds.last_mut() {
+            Some(last) if last[0] == second => {
+                last[1] += 1;
+                last[2] += failed;
+                last[3] += latency_ms;
+            }
+            _ => self.seconds.push([second, 1, failed, latency_ms]),
+        }
+    }
+
+    /// Drops the seconds before `oldest`; whether any is left.
+    pub(crate) fn keep_from(&mut self, oldest: u64) -> bool {
+        self.seconds.retain(|s| s[0] >= oldest);
+        !self.seconds.is_empty()
+    }
+
+    /// The counts of the seconds in `from..to`.
+    pub(crate) fn sum(&self, from: u64, to: u64) -> Counts {
+        let mut counts = Counts::default();
+        for s in self.seconds.iter().filter(|s| s[0] >= from && s[0] < to) {
+            counts.add(Counts {
+                attempts: s[1],
+                failures: s[2],
+                latency_ms: s[3],
+            });
+        }
+        counts
+    }
+}
+
+/// The counts of every report in `from..to`.
+pub(crate) fn sum<'a>(reports: impl IntoIterator<Item = &'a Report>, from: u64, to: u64) -> Counts {
+    let mut counts = Counts::default();
+    for report in reports {
+        counts.add(report.sum(from, to));
+    }
+    counts
+}
+
+/// Whether the cluster's `counts` within the window open a closed breaker.
+pub(crate) fn should_open(counts: Counts, config: &BreakerConfig) -> bool {
+    counts.attempts >= config.min_attempts
+        && counts.failures as f64 >= config.failure_ratio * counts.attempts as f64
+}
+
+/// The first second a closed breaker counts: the window's, or the one after it last
+/// closed, whichever is later (the failures that opened it do not open it again).
+pub(crate) fn counted_from(
+    now: u64,
+    config: &BreakerConfig,
+    closed: Option<OffsetDateTime>,
+) -> u64 {
+    let window = now.saturating_sub(config.window.as_secs());
+    let closed = closed.map_or(0, |c| u64::try_from(c.unix_timestamp()).unwrap_or(0) + 1);
+    window.max(closed)
+}
+
+/// An open (or half-open) breaker in a pool's runtime state; its pause is the
+/// state's pause of cause [`BREAKER`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Open {
+    /// The pause it opened with last, in milliseconds; a failed probe doubles it.
+    pub(crate) open_for_ms: u64,
+}
+
+/// The cause, and reason, of a breaker's pause.
+pub(crate) const BREAKER: &str = "breaker";
+
+/// Where a pool's breaker stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Closed,
+    /// Paused until its pause ends.
+    Open,
+    /// Its pause ended: one probe attempt goes through (the consumer's
+    /// `max_ack_pending` is 1), and its outcome closes or reopens it.
+    HalfOpen,
+}
+
+/// The pause a failed probe reopens with: twice the last, at most `max_open_for`.
+pub(crate) fn reopen_for(open: &Open, config: &BreakerConfig) -> Duration {
+    Duration::from_millis(open.open_for_ms.saturating_mul(2)).min(config.max_open_for)
+}
+
+/// The reason a breaker's pause shows.
+pub(crate) fn open_reason(counts: Counts, config: &BreakerConfig) -> String {
+    format!(
+        "{} of {} attempts failed in the last {} across the cluster",
+        counts.failures,
+        counts.attempts,
+        humantime::format_duration(config.window)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> BreakerConfig {
+        let mut config: BreakerConfig = toml::from_str(text).expect("toml");
+        config.compile().expect("valid");
+        config
+    }
+
+    #[test]
+    fn defaults_are_the_issues() {
+        let config = config("");
+        assert_eq!(config.failure_ratio, 0.5);
+        assert_eq!(config.min_attempts, 20);
+        assert_eq!(config.window, Duration::from_secs(30));
+        assert_eq!(config.open_for, Duration::from_secs(30));
+        assert_eq!(config.max_open_for, Duration::from_secs(600));
+        assert_eq!(config.statuses, vec![429..=429, 502..=504]);
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        for (text, field) in [
+            ("failure_ratio = 0.0", "failure_ratio"),
+            ("failure_ratio = 1.5", "failure_ratio"),
+            ("min_attempts = 0", "min_attempts"),
+            ("window = \"100ms\"", "window"),
+            ("open_for = \"10s\"\nmax_open_for = \"5s\"", "max_open_for"),
+            ("failure_statuses = [\"5xx\"]", "failure_statuses"),
+        ] {
+            let mut config: BreakerConfig = toml::from_str(text).expect("toml");
+            assert_eq!(config.compile().expect_err(text).0, field, "{text}");
+        }
+    }
+
+    #[test]
+    fn only_the_upstreams_failures_count() {
+        let statuses = config("").statuses;
+        let response = |status| {
+            AttemptOutcome::Response(webproxy_worker::HttpResponse {
+                status,
+                headers: Vec::new(),
+                body: bytes::Bytes::new(),
+            })
+        };
+        for status in [429, 502, 503, 504] {
+            assert!(is_failure(&response(status), &statuses), "{status}");
+        }
+        for status in [200, 404, 500, 501, 505] {
+            assert!(!is_failure(&response(status), &statuses), "{status}");
+        }
+        let denied = AttemptOutcome::Denied {
+            message: "no".into(),
+        };
+        assert!(!is_failure(&denied, &statuses));
+    }
+
+    #[test]
+    fn reports_count_per_second_and_sum_across_instances() {
+        let mut a = Report::default();
+        a.record(100, true, 10);
+        a.record(100, false, 20);
+        a.record(101, true, 30);
+        let mut b = Report::default();
+        b.record(101, true, 5);
+        let counts = sum([&a, &b], 100, 102);
+        assert_eq!(
+            counts,
+            Counts {
+                attempts: 4,
+                failures: 3,
+                latency_ms: 65
+            }
+        );
+        assert_eq!(sum([&a, &b], 101, 102).attempts, 2);
+        assert!(a.keep_from(101));
+        assert_eq!(a.sum(0, u64::MAX).attempts, 1);
+        assert!(!a.keep_from(200));
+        let json = serde_json::to_string(&b).expect("json");
+        assert_eq!(serde_json::from_str::<Report>(&json).expect("read"), b);
+    }
+
+    #[test]
+    fn it_opens_on_enough_failures_of_enough_attempts() {
+        let config = config("min_attempts = 20\nfailure_ratio = 0.5");
+        let counts = |attempts, failures| Counts {
+            attempts,
+            failures,
+            latency_ms: 0,
+        };
+        assert!(!should_open(counts(19, 19), &config));
+        assert!(!should_open(counts(40, 19), &config));
+        assert!(should_open(counts(40, 20), &config));
+    }
+
+    #[test]
+    fn counting_restarts_after_a_close_and_reopening_doubles_to_the_cap() {
+        let config = config("window = \"30s\"\nopen_for = \"30s\"\nmax_open_for = \"100s\"");
+        assert_eq!(counted_from(1000, &config, None), 970);
+        let closed = OffsetDateTime::from_unix_timestamp(990).expect("time");
+        assert_eq!(counted_from(1000, &config, Some(closed)), 991);
+        let open = Open {
+            open_for_ms: 30_000,
+        };
+        assert_eq!(reopen_for(&open, &config), Duration::from_secs(60));
+        let open = Open {
+            open_for_ms: 60_000,
+        };
+        assert_eq!(reopen_for(&open, &config), Duration::from_secs(100));
+    }
+}

@@ -1,0 +1,316 @@
+//! Issue 20: the circuit breaker per pool, cluster-wide, with three instances of the
+//! real binary on one nats-server against an upstream that counts its calls: it
+//! opens on the cluster's counts, lets one call through per pause while open,
+//! recovers when the upstream does with exactly one reply per conversation, and is
+//! not opened by errors the caller chose.
+//!
+//! Time bounds are the issue's (two pause periods for recovery), with the pauses
+//! short (2 s, at most 4 s) so the tests stay quick; each test prints what it measured.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::get;
+use futures::StreamExt as _;
+use webproxy_client::Client;
+use webproxy_tests::caller::{envelope, path_rule, to};
+use webproxy_tests::run_webproxy as webproxy;
+use webproxy_tests::{NatsServer, Service, Upstream, default_routes, wait_until};
+
+const POOL: &str = "partner";
+
+/// How long a condition the service reports may take to show: generous for a loaded
+/// CI machine.
+const SEEN: Duration = Duration::from_secs(30);
+
+/// An upstream whose `/flaky` answers 503 until `healthy` is set, then 200.
+async fn flaky_upstream(healthy: Arc<AtomicBool>) -> Upstream {
+    let router = Router::new().route(
+        "/flaky",
+        get(move || {
+            let healthy = healthy.clone();
+            async move {
+                if healthy.load(Ordering::SeqCst) {
+                    (StatusCode::OK, "ok")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "down")
+                }
+            }
+        }),
+    );
+    Upstream::start_with(default_routes().merge(router)).await
+}
+
+/// The partner pool with `breaker` as its `[pools.partner.breaker]`, and one rule
+/// sending every call to `upstream` there with `rule`'s further keys.
+fn config(upstream: &Upstream, breaker: &str, rule: &str) -> String {
+    format!(
+        "[pools.{POOL}]\nmax_in_flight = 8\n[pools.{POOL}.breaker]\n{breaker}\n{}pool = \"{POOL}\"\n{rule}\n",
+        path_rule("partner", upstream, "/")
+    )
+}
+
+/// A nats-server and three instances serving [`config`]`(upstream, breaker, rule)`,
+/// and a client.
+async fn cluster(
+    upstream: &Upstream,
+    breaker: &str,
+    rule: &str,
+) -> (NatsServer, Vec<Service>, Client) {
+    let nats = NatsServer::start();
+    let services = Service::start_many(&nats.url(), &config(upstream, breaker, rule), 3).await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    (nats, services, client)
+}
+
+/// One request for `url` to the partner pool, in the background; its reply's status,
+/// or its error code.
+fn spawn_request(client: &Client, url: &str) -> tokio::task::JoinHandle<Result<u16, String>> {
+    let client = client.clone();
+    let request = to(POOL, &envelope("GET", url)).wait(Duration::from_secs(120));
+    tokio::spawn(async move {
+        let reply = client.request(&request).await.expect("reply");
+        match reply.error {
+            Some(error) => Err(format!("{:?}", error.code)),
+            None => Ok(reply.status.unwrap_or(0)),
+        }
+    })
+}
+
+/// `webproxy pools --nats URL`'s standard output.
+async fn pools(nats: &NatsServer) -> String {
+    let url = nats.url();
+    let output = webproxy(&["pools", "--nats", url.as_str()]).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The partner pool's work consumer.
+async fn consumer(nats: &NatsServer) -> async_nats::jetstream::consumer::Info {
+    webproxy_tests::caller::pool_consumer(nats, POOL).await
+}
+
+/// The reason `pools` shows for the breaker's pause, once it shows one.
+async fn breaker_reason(nats: &NatsServer) -> String {
+    webproxy_tests::wait_for(SEEN, "the breaker to open", || async {
+        let listed = pools(nats).await;
+        listed
+            .lines()
+            .find(|line| line.starts_with("partner paused until") && line.contains("(breaker: "))
+            .map(|line| line.to_string())
+    })
+    .await
+}
+
+/// `webproxy_breaker_transitions_total{to}` summed over `services`.
+async fn transitions(services: &[Service], to: &str) -> f64 {
+    let series = format!("webproxy_breaker_transitions_total{{pool=\"{POOL}\",to=\"{to}\"}}");
+    let mut sum = 0.0;
+    for service in services {
+        sum += service.metric(&series).await.unwrap_or(0.0);
+    }
+    sum
+}
+
+/// "F of M attempts failed": (F, M).
+fn counts_in(reason: &str) -> (u64, u64) {
+    let words: Vec<&str> = reason.split_whitespace().collect();
+    let at = words
+        .iter()
+        .position(|w| *w == "of")
+        .expect("an 'of' in the reason");
+    let number = |w: &str| {
+        w.trim_start_matches("(breaker:")
+            .parse::<u64>()
+            .unwrap_or_else(|_| panic!("{w:?} in {reason:?}"))
+    };
+    (number(words[at - 1]), number(words[at + 1]))
+}
+
+/// With `min_attempts = 40`, 60 failing calls spread over three instances open the
+/// breaker although no instance made 40 of them: the counts are the cluster's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_opens_on_the_clusters_counts_not_an_instances() {
+    let upstream = Upstream::start().await;
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 40\nfailure_ratio = 0.5\nwindow = \"2m\"\nopen_for = \"1m\"",
+        "max_retries = 0",
+    )
+    .await;
+    let url = upstream.url("/status/503");
+    let calls: Vec<_> = (0..60).map(|_| spawn_request(&client, &url)).collect();
+
+    let reason = breaker_reason(&nats).await;
+    let (failures, attempts) = counts_in(&reason);
+    let series =
+        format!("webproxy_attempts_total{{pool=\"{POOL}\",rule=\"partner\",result=\"5xx\"}}");
+    let mut each = Vec::new();
+    for service in &services {
+        each.push(service.metric(&series).await.unwrap_or(0.0) as u64);
+    }
+    println!("opened: {reason}; attempts per instance {each:?}");
+    assert!(attempts >= 40 && failures * 2 >= attempts, "{reason}");
+    // Each instance stayed below min_attempts; only the cluster reached it.
+    assert!(each.iter().all(|n| *n < 40), "{each:?}");
+    assert!(each.iter().filter(|n| **n > 0).count() >= 2, "{each:?}");
+    wait_until(SEEN, "the consumer paused with the probe limit", || async {
+        let info = consumer(&nats).await;
+        info.paused && info.config.max_ack_pending == 1
+    })
+    .await;
+    assert_eq!(transitions(&services, "open").await, 1.0);
+    let listed = pools(&nats).await;
+    assert!(
+        listed.contains("partner breaker open: one probe attempt when its pause ends"),
+        "{listed}"
+    );
+    // The calls still waiting are parked, not failed; the test ends here.
+    for call in calls {
+        call.abort();
+    }
+}
+
+/// Once open, an upstream failing every call gets one call per pause (2 s, doubling to
+/// 4 s); when it comes back, the next probe closes the breaker and the rest goes
+/// through within two pause periods, every conversation with exactly one reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_open_one_call_per_pause_then_recovery_with_one_reply_each() {
+    let healthy = Arc::new(AtomicBool::new(false));
+    let upstream = flaky_upstream(healthy.clone()).await;
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"2s\"\nmax_open_for = \"4s\"",
+        "max_retries = 30\nretry_delay = \"200ms\"\nbackoff_factor = 1.0",
+    )
+    .await;
+    // Every live reply: subscribed before the first publish.
+    let mut replies = nats
+        .client()
+        .await
+        .subscribe("webproxy.reply.*")
+        .await
+        .expect("subscribe");
+    let url = upstream.url("/flaky");
+    let count = 30;
+    let calls: Vec<_> = (0..count).map(|_| spawn_request(&client, &url)).collect();
+
+    let reason = breaker_reason(&nats).await;
+    let opened = Instant::now();
+    println!("opened: {reason}");
+    // The calls already in flight when it opened end at once (503); from then on the
+    // upstream sees only probes.
+    let settled = opened + Duration::from_secs(1);
+    wait_until(SEEN, "three probes", || async {
+        upstream
+            .hit_times("/flaky")
+            .iter()
+            .filter(|t| **t > settled)
+            .count()
+            >= 3
+    })
+    .await;
+    let probes: Vec<Instant> = upstream
+        .hit_times("/flaky")
+        .into_iter()
+        .filter(|t| *t > settled)
+        .collect();
+    let gaps: Vec<Duration> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+    println!(
+        "calls while open after {:?}: gaps {gaps:?}",
+        settled - opened
+    );
+    // At most one call per pause period: 2 s, then 4 s; never two within the shortest.
+    assert!(
+        gaps.iter().all(|gap| *gap >= Duration::from_millis(1800)),
+        "{gaps:?}"
+    );
+    assert!(transitions(&services, "open").await >= 2.0);
+    assert!(transitions(&services, "half_open").await >= 1.0);
+
+    let back = Instant::now();
+    let before = upstream.hits_for("/flaky");
+    healthy.store(true, Ordering::SeqCst);
+    let mut statuses = Vec::new();
+    for call in calls {
+        statuses.push(call.await.expect("task"));
+    }
+    let recovered = back.elapsed();
+    println!(
+        "recovered {count} conversations in {recovered:?} ({} calls after the upstream came back)",
+        upstream.hits_for("/flaky") - before
+    );
+    assert!(statuses.iter().all(|s| *s == Ok(200)), "{statuses:?}");
+    // Two pause periods of at most max_open_for (4 s).
+    assert!(recovered <= Duration::from_secs(8), "took {recovered:?}");
+    wait_until(SEEN, "the limit restored", || async {
+        let info = consumer(&nats).await;
+        info.config.max_ack_pending == 8
+    })
+    .await;
+    assert!(transitions(&services, "closed").await >= 1.0);
+
+    // Exactly one live reply per conversation: wait until no more come for a while
+    // after all have.
+    let mut per_subject: HashMap<String, usize> = HashMap::new();
+    let quiet = Duration::from_secs(3);
+    while let Ok(Some(reply)) = tokio::time::timeout(quiet, replies.next()).await {
+        *per_subject.entry(reply.subject.to_string()).or_default() += 1;
+    }
+    assert_eq!(per_subject.len(), count, "{per_subject:?}");
+    assert!(per_subject.values().all(|n| *n == 1), "{per_subject:?}");
+    drop(services);
+}
+
+/// A caller whose requests a rule answers 404 → error, or that get 500, does not open
+/// the breaker: 60 such attempts count as attempts, none as failures. 503s then open it,
+/// and its reason shows the earlier attempts counted as successes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_the_caller_chose_do_not_open_the_breaker() {
+    let upstream = Upstream::start().await;
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"5m\"\nopen_for = \"1m\"",
+        "max_retries = 0\n[[request_rules.response_rules]]\nstatus = \"404\"\naction = \"error\"\n[[request_rules.response_rules]]\nstatus = \"500-599\"\naction = \"retry\"",
+    )
+    .await;
+    let chosen: Vec<_> = (0..30)
+        .map(|_| spawn_request(&client, &upstream.url("/status/404")))
+        .chain((0..30).map(|_| spawn_request(&client, &upstream.url("/status/500"))))
+        .collect();
+    for call in chosen {
+        let ended = call.await.expect("task");
+        assert!(
+            matches!(
+                ended.as_ref().map_err(String::as_str),
+                Err("UpstreamError" | "RetriesExhausted")
+            ),
+            "{ended:?}"
+        );
+    }
+    assert_eq!(upstream.hits(), 60);
+    // The caller's errors are in the counts (reported each second) before the 503s go.
+    let failing_from = Instant::now();
+    let url = upstream.url("/status/503");
+    let calls: Vec<_> = (0..100).map(|_| spawn_request(&client, &url)).collect();
+    let reason = breaker_reason(&nats).await;
+    let (failures, attempts) = counts_in(&reason);
+    println!(
+        "opened {:?} after the 503s began: {reason}",
+        failing_from.elapsed()
+    );
+    // Had the 404s and 500s counted, it would have opened on them alone.
+    assert!(attempts - failures >= 60, "{reason}");
+    assert_eq!(transitions(&services, "open").await, 1.0);
+    for call in calls {
+        call.abort();
+    }
+}
