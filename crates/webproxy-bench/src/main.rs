@@ -6,7 +6,8 @@
 //! in the same run, interleaved round by round, and compared by the median of the rounds.
 //!
 //! Everything runs here: a private nats-server per webproxy binary (so each server's CPU
-//! and message counts are that binary's alone), an in-process upstream, the release
+//! and message counts are that binary's alone) and one for the broker-only loop, an
+//! in-process upstream, the release
 //! `webproxy serve` as a subprocess, and closed-loop load generators that keep a fixed
 //! number of conversations outstanding. Last, a probe restarts the nats-server under
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
@@ -70,6 +71,9 @@ fn reference(arg: &str) -> Result<(String, PathBuf), String> {
 /// This build's name in the tables.
 const CURRENT: &str = "webproxy";
 
+/// A bench nats-server's extra configuration: a monitoring port, for `/varz`.
+const MONITORED: &str = "http: \"127.0.0.1:-1\"";
+
 /// One webproxy binary under test, with a nats-server of its own.
 struct Candidate {
     name: String,
@@ -82,7 +86,7 @@ struct Candidate {
 
 impl Candidate {
     async fn start(name: &str, binary: Option<PathBuf>, config: &str) -> anyhow::Result<Self> {
-        let nats = NatsServer::start_with("http: \"127.0.0.1:-1\"");
+        let nats = NatsServer::start_with(MONITORED);
         let monitoring = nats
             .monitoring_url()
             .context("the bench's nats-server reports no monitoring port")?;
@@ -421,14 +425,16 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot start the reference {name}"))?;
         candidates.push(candidate);
     }
-    // The broker-only loop runs on this build's server, when it is idle.
-    let js = jetstream::new(candidates[0].nats.client().await);
-    let broker_replies = Replies::subscribe(
-        &candidates[0].nats.client().await,
-        "bench.reply.>".into(),
-        "bench.reply.".len(),
-    )
-    .await?;
+    // The broker-only loop has a server of its own: its streams' messages and
+    // duplicate-window ids would otherwise weigh on one binary's server alone.
+    let broker_nats = NatsServer::start_with(MONITORED);
+    let broker_monitoring = broker_nats
+        .monitoring_url()
+        .context("the broker loop's nats-server reports no monitoring port")?;
+    let broker_client = broker_nats.client().await;
+    let js = jetstream::new(broker_client.clone());
+    let broker_replies =
+        Replies::subscribe(&broker_client, "bench.reply.>".into(), "bench.reply.".len()).await?;
     broker_echo(js.clone())
         .await
         .context("cannot set up the broker-only loop")?;
@@ -457,7 +463,9 @@ async fn main() -> anyhow::Result<()> {
     closed_loop(warm, Duration::from_secs(1), direct_op(echo.clone())).await;
 
     println!("machine: {}", machine());
-    let nats_pid = candidates[0].nats_pid()?;
+    let nats_pid = broker_nats
+        .pid()
+        .context("the broker loop's nats-server is not running")?;
     let mut rounds: Vec<Vec<Round>> = candidates.iter().map(|_| Vec::new()).collect();
     let mut baselines = Vec::new();
     for round in 0..args.rounds {
@@ -470,9 +478,9 @@ async fn main() -> anyhow::Result<()> {
         let mut measured: Vec<Round> = candidates.iter().map(|_| Round::default()).collect();
         let mut baseline = Baselines::default();
         for &concurrency in &args.levels {
-            let before = Counters::read(&http, None, nats_pid, &candidates[0].monitoring).await?;
+            let before = Counters::read(&http, None, nats_pid, &broker_monitoring).await?;
             let figures = closed_loop(concurrency, args.duration, broker_op.clone()).await;
-            let after = Counters::read(&http, None, nats_pid, &candidates[0].monitoring).await?;
+            let after = Counters::read(&http, None, nats_pid, &broker_monitoring).await?;
             let cost = before.per_conversation(&after, figures.requests);
             row("broker", concurrency, &figures, Some(&cost));
             baseline.broker.push(Sample { figures, cost });
