@@ -1,5 +1,6 @@
 //! Credential injection end to end: the upstream sees the secret, the caller's own
-//! header is replaced, file secrets reload on SIGHUP, and no secret value appears in
+//! header is replaced, file secrets reload on SIGHUP and when their contents change (a
+//! Kubernetes-style `..data` symlink swap, without a signal), and no secret value appears in
 //! the reply, the dead letter, the logs (at trace level) or `check-config`'s output.
 
 use std::net::SocketAddr;
@@ -11,7 +12,9 @@ use axum::http::HeaderMap;
 use axum::routing::get;
 use webproxy_protocol::{ErrorCode, HeaderValue as Hv};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message};
-use webproxy_tests::{ServiceOptions, Upstream, default_routes, wait_for, webproxy_bin};
+use webproxy_tests::{
+    SecretVolume, ServiceOptions, Upstream, default_routes, wait_for, webproxy_bin,
+};
 
 const ENV_SECRET: &str = "env-secret-7f3a9c";
 const FILE_SECRET_1: &str = "file-secret-one-41d2";
@@ -96,8 +99,10 @@ async fn secrets_reach_the_upstream_only() {
     let secret_file = dir.path().join("api-key");
     std::fs::write(&secret_file, format!("{FILE_SECRET_1}\n")).expect("write secret");
     let (upstream, seen) = recording_upstream().await;
+    // Polling off: the reload below must be the signal's.
     let options = ServiceOptions::default()
         .env("PARTNER_TOKEN", ENV_SECRET)
+        .env("WEBPROXY_SERVICE__SECRET_POLL_INTERVAL", "0s")
         .env("RUST_LOG", "trace");
     let h = Harness::start_with_options(upstream, options, |up| rule(up, &secret_file)).await;
 
@@ -159,6 +164,44 @@ async fn secrets_reach_the_upstream_only() {
     let logs = h.service.logs();
     // The trace level really was on, so the grep covers every level.
     assert!(logs.contains("TRACE"), "no trace lines in the log");
+    assert_no_secret("the service log", &logs);
+}
+
+#[tokio::test]
+async fn a_secret_volume_swapped_under_its_symlink_is_picked_up_without_a_signal() {
+    let mut volume = SecretVolume::new("api-key", FILE_SECRET_1);
+    let (upstream, seen) = recording_upstream().await;
+    let options = ServiceOptions::default()
+        .env("PARTNER_TOKEN", ENV_SECRET)
+        .env("WEBPROXY_SERVICE__SECRET_POLL_INTERVAL", "200ms");
+    let secret_file = volume.path();
+    let h = Harness::start_with_options(upstream, options, |up| rule(up, &secret_file)).await;
+    let api_keys = || {
+        seen.lock()
+            .expect("lock")
+            .last()
+            .map(|(_, api_keys)| api_keys.clone())
+    };
+    let reply = h.request(&envelope("GET", &h.upstream.url("/auth"))).await;
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+    assert_eq!(api_keys(), Some(vec![FILE_SECRET_1.to_string()]));
+
+    volume.publish(FILE_SECRET_2);
+    wait_for(
+        REPLY_TIMEOUT,
+        "the rotated secret to reach the upstream",
+        || async {
+            let reply = h.request(&envelope("GET", &h.upstream.url("/auth"))).await;
+            assert_eq!(reply.status, Some(200), "{reply:?}");
+            (api_keys() == Some(vec![FILE_SECRET_2.to_string()])).then_some(())
+        },
+    )
+    .await;
+    let logs = h.service.logs();
+    assert!(
+        logs.contains("secret files changed: reloaded") && !logs.contains("SIGHUP"),
+        "{logs}"
+    );
     assert_no_secret("the service log", &logs);
 }
 

@@ -16,8 +16,8 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use webproxy_client::{Client, Request};
 use webproxy_tests::caller::accept_rule;
 use webproxy_tests::{
-    Gate, Gateway, NatsServer, Service, ServiceOptions, TestCa, Upstream, default_routes,
-    http_client, run_webproxy, wait_for, wait_until,
+    Gate, Gateway, NatsServer, SecretVolume, Service, ServiceOptions, TestCa, Upstream,
+    default_routes, http_client, run_webproxy, wait_for, wait_until,
 };
 
 /// Generous: a loaded 2-core machine runs several services per test.
@@ -100,6 +100,27 @@ impl Scene {
             _service: service,
             gateway,
         }
+    }
+
+    /// One route, `/svc`, whose token is read from `token`, polled every `poll`.
+    async fn with_token_file(token: &std::path::Path, poll: &str) -> Scene {
+        Scene::start(routes(), accept, |up| {
+            format!(
+                "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{up}\"\ntoken = {{ file = \"{}\" }}\n\n\
+                 [service]\nsecret_poll_interval = \"{poll}\"\n",
+                token.display()
+            )
+        })
+        .await
+    }
+
+    /// A GET on `/svc/item` presenting `token`.
+    async fn call_with_token(&self, token: &str) -> reqwest::Result<reqwest::Response> {
+        http_client()
+            .get(self.gateway.url("/svc/item"))
+            .header("Proxy-Authorization", format!("Bearer {token}"))
+            .send()
+            .await
     }
 
     /// The pool stream's last sequence: unchanged means nothing was published.
@@ -953,27 +974,38 @@ async fn a_full_queue_is_503_with_retry_after() {
     gate.open();
 }
 
-/// A token from a file is read again on SIGHUP (the old one stops working, the new
-/// one works), and `allow_sources` closes connections from other addresses before
-/// any request is read.
+/// A token file rotated as Kubernetes rotates a Secret volume (the `..data` symlink
+/// swapped, no signal) is put in force at the next poll: the old token stops working.
+#[tokio::test]
+async fn a_token_file_swapped_under_its_symlink_is_picked_up_without_a_signal() {
+    let mut volume = SecretVolume::new("token", "first-token");
+    let token = volume.path();
+    let scene = Scene::with_token_file(&token, "200ms").await;
+    let call = |token| scene.call_with_token(token);
+    assert_eq!(call("first-token").await.expect("gateway").status(), 200);
+    volume.publish("second-token");
+    wait_until(ANSWER, "the rotated token to be in force", || async {
+        call("second-token").await.expect("gateway").status() == 200
+    })
+    .await;
+    assert_eq!(call("first-token").await.expect("gateway").status(), 407);
+    let logs = scene.gateway.logs();
+    assert!(
+        logs.contains("gateway tokens changed: reloaded") && !logs.contains("SIGHUP"),
+        "{logs}"
+    );
+}
+
+/// A token from a file is read again on SIGHUP, with polling off (the old one stops
+/// working, the new one works), and `allow_sources` closes connections from other
+/// addresses before any request is read.
 #[tokio::test]
 async fn file_tokens_reload_on_sighup_and_allow_sources_closes_other_addresses() {
     let dir = tempfile::tempdir().expect("tempdir");
     let token = dir.path().join("token");
     std::fs::write(&token, "first-token\n").expect("write token");
-    let scene = Scene::start(routes(), accept, |up| {
-        format!(
-            "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{up}\"\ntoken = {{ file = \"{}\" }}\n",
-            token.display()
-        )
-    })
-    .await;
-    let call = |token: &'static str| {
-        http_client()
-            .get(scene.gateway.url("/svc/item"))
-            .header("Proxy-Authorization", format!("Bearer {token}"))
-            .send()
-    };
+    let scene = Scene::with_token_file(&token, "0s").await;
+    let call = |token| scene.call_with_token(token);
     assert_eq!(call("first-token").await.expect("gateway").status(), 200);
     std::fs::write(&token, "second-token\n").expect("rewrite token");
     let status = std::process::Command::new("kill")

@@ -59,7 +59,7 @@ impl Loaded {
 }
 
 /// The injected secrets of every rule. Read at start; [`Secrets::reload_files`]
-/// re-reads the file secrets (on SIGHUP) and swaps them in all at once.
+/// re-reads the file secrets (polled, and on SIGHUP) and swaps them in all at once.
 #[derive(Debug)]
 pub struct Secrets {
     loaded: RwLock<Arc<Loaded>>,
@@ -89,9 +89,12 @@ impl Secrets {
         })
     }
 
-    /// Re-reads the file secrets; environment secrets keep the value read at start.
-    /// All or nothing: on an error the old values stay in use.
-    pub fn reload_files(&self, rules: &RequestRules) -> Result<usize, SecretError> {
+    /// Re-reads the file secrets and puts them in force when a value differs from
+    /// the one in use (`true`); environment secrets keep the value read at start. All
+    /// or nothing: on an error the old values stay in use. Contents are compared, not
+    /// modification times: a Kubernetes Secret volume is rotated by swapping a
+    /// symlink, which leaves the times of the paths read as they were.
+    pub fn reload_files(&self, rules: &RequestRules) -> Result<bool, SecretError> {
         let current = self.current();
         let reloaded = read_all(
             rules,
@@ -99,11 +102,9 @@ impl Secrets {
             &|var| std::env::var(var).ok(),
             &|path| std::fs::read(path),
         )?;
-        let files = rules
-            .iter()
-            .flat_map(|r| r.security.inject.iter())
-            .filter(|(_, source)| source.is_file())
-            .count();
+        if reloaded.secrets() == current.secrets() {
+            return Ok(false);
+        }
         // The old values stay redacted too: they may still be in flight.
         let mut all = current.secrets();
         all.extend(reloaded.secrets());
@@ -111,7 +112,7 @@ impl Secrets {
         all.dedup();
         self.redactor.set(all);
         *self.loaded.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(reloaded);
-        Ok(files)
+        Ok(true)
     }
 
     /// The headers the rule at `index` injects.

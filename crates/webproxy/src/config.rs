@@ -1,6 +1,6 @@
 //! The configuration file's schema, parsed once (unknown keys rejected) and split in
 //! two: the process part (`[nats]`, `[streams]`, `[http]`, `[log]`, `[telemetry]`,
-//! `[service] shutdown_grace`, and `[gateway]` for `webproxy gateway`), which is this process's, and the cluster part
+//! `[service] shutdown_grace` and `secret_poll_interval`, and `[gateway]` for `webproxy gateway`), which is this process's, and the cluster part
 //! ([`webproxy_dispatcher::ClusterConfig`]), which the dispatcher takes whole.
 //! The checks across the two parts are here.
 //!
@@ -57,6 +57,11 @@ pub struct ServiceConfig {
     /// How long a stopping instance waits for its attempts in flight.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// How often the secret files this process reads (injected headers, gateway
+    /// tokens) are read again and compared with the values in force; zero: on SIGHUP
+    /// only. This process's, like `shutdown_grace`.
+    #[serde(with = "humantime_serde")]
+    pub secret_poll_interval: Duration,
     /// A pool message delivered more often than this crashed or stalled an instance
     /// that many times: it is answered `internal` and dead-lettered, not attempted.
     pub max_deliver: u32,
@@ -220,8 +225,8 @@ pub struct ClusterDocument {
     pub response_rules: Vec<ResponseRuleConfig>,
 }
 
-/// The document's `[service]`: the consumer timings. `shutdown_grace` is the
-/// process's and has no place here.
+/// The document's `[service]`: the consumer timings. `shutdown_grace` and
+/// `secret_poll_interval` are the process's and have no place here.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterService {

@@ -156,6 +156,10 @@ mod tests {
                 "[service]\nshutdown_grace = \"5s\"",
                 "service.shutdown_grace",
             ),
+            (
+                "[service]\nsecret_poll_interval = \"5s\"",
+                "service.secret_poll_interval",
+            ),
             ("[nats]\nurl = \"nats://x\"", "nats"),
             ("[streams]\nreplicas = 3", "streams"),
             ("[outbound]\nmax_headers = \"many\"", "outbound.max_headers"),

@@ -15,6 +15,7 @@ mod live;
 mod nats_auth;
 mod operator;
 mod pools;
+mod rotation;
 mod send;
 mod serve;
 mod telemetry;

@@ -9,7 +9,7 @@ use crate::nats_auth;
 use anyhow::{Context as _, bail};
 use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 use webproxy_dispatcher::{
     ConfigStore, Dispatcher, Instruments, PushNote, Redactor, Secrets, Seeded, StoredRevision,
     connect,
@@ -17,7 +17,7 @@ use webproxy_dispatcher::{
 
 use crate::config::{ClusterDocument, ClusterSource, Settings};
 use crate::live::{self, Running};
-use crate::{document, health};
+use crate::{document, health, rotation};
 use tokio::sync::watch;
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
@@ -40,7 +40,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
     // Listened for from the start: SIGHUP's default action ends the process.
-    let hangups = hangups();
+    let hangups = rotation::hangups("secret files");
 
     let Some((client, server)) = connect_until_up(&settings, &instruments, &shutdown).await? else {
         return Ok(());
@@ -68,9 +68,12 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         settings: settings.clone(),
         secrets: secrets.clone(),
     });
-    if let Some(hangups) = hangups {
-        tokio::spawn(reload_on_hangup(hangups, following.clone()));
-    }
+    tokio::spawn(follow_secret_files(
+        settings.config.service.secret_poll_interval,
+        hangups,
+        shutdown.clone(),
+        following.clone(),
+    ));
     let Some(dispatcher) = Dispatcher::start(
         settings.dispatcher.clone(),
         client.clone(),
@@ -277,31 +280,25 @@ pub async fn connect_until_up(
     }
 }
 
-/// SIGHUP, listened for; `None` (logged) when it cannot be.
-fn hangups() -> Option<Signal> {
-    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            warn!(error = %e, "cannot listen for SIGHUP; secret files will not be reloaded");
-            None
-        }
-    }
-}
-
-/// SIGHUP re-reads the secret files of `inject_headers` of the revision running; a
-/// file that cannot be read keeps every old value in use and is logged.
-async fn reload_on_hangup(mut hangups: Signal, running: watch::Receiver<Running>) {
-    while hangups.recv().await.is_some() {
+/// Re-reads the secret files of `inject_headers` of the revision running, polled and
+/// on SIGHUP; a file that cannot be read keeps every old value in use and is logged.
+async fn follow_secret_files(
+    interval: Duration,
+    hangups: Option<Signal>,
+    shutdown: CancellationToken,
+    running: watch::Receiver<Running>,
+) {
+    rotation::follow("secret files", interval, hangups, shutdown, move || {
         let Running {
             settings, secrets, ..
         } = running.borrow().clone();
         match secrets.reload_files(&settings.dispatcher.cluster.rules) {
-            Ok(files) => info!(files, "SIGHUP: secret files reloaded"),
-            Err(e) => {
-                error!(error = %e, "SIGHUP: secret files not reloaded; the old values stay in use")
-            }
+            Ok(true) => Ok(rotation::Reading::Replaced),
+            Ok(false) => Ok(rotation::Reading::Unchanged),
+            Err(e) => Err(e.to_string()),
         }
-    }
+    })
+    .await;
 }
 
 /// The one signal handler: SIGTERM or SIGINT starts the drain.

@@ -128,14 +128,14 @@ fn refused(answer: Answer) -> Answered {
 
 impl Gateway {
     /// The tokens in force.
-    fn tokens(&self) -> Arc<Vec<Option<String>>> {
+    pub(super) fn tokens(&self) -> Arc<Vec<Option<String>>> {
         self.tokens
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
-    /// Puts re-read tokens in force, all at once (SIGHUP).
+    /// Puts re-read tokens in force, all at once (their files changed, or SIGHUP).
     pub fn replace_tokens(&self, tokens: Vec<Option<String>>) {
         *self
             .tokens

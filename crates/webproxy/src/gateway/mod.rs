@@ -24,7 +24,7 @@ use webproxy_dispatcher::{Instruments, Redactor};
 
 use crate::config::Settings;
 use crate::gateway_config::RESERVED_PATH;
-use crate::health;
+use crate::{health, rotation};
 
 pub use metrics::Telemetry;
 
@@ -164,17 +164,13 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         telemetry.clone(),
     ));
     // Listened for before serving: SIGHUP's default action ends the process.
-    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(hangups) => {
-            tokio::spawn(reload_on_hangup(
-                hangups,
-                settings.clone(),
-                state.clone(),
-                redactor,
-            ));
-        }
-        Err(e) => warn!(error = %e, "cannot listen for SIGHUP; token files will not be reloaded"),
-    }
+    tokio::spawn(follow_token_files(
+        settings.clone(),
+        rotation::hangups("token files"),
+        shutdown.clone(),
+        state.clone(),
+        redactor,
+    ));
     telemetry.set_ready(true);
     info!(routes = settings.gateway.routes.len(), "gateway serving");
     listener::serve(
@@ -200,27 +196,30 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGHUP re-reads the routes' tokens (a file's may have been rotated), all or
-/// nothing: one that cannot be read keeps every old token in force and is logged.
-async fn reload_on_hangup(
-    mut hangups: tokio::signal::unix::Signal,
+/// Re-reads the routes' tokens (a file's may have been rotated), polled and on SIGHUP,
+/// all or nothing: one that cannot be read keeps every old token in force and is
+/// logged.
+async fn follow_token_files(
     settings: Settings,
+    hangups: Option<tokio::signal::unix::Signal>,
+    shutdown: CancellationToken,
     state: Arc<handler::Gateway>,
     redactor: Redactor,
 ) {
-    while hangups.recv().await.is_some() {
-        match read_tokens(&settings) {
-            Ok(tokens) => {
+    let interval = settings.config.service.secret_poll_interval;
+    let mut in_force = state.tokens().as_ref().clone();
+    rotation::follow("gateway tokens", interval, hangups, shutdown, move || {
+        let tokens = read_tokens(&settings).map_err(|e| format!("{e:#}"))?;
+        Ok(rotation::replace_if_changed(
+            &mut in_force,
+            tokens,
+            |tokens| {
                 redactor.add_fixed(tokens.iter().flatten().cloned().collect());
-                state.replace_tokens(tokens);
-                info!("SIGHUP: gateway tokens reloaded");
-            }
-            Err(e) => tracing::error!(
-                error = format!("{e:#}"),
-                "SIGHUP: gateway tokens not reloaded; the old ones stay in force"
-            ),
-        }
-    }
+                state.replace_tokens(tokens.clone());
+            },
+        ))
+    })
+    .await;
 }
 
 /// `f` until it succeeds, logging each failure; `None` when a signal comes first.
