@@ -204,17 +204,19 @@ pub fn init_service(
 ) -> anyhow::Result<TelemetryGuard> {
     global::set_text_map_propagator(TraceContextPropagator::new());
     let env = OtelEnv::read();
-    // Resource::builder reads OTEL_RESOURCE_ATTRIBUTES; the name is set last because its
-    // detectors let the attributes' service.name win over OTEL_SERVICE_NAME.
-    let resource = Resource::builder()
-        .with_service_name(service_name(&env, &telemetry.service_name).to_string())
-        .build();
     // Spans are built only to be exported: without an exporter the dispatcher makes the
     // trace context it propagates itself, at a fraction of the cost.
     let provider = match export(telemetry, &env)? {
         Some(export) => Some(
             SdkTracerProvider::builder()
-                .with_resource(resource)
+                // Resource::builder reads OTEL_RESOURCE_ATTRIBUTES; the name is set last
+                // because its detectors let the attributes' service.name win over
+                // OTEL_SERVICE_NAME.
+                .with_resource(
+                    Resource::builder()
+                        .with_service_name(service_name(&env, &telemetry.service_name).to_string())
+                        .build(),
+                )
                 .with_batch_exporter(RedactingExporter {
                     inner: exporter(&export)?,
                     redactor: redactor.clone(),

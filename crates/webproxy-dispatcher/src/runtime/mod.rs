@@ -348,7 +348,6 @@ async fn pull_loop(
                         },
                         // The request may have been lost with the old connection.
                         _ = connections.changed() => return PullEnd::Lost,
-                        // A pause lifted by hand leaves this request unserved.
                         // A pause lifted by hand: the server would serve this pull only
                         // at its next heartbeat.
                         _ = flow::pool_state_changed(&mut states, &pool) => {
