@@ -9,8 +9,9 @@ schemas in deploy/schemas, and the webproxy config in the ConfigMap with the rea
 `webproxy check-config`, then checked against the Deployment. The HTTP gateway's base
 (deploy/kubernetes/gateway) is checked the same way, against its own Deployment, Service
 and NetworkPolicy. Secret references are resolved against the example Secrets, the NATS
-values against deploy/nats/authorization.conf, and the metrics the PromQL may name
-against the ones the code registers.
+values against deploy/nats/authorization.conf (which nats-server reads with the example
+Secret's passwords), and the metrics the PromQL may name against the ones the code
+registers.
 """
 
 from __future__ import annotations
@@ -823,6 +824,27 @@ def check_nats_user(label: str, env: dict[str, str], user: str, nats_passwords: 
     )
 
 
+def check_nats_server_accepts(nats_server: str, passwords: dict[str, str], report: Report) -> None:
+    """nats-server reads authorization.conf as the chart includes it, given the example
+    Secret's variables, and refuses it without them: the Secret is what it needs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "authorization.conf").write_text(AUTHORIZATION.read_text())
+        config = Path(tmp) / "nats.conf"
+        config.write_text(f"listen: 127.0.0.1:-1\njetstream {{ store_dir: {json.dumps(tmp)} }}\ninclude authorization.conf\n")
+        # The NATS servers' environment: nothing of the developer's.
+        base_env = {"PATH": os.environ.get("PATH", "")}
+        for label, env in (("with", {**base_env, **passwords}), ("without", base_env)):
+            result = subprocess.run(
+                [nats_server, "-t", "-c", str(config)], capture_output=True, text=True, env=env, check=False, timeout=30
+            )
+            wanted = label == "with"
+            report.check(
+                (result.returncode == 0) == wanted,
+                f"nats-server {'accepts' if wanted else 'refuses'} authorization.conf {label} the example Secret's variables",
+                (result.stderr or result.stdout).strip()[-300:],
+            )
+
+
 def check_nats_auth(values: dict, report: Report) -> dict[str, str]:
     """The NATS values include authorization.conf and give the servers every password
     it reads, from the example Secret's keys. Returns that Secret's values."""
@@ -1045,6 +1067,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--webproxy", required=True, help="the webproxy binary, for check-config")
     parser.add_argument("--kubectl", required=True, help="kubectl, for its built-in kustomize")
+    parser.add_argument("--nats-server", required=True, help="nats-server, to test authorization.conf's config")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
     args = parser.parse_args()
 
@@ -1056,6 +1079,7 @@ def main() -> int:
     check_namespace(docs, report)
     nats_values = check_nats_values(report)
     nats_passwords = check_nats_auth(nats_values, report)
+    check_nats_server_accepts(args.nats_server, nats_passwords, report)
     secrets = example_secrets(args.kubectl, report)
     image_config = (DEPLOY / "image-config.toml").read_text()
     check_config(args.webproxy, "deploy/image-config.toml", image_config, report)
