@@ -3,7 +3,8 @@
 # scripts/deploy_check.py (manifests, schemas, and the config against the Deployment).
 # The tools come from PyPI into .venv-deploy, pinned by deploy/requirements.txt. Needs a
 # built webproxy binary (`cargo build -p webproxy`); it is found in cargo's target
-# directory, so CARGO_TARGET_DIR is respected.
+# directory, so CARGO_TARGET_DIR is respected. nats-server (scripts/ensure-nats-server.sh)
+# tests deploy/nats/authorization.conf with the example Secret's passwords.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +29,8 @@ if ! [[ -x "$webproxy" ]]; then
     exit 1
 fi
 
+nats_dir="$(bash scripts/ensure-nats-server.sh | tail -n1)"
+
 # Both run even when the first fails, so one run shows every problem.
 status=0
 # deploy/hadolint.yaml: every finding fails, and no rule is ignored.
@@ -37,5 +40,6 @@ else
     status=1
 fi
 # Arguments (such as --verbose) go to deploy_check.py.
-"$venv/bin/python" scripts/deploy_check.py --webproxy "$webproxy" --kubectl "$venv/bin/kubectl" "$@" || status=1
+"$venv/bin/python" scripts/deploy_check.py --webproxy "$webproxy" --kubectl "$venv/bin/kubectl" \
+    --nats-server "$nats_dir/nats-server" "$@" || status=1
 exit "$status"

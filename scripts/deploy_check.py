@@ -1,17 +1,23 @@
 """Offline checks of deploy/: run by scripts/deploy-check.sh inside .venv-deploy.
 
 Each check prints `ok: ...` or `FAIL: ...`; the exit status is 1 if any failed. Nothing
-here talks to a cluster: the Kubernetes base is rendered with `kubectl kustomize`, built-in
-kinds are validated against kubernetes-validate's schemas, the KEDA ScaledObject and the
-NATS Helm values against the schemas in deploy/schemas, and the webproxy config in the
-ConfigMap with the real `webproxy check-config`, then checked against the Deployment.
-The HTTP gateway's base (deploy/kubernetes/gateway) is rendered and checked the same
-way, against its own Deployment, Service and NetworkPolicy.
+here talks to a cluster: every kustomization under deploy/ is rendered with `kubectl
+kustomize` (the base, the gateway's, the example Secrets, and the overlays, through which
+the KEDA component is rendered), built-in kinds are validated against
+kubernetes-validate's schemas, the KEDA ScaledObject and the NATS Helm values against the
+schemas in deploy/schemas, and the webproxy config in the ConfigMap with the real
+`webproxy check-config`, then checked against the Deployment. The HTTP gateway's base
+(deploy/kubernetes/gateway) is checked the same way, against its own Deployment, Service
+and NetworkPolicy. Secret references are resolved against the example Secrets, the NATS
+values against deploy/nats/authorization.conf (which nats-server reads with the example
+Secret's passwords), and the metrics the PromQL may name against the ones the code
+registers.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -29,21 +35,52 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 KUBE = DEPLOY / "kubernetes"
+NAMESPACE = "webproxy"
+# The optional KEDA autoscaling, a kustomize Component: rendered through an overlay.
+KEDA_COMPONENT = KUBE / "components" / "keda"
+# Placeholder Secrets with the names and keys the Deployments read.
+EXAMPLE_SECRETS = KUBE / "example-secrets"
+# Example overlays: kustomize refuses an overlay inside its base's directory.
+OVERLAYS = DEPLOY / "overlays"
+AUTOSCALED = OVERLAYS / "autoscaled"
+GATEWAY_OVERLAY = OVERLAYS / "gateway"
+NATS = DEPLOY / "nats"
+AUTHORIZATION = NATS / "authorization.conf"
+# Where the NATS chart's ConfigMap gets authorization.conf (helm --set-file).
+SET_FILE = r"--set-file 'configMap.merge.data.authorization\.conf=deploy/nats/authorization.conf'"
 # The HTTP gateway's own base (`webproxy gateway`), rendered and checked on its own.
 GATEWAY = KUBE / "gateway"
-GATEWAY_KINDS = {"Deployment", "Service", "NetworkPolicy", "ConfigMap"}
+GATEWAY_KINDS = ["Deployment", "Service", "NetworkPolicy", "ConfigMap"]
 GATEWAY_CONTAINER = "webproxy-gateway"
-# deploy/nats/authorization.conf's user for the gateway.
+# deploy/nats/authorization.conf's users for the gateway and the service.
 GATEWAY_NATS_USER = "gateway"
+SERVICE_NATS_USER = "webproxy"
 SCHEMAS = DEPLOY / "schemas"
 
 # The oldest Kubernetes the base supports (PodDisruptionBudget's
 # unhealthyPodEvictionPolicy is GA from 1.31) and the newest kubernetes-validate ships.
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 
-# Every kind the base must render, each exactly once, and where its schema comes from.
-BUILTIN_KINDS = {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}
+# The kinds the base renders, each exactly once; the ones kubernetes-validate knows; and
+# where the others' schemas come from.
+BASE_KINDS = ["Namespace", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"]
+BUILTIN_KINDS = set(BASE_KINDS) | {"Secret"}
 CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda-scaledobject.schema.json"}
+# Kinds that live in no namespace.
+CLUSTER_SCOPED = {"Namespace"}
+# The gauges the autoscaler's query must weigh: waiting work, the pods' attempts in
+# flight against the pool's effective limit, and its pause.
+SCALING_GAUGES = {"webproxy_pool_waiting", "webproxy_in_flight", "webproxy_pool_effective_limit", "webproxy_pool_paused"}
+# Where the code registers its metrics (the dispatcher's under the prefix webproxy_).
+METRICS_SOURCES = [
+    REPO / "crates" / "webproxy-dispatcher" / "src" / "metrics.rs",
+    REPO / "crates" / "webproxy" / "src" / "gateway" / "metrics.rs",
+]
+# Paths .dockerignore must keep out of the build context.
+DOCKER_IGNORED = [
+    "target", ".venv", ".venv-deploy", ".venv-clients", "clients/python/.venv",
+    "node_modules", "clients/node/node_modules", "fuzz/target", ".nats",
+]
 
 CONTAINER = "webproxy"
 CONFIG_KEY = "webproxy.toml"
@@ -138,8 +175,8 @@ def render(kubectl: str, report: Report, base: Path = KUBE) -> list[dict]:
 def check_kustomization_lists_every_file(report: Report, base: Path = KUBE) -> None:
     """A manifest left out of kustomization.yaml would never be applied or validated."""
     kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
-    listed = set(kustomization.get("resources", []))
-    for generator in kustomization.get("configMapGenerator", []):
+    listed = {r for r in kustomization.get("resources", []) if (base / r).is_file()}
+    for generator in kustomization.get("configMapGenerator", []) + kustomization.get("secretGenerator", []):
         listed.update(f.split("=", 1)[-1] for f in generator.get("files", []))
     present = {p.name for p in base.iterdir() if p.is_file() and p.name != "kustomization.yaml"}
     report.check(
@@ -162,14 +199,18 @@ def schema_errors(schema_path: Path, instance: object) -> list[str]:
     ]
 
 
-def check_schemas(docs: list[dict], report: Report, expected: set[str] | None = None, base: str = "the base") -> None:
+def check_schemas(docs: list[dict], report: Report, expected: list[str], base: str, namespace: str = NAMESPACE) -> None:
     kinds = [d.get("kind") for d in docs]
-    expected = expected if expected is not None else BUILTIN_KINDS | {kind for _, kind in CRD_SCHEMAS}
     report.check(
-        sorted(kinds) == sorted(expected),
-        f"{base} renders one of each expected kind",
+        sorted(map(str, kinds)) == sorted(expected),
+        f"{base} renders exactly the expected objects ({', '.join(sorted(expected))})",
         f"rendered {sorted(map(str, kinds))}, expected {sorted(expected)}",
     )
+    for doc in docs:
+        name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        actual = doc.get("metadata", {}).get("namespace")
+        wanted = None if doc.get("kind") in CLUSTER_SCOPED else namespace
+        report.check(actual == wanted, f"{base}: {name} is in namespace {wanted or '(none: cluster-scoped)'}", f"it is in {actual}")
     for doc in docs:
         name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
         crd_schema = CRD_SCHEMAS.get((doc.get("apiVersion"), doc.get("kind")))
@@ -288,9 +329,11 @@ def check_listen(label: str, config: dict, exposed: set[int], report: Report) ->
     return port
 
 
-def check_deployment_agrees(docs: list[dict], nats_values: dict, webproxy: str, report: Report) -> None:
-    """The ConfigMap's config is valid and agrees with the Deployment, the image and the
-    other resources."""
+def check_deployment_agrees(
+    docs: list[dict], nats_values: dict, secrets: dict[str, dict[str, str]], nats_passwords: dict[str, str], webproxy: str, report: Report
+) -> None:
+    """The ConfigMap's config is valid, in the pod's environment, and agrees with the
+    Deployment, the image, the Secrets and the other resources."""
     kinds = by_kind(docs)
     deployment, configmap = kinds.get("Deployment"), kinds.get("ConfigMap")
     if not (deployment and configmap):
@@ -299,12 +342,15 @@ def check_deployment_agrees(docs: list[dict], nats_values: dict, webproxy: str, 
     text = configmap.get("data", {}).get(CONFIG_KEY)
     if not report.check(text is not None, f"the ConfigMap has {CONFIG_KEY}"):
         return
-    checked = check_config(webproxy, "the ConfigMap's webproxy.toml", text, report)
     config = effective_config(text)
     spec = deployment["spec"]["template"]["spec"]
     container = next((c for c in spec["containers"] if c["name"] == CONTAINER), None)
     if not report.check(container is not None, f"the Deployment has a container named {CONTAINER}"):
         return
+    env = pod_environment("the Deployment", container, secrets, report)
+    check_nats_user("the service", env, SERVICE_NATS_USER, nats_passwords, report)
+    check_volumes("the Deployment", spec, configmap, secrets, report)
+    checked = check_config(webproxy, "the ConfigMap's webproxy.toml", text, report, env)
 
     entrypoint, exposed, image_user = dockerfile_facts()
     port = check_listen("the ConfigMap's webproxy.toml", config, exposed, report)
@@ -315,7 +361,7 @@ def check_deployment_agrees(docs: list[dict], nats_values: dict, webproxy: str, 
     check_selectors(kinds, report)
     check_network_policy(kinds.get("NetworkPolicy", {}), port, config, report)
     if checked is not None:
-        check_nats_and_scaling(kinds, checked, config, nats_values, report)
+        check_streams_fit_nats(checked, nats_values, report)
 
 
 def check_ports_and_probes(container: dict, port: int, service: dict, report: Report) -> None:
@@ -457,37 +503,36 @@ def secret_variables(config: dict) -> set[str]:
     return {source["env"] for source in sources if isinstance(source, dict) and "env" in source}
 
 
-def check_gateway(kubectl: str, webproxy: str, service_docs: list[dict], report: Report) -> None:
+def check_gateway(
+    kubectl: str, webproxy: str, service_docs: list[dict], secrets: dict[str, dict[str, str]], nats_passwords: dict[str, str], report: Report
+) -> list[dict]:
     """deploy/kubernetes/gateway: its own Deployment, Service and NetworkPolicy, whose
     config is valid and agrees with them, apart from the service's pods."""
     check_kustomization_lists_every_file(report, GATEWAY)
     docs = render(kubectl, report, GATEWAY)
     if not docs:
-        return
+        return []
     check_schemas(docs, report, GATEWAY_KINDS, "the gateway base")
     kinds = by_kind(docs)
     deployment, configmap = kinds.get("Deployment"), kinds.get("ConfigMap")
     if not report.check(bool(deployment and configmap), "the gateway base has a Deployment and a ConfigMap"):
-        return
+        return docs
     text = configmap.get("data", {}).get(CONFIG_KEY, "")
     config = effective_config(text)
     spec = deployment["spec"]["template"]["spec"]
     container = next((c for c in spec["containers"] if c["name"] == GATEWAY_CONTAINER), None)
     if not report.check(container is not None, f"the gateway Deployment has a container named {GATEWAY_CONTAINER}"):
-        return
-    env = {e["name"]: e for e in container.get("env", [])}
+        return docs
+    env = pod_environment("the gateway's Deployment", container, secrets, report)
     wanted = secret_variables(config)
     report.check(
         wanted <= set(env),
         "the gateway's container sets every variable its tokens and key are read from",
         f"missing: {sorted(wanted - set(env))}",
     )
-    check_config(webproxy, "the gateway's webproxy.toml", text, report, dict.fromkeys(wanted, "deploy-check-placeholder"))
-    report.check(
-        env.get("WEBPROXY_NATS__USER", {}).get("value") == GATEWAY_NATS_USER,
-        f"the gateway connects as authorization.conf's user {GATEWAY_NATS_USER}",
-        f"WEBPROXY_NATS__USER: {env.get('WEBPROXY_NATS__USER')}",
-    )
+    check_config(webproxy, "the gateway's webproxy.toml", text, report, env)
+    check_nats_user("the gateway", env, GATEWAY_NATS_USER, nats_passwords, report)
+    check_volumes("the gateway's Deployment", spec, configmap, secrets, report)
     command = container.get("command", [])
     report.check(
         command[1:3] == ["gateway", "--config"],
@@ -554,6 +599,7 @@ def check_gateway(kubectl: str, webproxy: str, service_docs: list[dict], report:
         "the gateway's NetworkPolicy opens no address range: it calls no upstream itself",
         f"egress: {policy.get('egress')}",
     )
+    return docs
 
 
 def budget(value: int | str) -> int:
@@ -562,7 +608,7 @@ def budget(value: int | str) -> int:
     return int(str(value).rstrip("%"))
 
 
-def check_nats_and_scaling(kinds: dict, checked: dict, config: dict, nats_values: dict, report: Report) -> None:
+def check_streams_fit_nats(checked: dict, nats_values: dict, report: Report) -> None:
     cluster = nats_values.get("config", {}).get("cluster", {})
     nodes = cluster.get("replicas", 1) if cluster.get("enabled") else 1
     replicas = checked["streams"]["replicas"]
@@ -572,19 +618,41 @@ def check_nats_and_scaling(kinds: dict, checked: dict, config: dict, nats_values
         "JetStream cannot place more replicas than it has servers",
     )
 
+
+def check_autoscaled(kubectl: str, base_docs: list[dict], report: Report) -> None:
+    """overlays/autoscaled: the base with components/keda. The ScaledObject owns the
+    replica count, scales on the pools' gauges, and the Deployment leaves the count to
+    it; the base without the component keeps its own."""
+    check_kustomization_lists_every_file(report, KEDA_COMPONENT)
+    check_kustomization_lists_every_file(report, AUTOSCALED)
+    docs = render(kubectl, report, AUTOSCALED)
+    if not docs:
+        return
+    label = "overlays/autoscaled"
+    check_schemas(docs, report, BASE_KINDS + ["ScaledObject"], label)
+    check_images_named(label, docs, report)
+    kinds = by_kind(docs)
+    deployment = kinds.get("Deployment", {})
+    report.check(
+        "replicas" not in deployment.get("spec", {}),
+        f"{label}: the Deployment has no spec.replicas (the autoscaler owns the count)",
+        f"replicas: {deployment.get('spec', {}).get('replicas')}",
+    )
+    base_replicas = by_kind(base_docs).get("Deployment", {}).get("spec", {}).get("replicas")
+    report.check(base_replicas is not None, "the base without the KEDA component keeps spec.replicas", "none set")
+
     scaled = kinds.get("ScaledObject", {}).get("spec", {})
-    deployment = kinds["Deployment"]
     target = scaled.get("scaleTargetRef", {})
     report.check(
-        target.get("kind", "Deployment") == "Deployment" and target.get("name") == deployment["metadata"]["name"],
+        target.get("kind", "Deployment") == "Deployment" and target.get("name") == deployment.get("metadata", {}).get("name"),
         "the ScaledObject scales the webproxy Deployment",
         f"it targets {target}",
     )
     low, high = scaled.get("minReplicaCount", 0), scaled.get("maxReplicaCount", 100)
     report.check(
-        low <= deployment["spec"].get("replicas", 1) <= high,
-        "the Deployment's replicas lie within the ScaledObject's range",
-        f"{deployment['spec'].get('replicas')} not in [{low}, {high}]",
+        base_replicas is not None and low <= base_replicas <= high,
+        "the base's replicas lie within the ScaledObject's range: turning KEDA on or off does not jump",
+        f"{base_replicas} not in [{low}, {high}]",
     )
     pdb = kinds.get("PodDisruptionBudget", {}).get("spec", {})
     report.check(
@@ -593,37 +661,220 @@ def check_nats_and_scaling(kinds: dict, checked: dict, config: dict, nats_values
         f"{pdb}",
     )
 
-    prefix = checked["streams"]["prefix"]
-    stream_prefix = prefix.replace(".", "_").upper()
-    consumer_prefix = prefix.replace(".", "_")
-    monitor_port = nats_values.get("config", {}).get("monitor", {}).get("port")
-    for trigger in scaled.get("triggers", []):
+    component = yaml.safe_load((KEDA_COMPONENT / "scaledobject.yaml").read_text())
+    placeholders = {t.get("metadata", {}).get("serverAddress") for t in component.get("spec", {}).get("triggers", [])}
+    docs_queries = {" ".join(expr.split()) for expr in docs_promql()}
+    triggers = scaled.get("triggers", [])
+    report.check(bool(triggers), "the ScaledObject has a trigger")
+    for trigger in triggers:
         meta = trigger.get("metadata", {})
-        if trigger.get("type") != "nats-jetstream":
+        query = meta.get("query", "")
+        report.check(
+            meta.get("serverAddress") not in placeholders,
+            f"{label} sets the Prometheus address (the component's is a placeholder)",
+            f"serverAddress: {meta.get('serverAddress')}",
+        )
+        problems = promql_problems(query)
+        report.check(not problems, "the KEDA trigger's query is sound and names only the service's metrics", f"{problems}")
+        used = set(re.findall(r"\bwebproxy_[a-z0-9_]+", query))
+        report.check(
+            SCALING_GAUGES <= used,
+            "the KEDA trigger weighs waiting work against the pool's pause, effective limit and attempts in flight",
+            f"missing: {sorted(SCALING_GAUGES - used)}",
+        )
+        report.check(
+            " ".join(query.split()) in docs_queries,
+            "docs/operations.md shows the KEDA trigger's query as it is",
+            "copy the ScaledObject's query into its ```promql block in \"Scaling\"",
+        )
+
+
+def check_gateway_overlay(kubectl: str, report: Report) -> None:
+    """overlays/gateway: the base and the gateway's together, one namespace for both."""
+    check_kustomization_lists_every_file(report, GATEWAY_OVERLAY)
+    docs = render(kubectl, report, GATEWAY_OVERLAY)
+    if docs:
+        check_schemas(docs, report, BASE_KINDS + GATEWAY_KINDS, "overlays/gateway")
+        check_images_named("overlays/gateway", docs, report)
+
+
+def check_images_named(label: str, docs: list[dict], report: Report) -> None:
+    """An overlay says where the image comes from: the base's `webproxy` is a name to
+    set, published nowhere."""
+    images = {
+        c.get("image", "")
+        for d in docs
+        if d.get("kind") == "Deployment"
+        for c in d["spec"]["template"]["spec"].get("containers", [])
+    }
+    report.check(
+        len(images) == 1 and all("/" in i.split(":")[0] and ":" in i for i in images),
+        f"{label} names one image, from a registry, with a tag",
+        f"images: {sorted(images)}",
+    )
+
+
+def check_namespace(docs: list[dict], report: Report) -> None:
+    namespaces = [d.get("metadata", {}).get("name") for d in docs if d.get("kind") == "Namespace"]
+    report.check(namespaces == [NAMESPACE], f"the base creates the namespace {NAMESPACE}", f"Namespaces: {namespaces}")
+
+
+def check_every_kustomization_rendered(report: Report) -> None:
+    """A kustomization added under deploy/ must be rendered here too."""
+    checked = {KUBE, GATEWAY, EXAMPLE_SECRETS, KEDA_COMPONENT, AUTOSCALED, GATEWAY_OVERLAY}
+    found = {p.parent for p in DEPLOY.rglob("kustomization.yaml")}
+    report.check(
+        found == checked,
+        "deploy-check renders every kustomization under deploy/",
+        f"unchecked: {sorted(str(p.relative_to(REPO)) for p in found - checked)}, "
+        f"missing: {sorted(str(p.relative_to(REPO)) for p in checked - found)}",
+    )
+
+
+def example_secrets(kubectl: str, report: Report) -> dict[str, dict[str, str]]:
+    """The example Secrets, each a map of its keys to its values."""
+    check_kustomization_lists_every_file(report, EXAMPLE_SECRETS)
+    docs = render(kubectl, report, EXAMPLE_SECRETS)
+    check_schemas(docs, report, ["Secret"] * max(len(docs), 1), "the example Secrets")
+    secrets = {
+        d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in d.get("data", {}).items()}
+        for d in docs
+        if d.get("kind") == "Secret"
+    }
+    check_placeholders("the example Secrets", secrets, report)
+    return secrets
+
+
+def check_placeholders(label: str, secrets: dict[str, dict[str, str]], report: Report) -> None:
+    values = {f"{name}/{key}": value for name, data in secrets.items() for key, value in data.items()}
+    report.check(
+        bool(values) and all(v.startswith("not-for-production") for v in values.values()),
+        f"{label} hold only placeholders that say not-for-production",
+        f"{sorted(k for k, v in values.items() if not v.startswith('not-for-production'))}",
+    )
+
+
+def pod_environment(label: str, container: dict, secrets: dict[str, dict[str, str]], report: Report) -> dict[str, str]:
+    """The container's variables, those from Secrets read from the example Secrets;
+    every reference must resolve there."""
+    env = {}
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        if ref is None:
+            env[var["name"]] = var.get("value", "")
             continue
-        pool = next((p for p in checked["pools"] if f"{stream_prefix}_POOL_{p.upper()}" == meta.get("stream")), None)
-        report.check(pool is not None, f"the KEDA trigger's stream {meta.get('stream')} is a configured pool's", f"pools: {list(checked['pools'])}")
-        if pool is not None:
-            # Layout 2's pool consumer (issue 14): <prefix>-<pool>-l2.
-            wanted = f"{consumer_prefix}-{pool}-l2"
-            report.check(
-                meta.get("consumer") == wanted,
-                f"the KEDA trigger's consumer is pool {pool}'s",
-                f"{meta.get('consumer')} != {wanted}",
+        value = secrets.get(ref.get("name"), {}).get(ref.get("key"))
+        report.check(
+            value is not None,
+            f"{label}: {var['name']} comes from a key of the example Secrets ({ref.get('name')}/{ref.get('key')})",
+            f"they have {sorted((n, sorted(d)) for n, d in secrets.items())}",
+        )
+        env[var["name"]] = value or ""
+    report.check(not container.get("envFrom"), f"{label}: no envFrom (each variable is named)", f"{container.get('envFrom')}")
+    return env
+
+
+def referenced_secrets(spec: dict) -> set[str]:
+    return {
+        var["valueFrom"]["secretKeyRef"]["name"]
+        for c in spec.get("containers", [])
+        for var in c.get("env", [])
+        if "secretKeyRef" in var.get("valueFrom", {})
+    } | {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+
+
+def check_volumes(label: str, spec: dict, configmap: dict, secrets: dict[str, dict[str, str]], report: Report) -> None:
+    """Besides its config, a pod mounts only Secrets: injected upstream secrets read as
+    files must come from a Secret volume, read-only."""
+    mounts = {m["name"]: m for c in spec.get("containers", []) for m in c.get("volumeMounts", [])}
+    for volume in spec.get("volumes", []):
+        if volume.get("configMap", {}).get("name") == configmap["metadata"]["name"]:
+            continue
+        name = volume.get("secret", {}).get("secretName")
+        report.check(name is not None, f"{label}: volume {volume['name']} is a Secret volume", f"{volume}")
+        report.check(name in secrets, f"{label}: volume {volume['name']} is an example Secret's", f"{name}")
+        report.check(
+            mounts.get(volume["name"], {}).get("readOnly") is True,
+            f"{label}: volume {volume['name']} is mounted read-only",
+            f"{mounts.get(volume['name'])}",
+        )
+
+
+def authorization_users() -> dict[str, str]:
+    """deploy/nats/authorization.conf's users, each with the variable its password is
+    read from."""
+    text = re.sub(r"#.*", "", AUTHORIZATION.read_text())
+    return dict(re.findall(r"\buser:\s*([A-Za-z0-9_-]+)\s+password:\s*\$([A-Z][A-Z0-9_]*)", text))
+
+
+def check_nats_user(label: str, env: dict[str, str], user: str, nats_passwords: dict[str, str], report: Report) -> None:
+    """The pod connects as its authorization.conf user, with the password the NATS
+    servers read for it."""
+    users = authorization_users()
+    report.check(
+        env.get("WEBPROXY_NATS__USER") == user and user in users,
+        f"{label} connects as authorization.conf's user {user}",
+        f"WEBPROXY_NATS__USER: {env.get('WEBPROXY_NATS__USER')}; users: {sorted(users)}",
+    )
+    variable = users.get(user)
+    report.check(
+        variable is not None and env.get("WEBPROXY_NATS__PASSWORD") == nats_passwords.get(variable),
+        f"{label}'s password is the NATS servers' ${variable} in the example Secrets",
+        "the example Secrets of the two namespaces disagree",
+    )
+
+
+def check_nats_server_accepts(nats_server: str, passwords: dict[str, str], report: Report) -> None:
+    """nats-server reads authorization.conf as the chart includes it, given the example
+    Secret's variables, and refuses it without them: the Secret is what it needs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "authorization.conf").write_text(AUTHORIZATION.read_text())
+        config = Path(tmp) / "nats.conf"
+        config.write_text(f"listen: 127.0.0.1:-1\njetstream {{ store_dir: {json.dumps(tmp)} }}\ninclude authorization.conf\n")
+        # The NATS servers' environment: nothing of the developer's.
+        base_env = {"PATH": os.environ.get("PATH", "")}
+        for label, env in (("with", {**base_env, **passwords}), ("without", base_env)):
+            result = subprocess.run(
+                [nats_server, "-t", "-c", str(config)], capture_output=True, text=True, env=env, check=False, timeout=30
             )
-        endpoint = meta.get("natsServerMonitoringEndpoint", "")
-        host, _, endpoint_port = endpoint.rpartition(":")
+            wanted = label == "with"
+            report.check(
+                (result.returncode == 0) == wanted,
+                f"nats-server {'accepts' if wanted else 'refuses'} authorization.conf {label} the example Secret's variables",
+                (result.stderr or result.stdout).strip()[-300:],
+            )
+
+
+def check_nats_auth(values: dict, report: Report) -> dict[str, str]:
+    """The NATS values include authorization.conf and give the servers every password
+    it reads, from the example Secret's keys. Returns that Secret's values."""
+    values_text = (NATS / "values.yaml").read_text()
+    report.check(
+        SET_FILE in values_text,
+        "deploy/nats/values.yaml's install command puts authorization.conf in the chart's ConfigMap",
+        f"it needs {SET_FILE}",
+    )
+    secret = yaml.safe_load((NATS / "example-secret.yaml").read_text())
+    # The one object outside webproxy's namespace: the NATS release's.
+    check_schemas([secret], report, ["Secret"], "deploy/nats/example-secret.yaml", "nats")
+    passwords = secret.get("stringData", {})
+    check_placeholders("deploy/nats/example-secret.yaml", {secret["metadata"]["name"]: passwords}, report)
+    variables = set(authorization_users().values())
+    report.check(bool(variables), "deploy/nats/authorization.conf has users with passwords from variables")
+    report.check(
+        set(passwords) == variables,
+        "deploy/nats/example-secret.yaml has one key per password variable of authorization.conf",
+        f"keys {sorted(passwords)}, variables {sorted(variables)}",
+    )
+    env = values.get("container", {}).get("env", {})
+    for variable in sorted(variables):
+        ref = (env.get(variable) or {}).get("valueFrom", {}).get("secretKeyRef", {}) if isinstance(env.get(variable), dict) else {}
         report.check(
-            endpoint_port == str(monitor_port),
-            f"the KEDA trigger reads NATS monitoring port {monitor_port}",
-            f"it reads {endpoint}",
+            ref.get("name") == secret["metadata"]["name"] and ref.get("key") in passwords,
+            f"the NATS servers read ${variable} from a key of {secret['metadata']['name']}",
+            f"container.env.{variable}: {env.get(variable)}",
         )
-        nats_host = urlsplit(config["nats"]["url"].split(",")[0]).hostname or ""
-        report.check(
-            host.split(".")[1:2] == nats_host.split(".")[1:2],
-            "the KEDA trigger and nats.url name the same NATS namespace",
-            f"{host} vs {nats_host}",
-        )
+    return passwords
 
 
 def strip_strings(expr: str) -> str:
@@ -726,40 +977,134 @@ def check_dashboard(report: Report) -> None:
     report.check(bool(in_flight_versus_limit), "a dashboard panel shows in flight against the pool's limit")
 
 
-def check_docs_promql(report: Report) -> None:
-    path = REPO / "docs" / "operations.md"
-    blocks = re.findall(r"```promql\n(.*?)```", path.read_text(), re.S)
-    report.check(bool(blocks), f"{path.relative_to(REPO)} has PromQL to check")
+def docs_promql() -> list[str]:
+    """The expressions of docs/operations.md's ```promql blocks: one per paragraph, `#`
+    lines are comments."""
+    blocks = re.findall(r"```promql\n(.*?)```", (REPO / "docs" / "operations.md").read_text(), re.S)
+    exprs = []
     for block in blocks:
-        # A block holds one expression per paragraph; `#` lines are comments.
         for expr in re.split(r"\n\s*\n", block):
             expr = "\n".join(line for line in expr.splitlines() if not line.lstrip().startswith("#")).strip()
             if expr:
-                problems = promql_problems(expr)
-                report.check(not problems, f"operations.md: {' '.join(expr.split())[:70]}", f"{problems}")
+                exprs.append(expr)
+    return exprs
+
+
+def check_docs_promql(report: Report) -> None:
+    exprs = docs_promql()
+    report.check(bool(exprs), "docs/operations.md has PromQL to check")
+    for expr in exprs:
+        problems = promql_problems(expr)
+        report.check(not problems, f"operations.md: {' '.join(expr.split())[:70]}", f"{problems}")
+
+
+def registered_metrics() -> set[str]:
+    """The metric families the code registers, without the `_total` prometheus-client
+    adds to counters."""
+    names = set()
+    for path in METRICS_SOURCES:
+        text = path.read_text()
+        prefix = re.search(r'Registry::with_prefix\("([a-z_]+)"\)', text)
+        for name in re.findall(r'\.register\(\s*"([a-z_]+)"', text):
+            names.add(f"{prefix.group(1)}_{name}" if prefix else name)
+    return names
+
+
+def check_metrics_are_the_codes(report: Report) -> None:
+    """The metrics the dashboard, the docs and the autoscaler may name are the ones the
+    code registers."""
+    declared = {re.sub(r"_total$", "", name) for name in METRICS}
+    code = registered_metrics()
+    report.check(
+        declared == code,
+        "deploy-check knows exactly the metrics the code registers",
+        f"not registered: {sorted(declared - code)}, unknown here: {sorted(code - declared)}",
+    )
+
+
+def docker_pattern(pattern: str) -> re.Pattern[str]:
+    """A .dockerignore pattern as a regular expression over a slash-separated path."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
+
+
+def docker_ignores(patterns: list[str], path: str) -> bool:
+    """Whether Docker leaves the path out of the build context: the last pattern that
+    matches it or a directory above it decides, `!` bringing it back."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    ignored = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        regex = docker_pattern(pattern.removeprefix("!").strip().strip("/"))
+        if any(regex.fullmatch(prefix) for prefix in prefixes):
+            ignored = not negated
+    return ignored
+
+
+def check_dockerignore(report: Report) -> None:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    missed = [path for path in DOCKER_IGNORED if not docker_ignores(patterns, path)]
+    report.check(not missed, ".dockerignore keeps the virtualenvs, node_modules and build directories out", f"in the context: {missed}")
+    needed = ["Cargo.toml", "Cargo.lock", "crates/webproxy/src/main.rs", "config/default.toml", "deploy/image-config.toml"]
+    dropped = [path for path in needed if docker_ignores(patterns, path)]
+    report.check(not dropped, ".dockerignore keeps what the image's build reads", f"ignored: {dropped}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--webproxy", required=True, help="the webproxy binary, for check-config")
     parser.add_argument("--kubectl", required=True, help="kubectl, for its built-in kustomize")
+    parser.add_argument("--nats-server", required=True, help="nats-server, to test authorization.conf's config")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
     args = parser.parse_args()
 
     report = Report(args.verbose)
+    check_every_kustomization_rendered(report)
     check_kustomization_lists_every_file(report)
     docs = render(args.kubectl, report)
-    check_schemas(docs, report)
+    check_schemas(docs, report, BASE_KINDS, "the base")
+    check_namespace(docs, report)
     nats_values = check_nats_values(report)
+    nats_passwords = check_nats_auth(nats_values, report)
+    check_nats_server_accepts(args.nats_server, nats_passwords, report)
+    secrets = example_secrets(args.kubectl, report)
     image_config = (DEPLOY / "image-config.toml").read_text()
     check_config(args.webproxy, "deploy/image-config.toml", image_config, report)
     _, exposed, _ = dockerfile_facts()
     check_listen("deploy/image-config.toml", effective_config(image_config), exposed, report)
     if docs:
-        check_deployment_agrees(docs, nats_values, args.webproxy, report)
-    check_gateway(args.kubectl, args.webproxy, docs, report)
+        check_deployment_agrees(docs, nats_values, secrets, nats_passwords, args.webproxy, report)
+        check_autoscaled(args.kubectl, docs, report)
+    gateway_docs = check_gateway(args.kubectl, args.webproxy, docs, secrets, nats_passwords, report)
+    check_gateway_overlay(args.kubectl, report)
+    used = {
+        name
+        for d in docs + gateway_docs
+        if d.get("kind") == "Deployment"
+        for name in referenced_secrets(d["spec"]["template"]["spec"])
+    }
+    report.check(
+        set(secrets) == used,
+        "the example Secrets are exactly the ones the Deployments read",
+        f"unused: {sorted(set(secrets) - used)}, missing: {sorted(used - set(secrets))}",
+    )
+    check_metrics_are_the_codes(report)
     check_dashboard(report)
     check_docs_promql(report)
+    check_dockerignore(report)
 
     if report.failures:
         print(f"deploy-check: {report.failures} of {report.passed + report.failures} checks failed", file=sys.stderr)
