@@ -82,14 +82,20 @@ async fn send_prints_the_reply_and_exits_by_outcome() {
 }
 
 async fn check_config(text: &str) -> Output {
+    check_config_with(&[], text).await
+}
+
+/// `check-config` with `flags` (`--json`) on a file holding `text`.
+async fn check_config_with(flags: &[&str], text: &str) -> Output {
     let file = tempfile::NamedTempFile::new().expect("temp file");
     std::fs::write(file.path(), text).expect("write");
-    webproxy(&[
+    let mut args = vec![
         "check-config",
         "--config",
         file.path().to_str().expect("utf8"),
-    ])
-    .await
+    ];
+    args.extend_from_slice(flags);
+    webproxy(&args).await
 }
 
 #[tokio::test]
@@ -128,4 +134,55 @@ async fn check_config_prints_effective_pools_and_rules() {
         stdout.contains("partner: POST ^https://partner\\.example/"),
         "{stdout}"
     );
+}
+
+/// A `[[request_rules.response_rules]]` block belongs to the request rule above it: the
+/// output shows, per request rule, which list classifies its responses (its own, the
+/// global one or the defaults), so a block under the wrong rule can be seen.
+#[tokio::test]
+async fn check_config_prints_the_response_rules_of_each_request_rule() {
+    let text = "[[response_rules]]\nstatus = \"500-599\"\naction = \"retry\"\n\n\
+                [[request_rules]]\nname = \"ledger\"\nurl_pattern = '^https://ledger\\.example/'\n\n\
+                [[request_rules.response_rules]]\nstatus = \"200\"\naction = \"error\"\nbody_pattern = '\"ok\":false'\n\n\
+                [[request_rules]]\nname = \"catalog\"\nurl_pattern = '^https://catalog\\.example/'\n\n\
+                [[request_rules]]\nname = \"search\"\nurl_pattern = '^https://search\\.example/'\nresponse_rules = []\n\n\
+                [[request_rules]]\nname = \"closed\"\nurl_pattern = '^https://closed\\.example/'\naction = \"deny\"\n";
+    let output = check_config(text).await;
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let after = |rule: &str| {
+        stdout
+            .lines()
+            .skip_while(|line| !line.starts_with(&format!("  {rule}: ")))
+            .nth(1)
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(
+        after("ledger"),
+        "    response rules (its own): 200 error if the body matches /\"ok\":false/; any other responds",
+        "{stdout}"
+    );
+    assert_eq!(
+        after("catalog"),
+        "    response rules (global): 500-599 retry; any other responds",
+        "{stdout}"
+    );
+    assert_eq!(
+        after("search"),
+        "    response rules (default): 408, 429 and 500-599 retry; any other responds",
+        "{stdout}"
+    );
+    // A denying rule never sends, so nothing classifies its responses.
+    assert!(!after("closed").contains("response rules"), "{stdout}");
+
+    let json = check_config_with(&["--json"], text).await;
+    let rules = &stdout_json(&json)["request_rules"];
+    assert_eq!(rules[0]["response_rules"]["source"], "own");
+    assert_eq!(
+        rules[0]["response_rules"]["rules"][0]["body_pattern"],
+        "\"ok\":false"
+    );
+    assert_eq!(rules[1]["response_rules"]["source"], "global");
+    assert_eq!(rules[2]["response_rules"]["source"], "default");
 }

@@ -42,7 +42,7 @@ pub use config::{Settings, StreamsConfig};
 pub use config_error::ConfigError;
 pub use config_store::{ConfigStore, PushNote, Seeded, StoredRevision};
 pub use provision::mark_removing;
-pub use response_rules::ResponseRuleConfig;
+pub use response_rules::{AppliedResponseRules, ResponseRuleConfig, ResponseRulesSource};
 pub use retry::RetryPolicy;
 pub use rules::{RequestRuleConfig, RuleAction};
 pub use runtime::{Dispatcher, Outlet, ReplayError, Settled, StartError, connect};

@@ -63,6 +63,20 @@ impl ResponseRule {
         })
     }
 
+    /// The rule as it would be written: a single status as one code.
+    fn written(&self) -> ResponseRuleConfig {
+        let (low, high) = (*self.status.start(), *self.status.end());
+        ResponseRuleConfig {
+            status: if low == high {
+                low.to_string()
+            } else {
+                format!("{low}-{high}")
+            },
+            action: self.action,
+            body_pattern: self.body_pattern.as_ref().map(|p| p.as_str().to_string()),
+        }
+    }
+
     fn matches(&self, status: u16, body: &[u8]) -> bool {
         self.status.contains(&status)
             && self
@@ -81,6 +95,68 @@ pub(crate) fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
         }
     };
     ((100..=599).contains(&low) && (100..=599).contains(&high) && low <= high).then_some(low..=high)
+}
+
+/// Where the response rules of a request rule come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponseRulesSource {
+    /// The request rule's own `[[request_rules.response_rules]]`.
+    Own,
+    /// The global `[[response_rules]]`.
+    Global,
+    /// None configured (or an empty list): [`default_action`]'s.
+    Default,
+}
+
+/// The response rules that classify a request rule's responses, in order, as
+/// `check-config` shows them: a misplaced block shows as the wrong source.
+#[derive(Debug, Clone, Serialize)]
+pub struct AppliedResponseRules {
+    pub source: ResponseRulesSource,
+    /// Empty for [`ResponseRulesSource::Default`].
+    pub rules: Vec<ResponseRuleConfig>,
+}
+
+impl AppliedResponseRules {
+    pub(crate) fn of(rules: &[ResponseRule], own: bool) -> AppliedResponseRules {
+        let source = match (rules.is_empty(), own) {
+            (true, _) => ResponseRulesSource::Default,
+            (false, true) => ResponseRulesSource::Own,
+            (false, false) => ResponseRulesSource::Global,
+        };
+        AppliedResponseRules {
+            source,
+            rules: rules.iter().map(ResponseRule::written).collect(),
+        }
+    }
+
+    /// One line: each rule as `STATUS action [body ~ /PATTERN/]`, then what any other
+    /// response does.
+    pub fn summary(&self) -> String {
+        if self.source == ResponseRulesSource::Default {
+            return "408, 429 and 500-599 retry; any other responds".to_string();
+        }
+        let mut parts: Vec<String> = self
+            .rules
+            .iter()
+            .map(|rule| {
+                let action = match rule.action {
+                    ResponseAction::Respond => "respond",
+                    ResponseAction::Retry => "retry",
+                    ResponseAction::Error => "error",
+                };
+                match &rule.body_pattern {
+                    Some(pattern) => {
+                        format!("{} {action} if the body matches /{pattern}/", rule.status)
+                    }
+                    None => format!("{} {action}", rule.status),
+                }
+            })
+            .collect();
+        parts.push("any other responds".to_string());
+        parts.join("; ")
+    }
 }
 
 /// What a response means when no response rule is configured: 408, 429 and 5xx are
@@ -115,6 +191,28 @@ mod tests {
             body_pattern: body.map(str::to_string),
         })
         .expect("valid rule")
+    }
+
+    #[test]
+    fn applied_rules_name_their_source_and_read_as_written() {
+        let rules = [
+            rule("429", ResponseAction::Retry, None),
+            rule("200-299", ResponseAction::Error, Some("\"ok\":false")),
+        ];
+        let own = AppliedResponseRules::of(&rules, true);
+        assert_eq!(own.source, ResponseRulesSource::Own);
+        assert_eq!(own.rules[0].status, "429");
+        assert_eq!(
+            own.summary(),
+            "429 retry; 200-299 error if the body matches /\"ok\":false/; any other responds"
+        );
+        assert_eq!(
+            AppliedResponseRules::of(&rules, false).source,
+            ResponseRulesSource::Global
+        );
+        let defaults = AppliedResponseRules::of(&[], true);
+        assert_eq!(defaults.source, ResponseRulesSource::Default);
+        assert!(defaults.summary().starts_with("408, 429 and 500-599 retry"));
     }
 
     #[test]

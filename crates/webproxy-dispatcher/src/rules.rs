@@ -9,7 +9,7 @@ use regex::Regex;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Method;
 
-use crate::response_rules::{ResponseRule, ResponseRuleConfig};
+use crate::response_rules::{AppliedResponseRules, ResponseRule, ResponseRuleConfig};
 use crate::retry::RetryPolicy;
 use crate::secret_source::SecretSource;
 use crate::security::{self, RuleSecurity};
@@ -137,6 +137,8 @@ pub struct RequestRule {
     pub(crate) idempotency_header: Option<String>,
     /// The rule's own response rules, or the global ones.
     pub(crate) response_rules: Arc<[ResponseRule]>,
+    /// Whether `response_rules` are the rule's own.
+    own_response_rules: bool,
     /// The longest pause of the pool a `Retry-After` under this rule makes; `None`
     /// when `pause_on_retry_after` is off.
     pub(crate) max_pause: Option<Duration>,
@@ -145,6 +147,12 @@ pub struct RequestRule {
 }
 
 impl RequestRule {
+    /// The response rules that classify this rule's responses, and where they come
+    /// from.
+    pub fn applied_response_rules(&self) -> AppliedResponseRules {
+        AppliedResponseRules::of(&self.response_rules, self.own_response_rules)
+    }
+
     /// Compiles a rule; an error names the field. `global_response_rules` apply unless
     /// the rule has a list of its own.
     pub(crate) fn compile(
@@ -234,6 +242,7 @@ impl RequestRule {
             retry_non_idempotent: config.retry_non_idempotent,
             idempotency_header,
             response_rules,
+            own_response_rules: config.response_rules.is_some(),
             max_pause: config.pause_on_retry_after.then_some(config.max_pause),
             security: RuleSecurity::compile(config)
                 .map_err(|(field, message)| (field.to_string(), message))?,

@@ -12,7 +12,7 @@ use figment::providers::{Env, Format as _, Serialized, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
-use webproxy_dispatcher::RuleAction;
+use webproxy_dispatcher::{ResponseRulesSource, RuleAction};
 
 /// Every key with its default, commented.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
@@ -213,6 +213,9 @@ struct EffectiveRule<'a> {
     inject_headers: std::collections::BTreeMap<&'a str, &'a webproxy_dispatcher::SecretSource>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     deny_request_headers: &'a [String],
+    /// What the rule's responses mean, and whether that is its own list, the global
+    /// one or the defaults.
+    response_rules: webproxy_dispatcher::AppliedResponseRules,
 }
 
 #[derive(Serialize)]
@@ -253,6 +256,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
                 .map(|(name, source)| (name.as_str(), source))
                 .collect(),
             deny_request_headers: &r.security.deny_request_headers,
+            response_rules: r.applied_response_rules(),
         })
         .collect();
     let effective = Effective {
@@ -339,6 +343,17 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
             }
             if !rule.deny_request_headers.is_empty() {
                 println!("    drops headers {}", rule.deny_request_headers.join(", "));
+            }
+            if rule.action == RuleAction::Accept {
+                let source = match rule.response_rules.source {
+                    ResponseRulesSource::Own => "its own",
+                    ResponseRulesSource::Global => "global",
+                    ResponseRulesSource::Default => "default",
+                };
+                println!(
+                    "    response rules ({source}): {}",
+                    rule.response_rules.summary()
+                );
             }
         }
     }
