@@ -128,7 +128,8 @@ pub struct Reply {
     pub error: Option<ErrorBody>,
     /// HTTP attempts started, a refused connection included.
     pub attempts: u32,
-    /// How long the service spent on the conversation, in milliseconds.
+    /// Milliseconds from the caller's publish to this reply: time waiting in the pool
+    /// and between retries included, not only the HTTP attempts.
     pub duration_ms: u64,
     /// The request's `metadata`, byte for byte.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -194,6 +195,7 @@ pub struct AttemptRecord {
     /// The transport failure kind and message, when there was no HTTP status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// Milliseconds this attempt took.
     pub duration_ms: u64,
 }
 
