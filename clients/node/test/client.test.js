@@ -7,7 +7,7 @@
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import { execFile } from "node:child_process";
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { readFileSync, rmSync, writeFileSync } from "node:fs";
 import net from "node:net";
 import { promisify } from "node:util";
 import { createInterface } from "node:readline";
@@ -21,9 +21,9 @@ import { connect, headers as natsHeaders } from "@nats-io/transport-node";
 import { jetstreamManager } from "@nats-io/jetstream";
 
 import { Client, InvalidRequest, NoSuchPool, buildEnvelope, newId, newMsgId } from "../webproxy-client.js";
+import { installPacked, pkg } from "./packed.js";
 
 const repo = fileURLToPath(new URL("../../../", import.meta.url));
-const pkg = fileURLToPath(new URL("../", import.meta.url));
 const execFileAsync = promisify(execFile);
 // Generous for a loaded 2-core CI machine; a healthy run takes well under a second.
 const REPLY_WAIT_MS = 20_000;
@@ -400,16 +400,18 @@ describe("against a live webproxy", () => {
       assert.ok(code.includes(placeholder), placeholder);
     }
     code = code.replace("nats://127.0.0.1:4222", env.nats_url).replace("https://example.com/", url("/readme"));
-    // Inside the package, so that `import ... from "webproxy-client"` resolves to it.
-    const dir = mkdtempSync(`${pkg}.tmp-`);
+    // In a project of its own with the package installed from its tarball, as a user
+    // runs it: `import ... from "webproxy-client"` resolves to the installed copy.
+    const { project } = await installPacked();
     try {
-      writeFileSync(`${dir}/example.mjs`, code);
-      const { stdout } = await execFileAsync(process.execPath, [`${dir}/example.mjs`], {
+      writeFileSync(`${project}/example.mjs`, code);
+      const { stdout } = await execFileAsync(process.execPath, [`${project}/example.mjs`], {
+        cwd: project,
         timeout: REPLY_WAIT_MS,
       });
       assert.equal(stdout, "200 path /readme\n");
     } finally {
-      rmSync(dir, { recursive: true, force: true });
+      rmSync(project, { recursive: true, force: true });
     }
   });
 });
