@@ -13,10 +13,14 @@ import webproxy_client
 
 PYTHON_DIR = Path(__file__).resolve().parents[1]
 MISUSE = '''
-from webproxy_client import Reply
+
+from webproxy_client import Client, Reply
 
 def f(reply: Reply) -> str:
     return reply.status + "x"
+
+async def g(client: Client) -> None:
+    await client.request("GET", "http://h/", reply_too="app.r.1")
 '''
 
 
@@ -47,3 +51,4 @@ def test_a_typed_caller_passes_mypy_strict_and_a_misuse_does_not(tmp_path: Path)
     result = mypy(tmp_path, misuse)
     assert result.returncode == 1, result.stdout + result.stderr
     assert 'Unsupported operand types for + ("int" and "str")' in result.stdout, result.stdout
+    assert 'Unexpected keyword argument "reply_too"' in result.stdout, result.stdout

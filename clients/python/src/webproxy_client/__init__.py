@@ -25,13 +25,17 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, TypedDict, Union
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+
+if TYPE_CHECKING:
+    # Only in annotations, which are never evaluated: no dependency at run time.
+    from typing_extensions import Unpack
 
 __version__ = "0.1.0"
 
@@ -51,6 +55,7 @@ __all__ = [
     "new_id",
     "new_msg_id",
     "Envelope",
+    "EnvelopeFields",
     "HeaderValues",
     "DEFAULT_PREFIX",
     "DEFAULT_POOL",
@@ -85,6 +90,19 @@ _PUBLISH_RETRY_DELAY = 0.05
 HeaderValues = Union[str, Sequence[str]]
 # A request envelope as published: JSON, so its values are JSON values.
 Envelope = Dict[str, Any]
+
+
+class EnvelopeFields(TypedDict, total=False):
+    """The envelope's optional fields, as build_envelope, ``request`` and ``submit``
+    take them (as keyword arguments)."""
+
+    id: Optional[str]
+    headers: Optional[Mapping[str, HeaderValues]]
+    body: Union[str, bytes, None]
+    reply_to: Optional[str]
+    timeout_ms: Optional[int]
+    deadline: Optional[str]
+    metadata: Any
 
 
 class WebproxyError(Exception):
@@ -301,16 +319,10 @@ class Client:
         pool: str = DEFAULT_POOL,
         wait: float = DEFAULT_WAIT,
         msg_id: Optional[str] = None,
-        id: Optional[str] = None,
-        headers: Optional[Mapping[str, HeaderValues]] = None,
-        body: Union[str, bytes, None] = None,
-        reply_to: Optional[str] = None,
-        timeout_ms: Optional[int] = None,
-        deadline: Optional[str] = None,
-        metadata: Any = None,
+        **fields: Unpack[EnvelopeFields],
     ) -> Reply:
         """Sends a request and waits up to ``wait`` seconds for its final reply, which
-        may be an error outcome. The envelope's fields are build_envelope's.
+        may be an error outcome. ``fields`` are the envelope's (see build_envelope).
 
         The live subscription is made before publishing, and only a live reply whose
         ``Webproxy-Origin`` is this conversation's counts. Without ``reply_to`` it
@@ -325,12 +337,10 @@ class Client:
         Every call is a new conversation with a fresh random ``Nats-Msg-Id``. Pass the
         ``msg_id`` of an earlier call only to publish that very message again (after a
         crash, within the duplicate window): the same conversation answers."""
-        envelope = build_envelope(
-            method, url, id=id, headers=headers, body=body, reply_to=reply_to,
-            timeout_ms=timeout_ms, deadline=deadline, metadata=metadata,
-        )
+        envelope = build_envelope(method, url, **fields)
         id = str(envelope["id"])
         _check(_ID, "id", id)
+        reply_to = fields.get("reply_to")
         live = _live_subject(self._prefix, id, reply_to)
         lookups = reply_to is None
         msg_id = _own_msg_id(msg_id)
@@ -380,21 +390,12 @@ class Client:
         *,
         pool: str = DEFAULT_POOL,
         msg_id: Optional[str] = None,
-        id: Optional[str] = None,
-        headers: Optional[Mapping[str, HeaderValues]] = None,
-        body: Union[str, bytes, None] = None,
-        reply_to: Optional[str] = None,
-        timeout_ms: Optional[int] = None,
-        deadline: Optional[str] = None,
-        metadata: Any = None,
+        **fields: Unpack[EnvelopeFields],
     ) -> Submitted:
         """Publishes a request and returns its id and origin once JetStream has
         stored it; read the reply later with ``reply(id, origin)`` (or, with a
         ``reply_to``, from wherever the caller keeps the copies sent there)."""
-        envelope = build_envelope(
-            method, url, id=id, headers=headers, body=body, reply_to=reply_to,
-            timeout_ms=timeout_ms, deadline=deadline, metadata=metadata,
-        )
+        envelope = build_envelope(method, url, **fields)
         id = str(envelope["id"])
         _check(_ID, "id", id)
         ack = await self._publish(envelope, pool, _own_msg_id(msg_id))
