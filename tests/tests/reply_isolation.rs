@@ -222,4 +222,8 @@ async fn an_isolated_callers_client_listens_on_its_reply_to_only() {
     a.flush().await.expect("flush");
     let reported = tokio::time::timeout(Duration::from_millis(500), a_errors.recv()).await;
     assert!(reported.is_err(), "the server reported {reported:?}");
+    // The control: what the client must not do is reported on this connection.
+    let live = format!("webproxy.reply.{}", request.envelope().id);
+    let _refused = a.subscribe(live.clone()).await.expect("subscribe");
+    violation(&mut a_errors, &live, REPLY_TIMEOUT).await;
 }
