@@ -102,18 +102,27 @@ test-adaptive:
     cargo build --workspace --bins
     {{ _nats_path }}; if cargo nextest --version >/dev/null 2>&1; then cargo nextest run -p webproxy-tests --test adaptive --run-ignored ignored-only --no-capture; else cargo test -p webproxy-tests --test adaptive -- --ignored --nocapture; fi
 
-# The Python client's tests: the schema, and a live webproxy on a real nats-server. Dependencies (pinned) go into .venv-clients/.
+# The Python client's tests: installed as a package and type-checked (mypy --strict), the schema, and a live webproxy on a real nats-server. Dependencies (pinned) go into .venv-clients/.
 test-python:
     cargo build --workspace --bins
     [[ -x .venv-clients/bin/python ]] || python3 -m venv .venv-clients
     .venv-clients/bin/python -m pip install --quiet --disable-pip-version-check -r clients/python/requirements-dev.txt
+    # Installed from its directory as a user would (a wheel, not editable), so the tests
+    # import it from site-packages; built by the pinned hatchling, without isolation.
+    .venv-clients/bin/python -m pip uninstall --quiet --yes webproxy-client 2>/dev/null || true
+    .venv-clients/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation ./clients/python
+    .venv-clients/bin/python -m pip check
+    .venv-clients/bin/python -m mypy --config-file clients/python/pyproject.toml clients/python/src/webproxy_client
     {{ _nats_path }}; cd clients/python && ../../.venv-clients/bin/python -m pytest
 
-# The Node client's tests: the schema, and a live webproxy on a real nats-server. Dependencies from its lockfile.
+# The Node client's tests: type-checked (tsc), packed and installed from the tarball, the schema, and a live webproxy on a real nats-server. Dependencies from its lockfile.
 test-node:
     cargo build --workspace --bins
     cd clients/node && npm ci --no-audit --no-fund
-    {{ _nats_path }}; cd clients/node && node --test
+    # The declarations, and a typed caller that imports the package by name (tsc --noEmit).
+    cd clients/node && npm run --silent typecheck
+    # test/package.test.js packs the package and installs the tarball into a project of its own.
+    {{ _nats_path }}; cd clients/node && node --test test/*.test.js
 
 # Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
 schema:

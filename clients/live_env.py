@@ -3,8 +3,12 @@ upstream on 127.0.0.1 and the real `webproxy serve` binary, all on loopback port
 their own. Standard library only, so every client's tests can use it.
 
 As a module: `with LiveEnv() as env: ...` (env.nats_url, env.url(path), ...).
-As a program (for tests in other languages): prints one JSON line with the same
-values once the service is ready, and stops everything when its stdin closes.
+`LiveEnv(isolated=True)` runs nats-server with deploy/nats/authorization.conf's
+accounts and users instead, and webproxy as its `webproxy` user with reply_to
+confined to the callers' reply spaces: `env.password(user)` is a user's password.
+As a program (for tests in other languages; `--isolated` for the above): prints one
+JSON line with the same values once the service is ready, and stops everything when
+its stdin closes.
 
 Needs `nats-server` >= 2.11 on PATH (`just` puts one there) and the webproxy binary:
 WEBPROXY_BIN, else $CARGO_TARGET_DIR/debug/webproxy, else target/debug/webproxy.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -123,15 +128,34 @@ def _escape(text: str) -> str:
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$" else c for c in text)
 
 
+AUTHORIZATION = REPO / "deploy" / "nats" / "authorization.conf"
+# The password variables authorization.conf reads from the environment.
+_PASSWORD_VARIABLE = re.compile(r"password:\s*\$([A-Z0-9_]+)")
+_USER_AND_PASSWORD = re.compile(r"user:\s*(\w+)\s*\n\s*password:\s*\$([A-Z0-9_]+)")
+
+
 class LiveEnv:
     """Everything a client test talks to. `url(path)` is on the accepting upstream;
     `closed_url` is accepted by a rule but nothing listens there; paths under
     `/forbidden` are denied by a rule."""
 
-    def __init__(self) -> None:
+    def __init__(self, isolated: bool = False) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="webproxy-clients-"))
         self._procs: list[subprocess.Popen] = []
         self._upstream: ThreadingHTTPServer | None = None
+        self.isolated = isolated
+        # Each password variable of authorization.conf, set to a password of its own.
+        self._passwords = {
+            variable: f"{variable.lower()}-live"
+            for variable in _PASSWORD_VARIABLE.findall(AUTHORIZATION.read_text())
+        } if isolated else {}
+
+    def password(self, user: str) -> str:
+        """The password of `user` in authorization.conf (with `isolated` only)."""
+        for name, variable in _USER_AND_PASSWORD.findall(AUTHORIZATION.read_text()):
+            if name == user:
+                return self._passwords[variable]
+        raise KeyError(f"no user {user!r} in {AUTHORIZATION}")
 
     def __enter__(self) -> "LiveEnv":
         try:
@@ -163,12 +187,17 @@ class LiveEnv:
             return self._handler.hits[path]
 
     def describe(self) -> dict:
-        return {
+        described = {
             "nats_url": self.nats_url,
             "upstream_url": self.upstream_url,
             "closed_url": self.closed_url,
             "health_url": self.health_url,
         }
+        if self.isolated:
+            described["passwords"] = {
+                user: self.password(user) for user in ("caller_a", "caller_b")
+            }
+        return described
 
     def webproxy_log(self) -> str:
         path = self._dir / "webproxy.log"
@@ -184,11 +213,19 @@ class LiveEnv:
         ports_dir = self._dir / "ports"
         ports_dir.mkdir()
         log = open(self._dir / "nats-server.log", "ab")
+        config: list[str] = []
+        if self.isolated:
+            # The accounts and users as deployed; the file is included beside the
+            # config, where nats-server resolves includes.
+            shutil.copy(AUTHORIZATION, self._dir / "authorization.conf")
+            (self._dir / "nats-server.conf").write_text("include ./authorization.conf\n")
+            config = ["-c", str(self._dir / "nats-server.conf")]
         # Port -1: the server picks a free one itself and says which in its ports file.
         proc = subprocess.Popen(
-            [nats_server, "-js", "-a", "127.0.0.1", "-p", "-1",
+            [nats_server, *config, "-js", "-a", "127.0.0.1", "-p", "-1",
              "-sd", str(self._dir / "jetstream"), "--ports_file_dir", str(ports_dir)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            env={**os.environ, **self._passwords},
         )
         self._procs.append(proc)
         found: list[str] = []
@@ -215,7 +252,10 @@ class LiveEnv:
             f'[nats]\nurl = "{self.nats_url}"\n\n'
             f'[http]\nlisten = "127.0.0.1:{http_port}"\n\n'
             # Small stream limits: JetStream reserves them against free disk.
-            '[streams]\nreply_max_bytes = 67108864\ndead_max_bytes = 67108864\n\n'
+            '[streams]\nreply_max_bytes = 67108864\ndead_max_bytes = 67108864\n'
+            # Isolated: copies go only to a caller's own reply space, as deployed.
+            + ('reply_to_allow = ["callers.*.replies.>"]\n' if self.isolated else "")
+            + '\n'
             # The upstream is on loopback, which the address guard denies by default.
             '[outbound]\nallow_private_networks = true\n\n'
             '[[request_rules]]\nname = "forbidden"\nurl_pattern = "/forbidden"\naction = "deny"\n\n'
@@ -230,6 +270,9 @@ class LiveEnv:
                and k not in ("NATS_URL", "NATS_CREDS", "NATS_CONTEXT")
                and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
         env.setdefault("RUST_LOG", "info")
+        if self.isolated:
+            env["WEBPROXY_NATS__USER"] = "webproxy"
+            env["WEBPROXY_NATS__PASSWORD"] = self.password("webproxy")
         log = open(self._dir / "webproxy.log", "ab")
         proc = subprocess.Popen(
             [str(webproxy_bin()), "serve", "--config", str(config)],
@@ -270,7 +313,7 @@ class LiveEnv:
 
 
 if __name__ == "__main__":
-    with LiveEnv() as live:
+    with LiveEnv(isolated="--isolated" in sys.argv[1:]) as live:
         print(json.dumps(live.describe()), flush=True)
         # Runs until the test process closes our stdin (or exits).
         sys.stdin.read()

@@ -2,8 +2,9 @@
 // right what every caller must: subscribe before publishing, publish with a fresh
 // random Nats-Msg-Id, pick the pool subject, keep only the reply of its own
 // conversation (its origin, <STREAM>:<seq> from the publish ack), fall back to its
-// own stored reply, and tell an error outcome from a response. The wire protocol is
-// in the repository's README and schema/request.schema.json.
+// own stored reply (unless it listens on a replyTo of its own), and tell an error
+// outcome from a response. The wire protocol is in the repository's README and
+// schema/request.schema.json. Its types are in webproxy-client.d.ts.
 
 import { randomBytes, randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
@@ -48,14 +49,23 @@ export class NoSuchPool extends WebproxyError {}
 export class PublishFailed extends WebproxyError {}
 /**
  * No reply came within the wait, and none is stored. The request was stored: read
- * its reply later with `client.reply(e.id, e.origin)`.
+ * its reply later with `client.reply(e.id, e.origin)`. With a `replyTo` (then
+ * `e.replyTo`) the stored replies were not read: a caller confined to its own reply
+ * space may not read them, and captures the copies to its replyTo in a stream of its
+ * own instead.
  */
 export class ReplyTimeout extends WebproxyError {
-  constructor(id, waitMs, origin) {
-    super(`no reply to ${id} (origin ${origin}) within ${waitMs} ms, and none is stored`);
+  constructor(id, waitMs, origin, replyTo = null) {
+    super(
+      replyTo === null
+        ? `no reply to ${id} (origin ${origin}) within ${waitMs} ms, and none is stored`
+        : `no reply to ${id} (origin ${origin}) on ${replyTo} within ${waitMs} ms ` +
+            "(the stored replies are not read for a replyTo)",
+    );
     this.id = id;
     this.waitMs = waitMs;
     this.origin = origin;
+    this.replyTo = replyTo;
   }
 }
 /** The replies stream could not be read. */
@@ -254,11 +264,14 @@ export class Client {
    * Sends a request and waits up to `waitMs` for its final reply, which may be an
    * error outcome. `fields` are the envelope's (see buildEnvelope).
    *
-   * The live subscription (to `replyTo` when given, else to `<prefix>.reply.<id>`) is
-   * made before publishing, and only a live reply whose `Webproxy-Origin` is this
-   * conversation's counts. A reply that could have been missed is read from this
+   * The live subscription is made before publishing, and only a live reply whose
+   * `Webproxy-Origin` is this conversation's counts. Without `replyTo` it listens on
+   * `<prefix>.reply.<id>`, and a reply that could have been missed is read from this
    * conversation's own stored subject: on a duplicate publish ack, after a
-   * reconnect, and when the wait runs out.
+   * reconnect, and when the wait runs out. With `replyTo` it listens there only and
+   * reads no stored reply: a caller confined to its own reply space may neither
+   * subscribe to `<prefix>.reply.>` nor read the replies stream, so it captures the
+   * copies to its replyTo in a stream of its own if it must survive a reconnect.
    *
    * Every call is a new conversation with a fresh random Nats-Msg-Id. Pass the
    * `msgId` of an earlier call only to publish that very message again (after a
@@ -272,8 +285,11 @@ export class Client {
     const envelope = buildEnvelope(method, url, fields);
     const id = envelope.id;
     check(ID, "id", id);
-    const live = envelope.reply_to ?? `${this.#prefix}.reply.${id}`;
+    const replyTo = envelope.reply_to ?? null;
+    const live = replyTo ?? `${this.#prefix}.reply.${id}`;
     check(SUBJECT, "replyTo", live);
+    // Only a caller that listens on the service's own reply subjects reads the store.
+    const lookups = replyTo === null;
     const publishId = ownMsgId(msgId);
     const sub = this.#nc.subscribe(live);
     try {
@@ -281,7 +297,7 @@ export class Client {
       const deadline = Date.now() + waitMs;
       const ack = await this.#publish(envelope, pool, publishId);
       const origin = originOf(ack);
-      if (ack.duplicate) {
+      if (ack.duplicate && lookups) {
         const stored = await this.reply(id, origin);
         if (stored) {
           return stored;
@@ -310,13 +326,16 @@ export class Client {
         }
         // Subscriptions are replayed as part of reconnecting, so a reply published
         // after this lookup reaches the subscription.
-        if (this.#reconnects !== seenReconnects) {
+        if (lookups && this.#reconnects !== seenReconnects) {
           seenReconnects = this.#reconnects;
           const stored = await this.reply(id, origin);
           if (stored) {
             return stored;
           }
         }
+      }
+      if (!lookups) {
+        throw new ReplyTimeout(id, waitMs, origin, replyTo);
       }
       const stored = await this.reply(id, origin);
       if (!stored) {
@@ -343,7 +362,9 @@ export class Client {
    * The stored final reply of the conversation `origin` with envelope id `id`, or
    * null if there is none (yet, or any more: replies are kept for the service's
    * reply_max_age). Another conversation's reply for the same id is never it: the
-   * lookup reads exactly `<prefix>.reply.<id>.<STREAM>.<seq>`.
+   * lookup reads exactly `<prefix>.reply.<id>.<STREAM>.<seq>`. It needs read access
+   * to the replies stream, which an isolated caller (one confined to its own replyTo
+   * subjects) does not have.
    */
   async reply(id, origin) {
     check(ID, "id", id);

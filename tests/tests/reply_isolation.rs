@@ -2,8 +2,10 @@
 //! publish requests and receive their replies under their own prefix, and neither can
 //! read the other's replies or the stored replies.
 
+use std::time::Duration;
+
 use futures::StreamExt as _;
-use webproxy_client::Client;
+use webproxy_client::{Client, Error, Request};
 use webproxy_protocol::Reply;
 use webproxy_tests::authorized::{SERVICE_USER, connect_as, service_as, violation};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
@@ -170,4 +172,58 @@ async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
         .await;
     }
     assert_eq!(upstream.hits(), 0, "a refused conversation was attempted");
+}
+
+/// The Rust client of an isolated caller: with a `reply_to` in its own space it
+/// listens there only and never reads the replies stream, which its permissions
+/// forbid. A reply arrives; a request that outlives its wait times out naming its
+/// `reply_to` rather than failing on a refused lookup; and the server reports no
+/// permission violation (a subscription to webproxy.reply.<id> or a stored-reply
+/// lookup would be one).
+#[tokio::test]
+async fn an_isolated_callers_client_listens_on_its_reply_to_only() {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        accept_rule("local", &upstream)
+    );
+    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let (a, mut a_errors) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
+    let client = Client::new(a.clone(), "webproxy").expect("client");
+    let own_reply_to = |request: Request| {
+        let subject = format!("callers.a.replies.{}", request.envelope().id);
+        request.reply_to(subject)
+    };
+
+    let request = own_reply_to(Request::new("GET", upstream.url("/echo")).wait(REPLY_TIMEOUT));
+    let answer = client
+        .request_answer(&request)
+        .await
+        .unwrap_or_else(|e| panic!("request: {e}\n{}", service.logs()));
+    assert_eq!(answer.reply.id, request.envelope().id);
+    assert_eq!(answer.reply.status, Some(200), "{:?}", answer.reply);
+
+    let slow = own_reply_to(
+        Request::new("GET", upstream.url("/delay/3000")).wait(Duration::from_millis(300)),
+    );
+    let result = client.request(&slow).await;
+    let Err(Error::Timeout {
+        reply_to: Some(reply_to),
+        ..
+    }) = &result
+    else {
+        panic!("{result:?}\n{}", service.logs());
+    };
+    assert_eq!(Some(reply_to), slow.envelope().reply_to.as_ref());
+
+    // The server has answered everything A sent once a flush returns; a violation it
+    // reported reaches the event callback shortly after.
+    a.flush().await.expect("flush");
+    let reported = tokio::time::timeout(Duration::from_millis(500), a_errors.recv()).await;
+    assert!(reported.is_err(), "the server reported {reported:?}");
+    // The control: what the client must not do is reported on this connection.
+    let live = format!("webproxy.reply.{}", request.envelope().id);
+    let _refused = a.subscribe(live.clone()).await.expect("subscribe");
+    violation(&mut a_errors, &live, REPLY_TIMEOUT).await;
 }

@@ -5,12 +5,10 @@
 // reconnect.
 
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
 import { execFile } from "node:child_process";
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { readFileSync, rmSync, writeFileSync } from "node:fs";
 import net from "node:net";
 import { promisify } from "node:util";
-import { createInterface } from "node:readline";
 import { after, before, describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { setTimeout as sleep } from "node:timers/promises";
@@ -21,13 +19,13 @@ import { connect, headers as natsHeaders } from "@nats-io/transport-node";
 import { jetstreamManager } from "@nats-io/jetstream";
 
 import { Client, InvalidRequest, NoSuchPool, buildEnvelope, newId, newMsgId } from "../webproxy-client.js";
+import { startLiveEnv, stopLiveEnv } from "./live-env.js";
+import { installPacked, pkg } from "./packed.js";
 
 const repo = fileURLToPath(new URL("../../../", import.meta.url));
-const pkg = fileURLToPath(new URL("../", import.meta.url));
 const execFileAsync = promisify(execFile);
 // Generous for a loaded 2-core CI machine; a healthy run takes well under a second.
 const REPLY_WAIT_MS = 20_000;
-const START_TIMEOUT_MS = 60_000;
 // Bounds every live test, so a client that waits for nothing fails instead of hanging.
 const TEST_TIMEOUT = { timeout: 60_000 };
 const HEX32 = /^[0-9a-f]{32}$/;
@@ -142,20 +140,6 @@ class Relay {
   }
 }
 
-/** Starts clients/live_env.py and resolves with what it prints once ready. */
-function startLiveEnv() {
-  const child = spawn("python3", [`${repo}clients/live_env.py`], {
-    stdio: ["pipe", "pipe", "inherit"],
-  });
-  const ready = new Promise((resolve, reject) => {
-    const lines = createInterface({ input: child.stdout });
-    lines.once("line", (line) => resolve(JSON.parse(line)));
-    child.once("exit", (code) => reject(new Error(`live_env.py exited with ${code}`)));
-    setTimeout(() => reject(new Error("live_env.py not ready in time")), START_TIMEOUT_MS).unref();
-  });
-  return { child, ready };
-}
-
 describe("against a live webproxy", () => {
   let live;
   let env;
@@ -186,11 +170,7 @@ describe("against a live webproxy", () => {
   after(async () => {
     await nc?.close();
     await watcher?.close();
-    if (live) {
-      // Closing stdin tells live_env.py to stop everything it started.
-      live.child.stdin.end();
-      await new Promise((resolve) => live.child.once("exit", resolve));
-    }
+    await stopLiveEnv(live);
   });
 
   const url = (path) => `${env.upstream_url}${path}`;
@@ -400,16 +380,18 @@ describe("against a live webproxy", () => {
       assert.ok(code.includes(placeholder), placeholder);
     }
     code = code.replace("nats://127.0.0.1:4222", env.nats_url).replace("https://example.com/", url("/readme"));
-    // Inside the package, so that `import ... from "webproxy-client"` resolves to it.
-    const dir = mkdtempSync(`${pkg}.tmp-`);
+    // In a project of its own with the package installed from its tarball, as a user
+    // runs it: `import ... from "webproxy-client"` resolves to the installed copy.
+    const { project } = await installPacked();
     try {
-      writeFileSync(`${dir}/example.mjs`, code);
-      const { stdout } = await execFileAsync(process.execPath, [`${dir}/example.mjs`], {
+      writeFileSync(`${project}/example.mjs`, code);
+      const { stdout } = await execFileAsync(process.execPath, [`${project}/example.mjs`], {
+        cwd: project,
         timeout: REPLY_WAIT_MS,
       });
       assert.equal(stdout, "200 path /readme\n");
     } finally {
-      rmSync(dir, { recursive: true, force: true });
+      rmSync(project, { recursive: true, force: true });
     }
   });
 });

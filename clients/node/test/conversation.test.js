@@ -191,14 +191,39 @@ describe("a conversation against a fake connection", () => {
     assert.deepEqual(fake.lookedUp, []);
   });
 
-  test("a custom replyTo is the live subject", TEST_TIMEOUT, async () => {
+  test("a custom replyTo is the only live subject", TEST_TIMEOUT, async () => {
     const fake = new FakeNats([ack()], { onPublish: (f) => f.sub.push(replyMessage(200)) });
     const client = new Client(fake);
     const reply = await client.request("GET", "http://h/", { id: "order-42", replyTo: "app.r.42", waitMs: 5000 });
     assert.equal(reply.status, 200);
     assert.deepEqual(fake.subscribed, ["app.r.42"]);
+    assert.deepEqual(fake.lookedUp, []);
     for (const bad of ["app.>", "app.*", "a b", "a..b"]) {
       await assert.rejects(client.request("GET", "http://h/", { replyTo: bad }), InvalidRequest);
+    }
+  });
+
+  // A caller confined to its own reply space may not read the replies stream: with a
+  // replyTo, neither a duplicate ack, nor a reconnect, nor the end of the wait looks
+  // there (even where a stored reply would be found).
+  test("with a replyTo the stored replies are never read", TEST_TIMEOUT, async () => {
+    const replyTo = "callers.a.replies.42";
+    const duplicate = new FakeNats([ack(true)], { stored: { [STORED]: replyPayload(201) } });
+    await assert.rejects(
+      new Client(duplicate).request("GET", "http://h/", { id: "order-42", replyTo, waitMs: 300 }),
+      (e) => e instanceof ReplyTimeout && e.origin === ORIGIN && e.replyTo === replyTo && e.message.includes(replyTo),
+    );
+    const reconnected = new FakeNats([ack()], {
+      stored: { [STORED]: replyPayload(202) },
+      onPublish: (f) => f.emit("reconnect"),
+    });
+    await assert.rejects(
+      new Client(reconnected).request("GET", "http://h/", { id: "order-42", replyTo, waitMs: 600 }),
+      ReplyTimeout,
+    );
+    for (const fake of [duplicate, reconnected]) {
+      assert.deepEqual(fake.subscribed, [replyTo]);
+      assert.deepEqual(fake.lookedUp, []);
     }
   });
 

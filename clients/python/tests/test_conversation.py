@@ -143,14 +143,41 @@ def test_live_replies_of_other_conversations_are_ignored():
     assert fake.looked_up == []
 
 
-def test_a_custom_reply_to_is_the_live_subject():
+def test_a_custom_reply_to_is_the_only_live_subject():
     fake = FakeNats([ack()], on_publish=lambda f: f.sub.queue.put_nowait(reply_message(200)))
     reply = run(Client(fake).request("GET", "http://h/", id="order-42", reply_to="app.r.42", wait=5))
     assert reply.status == 200
     assert fake.subscribed == ["app.r.42"]
+    assert fake.looked_up == []
     for bad in ("app.>", "app.*", "a b", "a..b"):
         with pytest.raises(webproxy_client.InvalidRequest):
             run(Client(fake).request("GET", "http://h/", reply_to=bad))
+
+
+def test_with_a_reply_to_the_stored_replies_are_never_read():
+    """A caller confined to its own reply space may not read the replies stream: with
+    a reply_to, neither a duplicate ack, nor a reconnect, nor the end of the wait
+    looks there (even where a stored reply would be found)."""
+    stored = {STORED: reply_message(201)}
+    duplicate = FakeNats([ack(duplicate=True)], stored=dict(stored))
+    with pytest.raises(webproxy_client.ReplyTimeout) as timeout:
+        run(Client(duplicate).request(
+            "GET", "http://h/", id="order-42", reply_to="callers.a.replies.42", wait=0.3
+        ))
+    assert (timeout.value.origin, timeout.value.reply_to) == (ORIGIN, "callers.a.replies.42")
+    assert "callers.a.replies.42" in str(timeout.value)
+
+    def reconnect(fake):
+        fake.stats["reconnects"] += 1
+
+    reconnected = FakeNats([ack()], on_publish=reconnect, stored=dict(stored))
+    with pytest.raises(webproxy_client.ReplyTimeout):
+        run(Client(reconnected).request(
+            "GET", "http://h/", id="order-42", reply_to="callers.a.replies.42", wait=0.6
+        ))
+    for fake in (duplicate, reconnected):
+        assert fake.subscribed == ["callers.a.replies.42"]
+        assert fake.looked_up == []
 
 
 def test_a_publish_in_process_is_tried_again_with_the_same_id():

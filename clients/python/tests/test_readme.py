@@ -29,16 +29,18 @@ def code_block(readme: Path, language: str) -> str:
     return text.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_example_runs(live: LiveEnv):
+def test_the_readme_example_runs(live: LiveEnv, tmp_path: Path):
     code = code_block(PYTHON_DIR / "README.md", "python")
     # The example's addresses, pointed at the live service and upstream instead.
     for placeholder in ("nats://127.0.0.1:4222", "https://example.com/"):
         assert placeholder in code
     code = code.replace("nats://127.0.0.1:4222", live.nats_url)
     code = code.replace("https://example.com/", live.url("/readme"))
+    # From an empty directory, as a user's program: webproxy_client is the installed one.
     result = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)},
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
         capture_output=True,
         text=True,
         timeout=60,

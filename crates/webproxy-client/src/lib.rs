@@ -1,8 +1,8 @@
 //! A small async Rust client for webproxy: it gets right what every caller must —
 //! subscribe before publishing, publish with a fresh random `Nats-Msg-Id`, pick the
 //! pool subject, keep only the reply of its own conversation (its *origin*, from the
-//! publish ack), fall back to its own stored reply, and tell an error outcome from a
-//! response.
+//! publish ack), fall back to its own stored reply (unless it listens on a `reply_to`
+//! of its own), and tell an error outcome from a response.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -39,6 +39,12 @@
 //! (32 hex characters from the operating system's CSPRNG), reused only when that same
 //! publish is tried again: when JetStream answers that a message with that id is still
 //! in process (err_code 10158), or when the caller sets [`Request::msg_id`].
+//!
+//! With a `reply_to` ([`Request::reply_to`]) the client listens there only and never
+//! reads the replies stream: a caller confined to its own reply space may neither
+//! subscribe to `<prefix>.reply.>` nor read the stored replies. Such a caller captures
+//! the copies sent to its `reply_to` in a stream of its own if a reply must survive a
+//! reconnect.
 
 use std::error::Error as _;
 use std::future::Future;
@@ -112,17 +118,29 @@ pub enum Error {
     #[error("cannot subscribe to the reply subject: {0}")]
     Subscribe(#[source] async_nats::SubscribeError),
     /// The request was stored (as `origin`) but no reply came in time; read it later
-    /// with [`Client::reply`].
-    #[error("no reply to {id} (origin {origin}) within {waited:?}, and none is stored")]
+    /// with [`Client::reply`]. With a `reply_to` the stored replies were not read (see
+    /// the crate documentation).
+    #[error("no reply to {id} (origin {origin}) within {waited:?}{}", timeout_detail(reply_to.as_deref()))]
     Timeout {
         id: String,
         origin: Origin,
         waited: Duration,
+        /// The `reply_to` the request listened on, if it had one.
+        reply_to: Option<String>,
     },
     #[error("cannot read the stored reply: {0}")]
     Lookup(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the reply is not a valid reply envelope: {0}")]
     Decode(#[source] serde_json::Error),
+}
+
+/// What a timeout says about the stored replies: looked up and absent, or not read
+/// at all because the request listened on a `reply_to` of its own.
+fn timeout_detail(reply_to: Option<&str>) -> String {
+    match reply_to {
+        None => ", and none is stored".to_string(),
+        Some(subject) => format!(" on {subject} (the stored replies are not read for a reply_to)"),
+    }
 }
 
 impl Error {
@@ -349,6 +367,9 @@ pub struct Watch {
     replies: async_nats::Subscriber,
     statistics: std::sync::Arc<async_nats::Statistics>,
     seen_connects: u64,
+    /// Whether a missed live reply may be read from the replies stream: only when
+    /// watching the service's own reply subject, never a caller's `reply_to`.
+    lookups: bool,
 }
 
 impl Watch {
@@ -356,7 +377,8 @@ impl Watch {
     /// envelope id `id`: the first live reply whose `Webproxy-Origin` is `origin`, or
     /// its stored reply, read first when `stored_first` (a duplicate publish, or a
     /// conversation published earlier), after a reconnect, and when the wait runs
-    /// out. `None` when none came and none is stored.
+    /// out. `None` when none came and none is stored. A watch on a `reply_to` reads
+    /// no stored reply: `None` when no live one came.
     pub async fn answer(
         mut self,
         id: &str,
@@ -365,7 +387,11 @@ impl Watch {
         deadline: Instant,
     ) -> Result<Option<Reply>, Error> {
         let client = &self.client;
-        if stored_first && let Some(reply) = client.reply(id, origin).await? {
+        let lookups = self.lookups;
+        if lookups
+            && stored_first
+            && let Some(reply) = client.reply(id, origin).await?
+        {
             return Ok(Some(reply));
         }
         let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
@@ -384,7 +410,7 @@ impl Watch {
                     let now = self.statistics.connects.load(Ordering::Relaxed);
                     // Resubscribing is part of reconnecting, so a reply published after
                     // this lookup reaches the subscription.
-                    if now != self.seen_connects {
+                    if lookups && now != self.seen_connects {
                         self.seen_connects = now;
                         if let Some(reply) = client.reply(id, origin).await? {
                             return Ok(Some(reply));
@@ -393,6 +419,9 @@ impl Watch {
                 }
                 _ = tokio::time::sleep_until(deadline) => break,
             }
+        }
+        if !lookups {
+            return Ok(None);
         }
         client.reply(id, origin).await
     }
@@ -429,28 +458,30 @@ impl Client {
     }
 
     /// Sends `request` and waits up to its wait time for the final reply of this
-    /// conversation, returned with its origin. The live subscription (to the
-    /// envelope's `reply_to` when it has one, else to `<prefix>.reply.<id>`) is made
-    /// before publishing, and only a live reply whose `Webproxy-Origin` is this
-    /// conversation's counts. A reply that could have been missed is read from this
-    /// conversation's stored subject instead: on a duplicate publish ack, after the
-    /// connection was re-made, and when the wait runs out. (A `reply_to` the service
-    /// refuses gets no copy: its `invalid_request` answer goes to the live subject and
-    /// the store only, so it is read from the store when the wait runs out.)
+    /// conversation, returned with its origin. The live subscription is made before
+    /// publishing, and only a live reply whose `Webproxy-Origin` is this
+    /// conversation's counts. Without a `reply_to` it is `<prefix>.reply.<id>`, and a
+    /// reply that could have been missed is read from this conversation's stored
+    /// subject instead: on a duplicate publish ack, after the connection was re-made,
+    /// and when the wait runs out. With a `reply_to` it is that subject only, and no
+    /// stored reply is read (an isolated caller may read neither; see the crate
+    /// documentation). A `reply_to` the service refuses gets no copy, so such a
+    /// request times out; its `invalid_request` answer is in the store, for
+    /// [`Client::reply`] where the caller may read it.
     pub async fn request_answer(&self, request: &Request) -> Result<Answer, Error> {
         let id = &request.envelope.id;
         check_id(id)?;
-        let live = match &request.envelope.reply_to {
+        let reply_to = &request.envelope.reply_to;
+        let watch = match reply_to {
             Some(subject) => {
                 validate_subject_literal(subject).map_err(|source| Error::InvalidReplyTo {
                     subject: subject.clone(),
                     source,
                 })?;
-                subject.clone()
+                self.watch_subject(subject.clone(), false).await?
             }
-            None => self.subjects.reply(id),
+            None => self.watch_subject(self.subjects.reply(id), true).await?,
         };
-        let watch = self.watch_subject(live).await?;
         let deadline = Instant::now() + request.wait;
         let Stored { origin, duplicate } = self.publish(request).await?;
         match watch.answer(id, &origin, duplicate, deadline).await? {
@@ -459,6 +490,7 @@ impl Client {
                 id: id.clone(),
                 origin,
                 waited: request.wait,
+                reply_to: reply_to.clone(),
             }),
         }
     }
@@ -469,10 +501,10 @@ impl Client {
     /// splits [`Client::request_answer`] this way to record the origin in between.
     pub async fn watch(&self, id: &str) -> Result<Watch, Error> {
         check_id(id)?;
-        self.watch_subject(self.subjects.reply(id)).await
+        self.watch_subject(self.subjects.reply(id), true).await
     }
 
-    async fn watch_subject(&self, live: String) -> Result<Watch, Error> {
+    async fn watch_subject(&self, live: String, lookups: bool) -> Result<Watch, Error> {
         let replies = self.nats.subscribe(live).await.map_err(Error::Subscribe)?;
         let statistics = self.nats.statistics();
         let seen_connects = statistics.connects.load(Ordering::Relaxed);
@@ -481,6 +513,7 @@ impl Client {
             replies,
             statistics,
             seen_connects,
+            lookups,
         })
     }
 
@@ -767,6 +800,28 @@ mod tests {
         no_origin.insert(header::OUTCOME, "response");
         assert!(!is_own_reply(Some(&no_origin), &origin));
         assert!(!is_own_reply(None, &origin));
+    }
+
+    #[test]
+    fn a_timeout_says_whether_the_stored_replies_were_read() {
+        let timeout = |reply_to: Option<&str>| {
+            Error::Timeout {
+                id: "order-42".into(),
+                origin: Origin::new("WEBPROXY_POOL_DEFAULT", 17),
+                waited: Duration::from_secs(1),
+                reply_to: reply_to.map(str::to_string),
+            }
+            .to_string()
+        };
+        assert_eq!(
+            timeout(None),
+            "no reply to order-42 (origin WEBPROXY_POOL_DEFAULT:17) within 1s, and none is stored"
+        );
+        assert_eq!(
+            timeout(Some("callers.a.replies.42")),
+            "no reply to order-42 (origin WEBPROXY_POOL_DEFAULT:17) within 1s on \
+             callers.a.replies.42 (the stored replies are not read for a reply_to)"
+        );
     }
 
     fn api_error(err_code: u64) -> PublishError {

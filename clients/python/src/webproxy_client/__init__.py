@@ -3,8 +3,9 @@
 It gets right what every caller must: subscribe before publishing, publish with a
 fresh random ``Nats-Msg-Id``, pick the pool subject, keep only the reply of its own
 conversation (its *origin*, ``<STREAM>:<seq>`` from the publish ack), fall back to
-its own stored reply, and tell an error outcome from a response. The wire protocol
-is in the repository's README and ``schema/request.schema.json``.
+its own stored reply (unless it listens on a ``reply_to`` of its own), and tell an
+error outcome from a response. The wire protocol is in the repository's README and
+``schema/request.schema.json``.
 
     nc = await nats.connect("nats://127.0.0.1:4222")
     client = Client(nc)
@@ -24,11 +25,19 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, TypedDict, Union
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+if TYPE_CHECKING:
+    # Only in annotations, which are never evaluated: no dependency at run time.
+    from typing_extensions import Unpack
+
+__version__ = "0.1.0"
 
 __all__ = [
     "Client",
@@ -45,6 +54,12 @@ __all__ = [
     "build_envelope",
     "new_id",
     "new_msg_id",
+    "Envelope",
+    "EnvelopeFields",
+    "HeaderValues",
+    "DEFAULT_PREFIX",
+    "DEFAULT_POOL",
+    "DEFAULT_WAIT",
 ]
 
 DEFAULT_PREFIX = "webproxy"
@@ -73,6 +88,21 @@ _PUBLISH_TRIES = 10
 _PUBLISH_RETRY_DELAY = 0.05
 
 HeaderValues = Union[str, Sequence[str]]
+# A request envelope as published: JSON, so its values are JSON values.
+Envelope = Dict[str, Any]
+
+
+class EnvelopeFields(TypedDict, total=False):
+    """The envelope's optional fields, as build_envelope, ``request`` and ``submit``
+    take them (as keyword arguments)."""
+
+    id: Optional[str]
+    headers: Optional[Mapping[str, HeaderValues]]
+    body: Union[str, bytes, None]
+    reply_to: Optional[str]
+    timeout_ms: Optional[int]
+    deadline: Optional[str]
+    metadata: Any
 
 
 class WebproxyError(Exception):
@@ -93,15 +123,27 @@ class PublishFailed(WebproxyError):
 
 class ReplyTimeout(WebproxyError, TimeoutError):
     """No reply came within the wait, and none is stored. The request was stored:
-    read its reply later with ``client.reply(e.id, e.origin)``."""
+    read its reply later with ``client.reply(e.id, e.origin)``.
 
-    def __init__(self, id: str, wait: float, origin: str):
-        super().__init__(
-            f"no reply to {id} (origin {origin}) within {wait}s, and none is stored"
-        )
+    With a ``reply_to`` (``e.reply_to``) the stored replies were not read: a caller
+    confined to its own reply space may not read them. Such a caller captures the
+    copies sent to its ``reply_to`` in a stream of its own."""
+
+    def __init__(
+        self, id: str, wait: float, origin: str, reply_to: Optional[str] = None
+    ) -> None:
+        if reply_to is None:
+            message = f"no reply to {id} (origin {origin}) within {wait}s, and none is stored"
+        else:
+            message = (
+                f"no reply to {id} (origin {origin}) on {reply_to} within {wait}s "
+                "(the stored replies are not read for a reply_to)"
+            )
+        super().__init__(message)
         self.id = id
         self.wait = wait
         self.origin = origin
+        self.reply_to = reply_to
 
 
 class LookupFailed(WebproxyError):
@@ -131,11 +173,11 @@ class Reply:
 
     @property
     def id(self) -> str:
-        return self.raw["id"]
+        return str(self.raw["id"])
 
     @property
     def outcome(self) -> str:
-        return self.raw["outcome"]
+        return str(self.raw["outcome"])
 
     @property
     def ok(self) -> bool:
@@ -144,17 +186,20 @@ class Reply:
 
     @property
     def status(self) -> Optional[int]:
-        return self.raw.get("status")
+        status: Optional[int] = self.raw.get("status")
+        return status
 
     @property
     def headers(self) -> Mapping[str, HeaderValues]:
-        return self.raw.get("headers") or {}
+        headers: Optional[Mapping[str, HeaderValues]] = self.raw.get("headers")
+        return headers or {}
 
     @property
     def body(self) -> bytes:
         if "body_base64" in self.raw:
             return base64.b64decode(self.raw["body_base64"])
-        return self.raw.get("body", "").encode()
+        text: str = self.raw.get("body", "")
+        return text.encode()
 
     @property
     def text(self) -> str:
@@ -169,7 +214,7 @@ class Reply:
 
     @property
     def attempts(self) -> int:
-        return self.raw["attempts"]
+        return int(self.raw["attempts"])
 
     @property
     def metadata(self) -> Any:
@@ -213,10 +258,10 @@ def build_envelope(
     timeout_ms: Optional[int] = None,
     deadline: Optional[str] = None,
     metadata: Any = None,
-) -> dict:
+) -> Envelope:
     """The request envelope as it is published. ``body`` is sent as text when it is
     a str and as base64 when it is bytes; optional fields left as None are left out."""
-    envelope: dict = {"v": 1, "id": new_id() if id is None else id, "method": method, "url": url}
+    envelope: Envelope = {"v": 1, "id": new_id() if id is None else id, "method": method, "url": url}
     if headers:
         envelope["headers"] = {
             name: value if isinstance(value, str) else list(value)
@@ -236,7 +281,7 @@ def build_envelope(
     return envelope
 
 
-def _check(pattern: re.Pattern, what: str, value: str) -> None:
+def _check(pattern: "re.Pattern[str]", what: str, value: str) -> None:
     # The id and pool are subject tokens: a '.' or wildcard would subscribe or
     # publish to the wrong subjects instead of getting an invalid_request answer.
     if not pattern.fullmatch(value):
@@ -256,13 +301,13 @@ def _decode(payload: bytes, origin: Optional[str]) -> Reply:
 class Client:
     """A webproxy client over one nats-py connection."""
 
-    def __init__(self, nc: NATS, prefix: str = DEFAULT_PREFIX):
+    def __init__(self, nc: NATS, prefix: str = DEFAULT_PREFIX) -> None:
         self._nc = nc
         self._prefix = prefix
         self._replies_stream = prefix.replace(".", "_").upper() + "_REPLIES"
 
     @property
-    def _js(self):
+    def _js(self) -> JetStreamContext:
         # Made on use, so a client can be built before its connection is up.
         return self._nc.jetstream()
 
@@ -274,38 +319,43 @@ class Client:
         pool: str = DEFAULT_POOL,
         wait: float = DEFAULT_WAIT,
         msg_id: Optional[str] = None,
-        **fields: Any,
+        **fields: Unpack[EnvelopeFields],
     ) -> Reply:
         """Sends a request and waits up to ``wait`` seconds for its final reply, which
         may be an error outcome. ``fields`` are the envelope's (see build_envelope).
 
-        The live subscription (to ``reply_to`` when given, else to
-        ``<prefix>.reply.<id>``) is made before publishing, and only a live reply whose
-        ``Webproxy-Origin`` is this conversation's counts. A reply that could have been
-        missed is read from this conversation's own stored subject: on a duplicate
-        publish ack, after a reconnect, and when the wait runs out.
+        The live subscription is made before publishing, and only a live reply whose
+        ``Webproxy-Origin`` is this conversation's counts. Without ``reply_to`` it
+        listens on ``<prefix>.reply.<id>``, and a reply that could have been missed is
+        read from this conversation's own stored subject: on a duplicate publish ack,
+        after a reconnect, and when the wait runs out. With ``reply_to`` it listens
+        there only and reads no stored reply: a caller confined to its own reply space
+        may neither subscribe to ``<prefix>.reply.>`` nor read the replies stream, so
+        it captures the copies to its ``reply_to`` in a stream of its own if it must
+        survive a reconnect.
 
         Every call is a new conversation with a fresh random ``Nats-Msg-Id``. Pass the
         ``msg_id`` of an earlier call only to publish that very message again (after a
         crash, within the duplicate window): the same conversation answers."""
         envelope = build_envelope(method, url, **fields)
-        id = envelope["id"]
+        id = str(envelope["id"])
         _check(_ID, "id", id)
-        live = envelope.get("reply_to") or f"{self._prefix}.reply.{id}"
-        _check(_SUBJECT, "reply_to", live)
+        reply_to = fields.get("reply_to")
+        live = _live_subject(self._prefix, id, reply_to)
+        lookups = reply_to is None
         msg_id = _own_msg_id(msg_id)
         sub = await self._nc.subscribe(live)
         try:
             reconnects = self._nc.stats["reconnects"]
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + wait
+            wait_until = loop.time() + wait
             ack = await self._publish(envelope, pool, msg_id)
             origin = f"{ack.stream}:{ack.seq}"
-            if ack.duplicate:
+            if ack.duplicate and lookups:
                 stored = await self.reply(id, origin)
                 if stored is not None:
                     return stored
-            while (remaining := deadline - loop.time()) > 0:
+            while (remaining := wait_until - loop.time()) > 0:
                 try:
                     message = await sub.next_msg(timeout=min(remaining, _RECONNECT_CHECK))
                 except nats.errors.TimeoutError:
@@ -314,11 +364,13 @@ class Client:
                     return _decode(message.data, origin)
                 # Subscriptions are replayed as part of reconnecting, so a reply
                 # published after this lookup reaches the subscription.
-                if self._nc.stats["reconnects"] != reconnects:
+                if lookups and self._nc.stats["reconnects"] != reconnects:
                     reconnects = self._nc.stats["reconnects"]
                     stored = await self.reply(id, origin)
                     if stored is not None:
                         return stored
+            if not lookups:
+                raise ReplyTimeout(id, wait, origin, reply_to)
             stored = await self.reply(id, origin)
             if stored is None:
                 raise ReplyTimeout(id, wait, origin)
@@ -338,20 +390,24 @@ class Client:
         *,
         pool: str = DEFAULT_POOL,
         msg_id: Optional[str] = None,
-        **fields: Any,
+        **fields: Unpack[EnvelopeFields],
     ) -> Submitted:
         """Publishes a request and returns its id and origin once JetStream has
-        stored it; read the reply later with ``reply(id, origin)``."""
+        stored it; read the reply later with ``reply(id, origin)`` (or, with a
+        ``reply_to``, from wherever the caller keeps the copies sent there)."""
         envelope = build_envelope(method, url, **fields)
-        _check(_ID, "id", envelope["id"])
+        id = str(envelope["id"])
+        _check(_ID, "id", id)
         ack = await self._publish(envelope, pool, _own_msg_id(msg_id))
-        return Submitted(envelope["id"], f"{ack.stream}:{ack.seq}")
+        return Submitted(id, f"{ack.stream}:{ack.seq}")
 
     async def reply(self, id: str, origin: str) -> Optional[Reply]:
         """The stored final reply of the conversation ``origin`` with envelope id
         ``id``, or None if there is none (yet, or any more: replies are kept for the
         service's reply_max_age). Another conversation's reply for the same id is
-        never it: the lookup reads exactly ``<prefix>.reply.<id>.<STREAM>.<seq>``."""
+        never it: the lookup reads exactly ``<prefix>.reply.<id>.<STREAM>.<seq>``.
+        It needs read access to the replies stream, which an isolated caller (one
+        confined to its own ``reply_to`` subjects) does not have."""
         _check(_ID, "id", id)
         _check(_ORIGIN, "origin", origin)
         stream, seq = origin.split(":")
@@ -365,9 +421,9 @@ class Client:
             raise LookupFailed(f"cannot read the stored reply: {e}") from e
         except nats.errors.Error as e:
             raise LookupFailed(f"cannot read the stored reply: {e}") from e
-        return _decode(message.data, origin)
+        return _decode(message.data or b"", origin)
 
-    async def _publish(self, envelope: dict, pool: str, msg_id: str):
+    async def _publish(self, envelope: Envelope, pool: str, msg_id: str) -> PubAck:
         _check(_POOL, "pool", pool)
         subject = f"{self._prefix}.request.{pool}"
         payload = json.dumps(envelope).encode()
@@ -385,6 +441,16 @@ class Client:
                 raise PublishFailed(f"the request was not stored: {e}") from e
             except nats.errors.Error as e:
                 raise PublishFailed(f"the request was not stored: {e}") from e
+        raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _live_subject(prefix: str, id: str, reply_to: Optional[str]) -> str:
+    """Where a request listens for its live reply: its own ``reply_to`` only, when it
+    has one (an isolated caller may subscribe nowhere else), else ``<prefix>.reply.<id>``."""
+    if reply_to is None:
+        return f"{prefix}.reply.{id}"
+    _check(_SUBJECT, "reply_to", reply_to)
+    return reply_to
 
 
 def _own_msg_id(msg_id: Optional[str]) -> str:
