@@ -11,7 +11,7 @@ _nats_path := 'nats_dir="$(bash scripts/ensure-nats-server.sh | tail -n1)"; expo
 default:
     @{{ just_executable() }} --justfile {{ justfile() }} --list
 
-# Run webproxy and its HTTP gateway (127.0.0.1:8080) against a local JetStream nats-server on 127.0.0.1:4222 (started here unless one is already listening).
+# Run webproxy and its HTTP gateway (127.0.0.1:8080) against a local JetStream nats-server on 127.0.0.1:4222, with the local echo upstream on 127.0.0.1:8081 (each started here unless something already listens there).
 run:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -19,12 +19,15 @@ run:
     listening() { (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; }
     nats_pid=""
     gateway_pid=""
+    echo_pid=""
     stop_nats() {
-        if [[ -n "$gateway_pid" ]]; then
-            kill -TERM "$gateway_pid" 2>/dev/null || true
-            wait "$gateway_pid" 2>/dev/null || true
-            gateway_pid=""
-        fi
+        for pid in "$gateway_pid" "$echo_pid"; do
+            [[ -n "$pid" ]] || continue
+            kill -TERM "$pid" 2>/dev/null || true
+            wait "$pid" 2>/dev/null || true
+        done
+        gateway_pid=""
+        echo_pid=""
         [[ -n "$nats_pid" ]] || return 0
         # TERM first so JetStream flushes its store; KILL only if it hangs.
         kill -TERM "$nats_pid" 2>/dev/null || true
@@ -60,6 +63,15 @@ run:
             exit 1
         fi
     fi
+    # The loopback quickstart's upstream (README, "Quickstart"): config/webproxy.toml's
+    # rule local-echo and gateway route /local send to it.
+    if (exec 3<>/dev/tcp/127.0.0.1/8081) 2>/dev/null; then
+        echo "something already listens on 127.0.0.1:8081; not starting the echo upstream" >&2
+    else
+        mkdir -p .nats
+        python3 scripts/echo_upstream.py --port 8081 >/dev/null 2>>.nats/echo-upstream.log &
+        echo_pid=$!
+    fi
     # The HTTP gateway beside the service (README, "Without a NATS client"): built once,
     # then both run from the same build.
     cargo build --release -p webproxy
@@ -67,8 +79,8 @@ run:
     gateway_pid=$!
     cargo run --release -q -p webproxy -- serve --config config/webproxy.toml
 
-# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' last.
-test: && test-python test-node
+# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' and the loopback quickstart last.
+test: && test-python test-node demo
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # Issue 15: the bench must not depend on the test package, which turns on the
@@ -123,6 +135,11 @@ test-node:
     cd clients/node && npm run --silent typecheck
     # test/package.test.js packs the package and installs the tarball into a project of its own.
     {{ _nats_path }}; cd clients/node && node --test test/*.test.js
+
+# The README's loopback quickstart end to end, on free ports: nats-server, the local echo upstream (scripts/echo_upstream.py) and webproxy, then the quickstart's `webproxy send` calls, each checked. No internet needed.
+demo:
+    cargo build --workspace --bins
+    {{ _nats_path }}; bash scripts/demo.sh target/debug/webproxy
 
 # Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
 schema:
