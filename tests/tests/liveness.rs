@@ -359,13 +359,17 @@ async fn a_message_waiting_for_a_permit_is_kept_not_redelivered() {
                 .expect("submit"),
         );
     }
+    // At least one message beyond the one attempted is delivered and waits for the
+    // permit (a pull may bring both others at once). ANSWER, not a tighter bound: a
+    // loaded machine once took over 10 s to get here (starting the service, three
+    // submits, the first delivery), which says nothing about what is tested.
     wait_until(
-        Duration::from_secs(10),
+        ANSWER,
         "a message delivered while the permit is taken",
         || async {
             pool_consumer(&h.js, "default")
                 .await
-                .is_some_and(|i| i.num_ack_pending == 2)
+                .is_some_and(|i| i.num_ack_pending >= 2)
         },
     )
     .await;
