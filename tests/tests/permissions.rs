@@ -7,20 +7,24 @@
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::{self, stream};
 use serde_json::{Value, json};
 use webproxy_client::new_id;
 use webproxy_protocol::{Reply, header};
 use webproxy_tests::authorized::{
-    Admin, Caller, GATEWAY_USER, OPERATOR_USER, SERVICE_USER, connect_as, header as header_of,
-    origin_of, password, service_as, stored_msg_id, violation,
+    Admin, Caller, GATEWAY_USER, OPERATOR_USER, Origin, SERVICE_USER, as_operator, connect_as,
+    header as header_of, origin_of, service_as, stored_msg_id, violation,
 };
 use webproxy_tests::caller::{REPLY_TIMEOUT, path_rule};
-use webproxy_tests::{Gateway, NatsServer, Service, Upstream, http_client, run_webproxy, wait_for};
+use webproxy_tests::{Gateway, NatsServer, Service, Upstream, http_client, wait_for};
 
 /// The pool deploy/kubernetes/gateway/webproxy.toml's route names, the one pool the
 /// file's `gateway` user may publish to.
 const GATEWAY_POOL: &str = "partner";
+
+/// A pool the operator pauses and removes with its waiting requests.
+const DRAINED_POOL: &str = "drained";
 
 /// The JetStream API of the callers' account, as webproxy's account imports it.
 const CALLERS_API: &str = "$JS.CALLERS.API";
@@ -40,7 +44,8 @@ impl Scene {
         let upstream = Upstream::start().await;
         let config = format!(
             "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n\
-             [pools.{GATEWAY_POOL}]\nmax_in_flight = 4\n\n{}pool = \"{GATEWAY_POOL}\"\n",
+             [pools.{GATEWAY_POOL}]\nmax_in_flight = 4\n\n[pools.{DRAINED_POOL}]\n\n\
+             {}pool = \"{GATEWAY_POOL}\"\n",
             path_rule("partner", &upstream, "/")
         );
         let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
@@ -53,18 +58,24 @@ impl Scene {
 
     /// `webproxy ARGS` as the file's operator user; its standard output.
     async fn operator(&self, args: &[&str]) -> String {
-        let url = self.nats.url();
-        let password = password(OPERATOR_USER);
-        let mut all = args.to_vec();
-        all.extend_from_slice(&["--nats", &url, "--user", OPERATOR_USER]);
-        all.extend_from_slice(&["--password", &password]);
-        let output = run_webproxy(&all).await;
-        assert!(
-            output.status.success(),
-            "webproxy {args:?} as the operator failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
+        as_operator(&self.nats, args).await
+    }
+
+    /// `caller` sends a GET of /echo to `pool`, answered to `callers.<x>.replies.<id>`,
+    /// without listening there; the envelope's id, its reply subject and the origin.
+    async fn unheard(&self, caller: &Caller, pool: &str) -> (String, String, Origin) {
+        let id = new_id();
+        let reply_to = caller.reply_to(&id);
+        let envelope = json!({
+            "id": id,
+            "method": "GET",
+            "url": self.upstream.url("/echo"),
+            "reply_to": reply_to,
+        });
+        let ack = caller
+            .publish(pool, &new_id(), &HeaderMap::new(), envelope.to_string())
+            .await;
+        (id, reply_to, origin_of(&ack))
     }
 
     /// Publishes `subject` as `user` and waits for the server's permissions violation.
@@ -77,6 +88,25 @@ impl Scene {
         client.flush().await.expect("flush");
         violation(&mut errors, subject, REPLY_TIMEOUT).await;
     }
+}
+
+/// Creates caller `name`'s reply stream as the file's operator, through the callers'
+/// JetStream API that webproxy's account imports.
+async fn create_reply_stream(nats: &NatsServer, name: &str) {
+    let (operator, _) = connect_as(nats, OPERATOR_USER, None).await;
+    jetstream::with_prefix(operator, CALLERS_API)
+        .create_stream(reply_stream(name))
+        .await
+        .unwrap_or_else(|e| panic!("the operator creates REPLIES_{name}: {e}"));
+}
+
+/// Waits for the last message on `subject` in a caller's reply stream, read as that
+/// caller (`$JS.API.STREAM.MSG.GET`).
+async fn kept<I>(stream: &stream::Stream<I>, subject: &str, what: &str) -> StreamMessage {
+    wait_for(REPLY_TIMEOUT, what, || async {
+        stream.get_last_raw_message_by_subject(subject).await.ok()
+    })
+    .await
 }
 
 /// The reply stream of caller `name` (`a` for `caller_a`), as an operator creates it
@@ -119,13 +149,8 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
             .is_some_and(|pools| pools.iter().any(|p| p["pool"] == GATEWAY_POOL)),
         "{listed}"
     );
-    let (operator, _) = connect_as(&scene.nats, OPERATOR_USER, None).await;
-    let callers_js = jetstream::with_prefix(operator, CALLERS_API);
     for name in ["a", "b"] {
-        callers_js
-            .create_stream(reply_stream(name))
-            .await
-            .unwrap_or_else(|e| panic!("the operator creates REPLIES_{name}: {e}"));
+        create_reply_stream(&scene.nats, name).await;
     }
     scene
         .refused(
@@ -164,25 +189,9 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
 
     // The isolated caller: a request answered to its reply space while nothing of it
     // listens, the reply read back from its own stream on a new connection.
-    let (reply_to, origin) = {
+    let (_, reply_to, origin) = {
         let caller = Caller::connect(&scene.nats, "caller_a").await;
-        let id = new_id();
-        let reply_to = caller.reply_to(&id);
-        let envelope = json!({
-            "id": id,
-            "method": "GET",
-            "url": scene.upstream.url("/echo"),
-            "reply_to": reply_to,
-        });
-        let ack = caller
-            .publish(
-                GATEWAY_POOL,
-                &new_id(),
-                &HeaderMap::new(),
-                envelope.to_string(),
-            )
-            .await;
-        (reply_to, origin_of(&ack))
+        scene.unheard(&caller, GATEWAY_POOL).await
     };
     // A new connection, as after a reconnect: the reply waits in the stream.
     let caller = Caller::connect(&scene.nats, "caller_a").await;
@@ -192,10 +201,7 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
         .await
         .expect("caller_a reads its own stream's info");
     let what = format!("the reply in REPLIES_A\n{}", scene.service.logs());
-    let stored = wait_for(REPLY_TIMEOUT, &what, || async {
-        own.get_last_raw_message_by_subject(&reply_to).await.ok()
-    })
-    .await;
+    let stored = kept(&own, &reply_to, &what).await;
     let reply: Reply = serde_json::from_slice(&stored.payload).expect("reply JSON");
     assert_eq!(reply.status, Some(200), "{reply:?}");
     let msg_id = stored_msg_id(&origin, 0, "reply");
@@ -230,10 +236,7 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
         .await
         .expect("publish");
     admin.nats.flush().await.expect("flush");
-    wait_for(REPLY_TIMEOUT, "the marker in REPLIES_A", || async {
-        own.get_last_raw_message_by_subject(&marker).await.ok()
-    })
-    .await;
+    kept(&own, &marker, "the marker in REPLIES_A").await;
     let mut own = own;
     assert_eq!(own.info().await.expect("info").state.messages, 2);
 
@@ -262,4 +265,61 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
         .await
         .expect("caller_b reads its own stream's info");
     assert_eq!(theirs.info().await.expect("info").state.messages, 0);
+}
+
+/// The operator's `pools remove --dead-letter` ends the requests waiting in a paused
+/// pool as the service would: their dead letters and stored replies, and the reply copy
+/// to an isolated caller's reply space, which its stream keeps under the stored
+/// reply's message id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_pools_remove_answers_an_isolated_caller_into_its_stream() {
+    let scene = Scene::start().await;
+    create_reply_stream(&scene.nats, "a").await;
+    scene
+        .operator(&["pools", "pause", DRAINED_POOL, "--reason", "test"])
+        .await;
+    let admin = Admin::connect(&scene.nats).await;
+    let consumer = format!("webproxy-{DRAINED_POOL}-l2");
+    let stream_name = format!("WEBPROXY_POOL_{}", DRAINED_POOL.to_ascii_uppercase());
+    wait_for(REPLY_TIMEOUT, "the pool consumer paused", || async {
+        let mut consumer: jetstream::consumer::PullConsumer = admin
+            .js
+            .get_consumer_from_stream(&consumer, &stream_name)
+            .await
+            .ok()?;
+        consumer.info().await.ok()?.paused.then_some(())
+    })
+    .await;
+
+    let caller = Caller::connect(&scene.nats, "caller_a").await;
+    let (id, reply_to, origin) = scene.unheard(&caller, DRAINED_POOL).await;
+    let removed = scene
+        .operator(&["pools", "remove", DRAINED_POOL, "--dead-letter"])
+        .await;
+    assert!(removed.contains(DRAINED_POOL), "{removed}");
+
+    assert_eq!(
+        admin.wait_dead_letters(&origin, REPLY_TIMEOUT).await.len(),
+        1
+    );
+    assert_eq!(
+        admin
+            .wait_stored_replies(&id, &origin, REPLY_TIMEOUT)
+            .await
+            .len(),
+        1
+    );
+    let own = caller
+        .js
+        .get_stream_no_info("REPLIES_A")
+        .await
+        .expect("stream");
+    let stored = kept(&own, &reply_to, "the reply copy in REPLIES_A").await;
+    let reply: Reply = serde_json::from_slice(&stored.payload).expect("reply JSON");
+    assert!(reply.error.is_some(), "{reply:?}");
+    assert_eq!(
+        header_of(Some(&stored.headers), header::MSG_ID),
+        Some(stored_msg_id(&origin, 0, "reply").as_str())
+    );
+    assert_eq!(scene.upstream.hits_for("/echo"), 0);
 }
