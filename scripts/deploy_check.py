@@ -503,6 +503,29 @@ def secret_variables(config: dict) -> set[str]:
     return {source["env"] for source in sources if isinstance(source, dict) and "env" in source}
 
 
+def gateway_request_subjects() -> set[str]:
+    """The request subjects authorization.conf's gateway user may publish to: the
+    `webproxy.request.` entries of its block (up to the next user)."""
+    text = (DEPLOY / "nats" / "authorization.conf").read_text()
+    start = text.find(f"user: {GATEWAY_NATS_USER}\n")
+    end = text.find("user:", start + 1)
+    block = text[start:end] if start >= 0 else ""
+    return set(re.findall(r'"(webproxy\.request\.[^"]+)"', block))
+
+
+def check_gateway_pools(config: dict, report: Report) -> None:
+    """The gateway user may publish to exactly the pools the gateway's routes name, so
+    a route to a new pool fails here until authorization.conf allows that pool."""
+    pools = {route.get("pool", "default") for route in config.get("gateway", {}).get("routes", [])}
+    wanted = {f"webproxy.request.{pool}" for pool in pools}
+    allowed = gateway_request_subjects()
+    report.check(
+        allowed == wanted,
+        "authorization.conf's gateway user may publish requests to exactly its routes' pools",
+        f"routes' pools: {sorted(wanted)}; allowed: {sorted(allowed)}",
+    )
+
+
 def check_gateway(
     kubectl: str, webproxy: str, service_docs: list[dict], secrets: dict[str, dict[str, str]], nats_passwords: dict[str, str], report: Report
 ) -> list[dict]:
@@ -533,6 +556,7 @@ def check_gateway(
     check_config(webproxy, "the gateway's webproxy.toml", text, report, env)
     check_nats_user("the gateway", env, GATEWAY_NATS_USER, nats_passwords, report)
     check_volumes("the gateway's Deployment", spec, configmap, secrets, report)
+    check_gateway_pools(config, report)
     command = container.get("command", [])
     report.check(
         command[1:3] == ["gateway", "--config"],

@@ -32,6 +32,23 @@ pub fn service_as(user: &str) -> ServiceOptions {
         .env("WEBPROXY_NATS__PASSWORD", &password(user))
 }
 
+/// Runs `webproxy ARGS` as the file's operator user on `nats`; its standard output.
+/// Panics, with its standard error, unless the command succeeds.
+pub async fn as_operator(nats: &NatsServer, args: &[&str]) -> String {
+    let url = nats.url();
+    let password = password(OPERATOR_USER);
+    let mut all = args.to_vec();
+    all.extend_from_slice(&["--nats", &url, "--user", OPERATOR_USER]);
+    all.extend_from_slice(&["--password", &password]);
+    let output = crate::run_webproxy(&all).await;
+    assert!(
+        output.status.success(),
+        "webproxy {args:?} as the operator failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// A connection as `user` (with its inbox under `inbox_prefix`, when given), and the
 /// server errors (permission violations) the connection reports.
 pub async fn connect_as(

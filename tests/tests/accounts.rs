@@ -12,11 +12,10 @@ use serde_json::{Value, json};
 use webproxy_client::new_id;
 use webproxy_protocol::Reply;
 use webproxy_tests::authorized::{
-    ADMIN, CALLERS_ADMIN, Caller, OPERATOR_USER, SERVICE_USER, connect_as, password, service_as,
-    violation,
+    ADMIN, CALLERS_ADMIN, Caller, SERVICE_USER, as_operator, connect_as, service_as, violation,
 };
 use webproxy_tests::caller::{REPLY_TIMEOUT, next_message, path_rule};
-use webproxy_tests::{NatsServer, Service, Upstream, run_webproxy};
+use webproxy_tests::{NatsServer, Service, Upstream};
 
 /// A service in kv mode, as the file's `webproxy` user, on a bucket whose document the
 /// file's `operator` pushed: it adds the pool `partner`, which the file's permissions
@@ -38,7 +37,7 @@ impl Scene {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("cluster.toml");
         std::fs::write(&file, document).expect("write the document");
-        let pushed = operator(
+        let pushed = as_operator(
             &nats,
             &[
                 "config",
@@ -78,22 +77,6 @@ impl Scene {
     }
 }
 
-/// Runs `webproxy ARGS` as the file's operator user; its standard output.
-async fn operator(nats: &NatsServer, args: &[&str]) -> String {
-    let url = nats.url();
-    let password = password(OPERATOR_USER);
-    let mut all = args.to_vec();
-    all.extend_from_slice(&["--nats", &url, "--user", OPERATOR_USER]);
-    all.extend_from_slice(&["--password", &password]);
-    let output = run_webproxy(&all).await;
-    assert!(
-        output.status.success(),
-        "webproxy {args:?} as the operator failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
 /// What a request on `subject` from `client` is answered: `None` when nothing that
 /// `client`'s account can reach listens there.
 async fn answer(client: &async_nats::Client, subject: &str) -> Option<String> {
@@ -118,13 +101,13 @@ async fn a_caller_account_is_served_by_a_pool_an_operator_pushed_without_permiss
     assert_eq!(scene.upstream.hits_for("/echo"), 2);
 
     let listed: Value =
-        serde_json::from_str(&operator(&scene.nats, &["pools", "--json"]).await).expect("JSON");
+        serde_json::from_str(&as_operator(&scene.nats, &["pools", "--json"]).await).expect("JSON");
     let partner = listed
         .as_array()
         .and_then(|pools| pools.iter().find(|p| p["pool"] == "partner"))
         .unwrap_or_else(|| panic!("the pushed pool is not listed: {listed}"));
     assert_eq!(partner["max_in_flight"], 4, "{partner}");
-    let history = operator(&scene.nats, &["config", "history"]).await;
+    let history = as_operator(&scene.nats, &["config", "history"]).await;
     assert!(history.contains("partner"), "{history}");
 }
 

@@ -866,14 +866,15 @@ async fn the_deploy_files_gateway_user_may_do_what_the_gateway_does() {
     use webproxy_tests::authorized::{GATEWAY_USER, SERVICE_USER, service_as};
     let nats = NatsServer::start_authorized();
     let upstream = Upstream::start_with(routes()).await;
+    // The file's gateway user may publish only to the pool its deploy routes name.
+    let service_config = format!(
+        "[pools.partner]\n\n{}pool = \"partner\"\n",
+        accept(&upstream)
+    );
     let _service =
-        Service::start_with(&nats.url(), &accept(&upstream), service_as(SERVICE_USER)).await;
-    let gateway = Gateway::start_with(
-        &nats,
-        &open_route(&upstream.url("/")),
-        service_as(GATEWAY_USER),
-    )
-    .await;
+        Service::start_with(&nats.url(), &service_config, service_as(SERVICE_USER)).await;
+    let route = format!("{}pool = \"partner\"\n", open_route(&upstream.url("/")));
+    let gateway = Gateway::start_with(&nats, &route, service_as(GATEWAY_USER)).await;
     let http = http_client();
     let direct = fetch(&gateway.url("/svc/item")).await;
     assert_eq!(direct.status(), 200);

@@ -35,7 +35,9 @@ pub const MAX_METADATA_BYTES: usize = 64 * 1024;
 /// NATS header names that are part of the protocol.
 pub mod header {
     /// JetStream's deduplication id. Clients send a fresh random one per conversation
-    /// and reuse it only when they retry that same publish.
+    /// and reuse it only when they retry that same publish. The service puts the stored
+    /// reply's, `<STREAM>:<seq>:<generation>:reply`, on the copy to a custom `reply_to`
+    /// too, so a caller's own stream there stores each reply once.
     pub const MSG_ID: &str = "Nats-Msg-Id";
     /// `response` or `error`, on every reply.
     pub const OUTCOME: &str = "Webproxy-Outcome";

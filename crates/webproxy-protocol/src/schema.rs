@@ -269,7 +269,10 @@ pub(crate) fn reply_to(_: &mut SchemaGenerator) -> Schema {
         "description": "A core-NATS subject that also gets a copy of the reply. A literal \
                         subject that does not start with `$` (server subjects), outside \
                         webproxy's own inboxes (`_WEBPROXY_INBOX.`) and the deployment's own \
-                        prefix (`webproxy.` by default), except <prefix>.reply.<id> itself.",
+                        prefix (`webproxy.` by default), except <prefix>.reply.<id> itself. \
+                        The copy carries the header Nats-Msg-Id \
+                        <STREAM>:<seq>:<generation>:reply, the stored reply's, so that a \
+                        stream capturing the subject stores each reply once.",
         "type": "string",
         "pattern": "^(?!\\$|_WEBPROXY_INBOX(\\.|$))[^.*>\\s\\u0000-\\u001f\\u007f-\\u009f]+(\\.[^.*>\\s\\u0000-\\u001f\\u007f-\\u009f]+)*$",
     })

@@ -131,7 +131,7 @@ async fn decide<'a>(
     }
     if revisited {
         match stored_reply(outlet, conversation).await {
-            Ok(Some(reply)) => return Ending::Answered { reply },
+            Ok(Some((reply, generation))) => return Ending::Answered { reply, generation },
             Ok(None) => {}
             // Unknown: attempting again is the at-least-once side of the trade-off.
             Err(e) => warn!(error = %e, "cannot look up the stored reply; going on"),
@@ -272,12 +272,13 @@ async fn claim_step(
     None
 }
 
-/// The conversation's stored reply, when it is of this generation or a later one: its
-/// own subject holds only replies of its own origin, and the header says so again.
+/// The conversation's stored reply and its generation, when that is this generation or
+/// a later one: its own subject holds only replies of its own origin, and the header
+/// says so again.
 async fn stored_reply(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
-) -> Result<Option<async_nats::Message>, async_nats::Error> {
+) -> Result<Option<(async_nats::Message, u64)>, async_nats::Error> {
     let Some(id) = conversation.id.as_deref() else {
         return Ok(None);
     };
@@ -294,12 +295,13 @@ async fn stored_reply(
     let header = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_string());
     let origin = conversation.origin().to_string();
     let generation = header(header::GENERATION).and_then(|g| g.parse::<u64>().ok());
-    if header(header::ORIGIN).as_deref() != Some(origin.as_str())
-        || generation.is_none_or(|g| g < conversation.generation())
-    {
+    let Some(generation) = generation.filter(|g| *g >= conversation.generation()) else {
+        return Ok(None);
+    };
+    if header(header::ORIGIN).as_deref() != Some(origin.as_str()) {
         return Ok(None);
     }
-    Ok(Some(async_nats::Message {
+    let message = async_nats::Message {
         subject: stored.subject,
         reply: None,
         headers: Some(stored.headers),
@@ -307,7 +309,8 @@ async fn stored_reply(
         payload: stored.payload,
         status: None,
         description: None,
-    }))
+    };
+    Ok(Some((message, generation)))
 }
 
 fn reply_error(

@@ -10,7 +10,7 @@
 use async_nats::HeaderMap;
 use async_nats::jetstream::AckKind;
 use tracing::{debug, error, info, warn};
-use webproxy_protocol::{ErrorBody, ErrorCode, header};
+use webproxy_protocol::{ErrorBody, ErrorCode, Origin, header};
 
 use super::conversation::Conversation;
 use super::delivery::Delivery;
@@ -33,9 +33,13 @@ pub(super) enum Ending {
         next: HopState,
         pool: String,
     },
-    /// The final reply of this generation or a later one is stored already: copy it to
-    /// the live subject and to the `reply_to` stored with it, then ack.
-    Answered { reply: async_nats::Message },
+    /// The final reply of this generation or a later one (`generation`, the stored
+    /// reply's own) is stored already: copy it to the live subject and to the
+    /// `reply_to` stored with it, then ack.
+    Answered {
+        reply: async_nats::Message,
+        generation: u64,
+    },
     /// The conversation went on without this delivery and its recorded hop may be
     /// unpublished: publish it again under its own message id, then ack.
     Republish(Record),
@@ -147,8 +151,8 @@ pub(super) async fn settle(
                 }
                 AckKind::Ack
             }
-            Ending::Answered { reply } => {
-                recopy(outlet, conversation, &reply).await;
+            Ending::Answered { reply, generation } => {
+                recopy(outlet, conversation, &reply, generation).await;
                 forget_record(outlet, conversation).await;
                 info!(
                     id = %conversation.raw_id,
@@ -209,7 +213,12 @@ pub(super) fn internal(
 /// stored it: it may have stopped between storing the reply and copying it. A late
 /// redelivery of an earlier step (a lost park ack) finds a reply whose copies the later
 /// step published, and sends none, so the caller gets one.
-async fn recopy(outlet: &Outlet, conversation: &Conversation<'_>, stored: &async_nats::Message) {
+async fn recopy(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+    stored: &async_nats::Message,
+    generation: u64,
+) {
     let Some(stored_headers) = stored.headers.as_ref() else {
         return;
     };
@@ -233,8 +242,19 @@ async fn recopy(outlet: &Outlet, conversation: &Conversation<'_>, stored: &async
     // Only to the subject stored with the reply: never to the incoming message's
     // `reply_to`, which may be anyone's.
     if let Some(reply_to) = stored_headers.get(header::REPLY_TO) {
+        let headers = reply_to_headers(headers, conversation.origin(), generation);
         publish_live(outlet, reply_to.as_str(), headers, stored.payload.clone()).await;
     }
+}
+
+/// The headers of the copy to a custom `reply_to`: those of every copy, plus the stored
+/// reply's own message id (`<STREAM>:<seq>:<generation>:reply`). A caller that
+/// captures its reply space in a stream of its own (an isolated caller, which cannot
+/// read the replies stream) then stores each generation's final reply once, however
+/// often a redelivery copies it again within its stream's duplicate window.
+fn reply_to_headers(mut headers: HeaderMap, origin: &Origin, generation: u64) -> HeaderMap {
+    headers.insert(header::MSG_ID, reply_msg_id(origin, generation).as_str());
+    headers
 }
 
 /// The headers of every copy of a reply.
@@ -291,6 +311,7 @@ async fn store_ending(
         .await;
     }
     if let Some(reply_to) = conversation.reply_to.as_deref() {
+        let headers = reply_to_headers(headers, conversation.origin(), conversation.generation());
         publish_live(outlet, reply_to, headers, reply.payload.clone()).await;
     }
     Ok(())
@@ -435,5 +456,34 @@ async fn ack_current(delivery: &impl Delivery, conversation: &Conversation<'_>, 
     }
     if let Err(e) = delivery.ack(kind).await {
         warn!(error = %e, "ack failed; the server will redeliver the message");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reply_to_copy_carries_the_stored_replys_message_id() {
+        let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 42);
+        let mut live = HeaderMap::new();
+        live.insert(header::ORIGIN, origin.to_string().as_str());
+        let copy = reply_to_headers(live.clone(), &origin, 0);
+        assert_eq!(
+            copy.get(header::MSG_ID).map(|v| v.as_str()),
+            Some("WEBPROXY_POOL_DEFAULT:42:0:reply")
+        );
+        assert_eq!(
+            copy.get(header::MSG_ID).map(|v| v.as_str().to_string()),
+            Some(reply_msg_id(&origin, 0)),
+            "the same id as the stored reply's, so every copy of it is one message"
+        );
+        // The rest of the copy is untouched.
+        assert_eq!(copy.get(header::ORIGIN), live.get(header::ORIGIN));
+        // A replay's reply is a new message; another conversation's never collides.
+        let replayed = reply_to_headers(live.clone(), &origin, 1);
+        let other = reply_to_headers(live, &Origin::new("WEBPROXY_POOL_DEFAULT", 43), 0);
+        assert_ne!(replayed.get(header::MSG_ID), copy.get(header::MSG_ID));
+        assert_ne!(other.get(header::MSG_ID), copy.get(header::MSG_ID));
     }
 }

@@ -301,39 +301,49 @@ async fn a_malformed_hop_state_is_answered_internal_and_dead_lettered() {
     );
 }
 
+/// The next message on `copies`, within 10 s.
+async fn next_copy(copies: &mut async_nats::Subscriber) -> async_nats::Message {
+    tokio::time::timeout(Duration::from_secs(10), futures::StreamExt::next(copies))
+        .await
+        .expect("a copy in time")
+        .expect("a copy")
+}
+
 #[tokio::test]
 async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
     let f = Fixture::start().await;
     let payload = r#"{"id":"c","method":"GET","url":"http://10.0.0.1/","reply_to":"app.c"}"#;
+    let client = &f.shared.outlet.client;
+    let mut copies = client.subscribe("app.c").await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let copy_header = |copy: &async_nats::Message, name: &str| {
+        copy.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_owned())
+    };
     // Denied (no rule accepts 10.0.0.1): answered and dead-lettered, no HTTP at all.
     let first = caller(payload, 21, 1);
     assert_eq!(f.handle(&first).await, Settled::Done);
-    let mut copies = f
-        .shared
-        .outlet
-        .client
-        .subscribe("app.c")
-        .await
-        .expect("subscribe");
+    let first_copy = next_copy(&mut copies).await;
     // A crash before the ack: the redelivery finds the stored reply and copies it to
     // the reply_to stored with it.
     let again = caller(payload, 21, 2);
     assert_eq!(f.handle(&again).await, Settled::Done);
     assert_eq!(again.final_acks(), ["Ack"]);
-    let copy = tokio::time::timeout(
-        Duration::from_secs(10),
-        futures::StreamExt::next(&mut copies),
-    )
-    .await
-    .expect("a copy in time")
-    .expect("a copy");
+    let copy = next_copy(&mut copies).await;
     assert_eq!(
-        copy.headers
-            .as_ref()
-            .and_then(|h| h.get(header::ORIGIN))
-            .map(|v| v.as_str()),
-        Some(format!("{STREAM}:21").as_str())
+        copy_header(&copy, header::ORIGIN),
+        Some(format!("{STREAM}:21"))
     );
+    // Both copies carry the stored reply's message id, so a stream that captures the
+    // reply_to keeps one of them.
+    let msg_id = format!("{STREAM}:21:0:reply");
+    assert_eq!(
+        copy_header(&first_copy, header::MSG_ID),
+        Some(msg_id.clone())
+    );
+    assert_eq!(copy_header(&copy, header::MSG_ID), Some(msg_id));
 }
 
 #[tokio::test]

@@ -1,0 +1,325 @@
+//! deploy/nats/authorization.conf as shipped, one role at a time (issue 22, point 2):
+//! the service, the operator, the HTTP gateway and an isolated caller each hold one
+//! conversation with what the file allows them, and each is refused one named
+//! operation, which the server must report as a permissions violation. Widening any of
+//! those permissions fails this test.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::message::StreamMessage;
+use async_nats::jetstream::{self, stream};
+use serde_json::{Value, json};
+use webproxy_client::new_id;
+use webproxy_protocol::{Reply, header};
+use webproxy_tests::authorized::{
+    Admin, Caller, GATEWAY_USER, OPERATOR_USER, Origin, SERVICE_USER, as_operator, connect_as,
+    header as header_of, origin_of, service_as, stored_msg_id, violation,
+};
+use webproxy_tests::caller::{REPLY_TIMEOUT, path_rule};
+use webproxy_tests::{Gateway, NatsServer, Service, Upstream, http_client, wait_for};
+
+/// The pool deploy/kubernetes/gateway/webproxy.toml's route names, the one pool the
+/// file's `gateway` user may publish to.
+const GATEWAY_POOL: &str = "partner";
+
+/// A pool the operator pauses and removes with its waiting requests.
+const DRAINED_POOL: &str = "drained";
+
+/// The JetStream API of the callers' account, as webproxy's account imports it.
+const CALLERS_API: &str = "$JS.CALLERS.API";
+
+/// A server with the file's accounts, an upstream, and the service as the file's
+/// `webproxy` user with the pool `partner`, confining reply copies to the callers'
+/// reply spaces as the file's comments say it must.
+struct Scene {
+    nats: NatsServer,
+    upstream: Upstream,
+    service: Service,
+}
+
+impl Scene {
+    async fn start() -> Scene {
+        let nats = NatsServer::start_authorized();
+        let upstream = Upstream::start().await;
+        let config = format!(
+            "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n\
+             [pools.{GATEWAY_POOL}]\nmax_in_flight = 4\n\n[pools.{DRAINED_POOL}]\n\n\
+             {}pool = \"{GATEWAY_POOL}\"\n",
+            path_rule("partner", &upstream, "/")
+        );
+        let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+        Scene {
+            nats,
+            upstream,
+            service,
+        }
+    }
+
+    /// `webproxy ARGS` as the file's operator user; its standard output.
+    async fn operator(&self, args: &[&str]) -> String {
+        as_operator(&self.nats, args).await
+    }
+
+    /// `caller` sends a GET of /echo to `pool`, answered to `callers.<x>.replies.<id>`,
+    /// without listening there; the envelope's id, its reply subject and the origin.
+    async fn unheard(&self, caller: &Caller, pool: &str) -> (String, String, Origin) {
+        let id = new_id();
+        let reply_to = caller.reply_to(&id);
+        let envelope = json!({
+            "id": id,
+            "method": "GET",
+            "url": self.upstream.url("/echo"),
+            "reply_to": reply_to,
+        });
+        let ack = caller
+            .publish(pool, &new_id(), &HeaderMap::new(), envelope.to_string())
+            .await;
+        (id, reply_to, origin_of(&ack))
+    }
+
+    /// Publishes `subject` as `user` and waits for the server's permissions violation.
+    async fn refused(&self, user: &str, subject: &str, inbox_prefix: Option<&str>) {
+        let (client, mut errors) = connect_as(&self.nats, user, inbox_prefix).await;
+        client
+            .publish(subject.to_owned(), "{}".into())
+            .await
+            .expect("publish");
+        client.flush().await.expect("flush");
+        violation(&mut errors, subject, REPLY_TIMEOUT).await;
+    }
+}
+
+/// Creates caller `name`'s reply stream as the file's operator, through the callers'
+/// JetStream API that webproxy's account imports.
+async fn create_reply_stream(nats: &NatsServer, name: &str) {
+    let (operator, _) = connect_as(nats, OPERATOR_USER, None).await;
+    jetstream::with_prefix(operator, CALLERS_API)
+        .create_stream(reply_stream(name))
+        .await
+        .unwrap_or_else(|e| panic!("the operator creates REPLIES_{name}: {e}"));
+}
+
+/// Waits for the last message on `subject` in a caller's reply stream, read as that
+/// caller (`$JS.API.STREAM.MSG.GET`).
+async fn kept<I>(stream: &stream::Stream<I>, subject: &str, what: &str) -> StreamMessage {
+    wait_for(REPLY_TIMEOUT, what, || async {
+        stream.get_last_raw_message_by_subject(subject).await.ok()
+    })
+    .await
+}
+
+/// The reply stream of caller `name` (`a` for `caller_a`), as an operator creates it
+/// when adding the caller: its reply space, a duplicate window for the copies'
+/// `Nats-Msg-Id`, and direct gets.
+fn reply_stream(name: &str) -> stream::Config {
+    stream::Config {
+        name: format!("REPLIES_{}", name.to_ascii_uppercase()),
+        subjects: vec![format!("callers.{name}.replies.>")],
+        duplicate_window: Duration::from_secs(120),
+        max_age: Duration::from_secs(24 * 3600),
+        max_bytes: 64 * 1024 * 1024,
+        allow_direct: true,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_role_converses_and_is_refused_its_one_named_operation() {
+    let scene = Scene::start().await;
+
+    // The service: it served what follows. Refused: deleting a stream, which holds
+    // queued requests that are not its to destroy.
+    scene
+        .refused(
+            SERVICE_USER,
+            "$JS.API.STREAM.DELETE.WEBPROXY_POOL_PARTNER",
+            Some("_WEBPROXY_INBOX.test"),
+        )
+        .await;
+
+    // The operator: lists the pools, and creates each caller's reply stream in the
+    // callers' account through the imported JetStream API. Refused: sending a request,
+    // which only callers and the gateway do.
+    let listed: Value =
+        serde_json::from_str(&scene.operator(&["pools", "--json"]).await).expect("JSON");
+    assert!(
+        listed
+            .as_array()
+            .is_some_and(|pools| pools.iter().any(|p| p["pool"] == GATEWAY_POOL)),
+        "{listed}"
+    );
+    for name in ["a", "b"] {
+        create_reply_stream(&scene.nats, name).await;
+    }
+    scene
+        .refused(
+            OPERATOR_USER,
+            &format!("webproxy.request.{GATEWAY_POOL}"),
+            None,
+        )
+        .await;
+
+    // The gateway: one HTTP request through its route to `partner`. Refused: a
+    // request to a pool none of its routes names.
+    let route = format!(
+        "[[gateway.routes]]\npath = \"/partner\"\nupstream = \"{}\"\npool = \"{GATEWAY_POOL}\"\n",
+        scene.upstream.url("/")
+    );
+    let gateway = Gateway::start_with(&scene.nats, &route, service_as(GATEWAY_USER)).await;
+    let response = http_client()
+        .get(gateway.url("/partner/echo"))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(
+        response.status(),
+        200,
+        "{}\n{}",
+        gateway.logs(),
+        scene.service.logs()
+    );
+    scene
+        .refused(
+            GATEWAY_USER,
+            "webproxy.request.default",
+            Some("_WEBPROXY_INBOX.test"),
+        )
+        .await;
+
+    // The isolated caller: a request answered to its reply space while nothing of it
+    // listens, the reply read back from its own stream on a new connection.
+    let (_, reply_to, origin) = {
+        let caller = Caller::connect(&scene.nats, "caller_a").await;
+        scene.unheard(&caller, GATEWAY_POOL).await
+    };
+    // A new connection, as after a reconnect: the reply waits in the stream.
+    let caller = Caller::connect(&scene.nats, "caller_a").await;
+    let own = caller
+        .js
+        .get_stream("REPLIES_A")
+        .await
+        .expect("caller_a reads its own stream's info");
+    let what = format!("the reply in REPLIES_A\n{}", scene.service.logs());
+    let stored = kept(&own, &reply_to, &what).await;
+    let reply: Reply = serde_json::from_slice(&stored.payload).expect("reply JSON");
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+    let msg_id = stored_msg_id(&origin, 0, "reply");
+    assert_eq!(
+        header_of(Some(&stored.headers), header::MSG_ID),
+        Some(msg_id.as_str())
+    );
+    assert_eq!(
+        header_of(Some(&stored.headers), header::ORIGIN),
+        Some(origin.to_string().as_str())
+    );
+    let direct = own
+        .direct_get_last_for_subject(&reply_to)
+        .await
+        .expect("caller_a direct-gets its reply");
+    assert_eq!(direct.payload, stored.payload);
+
+    // A copy sent again (as a redelivery does) is the same message to the stream: only
+    // the marker sent after it is stored.
+    let admin = Admin::connect(&scene.nats).await;
+    let mut again = HeaderMap::new();
+    again.insert(header::MSG_ID, msg_id.as_str());
+    admin
+        .nats
+        .publish_with_headers(reply_to.clone(), again, stored.payload.clone())
+        .await
+        .expect("publish");
+    let marker = format!("{reply_to}-marker");
+    admin
+        .nats
+        .publish(marker.clone(), "marker".into())
+        .await
+        .expect("publish");
+    admin.nats.flush().await.expect("flush");
+    kept(&own, &marker, "the marker in REPLIES_A").await;
+    let mut own = own;
+    assert_eq!(own.info().await.expect("info").state.messages, 2);
+
+    // Refused: a caller publishing on a hop subject.
+    let hop = format!("webproxy.hop.{GATEWAY_POOL}.{}", new_id());
+    scene
+        .refused("caller_a", &hop, Some("callers.a._INBOX"))
+        .await;
+    // Refused: another caller reading caller_a's stored reply, by the stream API or a
+    // direct get, and creating a stream of its own (which could capture any subject).
+    for subject in [
+        "$JS.API.STREAM.MSG.GET.REPLIES_A".to_owned(),
+        format!("$JS.API.DIRECT.GET.REPLIES_A.{reply_to}"),
+        "$JS.API.STREAM.INFO.REPLIES_A".to_owned(),
+        "$JS.API.STREAM.CREATE.REPLIES_B2".to_owned(),
+    ] {
+        scene
+            .refused("caller_b", &subject, Some("callers.b._INBOX"))
+            .await;
+    }
+    // What caller_b may read is its own stream, which holds none of caller_a's.
+    let caller_b = Caller::connect(&scene.nats, "caller_b").await;
+    let mut theirs = caller_b
+        .js
+        .get_stream("REPLIES_B")
+        .await
+        .expect("caller_b reads its own stream's info");
+    assert_eq!(theirs.info().await.expect("info").state.messages, 0);
+}
+
+/// The operator's `pools remove --dead-letter` ends the requests waiting in a paused
+/// pool as the service would: their dead letters and stored replies, and the reply copy
+/// to an isolated caller's reply space, which its stream keeps under the stored
+/// reply's message id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_pools_remove_answers_an_isolated_caller_into_its_stream() {
+    let scene = Scene::start().await;
+    create_reply_stream(&scene.nats, "a").await;
+    scene
+        .operator(&["pools", "pause", DRAINED_POOL, "--reason", "test"])
+        .await;
+    let admin = Admin::connect(&scene.nats).await;
+    let consumer = format!("webproxy-{DRAINED_POOL}-l2");
+    let stream_name = format!("WEBPROXY_POOL_{}", DRAINED_POOL.to_ascii_uppercase());
+    wait_for(REPLY_TIMEOUT, "the pool consumer paused", || async {
+        let mut consumer: jetstream::consumer::PullConsumer = admin
+            .js
+            .get_consumer_from_stream(&consumer, &stream_name)
+            .await
+            .ok()?;
+        consumer.info().await.ok()?.paused.then_some(())
+    })
+    .await;
+
+    let caller = Caller::connect(&scene.nats, "caller_a").await;
+    let (id, reply_to, origin) = scene.unheard(&caller, DRAINED_POOL).await;
+    let removed = scene
+        .operator(&["pools", "remove", DRAINED_POOL, "--dead-letter"])
+        .await;
+    assert!(removed.contains(DRAINED_POOL), "{removed}");
+
+    assert_eq!(
+        admin.wait_dead_letters(&origin, REPLY_TIMEOUT).await.len(),
+        1
+    );
+    assert_eq!(
+        admin
+            .wait_stored_replies(&id, &origin, REPLY_TIMEOUT)
+            .await
+            .len(),
+        1
+    );
+    let own = caller
+        .js
+        .get_stream_no_info("REPLIES_A")
+        .await
+        .expect("stream");
+    let stored = kept(&own, &reply_to, "the reply copy in REPLIES_A").await;
+    let reply: Reply = serde_json::from_slice(&stored.payload).expect("reply JSON");
+    assert!(reply.error.is_some(), "{reply:?}");
+    assert_eq!(
+        header_of(Some(&stored.headers), header::MSG_ID),
+        Some(stored_msg_id(&origin, 0, "reply").as_str())
+    );
+    assert_eq!(scene.upstream.hits_for("/echo"), 0);
+}
