@@ -186,3 +186,45 @@ async fn check_config_prints_the_response_rules_of_each_request_rule() {
     assert_eq!(rules[1]["response_rules"]["source"], "global");
     assert_eq!(rules[2]["response_rules"]["source"], "default");
 }
+
+/// `check-config` shows the gateway's routes: where each goes, through which pool, and
+/// who may call it (a token by its source, never its value).
+#[tokio::test]
+async fn check_config_prints_the_gateway_routes() {
+    let token = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(token.path(), "route-token-4c1e\n").expect("write token");
+    let text = format!(
+        "[pools.partner]\n\n\
+         [[gateway.routes]]\npath = \"/svc\"\nupstream = \"https://partner.example/api/\"\npool = \"partner\"\ntoken = {{ file = \"{}\" }}\n\n\
+         [[gateway.routes]]\npath = \"/open\"\nupstream = \"https://open.example/\"\n",
+        token.path().display()
+    );
+    for flags in [&[][..], &["--json"][..]] {
+        let output = check_config_with(flags, &text).await;
+        assert!(output.status.success(), "{output:?}");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            !stdout.contains("route-token-4c1e"),
+            "a token value: {stdout}"
+        );
+        if flags.is_empty() {
+            assert!(
+                stdout.contains(&format!(
+                    "  /svc -> https://partner.example/api/ pool=partner (token from the file {} in proxy-authorization)",
+                    token.path().display()
+                )),
+                "{stdout}"
+            );
+            assert!(
+                stdout.contains(
+                    "  /open -> https://open.example/ pool=default (open to anyone who can connect)"
+                ),
+                "{stdout}"
+            );
+        } else {
+            let routes = &stdout_json(&output)["gateway"]["routes"];
+            assert_eq!(routes[0]["pool"], "partner", "{routes}");
+            assert_eq!(routes[1]["upstream"], "https://open.example/", "{routes}");
+        }
+    }
+}

@@ -225,6 +225,8 @@ struct Effective<'a> {
     outbound: &'a webproxy_dispatcher::OutboundConfig,
     pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::PoolConfig>,
     request_rules: Vec<EffectiveRule<'a>>,
+    /// `webproxy gateway`'s part; tokens and key by their source, never their values.
+    gateway: &'a crate::gateway_config::GatewayConfig,
     warnings: &'a [String],
 }
 
@@ -265,6 +267,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         outbound: &settings.config.outbound,
         pools: &settings.dispatcher.cluster.pools,
         request_rules: rules,
+        gateway: &settings.config.gateway,
         warnings,
     };
     if json {
@@ -357,7 +360,34 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
             }
         }
     }
+    print_gateway(&settings.config.gateway, &settings.gateway);
     Ok(())
+}
+
+/// The gateway's routes, as `webproxy gateway` would serve them.
+fn print_gateway(
+    config: &crate::gateway_config::GatewayConfig,
+    gateway: &crate::gateway_config::Gateway,
+) {
+    if gateway.routes.is_empty() {
+        println!("gateway routes: none");
+        return;
+    }
+    println!(
+        "gateway routes (`webproxy gateway` on {}, health on {}; the longest matching path decides):",
+        config.listen, config.health_listen
+    );
+    for route in &gateway.routes {
+        let who = match &route.token {
+            Some(source) => format!("token from the {source} in {}", route.token_header),
+            None if gateway.allow_sources.is_empty() => "open to anyone who can connect".into(),
+            None => "no token; only allow_sources may connect".into(),
+        };
+        println!(
+            "  {} -> {} pool={} ({who})",
+            route.path, route.upstream, route.pool
+        );
+    }
 }
 
 #[cfg(test)]
