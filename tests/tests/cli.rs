@@ -228,3 +228,36 @@ async fn check_config_prints_the_gateway_routes() {
         }
     }
 }
+
+/// A reader that stops reading (`webproxy send ... | head -c0`) ends the command with
+/// success and no panic. The pipe is closed before the reply can be printed: the
+/// upstream answers only after 500 ms.
+#[tokio::test]
+async fn a_closed_stdout_ends_send_quietly() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let mut child = std::process::Command::new(webproxy_tests::webproxy_bin())
+        .args([
+            "send",
+            "--nats",
+            &h.nats.url(),
+            "GET",
+            &h.upstream.url("/delay/500"),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn webproxy send");
+    drop(child.stdout.take());
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .expect("join")
+        .expect("wait for webproxy send");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{:?}\n{stderr}", output.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        h.upstream.hits_for("/delay/500"),
+        1,
+        "the request was not sent"
+    );
+}

@@ -271,15 +271,15 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         warnings,
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&effective)?);
+        outln!("{}", serde_json::to_string_pretty(&effective)?)?;
         return Ok(());
     }
     if warnings.is_empty() {
-        println!("configuration is valid");
+        outln!("configuration is valid")?;
     } else {
-        println!("configuration is valid, with {} warnings", warnings.len());
+        outln!("configuration is valid, with {} warnings", warnings.len())?;
     }
-    println!("prefix: {}", settings.dispatcher.subjects.prefix());
+    outln!("prefix: {}", settings.dispatcher.subjects.prefix())?;
     let guard = &settings.dispatcher.cluster.outbound.guard;
     let nets = |nets: &[ipnet::IpNet]| {
         nets.iter()
@@ -287,7 +287,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
             .collect::<Vec<_>>()
             .join(", ")
     };
-    println!(
+    outln!(
         "address guard: private networks {}; allow [{}]; deny [{}]",
         if guard.allow_private_networks {
             "allowed"
@@ -296,28 +296,28 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
         },
         nets(&guard.allow),
         nets(&guard.deny)
-    );
-    println!("pools:");
+    )?;
+    outln!("pools:")?;
     for (name, pool) in &settings.dispatcher.cluster.pools {
         let waiting = pool
             .max_waiting
             .map_or("unlimited".to_string(), |m| m.to_string());
-        println!(
+        outln!(
             "  {name}: max_in_flight={} max_waiting={waiting} subject={}",
             pool.max_in_flight,
             settings.dispatcher.subjects.request(name)
-        );
+        )?;
     }
     if effective.request_rules.is_empty() {
-        println!("request rules: none (every request is denied)");
+        outln!("request rules: none (every request is denied)")?;
     } else {
-        println!("request rules (the first whose method and pattern match decides):");
+        outln!("request rules (the first whose method and pattern match decides):")?;
         for rule in &effective.request_rules {
             let action = match rule.action {
                 RuleAction::Accept => "accept",
                 RuleAction::Deny => "deny",
             };
-            println!(
+            outln!(
                 "  {}: {} {} -> {action} pool={} timeout={} max_retries={} retry_delay={} backoff_factor={} max_retry_delay={} jitter={}",
                 rule.name,
                 rule.method,
@@ -329,12 +329,12 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
                 rule.retry.backoff_factor,
                 humantime::format_duration(rule.retry.max_retry_delay),
                 rule.retry.jitter
-            );
+            )?;
             if let Some(origin) = &rule.origin {
-                println!("    sends only to the origin {origin}");
+                outln!("    sends only to the origin {origin}")?;
             }
             if rule.follow_redirects > 0 {
-                println!("    follows up to {} redirects", rule.follow_redirects);
+                outln!("    follows up to {} redirects", rule.follow_redirects)?;
             }
             for (name, source) in &rule.inject_headers {
                 let prefix = if source.prefix.is_empty() {
@@ -342,10 +342,10 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
                 } else {
                     format!(" after the prefix {:?}", source.prefix)
                 };
-                println!("    injects {name} from the {source}{prefix} (value not shown)");
+                outln!("    injects {name} from the {source}{prefix} (value not shown)")?;
             }
             if !rule.deny_request_headers.is_empty() {
-                println!("    drops headers {}", rule.deny_request_headers.join(", "));
+                outln!("    drops headers {}", rule.deny_request_headers.join(", "))?;
             }
             if rule.action == RuleAction::Accept {
                 let source = match rule.response_rules.source {
@@ -353,41 +353,43 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
                     ResponseRulesSource::Global => "global",
                     ResponseRulesSource::Default => "default",
                 };
-                println!(
+                outln!(
                     "    response rules ({source}): {}",
                     rule.response_rules.summary()
-                );
+                )?;
             }
         }
     }
-    print_gateway(&settings.config.gateway, &settings.gateway);
-    Ok(())
+    print_gateway(&settings.config.gateway, &settings.gateway)
 }
 
 /// The gateway's routes, as `webproxy gateway` would serve them.
 fn print_gateway(
     config: &crate::gateway_config::GatewayConfig,
     gateway: &crate::gateway_config::Gateway,
-) {
+) -> anyhow::Result<()> {
     if gateway.routes.is_empty() {
-        println!("gateway routes: none");
-        return;
+        return outln!("gateway routes: none");
     }
-    println!(
+    outln!(
         "gateway routes (`webproxy gateway` on {}, health on {}; the longest matching path decides):",
-        config.listen, config.health_listen
-    );
+        config.listen,
+        config.health_listen
+    )?;
     for route in &gateway.routes {
         let who = match &route.token {
             Some(source) => format!("token from the {source} in {}", route.token_header),
             None if gateway.allow_sources.is_empty() => "open to anyone who can connect".into(),
             None => "no token; only allow_sources may connect".into(),
         };
-        println!(
+        outln!(
             "  {} -> {} pool={} ({who})",
-            route.path, route.upstream, route.pool
-        );
+            route.path,
+            route.upstream,
+            route.pool
+        )?;
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -124,11 +124,11 @@ impl WaitArgs {
                         subjects.instances_bucket()
                     );
                 } else {
-                    println!(
+                    outln!(
                         "every live instance ({}) runs revision {revision}, after {} ms",
                         reports.len(),
                         started.elapsed().as_millis()
-                    );
+                    )?;
                 }
                 return Ok(());
             }
@@ -234,10 +234,10 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
                     .with_context(|| format!("the bucket {} holds no document", store.bucket()))?,
             };
             if json {
-                println!("{}", serde_json::to_string_pretty(&Listed::from(&shown))?);
+                outln!("{}", serde_json::to_string_pretty(&Listed::from(&shown))?)?;
             } else {
                 eprintln!("{}", describe(&shown));
-                print!("{}", shown.document);
+                out!("{}", shown.document)?;
             }
             Ok(())
         }
@@ -246,10 +246,10 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             let history = store.history().await?;
             if json {
                 let listed: Vec<Listed> = history.iter().map(Listed::from).collect();
-                println!("{}", serde_json::to_string_pretty(&listed)?);
+                outln!("{}", serde_json::to_string_pretty(&listed)?)?;
             } else {
                 for revision in &history {
-                    println!("{}", describe(revision));
+                    outln!("{}", describe(revision))?;
                 }
             }
             Ok(())
@@ -271,9 +271,9 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
                 &name,
             );
             if diff.is_empty() {
-                println!("no difference from {}", current_name(current.as_ref()));
+                outln!("no difference from {}", current_name(current.as_ref()))?;
             } else {
-                print!("{diff}");
+                out!("{diff}")?;
             }
             Ok(())
         }
@@ -313,15 +313,15 @@ impl Push<'_> {
             && old_text == text
             && self.expected == Some(current.revision)
         {
-            println!(
+            outln!(
                 "unchanged: revision {} holds this document already",
                 current.revision
-            );
+            )?;
             return Ok(current.revision);
         }
         let revision = self.store.put(&note, text, self.expected).await?;
-        println!("pushed revision {revision} to {}", self.store.bucket());
-        print!(
+        outln!("pushed revision {revision} to {}", self.store.bucket())?;
+        out!(
             "{}",
             document::unified_diff(
                 old_text,
@@ -329,7 +329,7 @@ impl Push<'_> {
                 &current_name(current),
                 &format!("revision {revision}")
             )
-        );
+        )?;
         // A document that no longer parses (written by hand) names no pools to compare.
         if let Some(Ok(before)) = current.map(|c| document::parse(&c.document)) {
             for pool in document::removed_pools(&before, pushed) {

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::io::{IsTerminal as _, Write as _};
+use std::io::IsTerminal as _;
 use std::num::NonZeroU64;
 use std::ops::ControlFlow;
 use std::time::Duration;
@@ -195,10 +195,10 @@ impl DeadStream {
 /// Prints one line on stdout. A closed stdout (`dead list | head`) breaks, so the
 /// command stops reading and ends quietly.
 fn print_line(line: fmt::Arguments<'_>) -> anyhow::Result<ControlFlow<()>> {
-    match writeln!(std::io::stdout(), "{line}") {
+    match outln!("{line}") {
         Ok(()) => Ok(ControlFlow::Continue(())),
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ControlFlow::Break(())),
-        Err(e) => Err(e).context("cannot write to stdout"),
+        Err(e) if e.is::<crate::stdout::Closed>() => Ok(ControlFlow::Break(())),
+        Err(e) => Err(e),
     }
 }
 

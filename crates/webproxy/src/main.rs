@@ -1,6 +1,9 @@
 //! The webproxy binary: parse the command line and run the chosen command until it
 //! ends or a signal stops it.
 
+#[macro_use]
+mod stdout;
+
 mod cfg;
 mod cli;
 mod config;
@@ -33,6 +36,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     match cli::Cli::parse().run() {
         Ok(code) => code,
+        Err(e) if e.is::<stdout::Closed>() => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

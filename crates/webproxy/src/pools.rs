@@ -129,61 +129,79 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
         }
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&states)?);
+        outln!("{}", serde_json::to_string_pretty(&states)?)?;
         return Ok(());
     }
-    println!(
+    outln!(
         "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
-        "pool", "max_in_flight", "waiting", "in_flight", "parked", "oldest_waiting"
-    );
+        "pool",
+        "max_in_flight",
+        "waiting",
+        "in_flight",
+        "parked",
+        "oldest_waiting"
+    )?;
     for s in &states {
         let oldest = s.oldest_waiting_ms.map_or("-".to_string(), |ms| {
             humantime::format_duration(Duration::from_millis(ms)).to_string()
         });
-        println!(
+        outln!(
             "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
-            s.pool, s.max_in_flight, s.waiting, s.in_flight, s.parked, oldest
-        );
+            s.pool,
+            s.max_in_flight,
+            s.waiting,
+            s.in_flight,
+            s.parked,
+            oldest
+        )?;
     }
     for s in &states {
         for pause in &s.pauses {
-            println!(
+            outln!(
                 "{} paused until {} ({}: {})",
-                s.pool, pause.until, pause.cause, pause.reason
-            );
+                s.pool,
+                pause.until,
+                pause.cause,
+                pause.reason
+            )?;
         }
         match s.breaker {
-            "open" => println!(
+            "open" => outln!(
                 "{} breaker open: one probe attempt when its pause ends",
                 s.pool
-            ),
-            "half_open" => println!(
+            )?,
+            "half_open" => outln!(
                 "{} breaker half-open: one probe attempt at a time (max_in_flight 1)",
                 s.pool
-            ),
+            )?,
             _ => {}
         }
         if let Some(limit) = s.adaptive_limit {
-            println!("{} adaptive limit {limit}", s.pool);
+            outln!("{} adaptive limit {limit}", s.pool)?;
         }
     }
     let instances = live::reports(&js, client.subjects()).await?;
     if !instances.is_empty() {
-        println!();
-        println!(
+        outln!()?;
+        outln!(
             "{:<40}  {:>8}  {:<10}  reported",
-            "instance", "revision", "version"
-        );
+            "instance",
+            "revision",
+            "version"
+        )?;
         for i in &instances {
-            println!(
+            outln!(
                 "{:<40}  {:>8}  {:<10}  {}",
-                i.instance, i.revision, i.version, i.time
-            );
+                i.instance,
+                i.revision,
+                i.version,
+                i.time
+            )?;
         }
     }
     if let Some(owner) = ConfigStore::pool_consumers_owner(&js, client.subjects()).await? {
-        println!();
-        println!("{owner} writes the pool consumers' settings (it holds their lease)");
+        outln!()?;
+        outln!("{owner} writes the pool consumers' settings (it holds their lease)")?;
     }
     Ok(())
 }
@@ -230,10 +248,10 @@ pub async fn pause(
     let reason = reason.unwrap_or_else(|| "paused by hand".into());
     outlet.pause_pool(pool, until, reason).await?;
     let shown = Paused::new("manual", until, "");
-    println!(
+    outln!(
         "pool {pool} paused until {}; requests wait in its stream",
         shown.until
-    );
+    )?;
     Ok(())
 }
 
@@ -243,14 +261,16 @@ pub async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
     let outlet = existing_pool(&client, pool).await?;
     let left = outlet.resume_pool(pool).await?;
     if left.is_empty() {
-        println!("pool {pool} resumed");
+        outln!("pool {pool} resumed")?;
     }
     for pause in &left {
         let shown = Paused::new(&pause.cause, pause.until, &pause.reason);
-        println!(
+        outln!(
             "pool {pool} is still paused until {} ({}: {})",
-            shown.until, shown.cause, shown.reason
-        );
+            shown.until,
+            shown.cause,
+            shown.reason
+        )?;
     }
     Ok(())
 }
@@ -308,7 +328,7 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     }
     if waiting > 0 {
         let ended = dead_letter_all(&client, &stream, pool).await?;
-        println!("dead-lettered {ended} messages of pool {pool}");
+        outln!("dead-lettered {ended} messages of pool {pool}")?;
     }
     js.delete_stream(&stream_name)
         .await
@@ -324,7 +344,7 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     {
         eprintln!("warning: cannot delete fence stream {fence}: {e}");
     }
-    println!("removed pool {pool}");
+    outln!("removed pool {pool}")?;
     Ok(())
 }
 

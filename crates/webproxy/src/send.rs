@@ -61,7 +61,7 @@ pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
     } else {
         serde_json::to_string_pretty(&reply)?
     };
-    println!("{printed}");
+    outln!("{printed}")?;
     Ok(match reply.outcome {
         Outcome::Response => ExitCode::SUCCESS,
         Outcome::Error => ExitCode::FAILURE,
