@@ -2,7 +2,8 @@
 //! `webproxy-testkit` (a private nats-server per test, the `webproxy serve` binary as a
 //! subprocess, an in-process HTTP upstream, bounded waits) and are re-exported here at
 //! the paths the tests use; the rest (a caller's side of the protocol, a nats-server
-//! cluster, a TCP relay, a test CA, the deploy file's users, a Secret volume) live in this package.
+//! cluster, a TCP relay, a test CA, the deploy file's users, a Secret volume, config
+//! pushes and `webproxy pools`' output) live in this package.
 //!
 //! Nothing here is shared between tests (ports, store dirs and config files are
 //! all per-fixture), so tests can run in parallel. Everything listens on and
@@ -14,6 +15,7 @@
 pub mod authorized;
 pub mod caller;
 mod cluster;
+pub mod pools;
 mod relay;
 mod secret_volume;
 mod tls;

@@ -18,7 +18,7 @@ use axum::routing::get;
 use futures::StreamExt as _;
 use webproxy_client::Client;
 use webproxy_tests::caller::{envelope, path_rule, to};
-use webproxy_tests::run_webproxy as webproxy;
+use webproxy_tests::pools::{kv_config, pool_json, pools, push_config};
 use webproxy_tests::{NatsServer, Service, Upstream, default_routes, wait_until};
 
 const POOL: &str = "partner";
@@ -48,8 +48,18 @@ async fn flaky_upstream(healthy: Arc<AtomicBool>) -> Upstream {
 /// The partner pool with `breaker` as its `[pools.partner.breaker]`, and one rule
 /// sending every call to `upstream` there with `rule`'s further keys.
 fn config(upstream: &Upstream, breaker: &str, rule: &str) -> String {
+    pool_config(
+        upstream,
+        &format!("[pools.{POOL}.breaker]\n{breaker}"),
+        rule,
+    )
+}
+
+/// The partner pool (`max_in_flight = 8`) with `sections` after it, and one rule
+/// sending every call to `upstream` there with `rule`'s further keys.
+fn pool_config(upstream: &Upstream, sections: &str, rule: &str) -> String {
     format!(
-        "[pools.{POOL}]\nmax_in_flight = 8\n[pools.{POOL}.breaker]\n{breaker}\n{}pool = \"{POOL}\"\n{rule}\n",
+        "[pools.{POOL}]\nmax_in_flight = 8\n{sections}\n{}pool = \"{POOL}\"\n{rule}\n",
         path_rule("partner", upstream, "/")
     )
 }
@@ -79,18 +89,6 @@ fn spawn_request(client: &Client, url: &str) -> tokio::task::JoinHandle<Result<u
             None => Ok(reply.status.unwrap_or(0)),
         }
     })
-}
-
-/// `webproxy pools --nats URL`'s standard output.
-async fn pools(nats: &NatsServer) -> String {
-    let url = nats.url();
-    let output = webproxy(&["pools", "--nats", url.as_str()]).await;
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// The partner pool's work consumer.
@@ -313,4 +311,131 @@ async fn errors_the_caller_chose_do_not_open_the_breaker() {
     for call in calls {
         call.abort();
     }
+}
+
+/// Fails exactly `min_attempts` (10) calls at the upstream, each ended (503, no
+/// retries) before the breaker can open on them: no message is left to probe.
+async fn fail_ten_calls(client: &Client, upstream: &Upstream) {
+    let url = upstream.url("/status/503");
+    let calls: Vec<_> = (0..10).map(|_| spawn_request(client, &url)).collect();
+    for call in calls {
+        call.await.expect("task").expect_err("503 with no retries");
+    }
+}
+
+/// `pools`' lines about the partner pool's breaker and pauses.
+fn breaker_lines(listed: &str) -> Vec<&str> {
+    listed
+        .lines()
+        .filter(|line| {
+            line.starts_with("partner breaker") || line.starts_with("partner paused until")
+        })
+        .collect()
+}
+
+/// When its pause (`open_for`, 2 s) ends with nothing waiting, the breaker stays
+/// half-open until a probe, and `pools` shows it so: no pause, the half-open line, a
+/// limit of 1, `"breaker": "half_open"` in `--json`. One call that succeeds is the
+/// probe and closes it: `pools` shows no breaker and the limit of 8 again. Each wait
+/// is bounded by [`SEEN`]; the test takes a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_shows_a_half_open_breaker_until_its_probe_closes_it() {
+    let upstream = Upstream::start().await;
+    let (nats, services, client) = cluster(
+        &upstream,
+        "min_attempts = 10\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"2s\"\nmax_open_for = \"2s\"",
+        "max_retries = 0",
+    )
+    .await;
+    // Its open phase (2 s) may be over before a loaded machine runs `pools`: the
+    // test waits for what follows it.
+    fail_ten_calls(&client, &upstream).await;
+    let half_open = webproxy_tests::wait_for(SEEN, "the breaker half-open", || async {
+        let pool = pool_json(&nats, POOL).await;
+        (pool["breaker"] == "half_open").then_some(pool)
+    })
+    .await;
+    println!("half-open: {half_open}");
+    assert_eq!(half_open["max_in_flight"], 1, "{half_open}");
+    assert_eq!(half_open["pauses"], serde_json::json!([]), "{half_open}");
+    // Nothing calls meanwhile, so it is still half-open.
+    let listed = pools(&nats).await;
+    assert_eq!(
+        breaker_lines(&listed),
+        ["partner breaker half-open: one probe attempt at a time (max_in_flight 1)"],
+        "{listed}"
+    );
+    assert_eq!(upstream.hits_for("/status/503"), 10);
+
+    let probe = spawn_request(&client, &upstream.url("/status/200"));
+    assert_eq!(probe.await.expect("task"), Ok(200));
+    let closed = webproxy_tests::wait_for(SEEN, "the breaker closed at the full limit", || async {
+        let pool = pool_json(&nats, POOL).await;
+        (pool["breaker"] == "closed" && pool["max_in_flight"] == 8).then_some(pool)
+    })
+    .await;
+    assert_eq!(closed["pauses"], serde_json::json!([]), "{closed}");
+    let listed = pools(&nats).await;
+    assert!(breaker_lines(&listed).is_empty(), "{listed}");
+    assert_eq!(transitions(&services, "open").await, 1.0);
+    assert_eq!(transitions(&services, "half_open").await, 1.0);
+    assert_eq!(transitions(&services, "closed").await, 1.0);
+}
+
+/// A breaker taken out of the configuration (a `config push` in `kv` mode) while it is
+/// open lets go of the pool at once, not when its pause (10 min) would have ended:
+/// the consumer is no longer paused and is back at `max_in_flight` (8), `pools` shows
+/// no breaker, and a call goes through. Each wait is bounded by [`SEEN`], far below
+/// the pause; the test takes a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breaker_taken_out_of_the_config_while_open_lets_go_of_the_pool() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let document = |sections: &str| {
+        format!(
+            "[outbound]\nallow_private_networks = true\n\n{}",
+            pool_config(&upstream, sections, "max_retries = 0")
+        )
+    };
+    let breaker = format!(
+        "[pools.{POOL}.breaker]\nmin_attempts = 10\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"10m\"\nmax_open_for = \"10m\""
+    );
+    push_config(&nats, &document(&breaker)).await;
+    let services = Service::start_many(
+        &nats.url(),
+        &kv_config(&webproxy_tests::caller::accept_rule("local", &upstream)),
+        2,
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    fail_ten_calls(&client, &upstream).await;
+    println!("opened: {}", breaker_reason(&nats).await);
+    wait_until(SEEN, "the consumer paused with the probe limit", || async {
+        let info = consumer(&nats).await;
+        info.paused && info.config.max_ack_pending == 1
+    })
+    .await;
+
+    let pushed = push_config(&nats, &document("")).await;
+    println!("{pushed}");
+    let removed = Instant::now();
+    wait_until(SEEN, "the consumer unpaused at max_in_flight", || async {
+        let info = consumer(&nats).await;
+        !info.paused && info.config.max_ack_pending == 8
+    })
+    .await;
+    println!("let go of the pool {:?} after the push", removed.elapsed());
+    let pool = pool_json(&nats, POOL).await;
+    assert_eq!(pool["breaker"], "closed", "{pool}");
+    assert_eq!(pool["pauses"], serde_json::json!([]), "{pool}");
+    let listed = pools(&nats).await;
+    assert!(breaker_lines(&listed).is_empty(), "{listed}");
+    let call = spawn_request(&client, &upstream.url("/status/200"));
+    let status = tokio::time::timeout(SEEN, call).await;
+    assert!(
+        matches!(status, Ok(Ok(Ok(200)))),
+        "{status:?} after {:?}",
+        removed.elapsed()
+    );
+    assert_eq!(transitions(&services, "closed").await, 1.0);
 }

@@ -15,6 +15,7 @@ use webproxy_client::Client;
 use webproxy_protocol::{ErrorCode, Outcome};
 use webproxy_tests::authorized::{OPERATOR_USER, SERVICE_USER, password, service_as};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, path_rule, to};
+use webproxy_tests::pools::kv_config;
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
 
@@ -294,11 +295,6 @@ async fn show_diff_and_rollback() {
         again.contains("revision 3 is the current one already"),
         "{again}"
     );
-}
-
-/// A service config in `kv` mode, its cluster part from `cluster`.
-fn kv_config(cluster: &str) -> String {
-    format!("[config]\nsource = \"kv\"\n\n{cluster}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

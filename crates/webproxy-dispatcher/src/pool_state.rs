@@ -177,6 +177,21 @@ impl PoolState {
         true
     }
 
+    /// Forgets a breaker no longer configured, open or half-open: its pause and its
+    /// probe limit go. Whether there was one.
+    pub(crate) fn forget_breaker(&mut self) -> bool {
+        self.pauses.remove(BREAKER);
+        self.breaker.take().is_some()
+    }
+
+    /// Whether the pool consumer's pause must be lifted through the API now that this
+    /// state became `after`: a pause in force at `now` ended early and none is left.
+    /// The owner's writes never lift a pause (they would undo one made by hand
+    /// through the API), and the server's would otherwise last to its old end.
+    pub(crate) fn lifts_pause(&self, after: &PoolState, now: OffsetDateTime) -> bool {
+        self.paused_until(now).is_some() && after.paused_until(now).is_none()
+    }
+
     fn set_open(&mut self, now: OffsetDateTime, open_for: std::time::Duration, reason: &str) {
         self.breaker = Some(Open {
             open_for_ms: u64::try_from(open_for.as_millis()).unwrap_or(u64::MAX),
@@ -281,6 +296,32 @@ mod tests {
         assert_eq!(state.breaker_closed, Some(at(92)));
         assert_eq!(state.max_ack_pending(&config), 8);
         assert!(state.pauses.is_empty());
+    }
+
+    #[test]
+    fn a_breaker_no_longer_configured_is_forgotten_and_its_pause_lifted_if_alone() {
+        let config = PoolConfig {
+            max_in_flight: 8,
+            ..PoolConfig::default()
+        };
+        let mut state = PoolState::default();
+        assert!(!state.forget_breaker());
+        state.open_breaker(at(0), std::time::Duration::from_secs(600), "breaker");
+        let open = state.clone();
+        assert!(state.forget_breaker());
+        assert_eq!(state.phase(at(10)), Phase::Closed);
+        assert_eq!(state.max_ack_pending(&config), 8);
+        assert_eq!(state.paused_until(at(10)), None);
+        assert!(open.lifts_pause(&state, at(10)));
+        // Half-open, its pause is over already: nothing to lift.
+        assert!(!open.lifts_pause(&state, at(600)));
+        // Another pause in force stays, and so does the consumer's.
+        let mut manual = open.clone();
+        manual.pause(MANUAL, at(900), "incident", Extend::Replace);
+        let before = manual.clone();
+        assert!(manual.forget_breaker());
+        assert_eq!(manual.paused_until(at(10)), Some(at(900)));
+        assert!(!before.lifts_pause(&manual, at(10)));
     }
 
     #[test]

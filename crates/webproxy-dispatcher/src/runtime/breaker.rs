@@ -29,6 +29,7 @@ use crate::breaker::{
 };
 use crate::config::PoolConfig;
 use crate::instances;
+use crate::pool_state::PoolState;
 
 /// How often an instance reports its counts, and the owner looks at them.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
@@ -315,18 +316,27 @@ pub(super) async fn judge(
                         }
                     }
                 }
-                // A breaker taken out of the configuration while open closes.
+                // A breaker taken out of the configuration while open closes, and lets
+                // go of the pool at once, not at the end of its pause.
                 (None, Phase::Open | Phase::HalfOpen) => {
                     let closed = shared
                         .flow
-                        .change_state(pool, |state| {
-                            state.pauses.remove(breaker::BREAKER);
-                            state.breaker.take().is_some()
-                        })
+                        .change_state(pool, PoolState::forget_breaker)
                         .await;
-                    if let Ok(Some(_)) = closed {
-                        info!(pool, "circuit breaker closed: it is no longer configured");
-                        shared.outlet.metrics.breaker_transition(pool, "closed");
+                    match closed {
+                        Ok(Some(closed)) => {
+                            info!(pool, "circuit breaker closed: it is no longer configured");
+                            shared.outlet.metrics.breaker_transition(pool, "closed");
+                            if state.lifts_pause(&closed, OffsetDateTime::now_utc())
+                                && let Err(e) = shared.outlet.lift_pause(pool).await
+                            {
+                                warn!(pool, error = %e, "cannot lift the pause of a breaker no longer configured");
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            warn!(pool, error = %e, "cannot close a breaker no longer configured")
+                        }
                     }
                 }
                 _ => {}
@@ -360,7 +370,7 @@ async fn adapt(
     reports: &Reports,
     pool: &str,
     config: &PoolConfig,
-    state: &crate::pool_state::PoolState,
+    state: &PoolState,
     seen: &mut Seen,
     second: u64,
 ) {

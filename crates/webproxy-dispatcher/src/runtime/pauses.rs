@@ -80,6 +80,15 @@ impl Outlet {
         if !left.is_empty() {
             return Ok(left);
         }
+        self.lift_pause(pool).await?;
+        Ok(Vec::new())
+    }
+
+    /// Lifts `pool`'s consumer's pause through the API (the owner of its settings never
+    /// lifts one) and then marks the resume, so that every instance pulls again at
+    /// once: for a pause that ended early with no other left in force.
+    pub(crate) async fn lift_pause(&self, pool: &str) -> Result<(), StateError> {
+        let bucket = self.subjects.pool_state_bucket();
         let error = |e: &dyn std::error::Error| StateError::new(pool, &bucket, e.to_string());
         let consumer = self.subjects.pool_consumer(pool);
         let stream = self
@@ -96,7 +105,7 @@ impl Outlet {
             true
         })
         .await?;
-        Ok(Vec::new())
+        Ok(())
     }
 
     /// `pool`'s pauses in force now.
