@@ -1048,3 +1048,138 @@ async fn file_tokens_reload_on_sighup_and_allow_sources_closes_other_addresses()
         Some(1.0)
     );
 }
+
+/// A raw HTTP/1.1 connection kept alive between requests, read by hand so the test
+/// sees exactly what the gateway writes on it and when it closes it.
+struct KeptAlive {
+    tcp: tokio::net::TcpStream,
+    read: Vec<u8>,
+}
+
+impl KeptAlive {
+    async fn connect(port: u16) -> KeptAlive {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        KeptAlive {
+            tcp,
+            read: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, path: &str) {
+        self.tcp
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: gw\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+    }
+
+    /// The next answer: its head, lowercased, and its body (by `Content-Length`).
+    async fn answer(&mut self) -> (String, Vec<u8>) {
+        let whole = async {
+            loop {
+                if let Some(end) = self.read.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&self.read[..end]).to_ascii_lowercase();
+                    let length = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .map_or(0, |value| value.trim().parse().expect("content-length"));
+                    let body_start = end + 4;
+                    if self.read.len() >= body_start + length {
+                        let body = self.read[body_start..body_start + length].to_vec();
+                        self.read.drain(..body_start + length);
+                        return (head, body);
+                    }
+                }
+                let mut chunk = [0; 4096];
+                let n = self.tcp.read(&mut chunk).await.expect("read");
+                assert!(
+                    n > 0,
+                    "closed before a whole answer: {:?}",
+                    String::from_utf8_lossy(&self.read)
+                );
+                self.read.extend_from_slice(&chunk[..n]);
+            }
+        };
+        tokio::time::timeout(ANSWER, whole)
+            .await
+            .expect("an answer in time")
+    }
+
+    async fn call(&mut self, path: &str) -> (String, Vec<u8>) {
+        self.send(path).await;
+        self.answer().await
+    }
+
+    /// Waits for the gateway to close the connection, nothing more written on it.
+    async fn closed(&mut self, what: &str) {
+        let mut chunk = [0; 1024];
+        let read = tokio::time::timeout(ANSWER, self.tcp.read(&mut chunk))
+            .await
+            .unwrap_or_else(|_| panic!("{what} still open after {ANSWER:?}"));
+        // A reset is closed too.
+        if let Ok(n) = read {
+            assert_eq!(
+                n,
+                0,
+                "{what}: more written: {:?}",
+                String::from_utf8_lossy(&chunk[..n])
+            );
+        }
+    }
+}
+
+/// Shutdown drains (issue 22): on SIGTERM an idle keep-alive connection is closed at
+/// once while a request on another kept-alive connection is still in flight; that
+/// request gets its whole answer, with `Connection: close`, and its connection is
+/// then closed; new connections are refused; the process exits within
+/// `shutdown_grace`.
+#[tokio::test]
+async fn sigterm_drains_kept_alive_connections_within_the_grace() {
+    let grace = Duration::from_secs(20);
+    let gate = Gate::new();
+    let mut scene = Scene::start(routes().merge(gate.routes()), accept, |up| {
+        format!(
+            "{}\n[service]\nshutdown_grace = \"{}s\"\n",
+            open_route(up),
+            grace.as_secs()
+        )
+    })
+    .await;
+    let port = scene.gateway.port();
+    let mut idle = KeptAlive::connect(port).await;
+    let mut busy = KeptAlive::connect(port).await;
+    for connection in [&mut idle, &mut busy] {
+        let (head, _) = connection.call("/svc/item").await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(!head.contains("connection: close"), "{head}");
+    }
+    busy.send("/svc/gated/0").await;
+    wait_until(ANSWER, "the request in flight at the upstream", || async {
+        scene.upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    let terminated = tokio::time::Instant::now();
+    scene.gateway.terminate();
+    idle.closed("the idle keep-alive connection").await;
+    wait_until(ANSWER, "new connections to be refused", || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+    })
+    .await;
+    gate.open();
+    let (head, body) = busy.answer().await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(head.contains("webproxy-outcome: response"), "{head}");
+    assert_eq!(body, b"ok");
+    busy.closed("the connection whose request was answered")
+        .await;
+    let status = scene
+        .gateway
+        .wait_exit(grace.saturating_sub(terminated.elapsed()))
+        .await
+        .unwrap_or_else(|| panic!("still running {grace:?} after SIGTERM"));
+    assert!(status.success(), "{status}\n{}", scene.gateway.logs());
+}

@@ -1,7 +1,8 @@
 //! The gateway's HTTP/1.1 listener: connections from outside `allow_sources` are
-//! closed before a byte is read, and with TLS every connection is a TLS session
-//! from the PEM files.
+//! closed before a byte is read, with TLS every connection is a TLS session from the
+//! PEM files, and on shutdown every connection finishes its request and closes.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,10 +14,12 @@ use hyper_util::service::TowerToHyperService;
 use ipnet::IpNet;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
 
 use super::Telemetry;
 
@@ -64,8 +67,11 @@ fn allowed(allow: &[IpNet], peer: std::net::IpAddr) -> bool {
     allow.is_empty() || allow.iter().any(|net| net.contains(&peer))
 }
 
-/// Serves `app` on `listener` until `shutdown`; connections already open finish on
-/// their own tasks.
+/// Serves `app` on `listener` until `shutdown`, then drains: the listener is closed,
+/// every connection is told to finish the request it is answering and close (an
+/// idle keep-alive connection closes at once, a busy one answers with
+/// `Connection: close`), and this returns when they all have, or when `grace` has
+/// passed since `shutdown`.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -73,11 +79,13 @@ pub async fn serve(
     allow: Vec<IpNet>,
     telemetry: Telemetry,
     shutdown: CancellationToken,
+    grace: Duration,
 ) {
+    let connections = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => break,
         };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
@@ -95,30 +103,65 @@ pub async fn serve(
         }
         let service = TowerToHyperService::new(app.clone());
         let tls = tls.clone();
-        tokio::spawn(async move {
-            let http = hyper::server::conn::http1::Builder::new();
-            let served = match tls {
-                None => http.serve_connection(TokioIo::new(stream), service).await,
-                Some(acceptor) => {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(stream)) => {
-                            http.serve_connection(TokioIo::new(stream), service).await
-                        }
-                        Ok(Err(e)) => {
-                            debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    }
-                }
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let Some(acceptor) = tls else {
+                return serve_connection(stream, service, peer, &shutdown).await;
             };
-            if let Err(e) = served {
-                debug!(%peer, error = %e, "connection ended with an error");
+            let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+            let handshake = tokio::select! {
+                handshake = handshake => handshake,
+                // No request has started on it: nothing to finish.
+                _ = shutdown.cancelled() => return,
+            };
+            match handshake {
+                Ok(Ok(stream)) => serve_connection(stream, service, peer, &shutdown).await,
+                Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => debug!(%peer, "TLS handshake timed out"),
             }
         });
+    }
+    // New connections are refused from here on, and /readyz says so.
+    drop(listener);
+    telemetry.set_ready(false);
+    connections.close();
+    let open = connections.len();
+    if open > 0 {
+        info!(connections = open, "draining the gateway's connections");
+    }
+    if tokio::time::timeout(grace, connections.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            connections = connections.len(),
+            "service.shutdown_grace ran out with connections still open; they are cut"
+        );
+    }
+}
+
+/// One HTTP/1.1 connection, until the client closes it or, after `shutdown`, until
+/// the request it is answering is answered (with `Connection: close`).
+async fn serve_connection<S>(
+    stream: S,
+    service: TowerToHyperService<Router>,
+    peer: SocketAddr,
+    shutdown: &CancellationToken,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let connection =
+        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    let served = tokio::select! {
+        served = connection.as_mut() => served,
+        _ = shutdown.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(e) = served {
+        debug!(%peer, error = %e, "connection ended with an error");
     }
 }
 
