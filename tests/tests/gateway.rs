@@ -1183,3 +1183,42 @@ async fn sigterm_drains_kept_alive_connections_within_the_grace() {
         .unwrap_or_else(|| panic!("still running {grace:?} after SIGTERM"));
     assert!(status.success(), "{status}\n{}", scene.gateway.logs());
 }
+
+/// An id whose record cannot be written (`WEBPROXY_TEST_HOOK=fail-gateway-record`,
+/// tried three times) is never answered 202, since `/_webproxy/replies/<id>` could
+/// not serve it: `Prefer: respond-async` is 500 `unrecorded`, and its conversation
+/// goes on (the upstream is called). A reply that comes within `wait` is answered
+/// as usual.
+#[tokio::test]
+async fn an_id_that_cannot_be_recorded_is_not_answered_202() {
+    let scene = Scene::start_with(
+        routes(),
+        accept,
+        open_route,
+        ServiceOptions::default().env("WEBPROXY_TEST_HOOK", "fail-gateway-record"),
+    )
+    .await;
+    let response = http_client()
+        .get(scene.gateway.url("/svc/item?async=1"))
+        .header("Prefer", "respond-async")
+        .send()
+        .await
+        .expect("gateway");
+    assert!(response.headers().get("location").is_none());
+    let (status, outcome, _, body) = answer_of(response).await;
+    assert_eq!(
+        (status, outcome.as_str()),
+        (500, "error"),
+        "{body} (is the binary built with webproxy-dispatcher's `test-hooks`?)"
+    );
+    assert_eq!(body["error"]["code"], "unrecorded");
+    assert!(scene.gateway.logs().contains("cannot record a gateway id"));
+    wait_until(ANSWER, "the conversation at the upstream", || async {
+        scene.upstream.hits_for("/item") == 1
+    })
+    .await;
+
+    let answer = fetch(&scene.gateway.url("/svc/item")).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(header(&answer, "webproxy-outcome"), "response");
+}
