@@ -1129,6 +1129,42 @@ impl KeptAlive {
     }
 }
 
+impl Scene {
+    /// One open route `/svc` to an upstream that also has `gate`'s routes, and
+    /// `[service] shutdown_grace = grace` (whole seconds).
+    async fn with_grace(gate: &Gate, grace: Duration) -> Scene {
+        Scene::start(routes().merge(gate.routes()), accept, |up| {
+            format!(
+                "{}\n[service]\nshutdown_grace = \"{}s\"\n",
+                open_route(up),
+                grace.as_secs()
+            )
+        })
+        .await
+    }
+
+    /// SIGTERM to the gateway once a request is held at the gate: when it was sent.
+    async fn terminate_once_gated(&self) -> tokio::time::Instant {
+        wait_until(ANSWER, "the request in flight at the upstream", || async {
+            self.upstream.hits_for("/gated/0") == 1
+        })
+        .await;
+        let terminated = tokio::time::Instant::now();
+        self.gateway.terminate();
+        terminated
+    }
+
+    /// The gateway exits 0 within `grace` of `terminated`.
+    async fn exits_within(&mut self, terminated: tokio::time::Instant, grace: Duration) {
+        let status = self
+            .gateway
+            .wait_exit(grace.saturating_sub(terminated.elapsed()))
+            .await
+            .unwrap_or_else(|| panic!("still running {grace:?} after SIGTERM"));
+        assert!(status.success(), "{status}\n{}", self.gateway.logs());
+    }
+}
+
 /// Shutdown drains (issue 22): on SIGTERM an idle keep-alive connection is closed at
 /// once while a request on another kept-alive connection is still in flight; that
 /// request gets its whole answer, with `Connection: close`, and its connection is
@@ -1138,14 +1174,7 @@ impl KeptAlive {
 async fn sigterm_drains_kept_alive_connections_within_the_grace() {
     let grace = Duration::from_secs(20);
     let gate = Gate::new();
-    let mut scene = Scene::start(routes().merge(gate.routes()), accept, |up| {
-        format!(
-            "{}\n[service]\nshutdown_grace = \"{}s\"\n",
-            open_route(up),
-            grace.as_secs()
-        )
-    })
-    .await;
+    let mut scene = Scene::with_grace(&gate, grace).await;
     let port = scene.gateway.port();
     let mut idle = KeptAlive::connect(port).await;
     let mut busy = KeptAlive::connect(port).await;
@@ -1155,12 +1184,7 @@ async fn sigterm_drains_kept_alive_connections_within_the_grace() {
         assert!(!head.contains("connection: close"), "{head}");
     }
     busy.send("/svc/gated/0").await;
-    wait_until(ANSWER, "the request in flight at the upstream", || async {
-        scene.upstream.hits_for("/gated/0") == 1
-    })
-    .await;
-    let terminated = tokio::time::Instant::now();
-    scene.gateway.terminate();
+    let terminated = scene.terminate_once_gated().await;
     idle.closed("the idle keep-alive connection").await;
     wait_until(ANSWER, "new connections to be refused", || async {
         tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -1176,12 +1200,34 @@ async fn sigterm_drains_kept_alive_connections_within_the_grace() {
     assert_eq!(body, b"ok");
     busy.closed("the connection whose request was answered")
         .await;
-    let status = scene
-        .gateway
-        .wait_exit(grace.saturating_sub(terminated.elapsed()))
-        .await
-        .unwrap_or_else(|| panic!("still running {grace:?} after SIGTERM"));
-    assert!(status.success(), "{status}\n{}", scene.gateway.logs());
+    scene.exits_within(terminated, grace).await;
+}
+
+/// A request still waiting for its reply as `shutdown_grace` runs out is answered
+/// 202 (with `Connection: close`) rather than cut, the process exits within the
+/// grace, and the conversation goes on: another gateway serves its `Location`.
+#[tokio::test]
+async fn a_request_still_waiting_as_the_grace_runs_out_is_answered_202() {
+    let grace = Duration::from_secs(2);
+    let gate = Gate::new();
+    let mut scene = Scene::with_grace(&gate, grace).await;
+    let mut waiting = KeptAlive::connect(scene.gateway.port()).await;
+    waiting.send("/svc/gated/0").await;
+    let terminated = scene.terminate_once_gated().await;
+    let (head, body) = waiting.answer().await;
+    assert!(head.starts_with("http/1.1 202"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(head.contains("webproxy-outcome: pending"), "{head}");
+    let body: Value = serde_json::from_slice(&body).expect("json");
+    let location = body["location"].as_str().expect("location").to_string();
+    waiting.closed("the connection answered 202").await;
+    scene.exits_within(terminated, grace).await;
+
+    gate.open();
+    let other = Gateway::start(&scene.nats, &open_route(&scene.upstream.url("/"))).await;
+    let answer = reply_at(&other.url(&location), &[]).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.bytes().await.expect("body"), "ok");
 }
 
 /// An id whose record cannot be written (`WEBPROXY_TEST_HOOK=fail-gateway-record`,

@@ -11,6 +11,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::Response;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
 
@@ -48,6 +49,9 @@ pub struct Gateway {
     max_payload: usize,
     permits: Arc<Semaphore>,
     telemetry: Telemetry,
+    /// Cancelled when `shutdown_grace` is about to run out: requests still waiting
+    /// for their replies are answered 202 rather than cut with their connections.
+    give_up: CancellationToken,
 }
 
 impl Gateway {
@@ -74,7 +78,13 @@ impl Gateway {
             max_payload,
             permits: Arc::new(Semaphore::new(config.max_concurrent)),
             telemetry,
+            give_up: CancellationToken::new(),
         }
+    }
+
+    /// Cancelling it ends every wait for a reply now, as if `wait` had run out.
+    pub fn give_up(&self) -> CancellationToken {
+        self.give_up.clone()
     }
 }
 
@@ -363,7 +373,11 @@ impl Gateway {
         if respond_async {
             return mapping::settled(id, recorded, None);
         }
-        match watch.answer(id, &origin, stored_first, deadline).await {
+        let waited = tokio::select! {
+            waited = watch.answer(id, &origin, stored_first, deadline) => waited,
+            _ = self.give_up.cancelled() => Ok(None),
+        };
+        match waited {
             Ok(reply) => mapping::settled(id, recorded, reply.as_ref()),
             Err(e) => unavailable(&e),
         }

@@ -67,9 +67,26 @@ fn allowed(allow: &[IpNet], peer: std::net::IpAddr) -> bool {
     allow.is_empty() || allow.iter().any(|net| net.contains(&peer))
 }
 
-/// Serves `app` on `listener` until `shutdown`, then drains: the listener is closed,
-/// every connection is told to finish the request it is answering and close (an
-/// idle keep-alive connection closes at once, a busy one answers with
+/// When the listener stops and how long it drains.
+pub struct Drain {
+    /// Cancelled on SIGTERM or SIGINT: stop accepting and drain.
+    pub shutdown: CancellationToken,
+    /// `[service] shutdown_grace`: the longest drain.
+    pub grace: Duration,
+    /// Cancelled by the drain when `grace` is about to run out ([`give_up_after`]),
+    /// so requests still waiting for replies are answered (202) before they are cut.
+    pub give_up: CancellationToken,
+}
+
+/// How long into a drain of `grace` the waits for replies are given up: a quarter of
+/// the grace, at most a second, is left for those answers to be written.
+fn give_up_after(grace: Duration) -> Duration {
+    grace.saturating_sub((grace / 4).min(Duration::from_secs(1)))
+}
+
+/// Serves `app` on `listener` until `drain.shutdown`, then drains: the listener is
+/// closed, every connection is told to finish the request it is answering and close
+/// (an idle keep-alive connection closes at once, a busy one answers with
 /// `Connection: close`), and this returns when they all have, or when `grace` has
 /// passed since `shutdown`.
 pub async fn serve(
@@ -78,9 +95,13 @@ pub async fn serve(
     tls: Option<TlsAcceptor>,
     allow: Vec<IpNet>,
     telemetry: Telemetry,
-    shutdown: CancellationToken,
-    grace: Duration,
+    drain: Drain,
 ) {
+    let Drain {
+        shutdown,
+        grace,
+        give_up,
+    } = drain;
     let connections = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
@@ -129,7 +150,19 @@ pub async fn serve(
     if open > 0 {
         info!(connections = open, "draining the gateway's connections");
     }
-    if tokio::time::timeout(grace, connections.wait())
+    let patience = give_up_after(grace);
+    if tokio::time::timeout(patience, connections.wait())
+        .await
+        .is_ok()
+    {
+        return;
+    }
+    info!(
+        connections = connections.len(),
+        "service.shutdown_grace running out: requests still waiting are answered 202"
+    );
+    give_up.cancel();
+    if tokio::time::timeout(grace - patience, connections.wait())
         .await
         .is_err()
     {
@@ -176,5 +209,13 @@ mod tests {
         assert!(allowed(&allow, "::ffff:10.1.2.3".parse().expect("ip")));
         assert!(!allowed(&allow, "127.0.0.1".parse().expect("ip")));
         assert!(allowed(&[], "127.0.0.1".parse().expect("ip")));
+    }
+
+    #[test]
+    fn waits_are_given_up_a_quarter_of_the_grace_or_a_second_before_its_end() {
+        let after = |ms| give_up_after(Duration::from_millis(ms)).as_millis();
+        assert_eq!(after(30_000), 29_000);
+        assert_eq!(after(2_000), 1_500);
+        assert_eq!(after(0), 0);
     }
 }

@@ -173,16 +173,20 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     ));
     telemetry.set_ready(true);
     info!(routes = settings.gateway.routes.len(), "gateway serving");
-    // Requests already being answered get their answers, up to shutdown_grace;
-    // their conversations go on either way.
+    // Requests already being answered get their answers (a 202 for those still
+    // waiting as shutdown_grace runs out); their conversations go on either way.
+    let drain = listener::Drain {
+        shutdown: shutdown.clone(),
+        grace: settings.config.service.shutdown_grace,
+        give_up: state.give_up(),
+    };
     listener::serve(
         listener,
         handler::router(state),
         secrets.tls,
         settings.gateway.allow_sources.clone(),
         telemetry.clone(),
-        shutdown.clone(),
-        settings.config.service.shutdown_grace,
+        drain,
     )
     .await;
     if let Err(e) = nats.flush().await {
