@@ -1208,7 +1208,7 @@ async fn sigterm_drains_kept_alive_connections_within_the_grace() {
 /// grace, and the conversation goes on: another gateway serves its `Location`.
 #[tokio::test]
 async fn a_request_still_waiting_as_the_grace_runs_out_is_answered_202() {
-    let grace = Duration::from_secs(2);
+    let grace = Duration::from_secs(4);
     let gate = Gate::new();
     let mut scene = Scene::with_grace(&gate, grace).await;
     let mut waiting = KeptAlive::connect(scene.gateway.port()).await;
