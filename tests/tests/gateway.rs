@@ -1048,3 +1048,223 @@ async fn file_tokens_reload_on_sighup_and_allow_sources_closes_other_addresses()
         Some(1.0)
     );
 }
+
+/// A raw HTTP/1.1 connection kept alive between requests, read by hand so the test
+/// sees exactly what the gateway writes on it and when it closes it.
+struct KeptAlive {
+    tcp: tokio::net::TcpStream,
+    read: Vec<u8>,
+}
+
+impl KeptAlive {
+    async fn connect(port: u16) -> KeptAlive {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        KeptAlive {
+            tcp,
+            read: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, path: &str) {
+        self.tcp
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: gw\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+    }
+
+    /// The next answer: its head, lowercased, and its body (by `Content-Length`).
+    async fn answer(&mut self) -> (String, Vec<u8>) {
+        let whole = async {
+            loop {
+                if let Some(end) = self.read.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&self.read[..end]).to_ascii_lowercase();
+                    let length = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .map_or(0, |value| value.trim().parse().expect("content-length"));
+                    let body_start = end + 4;
+                    if self.read.len() >= body_start + length {
+                        let body = self.read[body_start..body_start + length].to_vec();
+                        self.read.drain(..body_start + length);
+                        return (head, body);
+                    }
+                }
+                let mut chunk = [0; 4096];
+                let n = self.tcp.read(&mut chunk).await.expect("read");
+                assert!(
+                    n > 0,
+                    "closed before a whole answer: {:?}",
+                    String::from_utf8_lossy(&self.read)
+                );
+                self.read.extend_from_slice(&chunk[..n]);
+            }
+        };
+        tokio::time::timeout(ANSWER, whole)
+            .await
+            .expect("an answer in time")
+    }
+
+    async fn call(&mut self, path: &str) -> (String, Vec<u8>) {
+        self.send(path).await;
+        self.answer().await
+    }
+
+    /// Waits for the gateway to close the connection, nothing more written on it.
+    async fn closed(&mut self, what: &str) {
+        let mut chunk = [0; 1024];
+        let read = tokio::time::timeout(ANSWER, self.tcp.read(&mut chunk))
+            .await
+            .unwrap_or_else(|_| panic!("{what} still open after {ANSWER:?}"));
+        // A reset is closed too.
+        if let Ok(n) = read {
+            assert_eq!(
+                n,
+                0,
+                "{what}: more written: {:?}",
+                String::from_utf8_lossy(&chunk[..n])
+            );
+        }
+    }
+}
+
+impl Scene {
+    /// One open route `/svc` to an upstream that also has `gate`'s routes, and
+    /// `[service] shutdown_grace = grace` (whole seconds).
+    async fn with_grace(gate: &Gate, grace: Duration) -> Scene {
+        Scene::start(routes().merge(gate.routes()), accept, |up| {
+            format!(
+                "{}\n[service]\nshutdown_grace = \"{}s\"\n",
+                open_route(up),
+                grace.as_secs()
+            )
+        })
+        .await
+    }
+
+    /// SIGTERM to the gateway once a request is held at the gate: when it was sent.
+    async fn terminate_once_gated(&self) -> tokio::time::Instant {
+        wait_until(ANSWER, "the request in flight at the upstream", || async {
+            self.upstream.hits_for("/gated/0") == 1
+        })
+        .await;
+        let terminated = tokio::time::Instant::now();
+        self.gateway.terminate();
+        terminated
+    }
+
+    /// The gateway exits 0 within `grace` of `terminated`.
+    async fn exits_within(&mut self, terminated: tokio::time::Instant, grace: Duration) {
+        let status = self
+            .gateway
+            .wait_exit(grace.saturating_sub(terminated.elapsed()))
+            .await
+            .unwrap_or_else(|| panic!("still running {grace:?} after SIGTERM"));
+        assert!(status.success(), "{status}\n{}", self.gateway.logs());
+    }
+}
+
+/// Shutdown drains (issue 22): on SIGTERM an idle keep-alive connection is closed at
+/// once while a request on another kept-alive connection is still in flight; that
+/// request gets its whole answer, with `Connection: close`, and its connection is
+/// then closed; new connections are refused; the process exits within
+/// `shutdown_grace`.
+#[tokio::test]
+async fn sigterm_drains_kept_alive_connections_within_the_grace() {
+    let grace = Duration::from_secs(20);
+    let gate = Gate::new();
+    let mut scene = Scene::with_grace(&gate, grace).await;
+    let port = scene.gateway.port();
+    let mut idle = KeptAlive::connect(port).await;
+    let mut busy = KeptAlive::connect(port).await;
+    for connection in [&mut idle, &mut busy] {
+        let (head, _) = connection.call("/svc/item").await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(!head.contains("connection: close"), "{head}");
+    }
+    busy.send("/svc/gated/0").await;
+    let terminated = scene.terminate_once_gated().await;
+    idle.closed("the idle keep-alive connection").await;
+    wait_until(ANSWER, "new connections to be refused", || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+    })
+    .await;
+    gate.open();
+    let (head, body) = busy.answer().await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(head.contains("webproxy-outcome: response"), "{head}");
+    assert_eq!(body, b"ok");
+    busy.closed("the connection whose request was answered")
+        .await;
+    scene.exits_within(terminated, grace).await;
+}
+
+/// A request still waiting for its reply as `shutdown_grace` runs out is answered
+/// 202 (with `Connection: close`) rather than cut, the process exits within the
+/// grace, and the conversation goes on: another gateway serves its `Location`.
+#[tokio::test]
+async fn a_request_still_waiting_as_the_grace_runs_out_is_answered_202() {
+    let grace = Duration::from_secs(4);
+    let gate = Gate::new();
+    let mut scene = Scene::with_grace(&gate, grace).await;
+    let mut waiting = KeptAlive::connect(scene.gateway.port()).await;
+    waiting.send("/svc/gated/0").await;
+    let terminated = scene.terminate_once_gated().await;
+    let (head, body) = waiting.answer().await;
+    assert!(head.starts_with("http/1.1 202"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(head.contains("webproxy-outcome: pending"), "{head}");
+    let body: Value = serde_json::from_slice(&body).expect("json");
+    let location = body["location"].as_str().expect("location").to_string();
+    waiting.closed("the connection answered 202").await;
+    scene.exits_within(terminated, grace).await;
+
+    gate.open();
+    let other = Gateway::start(&scene.nats, &open_route(&scene.upstream.url("/"))).await;
+    let answer = reply_at(&other.url(&location), &[]).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.bytes().await.expect("body"), "ok");
+}
+
+/// An id whose record cannot be written (`WEBPROXY_TEST_HOOK=fail-gateway-record`,
+/// tried three times) is never answered 202, since `/_webproxy/replies/<id>` could
+/// not serve it: `Prefer: respond-async` is 500 `unrecorded`, and its conversation
+/// goes on (the upstream is called). A reply that comes within `wait` is answered
+/// as usual.
+#[tokio::test]
+async fn an_id_that_cannot_be_recorded_is_not_answered_202() {
+    let scene = Scene::start_with(
+        routes(),
+        accept,
+        open_route,
+        ServiceOptions::default().env("WEBPROXY_TEST_HOOK", "fail-gateway-record"),
+    )
+    .await;
+    let response = http_client()
+        .get(scene.gateway.url("/svc/item?async=1"))
+        .header("Prefer", "respond-async")
+        .send()
+        .await
+        .expect("gateway");
+    assert!(response.headers().get("location").is_none());
+    let (status, outcome, _, body) = answer_of(response).await;
+    assert_eq!(
+        (status, outcome.as_str()),
+        (500, "error"),
+        "{body} (is the binary built with webproxy-dispatcher's `test-hooks`?)"
+    );
+    assert_eq!(body["error"]["code"], "unrecorded");
+    assert!(scene.gateway.logs().contains("cannot record a gateway id"));
+    wait_until(ANSWER, "the conversation at the upstream", || async {
+        scene.upstream.hits_for("/item") == 1
+    })
+    .await;
+
+    let answer = fetch(&scene.gateway.url("/svc/item")).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(header(&answer, "webproxy-outcome"), "response");
+}

@@ -1,6 +1,6 @@
 //! `webproxy gateway` as a subprocess: its own config, log, HTTP port and health port.
 
-use std::ops::Deref;
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 use crate::{NatsServer, Service, ServiceOptions};
@@ -60,5 +60,12 @@ impl Deref for Gateway {
 
     fn deref(&self) -> &Service {
         &self.process
+    }
+}
+
+/// For [`Service::wait_exit`] and [`Service::kill`].
+impl DerefMut for Gateway {
+    fn deref_mut(&mut self) -> &mut Service {
+        &mut self.process
     }
 }

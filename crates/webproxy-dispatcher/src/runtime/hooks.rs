@@ -8,6 +8,18 @@ fn on(name: &str) -> bool {
     std::env::var("WEBPROXY_TEST_HOOK").is_ok_and(|hooks| hooks.split(',').any(|h| h == name))
 }
 
+/// Whether the named hook is switched on, for hooks in the binaries (the gateway's):
+/// always false without the feature.
+pub fn test_hook(name: &str) -> bool {
+    #[cfg(feature = "test-hooks")]
+    if on(name) {
+        tracing::warn!(hook = name, "test hook switched on");
+        return true;
+    }
+    let _ = name;
+    false
+}
+
 /// `lose-park-ack`: the delivery that parked a retry is not acked, as if the ack were
 /// lost, so the server redelivers it after `ack_wait`.
 pub(super) fn lose_park_ack() -> bool {

@@ -25,6 +25,7 @@ mod start;
 #[cfg(test)]
 mod tests;
 
+pub use hooks::test_hook;
 pub use publish::Outlet;
 pub use replay::ReplayError;
 pub use settle::Settled;

@@ -11,6 +11,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::Response;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
 
@@ -24,6 +25,11 @@ use crate::gateway_config::Route;
 
 /// What a 503 asks the client to wait before it tries again, in seconds.
 const RETRY_AFTER: &str = "1";
+
+/// How many times an id's record is written before the id is given up as unrecorded,
+/// and the pause before the second try (doubled before each next one).
+const RECORD_ATTEMPTS: u32 = 3;
+const RECORD_RETRY: Duration = Duration::from_millis(100);
 
 /// Room left in `max_payload` for the NATS message's headers (`Nats-Msg-Id` and the
 /// trace context).
@@ -43,6 +49,9 @@ pub struct Gateway {
     max_payload: usize,
     permits: Arc<Semaphore>,
     telemetry: Telemetry,
+    /// Cancelled when `shutdown_grace` is about to run out: requests still waiting
+    /// for their replies are answered 202 rather than cut with their connections.
+    give_up: CancellationToken,
 }
 
 impl Gateway {
@@ -69,7 +78,13 @@ impl Gateway {
             max_payload,
             permits: Arc::new(Semaphore::new(config.max_concurrent)),
             telemetry,
+            give_up: CancellationToken::new(),
         }
+    }
+
+    /// Cancelling it ends every wait for a reply now, as if `wait` had run out.
+    pub fn give_up(&self) -> CancellationToken {
+        self.give_up.clone()
     }
 }
 
@@ -324,10 +339,10 @@ impl Gateway {
             Ok(watch) => watch,
             Err(e) => return unavailable(&e),
         };
-        let (origin, stored_first) = match known {
+        let (origin, stored_first, recorded) = match known {
             // A retry with the same key: the same conversation, never a second publish.
             Some(record) => match record.origin() {
-                Ok(origin) => (origin, true),
+                Ok(origin) => (origin, true, true),
                 Err(e) => return unavailable(&e),
             },
             None => {
@@ -335,35 +350,60 @@ impl Gateway {
                     Ok(published) => published,
                     Err(e) => return publish_failed(&e),
                 };
-                match self
-                    .records
-                    .create(id, Record::new(&route.path, identity, &origin))
-                    .await
-                {
+                let record = Record::new(&route.path, identity, &origin);
+                match self.record(id, &record).await {
                     // A concurrent retry with the same key recorded first.
                     Ok(record) => match record.origin() {
                         Ok(recorded) => {
                             let twin = recorded != origin;
-                            (recorded, duplicate || twin)
+                            (recorded, duplicate || twin, true)
                         }
                         Err(e) => return unavailable(&e),
                     },
                     Err(e) => {
-                        // The conversation goes on; only /_webproxy/replies and
-                        // retries with the key cannot find it.
+                        // The conversation goes on (its reply and any dead letter
+                        // are kept); only /_webproxy/replies and retries with the
+                        // key cannot find it, so no 202 names it.
                         error!(id, %origin, error = format!("{e:#}"), "cannot record a gateway id");
-                        (origin, duplicate)
+                        (origin, duplicate, false)
                     }
                 }
             }
         };
         if respond_async {
-            return mapping::pending(id);
+            return mapping::settled(id, recorded, None);
         }
-        match watch.answer(id, &origin, stored_first, deadline).await {
-            Ok(Some(reply)) => mapping::from_reply(&reply),
-            Ok(None) => mapping::pending(id),
+        let waited = tokio::select! {
+            waited = watch.answer(id, &origin, stored_first, deadline) => waited,
+            _ = self.give_up.cancelled() => Ok(None),
+        };
+        match waited {
+            Ok(reply) => mapping::settled(id, recorded, reply.as_ref()),
             Err(e) => unavailable(&e),
+        }
+    }
+
+    /// [`Records::create`], tried [`RECORD_ATTEMPTS`] times: a bucket that cannot
+    /// be written for a moment (a leader election) does not cost the id.
+    async fn record(&self, id: &str, record: &Record) -> anyhow::Result<Record> {
+        let mut pause = RECORD_RETRY;
+        let mut attempt = 1;
+        loop {
+            match self.records.create(id, record).await {
+                Ok(held) => return Ok(held),
+                Err(e) if attempt >= RECORD_ATTEMPTS => return Err(e),
+                Err(e) => {
+                    warn!(
+                        id,
+                        attempt,
+                        error = format!("{e:#}"),
+                        "cannot record a gateway id; trying again"
+                    );
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 2;
+            attempt += 1;
         }
     }
 

@@ -195,6 +195,23 @@ pub fn pending(id: &str) -> Answer {
     }
 }
 
+/// The answer once the wait is over: the reply when there is one; without one, the
+/// 202 when the id is recorded, and `unrecorded` (500) when its record could not be
+/// written, since `/_webproxy/replies/<id>` would never serve that id.
+pub fn settled(id: &str, recorded: bool, reply: Option<&Reply>) -> Answer {
+    match (reply, recorded) {
+        (Some(reply), _) => from_reply(reply),
+        (None, true) => pending(id),
+        (None, false) => gateway_error(
+            500,
+            "unrecorded",
+            "the request was published and its conversation goes on, but its id could not \
+             be recorded, so /_webproxy/replies cannot serve it; a retry with the same \
+             idempotency key joins the conversation, one without a key publishes again",
+        ),
+    }
+}
+
 fn json_content() -> Vec<(String, String)> {
     vec![("content-type".into(), "application/json".into())]
 }
@@ -303,6 +320,32 @@ mod tests {
             let body: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
             assert_eq!(body["error"]["code"], code.as_str());
             assert_eq!(body["error"]["message"], "m");
+        }
+    }
+
+    #[test]
+    fn without_a_reply_only_a_recorded_id_is_a_202() {
+        assert_eq!(settled("gw-1", true, None), pending("gw-1"));
+        let unrecorded = settled("gw-1", false, None);
+        assert_eq!(unrecorded.status, 500);
+        assert_eq!(unrecorded.label, "unrecorded");
+        assert!(
+            !unrecorded
+                .headers
+                .iter()
+                .any(|(name, _)| name == "location")
+        );
+        let reply = Reply::response(
+            "gw-1".into(),
+            204,
+            Headers::new(),
+            ReplyBody::encode(Vec::new()),
+            1,
+            1,
+            None,
+        );
+        for recorded in [true, false] {
+            assert_eq!(settled("gw-1", recorded, Some(&reply)), from_reply(&reply));
         }
     }
 

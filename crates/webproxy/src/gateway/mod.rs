@@ -173,22 +173,22 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     ));
     telemetry.set_ready(true);
     info!(routes = settings.gateway.routes.len(), "gateway serving");
+    // Requests already being answered get their answers (a 202 for those still
+    // waiting as shutdown_grace runs out); their conversations go on either way.
+    let drain = listener::Drain {
+        shutdown: shutdown.clone(),
+        grace: settings.config.service.shutdown_grace,
+        give_up: state.give_up(),
+    };
     listener::serve(
         listener,
         handler::router(state),
         secrets.tls,
         settings.gateway.allow_sources.clone(),
         telemetry.clone(),
-        shutdown.clone(),
+        drain,
     )
     .await;
-    telemetry.set_ready(false);
-    // Requests already waiting get their answers, up to shutdown_grace; their
-    // conversations go on either way.
-    let grace = tokio::time::Instant::now() + settings.config.service.shutdown_grace;
-    while telemetry.waiting().get() > 0 && tokio::time::Instant::now() < grace {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     if let Err(e) = nats.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
     }

@@ -129,7 +129,13 @@ impl Records {
 
     /// Stores `record` for `id` unless one is there; returns the record that holds
     /// (a concurrent twin's, when it was first).
-    pub async fn create(&self, id: &str, record: Record) -> anyhow::Result<Record> {
+    pub async fn create(&self, id: &str, record: &Record) -> anyhow::Result<Record> {
+        // `fail-gateway-record`: the bucket refuses every write, as an unwritable
+        // one would.
+        if webproxy_dispatcher::test_hook("fail-gateway-record") {
+            anyhow::bail!("cannot record {id}: test hook fail-gateway-record");
+        }
+        let record = record.clone();
         let value = serde_json::to_vec(&record)?;
         match self.kv.create(id, value.into()).await {
             Ok(_) => Ok(record),
