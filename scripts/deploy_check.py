@@ -506,7 +506,7 @@ def secret_variables(config: dict) -> set[str]:
 def gateway_request_subjects() -> set[str]:
     """The request subjects authorization.conf's gateway user may publish to: the
     `webproxy.request.` entries of its block (up to the next user)."""
-    text = (DEPLOY / "nats" / "authorization.conf").read_text()
+    text = authorization_text()
     start = text.find(f"user: {GATEWAY_NATS_USER}\n")
     end = text.find("user:", start + 1)
     block = text[start:end] if start >= 0 else ""
@@ -824,10 +824,16 @@ def check_volumes(label: str, spec: dict, configmap: dict, secrets: dict[str, di
         )
 
 
+def authorization_text() -> str:
+    """deploy/nats/authorization.conf without its comments, which name subjects and
+    users in prose."""
+    return re.sub(r"#.*", "", AUTHORIZATION.read_text())
+
+
 def authorization_users() -> dict[str, str]:
     """deploy/nats/authorization.conf's users, each with the variable its password is
     read from."""
-    text = re.sub(r"#.*", "", AUTHORIZATION.read_text())
+    text = authorization_text()
     return dict(re.findall(r"\buser:\s*([A-Za-z0-9_-]+)\s+password:\s*\$([A-Z][A-Z0-9_]*)", text))
 
 
