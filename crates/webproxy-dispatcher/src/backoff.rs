@@ -1,5 +1,5 @@
 //! The one backoff: how long every retry loop waits after a run of failures
-//! (publishing, pulling, reconnecting, provisioning). Each loop keeps its own numbers,
+//! (publishing, pulling, reconnecting, provisioning; the gateway's id records too). Each loop keeps its own numbers,
 //! written next to it as a `const`; this is only the mechanism.
 //!
 //! The delays are pure functions of the number of failures in a row, so a loop keeps
@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 /// A retry policy: the wait after `n` failures in a row grows linearly or doubles,
 /// up to a cap, optionally within a budget of tries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Backoff {
+pub struct Backoff {
     first: Duration,
     growth: Growth,
     max: Duration,
@@ -30,7 +30,7 @@ enum Growth {
 
 impl Backoff {
     /// Waits `step`, `2 * step`, `3 * step`, ... up to `max`.
-    pub(crate) const fn linear(step: Duration, max: Duration) -> Backoff {
+    pub const fn linear(step: Duration, max: Duration) -> Backoff {
         Backoff {
             first: step,
             growth: Growth::Linear,
@@ -40,7 +40,7 @@ impl Backoff {
     }
 
     /// Waits `first`, `2 * first`, `4 * first`, ... up to `max`.
-    pub(crate) const fn doubling(first: Duration, max: Duration) -> Backoff {
+    pub const fn doubling(first: Duration, max: Duration) -> Backoff {
         Backoff {
             first,
             growth: Growth::Doubling,
@@ -50,7 +50,7 @@ impl Backoff {
     }
 
     /// Gives up once `tries` tries (the first included) have failed.
-    pub(crate) const fn tries(self, tries: u32) -> Backoff {
+    pub const fn tries(self, tries: u32) -> Backoff {
         Backoff {
             tries: Some(tries),
             ..self
@@ -59,7 +59,7 @@ impl Backoff {
 
     /// The wait after `failures` failures in a row: none after none, and `None` once
     /// the budget of tries is spent.
-    pub(crate) fn after(&self, failures: u32) -> Option<Duration> {
+    pub fn after(&self, failures: u32) -> Option<Duration> {
         if self.tries.is_some_and(|tries| failures >= tries) {
             return None;
         }
@@ -76,7 +76,7 @@ impl Backoff {
 
     /// Waits [`Backoff::after`] `failures`; false when the budget is spent or
     /// `shutdown` comes first, so the loop stops.
-    pub(crate) async fn wait(&self, failures: u32, shutdown: &CancellationToken) -> bool {
+    pub async fn wait(&self, failures: u32, shutdown: &CancellationToken) -> bool {
         let Some(wait) = self.after(failures) else {
             return false;
         };

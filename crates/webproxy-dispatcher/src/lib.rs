@@ -37,6 +37,7 @@ mod trace;
 
 // The public surface, listed in ARCHITECTURE.md: what the binary uses, and nothing
 // else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
+pub use backoff::Backoff;
 pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
 pub use config_error::ConfigError;

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
+use webproxy_dispatcher::Backoff;
 
 use super::ids::{self, Key};
 use super::mapping::{self, Answer};
@@ -26,10 +27,10 @@ use crate::gateway_config::Route;
 /// What a 503 asks the client to wait before it tries again, in seconds.
 const RETRY_AFTER: &str = "1";
 
-/// How many times an id's record is written before the id is given up as unrecorded,
-/// and the pause before the second try (doubled before each next one).
-const RECORD_ATTEMPTS: u32 = 3;
-const RECORD_RETRY: Duration = Duration::from_millis(100);
+/// An id's record is written 3 times, 100 ms then 200 ms apart, before the id is
+/// given up as unrecorded.
+const RECORD_BACKOFF: Backoff =
+    Backoff::doubling(Duration::from_millis(100), Duration::from_millis(200)).tries(3);
 
 /// Room left in `max_payload` for the NATS message's headers (`Nats-Msg-Id` and the
 /// trace context).
@@ -383,27 +384,26 @@ impl Gateway {
         }
     }
 
-    /// [`Records::create`], tried [`RECORD_ATTEMPTS`] times: a bucket that cannot
+    /// [`Records::create`], tried as [`RECORD_BACKOFF`] says: a bucket that cannot
     /// be written for a moment (a leader election) does not cost the id.
     async fn record(&self, id: &str, record: &Record) -> anyhow::Result<Record> {
-        let mut pause = RECORD_RETRY;
-        let mut attempt = 1;
+        let mut failures = 0;
         loop {
-            match self.records.create(id, record).await {
+            let error = match self.records.create(id, record).await {
                 Ok(held) => return Ok(held),
-                Err(e) if attempt >= RECORD_ATTEMPTS => return Err(e),
-                Err(e) => {
-                    warn!(
-                        id,
-                        attempt,
-                        error = format!("{e:#}"),
-                        "cannot record a gateway id; trying again"
-                    );
-                }
-            }
+                Err(e) => e,
+            };
+            failures += 1;
+            let Some(pause) = RECORD_BACKOFF.after(failures) else {
+                return Err(error);
+            };
+            warn!(
+                id,
+                attempt = failures,
+                error = format!("{error:#}"),
+                "cannot record a gateway id; trying again"
+            );
             tokio::time::sleep(pause).await;
-            pause *= 2;
-            attempt += 1;
         }
     }
 
@@ -543,4 +543,24 @@ fn respond(Answered { id, answer }: Answered) -> Response {
         }
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_is_tried_three_times_100_then_200_ms_apart() {
+        let waits: Vec<_> = (1..=3)
+            .map(|failures| RECORD_BACKOFF.after(failures))
+            .collect();
+        assert_eq!(
+            waits,
+            [
+                Some(Duration::from_millis(100)),
+                Some(Duration::from_millis(200)),
+                None
+            ]
+        );
+    }
 }
