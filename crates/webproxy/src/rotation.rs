@@ -66,18 +66,17 @@ pub async fn follow<F>(
             _ = next_tick(&mut ticks) => Cause::Poll,
             Some(()) = next_hangup(&mut hangups) => Cause::Hangup,
         };
-        match (read(), cause) {
-            (Ok(Reading::Replaced), Cause::Poll) => {
-                last_error = None;
-                info!("{what} changed: reloaded");
-            }
-            (Ok(reading), Cause::Hangup) => {
+        match read() {
+            Ok(reading) => {
                 last_error = None;
                 let changed = reading == Reading::Replaced;
-                info!(changed, "SIGHUP: {what} reloaded");
+                match cause {
+                    Cause::Poll if changed => info!("{what} changed: reloaded"),
+                    Cause::Poll => {}
+                    Cause::Hangup => info!(changed, "SIGHUP: {what} reloaded"),
+                }
             }
-            (Ok(Reading::Unchanged), Cause::Poll) => last_error = None,
-            (Err(e), cause) => {
+            Err(e) => {
                 if cause == Cause::Hangup || last_error.as_deref() != Some(e.as_str()) {
                     error!(error = %e, "{what} not reloaded; the old values stay in use");
                 }
@@ -105,7 +104,8 @@ async fn next_hangup(hangups: &mut Option<Signal>) -> Option<()> {
 }
 
 /// `candidate` put in force through `apply` when it differs from `current`, which then
-/// holds it: the comparison every follower of files makes.
+/// holds it: how the gateway's token follower compares (injected secrets compare
+/// inside `Secrets::reload_files`).
 pub fn replace_if_changed<T: PartialEq>(
     current: &mut T,
     candidate: T,
