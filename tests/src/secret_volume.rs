@@ -41,13 +41,14 @@ impl SecretVolume {
         std::fs::write(&file, format!("{value}\n")).expect("write secret");
         let previous = root.join(format!("..version_{}", self.versions - 1));
         if previous.exists() {
-            let touched = std::process::Command::new("touch")
-                .arg("-r")
-                .arg(previous.join(&self.key))
-                .arg(&file)
-                .status()
-                .expect("touch -r");
-            assert!(touched.success());
+            let old_time = std::fs::metadata(previous.join(&self.key))
+                .and_then(|m| m.modified())
+                .expect("the old version's modification time");
+            std::fs::File::options()
+                .write(true)
+                .open(&file)
+                .and_then(|f| f.set_modified(old_time))
+                .expect("give the new version the old modification time");
         }
         std::os::unix::fs::symlink(&version, root.join("..data_tmp")).expect("symlink");
         std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap ..data");
