@@ -13,7 +13,9 @@ pub struct NatsCluster {
 }
 
 impl NatsCluster {
-    /// Starts `size` nodes that route to each other, with JetStream clustered.
+    /// Starts `size` nodes that route to each other, with JetStream clustered. Nodes do
+    /// not advertise each other to clients (`no_advertise`): a client reaches the nodes
+    /// its test gives it, so one that a relay stalls cannot slip out to another node.
     pub fn start(size: usize) -> NatsCluster {
         let route_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let monitor_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
@@ -27,7 +29,7 @@ impl NatsCluster {
                 NatsServer::start_with(&format!(
                     "server_name: \"n{i}\"\n\
                      http: \"127.0.0.1:{monitor}\"\n\
-                     cluster {{\n  name: \"webproxy-test\"\n  listen: \"127.0.0.1:{route}\"\n  routes: [{routes}]\n}}\n",
+                     cluster {{\n  name: \"webproxy-test\"\n  no_advertise: true\n  listen: \"127.0.0.1:{route}\"\n  routes: [{routes}]\n}}\n",
                     monitor = monitor_ports[i],
                     route = route_ports[i],
                 ))

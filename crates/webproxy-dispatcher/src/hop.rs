@@ -264,6 +264,12 @@ pub(crate) fn dead_msg_id(origin: &Origin, generation: u64) -> String {
     format!("{}:dead", origin.generation_key(generation))
 }
 
+/// The message id of the mark that supersedes a conversation's dead letter:
+/// `<STREAM>:<seq>:<generation>:superseded`.
+pub(crate) fn superseded_msg_id(origin: &Origin, generation: u64) -> String {
+    format!("{}:superseded", origin.generation_key(generation))
+}
+
 /// A fresh hop token: 128 bits from the operating system's CSPRNG, as 32 hex digits.
 pub(crate) fn new_token() -> String {
     let mut bytes = [0u8; 16];

@@ -211,6 +211,23 @@ impl Subjects {
         format!("{}.dead.{pool}", self.prefix)
     }
 
+    /// Where the service marks a dead letter of `pool` superseded: a stalled delivery
+    /// wrote it, and another delivery of the same conversation answered with a response
+    /// (`dead list` and `dead replay` skip it).
+    pub fn dead_superseded(&self, pool: &str) -> String {
+        format!("{}.dead.{pool}.superseded", self.prefix)
+    }
+
+    /// The dead letters of every pool, without the superseded marks.
+    pub fn dead_letters_wildcard(&self) -> String {
+        format!("{}.dead.*", self.prefix)
+    }
+
+    /// The superseded marks of every pool.
+    pub fn dead_superseded_wildcard(&self) -> String {
+        format!("{}.dead.*.superseded", self.prefix)
+    }
+
     /// Every reply subject, live and stored (layout 1's replies stream captured it).
     pub fn reply_wildcard(&self) -> String {
         format!("{}.reply.>", self.prefix)
@@ -412,6 +429,7 @@ mod tests {
         assert_eq!(s.rate_bucket(), "WEBPROXY_RATE");
         assert_eq!(s.reply("order-42"), "webproxy.reply.order-42");
         assert_eq!(s.dead("p1"), "webproxy.dead.p1");
+        assert_eq!(s.dead_superseded("p1"), "webproxy.dead.p1.superseded");
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");
         assert_eq!(s.replies_stream(), "WEBPROXY_REPLIES");
         assert_eq!(s.dead_stream(), "WEBPROXY_DEAD");

@@ -181,6 +181,13 @@ impl Gate {
         self.0.add_permits(count);
     }
 
+    /// Waits for a pass, as `/gated/{ms}` does: for a test's own gated routes.
+    pub async fn wait(&self) {
+        if let Ok(pass) = self.0.acquire().await {
+            pass.forget();
+        }
+    }
+
     /// Lets every request through, now and from now on.
     pub fn open(&self) {
         // A closed semaphore fails every acquire, waiting or not: each is let through.
@@ -189,9 +196,7 @@ impl Gate {
 }
 
 async fn gated(State(gate): State<Gate>, Path(ms): Path<u64>) -> &'static str {
-    if let Ok(pass) = gate.0.acquire().await {
-        pass.forget();
-    }
+    gate.wait().await;
     tokio::time::sleep(Duration::from_millis(ms)).await;
     "ok"
 }

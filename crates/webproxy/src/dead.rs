@@ -7,7 +7,7 @@
 //! stops at the stream's last letter as it was when the command started, so letters
 //! stored meanwhile (a replay that fails again, say) are not read in the same run.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::io::IsTerminal as _;
 use std::num::NonZeroU64;
@@ -22,7 +22,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
 use webproxy_dispatcher::{Outlet, ReplayError};
-use webproxy_protocol::{DeadLetter, ErrorCode, Origin};
+use webproxy_protocol::{DeadLetter, ErrorCode, Origin, header};
 
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
 
@@ -134,8 +134,9 @@ impl DeadStream {
         if self.end == 0 {
             return Ok(0);
         }
+        let superseded = self.superseded(selection).await?;
         let filter = selection.pool.as_deref().map_or_else(
-            || self.subjects.dead_wildcard(),
+            || self.subjects.dead_letters_wildcard(),
             |pool| self.subjects.dead(pool),
         );
         let deliver_policy = selection
@@ -143,18 +144,7 @@ impl DeadStream {
             .map_or(consumer::DeliverPolicy::All, |start_time| {
                 consumer::DeliverPolicy::ByStartTime { start_time }
             });
-        // An ephemeral consumer that acks nothing reads without changing the stream.
-        let reader: consumer::PullConsumer = self
-            .stream
-            .create_consumer(consumer::pull::Config {
-                filter_subject: filter,
-                deliver_policy,
-                ack_policy: consumer::AckPolicy::None,
-                inactive_threshold: Duration::from_secs(30),
-                ..Default::default()
-            })
-            .await
-            .context("cannot create a reader on the dead-letter stream")?;
+        let reader = self.reader(filter, deliver_policy).await?;
         let limit = selection.limit.map_or(u64::MAX, NonZeroU64::get);
         let mut matched = 0;
         for_each_message(&reader, self.max_payload, async |message| {
@@ -167,6 +157,7 @@ impl DeadStream {
             }
             let stored_at = info.published.format(&Rfc3339).unwrap_or_default();
             match serde_json::from_slice::<DeadLetter>(&message.payload) {
+                Ok(letter) if superseded.contains(&Superseded::of(&letter)) => {}
                 Ok(letter) if selection.matches(&letter) => {
                     matched += 1;
                     let stored = StoredLetter {
@@ -189,6 +180,68 @@ impl DeadStream {
         })
         .await?;
         Ok(matched)
+    }
+
+    /// An ephemeral consumer that acks nothing: it reads without changing the stream.
+    async fn reader(
+        &self,
+        filter_subject: String,
+        deliver_policy: consumer::DeliverPolicy,
+    ) -> anyhow::Result<consumer::PullConsumer> {
+        self.stream
+            .create_consumer(consumer::pull::Config {
+                filter_subject,
+                deliver_policy,
+                ack_policy: consumer::AckPolicy::None,
+                inactive_threshold: Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .context("cannot create a reader on the dead-letter stream")
+    }
+
+    /// The conversations whose letters the service marked superseded (a stalled
+    /// delivery's letter, where another delivery answered with a response). Marks are
+    /// rare and small, so they are read whole before the letters.
+    async fn superseded(&self, selection: &Selection) -> anyhow::Result<HashSet<Superseded>> {
+        let filter = selection.pool.as_deref().map_or_else(
+            || self.subjects.dead_superseded_wildcard(),
+            |pool| self.subjects.dead_superseded(pool),
+        );
+        let reader = self.reader(filter, consumer::DeliverPolicy::All).await?;
+        let mut marks = HashSet::new();
+        for_each_message(&reader, self.max_payload, async |message| {
+            let header = |name: &str| {
+                message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(name))
+                    .map(|v| v.as_str().to_string())
+            };
+            let generation = header(header::GENERATION).and_then(|g| g.parse().ok());
+            if let (Some(origin), Some(generation)) = (header(header::ORIGIN), generation) {
+                marks.insert(Superseded { origin, generation });
+            }
+            Ok(ControlFlow::Continue(()))
+        })
+        .await?;
+        Ok(marks)
+    }
+}
+
+/// A conversation's generation whose dead letter is superseded.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Superseded {
+    origin: String,
+    generation: u64,
+}
+
+impl Superseded {
+    fn of(letter: &DeadLetter) -> Superseded {
+        Superseded {
+            origin: letter.origin.clone().unwrap_or_default(),
+            generation: letter.generation,
+        }
     }
 }
 

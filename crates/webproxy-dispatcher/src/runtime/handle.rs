@@ -5,13 +5,12 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, Span, debug, field, info_span, warn};
-use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, header, parse_request};
+use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, parse_request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Shared;
@@ -23,6 +22,7 @@ use super::liveness::{Liveness, LivenessPolicy};
 use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
+use super::stored_reply::{self, StoredReply};
 use crate::decision::{AttemptContext, Verdict, judge, pool_pause};
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
@@ -131,7 +131,12 @@ async fn decide<'a>(
     }
     if revisited {
         match stored_reply(outlet, conversation).await {
-            Ok(Some((reply, generation))) => return Ending::Answered { reply, generation },
+            Ok(Some(stored)) => {
+                return Ending::Answered {
+                    reply: stored.message,
+                    generation: stored.generation,
+                };
+            }
             Ok(None) => {}
             // Unknown: attempting again is the at-least-once side of the trade-off.
             Err(e) => warn!(error = %e, "cannot look up the stored reply; going on"),
@@ -272,45 +277,22 @@ async fn claim_step(
     None
 }
 
-/// The conversation's stored reply and its generation, when that is this generation or
-/// a later one: its own subject holds only replies of its own origin, and the header
-/// says so again.
+/// The conversation's stored reply, when it answers this generation or a later one.
 async fn stored_reply(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
-) -> Result<Option<(async_nats::Message, u64)>, async_nats::Error> {
+) -> Result<Option<StoredReply>, async_nats::Error> {
     let Some(id) = conversation.id.as_deref() else {
         return Ok(None);
     };
-    let stream = outlet
-        .js
-        .get_stream_no_info(outlet.subjects.replies_stream())
-        .await?;
     let subject = outlet.subjects.stored_reply(id, conversation.origin());
-    let stored = match stream.get_last_raw_message_by_subject(&subject).await {
-        Ok(stored) => stored,
-        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    let header = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_string());
-    let origin = conversation.origin().to_string();
-    let generation = header(header::GENERATION).and_then(|g| g.parse::<u64>().ok());
-    let Some(generation) = generation.filter(|g| *g >= conversation.generation()) else {
-        return Ok(None);
-    };
-    if header(header::ORIGIN).as_deref() != Some(origin.as_str()) {
-        return Ok(None);
-    }
-    let message = async_nats::Message {
-        subject: stored.subject,
-        reply: None,
-        headers: Some(stored.headers),
-        length: stored.payload.len(),
-        payload: stored.payload,
-        status: None,
-        description: None,
-    };
-    Ok(Some((message, generation)))
+    stored_reply::answering(
+        outlet,
+        &subject,
+        conversation.origin(),
+        conversation.generation(),
+    )
+    .await
 }
 
 fn reply_error(

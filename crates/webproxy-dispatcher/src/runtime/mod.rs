@@ -22,6 +22,7 @@ mod pull;
 mod replay;
 mod settle;
 mod start;
+mod stored_reply;
 #[cfg(test)]
 mod tests;
 

@@ -113,22 +113,56 @@ pub(super) struct Stored<'a> {
 
 /// Publishes into a stream and waits for the server to store it, retrying within the
 /// budget. The message being handled meanwhile is kept by its delivery's progress task.
+/// A duplicate is success: the same message id is the same message.
 pub(super) async fn publish_stored(
     outlet: &Outlet,
     message: Stored<'_>,
 ) -> Result<(), PublishFailure> {
+    publish_checked(outlet, message, None).await.map(drop)
+}
+
+/// What a publish under a subject-sequence check did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Checked {
+    /// Stored now, as the subject's next message.
+    Stored,
+    /// Not stored by this publish: the subject's last message was not the one expected
+    /// (10071), or one with the same message id is stored already (a cluster checks the
+    /// id first). Either way the subject holds a message this publish did not write
+    /// now, which the caller reads back; retrying could not change that.
+    Refused,
+}
+
+/// Publishes into a stream as [`publish_stored`] does; with `expected_last` (the
+/// subject's last sequence, 0 for none) the server stores it only on top of that
+/// message (`Nats-Expected-Last-Subject-Sequence`).
+pub(super) async fn publish_checked(
+    outlet: &Outlet,
+    message: Stored<'_>,
+    expected_last: Option<u64>,
+) -> Result<Checked, PublishFailure> {
     let subject = message.subject;
     let mut tries = 0u32;
     loop {
-        let publish = PublishMessage::build()
+        let mut publish = PublishMessage::build()
             .payload(message.payload.clone())
             .headers(message.headers.clone())
             .message_id(message.msg_id);
+        if let Some(sequence) = expected_last {
+            publish = publish.expected_last_subject_sequence(sequence);
+        }
         let result = match outlet.js.send_publish(subject.to_string(), publish).await {
-            Ok(ack) => ack.await.map(drop),
+            Ok(ack) => ack.await,
             Err(e) => Err(e),
         };
-        let Err(e) = result else { return Ok(()) };
+        let e = match result {
+            Ok(ack) if ack.duplicate && expected_last.is_some() => return Ok(Checked::Refused),
+            Ok(_) => return Ok(Checked::Stored),
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => {
+                return Ok(Checked::Refused);
+            }
+            Err(e) => e,
+        };
         tries += 1;
         match e.kind() {
             PublishErrorKind::MaxPayloadExceeded => {

@@ -17,7 +17,10 @@ use super::delivery::Delivery;
 use super::hooks;
 use super::progress::{ProgressError, Record};
 use super::publish::{Outlet, PublishFailure, Stored, publish_live, publish_stored};
-use crate::hop::{HopKind, HopState, dead_msg_id, hop_msg_id, new_token, reply_msg_id};
+use super::stored_reply::{Kept, store_once};
+use crate::hop::{
+    HopKind, HopState, dead_msg_id, hop_msg_id, new_token, reply_msg_id, superseded_msg_id,
+};
 use crate::outbox::{EncodedReply, LetterParts, dead_letter, error_reply, minimal_reply};
 use crate::trace;
 
@@ -74,8 +77,19 @@ pub(super) async fn settle(
         let ack = match ending {
             Ending::Reply { reply, ack } => {
                 match store_ending(outlet, conversation, &reply).await {
-                    Ok(()) => {
+                    Ok(Kept::Ours) => {
                         finished(outlet, conversation, &reply).await;
+                        ack
+                    }
+                    Ok(Kept::Theirs(theirs)) => {
+                        forget_record(outlet, conversation).await;
+                        info!(
+                            id = %conversation.raw_id,
+                            pool = conversation.pool,
+                            origin = %conversation.origin(),
+                            generation = theirs.generation,
+                            "another delivery stored this conversation's reply first; sent that one, not this delivery's"
+                        );
                         ack
                     }
                     Err(PublishFailure::TooLarge { subject }) if !degraded => {
@@ -276,12 +290,14 @@ fn reply_headers(conversation: &Conversation<'_>, reply: &EncodedReply) -> Heade
     headers
 }
 
-/// Stores the dead letter of an error, then the reply, then publishes the live copies.
+/// Stores the dead letter of an error, then the reply, then publishes the live copies:
+/// this delivery's reply, or, when another delivery stored this generation's reply
+/// first, that one (a stalled delivery that woke never sends a second body).
 async fn store_ending(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
     reply: &EncodedReply,
-) -> Result<(), PublishFailure> {
+) -> Result<Kept, PublishFailure> {
     let headers = reply_headers(conversation, reply);
     if let Some(error) = &reply.error {
         store_dead_letter(outlet, conversation, error).await?;
@@ -301,7 +317,22 @@ async fn store_ending(
             headers: &stored_headers,
             payload: &reply.payload,
         };
-        tolerate_missing_stream(publish_stored(outlet, stored).await)?;
+        let kept = store_once(
+            outlet,
+            stored,
+            conversation.origin(),
+            conversation.generation(),
+        );
+        match tolerate_missing_stream(kept.await)? {
+            Kept::Theirs(theirs) => {
+                if reply.error.is_some() && outcome(&theirs.message) != Some("error") {
+                    supersede_dead_letter(outlet, conversation).await?;
+                }
+                recopy(outlet, conversation, &theirs.message, theirs.generation).await;
+                return Ok(Kept::Theirs(theirs));
+            }
+            Kept::Ours => {}
+        }
         publish_live(
             outlet,
             &outlet.subjects.reply(id),
@@ -314,19 +345,56 @@ async fn store_ending(
         let headers = reply_to_headers(headers, conversation.origin(), conversation.generation());
         publish_live(outlet, reply_to, headers, reply.payload.clone()).await;
     }
+    Ok(Kept::Ours)
+}
+
+/// A stored reply's `Webproxy-Outcome`: `response` or `error`.
+fn outcome(stored: &async_nats::Message) -> Option<&str> {
+    stored
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(header::OUTCOME))
+        .map(|v| v.as_str())
+}
+
+/// Marks this generation's dead letter superseded: this delivery stored it, but
+/// another delivery of the conversation answered with a response first. `dead list`
+/// and `dead replay` skip a letter so marked.
+async fn supersede_dead_letter(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+) -> Result<(), PublishFailure> {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::GENERATION,
+        conversation.generation().to_string().as_str(),
+    );
+    headers.insert(header::ORIGIN, conversation.origin().to_string().as_str());
+    let subject = outlet.subjects.dead_superseded(conversation.pool);
+    let msg_id = superseded_msg_id(conversation.origin(), conversation.generation());
+    let stored = Stored {
+        subject: &subject,
+        msg_id: &msg_id,
+        headers: &headers,
+        payload: &bytes::Bytes::new(),
+    };
+    tolerate_missing_stream(publish_stored(outlet, stored).await)?;
+    info!(pool = conversation.pool, origin = %conversation.origin(), generation = conversation.generation(), "another delivery answered with a response first; marked this delivery's dead letter superseded");
     Ok(())
 }
 
 /// A deleted replies or dead-letter stream is an operator's doing that no retry
 /// repairs: the conversation still ends, and the loss is logged loudly.
-fn tolerate_missing_stream(result: Result<(), PublishFailure>) -> Result<(), PublishFailure> {
+fn tolerate_missing_stream<T: Default>(
+    result: Result<T, PublishFailure>,
+) -> Result<T, PublishFailure> {
     match result {
         Err(PublishFailure::NoStream { subject }) => {
             error!(
                 subject,
                 "no stream stores this subject; the conversation ends without storing it"
             );
-            Ok(())
+            Ok(T::default())
         }
         other => other,
     }
