@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-use webproxy_worker::AttemptOutcome;
+use webproxy_worker::{AttemptOutcome, FailureKind};
 
 use crate::response_rules::parse_status_range;
 
@@ -113,6 +113,51 @@ pub(crate) fn is_failure(outcome: &AttemptOutcome, statuses: &[RangeInclusive<u1
         | AttemptOutcome::HeadersTooLarge { .. }
         | AttemptOutcome::Denied { .. }
         | AttemptOutcome::Invalid { .. } => false,
+    }
+}
+
+/// Whose doing an attempt's outcome is, as far as a pool's breaker and adaptive limit
+/// can tell. Only the upstream's outcomes feed them: what a caller chose (where to
+/// send, how long to wait) must not open the breaker or lower the limit for everyone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Evidence {
+    /// The rule names its `origin`, the one place its requests may go: the outcome is
+    /// that upstream's.
+    Upstream,
+    /// The rule names no origin, so its pattern may let callers choose the host: a
+    /// closed port or a dead host of one caller's says nothing of anyone else's.
+    CallerDestination,
+    /// The attempt timed out within a timeout the caller set below the rule's
+    /// (`timeout_ms`): the upstream was not given the time the rule allows it.
+    CallerTimeout,
+}
+
+impl Evidence {
+    /// Whether the outcome feeds the breaker and the adaptive limit.
+    pub(crate) fn counts(self) -> bool {
+        self == Evidence::Upstream
+    }
+}
+
+/// Whose doing `outcome` is, for an attempt under a rule that names an origin or not
+/// (`has_origin`), given `timeout` (the attempt's: the rule's `rule_timeout`, or less
+/// when the caller's `timeout_ms` asked for less). A caller's `deadline` never cuts an
+/// attempt short (it only keeps the next from starting), so it takes no part; were it
+/// ever to shorten `timeout`, the timeout would be the caller's here too.
+pub(crate) fn evidence(
+    has_origin: bool,
+    timeout: Duration,
+    rule_timeout: Duration,
+    outcome: &AttemptOutcome,
+) -> Evidence {
+    let timed_out =
+        matches!(outcome, AttemptOutcome::Failed(failure) if failure.kind == FailureKind::Timeout);
+    if !has_origin {
+        Evidence::CallerDestination
+    } else if timed_out && timeout < rule_timeout {
+        Evidence::CallerTimeout
+    } else {
+        Evidence::Upstream
     }
 }
 
@@ -301,6 +346,59 @@ mod tests {
             message: "no".into(),
         };
         assert!(!is_failure(&denied, &statuses));
+    }
+
+    fn failed(kind: FailureKind) -> AttemptOutcome {
+        AttemptOutcome::Failed(webproxy_worker::TransportFailure {
+            kind,
+            may_have_reached_upstream: true,
+            message: "failed".into(),
+        })
+    }
+
+    /// Issue 29, point 7: six calls to a closed port of the caller's choosing opened a
+    /// shared pool's breaker. A rule without an origin feeds neither the breaker nor the
+    /// adaptive limit, whatever the outcome; one with an origin feeds both.
+    #[test]
+    fn only_rules_that_name_their_origin_judge_the_upstream() {
+        let second = Duration::from_secs(1);
+        for outcome in [
+            failed(FailureKind::Connect),
+            failed(FailureKind::Timeout),
+            failed(FailureKind::Dns),
+        ] {
+            assert_eq!(
+                evidence(false, second, second, &outcome),
+                Evidence::CallerDestination,
+                "{outcome:?}"
+            );
+            assert!(!evidence(false, second, second, &outcome).counts());
+            assert_eq!(
+                evidence(true, second, second, &outcome),
+                Evidence::Upstream,
+                "{outcome:?}"
+            );
+            assert!(evidence(true, second, second, &outcome).counts());
+        }
+    }
+
+    /// A timeout within the caller's `timeout_ms`, shorter than the rule's, is the
+    /// caller's; the same timeout at the rule's own length, or any other outcome within
+    /// the caller's timeout, is the upstream's.
+    #[test]
+    fn attempts_cut_short_by_the_callers_timeout_do_not_count() {
+        let (caller, rule) = (Duration::from_millis(200), Duration::from_secs(30));
+        let timeout = failed(FailureKind::Timeout);
+        assert_eq!(
+            evidence(true, caller, rule, &timeout),
+            Evidence::CallerTimeout
+        );
+        assert!(!evidence(true, caller, rule, &timeout).counts());
+        assert_eq!(evidence(true, rule, rule, &timeout), Evidence::Upstream);
+        assert_eq!(
+            evidence(true, caller, rule, &failed(FailureKind::Connect)),
+            Evidence::Upstream
+        );
     }
 
     #[test]
