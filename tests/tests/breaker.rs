@@ -92,6 +92,17 @@ fn spawn_request(client: &Client, url: &str) -> tokio::task::JoinHandle<Result<u
     })
 }
 
+/// Waits for every call in `calls`, each of which must end in one of the error `codes`.
+async fn end_in_errors(calls: Vec<tokio::task::JoinHandle<Result<u16, String>>>, codes: &[&str]) {
+    for call in calls {
+        let ended = call.await.expect("task");
+        assert!(
+            matches!(&ended, Err(code) if codes.contains(&code.as_str())),
+            "{ended:?}, not one of {codes:?}"
+        );
+    }
+}
+
 /// The partner pool's work consumer.
 async fn consumer(nats: &NatsServer) -> async_nats::jetstream::consumer::Info {
     webproxy_tests::caller::pool_consumer(nats, POOL).await
@@ -285,16 +296,7 @@ async fn errors_the_caller_chose_do_not_open_the_breaker() {
         .map(|_| spawn_request(&client, &upstream.url("/status/404")))
         .chain((0..30).map(|_| spawn_request(&client, &upstream.url("/status/500"))))
         .collect();
-    for call in chosen {
-        let ended = call.await.expect("task");
-        assert!(
-            matches!(
-                ended.as_ref().map_err(String::as_str),
-                Err("UpstreamError" | "RetriesExhausted")
-            ),
-            "{ended:?}"
-        );
-    }
+    end_in_errors(chosen, &["UpstreamError", "RetriesExhausted"]).await;
     assert_eq!(upstream.hits(), 60);
     // The caller's errors are in the counts (reported each second) before the 503s go.
     let failing_from = Instant::now();
@@ -345,16 +347,7 @@ async fn caller_chosen_destinations_do_not_open_the_breaker() {
     let (_closed, port) = closed_port();
     let refused = format!("http://127.0.0.1:{port}/");
     let calls: Vec<_> = (0..6).map(|_| spawn_request(&client, &refused)).collect();
-    for call in calls {
-        let ended = call.await.expect("task");
-        assert!(
-            matches!(
-                ended.as_ref().map_err(String::as_str),
-                Err("TransportError" | "RetriesExhausted")
-            ),
-            "{ended:?}"
-        );
-    }
+    end_in_errors(calls, &["TransportError", "RetriesExhausted"]).await;
 
     let watched = Instant::now();
     while watched.elapsed() < WOULD_HAVE_OPENED {
