@@ -11,7 +11,7 @@ use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
 
 use crate::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
 
-pub use webproxy_testkit::rules::{accept_rule, path_rule};
+pub use webproxy_testkit::rules::{accept_rule, origin_rule, path_rule};
 
 /// How long a test waits for a reply that should come at once; generous for a loaded
 /// 2-core CI machine.

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use webproxy_client::Client;
 use webproxy_tests::adaptive::{self, KNEE, KneeUpstream, median};
-use webproxy_tests::caller::{accept_rule, pool_consumer};
+use webproxy_tests::caller::{accept_rule, origin_rule, pool_consumer};
 use webproxy_tests::pools::{kv_config, pool_json, pools, push_config};
 use webproxy_tests::{NatsServer, Service, Upstream, wait_until};
 
@@ -77,7 +77,7 @@ async fn adaptive_turned_off_live_restores_max_in_flight() {
     let document = |pool: &str| {
         format!(
             "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = 8\n{pool}\n{}pool = \"partner\"\n",
-            accept_rule("partner", &upstream)
+            origin_rule("partner", &upstream, "/")
         )
     };
     push_config(&nats, &document("adaptive = true\nmin_in_flight = 3")).await;

@@ -17,9 +17,9 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use futures::StreamExt as _;
 use webproxy_client::Client;
-use webproxy_tests::caller::{envelope, path_rule, to};
+use webproxy_tests::caller::{envelope, origin_rule, to};
 use webproxy_tests::pools::{kv_config, pool_json, pools, push_config};
-use webproxy_tests::{NatsServer, Service, Upstream, default_routes, wait_until};
+use webproxy_tests::{NatsServer, Service, Upstream, closed_port, default_routes, wait_until};
 
 const POOL: &str = "partner";
 
@@ -56,11 +56,12 @@ fn config(upstream: &Upstream, breaker: &str, rule: &str) -> String {
 }
 
 /// The partner pool (`max_in_flight = 8`) with `sections` after it, and one rule
-/// sending every call to `upstream` there with `rule`'s further keys.
+/// sending every call to `upstream` there with `rule`'s further keys. The rule names
+/// the upstream's origin: the breaker counts only such rules' attempts.
 fn pool_config(upstream: &Upstream, sections: &str, rule: &str) -> String {
     format!(
         "[pools.{POOL}]\nmax_in_flight = 8\n{sections}\n{}pool = \"{POOL}\"\n{rule}\n",
-        path_rule("partner", upstream, "/")
+        origin_rule("partner", upstream, "/")
     )
 }
 
@@ -89,6 +90,17 @@ fn spawn_request(client: &Client, url: &str) -> tokio::task::JoinHandle<Result<u
             None => Ok(reply.status.unwrap_or(0)),
         }
     })
+}
+
+/// Waits for every call in `calls`, each of which must end in one of the error `codes`.
+async fn end_in_errors(calls: Vec<tokio::task::JoinHandle<Result<u16, String>>>, codes: &[&str]) {
+    for call in calls {
+        let ended = call.await.expect("task");
+        assert!(
+            matches!(&ended, Err(code) if codes.contains(&code.as_str())),
+            "{ended:?}, not one of {codes:?}"
+        );
+    }
 }
 
 /// The partner pool's work consumer.
@@ -284,16 +296,7 @@ async fn errors_the_caller_chose_do_not_open_the_breaker() {
         .map(|_| spawn_request(&client, &upstream.url("/status/404")))
         .chain((0..30).map(|_| spawn_request(&client, &upstream.url("/status/500"))))
         .collect();
-    for call in chosen {
-        let ended = call.await.expect("task");
-        assert!(
-            matches!(
-                ended.as_ref().map_err(String::as_str),
-                Err("UpstreamError" | "RetriesExhausted")
-            ),
-            "{ended:?}"
-        );
-    }
+    end_in_errors(chosen, &["UpstreamError", "RetriesExhausted"]).await;
     assert_eq!(upstream.hits(), 60);
     // The caller's errors are in the counts (reported each second) before the 503s go.
     let failing_from = Instant::now();
@@ -311,6 +314,67 @@ async fn errors_the_caller_chose_do_not_open_the_breaker() {
     for call in calls {
         call.abort();
     }
+}
+
+/// How long the breaker is watched after caller-chosen failures: before, an instance
+/// reported them within a second and the lease holder opened the breaker within a
+/// second more, so this is well over twice what opening took.
+const WOULD_HAVE_OPENED: Duration = Duration::from_secs(5);
+
+/// Issue 29, point 7: six calls to a closed port, under a rule that accepts any
+/// loopback port and names no origin, opened pool `shared`'s breaker, and another
+/// caller's call to a healthy upstream then waited 9.4 s. Here the same six fail
+/// (connection refused) in the partner pool, whose breaker would open on 5 attempts
+/// half failed, for 1 min: it stays closed for [`WOULD_HAVE_OPENED`], and a call to
+/// the partner's healthy upstream is then answered 200 within 3 s (it takes tens of
+/// milliseconds; 3 s is generous for a loaded machine, and far below the 1 min an open
+/// breaker would have parked it). Every target is on 127.0.0.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_chosen_destinations_do_not_open_the_breaker() {
+    let upstream = Upstream::start().await;
+    let any_loopback_port = format!(
+        "[[request_rules]]\nname = \"any-loopback-port\"\nurl_pattern = '^http://127\\.0\\.0\\.1:[0-9]+/'\npool = \"{POOL}\"\nmax_retries = 0\n"
+    );
+    let config = config(
+        &upstream,
+        "min_attempts = 5\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"1m\"\nmax_open_for = \"1m\"",
+        &format!("max_retries = 0\n{any_loopback_port}"),
+    );
+    let nats = NatsServer::start();
+    let service = Service::start(&nats, &config).await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    // Bound but never listening, so it refuses connections while the test runs.
+    let (_closed, port) = closed_port();
+    let refused = format!("http://127.0.0.1:{port}/");
+    let calls: Vec<_> = (0..6).map(|_| spawn_request(&client, &refused)).collect();
+    end_in_errors(calls, &["TransportError", "RetriesExhausted"]).await;
+
+    let watched = Instant::now();
+    while watched.elapsed() < WOULD_HAVE_OPENED {
+        let pool = pool_json(&nats, POOL).await;
+        assert_eq!(
+            pool["breaker"],
+            "closed",
+            "opened {:?} after the caller's failures: {pool}",
+            watched.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let asked = Instant::now();
+    let healthy = spawn_request(&client, &upstream.url("/status/200"));
+    let status = tokio::time::timeout(Duration::from_secs(3), healthy).await;
+    println!("the healthy upstream answered in {:?}", asked.elapsed());
+    assert!(
+        matches!(status, Ok(Ok(Ok(200)))),
+        "{status:?} after {:?}\n{}",
+        asked.elapsed(),
+        service.logs()
+    );
+    assert_eq!(pool_json(&nats, POOL).await["breaker"], "closed");
+    assert_eq!(
+        transitions(std::slice::from_ref(&service), "open").await,
+        0.0
+    );
 }
 
 /// Fails exactly `min_attempts` (10) calls at the upstream, each ended (503, no

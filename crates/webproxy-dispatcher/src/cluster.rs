@@ -16,8 +16,8 @@ use crate::breaker::BreakerConfig;
 use crate::config_error::ConfigError;
 use crate::rate::Rate;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
-use crate::rules::{RequestRule, RequestRuleConfig, RequestRules};
-use crate::security::{Outbound, OutboundConfig};
+use crate::rules::{RequestRule, RequestRuleConfig, RequestRules, RuleAction};
+use crate::security::{Outbound, OutboundConfig, suggested_origin};
 
 /// The cluster part, as the file gives it.
 #[derive(Debug, Clone)]
@@ -201,11 +201,94 @@ impl ClusterConfig {
     }
 }
 
+impl Cluster {
+    /// What `check-config` (and `serve`, at start) warns about in the cluster part: the
+    /// rules' warnings, and a pool whose breaker or adaptive limit none of its rules can
+    /// ever move. Each names the key.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = self.rules.warnings();
+        warnings.extend(self.pools.iter().filter_map(|(name, pool)| {
+            unjudged_pool(name, pool, self.rules.iter().filter(|r| r.pool == *name))
+        }));
+        warnings
+    }
+}
+
+/// The warning for pool `name` when it has a breaker or an adaptive limit but none of
+/// its accepting `rules` names an origin: only attempts under such a rule feed them
+/// (`crate::breaker::evidence`), so they would never move.
+fn unjudged_pool<'a>(
+    name: &str,
+    pool: &PoolConfig,
+    rules: impl Iterator<Item = &'a RequestRule>,
+) -> Option<String> {
+    let what = match (pool.breaker.is_some(), pool.adaptive) {
+        (true, true) => "its breaker and adaptive limit",
+        (true, false) => "its breaker",
+        (false, true) => "its adaptive limit",
+        (false, false) => return None,
+    };
+    let mut accepting = rules.filter(|r| r.action == RuleAction::Accept).peekable();
+    let first = accepting.peek().map(|r| r.pattern.as_str().to_string());
+    if accepting.any(|r| r.security.origin.is_some()) {
+        return None;
+    }
+    let example = first
+        .as_deref()
+        .and_then(suggested_origin)
+        .unwrap_or_else(|| "https://api.partner.com".to_string());
+    Some(format!(
+        "pools.{name}: {what} will never move: only attempts under a rule that names its origin are counted, and no rule sending to this pool names one (a rule without an origin may reach hosts its callers choose, whose failures are not the upstream's); add origin = \"{example}\" (with allow_http = true for http) to the rules of its upstream"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::jetstream_request_timeout;
+
+    /// Issue 29, point 7: a pool with a breaker or `adaptive = true` and no rule with
+    /// an origin is warned about, naming the pool and what never moves; one rule with an
+    /// origin, or neither feature, silences it. Deny rules send nothing and do not count.
+    #[test]
+    fn a_judged_pool_without_a_rule_naming_an_origin_is_warned_about() {
+        let warnings = |pool: &str, rules: &str| {
+            crate::config::tests::settings_from(&format!("[pools.p]\n{pool}\n\n{rules}"))
+                .expect("valid")
+                .cluster
+                .warnings()
+        };
+        let open = "[[request_rules]]\nname = \"open\"\nurl_pattern = '^https://a\\.test/'\npool = \"p\"\n";
+        let bound = "[[request_rules]]\nname = \"bound\"\nurl_pattern = '^https://b\\.test/'\npool = \"p\"\norigin = \"https://b.test\"\n";
+        let denied = "[[request_rules]]\nname = \"denied\"\nurl_pattern = '^https://b\\.test/'\npool = \"p\"\norigin = \"https://b.test\"\naction = \"deny\"\n";
+        let both = warnings("adaptive = true\n[pools.p.breaker]", open);
+        assert_eq!(both.len(), 1, "{both:?}");
+        assert!(
+            both[0].starts_with("pools.p: its breaker and adaptive limit will never move"),
+            "{both:?}"
+        );
+        assert!(both[0].contains("origin = \"https://a.test\""), "{both:?}");
+        let breaker = warnings("[pools.p.breaker]", &format!("{denied}{open}"));
+        assert_eq!(breaker.len(), 1, "{breaker:?}");
+        assert!(
+            breaker[0].starts_with("pools.p: its breaker will never move"),
+            "{breaker:?}"
+        );
+        let adaptive = warnings("adaptive = true", "");
+        assert!(
+            adaptive[0].starts_with("pools.p: its adaptive limit will never move"),
+            "{adaptive:?}"
+        );
+        assert!(
+            warnings(
+                "adaptive = true\n[pools.p.breaker]",
+                &format!("{open}{bound}")
+            )
+            .is_empty()
+        );
+        assert!(warnings("max_in_flight = 4", open).is_empty());
+    }
 
     #[test]
     fn the_jetstream_request_timeout_fits_ack_wait() {

@@ -10,7 +10,7 @@ use crate::config::Settings;
 /// How long the bucket keeps a value: an instance's heartbeat (every 5 s) and the
 /// lease holder's renewals are written well within it, so one late write does not make
 /// a live instance vanish or lose its lease.
-const TTL: std::time::Duration = std::time::Duration::from_secs(20);
+pub(crate) const TTL: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// The key of the lease of the pool consumers' settings; its value is the holder's
 /// instance id. Instance ids have no dot, so it is never one.

@@ -281,7 +281,7 @@ impl RequestRules {
     /// What `check-config` warns about in the rules: a rule an earlier one shadows
     /// completely (where that can be decided), an unanchored pattern, and an unescaped
     /// dot in a pattern's host part. Each names the rule.
-    pub fn warnings(&self) -> Vec<String> {
+    pub(crate) fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         for (index, rule) in self.rules.iter().enumerate() {
             let key = format!("request_rules[{index}] ({})", rule.name);

@@ -12,7 +12,7 @@ use axum::Router;
 use axum::routing::get;
 use webproxy_client::{Client, Request};
 
-use crate::{Service, Upstream, default_routes, rules::path_rule};
+use crate::{Service, Upstream, default_routes, rules::origin_rule};
 
 /// The scenario's pool.
 pub const POOL: &str = "adaptive";
@@ -59,11 +59,12 @@ impl KneeUpstream {
     }
 }
 
-/// The cluster part for the scenario: the pool and a rule sending `/knee` there.
+/// The cluster part for the scenario: the pool and a rule sending `/knee` there, bound
+/// to the upstream's origin, as the adaptive limit counts only such rules' attempts.
 pub fn config(upstream: &KneeUpstream) -> String {
     format!(
         "[pools.{POOL}]\nmax_in_flight = 64\nadaptive = true\nmin_in_flight = 1\n{}pool = \"{POOL}\"\nmax_retries = 0\n",
-        path_rule("knee", &upstream.upstream, "/knee")
+        origin_rule("knee", &upstream.upstream, "/knee")
     )
 }
 

@@ -16,6 +16,17 @@ pub fn path_rule(name: &str, upstream: &Upstream, path: &str) -> String {
     )
 }
 
+/// [`path_rule`] bound to `upstream`'s origin (`origin`, with `allow_http`, since
+/// fixture upstreams speak plain HTTP on loopback): the kind of rule whose attempts a
+/// pool's breaker and adaptive limit count.
+pub fn origin_rule(name: &str, upstream: &Upstream, path: &str) -> String {
+    format!(
+        "{}origin = \"{}\"\nallow_http = true\n",
+        path_rule(name, upstream, path),
+        upstream.url("")
+    )
+}
+
 fn regex_escape(text: &str) -> String {
     text.chars()
         .flat_map(|c| {

@@ -150,7 +150,7 @@ impl Settings {
     /// runs, but probably not as meant. Each names the key.
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = self.environment_warnings.clone();
-        warnings.extend(self.dispatcher.cluster.rules.warnings());
+        warnings.extend(self.dispatcher.cluster.warnings());
         let nats = &self.config.nats;
         let authenticated = nats.credentials_file.is_some()
             || nats.nkey_seed_file.is_some()

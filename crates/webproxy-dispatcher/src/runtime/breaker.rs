@@ -24,8 +24,8 @@ use webproxy_worker::AttemptOutcome;
 use super::live::Live;
 use crate::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
 use crate::breaker::{
-    self, Phase, Report, counted_from, default_statuses, is_failure, open_reason, reopen_for,
-    should_open,
+    self, ClusterReports, Phase, Report, STATS, counted_from, default_statuses, is_failure,
+    open_reason, reopen_for, should_open, stats_key,
 };
 use crate::config::PoolConfig;
 use crate::instances;
@@ -37,13 +37,6 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// A report unchanged this long is written again, so the bucket's 20 s TTL removes
 /// only the reports of instances that stopped.
 const REWRITE_AFTER: Duration = Duration::from_secs(10);
-
-/// The key prefix of the reports in `<PREFIX>_INSTANCES`.
-const STATS: &str = "stats";
-
-fn stats_key(pool: &str, instance: &str) -> String {
-    format!("{STATS}.{pool}.{instance}")
-}
 
 /// Unix seconds now.
 fn now_s() -> u64 {
@@ -168,8 +161,8 @@ pub(super) async fn report(live: Arc<Live>, shutdown: CancellationToken) {
     }
 }
 
-/// Every instance's latest report, by key, as a watch of `stats.>` keeps them.
-type Reports = Arc<Mutex<HashMap<String, Report>>>;
+/// Every instance's latest report, as a watch of `stats.>` keeps them.
+type Reports = Arc<Mutex<ClusterReports>>;
 
 /// Follows every report in the instances' bucket into `reports` until `stop`; a lost
 /// watch is made again.
@@ -218,25 +211,19 @@ async fn follow_reports(live: Arc<Live>, reports: Reports, stop: CancellationTok
                 .flatten();
             let mut reports = reports.lock().unwrap_or_else(PoisonError::into_inner);
             match report {
-                Some(report) => reports.insert(entry.key, report),
+                Some(report) => reports.put(entry.key, report, std::time::Instant::now()),
                 None => reports.remove(&entry.key),
-            };
+            }
         }
     }
 }
 
 /// The cluster's counts of `pool` in the seconds `from..to`.
 fn cluster_counts(reports: &Reports, pool: &str, from: u64, to: u64) -> breaker::Counts {
-    let prefix = format!("{STATS}.{pool}.");
-    let reports = reports.lock().unwrap_or_else(PoisonError::into_inner);
-    breaker::sum(
-        reports
-            .iter()
-            .filter(|(key, _)| key.starts_with(&prefix))
-            .map(|(_, report)| report),
-        from,
-        to,
-    )
+    reports
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .sum(pool, from, to)
 }
 
 /// What the judge remembers of a pool between its looks.
@@ -283,6 +270,11 @@ pub(super) async fn judge(
             tokio::spawn(follow_reports(live.clone(), reports.clone(), stop.clone()));
             following = Some(stop);
         }
+        // The bucket removed the keys of instances that stopped reporting; so does the map.
+        reports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drop_expired(std::time::Instant::now(), instances::TTL);
         let states = shared.flow.states().borrow().clone();
         let now = OffsetDateTime::now_utc();
         let second = now_s();

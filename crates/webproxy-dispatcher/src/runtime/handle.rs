@@ -23,6 +23,7 @@ use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
 use super::stored_reply::{self, StoredReply};
+use crate::breaker::evidence;
 use crate::decision::{AttemptContext, Verdict, judge, pool_pause};
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
@@ -336,15 +337,27 @@ async fn attempt_and_judge<'a>(
     probe: bool,
 ) -> Ending {
     let (outcome, record) = Box::pin(attempt(shared, request, rule, conversation)).await;
-    // Counted only when it reached the upstream; a probe that did not leaves the
-    // breaker half-open for the next.
+    // Counted only when it reached the upstream, and only when its outcome is the
+    // upstream's (`crate::breaker::evidence`). A probe that was not leaves the breaker
+    // half-open for the next attempt: one under a rule with an origin then decides.
     if let (Some(record), Some(config)) = (&record, shared.settings.cluster.pools.get(&rule.pool)) {
-        let failed = shared
-            .flow
-            .counts
-            .attempted(&rule.pool, config, &outcome, record.duration_ms);
-        if probe {
-            breaker::probed(shared, &rule.pool, config, failed).await;
+        let evidence = evidence(
+            rule.security.origin.is_some(),
+            attempt_timeout(request, rule),
+            rule.timeout,
+            &outcome,
+        );
+        if evidence.counts() {
+            let failed =
+                shared
+                    .flow
+                    .counts
+                    .attempted(&rule.pool, config, &outcome, record.duration_ms);
+            if probe {
+                breaker::probed(shared, &rule.pool, config, failed).await;
+            }
+        } else if probe {
+            debug!(pool = rule.pool, rule = %rule.name, ?evidence, "the probe's outcome is not the upstream's: the breaker stays half-open");
         }
     }
     if let Some(pause) = pool_pause(rule, &outcome, SystemTime::now()) {
@@ -402,6 +415,14 @@ async fn attempt_and_judge<'a>(
     }
 }
 
+/// How long an attempt of `request` under `rule` may take: the rule's timeout, or the
+/// caller's `timeout_ms` when that is shorter.
+fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
+    request
+        .timeout
+        .map_or(rule.timeout, |t| t.min(rule.timeout))
+}
+
 /// Runs one attempt (the delivery's progress task keeps the message meanwhile).
 async fn attempt(
     shared: &Shared,
@@ -447,9 +468,7 @@ async fn attempt(
             outbound: &shared.settings.cluster.outbound,
             secrets: &shared.secrets,
         };
-        let timeout = request
-            .timeout
-            .map_or(rule.timeout, |t| t.min(rule.timeout));
+        let timeout = attempt_timeout(request, rule);
         let chain_request = ChainRequest {
             method: request.method,
             url: &request.url,
