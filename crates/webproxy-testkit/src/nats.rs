@@ -16,6 +16,8 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// A running `nats-server` (the first one on PATH; `just test` puts a recent
 /// enough one there) with its config, log and JetStream store in a tempdir.
 pub struct NatsServer {
+    /// The executable: `nats-server` from PATH, or one a test names.
+    binary: PathBuf,
     dir: TempDir,
     store_dir: PathBuf,
     ports_dir: PathBuf,
@@ -37,6 +39,15 @@ impl NatsServer {
     /// syntax, e.g. an `authorization { .. }` block) appended to the config.
     /// It must not set `listen`, `jetstream`, `log_file` or `ports_file_dir`.
     pub fn start_with(extra_config: &str) -> NatsServer {
+        Self::start_from(PathBuf::from("nats-server"), extra_config)
+    }
+
+    /// Like [`NatsServer::start`], with the executable at `binary` (another version).
+    pub fn start_binary(binary: impl Into<PathBuf>) -> NatsServer {
+        Self::start_from(binary.into(), "")
+    }
+
+    fn start_from(binary: PathBuf, extra_config: &str) -> NatsServer {
         let dir = tempfile::Builder::new()
             .prefix("webproxy-nats-")
             .tempdir()
@@ -44,6 +55,7 @@ impl NatsServer {
         let ports_dir = dir.path().join("ports");
         fs::create_dir(&ports_dir).expect("create nats-server ports dir");
         let mut server = NatsServer {
+            binary,
             store_dir: dir.path().join("jetstream"),
             config_path: dir.path().join("nats-server.conf"),
             log_path: dir.path().join("nats-server.log"),
@@ -179,7 +191,7 @@ impl NatsServer {
             .append(true)
             .open(&self.output_path)
             .expect("open nats-server output file");
-        let child = Command::new("nats-server")
+        let child = Command::new(&self.binary)
             .arg("-c")
             .arg(&self.config_path)
             .stdin(Stdio::null())
@@ -188,8 +200,9 @@ impl NatsServer {
             .spawn()
             .unwrap_or_else(|error| {
                 panic!(
-                    "could not run `nats-server` from PATH: {error}. Run tests via `just test`, \
-                     or put the directory printed by scripts/ensure-nats-server.sh first on PATH"
+                    "could not run `{}`: {error}. Run tests via `just test`, \
+                     or put the directory printed by scripts/ensure-nats-server.sh first on PATH",
+                    self.binary.display()
                 )
             });
         let pid = child.id();

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use webproxy_dispatcher::{
     ConfigStore, Dispatcher, Instruments, PushNote, Redactor, Secrets, Seeded, StoredRevision,
-    connect,
+    check_server, connect,
 };
 
 use crate::config::{ClusterDocument, ClusterSource, Settings};
@@ -274,10 +274,14 @@ pub async fn connect_until_up(
     )
     .await
     .with_context(context)?;
-    tokio::select! {
-        server = server_info(&client) => Ok(Some((client, server?))),
-        _ = shutdown.cancelled() => Ok(None),
-    }
+    let server = tokio::select! {
+        server = server_info(&client) => server?,
+        _ = shutdown.cancelled() => return Ok(None),
+    };
+    // Before any bucket is read or created: an old server answers the first KV call
+    // with errors that look transient and would be retried forever.
+    check_server(&server)?;
+    Ok(Some((client, server)))
 }
 
 /// Re-reads the secret files of `inject_headers` of the revision running, polled and

@@ -30,8 +30,8 @@ pub use hooks::test_hook;
 pub use publish::Outlet;
 pub use replay::ReplayError;
 pub use settle::Settled;
-pub use start::StartError;
 pub(crate) use start::retry_until_done;
+pub use start::{StartError, check_server};
 
 use progress::Progress;
 

@@ -95,8 +95,9 @@ impl Dispatcher {
     }
 }
 
-/// Whether webproxy can run against the server that sent `server`.
-fn check_server(server: &async_nats::ServerInfo) -> Result<(), StartError> {
+/// Whether webproxy can run against the server that sent `server`: checked first, as
+/// soon as the server's INFO arrives, before any bucket is read.
+pub fn check_server(server: &async_nats::ServerInfo) -> Result<(), StartError> {
     if !server_version_supported(&server.version) {
         return Err(StartError::ServerTooOld {
             version: server.version.clone(),
