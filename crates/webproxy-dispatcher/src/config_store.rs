@@ -21,7 +21,7 @@ pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
 /// The revisions the bucket keeps of the document, for `config history`, `show
 /// --revision` and `rollback`: JetStream's most.
-const HISTORY: i64 = 64;
+pub(crate) const HISTORY: i64 = 64;
 
 /// What the first line of a stored value starts with, before the note's JSON. A TOML
 /// comment, so the stored value is itself a valid document.

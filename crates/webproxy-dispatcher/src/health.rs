@@ -2,7 +2,7 @@
 //! NATS round trip, no upstream call, no new connection per probe), and the reconnect
 //! signal that sends every pull loop to pull again at once.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -18,6 +18,9 @@ pub(crate) struct Health {
     pools_down: Mutex<BTreeSet<String>>,
     /// Pools whose pull loop ended while the service was not stopping: not alive.
     dead_loops: Mutex<BTreeSet<String>>,
+    /// What keeps a pool from making progress, by what it waits on (a bucket it cannot
+    /// reach, say): not ready meanwhile, and `/readyz` says why.
+    stuck: Mutex<BTreeMap<String, String>>,
     /// Counts the connections made; a pull loop waiting on it pulls again the moment
     /// the connection is back, instead of when a pull lost in the outage expires.
     connections: watch::Sender<u64>,
@@ -37,6 +40,7 @@ impl Health {
             draining: AtomicBool::new(false),
             pools_down: Mutex::new(BTreeSet::new()),
             dead_loops: Mutex::new(BTreeSet::new()),
+            stuck: Mutex::new(BTreeMap::new()),
             connections: watch::Sender::new(0),
         }
     }
@@ -93,6 +97,29 @@ impl Health {
         Self::set(&self.dead_loops, pool, true);
     }
 
+    /// `what` keeps a pool from making progress, for `reason`; `None` once it no longer
+    /// does.
+    pub(crate) fn set_stuck(&self, what: &str, reason: Option<String>) {
+        let mut stuck = self
+            .stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match reason {
+            Some(reason) => stuck.insert(what.to_string(), reason),
+            None => stuck.remove(what),
+        };
+    }
+
+    /// Why a pool cannot make progress, one line each; empty when nothing keeps one.
+    pub(crate) fn stuck(&self) -> Vec<String> {
+        self.stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
     /// Alive unless a pool's pull loop has died: restarting the process is the cure.
     pub(crate) fn is_alive(&self) -> bool {
         !Self::any(&self.dead_loops)
@@ -104,6 +131,11 @@ impl Health {
             && self.provisioned.load(Ordering::Relaxed)
             && !self.draining.load(Ordering::Relaxed)
             && !Self::any(&self.pools_down)
+            && self
+                .stuck
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_empty()
             && self.is_alive()
     }
 }
@@ -111,6 +143,22 @@ impl Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stuck_pool_is_not_ready_and_says_why_until_it_moves() {
+        let health = Health::new();
+        health.set_nats_connected(true);
+        health.set_provisioned();
+        health.set_stuck(
+            "rate.p",
+            Some("pool p: its rate schedule is unreachable".into()),
+        );
+        assert!(!health.is_ready());
+        assert_eq!(health.stuck(), ["pool p: its rate schedule is unreachable"]);
+        health.set_stuck("rate.p", None);
+        assert!(health.is_ready());
+        assert!(health.stuck().is_empty());
+    }
 
     #[test]
     fn ready_only_when_all_hold() {

@@ -33,6 +33,7 @@ mod runtime;
 mod secret_source;
 mod secrets;
 mod security;
+mod state;
 mod trace;
 
 // The public surface, listed in ARCHITECTURE.md: what the binary uses, and nothing
@@ -52,6 +53,7 @@ pub use runtime::{
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};
 pub use security::{OutboundConfig, parse_cidrs};
+pub use state::{Bucket, BucketError, BucketSpec, StateBucket};
 pub use trace::request_ids;
 
 use gauges::Gauges;
@@ -93,6 +95,11 @@ impl Instruments {
     /// `/readyz`: connected to NATS, consumers provisioned and present, not draining.
     pub fn is_ready(&self) -> bool {
         self.health.is_ready()
+    }
+
+    /// Why a pool cannot make progress, one line each (`/readyz` prints them).
+    pub fn stuck(&self) -> Vec<String> {
+        self.health.stuck()
     }
 
     /// The instance runs revision `revision` of the configuration bucket's document

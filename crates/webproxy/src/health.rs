@@ -14,6 +14,10 @@ use webproxy_dispatcher::Instruments;
 pub trait Probes: Clone + Send + Sync + 'static {
     fn is_alive(&self) -> bool;
     fn is_ready(&self) -> bool;
+    /// What keeps the process from being ready, one line each, for `/readyz`'s body.
+    fn stuck(&self) -> Vec<String> {
+        Vec::new()
+    }
     fn render_metrics(&self) -> String;
 }
 
@@ -24,6 +28,10 @@ impl Probes for Instruments {
 
     fn is_ready(&self) -> bool {
         Instruments::is_ready(self)
+    }
+
+    fn stuck(&self) -> Vec<String> {
+        Instruments::stuck(self)
     }
 
     fn render_metrics(&self) -> String {
@@ -59,9 +67,14 @@ pub fn router<P: Probes>(instruments: P) -> Router {
             "/readyz",
             get(|State(instruments): State<P>| async move {
                 if instruments.is_ready() {
-                    (StatusCode::OK, "ready\n")
+                    (StatusCode::OK, "ready\n".to_string())
                 } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    let mut body = "not ready\n".to_string();
+                    for reason in instruments.stuck() {
+                        body.push_str(&reason);
+                        body.push('\n');
+                    }
+                    (StatusCode::SERVICE_UNAVAILABLE, body)
                 }
             }),
         )

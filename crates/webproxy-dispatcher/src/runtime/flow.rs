@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
 use time::OffsetDateTime;
 use tokio::sync::watch;
@@ -20,10 +20,12 @@ use tracing::{debug, info, warn};
 
 use crate::breaker::Phase;
 use crate::config::{PoolConfig, Settings};
+use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pool_state::{Extend, PoolState};
 use crate::provision::{pool_state_bucket_config, stored_pool_state};
 use crate::rate::{Claim, Rate, Schedule};
+use crate::state::{Bucket, StateBucket};
 
 /// Every pool's runtime state as last seen.
 pub(super) type PoolStates = Arc<BTreeMap<String, PoolState>>;
@@ -33,8 +35,8 @@ pub(super) struct Flow {
     js: jetstream::Context,
     metrics: Arc<Metrics>,
     state_bucket: String,
-    rate_bucket: String,
-    replicas: usize,
+    rate_bucket: StateBucket,
+    health: Arc<Health>,
     states: watch::Sender<PoolStates>,
     /// Whether [`Flow::states`] holds every pool's state the bucket held when it was
     /// first watched; until then, no pool's state is known.
@@ -72,13 +74,21 @@ async fn sleep_until_us(at_us: u64) {
 }
 
 impl Flow {
-    pub(super) fn new(js: jetstream::Context, metrics: Arc<Metrics>, settings: &Settings) -> Flow {
+    pub(super) fn new(
+        js: jetstream::Context,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+        settings: &Settings,
+    ) -> Flow {
         Flow {
+            rate_bucket: StateBucket::new(
+                js.clone(),
+                Bucket::Rate.spec(&settings.subjects, &settings.streams),
+            ),
             js,
             metrics,
+            health,
             state_bucket: settings.subjects.pool_state_bucket(),
-            rate_bucket: settings.subjects.rate_bucket(),
-            replicas: settings.streams.replicas,
             states: watch::Sender::new(Arc::new(BTreeMap::new())),
             loaded: std::sync::atomic::AtomicBool::new(false),
             limiters: Mutex::new(HashMap::new()),
@@ -281,8 +291,8 @@ impl Flow {
                     pool: pool.to_string(),
                     metrics: self.metrics.clone(),
                     schedule,
-                    js: self.js.clone(),
-                    bucket: rate_bucket_config(&self.rate_bucket, self.replicas),
+                    bucket: self.rate_bucket.clone(),
+                    health: self.health.clone(),
                     slots: Mutex::new(VecDeque::new()),
                     claiming: tokio::sync::Mutex::new(Claiming::default()),
                     waiting: std::sync::atomic::AtomicU64::new(0),
@@ -384,26 +394,17 @@ pub(super) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>,
 /// another instance wrote meanwhile.
 const CAS_TRIES: usize = 20;
 
-/// The bucket of the pools' rate schedules: one small value per pool, rewritten a few
-/// times a second; kept in memory (a lost schedule only lets an idle pool burst).
-fn rate_bucket_config(bucket: &str, replicas: usize) -> kv::Config {
-    kv::Config {
-        bucket: bucket.to_string(),
-        description: "webproxy pools' rate schedules: the next unclaimed slot of each".into(),
-        history: 1,
-        storage: stream::StorageType::Memory,
-        num_replicas: replicas,
-        ..Default::default()
-    }
-}
-
 /// What the claiming handler knows of the stored schedule: its last write, which the
 /// next claim tries first (one round trip when no other instance claimed since).
 #[derive(Default)]
 struct Claiming {
-    store: Option<kv::Store>,
     last: Option<(u64, u64)>,
 }
+
+/// How long claims may keep failing before the pool counts as stuck (`/readyz` 503):
+/// longer than a leader election, and with the claims' backoff (at most 2 s) well
+/// within the 10 s in which a stuck pool must show.
+const STUCK_AFTER: Duration = Duration::from_secs(3);
 
 /// One pool's rate limit on this instance: slots claimed and not yet used, and one
 /// claim at a time.
@@ -411,8 +412,9 @@ struct Limiter {
     pool: String,
     metrics: Arc<Metrics>,
     schedule: Schedule,
-    js: jetstream::Context,
-    bucket: kv::Config,
+    /// `<PREFIX>_RATE`, shared by every pool's limiter.
+    bucket: StateBucket,
+    health: Arc<Health>,
     /// Claimed slots, earliest first: (time, usable until).
     slots: Mutex<VecDeque<(u64, u64)>>,
     claiming: tokio::sync::Mutex<Claiming>,
@@ -430,6 +432,8 @@ impl Limiter {
             self.waiting.fetch_sub(1, Ordering::Relaxed);
         }
         let mut failures = 0u32;
+        let mut failing_since = None;
+        let stuck_key = format!("rate.{}", self.pool);
         loop {
             if let Some(slot) = self.take() {
                 sleep_until_us(slot).await;
@@ -445,7 +449,12 @@ impl Limiter {
             let wanted = self.waiting.load(Ordering::Relaxed).max(1);
             match self.claim(&mut claiming, wanted).await {
                 Ok(claim) => {
+                    if failures > 0 {
+                        self.health.set_stuck(&stuck_key, None);
+                        info!(pool = self.pool, "claiming the pool's rate slots again");
+                    }
                     failures = 0;
+                    failing_since = None;
                     let claimed = now_us();
                     let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
                     slots.extend(
@@ -458,6 +467,22 @@ impl Limiter {
                     drop(claiming);
                     failures = failures.saturating_add(1);
                     warn!(pool = self.pool, error = %e, "cannot claim a slot of the pool's rate schedule; retrying");
+                    // The bucket may be gone (a memory store lost in a restart, a
+                    // delete by hand): the next claim looks it up again, and makes it
+                    // once the server confirms it missing.
+                    self.bucket.reopen().await;
+                    let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() >= STUCK_AFTER {
+                        self.health.set_stuck(
+                            &stuck_key,
+                            Some(format!(
+                                "pool {}: cannot claim slots of its rate schedule in {} for {} s: {e}",
+                                self.pool,
+                                self.bucket.spec().name,
+                                since.elapsed().as_secs()
+                            )),
+                        );
+                    }
                     let wait = super::PULL_BACKOFF
                         .after(failures)
                         .unwrap_or(Duration::from_secs(1));
@@ -499,18 +524,7 @@ impl Limiter {
 
     /// Claims up to `wanted` slots with a compare-and-set on the stored schedule.
     async fn claim(&self, claiming: &mut Claiming, wanted: u64) -> Result<Claim, String> {
-        let store = match &claiming.store {
-            Some(store) => store.clone(),
-            None => {
-                let store = self
-                    .js
-                    .create_or_update_key_value(self.bucket.clone())
-                    .await
-                    .map_err(|e| format!("bucket {}: {e}", self.bucket.bucket))?;
-                claiming.store = Some(store.clone());
-                store
-            }
-        };
+        let store = self.bucket.store().await.map_err(|e| e.to_string())?;
         for _ in 0..CAS_TRIES {
             let (stored, revision) = match claiming.last.take() {
                 Some((next, revision)) => (Some(next), Some(revision)),
@@ -519,9 +533,19 @@ impl Limiter {
             let claim = self.schedule.claim(stored, now_us(), wanted);
             let value = claim.next_us.to_string().into_bytes();
             self.metrics.rate_schedule_requests(&self.pool, 1);
+            // Another instance's claim in between is a conflict, tried again; any
+            // other failure ends the claim.
             let written = match revision {
-                Some(revision) => store.update(&self.pool, value.into(), revision).await.ok(),
-                None => store.create(&self.pool, value.into()).await.ok(),
+                Some(revision) => match store.update(&self.pool, value.into(), revision).await {
+                    Ok(revision) => Some(revision),
+                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
+                    Err(e) => return Err(format!("bucket {}: {e}", self.bucket.spec().name)),
+                },
+                None => match store.create(&self.pool, value.into()).await {
+                    Ok(revision) => Some(revision),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => None,
+                    Err(e) => return Err(format!("bucket {}: {e}", self.bucket.spec().name)),
+                },
             };
             if let Some(revision) = written {
                 claiming.last = Some((claim.next_us, revision));

@@ -166,6 +166,7 @@ impl Dispatcher {
         let flow = Arc::new(flow::Flow::new(
             outlet.js.clone(),
             outlet.metrics.clone(),
+            instruments.health.clone(),
             &settings,
         ));
         Dispatcher {

@@ -82,13 +82,15 @@ impl Fixture {
             secrets.redactor().clone(),
             Progress::new(provisioned.progress),
         );
+        let health = Arc::new(Health::new());
         let shared = Shared {
             flow: Arc::new(super::flow::Flow::new(
                 outlet.js.clone(),
                 outlet.metrics.clone(),
+                health.clone(),
                 &settings,
             )),
-            health: Arc::new(Health::new()),
+            health,
             gauges: {
                 let gauges = Gauges::default();
                 gauges.add(settings.cluster.pools.keys());

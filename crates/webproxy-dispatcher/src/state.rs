@@ -1,0 +1,406 @@
+//! The service's cluster state in NATS: every KV bucket it keeps, declared once with
+//! its storage, replicas, history, age, size bound and marker TTL ([`Bucket::spec`]),
+//! and [`StateBucket`], the one handle through which a feature reaches its bucket. The
+//! handle recreates a bucket only after the server confirmed its stream gone (err_code
+//! 10059 from `STREAM.INFO`): a KV call on a missing bucket and a JetStream API that is
+//! down both answer "no responders", and only the first may be mended by creating.
+//!
+//! What a lost or full bucket means, bucket by bucket, is in ARCHITECTURE.md ("Cluster
+//! state").
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, ErrorCode, context::GetStreamErrorKind, kv, stream};
+use thiserror::Error;
+use tokio::sync::Mutex;
+use webproxy_protocol::Subjects;
+
+use crate::config::StreamsConfig;
+
+/// A KV bucket of the service's (or its gateway's) state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bucket {
+    /// Progress records of conversations that parked or moved.
+    Progress,
+    /// The cluster document (`[config] source = "kv"`).
+    Config,
+    /// Instances' heartbeats and counts, and the lease of the pool consumers' settings.
+    Instances,
+    /// The pools' runtime state: pauses, adaptive limits.
+    PoolState,
+    /// The pools' rate schedules.
+    Rate,
+    /// The gateway's minted ids.
+    Gateway,
+    /// The gateway's shared HMAC key.
+    GatewayKey,
+}
+
+/// How a bucket is kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketSpec {
+    pub name: String,
+    pub description: &'static str,
+    pub storage: stream::StorageType,
+    pub replicas: usize,
+    pub history: i64,
+    /// Zero keeps values until changed.
+    pub max_age: Duration,
+    /// The size bound: the bucket is discard-new, so a full one refuses writes.
+    pub max_bytes: i64,
+    /// The TTL of a purge's marker (`Nats-TTL`), on a bucket whose stream allows
+    /// per-message TTLs. A delete or purge always leaves a marker: without a TTL it
+    /// stays for `max_age`.
+    pub marker_ttl: Option<Duration>,
+    /// Whether the handle creates the bucket when the server confirms it gone. The
+    /// cluster document and the gateway key are never made again behind the
+    /// operators' back: a new empty document or a new key would change what every
+    /// instance or gateway does.
+    pub recreate: bool,
+}
+
+const MIB: i64 = 1024 * 1024;
+
+/// How long a settled progress record's purge marker stays: long enough for a
+/// redelivery racing the settle to read "deleted", short enough that markers do not
+/// pile up (at 100 settles a second, a minute's worth is 6000 small markers).
+pub(crate) const PROGRESS_MARKER_TTL: Duration = Duration::from_secs(60);
+
+impl Bucket {
+    /// Every bucket, for the gauges and the docs' table.
+    pub const ALL: [Bucket; 7] = [
+        Bucket::Progress,
+        Bucket::Config,
+        Bucket::Instances,
+        Bucket::PoolState,
+        Bucket::Rate,
+        Bucket::Gateway,
+        Bucket::GatewayKey,
+    ];
+
+    /// The label of the bucket in metrics and messages: its name without the prefix.
+    pub fn label(self) -> &'static str {
+        match self {
+            Bucket::Progress => "progress",
+            Bucket::Config => "config",
+            Bucket::Instances => "instances",
+            Bucket::PoolState => "pool_state",
+            Bucket::Rate => "rate",
+            Bucket::Gateway => "gateway",
+            Bucket::GatewayKey => "gateway_key",
+        }
+    }
+
+    /// How this bucket is kept under `subjects`' prefix and `streams`' settings.
+    pub fn spec(self, subjects: &Subjects, streams: &StreamsConfig) -> BucketSpec {
+        let replicas = streams.replicas;
+        let file = stream::StorageType::File;
+        let memory = stream::StorageType::Memory;
+        let (name, description, storage, history, max_age, max_bytes, marker_ttl, recreate) =
+            match self {
+                // Records outlive no dead letter: a conversation that parked may be
+                // replayed as long as its letter is kept. A record is a hop's state
+                // (under 4 KiB with a full attempt history), so 512 MiB holds over
+                // 100k conversations parked at once.
+                Bucket::Progress => (
+                    subjects.progress_bucket(),
+                    "webproxy progress records: the next hop of conversations that parked or moved",
+                    file,
+                    1,
+                    streams.dead_max_age.max(streams.reply_max_age),
+                    512 * MIB,
+                    Some(PROGRESS_MARKER_TTL),
+                    true,
+                ),
+                Bucket::Config => (
+                    subjects.config_bucket(),
+                    "webproxy's cluster configuration: rules, pools, outbound policy",
+                    file,
+                    crate::config_store::HISTORY,
+                    Duration::ZERO,
+                    64 * MIB,
+                    None,
+                    false,
+                ),
+                // Rewritten every few seconds by every instance, gone 20 s after its
+                // writer stops: a lost bucket is written again within 5 s (the lease
+                // taken again, the heartbeats and counts rewritten). On file all the
+                // same, as it has always been: moving it would need a delete and
+                // recreate for nothing gained.
+                Bucket::Instances => (
+                    subjects.instances_bucket(),
+                    "webproxy's running instances and the configuration revision each runs",
+                    file,
+                    1,
+                    crate::instances::TTL,
+                    16 * MIB,
+                    None,
+                    true,
+                ),
+                // Pauses by hand and breaker pauses must survive a restart.
+                Bucket::PoolState => (
+                    subjects.pool_state_bucket(),
+                    "webproxy pools' runtime state: pauses and their reasons, adaptive limits",
+                    file,
+                    5,
+                    Duration::ZERO,
+                    16 * MIB,
+                    None,
+                    true,
+                ),
+                // One small value per pool, rewritten a few times a second. A lost
+                // schedule starts again at the next claim: an idle pool may spend its
+                // burst at once, and no more. Harmless, so memory.
+                Bucket::Rate => (
+                    subjects.rate_bucket(),
+                    "webproxy pools' rate schedules: the next unclaimed slot of each",
+                    memory,
+                    1,
+                    Duration::ZERO,
+                    8 * MIB,
+                    None,
+                    true,
+                ),
+                // A minted id's record lives as long as the reply it points to.
+                Bucket::Gateway => (
+                    subjects.gateway_bucket(),
+                    "webproxy gateway: the conversation behind each minted id",
+                    file,
+                    1,
+                    streams.reply_max_age,
+                    streams.reply_max_bytes.max(64 * MIB),
+                    None,
+                    true,
+                ),
+                Bucket::GatewayKey => (
+                    subjects.gateway_key_bucket(),
+                    "webproxy gateway: the shared HMAC key of minted ids",
+                    file,
+                    1,
+                    Duration::ZERO,
+                    MIB,
+                    None,
+                    false,
+                ),
+            };
+        BucketSpec {
+            name,
+            description,
+            storage,
+            replicas,
+            history,
+            max_age,
+            max_bytes,
+            marker_ttl,
+            recreate,
+        }
+    }
+}
+
+impl BucketSpec {
+    /// The bucket's configuration for async-nats.
+    pub fn kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.name.clone(),
+            description: self.description.into(),
+            history: self.history,
+            max_age: self.max_age,
+            max_bytes: self.max_bytes,
+            storage: self.storage,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The name of the bucket's stream.
+    pub fn stream_name(&self) -> String {
+        format!("KV_{}", self.name)
+    }
+
+    /// Whether `config`, the bucket's stream as the server has it, lacks what this spec
+    /// changes in place: the bound, the age, per-message TTLs. Storage cannot be
+    /// changed by an update (docs/operations.md says how to move a bucket).
+    fn needs_update(&self, config: &stream::Config) -> bool {
+        config.max_bytes != self.max_bytes
+            || config.max_age != self.max_age
+            || (self.marker_ttl.is_some() && !config.allow_message_ttl)
+    }
+}
+
+/// A bucket could not be reached.
+#[derive(Debug, Error)]
+pub enum BucketError {
+    /// The server confirmed the bucket gone, and this bucket is not made again.
+    #[error("the bucket {bucket} is gone, and webproxy does not make it again by itself")]
+    Lost { bucket: String },
+    #[error("the bucket {bucket}: {message}")]
+    Unreachable { bucket: String, message: String },
+}
+
+/// Whether the JetStream API answered that no stream by this name exists.
+pub(crate) fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
+    matches!(kind, GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND)
+}
+
+/// One bucket of the cluster state, opened on first use and again after a failure.
+#[derive(Debug, Clone)]
+pub struct StateBucket {
+    js: jetstream::Context,
+    spec: Arc<BucketSpec>,
+    store: Arc<Mutex<Option<kv::Store>>>,
+}
+
+impl StateBucket {
+    pub fn new(js: jetstream::Context, spec: BucketSpec) -> StateBucket {
+        StateBucket {
+            js,
+            spec: Arc::new(spec),
+            store: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    pub fn spec(&self) -> &BucketSpec {
+        &self.spec
+    }
+
+    /// The bucket's handle: the one opened before, or opened now, and made when the
+    /// server confirms it missing (for a bucket that may be made again).
+    pub async fn store(&self) -> Result<kv::Store, BucketError> {
+        let mut store = self.store.lock().await;
+        if let Some(store) = store.as_ref() {
+            return Ok(store.clone());
+        }
+        let opened = self.open().await?;
+        *store = Some(opened.clone());
+        Ok(opened)
+    }
+
+    /// Forgets the handle after an operation on it failed, so that the next
+    /// [`StateBucket::store`] looks the bucket up again: a bucket deleted by hand, or
+    /// lost with a memory store in a restart, is then made again.
+    pub async fn reopen(&self) {
+        *self.store.lock().await = None;
+    }
+
+    fn unreachable(&self, message: impl ToString) -> BucketError {
+        BucketError::Unreachable {
+            bucket: self.spec.name.clone(),
+            message: message.to_string(),
+        }
+    }
+
+    async fn open(&self) -> Result<kv::Store, BucketError> {
+        let spec = &self.spec;
+        match self.js.get_stream(spec.stream_name()).await {
+            Ok(found) => {
+                let config = found.cached_info().config.clone();
+                if spec.needs_update(&config) {
+                    self.update(config).await?;
+                }
+            }
+            Err(e) if is_stream_not_found(&e.kind()) => {
+                if !spec.recreate {
+                    return Err(BucketError::Lost {
+                        bucket: spec.name.clone(),
+                    });
+                }
+                let created = self
+                    .js
+                    .create_or_update_key_value(spec.kv_config())
+                    .await
+                    .map_err(|e| self.unreachable(e))?;
+                if spec.needs_update(&created.stream.cached_info().config) {
+                    let config = created.stream.cached_info().config.clone();
+                    self.update(config).await?;
+                }
+            }
+            Err(e) => return Err(self.unreachable(e)),
+        }
+        self.js
+            .get_key_value(&spec.name)
+            .await
+            .map_err(|e| self.unreachable(e))
+    }
+
+    /// Brings the bucket's stream to the spec's bound, age and TTL setting.
+    async fn update(&self, mut config: stream::Config) -> Result<(), BucketError> {
+        config.max_bytes = self.spec.max_bytes;
+        config.max_age = self.spec.max_age;
+        // Once on it stays on: the server refuses to turn it off (10052).
+        config.allow_message_ttl |= self.spec.marker_ttl.is_some();
+        self.js
+            .update_stream(config)
+            .await
+            .map(drop)
+            .map_err(|e| self.unreachable(e))
+    }
+
+    /// The bucket's bytes and its bound, from the server, for the gauge of its use.
+    pub async fn usage(&self) -> Result<(u64, i64), BucketError> {
+        let mut found = self
+            .js
+            .get_stream(self.spec.stream_name())
+            .await
+            .map_err(|e| self.unreachable(e))?;
+        let info = found.info().await.map_err(|e| self.unreachable(e))?;
+        Ok((info.state.bytes, info.config.max_bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn specs() -> Vec<BucketSpec> {
+        let settings = crate::config::tests::settings_from("").expect("the defaults");
+        Bucket::ALL
+            .iter()
+            .map(|b| b.spec(&settings.subjects, &settings.streams))
+            .collect()
+    }
+
+    #[test]
+    fn every_bucket_has_a_size_bound() {
+        for spec in specs() {
+            assert!(spec.max_bytes > 0, "{} has no bound", spec.name);
+        }
+    }
+
+    #[test]
+    fn only_buckets_whose_loss_is_harmless_are_in_memory() {
+        let memory: Vec<String> = specs()
+            .into_iter()
+            .filter(|s| s.storage == stream::StorageType::Memory)
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(memory, ["WEBPROXY_RATE"]);
+    }
+
+    #[test]
+    fn the_document_and_the_gateway_key_are_never_made_again() {
+        let kept: Vec<String> = specs()
+            .into_iter()
+            .filter(|s| !s.recreate)
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(kept, ["WEBPROXY_CONFIG", "WEBPROXY_GATEWAY_KEY"]);
+    }
+
+    #[test]
+    fn settled_progress_records_leave_short_lived_markers() {
+        let progress = &specs()[0];
+        assert_eq!(progress.marker_ttl, Some(PROGRESS_MARKER_TTL));
+        let mut config = stream::Config {
+            max_bytes: progress.max_bytes,
+            max_age: progress.max_age,
+            ..Default::default()
+        };
+        assert!(
+            progress.needs_update(&config),
+            "a stream without per-message TTLs is updated"
+        );
+        config.allow_message_ttl = true;
+        assert!(!progress.needs_update(&config));
+    }
+}
