@@ -6,12 +6,19 @@
 //! Time bounds are the issue's where it gives one, generous otherwise (a loaded 2-core
 //! CI machine runs several of these at once), and documented where they are set.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::stream;
+use async_nats::jetstream::{self, stream};
+use axum::http::StatusCode;
+use axum::routing::get;
 use webproxy_client::Client;
 use webproxy_tests::caller::{envelope, path_rule, to};
-use webproxy_tests::{NatsServer, Service, Upstream, http_client, wait_for, wait_until};
+use webproxy_tests::{
+    NatsServer, Service, ServiceOptions, Upstream, default_routes, http_client, wait_for,
+    wait_until,
+};
 
 const POOL: &str = "partner";
 
@@ -103,26 +110,8 @@ async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     assert_eq!(call(&client, &upstream).await, Ok(200), "before the fault");
 
-    let js = async_nats::jetstream::new(nats.client().await);
-    js.delete_stream("KV_WEBPROXY_RATE")
-        .await
-        .expect("delete the rate bucket");
-    let broken = stream::Config {
-        name: "KV_WEBPROXY_RATE".into(),
-        subjects: vec!["$KV.WEBPROXY_RATE.>".into()],
-        max_messages_per_subject: 1,
-        storage: stream::StorageType::Memory,
-        ..Default::default()
-    };
-    js.create_stream(broken.clone())
-        .await
-        .expect("a stream in its place");
-    js.update_stream(stream::Config {
-        sealed: true,
-        ..broken
-    })
-    .await
-    .expect("seal it");
+    let js = jetstream::new(nats.client().await);
+    break_bucket(&js, "KV_WEBPROXY_RATE", "$KV.WEBPROXY_RATE.>").await;
 
     let request = to(POOL, &envelope("GET", &upstream.url("/echo"))).wait(Duration::from_secs(120));
     let answer = tokio::spawn({
@@ -163,4 +152,219 @@ async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
         readiness(&service).await.0 == 200
     })
     .await;
+}
+
+/// `/flaky`: 503 for the first call, 200 after: one parked retry that succeeds.
+async fn flaky_upstream() -> Upstream {
+    let calls = Arc::new(AtomicUsize::new(0));
+    Upstream::start_with(default_routes().route(
+        "/flaky",
+        get(move || {
+            let calls = calls.clone();
+            async move {
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not yet")
+                } else {
+                    (StatusCode::OK, "ok")
+                }
+            }
+        }),
+    ))
+    .await
+}
+
+/// Replaces `stream` by a sealed stream of the same name and subjects, which refuses
+/// every write and every change: the bucket is there but cannot be used.
+async fn break_bucket(js: &jetstream::Context, stream: &str, subject: &str) {
+    js.delete_stream(stream).await.expect("delete the bucket");
+    let broken = stream::Config {
+        name: stream.into(),
+        subjects: vec![subject.into()],
+        max_messages_per_subject: 1,
+        storage: stream::StorageType::Memory,
+        ..Default::default()
+    };
+    js.create_stream(broken.clone())
+        .await
+        .expect("a stream in its place");
+    js.update_stream(stream::Config {
+        sealed: true,
+        ..broken
+    })
+    .await
+    .expect("seal it");
+}
+
+/// Table item 4: an outage of the progress bucket while a parked retry comes due. The
+/// hop's delivery cannot read its record; that used to leave the message for
+/// redelivery until `max_deliver` ended the conversation `internal` ("crashed or
+/// stalled an instance each time"). Now the handler waits for its own store, kept by
+/// progress acks (`ack_wait` 2 s, `max_deliver` 2: a redelivery would end it), and says
+/// so on `/readyz`; once the bucket answers, the retry succeeds. The outage is the
+/// service's test hook (every progress operation fails while a file exists): one
+/// nats-server cannot stop one stream alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
+    let nats = NatsServer::start();
+    let upstream = flaky_upstream().await;
+    let outage = tempfile::NamedTempFile::new().expect("the outage switch");
+    let switch = outage.path().to_path_buf();
+    outage.close().expect("the outage off");
+    let service = Service::start_with(
+        &nats.url(),
+        &format!(
+            "[service]\nack_wait = \"2s\"\nmax_deliver = 2\n\n[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"2s\"\n",
+            path_rule("partner", &upstream, "/")
+        ),
+        ServiceOptions::default().env(
+            "WEBPROXY_TEST_PROGRESS_OUTAGE",
+            switch.to_str().expect("a UTF-8 path"),
+        ),
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let request =
+        to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(Duration::from_secs(120));
+    let answer = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(&request).await }
+    });
+    let js = jetstream::new(nats.client().await);
+    // Parked: the first attempt answered 503 and its record is written.
+    wait_until(ANSWER, "the first attempt parked", || async {
+        upstream.hits_for("/flaky") == 1
+            && js
+                .get_stream("KV_WEBPROXY_PROGRESS")
+                .await
+                .is_ok_and(|s| s.cached_info().state.messages == 1)
+    })
+    .await;
+    std::fs::write(&switch, b"out").expect("start the outage");
+    let out = Instant::now();
+    let body = wait_for(
+        ANSWER,
+        "/readyz 503 naming the progress records",
+        || async {
+            let (status, text) = readiness(&service).await;
+            (status == 503 && text.contains("progress records")).then_some(text)
+        },
+    )
+    .await;
+    // 6 s of outage in all, as in the issue: three ack_waits.
+    wait_until(ANSWER, "6 s of outage", || async {
+        out.elapsed() >= Duration::from_secs(6)
+    })
+    .await;
+    println!("{body}");
+    std::fs::remove_file(&switch).expect("end the outage");
+    let reply = answer
+        .await
+        .expect("the request's task")
+        .unwrap_or_else(|e| panic!("no answer: {e}\n{}", service.logs()));
+    assert_eq!(
+        (reply.status, reply.attempts),
+        (Some(200), 2),
+        "{reply:?}\n{}",
+        service.logs()
+    );
+    assert_eq!(upstream.hits_for("/flaky"), 2, "attempted again");
+    wait_until(ANSWER, "the service ready again", || async {
+        readiness(&service).await.0 == 200
+    })
+    .await;
+}
+
+/// Point 4: a progress bucket deleted by hand while a retry is parked is made again.
+/// The record is lost with it, and the conversation is still answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_progress_bucket_is_made_again() {
+    let nats = NatsServer::start();
+    let upstream = flaky_upstream().await;
+    let service = Service::start(
+        &nats,
+        &format!(
+            "[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"2s\"\n",
+            path_rule("partner", &upstream, "/")
+        ),
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let request = to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(ANSWER);
+    let answer = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(&request).await }
+    });
+    let js = jetstream::new(nats.client().await);
+    wait_until(ANSWER, "the first attempt parked", || async {
+        upstream.hits_for("/flaky") == 1
+            && js
+                .get_stream("KV_WEBPROXY_PROGRESS")
+                .await
+                .is_ok_and(|s| s.cached_info().state.messages == 1)
+    })
+    .await;
+    js.delete_stream("KV_WEBPROXY_PROGRESS")
+        .await
+        .expect("delete the progress bucket");
+    let reply = answer
+        .await
+        .expect("the request's task")
+        .unwrap_or_else(|e| panic!("no answer: {e}\n{}", service.logs()));
+    assert_eq!((reply.status, reply.attempts), (Some(200), 2), "{reply:?}");
+    let info = js
+        .get_stream("KV_WEBPROXY_PROGRESS")
+        .await
+        .expect("the bucket made again")
+        .cached_info()
+        .clone();
+    assert!(
+        info.config.allow_message_ttl,
+        "made as declared: {:?}",
+        info.config
+    );
+}
+
+/// Point 5: a settled record is purged with a marker that carries a TTL, on a bucket
+/// that allows per-message TTLs (and adds no markers of its own when records age
+/// out), instead of a delete marker kept for `dead_max_age`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_conversation_leaves_a_short_lived_marker() {
+    let nats = NatsServer::start();
+    let upstream = flaky_upstream().await;
+    let _service = Service::start(
+        &nats,
+        &format!(
+            "[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"100ms\"\n",
+            path_rule("partner", &upstream, "/")
+        ),
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let request = to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(ANSWER);
+    let reply = client.request(&request).await.expect("an answer");
+    assert_eq!((reply.status, reply.attempts), (Some(200), 2), "{reply:?}");
+
+    let js = jetstream::new(nats.client().await);
+    let mut stream = js
+        .get_stream("KV_WEBPROXY_PROGRESS")
+        .await
+        .expect("the progress bucket");
+    let info = stream.info().await.expect("its info");
+    assert!(info.config.allow_message_ttl, "{:?}", info.config);
+    assert_eq!(
+        info.config.subject_delete_marker_ttl, None,
+        "{:?}",
+        info.config
+    );
+    let marker = stream
+        .get_last_raw_message_by_subject("$KV.WEBPROXY_PROGRESS.>")
+        .await
+        .expect("the settled record's marker");
+    let header = |name: &str| marker.headers.get(name).map(|v| v.as_str().to_string());
+    assert_eq!(
+        header("KV-Operation").as_deref(),
+        Some("PURGE"),
+        "{marker:?}"
+    );
+    assert_eq!(header("Nats-TTL").as_deref(), Some("60"), "{marker:?}");
 }

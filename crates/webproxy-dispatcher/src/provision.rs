@@ -17,6 +17,7 @@ use tracing::{error, info, warn};
 
 use crate::config::{PoolConfig, Settings};
 use crate::pool_state::PoolState;
+use crate::state::{Bucket, StateBucket};
 use time::OffsetDateTime;
 
 /// Provisioning failed; the message names the stream or consumer.
@@ -418,22 +419,6 @@ pub(crate) fn dead_stream_config(settings: &Settings) -> stream::Config {
     )
 }
 
-/// The bucket of progress records. Records outlive no dead letter: a conversation
-/// that parked may be replayed as long as its letter is kept.
-pub(crate) fn progress_bucket_config(settings: &Settings) -> kv::Config {
-    let streams = &settings.streams;
-    kv::Config {
-        bucket: settings.subjects.progress_bucket(),
-        description:
-            "webproxy progress records: the next hop of conversations that parked or moved".into(),
-        history: 1,
-        max_age: streams.dead_max_age.max(streams.reply_max_age),
-        storage: stream::StorageType::File,
-        num_replicas: streams.replicas,
-        ..Default::default()
-    }
-}
-
 /// The bucket of the pools' runtime state ([`PoolState`], one key per pool): kept
 /// until changed, with the streams' replicas, a few revisions for whoever looks into
 /// why a pool paused.
@@ -656,7 +641,7 @@ pub(crate) fn consumer_missing(e: &stream::ConsumerError) -> bool {
 /// What provisioning made: the pools' consumers and the progress bucket.
 pub(crate) struct Provisioned {
     pub(crate) pools: Vec<PoolConsumers>,
-    pub(crate) progress: kv::Store,
+    pub(crate) progress: StateBucket,
 }
 
 /// Creates or updates every stream, bucket and consumer of this instance's config.
@@ -679,12 +664,14 @@ pub(crate) async fn provision(
     js.create_or_update_stream(dead)
         .await
         .map_err(|e| provision_error(format!("stream {name}"), e))?;
-    let bucket = progress_bucket_config(settings);
-    let bucket_name = bucket.bucket.clone();
-    let progress = js
-        .create_or_update_key_value(bucket)
+    let progress = StateBucket::new(
+        js.clone(),
+        Bucket::Progress.spec(&settings.subjects, &settings.streams),
+    );
+    progress
+        .store()
         .await
-        .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
+        .map_err(|e| provision_error(format!("bucket {}", progress.spec().name), e))?;
     let bucket = pool_state_bucket_config(settings);
     let bucket_name = bucket.bucket.clone();
     js.create_or_update_key_value(bucket)

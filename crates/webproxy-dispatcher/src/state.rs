@@ -244,30 +244,34 @@ pub(crate) fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
 }
 
 /// One bucket of the cluster state, opened on first use and again after a failure.
+/// Clones share one handle.
 #[derive(Debug, Clone)]
-pub struct StateBucket {
+pub struct StateBucket(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
     js: jetstream::Context,
-    spec: Arc<BucketSpec>,
-    store: Arc<Mutex<Option<kv::Store>>>,
+    spec: BucketSpec,
+    store: Mutex<Option<kv::Store>>,
 }
 
 impl StateBucket {
     pub fn new(js: jetstream::Context, spec: BucketSpec) -> StateBucket {
-        StateBucket {
+        StateBucket(Arc::new(Shared {
             js,
-            spec: Arc::new(spec),
-            store: Arc::new(Mutex::new(None)),
-        }
+            spec,
+            store: Mutex::new(None),
+        }))
     }
 
     pub fn spec(&self) -> &BucketSpec {
-        &self.spec
+        &self.0.spec
     }
 
     /// The bucket's handle: the one opened before, or opened now, and made when the
     /// server confirms it missing (for a bucket that may be made again).
     pub async fn store(&self) -> Result<kv::Store, BucketError> {
-        let mut store = self.store.lock().await;
+        let mut store = self.0.store.lock().await;
         if let Some(store) = store.as_ref() {
             return Ok(store.clone());
         }
@@ -280,19 +284,19 @@ impl StateBucket {
     /// [`StateBucket::store`] looks the bucket up again: a bucket deleted by hand, or
     /// lost with a memory store in a restart, is then made again.
     pub async fn reopen(&self) {
-        *self.store.lock().await = None;
+        *self.0.store.lock().await = None;
     }
 
     fn unreachable(&self, message: impl ToString) -> BucketError {
         BucketError::Unreachable {
-            bucket: self.spec.name.clone(),
+            bucket: self.0.spec.name.clone(),
             message: message.to_string(),
         }
     }
 
     async fn open(&self) -> Result<kv::Store, BucketError> {
-        let spec = &self.spec;
-        match self.js.get_stream(spec.stream_name()).await {
+        let spec = &self.0.spec;
+        match self.0.js.get_stream(spec.stream_name()).await {
             Ok(found) => {
                 let config = found.cached_info().config.clone();
                 if spec.needs_update(&config) {
@@ -306,7 +310,7 @@ impl StateBucket {
                     });
                 }
                 let created = self
-                    .js
+                    .0.js
                     .create_or_update_key_value(spec.kv_config())
                     .await
                     .map_err(|e| self.unreachable(e))?;
@@ -317,7 +321,7 @@ impl StateBucket {
             }
             Err(e) => return Err(self.unreachable(e)),
         }
-        self.js
+        self.0.js
             .get_key_value(&spec.name)
             .await
             .map_err(|e| self.unreachable(e))
@@ -325,11 +329,11 @@ impl StateBucket {
 
     /// Brings the bucket's stream to the spec's bound, age and TTL setting.
     async fn update(&self, mut config: stream::Config) -> Result<(), BucketError> {
-        config.max_bytes = self.spec.max_bytes;
-        config.max_age = self.spec.max_age;
+        config.max_bytes = self.0.spec.max_bytes;
+        config.max_age = self.0.spec.max_age;
         // Once on it stays on: the server refuses to turn it off (10052).
-        config.allow_message_ttl |= self.spec.marker_ttl.is_some();
-        self.js
+        config.allow_message_ttl |= self.0.spec.marker_ttl.is_some();
+        self.0.js
             .update_stream(config)
             .await
             .map(drop)
@@ -339,8 +343,8 @@ impl StateBucket {
     /// The bucket's bytes and its bound, from the server, for the gauge of its use.
     pub async fn usage(&self) -> Result<(u64, i64), BucketError> {
         let mut found = self
-            .js
-            .get_stream(self.spec.stream_name())
+            .0.js
+            .get_stream(self.0.spec.stream_name())
             .await
             .map_err(|e| self.unreachable(e))?;
         let info = found.info().await.map_err(|e| self.unreachable(e))?;

@@ -40,3 +40,15 @@ pub(super) fn exit_after_dead_letter() {
         std::process::exit(86);
     }
 }
+
+/// `WEBPROXY_TEST_PROGRESS_OUTAGE=<path>`: every progress record operation fails while
+/// the file at `path` exists, as during an outage of the bucket's stream alone (which
+/// one nats-server cannot stage: a missing stream is made again, and a stopped server
+/// stops the pool stream too). The test makes and removes the file.
+pub(super) fn progress_outage() -> bool {
+    #[cfg(feature = "test-hooks")]
+    if let Some(path) = std::env::var_os("WEBPROXY_TEST_PROGRESS_OUTAGE") {
+        return std::path::Path::new(&path).exists();
+    }
+    false
+}

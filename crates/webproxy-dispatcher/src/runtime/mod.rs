@@ -158,7 +158,7 @@ impl Dispatcher {
             max_payload,
             instruments.metrics,
             secrets.redactor().clone(),
-            Progress::new(provisioned.progress),
+            Progress::new(provisioned.progress, instruments.health.clone()),
         );
         outlet
             .js

@@ -4,13 +4,20 @@
 //! conversation has one attempt line however its acks are lost: a delivery that is not
 //! the current, untaken step does nothing but ack.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use async_nats::jetstream::kv::{self, Operation};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+use tracing::{info, warn};
 use webproxy_protocol::Origin;
 
+use crate::backoff::Backoff;
+use crate::health::Health;
 use crate::hop::{HopKind, HopState};
+use crate::state::{PROGRESS_MARKER_TTL, StateBucket};
 
 /// The next hop of a conversation, as recorded before it is published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,11 +88,38 @@ pub enum ProgressError {
     },
 }
 
-/// The progress bucket.
+/// The progress bucket, as the service or an operator command reaches it.
 #[derive(Debug, Clone)]
 pub(crate) struct Progress {
-    store: kv::Store,
+    handle: Handle,
 }
+
+#[derive(Debug, Clone)]
+enum Handle {
+    /// The service's: made again when the server confirms it gone, and every failed
+    /// operation retried while the delivery's progress acks hold the message (the
+    /// server's delivery count cannot be undone, so waiting on the service's own store
+    /// must not count as a crash). After [`STUCK_AFTER`] of failures the pool's
+    /// readiness says so.
+    Service {
+        bucket: StateBucket,
+        health: Arc<Health>,
+    },
+    /// An operator command's: the bucket it opened, one try per operation, and an
+    /// error for the operator to read. Boxed: a store is large, and a handle is
+    /// cloned into every outlet.
+    Operator(Box<kv::Store>),
+}
+
+/// Retries of a progress operation: 100 ms more per failure, at most 2 s apart.
+const RETRY: Backoff = Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
+
+/// How long progress operations may keep failing before `/readyz` turns 503: longer
+/// than a leader election, and with [`RETRY`] well within 10 s.
+const STUCK_AFTER: Duration = Duration::from_secs(3);
+
+/// The key `/readyz`'s reasons keep a stuck progress bucket under.
+const STUCK_KEY: &str = "progress";
 
 fn nats_error(key: &str, source: impl Into<async_nats::Error>) -> ProgressError {
     ProgressError::Nats {
@@ -100,8 +134,70 @@ fn encode(record: &Record) -> Bytes {
 }
 
 impl Progress {
-    pub(crate) fn new(store: kv::Store) -> Progress {
-        Progress { store }
+    /// The service's progress bucket.
+    pub(crate) fn new(bucket: StateBucket, health: Arc<Health>) -> Progress {
+        Progress {
+            handle: Handle::Service { bucket, health },
+        }
+    }
+
+    /// An operator command's progress bucket.
+    pub(crate) fn operator(store: kv::Store) -> Progress {
+        Progress {
+            handle: Handle::Operator(Box::new(store)),
+        }
+    }
+
+    /// Runs `operation` on the bucket: once for an operator; for the service, again
+    /// after every failure to reach the bucket, reopening it in between.
+    async fn run<T, F>(
+        &self,
+        key: &str,
+        operation: impl Fn(kv::Store) -> F,
+    ) -> Result<T, ProgressError>
+    where
+        F: Future<Output = Result<T, ProgressError>>,
+    {
+        let (bucket, health) = match &self.handle {
+            Handle::Operator(store) => return operation(kv::Store::clone(store)).await,
+            Handle::Service { bucket, health } => (bucket, health),
+        };
+        let mut failures = 0u32;
+        let mut failing_since = None;
+        loop {
+            let result = match bucket.store().await {
+                _ if super::hooks::progress_outage() => {
+                    Err(nats_error(key, "test hook: the progress bucket is out"))
+                }
+                Ok(store) => operation(store).await,
+                Err(e) => Err(nats_error(key, e)),
+            };
+            let error = match result {
+                Err(error @ ProgressError::Nats { .. }) => error,
+                done => {
+                    if failures > 0 {
+                        health.set_stuck(STUCK_KEY, None);
+                        info!(key, failures, "the progress bucket answers again");
+                    }
+                    return done;
+                }
+            };
+            failures = failures.saturating_add(1);
+            warn!(key, error = %error, failures, "a progress record operation failed; retrying while the message is held");
+            bucket.reopen().await;
+            let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= STUCK_AFTER {
+                health.set_stuck(
+                    STUCK_KEY,
+                    Some(format!(
+                        "progress records in {} unreachable for {} s: {error}",
+                        bucket.spec().name,
+                        since.elapsed().as_secs()
+                    )),
+                );
+            }
+            tokio::time::sleep(RETRY.after(failures).unwrap_or(Duration::from_secs(2))).await;
+        }
     }
 
     /// The record of `origin`'s `generation` and its revision, if one exists. A
@@ -112,12 +208,13 @@ impl Progress {
         generation: u64,
     ) -> Result<Option<(Record, u64)>, ProgressError> {
         let key = origin.record_key(generation);
-        let Some(entry) = self
-            .store
-            .entry(key.clone())
-            .await
-            .map_err(|e| nats_error(&key, e))?
-        else {
+        let entry = self
+            .run(&key, |store| {
+                let key = key.clone();
+                async move { store.entry(&key).await.map_err(|e| nats_error(&key, e)) }
+            })
+            .await?;
+        let Some(entry) = entry else {
             return Ok(None);
         };
         if entry.operation != Operation::Put {
@@ -141,35 +238,50 @@ impl Progress {
     ) -> Result<u64, ProgressError> {
         let key = record.hop.origin.record_key(record.hop.generation);
         let value = encode(record);
-        match revision {
-            None => self.store.create(&key, value).await.map_err(|e| {
-                if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                    ProgressError::Conflict { key: key.clone() }
-                } else {
-                    nats_error(&key, e)
+        self.run(&key, |store| {
+            let (key, value) = (key.clone(), value.clone());
+            async move {
+                match revision {
+                    None => store.create(&key, value).await.map_err(|e| {
+                        if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                            ProgressError::Conflict { key: key.clone() }
+                        } else {
+                            nats_error(&key, e)
+                        }
+                    }),
+                    Some(revision) => store.update(&key, value, revision).await.map_err(|e| {
+                        if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                            ProgressError::Conflict { key: key.clone() }
+                        } else {
+                            nats_error(&key, e)
+                        }
+                    }),
                 }
-            }),
-            Some(revision) => self.store.update(&key, value, revision).await.map_err(|e| {
-                if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-                    ProgressError::Conflict { key: key.clone() }
-                } else {
-                    nats_error(&key, e)
-                }
-            }),
-        }
+            }
+        })
+        .await
     }
 
-    /// Deletes the record of a conversation that settled.
+    /// Removes the record of a conversation that settled. A KV delete or purge always
+    /// leaves a marker; this one is a purge whose marker expires after
+    /// [`PROGRESS_MARKER_TTL`] (the bucket allows per-message TTLs), so settled
+    /// conversations leave nothing behind for long.
     pub(crate) async fn delete(
         &self,
         origin: &Origin,
         generation: u64,
     ) -> Result<(), ProgressError> {
         let key = origin.record_key(generation);
-        self.store
-            .delete(&key)
-            .await
-            .map_err(|e| nats_error(&key, e))
+        self.run(&key, |store| {
+            let key = key.clone();
+            async move {
+                store
+                    .purge_with_ttl(&key, PROGRESS_MARKER_TTL)
+                    .await
+                    .map_err(|e| nats_error(&key, e))
+            }
+        })
+        .await
     }
 }
 

@@ -54,7 +54,7 @@ impl Outlet {
             max_payload,
             Arc::new(Metrics::new(env!("CARGO_PKG_VERSION"))),
             Redactor::default(),
-            Progress::new(progress),
+            Progress::operator(progress),
         )
     }
 

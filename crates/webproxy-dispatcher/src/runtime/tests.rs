@@ -80,7 +80,7 @@ impl Fixture {
             1024 * 1024,
             Arc::new(Metrics::new("test")),
             secrets.redactor().clone(),
-            Progress::new(provisioned.progress),
+            Progress::new(provisioned.progress, Arc::new(Health::new())),
         );
         let health = Arc::new(Health::new());
         let shared = Shared {
