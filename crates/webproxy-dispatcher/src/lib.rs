@@ -46,7 +46,9 @@ pub use provision::mark_removing;
 pub use response_rules::{AppliedResponseRules, ResponseRuleConfig, ResponseRulesSource};
 pub use retry::RetryPolicy;
 pub use rules::{RequestRuleConfig, RuleAction};
-pub use runtime::{Dispatcher, Outlet, ReplayError, Settled, StartError, connect, test_hook};
+pub use runtime::{
+    Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, connect, test_hook,
+};
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};
 pub use security::{OutboundConfig, parse_cidrs};

@@ -3,6 +3,10 @@
 //! next hop and is written with compare-and-set before that hop is published, so a
 //! conversation has one attempt line however its acks are lost: a delivery that is not
 //! the current, untaken step does nothing but ack.
+//!
+//! The same bucket holds the replay markers, `replayed.<STREAM>.<seq>.<generation>`:
+//! one per generation that `dead replay` started, created before its hop is published
+//! and never deleted at settle, so that a letter is replayed once (see [`replayed_key`]).
 
 use async_nats::jetstream::kv::{self, Operation};
 use bytes::Bytes;
@@ -62,6 +66,22 @@ pub(super) fn claim(record: &Record, step: u32, seq: u64) -> Claim {
         Some(taker) if taker == seq => Claim::Current { take: false },
         Some(_) => Claim::Stale,
     }
+}
+
+/// The replay marker's key for `origin`'s `generation`:
+/// `replayed.<STREAM>.<seq>.<generation>`. It has four tokens where a record key has
+/// three, so the two never meet, and only characters KV keys allow.
+pub(crate) fn replayed_key(origin: &Origin, generation: u64) -> String {
+    format!("replayed.{}", origin.record_key(generation))
+}
+
+/// What a replay marker holds: which hop started the generation, and when. Nothing
+/// reads it back but an operator looking into the bucket; the key's existence is the
+/// marker.
+#[derive(Debug, Serialize)]
+struct Marker<'a> {
+    msg_id: &'a str,
+    replayed_ms: u64,
 }
 
 /// A progress-record operation failed.
@@ -159,6 +179,53 @@ impl Progress {
         }
     }
 
+    /// Marks `origin`'s `generation` as replayed by the hop `msg_id`, at `replayed_ms`
+    /// (Unix ms). A create: `Conflict` means that generation was replayed already (or
+    /// is being replayed now). The marker is never deleted; the bucket's age limit, at
+    /// least `dead_max_age`, ends it after the letter it was replayed from.
+    pub(crate) async fn mark_replayed(
+        &self,
+        origin: &Origin,
+        generation: u64,
+        msg_id: &str,
+        replayed_ms: u64,
+    ) -> Result<(), ProgressError> {
+        let key = replayed_key(origin, generation);
+        let marker = Marker {
+            msg_id,
+            replayed_ms,
+        };
+        // Strings and numbers only: serializing cannot fail.
+        let value = Bytes::from(serde_json::to_vec(&marker).unwrap_or_default());
+        self.store
+            .create(&key, value)
+            .await
+            .map(|_| ())
+            .map_err(|e| {
+                if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                    ProgressError::Conflict { key: key.clone() }
+                } else {
+                    nats_error(&key, e)
+                }
+            })
+    }
+
+    /// Whether `origin`'s `generation` carries a replay marker. A lookup that fails is
+    /// an error, never "no".
+    pub(crate) async fn is_replayed(
+        &self,
+        origin: &Origin,
+        generation: u64,
+    ) -> Result<bool, ProgressError> {
+        let key = replayed_key(origin, generation);
+        let entry = self
+            .store
+            .entry(key.clone())
+            .await
+            .map_err(|e| nats_error(&key, e))?;
+        Ok(entry.is_some_and(|entry| entry.operation == Operation::Put))
+    }
+
     /// Deletes the record of a conversation that settled.
     pub(crate) async fn delete(
         &self,
@@ -216,6 +283,21 @@ mod tests {
         // a hop of step 1 redelivered once step 2 is recorded
         assert_eq!(claim(&record(2, None), 1, 10), Claim::Republish);
         assert_eq!(claim(&record(2, Some(12)), 1, 10), Claim::Stale);
+    }
+
+    #[test]
+    fn replay_markers_are_valid_keys_apart_from_records() {
+        let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 1_733_025_600_000_123);
+        let key = replayed_key(&origin, 2);
+        assert_eq!(key, "replayed.WEBPROXY_POOL_DEFAULT.1733025600000123.2");
+        assert!(
+            key.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-/_=.".contains(c)),
+            "{key}"
+        );
+        // Never a record's key, whatever the stream is called: one token more.
+        assert_eq!(key.split('.').count(), 4);
+        assert_eq!(origin.record_key(2).split('.').count(), 3);
     }
 
     #[test]
