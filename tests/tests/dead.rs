@@ -15,7 +15,7 @@ use async_nats::jetstream::{self, context::PublishAckFuture};
 use futures::TryStreamExt as _;
 use serde_json::{Value, json};
 use tokio::io::AsyncBufReadExt as _;
-use webproxy_tests::caller::{Harness, accept_rule};
+use webproxy_tests::caller::{Harness, accept_rule, next_message};
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{ServiceOptions, Upstream, wait_until};
 
@@ -434,4 +434,106 @@ async fn replay_skips_denied_and_invalid_requests_unless_included() {
         },
     )
     .await;
+}
+
+/// The generation a live reply answers, from its `Webproxy-Generation` header.
+fn generation_of(message: &async_nats::Message) -> Option<String> {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(webproxy_protocol::header::GENERATION))
+        .map(|v| v.as_str().to_string())
+}
+
+/// A letter is replayed once (issue 29, point 6). A first `dead replay --yes` runs
+/// generation 1. Once its stored reply is gone, as it is `reply_max_age` later, a
+/// second `dead replay --yes` says "already replayed as generation 1", exits 0 (the
+/// letter is where the operator wants it: replayed) and publishes nothing: no hop, no
+/// call upstream, no reply. `--again` then replays it as generation 2 on purpose, and
+/// a plain replay after that names generation 2.
+///
+/// The stored reply vanishes by the server's own expiry: `[streams] reply_max_age` is
+/// set to 2 s (the config takes any duration), so the second replay finds exactly what
+/// it finds in production 15 minutes later, without the test reaching into the
+/// replies stream by hand.
+#[tokio::test]
+async fn a_letter_is_replayed_once() {
+    let options = ServiceOptions::default().env("WEBPROXY_STREAMS__REPLY_MAX_AGE", "2s");
+    let h = harness(options).await;
+    publish_letters(
+        &h.js,
+        [letter(
+            &h.upstream,
+            "default",
+            "failed",
+            "upstream_error",
+            1,
+        )],
+    )
+    .await;
+    let origin = webproxy_protocol::Origin::new("WEBPROXY_POOL_DEFAULT", 1);
+    let nats = h.nats.url();
+    let replay = ["dead", "replay", "--nats", &nats, "--yes", "--json"];
+    let mut replies =
+        h.js.client()
+            .subscribe("webproxy.reply.failed")
+            .await
+            .expect("subscribe");
+
+    let first = json_lines(&replay).await;
+    assert_eq!(field(&first, "action"), ["replayed"], "{first:?}");
+    assert_eq!(first[0]["generation"], 1);
+    let reply = next_message(
+        &mut replies,
+        Duration::from_secs(20),
+        "generation 1's reply",
+    )
+    .await;
+    assert_eq!(generation_of(&reply).as_deref(), Some("1"));
+    let stored = || async { h.client.reply("failed", &origin).await.expect("lookup") };
+    wait_until(
+        Duration::from_secs(10),
+        "generation 1's stored reply",
+        || async { stored().await.is_some() },
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(20),
+        "generation 1's stored reply to expire",
+        || async { stored().await.is_none() },
+    )
+    .await;
+    assert_eq!(h.upstream.hits_for("/status/201"), 1);
+
+    let published = pool_publishes(&h.js).await;
+    let second = webproxy(&["dead", "replay", "--nats", &nats, "--yes"]).await;
+    assert!(second.status.success(), "{second:?}");
+    let text = String::from_utf8_lossy(&second.stdout);
+    assert!(text.contains("already replayed as generation 1"), "{text}");
+    assert!(text.ends_with("0 replayed, 1 skipped\n"), "{text}");
+    // Nothing published: no hop, so nothing for the service to call or answer.
+    assert_eq!(pool_publishes(&h.js).await, published);
+
+    let again = json_lines(&[&replay[..], &["--again"]].concat()).await;
+    assert_eq!(field(&again, "action"), ["replayed"], "{again:?}");
+    assert_eq!(again[0]["generation"], 2);
+    assert_eq!(pool_publishes(&h.js).await, published + 1);
+    // The next reply is generation 2's: had the second replay run, a second
+    // generation 1 reply would have come first.
+    let reply = next_message(
+        &mut replies,
+        Duration::from_secs(20),
+        "generation 2's reply",
+    )
+    .await;
+    assert_eq!(generation_of(&reply).as_deref(), Some("2"));
+    assert_eq!(h.upstream.hits_for("/status/201"), 2);
+
+    let third = json_lines(&replay).await;
+    assert_eq!(field(&third, "action"), ["skipped"], "{third:?}");
+    assert!(
+        field(&third, "reason")[0].contains("already replayed as generation 2"),
+        "{third:?}"
+    );
+    assert_eq!(pool_publishes(&h.js).await, published + 1);
 }
