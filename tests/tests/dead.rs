@@ -73,6 +73,13 @@ async fn json_lines(args: &[&str]) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("{args:?}: not JSON lines ({e}): {output:?}"))
 }
 
+/// Runs webproxy and returns its stdout as text, after checking it succeeded.
+async fn text_output(args: &[&str]) -> String {
+    let output = webproxy(args).await;
+    assert!(output.status.success(), "{args:?}: {output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// The `field` of each line, in order.
 fn field(lines: &[Value], field: &str) -> Vec<String> {
     lines
@@ -345,9 +352,7 @@ async fn replay_dry_run_changes_nothing() {
         field(&all, "action"),
         ["would_replay", "would_replay", "would_replay"]
     );
-    let text = webproxy(&["dead", "replay", "--nats", &nats, "--dry-run"]).await;
-    assert!(text.status.success(), "{text:?}");
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = text_output(&["dead", "replay", "--nats", &nats, "--dry-run"]).await;
     assert!(text.contains("would replay failed"), "{text}");
     assert!(text.ends_with("1 would be replayed, 2 skipped\n"), "{text}");
 
@@ -436,13 +441,20 @@ async fn replay_skips_denied_and_invalid_requests_unless_included() {
     .await;
 }
 
-/// The generation a live reply answers, from its `Webproxy-Generation` header.
-fn generation_of(message: &async_nats::Message) -> Option<String> {
-    message
+/// Runs `dead replay` with `args` (`--json`), checks that it replayed one conversation
+/// as `generation`, and that the next live reply on `replies` answers that generation.
+async fn replays_as(args: &[&str], replies: &mut async_nats::Subscriber, generation: u64) {
+    let lines = json_lines(args).await;
+    assert_eq!(field(&lines, "action"), ["replayed"], "{lines:?}");
+    assert_eq!(lines[0]["generation"], generation, "{lines:?}");
+    let what = format!("generation {generation}'s reply");
+    let reply = next_message(replies, Duration::from_secs(20), &what).await;
+    let answered = reply
         .headers
         .as_ref()
         .and_then(|h| h.get(webproxy_protocol::header::GENERATION))
-        .map(|v| v.as_str().to_string())
+        .map(|v| v.as_str().to_string());
+    assert_eq!(answered, Some(generation.to_string()), "{what}");
 }
 
 /// A letter is replayed once (issue 29, point 6). A first `dead replay --yes` runs
@@ -480,16 +492,7 @@ async fn a_letter_is_replayed_once() {
             .await
             .expect("subscribe");
 
-    let first = json_lines(&replay).await;
-    assert_eq!(field(&first, "action"), ["replayed"], "{first:?}");
-    assert_eq!(first[0]["generation"], 1);
-    let reply = next_message(
-        &mut replies,
-        Duration::from_secs(20),
-        "generation 1's reply",
-    )
-    .await;
-    assert_eq!(generation_of(&reply).as_deref(), Some("1"));
+    replays_as(&replay, &mut replies, 1).await;
     let stored = || async { h.client.reply("failed", &origin).await.expect("lookup") };
     wait_until(
         Duration::from_secs(10),
@@ -506,27 +509,17 @@ async fn a_letter_is_replayed_once() {
     assert_eq!(h.upstream.hits_for("/status/201"), 1);
 
     let published = pool_publishes(&h.js).await;
-    let second = webproxy(&["dead", "replay", "--nats", &nats, "--yes"]).await;
-    assert!(second.status.success(), "{second:?}");
-    let text = String::from_utf8_lossy(&second.stdout);
+    // It exits 0: the letter is where the operator wants it, replayed.
+    let text = text_output(&["dead", "replay", "--nats", &nats, "--yes"]).await;
     assert!(text.contains("already replayed as generation 1"), "{text}");
     assert!(text.ends_with("0 replayed, 1 skipped\n"), "{text}");
     // Nothing published: no hop, so nothing for the service to call or answer.
     assert_eq!(pool_publishes(&h.js).await, published);
 
-    let again = json_lines(&[&replay[..], &["--again"]].concat()).await;
-    assert_eq!(field(&again, "action"), ["replayed"], "{again:?}");
-    assert_eq!(again[0]["generation"], 2);
-    assert_eq!(pool_publishes(&h.js).await, published + 1);
     // The next reply is generation 2's: had the second replay run, a second
     // generation 1 reply would have come first.
-    let reply = next_message(
-        &mut replies,
-        Duration::from_secs(20),
-        "generation 2's reply",
-    )
-    .await;
-    assert_eq!(generation_of(&reply).as_deref(), Some("2"));
+    replays_as(&[&replay[..], &["--again"]].concat(), &mut replies, 2).await;
+    assert_eq!(pool_publishes(&h.js).await, published + 1);
     assert_eq!(h.upstream.hits_for("/status/201"), 2);
 
     let third = json_lines(&replay).await;

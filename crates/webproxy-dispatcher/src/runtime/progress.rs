@@ -114,9 +114,9 @@ fn nats_error(key: &str, source: impl Into<async_nats::Error>) -> ProgressError 
     }
 }
 
-fn encode(record: &Record) -> Bytes {
+fn encode(value: &impl Serialize) -> Bytes {
     // Strings, numbers and records only: serializing cannot fail.
-    Bytes::from(serde_json::to_vec(record).unwrap_or_default())
+    Bytes::from(serde_json::to_vec(value).unwrap_or_default())
 }
 
 impl Progress {
@@ -162,13 +162,7 @@ impl Progress {
         let key = record.hop.origin.record_key(record.hop.generation);
         let value = encode(record);
         match revision {
-            None => self.store.create(&key, value).await.map_err(|e| {
-                if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                    ProgressError::Conflict { key: key.clone() }
-                } else {
-                    nats_error(&key, e)
-                }
-            }),
+            None => self.create(&key, value).await,
             Some(revision) => self.store.update(&key, value, revision).await.map_err(|e| {
                 if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
                     ProgressError::Conflict { key: key.clone() }
@@ -195,19 +189,21 @@ impl Progress {
             msg_id,
             replayed_ms,
         };
-        // Strings and numbers only: serializing cannot fail.
-        let value = Bytes::from(serde_json::to_vec(&marker).unwrap_or_default());
-        self.store
-            .create(&key, value)
-            .await
-            .map(|_| ())
-            .map_err(|e| {
-                if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                    ProgressError::Conflict { key: key.clone() }
-                } else {
-                    nats_error(&key, e)
+        self.create(&key, encode(&marker)).await.map(|_| ())
+    }
+
+    /// Creates `key`, which must not exist (`Conflict` when it does); returns its
+    /// revision.
+    async fn create(&self, key: &str, value: Bytes) -> Result<u64, ProgressError> {
+        self.store.create(key, value).await.map_err(|e| {
+            if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                ProgressError::Conflict {
+                    key: key.to_string(),
                 }
-            })
+            } else {
+                nats_error(key, e)
+            }
+        })
     }
 
     /// Whether `origin`'s `generation` carries a replay marker. A lookup that fails is
