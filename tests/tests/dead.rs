@@ -15,7 +15,7 @@ use async_nats::jetstream::{self, context::PublishAckFuture};
 use futures::TryStreamExt as _;
 use serde_json::{Value, json};
 use tokio::io::AsyncBufReadExt as _;
-use webproxy_tests::caller::{Harness, accept_rule};
+use webproxy_tests::caller::{Harness, accept_rule, next_message};
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{ServiceOptions, Upstream, wait_until};
 
@@ -71,6 +71,13 @@ async fn json_lines(args: &[&str]) -> Vec<Value> {
         .into_iter()
         .collect::<Result<_, _>>()
         .unwrap_or_else(|e| panic!("{args:?}: not JSON lines ({e}): {output:?}"))
+}
+
+/// Runs webproxy and returns its stdout as text, after checking it succeeded.
+async fn text_output(args: &[&str]) -> String {
+    let output = webproxy(args).await;
+    assert!(output.status.success(), "{args:?}: {output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// The `field` of each line, in order.
@@ -345,9 +352,7 @@ async fn replay_dry_run_changes_nothing() {
         field(&all, "action"),
         ["would_replay", "would_replay", "would_replay"]
     );
-    let text = webproxy(&["dead", "replay", "--nats", &nats, "--dry-run"]).await;
-    assert!(text.status.success(), "{text:?}");
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = text_output(&["dead", "replay", "--nats", &nats, "--dry-run"]).await;
     assert!(text.contains("would replay failed"), "{text}");
     assert!(text.ends_with("1 would be replayed, 2 skipped\n"), "{text}");
 
@@ -434,4 +439,94 @@ async fn replay_skips_denied_and_invalid_requests_unless_included() {
         },
     )
     .await;
+}
+
+/// Runs `dead replay` with `args` (`--json`), checks that it replayed one conversation
+/// as `generation`, and that the next live reply on `replies` answers that generation.
+async fn replays_as(args: &[&str], replies: &mut async_nats::Subscriber, generation: u64) {
+    let lines = json_lines(args).await;
+    assert_eq!(field(&lines, "action"), ["replayed"], "{lines:?}");
+    assert_eq!(lines[0]["generation"], generation, "{lines:?}");
+    let what = format!("generation {generation}'s reply");
+    let reply = next_message(replies, Duration::from_secs(20), &what).await;
+    let answered = reply
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(webproxy_protocol::header::GENERATION))
+        .map(|v| v.as_str().to_string());
+    assert_eq!(answered, Some(generation.to_string()), "{what}");
+}
+
+/// A letter is replayed once (issue 29, point 6). A first `dead replay --yes` runs
+/// generation 1. Once its stored reply is gone, as it is `reply_max_age` later, a
+/// second `dead replay --yes` says "already replayed as generation 1", exits 0 (the
+/// letter is where the operator wants it: replayed) and publishes nothing: no hop, no
+/// call upstream, no reply. `--again` then replays it as generation 2 on purpose, and
+/// a plain replay after that names generation 2.
+///
+/// The stored reply vanishes by the server's own expiry: `[streams] reply_max_age` is
+/// set to 2 s (the config takes any duration), so the second replay finds exactly what
+/// it finds in production 15 minutes later, without the test reaching into the
+/// replies stream by hand.
+#[tokio::test]
+async fn a_letter_is_replayed_once() {
+    let options = ServiceOptions::default().env("WEBPROXY_STREAMS__REPLY_MAX_AGE", "2s");
+    let h = harness(options).await;
+    publish_letters(
+        &h.js,
+        [letter(
+            &h.upstream,
+            "default",
+            "failed",
+            "upstream_error",
+            1,
+        )],
+    )
+    .await;
+    let origin = webproxy_protocol::Origin::new("WEBPROXY_POOL_DEFAULT", 1);
+    let nats = h.nats.url();
+    let replay = ["dead", "replay", "--nats", &nats, "--yes", "--json"];
+    let mut replies =
+        h.js.client()
+            .subscribe("webproxy.reply.failed")
+            .await
+            .expect("subscribe");
+
+    replays_as(&replay, &mut replies, 1).await;
+    let stored = || async { h.client.reply("failed", &origin).await.expect("lookup") };
+    wait_until(
+        Duration::from_secs(10),
+        "generation 1's stored reply",
+        || async { stored().await.is_some() },
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(20),
+        "generation 1's stored reply to expire",
+        || async { stored().await.is_none() },
+    )
+    .await;
+    assert_eq!(h.upstream.hits_for("/status/201"), 1);
+
+    let published = pool_publishes(&h.js).await;
+    // It exits 0: the letter is where the operator wants it, replayed.
+    let text = text_output(&["dead", "replay", "--nats", &nats, "--yes"]).await;
+    assert!(text.contains("already replayed as generation 1"), "{text}");
+    assert!(text.ends_with("0 replayed, 1 skipped\n"), "{text}");
+    // Nothing published: no hop, so nothing for the service to call or answer.
+    assert_eq!(pool_publishes(&h.js).await, published);
+
+    // The next reply is generation 2's: had the second replay run, a second
+    // generation 1 reply would have come first.
+    replays_as(&[&replay[..], &["--again"]].concat(), &mut replies, 2).await;
+    assert_eq!(pool_publishes(&h.js).await, published + 1);
+    assert_eq!(h.upstream.hits_for("/status/201"), 2);
+
+    let third = json_lines(&replay).await;
+    assert_eq!(field(&third, "action"), ["skipped"], "{third:?}");
+    assert!(
+        field(&third, "reason")[0].contains("already replayed as generation 2"),
+        "{third:?}"
+    );
+    assert_eq!(pool_publishes(&h.js).await, published + 1);
 }

@@ -129,7 +129,8 @@ enum DeadCommand {
         json: bool,
     },
     /// Republish dead-lettered conversations as fresh requests: the same id, a new
-    /// generation, a new attempt budget. The dead letters stay.
+    /// generation, a new attempt budget. The dead letters stay. Each letter is replayed
+    /// once; --again replays one that was, as a further generation.
     Replay {
         #[command(flatten)]
         nats: NatsArgs,

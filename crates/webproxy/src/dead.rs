@@ -21,7 +21,7 @@ use serde::{Deserialize as _, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{Outlet, ReplayError};
+use webproxy_dispatcher::{Outlet, Replay, ReplayError};
 use webproxy_protocol::{DeadLetter, ErrorCode, Origin, header};
 
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
@@ -314,6 +314,22 @@ pub struct ReplayArgs {
     /// Print JSON lines, one per conversation replayed or letter skipped.
     #[arg(long)]
     pub json: bool,
+    /// Replay conversations that were replayed already, as a new generation (the next
+    /// after the newest replayed one). Without it, a letter is replayed once: a second
+    /// replay says "already replayed as generation N" and publishes nothing.
+    #[arg(long)]
+    pub again: bool,
+}
+
+impl ReplayArgs {
+    /// Which generation each replay starts.
+    fn mode(&self) -> Replay {
+        if self.again {
+            Replay::Again
+        } else {
+            Replay::Once
+        }
+    }
 }
 
 /// The codes `dead replay` skips unless `--include-denied`: the caller's mistakes and
@@ -609,7 +625,7 @@ pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
                     line.action = "would_replay";
                     line.generation = Some(generation);
                 }
-                Some(outlet) => match replay_one(outlet, letter, &origin).await? {
+                Some(outlet) => match replay_one(outlet, letter, &origin, args.mode()).await? {
                     Ok(generation) => {
                         line.action = "replayed";
                         line.generation = Some(generation);
@@ -642,13 +658,15 @@ pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
 }
 
 /// Replays one letter. The outer error stops the command (NATS failed); the inner one
-/// only skips this letter (it was replayed already, say).
+/// only skips this letter (it was replayed already, say: that letter is where the
+/// operator wants it, so the command still succeeds).
 async fn replay_one(
     outlet: &Outlet,
     letter: &DeadLetter,
     origin: &Origin,
+    mode: Replay,
 ) -> anyhow::Result<Result<u64, ReplayError>> {
-    match outlet.replay(letter).await {
+    match outlet.replay(letter, mode).await {
         Err(e @ (ReplayError::Progress(_) | ReplayError::Publish(_))) => {
             Err(e).with_context(|| format!("cannot replay {origin}"))
         }
@@ -874,6 +892,7 @@ mod tests {
             dry_run,
             yes,
             json: false,
+            again: false,
         };
         assert_eq!(consent(&args(None, false, false), false), Consent::Missing);
         assert_eq!(consent(&args(None, false, false), true), Consent::Ask);

@@ -28,7 +28,7 @@ mod tests;
 
 pub use hooks::test_hook;
 pub use publish::Outlet;
-pub use replay::ReplayError;
+pub use replay::{Replay, ReplayError};
 pub use settle::Settled;
 pub(crate) use start::retry_until_done;
 pub use start::{StartError, check_server};

@@ -3,6 +3,10 @@
 //! next hop and is written with compare-and-set before that hop is published, so a
 //! conversation has one attempt line however its acks are lost: a delivery that is not
 //! the current, untaken step does nothing but ack.
+//!
+//! The same bucket holds the replay markers, `replayed.<STREAM>.<seq>.<generation>`:
+//! one per generation that `dead replay` started, created before its hop is published
+//! and never deleted at settle, so that a letter is replayed once (see [`replayed_key`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,6 +75,22 @@ pub(super) fn claim(record: &Record, step: u32, seq: u64) -> Claim {
     }
 }
 
+/// The replay marker's key for `origin`'s `generation`:
+/// `replayed.<STREAM>.<seq>.<generation>`. It has four tokens where a record key has
+/// three, so the two never meet, and only characters KV keys allow.
+pub(crate) fn replayed_key(origin: &Origin, generation: u64) -> String {
+    format!("replayed.{}", origin.record_key(generation))
+}
+
+/// What a replay marker holds: which hop started the generation, and when. Nothing
+/// reads it back but an operator looking into the bucket; the key's existence is the
+/// marker.
+#[derive(Debug, Serialize)]
+struct Marker<'a> {
+    msg_id: &'a str,
+    replayed_ms: u64,
+}
+
 /// A progress-record operation failed.
 #[derive(Debug, Error)]
 pub enum ProgressError {
@@ -128,9 +148,9 @@ fn nats_error(key: &str, source: impl Into<async_nats::Error>) -> ProgressError 
     }
 }
 
-fn encode(record: &Record) -> Bytes {
+fn encode(value: &impl Serialize) -> Bytes {
     // Strings, numbers and records only: serializing cannot fail.
-    Bytes::from(serde_json::to_vec(record).unwrap_or_default())
+    Bytes::from(serde_json::to_vec(value).unwrap_or_default())
 }
 
 impl Progress {
@@ -238,28 +258,78 @@ impl Progress {
     ) -> Result<u64, ProgressError> {
         let key = record.hop.origin.record_key(record.hop.generation);
         let value = encode(record);
-        self.run(&key, |store| {
-            let (key, value) = (key.clone(), value.clone());
+        match revision {
+            None => self.create(&key, value).await,
+            Some(revision) => {
+                self.run(&key, |store| {
+                    let (key, value) = (key.clone(), value.clone());
+                    async move {
+                        store.update(&key, value, revision).await.map_err(|e| {
+                            if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                                ProgressError::Conflict { key: key.clone() }
+                            } else {
+                                nats_error(&key, e)
+                            }
+                        })
+                    }
+                })
+                .await
+            }
+        }
+    }
+
+    /// Marks `origin`'s `generation` as replayed by the hop `msg_id`, at `replayed_ms`
+    /// (Unix ms). A create: `Conflict` means that generation was replayed already (or
+    /// is being replayed now). The marker is never deleted; the bucket's age limit, at
+    /// least `dead_max_age`, ends it after the letter it was replayed from.
+    pub(crate) async fn mark_replayed(
+        &self,
+        origin: &Origin,
+        generation: u64,
+        msg_id: &str,
+        replayed_ms: u64,
+    ) -> Result<(), ProgressError> {
+        let key = replayed_key(origin, generation);
+        let marker = Marker {
+            msg_id,
+            replayed_ms,
+        };
+        self.create(&key, encode(&marker)).await.map(|_| ())
+    }
+
+    /// Creates `key`, which must not exist (`Conflict` when it does); returns its
+    /// revision.
+    async fn create(&self, key: &str, value: Bytes) -> Result<u64, ProgressError> {
+        self.run(key, |store| {
+            let (key, value) = (key.to_string(), value.clone());
             async move {
-                match revision {
-                    None => store.create(&key, value).await.map_err(|e| {
-                        if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                            ProgressError::Conflict { key: key.clone() }
-                        } else {
-                            nats_error(&key, e)
-                        }
-                    }),
-                    Some(revision) => store.update(&key, value, revision).await.map_err(|e| {
-                        if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-                            ProgressError::Conflict { key: key.clone() }
-                        } else {
-                            nats_error(&key, e)
-                        }
-                    }),
-                }
+                store.create(&key, value).await.map_err(|e| {
+                    if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                        ProgressError::Conflict { key: key.clone() }
+                    } else {
+                        nats_error(&key, e)
+                    }
+                })
             }
         })
         .await
+    }
+
+    /// Whether `origin`'s `generation` carries a replay marker. A lookup that fails is
+    /// an error, never "no".
+    pub(crate) async fn is_replayed(
+        &self,
+        origin: &Origin,
+        generation: u64,
+    ) -> Result<bool, ProgressError> {
+        let key = replayed_key(origin, generation);
+        let entry = self
+            .run(&key, |store| {
+                let key = key.clone();
+                async move { store.entry(&key).await.map_err(|e| nats_error(&key, e)) }
+            })
+            .await?;
+        Ok(entry.is_some_and(|entry| entry.operation == Operation::Put))
     }
 
     /// Removes the record of a conversation that settled. A KV delete or purge always
@@ -328,6 +398,21 @@ mod tests {
         // a hop of step 1 redelivered once step 2 is recorded
         assert_eq!(claim(&record(2, None), 1, 10), Claim::Republish);
         assert_eq!(claim(&record(2, Some(12)), 1, 10), Claim::Stale);
+    }
+
+    #[test]
+    fn replay_markers_are_valid_keys_apart_from_records() {
+        let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 1_733_025_600_000_123);
+        let key = replayed_key(&origin, 2);
+        assert_eq!(key, "replayed.WEBPROXY_POOL_DEFAULT.1733025600000123.2");
+        assert!(
+            key.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-/_=.".contains(c)),
+            "{key}"
+        );
+        // Never a record's key, whatever the stream is called: one token more.
+        assert_eq!(key.split('.').count(), 4);
+        assert_eq!(origin.record_key(2).split('.').count(), 3);
     }
 
     #[test]
