@@ -49,7 +49,7 @@ impl Outlet {
                 origin,
                 generation,
                 step: 1,
-                first_published_ms: unix_ms(std::time::SystemTime::now()),
+                first_published_ms: unix_ms(crate::clock::now()),
                 due_ms: None,
                 attempts: AttemptHistory::default(),
             },
