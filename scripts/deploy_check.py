@@ -109,6 +109,7 @@ METRICS = {
     "webproxy_rate_schedule_requests_total": {"pool"},
     "webproxy_breaker_transitions_total": {"pool", "to"},
     "webproxy_pool_effective_limit": {"pool"},
+    "webproxy_clock_skew_seconds": set(),
     "webproxy_build_info": {"version"},
     # `webproxy gateway` (issue 21), on its own health listener.
     "webproxy_gateway_requests_total": {"route", "outcome"},

@@ -95,23 +95,24 @@ fn busiest_window(times: &[Instant], width: Duration) -> usize {
         .unwrap_or(0)
 }
 
-/// `rate` per second with burst 1 across three instances: `count` requests waiting, no
-/// 1 s window over `rate × 1.1 + burst` calls, the batch within `count / rate × 1.15 +
-/// 2 s`.
-async fn rate_limit_holds(rate: u32, count: usize) {
+/// `rate` per second with burst 1 across one instance per entry of `clocks` (how far
+/// its clock runs ahead, `WEBPROXY_TEST_CLOCK_OFFSET`; `None`: on time): `count`
+/// requests waiting, no 1 s window over `rate × 1.1 + burst` calls, the batch within
+/// `count / rate × 1.15 + 2 s`.
+async fn rate_limit_holds(rate: u32, count: usize, clocks: &[Option<&str>]) {
     let nats = NatsServer::start();
     let upstream = upstream(1).await;
     let burst = 1u32;
-    let services = Service::start_many(
-        &nats.url(),
-        &config(
-            &upstream,
-            &format!("max_in_flight = 150\nrate = \"{rate}/s\"\nburst = {burst}\n"),
-            "",
-        ),
-        3,
-    )
-    .await;
+    let config = config(
+        &upstream,
+        &format!("max_in_flight = 150\nrate = \"{rate}/s\"\nburst = {burst}\n"),
+        "",
+    );
+    let options = clocks.iter().map(|offset| match offset {
+        Some(offset) => ServiceOptions::default().env("WEBPROXY_TEST_CLOCK_OFFSET", offset),
+        None => ServiceOptions::default(),
+    });
+    let services = Service::start_each(&nats.url(), &config, options.collect()).await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     let started = Instant::now();
     let statuses = batch(&client, &upstream, "/echo", count).await;
@@ -132,14 +133,23 @@ async fn rate_limit_holds(rate: u32, count: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_of_20_per_second_holds_across_three_instances() {
-    rate_limit_holds(20, 120).await;
+    rate_limit_holds(20, 120, &[None; 3]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_of_200_per_second_holds_across_three_instances() {
     // 120 requests at 200/s fit in one second whatever the limit does: 3 s of demand
     // make the window bound bite.
-    rate_limit_holds(200, 600).await;
+    rate_limit_holds(200, 600, &[None; 3]).await;
+}
+
+/// Issue 29, point 9: the schedule's slots are times one pod writes and another waits
+/// for. A pod 5 s ahead, judging by its own clock, would use slots 5 s early, beside
+/// those the pod on time uses at theirs: up to twice the rate. It reads the server's
+/// time instead, so the rate holds as it does on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_holds_when_one_pods_clock_runs_5_s_ahead() {
+    rate_limit_holds(200, 600, &[Some("5s"), None]).await;
 }
 
 /// The partner pool's work consumer.

@@ -10,6 +10,7 @@
 mod adaptive;
 mod backoff;
 mod breaker;
+mod clock;
 mod cluster;
 mod config;
 mod config_error;

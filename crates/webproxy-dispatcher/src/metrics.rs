@@ -2,6 +2,7 @@
 //! and from closed sets (outcomes, codes, result classes), never from URLs or ids, so
 //! cardinality stays bounded.
 
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -101,6 +102,7 @@ pub(crate) struct Metrics {
     config_refused: Counter,
     pool_consumer_writes: Family<ConsumerWriteLabels, Counter>,
     pool_consumers_owner: Gauge,
+    clock_skew: Gauge<f64, AtomicU64>,
     pool_paused: Family<PoolLabels, Gauge>,
     gate_wait: HistogramFamily<PoolLabels>,
     rate_schedule_requests: Family<PoolLabels, Counter>,
@@ -203,6 +205,12 @@ impl Metrics {
             "1 while this instance holds the lease that makes it the one writer of the pool consumers' settings",
             pool_consumers_owner.clone(),
         );
+        let clock_skew = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "clock_skew_seconds",
+            "How far this instance's clock runs ahead of the NATS server's (negative: behind), as last measured; beyond 1 s, its decisions read the server's time",
+            clock_skew.clone(),
+        );
         let pool_paused = Family::default();
         registry.register(
             "pool_paused",
@@ -258,6 +266,7 @@ impl Metrics {
             config_refused,
             pool_consumer_writes,
             pool_consumers_owner,
+            clock_skew,
             pool_paused,
             gate_wait,
             rate_schedule_requests,
@@ -413,6 +422,8 @@ impl Metrics {
             set(&self.pool_max_in_flight, gauge.max_in_flight());
         }
         self.nats_connected.set(i64::from(health.nats_connected()));
+        self.clock_skew
+            .set(crate::clock::skew_seconds().unwrap_or(0.0));
         let mut text = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut text, &self.registry);
@@ -463,6 +474,7 @@ mod tests {
             r#"webproxy_breaker_transitions_total{pool="default",to="open"} 1"#,
             r#"webproxy_pool_effective_limit{pool="default"} 9"#,
             r#"webproxy_build_info{version="1.2.3"} 1"#,
+            "webproxy_clock_skew_seconds ",
         ] {
             assert!(text.contains(line), "missing {line}\n{text}");
         }

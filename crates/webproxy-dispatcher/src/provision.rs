@@ -514,9 +514,9 @@ pub(crate) fn replies_fence_config(settings: &Settings) -> stream::Config {
 
 /// A first sequence no earlier incarnation of a pool stream can have used: the current
 /// Unix time in microseconds, so origins never repeat across a `pools remove` and a
-/// re-add.
+/// re-add. ([`crate::clock::now`]: at start, before any skew is measured, this pod's.)
 fn fresh_first_sequence() -> u64 {
-    std::time::SystemTime::now()
+    crate::clock::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }

@@ -167,8 +167,19 @@ impl Service {
     /// `count` instances on one `config`, started together (so they race for what
     /// instances race for: seeding, leases), then each waited for until ready.
     pub async fn start_many(nats_url: &str, config: &str, count: usize) -> Vec<Service> {
-        let services: Vec<Service> = (0..count)
-            .map(|_| Self::spawn(nats_url, config, ServiceOptions::default()))
+        Self::start_each(nats_url, config, vec![ServiceOptions::default(); count]).await
+    }
+
+    /// One instance per entry of `options` (one with a skewed clock beside others on
+    /// time, say), on one `config`, started together as [`Service::start_many`]'s.
+    pub async fn start_each(
+        nats_url: &str,
+        config: &str,
+        options: Vec<ServiceOptions>,
+    ) -> Vec<Service> {
+        let services: Vec<Service> = options
+            .into_iter()
+            .map(|options| Self::spawn(nats_url, config, options))
             .collect();
         for service in &services {
             service.wait_ready(READY_TIMEOUT).await;

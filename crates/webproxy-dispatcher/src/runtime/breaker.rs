@@ -11,11 +11,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::jetstream::kv;
 use futures::StreamExt as _;
-use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -27,6 +26,7 @@ use crate::breaker::{
     self, ClusterReports, Phase, Report, STATS, counted_from, default_statuses, is_failure,
     open_reason, reopen_for, should_open, stats_key,
 };
+use crate::clock;
 use crate::config::PoolConfig;
 use crate::instances;
 use crate::pool_state::PoolState;
@@ -40,7 +40,7 @@ const REWRITE_AFTER: Duration = Duration::from_secs(10);
 
 /// Unix seconds now.
 fn now_s() -> u64 {
-    SystemTime::now()
+    clock::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
@@ -276,7 +276,7 @@ pub(super) async fn judge(
             .unwrap_or_else(PoisonError::into_inner)
             .drop_expired(std::time::Instant::now(), instances::TTL);
         let states = shared.flow.states().borrow().clone();
-        let now = OffsetDateTime::now_utc();
+        let now = clock::now_utc();
         let second = now_s();
         for (pool, config) in &shared.settings.cluster.pools {
             let state = states.get(pool).cloned().unwrap_or_default();
@@ -291,11 +291,7 @@ pub(super) async fn judge(
                         let opened = shared
                             .flow
                             .change_state(pool, |state| {
-                                state.open_breaker(
-                                    OffsetDateTime::now_utc(),
-                                    breaker.open_for,
-                                    &reason,
-                                )
+                                state.open_breaker(clock::now_utc(), breaker.open_for, &reason)
                             })
                             .await;
                         match opened {
@@ -319,7 +315,7 @@ pub(super) async fn judge(
                         Ok(Some(closed)) => {
                             info!(pool, "circuit breaker closed: it is no longer configured");
                             shared.outlet.metrics.breaker_transition(pool, "closed");
-                            if state.lifts_pause(&closed, OffsetDateTime::now_utc())
+                            if state.lifts_pause(&closed, clock::now_utc())
                                 && let Err(e) = shared.outlet.lift_pause(pool).await
                             {
                                 warn!(pool, error = %e, "cannot lift the pause of a breaker no longer configured");
@@ -447,12 +443,12 @@ pub(super) async fn probed(shared: &super::Shared, pool: &str, config: &PoolConf
                 .breaker
                 .as_ref()
                 .map_or(breaker.open_for, |open| reopen_for(open, breaker));
-            state.probed(OffsetDateTime::now_utc(), failed, again)
+            state.probed(clock::now_utc(), failed, again)
         })
         .await;
     match written {
         Ok(Some(state)) if failed => {
-            let until = state.paused_until(OffsetDateTime::now_utc());
+            let until = state.paused_until(clock::now_utc());
             warn!(pool, ?until, "the probe failed: circuit breaker open again");
             shared.outlet.metrics.breaker_transition(pool, "open");
         }

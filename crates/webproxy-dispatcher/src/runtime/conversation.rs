@@ -3,8 +3,6 @@
 //! conversation whose origin is its own stream sequence, whatever `Webproxy-*` headers
 //! it carries; only the service's own hop and retry subjects carry hop state.
 
-use std::time::SystemTime;
-
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use webproxy_protocol::{Origin, ParseError, Request, Subjects, header};
@@ -119,7 +117,7 @@ impl<'a> Conversation<'a> {
 
     /// Since the caller's publish: queue wait and backoff included.
     pub(super) fn elapsed_ms(&self) -> u64 {
-        let elapsed = SystemTime::now()
+        let elapsed = crate::clock::now()
             .duration_since(self.state.first_published())
             .unwrap_or_default();
         crate::hop::millis(elapsed)

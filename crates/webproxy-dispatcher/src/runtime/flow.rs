@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::breaker::Phase;
+use crate::clock;
 use crate::config::{PoolConfig, Settings};
 use crate::health::Health;
 use crate::metrics::Metrics;
@@ -57,12 +58,10 @@ pub(super) enum Pass {
     Park(OffsetDateTime),
 }
 
-/// Microseconds since the Unix epoch: the schedule's clock, shared by every instance
-/// (so their clocks must agree, as NTP keeps them, to within a few milliseconds).
+/// Microseconds since the Unix epoch: the schedule's clock, shared by every instance,
+/// so each reads [`clock::now`], within its tolerance of the server's time.
 fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+    u64::try_from(clock::unix_us(clock::now())).unwrap_or(0)
 }
 
 /// Sleeps until `at_us` on the schedule's clock.
@@ -213,7 +212,7 @@ impl Flow {
             self.metrics.gate_wait(pool, started.elapsed());
         }
         // The breaker may have opened while this message waited for its rate slot.
-        let now = OffsetDateTime::now_utc();
+        let now = clock::now_utc();
         let states = self.states.borrow();
         let Some(state) = states.get(pool) else {
             return Pass::Go;
@@ -248,7 +247,7 @@ impl Flow {
         self.states
             .borrow()
             .get(pool)
-            .is_some_and(|state| state.paused_until(OffsetDateTime::now_utc()).is_some())
+            .is_some_and(|state| state.paused_until(clock::now_utc()).is_some())
     }
 
     /// Returns once the state of `pool` holds no pause in force: whether it had to
@@ -257,7 +256,7 @@ impl Flow {
         let mut states = self.states();
         let mut waited = false;
         loop {
-            let now = OffsetDateTime::now_utc();
+            let now = clock::now_utc();
             let (until, open) = states
                 .borrow_and_update()
                 .get(pool)
@@ -271,7 +270,7 @@ impl Flow {
                 return Err(until);
             }
             waited = true;
-            let left = until - OffsetDateTime::now_utc();
+            let left = until - clock::now_utc();
             let left = Duration::try_from(left).unwrap_or_default();
             tokio::select! {
                 _ = tokio::time::sleep(left) => {}

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
-use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, Span, debug, field, info_span, warn};
 use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, parse_request};
@@ -24,6 +23,7 @@ use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
 use super::stored_reply::{self, StoredReply};
 use crate::breaker::evidence;
+use crate::clock;
 use crate::decision::{AttemptContext, Verdict, judge, pool_pause};
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
@@ -151,7 +151,7 @@ async fn decide<'a>(
         parsed: &parsed,
         payload_len: delivery.payload().len(),
         max_payload: outlet.max_payload,
-        now: SystemTime::now(),
+        now: clock::now(),
         since: conversation.state.first_published(),
         first_attempt: conversation.state.attempts.is_empty(),
     };
@@ -200,7 +200,7 @@ async fn decide<'a>(
             let mut pass = Pass::Go;
             if let Some(config) = settings.cluster.pools.get(&rule.pool) {
                 pass = shared.flow.pass(&rule.pool, config).await;
-                if let Some(error) = expired(&input, request, rule, SystemTime::now()) {
+                if let Some(error) = expired(&input, request, rule, clock::now()) {
                     let error = with_last_failure(error, conversation.state.attempts.last());
                     return reply_error(conversation, error, AckKind::Ack, max_payload);
                 }
@@ -360,13 +360,13 @@ async fn attempt_and_judge<'a>(
             debug!(pool = rule.pool, rule = %rule.name, ?evidence, "the probe's outcome is not the upstream's: the breaker stays half-open");
         }
     }
-    if let Some(pause) = pool_pause(rule, &outcome, SystemTime::now()) {
+    if let Some(pause) = pool_pause(rule, &outcome, clock::now()) {
         let reason = format!(
             "rule {}: the upstream asked to retry after {}",
             rule.name,
             humantime::format_duration(pause)
         );
-        let until = OffsetDateTime::now_utc() + pause;
+        let until = clock::now_utc() + pause;
         if let Err(e) = shared
             .flow
             .pause(&rule.pool, RETRY_AFTER, until, reason)
@@ -388,7 +388,7 @@ async fn attempt_and_judge<'a>(
                 .iter()
                 .any(|(name, _)| name.eq_ignore_ascii_case(IDEMPOTENCY_KEY)),
         attempt: conversation.state.attempts.count(),
-        now: SystemTime::now(),
+        now: clock::now(),
         deadline,
         jitter_unit: fastrand::f64() * 2.0 - 1.0,
     };
@@ -403,7 +403,7 @@ async fn attempt_and_judge<'a>(
                 kind: HopKind::Park,
                 next: conversation.state.next(
                     conversation.state.attempts.clone(),
-                    Some(SystemTime::now() + after),
+                    Some(clock::now() + after),
                 ),
                 pool: conversation.pool.to_string(),
             };
@@ -446,9 +446,7 @@ async fn attempt(
         duration_ms = field::Empty,
     );
     let (outcome, record) = async {
-        let at = OffsetDateTime::now_utc()
-            .format(&Rfc3339)
-            .unwrap_or_default();
+        let at = clock::now_utc().format(&Rfc3339).unwrap_or_default();
         let started = Instant::now();
         // Webproxy's own headers replace a caller's of the same name: the rule's
         // idempotency key (one per origin and generation, so a reused id never

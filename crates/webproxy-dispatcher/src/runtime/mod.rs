@@ -26,6 +26,7 @@ mod stored_reply;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use hooks::test_clock_offset_us;
 pub use hooks::test_hook;
 pub use publish::Outlet;
 pub use replay::{Replay, ReplayError};
@@ -49,6 +50,7 @@ use webproxy_worker::Worker;
 
 use crate::Instruments;
 use crate::backoff::Backoff;
+use crate::clock;
 use crate::config::{Settings, jetstream_request_timeout};
 use crate::gauges::Gauges;
 use crate::health::Health;
@@ -211,6 +213,13 @@ impl Dispatcher {
         let states = running
             .flow
             .follow_states(&running.settings, shutdown.clone());
+        // One reading of the server's clock before the first message is judged, so a
+        // pod whose clock is off judges none by it; the gauges' refresh reads it after.
+        if let Some(first) = self.pools.first()
+            && let Err(e) = timed_info(&running.outlet.js, &first.work).await
+        {
+            debug!(pool = first.pool, error = %e, "cannot read the server's clock at start");
+        }
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
@@ -256,7 +265,10 @@ async fn refresh_gauges(
             _ = interval.tick() => {}
             _ = shutdown.cancelled() => return,
         }
-        match (work.get_info().await, parked.get_info().await) {
+        match (
+            timed_info(&shared.outlet.js, &work).await,
+            parked.get_info().await.map_err(|e| e.to_string()),
+        ) {
             (Ok(work), Ok(parked)) => {
                 gauge.set_queued(
                     work.num_pending,
@@ -280,6 +292,42 @@ async fn refresh_gauges(
             (Err(e), _) | (_, Err(e)) => debug!(pool, error = %e, "cannot refresh pool gauges"),
         }
     }
+}
+
+/// A consumer's info, as `get_info` reads it, and the server's time in it (`ts`) as a
+/// reading of this pod's clock skew (`clock::observe`): the gauges' own round trip,
+/// with none added.
+async fn timed_info(
+    js: &async_nats::jetstream::Context,
+    consumer: &PullConsumer,
+) -> Result<async_nats::jetstream::consumer::Info, String> {
+    use async_nats::jetstream::response::Response;
+    let cached = consumer.cached_info();
+    let subject = format!("CONSUMER.INFO.{}.{}", cached.stream_name, cached.name);
+    let sent = clock::local();
+    let response: Response<serde_json::Value> = js
+        .request(subject, &serde_json::json!({}))
+        .await
+        .map_err(|e| e.to_string())?;
+    let received = clock::local();
+    let info = match response {
+        Response::Err { error } => return Err(error.to_string()),
+        Response::Ok(info) => info,
+    };
+    let server = info
+        .get("ts")
+        .and_then(serde_json::Value::as_str)
+        .and_then(|ts| {
+            time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339).ok()
+        });
+    if let Some(server) = server {
+        clock::observe(clock::Sample {
+            sent_us: clock::unix_us(sent),
+            received_us: clock::unix_us(received),
+            server_us: clock::unix_us(server.into()),
+        });
+    }
+    serde_json::from_value(info).map_err(|e| e.to_string())
 }
 
 /// Pulling (the pull loop, and the parked retries' consumer): after failures or quick

@@ -188,7 +188,7 @@ async fn bring_in_line(
         }
     };
     let wanted = pool_consumer_config(settings, pool, config, state);
-    let paused_until = state.paused_until(time::OffsetDateTime::now_utc());
+    let paused_until = state.paused_until(crate::clock::now_utc());
     for write in consumer_writes(&current, &wanted, paused_until) {
         let written = match write {
             ConsumerWrite::Update => stream

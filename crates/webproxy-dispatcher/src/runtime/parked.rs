@@ -5,7 +5,7 @@
 //! pool's concurrency limit.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
@@ -72,7 +72,7 @@ async fn release_when_due(shared: &Shared, pool: &str, message: jetstream::Messa
     let due = HopState::parse(headers.and_then(|h| h.get(header::HOP)).map(|v| v.as_str()))
         .ok()
         .and_then(|state| state.due());
-    if let Some(wait) = due.and_then(|due| due.duration_since(SystemTime::now()).ok())
+    if let Some(wait) = due.and_then(|due| due.duration_since(crate::clock::now()).ok())
         && wait > DUE_SLACK
     {
         if let Err(e) = message.ack_with(AckKind::Nak(Some(wait))).await {

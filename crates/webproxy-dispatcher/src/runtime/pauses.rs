@@ -34,7 +34,7 @@ pub struct PoolRuntime {
 
 fn in_force(state: &PoolState) -> Vec<PoolPause> {
     state
-        .in_force(OffsetDateTime::now_utc())
+        .in_force(crate::clock::now_utc())
         .map(|(cause, pause)| PoolPause {
             cause: cause.to_string(),
             until: pause.until,
@@ -101,7 +101,7 @@ impl Outlet {
             .await
             .map_err(|e| error(&e))?;
         update_pool_state(&self.js, &bucket, pool, |state| {
-            state.resumed = Some(OffsetDateTime::now_utc());
+            state.resumed = Some(crate::clock::now_utc());
             true
         })
         .await?;
@@ -125,7 +125,7 @@ impl Outlet {
             }
             Err(_) => PoolState::default(),
         };
-        let breaker = match state.phase(OffsetDateTime::now_utc()) {
+        let breaker = match state.phase(crate::clock::now_utc()) {
             Phase::Closed => "closed",
             Phase::Open => "open",
             Phase::HalfOpen => "half_open",
