@@ -150,7 +150,39 @@ pub(crate) fn now_utc() -> OffsetDateTime {
 /// This pod's own clock: the system's, moved by `WEBPROXY_TEST_CLOCK_OFFSET` in test
 /// builds (`test-hooks`). Only the skew's samples read it.
 pub(crate) fn local() -> SystemTime {
-    shift(SystemTime::now(), crate::runtime::test_clock_offset_us())
+    shift(SystemTime::now(), test_clock_offset_us())
+}
+
+/// `WEBPROXY_TEST_CLOCK_OFFSET` (`5s`, `-5s`, `250ms`): how far this process's clock
+/// runs ahead of the system's, in microseconds, so a fault test can skew one pod's
+/// clock (`clock::local`); read once. Always 0 without the feature, or when unset or
+/// unreadable.
+fn test_clock_offset_us() -> i64 {
+    #[cfg(feature = "test-hooks")]
+    {
+        static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+        *OFFSET.get_or_init(|| {
+            let Ok(text) = std::env::var("WEBPROXY_TEST_CLOCK_OFFSET") else {
+                return 0;
+            };
+            let (sign, magnitude) = match text.trim().strip_prefix('-') {
+                Some(rest) => (-1, rest),
+                None => (1, text.trim()),
+            };
+            match humantime::parse_duration(magnitude) {
+                Ok(offset) => {
+                    tracing::warn!(offset = %text, "test clock offset switched on");
+                    sign * i64::try_from(offset.as_micros()).unwrap_or(i64::MAX)
+                }
+                Err(e) => {
+                    tracing::warn!(offset = %text, error = %e, "unreadable test clock offset; ignored");
+                    0
+                }
+            }
+        })
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    0
 }
 
 /// Microseconds since the Unix epoch (negative before it).

@@ -19,9 +19,9 @@ use crate::runtime::retry_until_done;
 /// The key of the cluster document.
 pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
-/// The revisions the bucket keeps of the document, for `config history`, `show
-/// --revision` and `rollback`: JetStream's most.
-pub(crate) const HISTORY: i64 = 64;
+// The revisions the bucket keeps of the document, for `config history`, `show
+// --revision` and `rollback`: JetStream's most.
+use crate::state::CONFIG_HISTORY as HISTORY;
 
 /// What the first line of a stored value starts with, before the note's JSON. A TOML
 /// comment, so the stored value is itself a valid document.

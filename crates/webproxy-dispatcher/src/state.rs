@@ -62,6 +62,10 @@ pub struct BucketSpec {
 
 const MIB: i64 = 1024 * 1024;
 
+/// Revisions the configuration bucket keeps: what `config history`, `show
+/// --revision` and `rollback` can reach (JetStream's most).
+pub(crate) const CONFIG_HISTORY: i64 = 64;
+
 /// How long a settled progress record's purge marker stays: long enough for a
 /// redelivery racing the settle to read "deleted", short enough that markers do not
 /// pile up (at 100 settles a second, a minute's worth is 6000 small markers).
@@ -117,7 +121,7 @@ impl Bucket {
                     subjects.config_bucket(),
                     "webproxy's cluster configuration: rules, pools, outbound policy",
                     file,
-                    crate::config_store::HISTORY,
+                    CONFIG_HISTORY,
                     Duration::ZERO,
                     64 * MIB,
                     None,

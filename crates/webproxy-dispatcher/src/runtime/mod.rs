@@ -26,7 +26,6 @@ mod stored_reply;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use hooks::test_clock_offset_us;
 pub use hooks::test_hook;
 pub use publish::Outlet;
 pub use replay::{Replay, ReplayError};
