@@ -21,8 +21,14 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
 const PREFIX: &str = "WEBPROXY_";
 
 /// Variables under the prefix that are not configuration: the test builds'
-/// fault-injection hooks and the tests' path to the binary.
-const NOT_CONFIGURATION: [&str; 2] = ["WEBPROXY_TEST_HOOK", "WEBPROXY_BIN"];
+/// fault-injection hooks, and the tests' paths to the binary and to an old nats-server.
+const NOT_CONFIGURATION: [&str; 5] = [
+    "WEBPROXY_TEST_HOOK",
+    "WEBPROXY_TEST_CLOCK_OFFSET",
+    "WEBPROXY_TEST_PROGRESS_OUTAGE",
+    "WEBPROXY_BIN",
+    "WEBPROXY_OLD_NATS_SERVER",
+];
 
 /// The variables that name a key: `WEBPROXY_<SECTION>__<KEY>`. Every key lives in a
 /// section, so a variable without `__` is never one (see [`stray_variables`]).
