@@ -435,15 +435,19 @@ impl Limiter {
         let stuck_key = format!("rate.{}", self.pool);
         loop {
             if let Some(slot) = self.take() {
-                sleep_until_us(slot).await;
-                return;
+                if self.used_in_time(slot).await {
+                    return;
+                }
+                continue;
             }
             let mut claiming = self.claiming.lock().await;
             // Another handler may have claimed while this one waited for the lock.
             if let Some(slot) = self.take() {
                 drop(claiming);
-                sleep_until_us(slot).await;
-                return;
+                if self.used_in_time(slot).await {
+                    return;
+                }
+                continue;
             }
             let wanted = self.waiting.load(Ordering::Relaxed).max(1);
             match self.claim(&mut claiming, wanted).await {
@@ -491,17 +495,34 @@ impl Limiter {
         }
     }
 
-    /// The earliest claimed slot still usable, dropping those whose time passed.
-    fn take(&self) -> Option<u64> {
+    /// The earliest claimed slot still usable, dropping those whose time passed: its
+    /// time and until when it may be used.
+    fn take(&self) -> Option<(u64, u64)> {
         let now = now_us();
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some((slot, until)) = slots.pop_front() {
             if until > now {
-                return Some(slot);
+                return Some((slot, until));
             }
             debug!(pool = self.pool, slot, "a claimed slot went unused");
         }
         None
+    }
+
+    /// Sleeps until `slot`'s time; whether this handler woke while the slot was still
+    /// usable. On a loaded machine a handler may wake long after its slot, and
+    /// handlers woken late together would call the upstream together: a late one
+    /// drops its slot and takes another instead.
+    async fn used_in_time(&self, (slot, until): (u64, u64)) -> bool {
+        sleep_until_us(slot).await;
+        if now_us() < until {
+            return true;
+        }
+        debug!(
+            pool = self.pool,
+            slot, "woke after the slot's lease; taking another"
+        );
+        false
     }
 
     /// The stored schedule's next slot and its revision; none when never written.
