@@ -370,22 +370,17 @@ async fn an_owner_that_lost_its_lease_writes_no_consumer() {
         .get_stream("WEBPROXY_POOL_DEFAULT")
         .await
         .expect("pool stream");
-    let limit = || async {
+    let consumer = || async {
         stream
             .consumer_info("webproxy-default-l2")
             .await
             .expect("consumer")
             .config
-            .max_ack_pending
+            .clone()
     };
-    assert_eq!(limit().await, 2);
+    let mut by_hand = consumer().await;
+    assert_eq!(by_hand.max_ack_pending, 2);
     std::fs::write(&switch, b"wait").expect("hold the owner before its writes");
-    let mut by_hand = stream
-        .consumer_info("webproxy-default-l2")
-        .await
-        .expect("consumer")
-        .config
-        .clone();
     by_hand.max_ack_pending = 7;
     stream
         .update_consumer(by_hand)
@@ -414,7 +409,7 @@ async fn an_owner_that_lost_its_lease_writes_no_consumer() {
         owner().await == Some(0.0)
     })
     .await;
-    assert_eq!(limit().await, 7, "{}", service.logs());
+    assert_eq!(consumer().await.max_ack_pending, 7, "{}", service.logs());
     assert!(
         service
             .logs()

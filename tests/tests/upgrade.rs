@@ -186,6 +186,30 @@ async fn assert_layout2(js: &jetstream::Context) {
     }
 }
 
+/// Waits until the old version's provisioning is refused by a fence (its stream
+/// rewrite overlaps it), and checks that it is not ready.
+async fn refused_by_a_fence(old: &Service) {
+    wait_until(
+        REPLY_TIMEOUT,
+        "the old version's provisioning to be refused by a fence",
+        || async {
+            old.logs()
+                .contains("subjects overlap with an existing stream")
+        },
+    )
+    .await;
+    assert!(!old.is_ready().await, "{}", old.logs());
+}
+
+/// The old version answered no conversation.
+fn answered_nothing(old: &Service) {
+    assert!(
+        !old.logs().contains("conversation finished"),
+        "the old version answered something:\n{}",
+        old.logs()
+    );
+}
+
 /// The fences of the pool `default` and of the replies, with what each captures.
 const FENCES: [(&str, &str); 2] = [
     ("WEBPROXY_FENCE_POOL_DEFAULT", "webproxy.retry.default"),
@@ -281,16 +305,7 @@ async fn new_first_then_old() {
     let new = Service::start(&nats, &config).await;
     let old = Service::spawn(&nats.url(), &config, old_binary);
     let js = jetstream::new(nats.client().await);
-    wait_until(
-        REPLY_TIMEOUT,
-        "the old version's provisioning to be refused by a fence",
-        || async {
-            old.logs()
-                .contains("subjects overlap with an existing stream")
-        },
-    )
-    .await;
-    assert!(!old.is_ready().await, "{}", old.logs());
+    refused_by_a_fence(&old).await;
 
     let caller = OldCaller::new(&nats).await;
     let mut calls = Vec::new();
@@ -309,11 +324,7 @@ async fn new_first_then_old() {
     all_answered(calls, PARKED_REPLY_TIMEOUT, &logs).await;
 
     assert!(!old.is_ready().await, "{}", old.logs());
-    assert!(
-        !old.logs().contains("conversation finished"),
-        "the old version answered something:\n{}",
-        old.logs()
-    );
+    answered_nothing(&old);
     assert_layout2(&js).await;
     // Had the old version got past the fences, its consumer would not be created
     // either: its filter overlaps the new consumer's on the work queue.
@@ -337,7 +348,7 @@ async fn new_first_then_old() {
 }
 
 /// Issue 29, points 8 and 10: layout 2 as the release before fences moved to file left
-/// it, its fences in memory (each holding an old pod's stray publish). Today's version
+/// it, its fences in memory (the pool's holding an old pod's stray publish). Today's version
 /// starts, deletes them and makes them again on file; an old pod that starts then is
 /// still refused by the fences, and the new version answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -381,23 +392,10 @@ async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
     );
 
     let old = Service::spawn(&nats.url(), &config, old_binary);
-    wait_until(
-        REPLY_TIMEOUT,
-        "the old version's provisioning to be refused by a moved fence",
-        || async {
-            old.logs()
-                .contains("subjects overlap with an existing stream")
-        },
-    )
-    .await;
-    assert!(!old.is_ready().await, "{}", old.logs());
+    refused_by_a_fence(&old).await;
     let caller = OldCaller::new(&nats).await;
     let call = caller.call(&envelope("GET", &upstream.url("/echo"))).await;
     let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
     all_answered(vec![(call, 1)], REPLY_TIMEOUT, &logs).await;
-    assert!(
-        !old.logs().contains("conversation finished"),
-        "the old version answered something:\n{}",
-        old.logs()
-    );
+    answered_nothing(&old);
 }
