@@ -350,6 +350,7 @@ def check_deployment_agrees(
         return
     env = pod_environment("the Deployment", container, secrets, report)
     check_nats_user("the service", env, SERVICE_NATS_USER, nats_passwords, report)
+    check_service_stream_rights(config, report)
     check_volumes("the Deployment", spec, configmap, secrets, report)
     checked = check_config(webproxy, "the ConfigMap's webproxy.toml", text, report, env)
 
@@ -504,14 +505,106 @@ def secret_variables(config: dict) -> set[str]:
     return {source["env"] for source in sources if isinstance(source, dict) and "env" in source}
 
 
-def gateway_request_subjects() -> set[str]:
-    """The request subjects authorization.conf's gateway user may publish to: the
-    `webproxy.request.` entries of its block (up to the next user)."""
+def user_block(user: str) -> str:
+    """authorization.conf's block of `user`, without comments, up to the next user."""
     text = authorization_text()
-    start = text.find(f"user: {GATEWAY_NATS_USER}\n")
+    start = text.find(f"user: {user}\n")
+    if start < 0:
+        return ""
     end = text.find("user:", start + 1)
-    block = text[start:end] if start >= 0 else ""
-    return set(re.findall(r'"(webproxy\.request\.[^"]+)"', block))
+    return text[start:] if end < 0 else text[start:end]
+
+
+def publish_permissions(user: str) -> tuple[list[str], list[str]]:
+    """The subjects `user` may publish to (allow) and may not (deny) in
+    authorization.conf."""
+    block = user_block(user)
+    publish = re.search(r"publish:\s*\{(.*?)\}", block, re.S)
+    body = publish.group(1) if publish else ""
+    lists = {kind: re.search(rf"{kind}:\s*\[(.*?)\]", body, re.S) for kind in ("allow", "deny")}
+    allow, deny = (re.findall(r'"([^"]+)"', m.group(1)) if m else [] for m in lists.values())
+    return allow, deny
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS subject pattern matches a subject, token by token: `*` is one
+    whole token, `>` the rest."""
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or (token != "*" and token != tokens[i]):
+            return False
+    return len(tokens) == len(wanted)
+
+
+def may_publish(user: str, subject: str) -> bool:
+    """Whether authorization.conf lets `user` publish on `subject`: an allow matches
+    and no deny does (a deny wins)."""
+    allow, deny = publish_permissions(user)
+    return any(subject_matches(p, subject) for p in allow) and not any(subject_matches(p, subject) for p in deny)
+
+
+def gateway_request_subjects() -> set[str]:
+    """The request subjects authorization.conf's gateway user may publish to."""
+    allow, _ = publish_permissions(GATEWAY_NATS_USER)
+    return {subject for subject in allow if subject.startswith("webproxy.request.")}
+
+
+def stream_names(config: dict) -> dict[str, str | set[str]]:
+    """The names of the streams a config's service and gateway keep (subjects.rs):
+    its prefix's stream prefix, its pools' streams and fences, and the buckets'
+    streams of the service and of the gateway."""
+    upper = config.get("streams", {}).get("prefix", "webproxy").replace(".", "_").upper()
+    pools = {pool.upper() for pool in config.get("pools", {})}
+    return {
+        "prefix": upper,
+        "pools": {f"{upper}_POOL_{pool}" for pool in pools},
+        "fences": {f"{upper}_FENCE_REPLIES"} | {f"{upper}_FENCE_POOL_{pool}" for pool in pools},
+        "service_buckets": {f"KV_{upper}_{b}" for b in ("PROGRESS", "CONFIG", "INSTANCES", "POOL_STATE", "RATE")},
+        "gateway_buckets": {f"KV_{upper}_{b}" for b in ("GATEWAY", "GATEWAY_KEY")},
+    }
+
+
+def check_service_stream_rights(config: dict, report: Report) -> None:
+    """The service user may delete exactly its config's fences (to move a memory
+    fence onto file), and no other stream; it may read, make and update its buckets'
+    streams (the "not found" check, bounds, per-message TTLs); it may purge none."""
+    names = stream_names(config)
+    allow, _ = publish_permissions(SERVICE_NATS_USER)
+    deletes = {s.removeprefix("$JS.API.STREAM.DELETE.") for s in allow if s.startswith("$JS.API.STREAM.DELETE.")}
+    report.check(
+        deletes == names["fences"],
+        "authorization.conf's service user may delete exactly the fences of its config's pools and replies",
+        f"fences: {sorted(names['fences'])}; deletes allowed: {sorted(deletes)}",
+    )
+    others = sorted(names["pools"] | names["service_buckets"] | names["gateway_buckets"]) + [
+        f"{names['prefix']}_REPLIES",
+        f"{names['prefix']}_DEAD",
+    ]
+    deletable = [n for n in others if may_publish(SERVICE_NATS_USER, f"$JS.API.STREAM.DELETE.{n}")]
+    report.check(not deletable, "authorization.conf's service user may delete no stream but its fences", f"deletable: {deletable}")
+    purgeable = [n for n in others if may_publish(SERVICE_NATS_USER, f"$JS.API.STREAM.PURGE.{n}")]
+    report.check(not purgeable, "authorization.conf's service user may purge no stream", f"purgeable: {purgeable}")
+    for verb in ("INFO", "CREATE", "UPDATE"):
+        missing = sorted(
+            n for n in names["service_buckets"] | names["fences"] if not may_publish(SERVICE_NATS_USER, f"$JS.API.STREAM.{verb}.{n}")
+        )
+        report.check(not missing, f"authorization.conf's service user may STREAM.{verb} its buckets and fences", f"missing: {missing}")
+
+
+def check_gateway_stream_rights(config: dict, report: Report) -> None:
+    """The gateway user may read the info of exactly its two buckets' streams (the
+    "not found" check), and of no other stream."""
+    names = stream_names(config)
+    allow, _ = publish_permissions(GATEWAY_NATS_USER)
+    infos = {s.removeprefix("$JS.API.STREAM.INFO.") for s in allow if s.startswith("$JS.API.STREAM.INFO.")}
+    report.check(
+        infos == names["gateway_buckets"]
+        and not any(subject_matches(p, "$JS.API.STREAM.INFO.KV_OTHER") for p in allow),
+        "authorization.conf's gateway user may STREAM.INFO exactly its buckets' streams",
+        f"buckets: {sorted(names['gateway_buckets'])}; info allowed: {sorted(infos)}",
+    )
 
 
 def check_gateway_pools(config: dict, report: Report) -> None:
@@ -558,6 +651,7 @@ def check_gateway(
     check_nats_user("the gateway", env, GATEWAY_NATS_USER, nats_passwords, report)
     check_volumes("the gateway's Deployment", spec, configmap, secrets, report)
     check_gateway_pools(config, report)
+    check_gateway_stream_rights(config, report)
     command = container.get("command", [])
     report.check(
         command[1:3] == ["gateway", "--config"],

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream::{self, ErrorCode, context::GetStreamErrorKind, stream};
 use serde_json::{Value, json};
 use webproxy_client::new_id;
 use webproxy_protocol::{Reply, header};
@@ -40,7 +40,11 @@ struct Scene {
 
 impl Scene {
     async fn start() -> Scene {
-        let nats = NatsServer::start_authorized();
+        Scene::start_on(NatsServer::start_authorized()).await
+    }
+
+    /// The scene on `nats`, which the test may have prepared as an admin.
+    async fn start_on(nats: NatsServer) -> Scene {
         let upstream = Upstream::start().await;
         let config = format!(
             "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n\
@@ -186,6 +190,29 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
             Some("_WEBPROXY_INBOX.test"),
         )
         .await;
+    // The gateway's "not found" check: it reads its buckets' stream info, and a bucket
+    // that is gone answers 10059, never a permissions violation.
+    let (as_gateway, _) = connect_as(&scene.nats, GATEWAY_USER, Some("_WEBPROXY_INBOX.test")).await;
+    let as_gateway = jetstream::new(as_gateway);
+    as_gateway
+        .get_stream("KV_WEBPROXY_GATEWAY")
+        .await
+        .expect("the gateway reads its bucket's stream info");
+    Admin::connect(&scene.nats)
+        .await
+        .js
+        .delete_stream("KV_WEBPROXY_GATEWAY_KEY")
+        .await
+        .expect("the gateway key's bucket deleted by hand");
+    let gone = as_gateway
+        .get_stream("KV_WEBPROXY_GATEWAY_KEY")
+        .await
+        .expect_err("the bucket is gone");
+    assert!(
+        matches!(gone.kind(), GetStreamErrorKind::JetStream(ref e)
+            if e.error_code() == ErrorCode::STREAM_NOT_FOUND),
+        "{gone}"
+    );
 
     // The isolated caller: a request answered to its reply space while nothing of it
     // listens, the reply read back from its own stream on a new connection.
@@ -265,6 +292,43 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
         .await
         .expect("caller_b reads its own stream's info");
     assert_eq!(theirs.info().await.expect("info").state.messages, 0);
+}
+
+/// Issue 29, point 10: the service moves the fences an earlier release made in memory
+/// onto file with the file's rights alone (it may delete its fences, and no other
+/// stream): it starts, turns ready, and both fences are on file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_moves_memory_fences_onto_file_with_its_own_rights() {
+    let nats = NatsServer::start_authorized();
+    let admin = Admin::connect(&nats).await;
+    let fences = [
+        ("WEBPROXY_FENCE_POOL_PARTNER", "webproxy.retry.partner"),
+        ("WEBPROXY_FENCE_REPLIES", "webproxy.reply.*.*"),
+    ];
+    for (name, subject) in fences {
+        admin
+            .js
+            .create_stream(stream::Config {
+                name: name.into(),
+                subjects: vec![subject.into()],
+                storage: stream::StorageType::Memory,
+                max_messages: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("the earlier release's {name}: {e}"));
+    }
+    let scene = Scene::start_on(nats).await;
+    for (name, _) in fences {
+        let mut fence = admin.js.get_stream(name).await.expect(name);
+        let config = fence.info().await.expect("info").config.clone();
+        assert_eq!(
+            config.storage,
+            stream::StorageType::File,
+            "{name}\n{}",
+            scene.service.logs()
+        );
+    }
 }
 
 /// The operator's `pools remove --dead-letter` ends the requests waiting in a paused

@@ -8,7 +8,7 @@ use webproxy_client::{Client, Error as ClientError, Submitted};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
 use webproxy_tests::run_webproxy as webproxy;
-use webproxy_tests::{NatsServer, Service, Upstream, wait_until};
+use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, wait_until};
 
 struct Cluster {
     nats: NatsServer,
@@ -334,6 +334,89 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         let reply = wait_for_reply(&client, submitted).await;
         assert_eq!(reply.status, Some(200));
     }
+}
+
+/// Issue 29, point 8: the lease is confirmed by compare-and-set just before each
+/// consumer write. The holder is held (a test hook) after its round checked the lease
+/// and before it brings back a limit changed by hand; another holder takes the lease
+/// meanwhile. Released, the old holder writes nothing: the consumer keeps the limit
+/// set by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_lost_its_lease_writes_no_consumer() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let switch = dir.path().join("owner-wait");
+    let service = Service::start_with(
+        &nats.url(),
+        &format!(
+            "[pools.default]\nmax_in_flight = 2\n\n{}",
+            accept_rule("local", &upstream)
+        ),
+        ServiceOptions::default().env(
+            "WEBPROXY_TEST_OWNER_WAIT",
+            switch.to_str().expect("a UTF-8 path"),
+        ),
+    )
+    .await;
+    let owner = || async { service.metric("webproxy_pool_consumers_owner").await };
+    wait_until(Duration::from_secs(20), "the lease taken", || async {
+        owner().await == Some(1.0)
+    })
+    .await;
+
+    let js = async_nats::jetstream::new(nats.client().await);
+    let stream = js
+        .get_stream("WEBPROXY_POOL_DEFAULT")
+        .await
+        .expect("pool stream");
+    let consumer = || async {
+        stream
+            .consumer_info("webproxy-default-l2")
+            .await
+            .expect("consumer")
+            .config
+            .clone()
+    };
+    let mut by_hand = consumer().await;
+    assert_eq!(by_hand.max_ack_pending, 2);
+    std::fs::write(&switch, b"wait").expect("hold the owner before its writes");
+    by_hand.max_ack_pending = 7;
+    stream
+        .update_consumer(by_hand)
+        .await
+        .expect("the limit changed by hand");
+    wait_until(
+        Duration::from_secs(20),
+        "the owner held before bringing the limit back",
+        || async {
+            service
+                .logs()
+                .contains("test hook owner-wait: waiting before a pool consumer write")
+        },
+    )
+    .await;
+
+    // Another holder takes the lease, as one would after this holder's key expired.
+    js.get_key_value("WEBPROXY_INSTANCES")
+        .await
+        .expect("instances bucket")
+        .put("lease.pool-consumers", "another-pod".into())
+        .await
+        .expect("the lease taken by another holder");
+    std::fs::remove_file(&switch).expect("release the owner");
+    wait_until(Duration::from_secs(20), "the lease given up", || async {
+        owner().await == Some(0.0)
+    })
+    .await;
+    assert_eq!(consumer().await.max_ack_pending, 7, "{}", service.logs());
+    assert!(
+        service
+            .logs()
+            .contains("not writing the pool consumer: the lease is no longer this instance's"),
+        "{}",
+        service.logs()
+    );
 }
 
 async fn wait_for_reply(client: &Client, submitted: &Submitted) -> Reply {

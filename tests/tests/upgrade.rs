@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use async_nats::jetstream::stream::StorageType;
 use async_nats::jetstream::{self, consumer, message::PublishMessage};
 use axum::Router;
 use axum::extract::Path;
@@ -177,10 +178,43 @@ async fn assert_layout2(js: &jetstream::Context) {
     let mut replies = js.get_stream("WEBPROXY_REPLIES").await.expect("replies");
     let replies = replies.info().await.expect("info").config.subjects.clone();
     assert_eq!(replies, ["webproxy.reply.*.*.*"]);
-    for fence in ["WEBPROXY_FENCE_POOL_DEFAULT", "WEBPROXY_FENCE_REPLIES"] {
-        js.get_stream(fence).await.expect(fence);
+    for (fence, _) in FENCES {
+        let mut stream = js.get_stream(fence).await.expect(fence);
+        let storage = stream.info().await.expect("info").config.storage;
+        // On file: a memory fence is gone after a restart of its server.
+        assert_eq!(storage, StorageType::File, "{fence}");
     }
 }
+
+/// Waits until the old version's provisioning is refused by a fence (its stream
+/// rewrite overlaps it), and checks that it is not ready.
+async fn refused_by_a_fence(old: &Service) {
+    wait_until(
+        REPLY_TIMEOUT,
+        "the old version's provisioning to be refused by a fence",
+        || async {
+            old.logs()
+                .contains("subjects overlap with an existing stream")
+        },
+    )
+    .await;
+    assert!(!old.is_ready().await, "{}", old.logs());
+}
+
+/// The old version answered no conversation.
+fn answered_nothing(old: &Service) {
+    assert!(
+        !old.logs().contains("conversation finished"),
+        "the old version answered something:\n{}",
+        old.logs()
+    );
+}
+
+/// The fences of the pool `default` and of the replies, with what each captures.
+const FENCES: [(&str, &str); 2] = [
+    ("WEBPROXY_FENCE_POOL_DEFAULT", "webproxy.retry.default"),
+    ("WEBPROXY_FENCE_REPLIES", "webproxy.reply.*.*"),
+];
 
 /// Old first, then new, as in a rolling update: the new instance migrates the pool
 /// while the old one runs, moves the retries it parked, and answers them with their
@@ -271,16 +305,7 @@ async fn new_first_then_old() {
     let new = Service::start(&nats, &config).await;
     let old = Service::spawn(&nats.url(), &config, old_binary);
     let js = jetstream::new(nats.client().await);
-    wait_until(
-        REPLY_TIMEOUT,
-        "the old version's provisioning to be refused by a fence",
-        || async {
-            old.logs()
-                .contains("subjects overlap with an existing stream")
-        },
-    )
-    .await;
-    assert!(!old.is_ready().await, "{}", old.logs());
+    refused_by_a_fence(&old).await;
 
     let caller = OldCaller::new(&nats).await;
     let mut calls = Vec::new();
@@ -299,11 +324,7 @@ async fn new_first_then_old() {
     all_answered(calls, PARKED_REPLY_TIMEOUT, &logs).await;
 
     assert!(!old.is_ready().await, "{}", old.logs());
-    assert!(
-        !old.logs().contains("conversation finished"),
-        "the old version answered something:\n{}",
-        old.logs()
-    );
+    answered_nothing(&old);
     assert_layout2(&js).await;
     // Had the old version got past the fences, its consumer would not be created
     // either: its filter overlaps the new consumer's on the work queue.
@@ -324,4 +345,57 @@ async fn new_first_then_old() {
         ),
         "{refused}"
     );
+}
+
+/// Issue 29, points 8 and 10: layout 2 as the release before fences moved to file left
+/// it, its fences in memory (the pool's holding an old pod's stray publish). Today's version
+/// starts, deletes them and makes them again on file; an old pod that starts then is
+/// still refused by the fences, and the new version answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the old binary: run `just test-upgrade`"]
+async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
+    let old_binary = old();
+    let nats = NatsServer::start();
+    let upstream = upstream().await;
+    let config = config(&upstream);
+    let js = jetstream::new(nats.client().await);
+
+    // The earlier release's layout: today's streams, the fences in memory.
+    let mut earlier = Service::start(&nats, &config).await;
+    earlier.terminate();
+    assert!(earlier.wait_exit(Duration::from_secs(30)).await.is_some());
+    for (name, subject) in FENCES {
+        js.delete_stream(name).await.expect(name);
+        js.create_stream(jetstream::stream::Config {
+            name: name.into(),
+            subjects: vec![subject.into()],
+            storage: StorageType::Memory,
+            max_messages: 1,
+            ..Default::default()
+        })
+        .await
+        .expect(name);
+    }
+    js.publish("webproxy.retry.default", "stray".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored in the memory fence");
+
+    let new = Service::start(&nats, &config).await;
+    assert_layout2(&js).await;
+    assert!(
+        new.logs()
+            .contains("moving fence stream WEBPROXY_FENCE_POOL_DEFAULT"),
+        "{}",
+        new.logs()
+    );
+
+    let old = Service::spawn(&nats.url(), &config, old_binary);
+    refused_by_a_fence(&old).await;
+    let caller = OldCaller::new(&nats).await;
+    let call = caller.call(&envelope("GET", &upstream.url("/echo"))).await;
+    let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
+    all_answered(vec![(call, 1)], REPLY_TIMEOUT, &logs).await;
+    answered_nothing(&old);
 }

@@ -474,8 +474,9 @@ pub(crate) async fn read_pool_state(
 /// A fence: a tiny stream that captures `subject`, a subject an instance of layout 1
 /// lists in one of its streams and layout 2 never uses. Two streams' subjects may not
 /// overlap, so that instance's rewrite of its stream fails (err_code 10065) instead of
-/// undoing the migration. It keeps at most one message, in memory: an old instance's
-/// last stray publish, which nothing reads.
+/// undoing the migration. It keeps at most one message (an old instance's last stray
+/// publish, which nothing reads), on file: a memory fence is gone after a restart of
+/// the server, and with it the fence, until a pod of this layout starts again.
 pub(crate) fn fence_config(name: String, subject: String) -> stream::Config {
     stream::Config {
         name,
@@ -485,7 +486,7 @@ pub(crate) fn fence_config(name: String, subject: String) -> stream::Config {
         ),
         subjects: vec![subject],
         retention: stream::RetentionPolicy::Limits,
-        storage: stream::StorageType::Memory,
+        storage: stream::StorageType::File,
         max_messages: 1,
         discard: stream::DiscardPolicy::Old,
         metadata: with_layout(&HashMap::new()),
@@ -610,11 +611,55 @@ async fn provision_stream(
             None
         }
     };
-    let fence_name = fence.name.clone();
+    make_fence(js, fence).await?;
+    Ok(found)
+}
+
+/// How a fence is brought to its config, given the storage of the one there (pure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FenceStep {
+    /// None there, or one on the wanted storage: create it, or update it in place.
+    CreateOrUpdate,
+    /// One on other storage (a memory fence of an earlier release), which an update
+    /// cannot change: delete it and create it again.
+    Move,
+}
+
+pub(crate) fn fence_step(
+    found: Option<stream::StorageType>,
+    wanted: stream::StorageType,
+) -> FenceStep {
+    match found {
+        Some(storage) if storage != wanted => FenceStep::Move,
+        _ => FenceStep::CreateOrUpdate,
+    }
+}
+
+/// Creates or updates a fence, moving one on other storage by deleting it and
+/// creating it again. Deleting loses at most the one stray message of an old instance
+/// it holds, which nothing reads. An old instance that rewrites its stream in the gap
+/// adds the fence's subject to that stream, so the fence's creation then fails (10065),
+/// provisioning fails and its retry migrates the stream again and makes the fence: the
+/// gap cannot undo a migration for longer than that retry.
+async fn make_fence(js: &jetstream::Context, fence: stream::Config) -> Result<(), ProvisionError> {
+    let name = fence.name.clone();
+    let what = || format!("fence stream {name}");
+    let found = existing_stream(js, &name)
+        .await?
+        .map(|(_, info)| info.config.storage);
+    if fence_step(found, fence.storage) == FenceStep::Move {
+        warn!(stream = %name, from = ?found, to = ?fence.storage, "moving fence stream {name}: deleting it and creating it again");
+        match js.delete_stream(&name).await {
+            Ok(_) => {}
+            // Another instance moved it first.
+            Err(e) if crate::state::is_stream_not_found(&e.kind()) => {}
+            Err(e) => return Err(provision_error(what(), e)),
+        }
+    }
     js.create_or_update_stream(fence)
         .await
-        .map_err(|e| provision_error(format!("fence stream {fence_name}"), e))?;
-    Ok(found)
+        .map_err(|e| provision_error(what(), e))?;
+    Ok(())
 }
 
 /// Deletes a consumer; one that is gone already is fine.
@@ -789,6 +834,23 @@ pub(crate) async fn recreate_pool_consumer(
 mod tests {
     use super::*;
     use crate::config::tests::settings_from;
+
+    #[test]
+    fn fences_are_on_file_and_a_memory_fence_is_moved() {
+        let settings = settings_from("").expect("the defaults");
+        let file = stream::StorageType::File;
+        let memory = stream::StorageType::Memory;
+        for fence in [
+            pool_fence_config(&settings, "default"),
+            replies_fence_config(&settings),
+        ] {
+            assert_eq!(fence.storage, file, "{}", fence.name);
+            assert_eq!(fence.max_messages, 1, "{}", fence.name);
+        }
+        assert_eq!(fence_step(None, file), FenceStep::CreateOrUpdate);
+        assert_eq!(fence_step(Some(file), file), FenceStep::CreateOrUpdate);
+        assert_eq!(fence_step(Some(memory), file), FenceStep::Move);
+    }
 
     #[test]
     fn versions() {

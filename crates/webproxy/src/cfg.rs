@@ -22,10 +22,11 @@ const PREFIX: &str = "WEBPROXY_";
 
 /// Variables under the prefix that are not configuration: the test builds'
 /// fault-injection hooks, and the tests' paths to the binary and to an old nats-server.
-const NOT_CONFIGURATION: [&str; 5] = [
+const NOT_CONFIGURATION: [&str; 6] = [
     "WEBPROXY_TEST_HOOK",
     "WEBPROXY_TEST_CLOCK_OFFSET",
     "WEBPROXY_TEST_PROGRESS_OUTAGE",
+    "WEBPROXY_TEST_OWNER_WAIT",
     "WEBPROXY_BIN",
     "WEBPROXY_OLD_NATS_SERVER",
 ];

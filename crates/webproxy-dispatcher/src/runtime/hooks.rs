@@ -52,3 +52,20 @@ pub(super) fn progress_outage() -> bool {
     }
     false
 }
+
+/// `WEBPROXY_TEST_OWNER_WAIT=<path>`: the lease holder waits before each pool consumer
+/// write, after its round checked the lease, while the file at `path` exists (at most
+/// a minute), as an owner paused there would; the test takes the lease away meanwhile.
+pub(super) async fn owner_waits_before_write() {
+    #[cfg(feature = "test-hooks")]
+    if let Some(path) = std::env::var_os("WEBPROXY_TEST_OWNER_WAIT") {
+        let path = std::path::Path::new(&path);
+        if path.exists() {
+            tracing::warn!("test hook owner-wait: waiting before a pool consumer write");
+        }
+        let started = std::time::Instant::now();
+        while path.exists() && started.elapsed() < std::time::Duration::from_secs(60) {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+}

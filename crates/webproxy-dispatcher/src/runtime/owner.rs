@@ -8,6 +8,12 @@
 //! rewrites one that exists. So instances running different revisions (a rolling
 //! deploy in file mode, a push on its way) do not fight over the settings, and no
 //! write undoes a pause or an adaptive limit.
+//!
+//! The lease is confirmed by compare-and-set (a renewal of its key at the revision
+//! this instance last wrote) immediately before each consumer write, and the write is
+//! skipped when that fails. A consumer write itself takes no precondition, so an
+//! owner paused between its confirmation and its write can still write once; the next
+//! owner's round, within [`ROUND`], brings the consumer back in line.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,26 +43,85 @@ struct Lease {
     revision: Option<u64>,
 }
 
+/// Why the lease key is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// A round's start: take the lease, or renew it.
+    Round,
+    /// Just before a consumer write: confirm the lease is still this instance's.
+    BeforeWrite,
+}
+
+/// A write of the lease key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseWrite {
+    /// Take the lease: the key must not exist.
+    Create,
+    /// Renew it: the key must still be at this revision, this instance's last write.
+    Update(u64),
+}
+
+/// What to write for `purpose` while holding the lease at `revision` (pure). Nothing
+/// before a consumer write when the lease is not held: it is taken only at a round's
+/// start, so a write is never made on a lease taken after the round decided it.
+fn lease_write(revision: Option<u64>, purpose: Purpose) -> Option<LeaseWrite> {
+    match (revision, purpose) {
+        (Some(revision), _) => Some(LeaseWrite::Update(revision)),
+        (None, Purpose::Round) => Some(LeaseWrite::Create),
+        (None, Purpose::BeforeWrite) => None,
+    }
+}
+
+/// What a write of the lease key meant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Renewal {
+    Took,
+    Kept,
+    Lost,
+    HeldElsewhere,
+}
+
+impl Renewal {
+    /// The outcome of a lease write, given whether the lease was held before it (pure).
+    fn of(held_before: bool, written: bool) -> Renewal {
+        match (held_before, written) {
+            (false, true) => Renewal::Took,
+            (true, true) => Renewal::Kept,
+            (true, false) => Renewal::Lost,
+            (false, false) => Renewal::HeldElsewhere,
+        }
+    }
+
+    /// Whether this instance holds the lease now, and so may write a consumer.
+    fn holding(self) -> bool {
+        matches!(self, Renewal::Took | Renewal::Kept)
+    }
+}
+
 impl Lease {
-    /// Takes or renews the lease; whether this instance holds it now.
-    async fn hold(&mut self) -> bool {
+    /// Takes, renews or confirms the lease for `purpose` by compare-and-set; whether
+    /// this instance holds it now.
+    async fn hold(&mut self, purpose: Purpose) -> bool {
+        let Some(write) = lease_write(self.revision, purpose) else {
+            return false;
+        };
         let value = bytes::Bytes::from(self.holder.clone());
-        let written = match self.revision {
-            Some(revision) => self
+        let written = match write {
+            LeaseWrite::Update(revision) => self
                 .store
                 .update(POOL_CONSUMERS_LEASE, value, revision)
                 .await
                 .map_err(|e| e.to_string()),
-            None => self
+            LeaseWrite::Create => self
                 .store
                 .create(POOL_CONSUMERS_LEASE, value)
                 .await
                 .map_err(|e| e.to_string()),
         };
-        let held = self.revision.is_some();
-        match written {
-            Ok(revision) => {
-                if !held {
+        let renewal = Renewal::of(self.revision.is_some(), written.is_ok());
+        match (renewal, written) {
+            (_, Ok(revision)) => {
+                if renewal == Renewal::Took {
                     info!(
                         holder = self.holder,
                         "took the lease: this instance writes the pool consumers' settings"
@@ -64,16 +129,16 @@ impl Lease {
                 }
                 self.revision = Some(revision);
             }
-            Err(e) => {
-                if held {
-                    warn!(error = %e, "lost the lease of the pool consumers' settings");
-                } else {
-                    debug!(error = %e, "the lease of the pool consumers' settings is held elsewhere");
-                }
+            (Renewal::Lost, Err(e)) => {
+                warn!(error = %e, ?purpose, "lost the lease of the pool consumers' settings");
+                self.revision = None;
+            }
+            (_, Err(e)) => {
+                debug!(error = %e, "the lease of the pool consumers' settings is held elsewhere");
                 self.revision = None;
             }
         }
-        self.revision.is_some()
+        renewal.holding()
     }
 
     /// Ends the lease at once, so another instance takes it on its next round.
@@ -138,9 +203,8 @@ async fn hold_and_write(
                 }
             },
         };
-        let holding = lease.hold().await;
-        metrics.set_pool_consumers_owner(holding);
-        holding_now.send_if_modified(|held| std::mem::replace(held, holding) != holding);
+        let holding = lease.hold(Purpose::Round).await;
+        report_holding(metrics, &holding_now, holding);
         // Writes computed before the pools' state is read could undo it.
         if !holding || !shared.flow.loaded() {
             continue;
@@ -148,7 +212,10 @@ async fn hold_and_write(
         let current = states.borrow_and_update().clone();
         for (pool, config) in &settings.cluster.pools {
             let state = current.get(pool).cloned().unwrap_or_default();
-            bring_in_line(js, settings, metrics, pool, config, &state).await;
+            if !bring_in_line(js, settings, metrics, lease, pool, config, &state).await {
+                report_holding(metrics, &holding_now, false);
+                break;
+            }
         }
     }
     live.load().outlet.metrics.set_pool_consumers_owner(false);
@@ -158,17 +225,29 @@ async fn hold_and_write(
     }
 }
 
-/// Writes to `pool`'s work consumer what [`consumer_writes`] says it lacks. A consumer
-/// that is not there is left to provisioning and the pull loop, which create it
-/// (and know when not to: a pool being removed).
+/// Shows whether this instance holds the lease: the gauge, and the breaker's judge.
+fn report_holding(
+    metrics: &Metrics,
+    holding_now: &tokio::sync::watch::Sender<bool>,
+    holding: bool,
+) {
+    metrics.set_pool_consumers_owner(holding);
+    holding_now.send_if_modified(|held| std::mem::replace(held, holding) != holding);
+}
+
+/// Writes to `pool`'s work consumer what [`consumer_writes`] says it lacks, each write
+/// only after `lease` was confirmed by compare-and-set; whether the lease is still
+/// held. A consumer that is not there is left to provisioning and the pull loop,
+/// which create it (and know when not to: a pool being removed).
 async fn bring_in_line(
     js: &jetstream::Context,
     settings: &Settings,
     metrics: &Metrics,
+    lease: &mut Lease,
     pool: &str,
     config: &PoolConfig,
     state: &PoolState,
-) {
+) -> bool {
     let name = settings.subjects.pool_consumer(pool);
     let stream = match js
         .get_stream_no_info(settings.subjects.pool_stream(pool))
@@ -177,19 +256,31 @@ async fn bring_in_line(
         Ok(stream) => stream,
         Err(e) => {
             debug!(pool, error = %e, "no pool stream; nothing to bring in line");
-            return;
+            return true;
         }
     };
     let current = match stream.consumer_info(&name).await {
         Ok(info) => info.config,
         Err(e) => {
             debug!(pool, error = %e, "no pool consumer; nothing to bring in line");
-            return;
+            return true;
         }
     };
     let wanted = pool_consumer_config(settings, pool, config, state);
     let paused_until = state.paused_until(crate::clock::now_utc());
     for write in consumer_writes(&current, &wanted, paused_until) {
+        super::hooks::owner_waits_before_write().await;
+        // The round's check may be seconds old (a slow server, a paused process): a
+        // write is made only while this instance's last lease write is still the
+        // key's latest.
+        if !lease.hold(Purpose::BeforeWrite).await {
+            warn!(
+                pool,
+                ?write,
+                "not writing the pool consumer: the lease is no longer this instance's"
+            );
+            return false;
+        }
         let written = match write {
             ConsumerWrite::Update => stream
                 .update_consumer(wanted.clone())
@@ -216,5 +307,45 @@ async fn bring_in_line(
                 warn!(pool, ?write, error = %e, "cannot bring the pool consumer in line; trying again next round")
             }
         }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_round_takes_the_lease_or_renews_it() {
+        assert_eq!(lease_write(None, Purpose::Round), Some(LeaseWrite::Create));
+        assert_eq!(
+            lease_write(Some(7), Purpose::Round),
+            Some(LeaseWrite::Update(7))
+        );
+    }
+
+    #[test]
+    fn a_consumer_write_is_preceded_by_a_renewal_at_the_held_revision() {
+        assert_eq!(
+            lease_write(Some(7), Purpose::BeforeWrite),
+            Some(LeaseWrite::Update(7))
+        );
+    }
+
+    #[test]
+    fn a_lease_not_held_is_never_taken_between_a_round_and_its_write() {
+        assert_eq!(lease_write(None, Purpose::BeforeWrite), None);
+    }
+
+    #[test]
+    fn only_a_successful_lease_write_allows_a_consumer_write() {
+        assert_eq!(Renewal::of(true, true), Renewal::Kept);
+        assert_eq!(Renewal::of(false, true), Renewal::Took);
+        assert_eq!(Renewal::of(true, false), Renewal::Lost);
+        assert_eq!(Renewal::of(false, false), Renewal::HeldElsewhere);
+        assert!(Renewal::Kept.holding());
+        assert!(Renewal::Took.holding());
+        assert!(!Renewal::Lost.holding());
+        assert!(!Renewal::HeldElsewhere.holding());
     }
 }
