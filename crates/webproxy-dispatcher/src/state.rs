@@ -310,7 +310,8 @@ impl StateBucket {
                     });
                 }
                 let created = self
-                    .0.js
+                    .0
+                    .js
                     .create_or_update_key_value(spec.kv_config())
                     .await
                     .map_err(|e| self.unreachable(e))?;
@@ -321,7 +322,8 @@ impl StateBucket {
             }
             Err(e) => return Err(self.unreachable(e)),
         }
-        self.0.js
+        self.0
+            .js
             .get_key_value(&spec.name)
             .await
             .map_err(|e| self.unreachable(e))
@@ -333,7 +335,8 @@ impl StateBucket {
         config.max_age = self.0.spec.max_age;
         // Once on it stays on: the server refuses to turn it off (10052).
         config.allow_message_ttl |= self.0.spec.marker_ttl.is_some();
-        self.0.js
+        self.0
+            .js
             .update_stream(config)
             .await
             .map(drop)
@@ -343,7 +346,8 @@ impl StateBucket {
     /// The bucket's bytes and its bound, from the server, for the gauge of its use.
     pub async fn usage(&self) -> Result<(u64, i64), BucketError> {
         let mut found = self
-            .0.js
+            .0
+            .js
             .get_stream(self.0.spec.stream_name())
             .await
             .map_err(|e| self.unreachable(e))?;
