@@ -511,10 +511,15 @@ async fn push_and_wait(
     revision
 }
 
-/// Live replies (`webproxy.reply.<id>`, not the stored copies) seen so far, per id.
-fn live_replies(seen: &[async_nats::Message]) -> std::collections::BTreeMap<String, usize> {
+/// Live replies (`webproxy.reply.<id>`, not the stored copies) seen so far on
+/// `replies`, per id: read until none comes for 200 ms.
+async fn live_replies(
+    replies: &mut async_nats::Subscriber,
+) -> std::collections::BTreeMap<String, usize> {
     let mut counts = std::collections::BTreeMap::new();
-    for message in seen {
+    while let Ok(Some(message)) =
+        tokio::time::timeout(Duration::from_millis(200), replies.next()).await
+    {
         let tokens: Vec<&str> = message.subject.split('.').collect();
         if let [_, "reply", id] = tokens.as_slice() {
             *counts.entry((*id).to_string()).or_insert(0) += 1;
@@ -718,13 +723,7 @@ async fn three_kv_instances_follow_every_push_live() {
     );
 
     // Each conversation of the push got exactly one live reply.
-    let mut seen = Vec::new();
-    while let Ok(Some(message)) =
-        tokio::time::timeout(Duration::from_millis(200), replies.next()).await
-    {
-        seen.push(message);
-    }
-    let counts = live_replies(&seen);
+    let counts = live_replies(&mut replies).await;
     for id in &ids {
         assert_eq!(counts.get(id), Some(&1), "{id}: {counts:?}");
     }
@@ -975,14 +974,8 @@ async fn lowering_ack_wait_while_an_attempt_runs_does_not_duplicate_it() {
     assert_eq!(reply.status, Some(200), "{reply:?}");
     assert_eq!(upstream.hits_for("/gated/0"), 1);
     assert_eq!(upstream.max_concurrent(), 1);
-    let mut seen = Vec::new();
-    while let Ok(Some(message)) =
-        tokio::time::timeout(Duration::from_millis(500), replies.next()).await
-    {
-        seen.push(message);
-    }
     assert_eq!(
-        live_replies(&seen).get(&reply.id),
+        live_replies(&mut replies).await.get(&reply.id),
         Some(&1),
         "one live reply"
     );
