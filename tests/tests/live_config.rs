@@ -497,10 +497,8 @@ async fn push_and_wait(
     let pushed = success(&output);
     println!("{name}: config push --wait returned after {took:?}");
     assert!(took < CONVERGED, "push --wait took {took:?}: {pushed}");
-    assert!(
-        pushed.contains("every live instance (3) runs revision"),
-        "{pushed}"
-    );
+    let every = format!("every live instance ({}) runs revision", services.len());
+    assert!(pushed.contains(&every), "{pushed}");
     let revision: u64 = pushed
         .strip_prefix("pushed revision ")
         .and_then(|rest| rest.split(' ').next())
@@ -513,10 +511,15 @@ async fn push_and_wait(
     revision
 }
 
-/// Live replies (`webproxy.reply.<id>`, not the stored copies) seen so far, per id.
-fn live_replies(seen: &[async_nats::Message]) -> std::collections::BTreeMap<String, usize> {
+/// Live replies (`webproxy.reply.<id>`, not the stored copies) seen so far on
+/// `replies`, per id: read until none comes for 200 ms.
+async fn live_replies(
+    replies: &mut async_nats::Subscriber,
+) -> std::collections::BTreeMap<String, usize> {
     let mut counts = std::collections::BTreeMap::new();
-    for message in seen {
+    while let Ok(Some(message)) =
+        tokio::time::timeout(Duration::from_millis(200), replies.next()).await
+    {
         let tokens: Vec<&str> = message.subject.split('.').collect();
         if let [_, "reply", id] = tokens.as_slice() {
             *counts.entry((*id).to_string()).or_insert(0) += 1;
@@ -720,13 +723,7 @@ async fn three_kv_instances_follow_every_push_live() {
     );
 
     // Each conversation of the push got exactly one live reply.
-    let mut seen = Vec::new();
-    while let Ok(Some(message)) =
-        tokio::time::timeout(Duration::from_millis(200), replies.next()).await
-    {
-        seen.push(message);
-    }
-    let counts = live_replies(&seen);
+    let counts = live_replies(&mut replies).await;
     for id in &ids {
         assert_eq!(counts.get(id), Some(&1), "{id}: {counts:?}");
     }
@@ -880,5 +877,106 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
     assert!(
         listed.contains("writes the pool consumers' settings"),
         "{listed}"
+    );
+}
+
+/// The pool consumer's `ack_wait` on the server.
+async fn consumer_ack_wait(js: &async_nats::jetstream::Context) -> Option<Duration> {
+    let stream = js.get_stream("WEBPROXY_POOL_PARTNER").await.ok()?;
+    let info = stream.consumer_info("webproxy-partner-l2").await.ok()?;
+    Some(info.config.ack_wait)
+}
+
+/// Issue 29, point 3: `ack_wait` lowered by a push while an attempt runs. The server
+/// redelivers once its consumer's `ack_wait` passes without a progress ack, so the
+/// owner writes the lower value only once every live instance paces from it, and a
+/// delivery that arrived under the higher one is paced from the lower one as soon as
+/// its instance knows it. Two instances, pool of 1, `ack_wait` 30 s, one attempt held
+/// at the gate: 2 s pushed, the consumer carries it in the end, and 3 × 2 s later
+/// the upstream has still seen the request once and the limit held; then 30 s pushed
+/// back reaches the consumer at once; released, the conversation gets one reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lowering_ack_wait_while_an_attempt_runs_does_not_duplicate_it() {
+    let nats = NatsServer::start();
+    let gate = webproxy_tests::Gate::new();
+    let upstream =
+        Upstream::start_with(webproxy_tests::default_routes().merge(gate.routes())).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    // An attempt timeout beyond anything the gate is held.
+    let gated =
+        path_rule("gated", &upstream, "/gated/") + "pool = \"partner\"\ntimeout = \"60s\"\n";
+    let document = |ack_wait: &str| {
+        format!(
+            "[outbound]\nallow_private_networks = true\n\n[service]\nack_wait = \"{ack_wait}\"\n\n[pools.partner]\nmax_in_flight = 1\n\n{gated}{}",
+            accept_rule("local", &upstream)
+        )
+    };
+    success(
+        &config(
+            &nats,
+            &["push", &write(dir.path(), "r1.toml", &document("30s"))],
+        )
+        .await,
+    );
+    let services =
+        Service::start_many(&nats.url(), &kv_config(&accept_rule("local", &upstream)), 2).await;
+    let nats_client = nats.client().await;
+    let js = async_nats::jetstream::new(nats_client.clone());
+    let mut replies = nats_client
+        .subscribe("webproxy.reply.>")
+        .await
+        .expect("subscribe");
+    let client = Client::new(nats_client.clone(), "webproxy").expect("client");
+    let in_flight = {
+        let request =
+            to("partner", &envelope("GET", &upstream.url("/gated/0"))).wait(REPLY_TIMEOUT);
+        let client = client.clone();
+        tokio::spawn(async move { client.request(&request).await })
+    };
+    webproxy_tests::wait_until(SEEN, "the attempt at the gate", || async {
+        upstream.hits_for("/gated/0") == 1
+    })
+    .await;
+    assert_eq!(consumer_ack_wait(&js).await, Some(Duration::from_secs(30)));
+
+    let lowered = Duration::from_secs(2);
+    push_and_wait(&nats, dir.path(), "lower.toml", &document("2s"), &services).await;
+    webproxy_tests::wait_until(SEEN, "2 s on the consumer", || async {
+        consumer_ack_wait(&js).await == Some(lowered)
+    })
+    .await;
+    // Three times the new ack_wait with the attempt held: progress acks paced from
+    // 30 s would have let the server redeliver it twice by now. Checked over and over.
+    let hold_until = std::time::Instant::now() + lowered * 3;
+    while std::time::Instant::now() < hold_until {
+        assert_eq!(
+            upstream.hits_for("/gated/0"),
+            1,
+            "the attempt was duplicated\n--- 0 ---\n{}\n--- 1 ---\n{}",
+            services[0].logs(),
+            services[1].logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(upstream.max_concurrent(), 1, "the pool's limit broke");
+
+    // An increase is written at once: the owner waits for no instance.
+    push_and_wait(&nats, dir.path(), "raise.toml", &document("30s"), &services).await;
+    webproxy_tests::wait_until(
+        Duration::from_secs(3),
+        "30 s on the consumer at once",
+        || async { consumer_ack_wait(&js).await == Some(Duration::from_secs(30)) },
+    )
+    .await;
+
+    gate.open();
+    let reply = in_flight.await.expect("task").expect("reply");
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+    assert_eq!(upstream.hits_for("/gated/0"), 1);
+    assert_eq!(upstream.max_concurrent(), 1);
+    assert_eq!(
+        live_replies(&mut replies).await.get(&reply.id),
+        Some(&1),
+        "one live reply"
     );
 }

@@ -328,6 +328,21 @@ impl ConfigStore {
         instances::instance_id()
     }
 
+    /// The live instances' heartbeats in `<PREFIX>_INSTANCES`, by id; none when the
+    /// bucket does not exist.
+    pub async fn instance_reports(
+        js: &jetstream::Context,
+        subjects: &Subjects,
+    ) -> Result<Vec<instances::InstanceReport>, ConfigStoreError> {
+        let bucket = subjects.instances_bucket();
+        let Ok(store) = js.get_key_value(&bucket).await else {
+            return Ok(Vec::new());
+        };
+        instances::reports(&store)
+            .await
+            .map_err(|message| ConfigStoreError::Read { bucket, message })
+    }
+
     /// The instance that holds the lease of the pool consumers' settings now, if any.
     pub async fn pool_consumers_owner(
         js: &jetstream::Context,

@@ -3,7 +3,13 @@
 //! the writer of the pool consumers' settings. A leaf: the configuration store and
 //! the runtime both use it.
 
+use std::collections::BTreeMap;
+use std::time::Duration;
+
 use async_nats::jetstream::{kv, stream};
+use futures::TryStreamExt as _;
+use serde::{Deserialize, Serialize};
+use tracing::debug;
 
 use crate::config::Settings;
 
@@ -27,6 +33,65 @@ pub(crate) fn bucket_config(settings: &Settings) -> kv::Config {
         num_replicas: settings.streams.replicas,
         ..Default::default()
     }
+}
+
+/// One instance's heartbeat in the bucket, under its id: written by the binary in `kv`
+/// mode every 5 s and at once when what it reports changes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceReport {
+    pub instance: String,
+    /// The configuration revision it runs.
+    pub revision: u64,
+    pub version: String,
+    /// RFC 3339, when it reported.
+    pub time: String,
+    /// The longest `ack_wait`, in milliseconds, that any of its deliveries' progress
+    /// acks are paced from now (`runtime/pacing.rs`): the pool consumers' owner lowers
+    /// a consumer's `ack_wait` only to a value every live instance paces from. Absent
+    /// from instances older than the field, which pace from the revision a message
+    /// arrived under, and are waited for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pacing_ack_wait_ms: Option<u64>,
+}
+
+impl InstanceReport {
+    /// The `ack_wait` it paces from, when it says.
+    pub(crate) fn pacing_ack_wait(&self) -> Option<Duration> {
+        self.pacing_ack_wait_ms.map(Duration::from_millis)
+    }
+}
+
+/// The live instances' reports in `store`, by id: an instance whose heartbeat expired
+/// is gone from the bucket, and so from here.
+pub(crate) async fn reports(store: &kv::Store) -> Result<Vec<InstanceReport>, String> {
+    let keys: Vec<String> = store
+        .keys()
+        .await
+        .map_err(|e| e.to_string())?
+        .try_collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut reports = BTreeMap::new();
+    for key in keys {
+        // Instance ids have no dot; other keys (the lease, attempt counts) do.
+        if key.contains('.') {
+            continue;
+        }
+        // A report that expired between the listing and the read is gone: skipped.
+        let value = store
+            .get(&key)
+            .await
+            .map_err(|e| format!("key {key}: {e}"))?;
+        if let Some(value) = value {
+            match serde_json::from_slice::<InstanceReport>(&value) {
+                Ok(report) => {
+                    reports.insert(key, report);
+                }
+                Err(e) => debug!(key, error = %e, "not an instance report; skipped"),
+            }
+        }
+    }
+    Ok(reports.into_values().collect())
 }
 
 /// This process's id in the bucket: the host name (a pod's name) and the process id,

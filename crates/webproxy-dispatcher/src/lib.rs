@@ -44,12 +44,14 @@ pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
 pub use config_error::ConfigError;
 pub use config_store::{ConfigStore, PushNote, Seeded, StoredRevision};
+pub use instances::InstanceReport;
 pub use provision::mark_removing;
 pub use response_rules::{AppliedResponseRules, ResponseRuleConfig, ResponseRulesSource};
 pub use retry::RetryPolicy;
 pub use rules::{RequestRuleConfig, RuleAction};
 pub use runtime::{
-    Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, check_server, connect, test_hook,
+    AckWaitPacing, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, check_server,
+    connect, test_hook,
 };
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};

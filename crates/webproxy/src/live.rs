@@ -4,19 +4,17 @@
 //! `<PREFIX>_INSTANCES` bucket on a heartbeat that `config push --wait` and `pools`
 //! read.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv};
-use futures::{StreamExt as _, TryStreamExt as _};
-use serde::{Deserialize, Serialize};
+use futures::StreamExt as _;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 use webproxy_dispatcher::{
-    ConfigStore, Instruments, Redactor, Secrets, StartError, StoredRevision,
+    AckWaitPacing, ConfigStore, Instruments, Redactor, Secrets, StartError, StoredRevision,
 };
 
 use crate::config::Settings;
@@ -36,15 +34,7 @@ pub struct Running {
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// One instance's report in `<PREFIX>_INSTANCES`, under its id.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Report {
-    pub instance: String,
-    /// The configuration revision it runs.
-    pub revision: u64,
-    pub version: String,
-    /// RFC 3339, when it reported.
-    pub time: String,
-}
+pub use webproxy_dispatcher::InstanceReport as Report;
 
 /// The instances in `reports` that do not run `revision` or a later one (pure).
 pub fn lagging(reports: &[Report], revision: u64) -> Vec<&Report> {
@@ -56,46 +46,17 @@ pub async fn reports(
     js: &jetstream::Context,
     subjects: &webproxy_protocol::Subjects,
 ) -> anyhow::Result<Vec<Report>> {
-    let bucket = subjects.instances_bucket();
-    let Ok(store) = js.get_key_value(&bucket).await else {
-        return Ok(Vec::new());
-    };
-    let keys: Vec<String> = store
-        .keys()
-        .await
-        .with_context(|| format!("cannot list {bucket}"))?
-        .try_collect()
-        .await
-        .with_context(|| format!("cannot list {bucket}"))?;
-    let mut reports = BTreeMap::new();
-    for key in keys {
-        // Instance ids have no dot; other keys (the owner's lease) do.
-        if key.contains('.') {
-            continue;
-        }
-        // A report that expired between the listing and the read is gone: skipped.
-        if let Some(value) = store
-            .get(&key)
-            .await
-            .with_context(|| format!("cannot read {bucket} key {key}"))?
-        {
-            match serde_json::from_slice::<Report>(&value) {
-                Ok(report) => {
-                    reports.insert(key, report);
-                }
-                Err(e) => debug!(key, error = %e, "not an instance report; skipped"),
-            }
-        }
-    }
-    Ok(reports.into_values().collect())
+    Ok(ConfigStore::instance_reports(js, subjects).await?)
 }
 
-/// Reports `running`'s revision every [`HEARTBEAT`] and at once when it changes, until
-/// `shutdown`; then deletes the report, so `--wait` does not wait for this instance.
+/// Reports `running`'s revision, and the `ack_wait` this instance paces from, every
+/// [`HEARTBEAT`] and at once when either changes, until `shutdown`; then deletes the
+/// report, so `--wait` does not wait for this instance.
 pub async fn heartbeat(
     client: async_nats::Client,
     settings: Arc<webproxy_dispatcher::Settings>,
     mut running: watch::Receiver<Running>,
+    mut pacing: AckWaitPacing,
     shutdown: CancellationToken,
 ) {
     let js = jetstream::new(client);
@@ -106,6 +67,8 @@ pub async fn heartbeat(
         tokio::select! {
             _ = interval.tick() => {}
             changed = running.changed() => if changed.is_err() { return },
+            // The owner lowers ack_wait once every live instance reports pacing from it.
+            changed = pacing.changed() => if !changed { break },
             _ = shutdown.cancelled() => break,
         }
         if store.is_none() {
@@ -122,6 +85,9 @@ pub async fn heartbeat(
             time: time::OffsetDateTime::now_utc()
                 .format(&time::format_description::well_known::Rfc3339)
                 .unwrap_or_default(),
+            pacing_ack_wait_ms: Some(
+                u64::try_from(pacing.longest().as_millis()).unwrap_or(u64::MAX),
+            ),
         };
         let value = serde_json::to_vec(&report).unwrap_or_default();
         if let Err(e) = store.put(&id, value.into()).await {
@@ -270,6 +236,7 @@ mod tests {
             revision,
             version: "1".into(),
             time: String::new(),
+            pacing_ack_wait_ms: None,
         }
     }
 

@@ -102,6 +102,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
             client.clone(),
             settings.dispatcher.clone(),
             following,
+            dispatcher.ack_wait_pacing(),
             shutdown.clone(),
         )));
     }

@@ -17,7 +17,7 @@ use super::breaker;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
 use super::flow::Pass;
-use super::liveness::{Liveness, LivenessPolicy};
+use super::liveness::Liveness;
 use super::progress::{Claim, ProgressError, claim};
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
@@ -529,10 +529,7 @@ impl Outlet {
             return Settled::Left;
         };
         // A one-off reader acks at once, long before its delivery could go stale.
-        let liveness = Liveness::new(
-            LivenessPolicy::for_ack_wait(Duration::from_secs(3600)),
-            tokio::time::Instant::now(),
-        );
+        let liveness = Liveness::new(Duration::from_secs(3600), tokio::time::Instant::now());
         let (mut conversation, _) =
             Conversation::new(pool, message, &info, &self.subjects, &liveness);
         conversation.absorb(&parse_request(&message.payload, &self.subjects));

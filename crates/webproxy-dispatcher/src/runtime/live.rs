@@ -93,6 +93,8 @@ impl Live {
         }
         *self.retained.lock().unwrap_or_else(PoisonError::into_inner) = retained;
         outlet.metrics.set_config_revision(revision);
+        // Deliveries in flight pace from a shorter ack_wait at once.
+        running.pacing.learned(settings.cluster.ack_wait);
         self.current.send_replace(Arc::new(Shared {
             settings: Arc::new(settings),
             health: running.health.clone(),
@@ -101,6 +103,7 @@ impl Live {
             worker,
             secrets,
             flow: running.flow.clone(),
+            pacing: running.pacing.clone(),
         }));
         info!(revision, "running the configuration bucket's revision");
         Ok(())

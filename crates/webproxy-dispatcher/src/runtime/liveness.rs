@@ -13,13 +13,15 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::debug;
 
 use super::delivery::Delivery;
+use super::pacing::Known;
 
 /// The timings one pool consumer's deliveries are judged by.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct LivenessPolicy {
     /// The longest gap allowed between the delivery and the first confirmed progress
     /// ack sent, and between two of them: `ack_wait` minus a margin for clocks and
@@ -46,26 +48,38 @@ impl LivenessPolicy {
 
 #[derive(Debug)]
 struct State {
-    /// The send time of the last confirmed progress ack, or the delivery's arrival.
+    /// The send time of the last confirmed progress ack, or the delivery's arrival,
+    /// or when a shorter `ack_wait` was first paced from.
     last: Instant,
     stale: bool,
+    /// What the delivery is judged and paced by now.
+    policy: LivenessPolicy,
 }
 
 /// One delivery's liveness.
 #[derive(Debug)]
 pub(super) struct Liveness {
-    policy: LivenessPolicy,
+    /// The `ack_wait` of the revision the delivery arrived under.
+    arrived_under: Duration,
     state: Mutex<State>,
 }
 
 impl Liveness {
-    /// A delivery that arrived at `delivered`.
-    pub(super) fn new(policy: LivenessPolicy, delivered: Instant) -> Liveness {
+    /// A delivery that arrived at `delivered` under a revision whose `ack_wait` is
+    /// `ack_wait`, judged by it alone.
+    pub(super) fn new(ack_wait: Duration, delivered: Instant) -> Liveness {
+        Liveness::paced(ack_wait, ack_wait, delivered)
+    }
+
+    /// A delivery that arrived at `delivered` under `arrived_under`, paced from
+    /// `pacing` (`pacing::pacing_ack_wait`).
+    pub(super) fn paced(arrived_under: Duration, pacing: Duration, delivered: Instant) -> Liveness {
         Liveness {
-            policy,
+            arrived_under,
             state: Mutex::new(State {
                 last: delivered,
                 stale: false,
+                policy: LivenessPolicy::for_ack_wait(pacing),
             }),
         }
     }
@@ -80,7 +94,7 @@ impl Liveness {
     /// limit, the open one included. Once it is not, it never is again.
     pub(super) fn is_current_at(&self, now: Instant) -> bool {
         let mut state = self.state();
-        if !state.stale && now.saturating_duration_since(state.last) >= self.policy.limit {
+        if !state.stale && now.saturating_duration_since(state.last) >= state.policy.limit {
             state.stale = true;
         }
         !state.stale
@@ -94,29 +108,80 @@ impl Liveness {
     /// if the one it closes stayed within the limit.
     pub(super) fn confirmed(&self, sent: Instant) {
         let mut state = self.state();
-        if state.stale || sent.saturating_duration_since(state.last) >= self.policy.limit {
+        if state.stale || sent.saturating_duration_since(state.last) >= state.policy.limit {
             state.stale = true;
         } else if sent > state.last {
             state.last = sent;
         }
     }
 
+    /// From `at` on, the delivery is paced from `ack_wait`; the new period, when it
+    /// differs from the one paced by until now.
+    ///
+    /// The open interval is judged by the old limit up to `at`. A shorter `ack_wait`
+    /// reaches the server only after this instance reports pacing from it, which is
+    /// after `at`, so its limit runs from `at` (the keeper sends a progress ack at
+    /// once). A longer one is paced from only once the consumer carries it, so its
+    /// limit applies to the open interval as it is.
+    pub(super) fn repace(&self, ack_wait: Duration, at: Instant) -> Option<Duration> {
+        let mut state = self.state();
+        let policy = LivenessPolicy::for_ack_wait(ack_wait);
+        if state.stale || policy.period == state.policy.period {
+            return None;
+        }
+        if at.saturating_duration_since(state.last) >= state.policy.limit {
+            state.stale = true;
+            return None;
+        }
+        if policy.limit < state.policy.limit {
+            state.last = state.last.max(at);
+        }
+        state.policy = policy;
+        Some(policy.period)
+    }
+
+    fn policy(&self) -> LivenessPolicy {
+        self.state().policy
+    }
+
     /// Sends confirmed progress acks for `delivery` every period until the delivery
-    /// is stale (then it returns) or the caller stops polling it.
-    pub(super) async fn keep(&self, delivery: &impl Delivery) {
-        let period = self.policy.period;
-        let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    /// is stale (then it returns) or the caller stops polling it. With `pacing`, the
+    /// period follows what this instance knows of `ack_wait`, and a shorter one is
+    /// paced from with a progress ack at once.
+    pub(super) async fn keep(
+        &self,
+        delivery: &impl Delivery,
+        mut pacing: Option<watch::Receiver<Known>>,
+    ) {
+        let ticking = |period: Duration| {
+            let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks
+        };
+        let mut ticks = ticking(self.policy().period);
         loop {
-            ticks.tick().await;
+            tokio::select! {
+                _ = ticks.tick() => {}
+                known = next_known(&mut pacing) => {
+                    let before = self.policy().period;
+                    let Some(period) = self.repace(known.pacing(self.arrived_under), Instant::now())
+                    else {
+                        continue;
+                    };
+                    debug!(?period, "progress acks paced anew");
+                    ticks = ticking(period);
+                    if period > before {
+                        continue;
+                    }
+                }
+            }
             let sent = Instant::now();
             if !self.is_current_at(sent) {
                 debug!("delivery went stale; no more progress acks");
                 return;
             }
-            match tokio::time::timeout(self.policy.confirm_within, delivery.progress_confirmed())
-                .await
-            {
+            let confirm_within = self.policy().confirm_within;
+            match tokio::time::timeout(confirm_within, delivery.progress_confirmed()).await {
                 Ok(Ok(())) => self.confirmed(sent),
                 Ok(Err(e)) => debug!(error = %e, "progress ack not confirmed"),
                 Err(_) => debug!("progress ack not confirmed in time"),
@@ -125,12 +190,30 @@ impl Liveness {
     }
 }
 
+/// The next change of what this instance knows of `ack_wait`; never, without one to
+/// follow or once it is gone.
+async fn next_known(pacing: &mut Option<watch::Receiver<Known>>) -> Known {
+    let changed = match pacing {
+        Some(known) => known.changed().await.is_ok(),
+        None => false,
+    };
+    match pacing {
+        Some(known) if changed => *known.borrow_and_update(),
+        _ => {
+            *pacing = None;
+            std::future::pending().await
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const ACK_WAIT: Duration = Duration::from_secs(15);
+
     fn policy() -> LivenessPolicy {
-        LivenessPolicy::for_ack_wait(Duration::from_secs(15))
+        LivenessPolicy::for_ack_wait(ACK_WAIT)
     }
 
     #[test]
@@ -146,7 +229,7 @@ mod tests {
     fn confirmed_progress_keeps_a_delivery_current() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let liveness = Liveness::new(policy(), t0);
+        let liveness = Liveness::new(ACK_WAIT, t0);
         assert!(liveness.is_current_at(at(11)));
         liveness.confirmed(at(5));
         liveness.confirmed(at(15));
@@ -161,7 +244,7 @@ mod tests {
     fn a_confirmation_after_a_broken_interval_does_not_revive_it() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let liveness = Liveness::new(policy(), t0);
+        let liveness = Liveness::new(ACK_WAIT, t0);
         // sent 13 s after the delivery: the server may have redelivered before it
         liveness.confirmed(at(13));
         assert!(!liveness.is_current_at(at(14)));
@@ -173,10 +256,56 @@ mod tests {
     fn an_open_interval_past_the_limit_is_stale_for_good() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let liveness = Liveness::new(policy(), t0);
+        let liveness = Liveness::new(ACK_WAIT, t0);
         assert!(!liveness.is_current_at(at(12)));
         // a confirmation of a progress ack sent earlier arriving late changes nothing
         liveness.confirmed(at(5));
         assert!(!liveness.is_current_at(at(13)));
+    }
+
+    #[test]
+    fn a_shorter_ack_wait_is_judged_from_when_it_is_first_paced_from() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let liveness = Liveness::new(Duration::from_secs(30), t0);
+        liveness.confirmed(at(10_000));
+        // 2 s pushed at 15 s: the server still holds 30 s, so the open interval
+        // stayed within its limit; the 2 s limit (1.6 s) runs from 15 s
+        let period = liveness.repace(Duration::from_secs(2), at(15_000));
+        assert_eq!(period, Some(Duration::from_secs(2) / 3));
+        assert!(liveness.is_current_at(at(16_500)));
+        assert!(!liveness.is_current_at(at(16_600)), "1.6 s unconfirmed");
+    }
+
+    #[test]
+    fn a_shorter_ack_wait_confirmed_keeps_it_current() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let liveness = Liveness::new(Duration::from_secs(30), t0);
+        assert!(liveness.repace(Duration::from_secs(2), at(5_000)).is_some());
+        liveness.confirmed(at(5_000));
+        liveness.confirmed(at(5_600));
+        assert!(liveness.is_current_at(at(7_000)));
+    }
+
+    #[test]
+    fn repacing_a_delivery_past_its_limit_leaves_it_stale() {
+        let t0 = Instant::now();
+        let liveness = Liveness::new(Duration::from_secs(30), t0);
+        let late = t0 + Duration::from_secs(25);
+        assert_eq!(liveness.repace(Duration::from_secs(2), late), None);
+        assert!(!liveness.is_current_at(late));
+    }
+
+    #[test]
+    fn a_longer_ack_wait_widens_the_open_interval() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let liveness = Liveness::new(Duration::from_secs(2), t0);
+        liveness.confirmed(at(600));
+        let period = liveness.repace(Duration::from_secs(30), at(1_000));
+        assert_eq!(period, Some(Duration::from_secs(10)));
+        assert!(liveness.is_current_at(at(20_000)));
+        assert_eq!(liveness.repace(Duration::from_secs(30), at(21_000)), None);
     }
 }

@@ -25,7 +25,7 @@ use webproxy_protocol::parse_request;
 use super::Dispatcher;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
-use super::liveness::{Liveness, LivenessPolicy};
+use super::liveness::Liveness;
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
 use crate::hop::{HopKind, HopState};
@@ -108,10 +108,7 @@ async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) ->
     };
     // Read by sequence, not delivered: nothing redelivers it meanwhile, so it never
     // goes stale (as in `end_unattempted`).
-    let liveness = Liveness::new(
-        LivenessPolicy::for_ack_wait(Duration::from_secs(3600)),
-        tokio::time::Instant::now(),
-    );
+    let liveness = Liveness::new(Duration::from_secs(3600), tokio::time::Instant::now());
     // Not a hop of this layout: the conversation's own state comes from the layout 1
     // headers below, so the constructor's complaint about a missing hop header is moot.
     let (mut conversation, _) = Conversation::new(pool, parked, &info, &outlet.subjects, &liveness);

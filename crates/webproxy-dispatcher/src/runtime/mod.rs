@@ -14,6 +14,7 @@ mod live;
 mod liveness;
 mod migrate;
 mod owner;
+mod pacing;
 mod parked;
 mod pauses;
 mod progress;
@@ -27,6 +28,7 @@ mod stored_reply;
 mod tests;
 
 pub use hooks::test_hook;
+pub use pacing::AckWaitPacing;
 pub use publish::Outlet;
 pub use replay::{Replay, ReplayError};
 pub use settle::Settled;
@@ -56,7 +58,7 @@ use crate::health::Health;
 use crate::provision::{PoolConsumers, Provisioned, Refusal};
 use crate::secrets::Secrets;
 use live::{Live, Pools};
-use liveness::{Liveness, LivenessPolicy};
+use liveness::Liveness;
 use pull::{PULL_EXPIRES, Pull, PullEnd};
 
 /// The most messages one pull asks for.
@@ -133,6 +135,8 @@ struct Shared {
     secrets: Arc<Secrets>,
     /// Pauses and rate limits: the same for every revision.
     flow: Arc<flow::Flow>,
+    /// The `ack_wait` progress acks are paced from: the same for every revision.
+    pacing: Arc<pacing::Pacing>,
 }
 
 /// Consumes every pool of this instance until told to stop.
@@ -173,6 +177,7 @@ impl Dispatcher {
         Dispatcher {
             live: Arc::new(Live::new(Shared {
                 flow,
+                pacing: Arc::new(pacing::Pacing::new(settings.cluster.ack_wait)),
                 gauges: instruments.gauges,
                 outlet,
                 settings,
@@ -201,6 +206,13 @@ impl Dispatcher {
         }
     }
 
+    /// The longest `ack_wait` this instance's progress acks are paced from now, and
+    /// its changes: what its heartbeat reports, so that the pool consumers' owner
+    /// lowers `ack_wait` only once every live instance paces from the lower value.
+    pub fn ack_wait_pacing(&self) -> AckWaitPacing {
+        AckWaitPacing::new(self.live.load().pacing.known())
+    }
+
     /// Runs the pool loops until `shutdown` is cancelled, then waits up to `grace` for
     /// the attempts in flight. Attempts still running at the deadline are left unacked,
     /// so the server redelivers them elsewhere.
@@ -214,10 +226,13 @@ impl Dispatcher {
             .follow_states(&running.settings, shutdown.clone());
         // One reading of the server's clock before the first message is judged, so a
         // pod whose clock is off judges none by it; the gauges' refresh reads it after.
-        if let Some(first) = self.pools.first()
-            && let Err(e) = timed_info(&running.outlet.js, &first.work).await
-        {
-            debug!(pool = first.pool, error = %e, "cannot read the server's clock at start");
+        if let Some(first) = self.pools.first() {
+            match timed_info(&running.outlet.js, &first.work).await {
+                Ok(info) => running.pacing.server_has(&first.pool, info.config.ack_wait),
+                Err(e) => {
+                    debug!(pool = first.pool, error = %e, "cannot read the server's clock at start")
+                }
+            }
         }
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
@@ -269,6 +284,7 @@ async fn refresh_gauges(
             parked.get_info().await.map_err(|e| e.to_string()),
         ) {
             (Ok(work), Ok(parked)) => {
+                shared.pacing.server_has(&pool, work.config.ack_wait);
                 gauge.set_queued(
                     work.num_pending,
                     parked.num_pending + parked.num_ack_pending as u64,
@@ -369,7 +385,7 @@ async fn pull_loop(
     loop {
         // The revision running when the pull starts: ack_wait may have changed.
         let shared = live.load();
-        let policy = LivenessPolicy::for_ack_wait(shared.settings.cluster.ack_wait);
+        let arrived_under = shared.settings.cluster.ack_wait;
         // As many as can start now, and never fewer than one: a pull already waiting
         // at the server lets the next message go out the moment a slot frees, instead
         // of a round trip later. It cannot overfill this instance: the server holds
@@ -408,7 +424,7 @@ async fn pull_loop(
                         }
                     };
                     delivered += 1;
-                    start(&live, &pool, message, &permits, &attempts, &shutdown, policy).await;
+                    start(&live, &pool, message, &permits, &attempts, &shutdown, arrived_under).await;
                 }
             } => end,
             _ = shutdown.cancelled() => return,
@@ -483,7 +499,7 @@ async fn start(
     permits: &Arc<Semaphore>,
     attempts: &TaskTracker,
     shutdown: &CancellationToken,
-    policy: LivenessPolicy,
+    arrived_under: Duration,
 ) {
     let (started, has_started) = tokio::sync::oneshot::channel();
     let live = live.clone();
@@ -491,7 +507,9 @@ async fn start(
     let permits = permits.clone();
     let stop = shutdown.clone();
     attempts.spawn(async move {
-        let liveness = Liveness::new(policy, tokio::time::Instant::now());
+        let known = live.load().pacing.known();
+        let pacing = known.borrow().pacing(arrived_under);
+        let liveness = Liveness::paced(arrived_under, pacing, tokio::time::Instant::now());
         let work = async {
             let permit = tokio::select! {
                 permit = permits.acquire_owned() => match permit {
@@ -508,7 +526,7 @@ async fn start(
             Box::pin(handle::handle(&shared, &pool, &message, &liveness)).await;
             drop(permit);
         };
-        while_keeping(work, liveness.keep(&message)).await;
+        while_keeping(work, liveness.keep(&message, Some(known))).await;
     });
     tokio::select! {
         _ = has_started => {}

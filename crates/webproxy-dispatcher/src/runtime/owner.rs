@@ -4,6 +4,12 @@
 //! `<PREFIX>_POOL_STATE` (as `flow` follows it), writing only what differs
 //! (`provision::consumer_writes`).
 //!
+//! A lower `ack_wait` is written only once every live instance (by its heartbeat)
+//! paces its progress acks from it (`may_apply`): the server redelivers a message
+//! whose progress acks come slower than its consumer's `ack_wait`, while its attempt
+//! still runs. A higher one is written at once; instances pace from it only once the
+//! consumer carries it (`pacing.rs`).
+//!
 //! Provisioning creates a missing consumer from the same computation and never
 //! rewrites one that exists. So instances running different revisions (a rolling
 //! deploy in file mode, a push on its way) do not fight over the settings, and no
@@ -18,12 +24,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::Shared;
 use super::live::Live;
-use crate::config::{PoolConfig, Settings};
+use crate::config::PoolConfig;
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
 use crate::pool_state::PoolState;
@@ -210,9 +217,13 @@ async fn hold_and_write(
             continue;
         }
         let current = states.borrow_and_update().clone();
+        let mut pacing = LivePacing {
+            store: lease.store.clone(),
+            read: None,
+        };
         for (pool, config) in &settings.cluster.pools {
             let state = current.get(pool).cloned().unwrap_or_default();
-            if !bring_in_line(js, settings, metrics, lease, pool, config, &state).await {
+            if !bring_in_line(&shared, lease, pool, config, &state, &mut pacing).await {
                 report_holding(metrics, &holding_now, false);
                 break;
             }
@@ -235,19 +246,59 @@ fn report_holding(
     holding_now.send_if_modified(|held| std::mem::replace(held, holding) != holding);
 }
 
-/// Writes to `pool`'s work consumer what [`consumer_writes`] says it lacks, each write
-/// only after `lease` was confirmed by compare-and-set; whether the lease is still
-/// held. A consumer that is not there is left to provisioning and the pull loop,
-/// which create it (and know when not to: a pool being removed).
+/// Whether a pool consumer's `ack_wait` may go from `current` to `new` (pure): an
+/// increase at once; a decrease once every live instance paces its progress acks from
+/// `new` or less. `live_instances_pacing` is what each live instance reports; one
+/// that does not say (older than the report) is waited for.
+pub(super) fn may_apply(
+    new: Duration,
+    current: Duration,
+    live_instances_pacing: &[Option<Duration>],
+) -> bool {
+    new >= current
+        || live_instances_pacing
+            .iter()
+            .all(|pacing| pacing.is_some_and(|pacing| pacing <= new))
+}
+
+/// What the live instances pace from, read from their heartbeats at most once a round,
+/// and only when a pool's `ack_wait` is to be lowered.
+struct LivePacing {
+    store: kv::Store,
+    /// `Some(None)`: the read failed this round.
+    read: Option<Option<Vec<Option<Duration>>>>,
+}
+
+impl LivePacing {
+    async fn get(&mut self) -> Option<&[Option<Duration>]> {
+        if self.read.is_none() {
+            let read = match instances::reports(&self.store).await {
+                Ok(reports) => Some(reports.iter().map(|r| r.pacing_ack_wait()).collect()),
+                Err(e) => {
+                    warn!(error = %e, "cannot read the instances' heartbeats; a lower ack_wait waits");
+                    None
+                }
+            };
+            self.read = Some(read);
+        }
+        self.read.as_ref().and_then(|read| read.as_deref())
+    }
+}
+
+/// Writes to `pool`'s work consumer what [`consumer_writes`] says it lacks, holding
+/// a lower `ack_wait` back until [`may_apply`] allows it, and each write only after
+/// `lease` was confirmed by compare-and-set; whether the lease is still held. A
+/// consumer that is not there is left to provisioning and the pull loop, which create
+/// it (and know when not to: a pool being removed).
 async fn bring_in_line(
-    js: &jetstream::Context,
-    settings: &Settings,
-    metrics: &Metrics,
+    shared: &Shared,
     lease: &mut Lease,
     pool: &str,
     config: &PoolConfig,
     state: &PoolState,
+    pacing: &mut LivePacing,
 ) -> bool {
+    let (js, settings, metrics) = (&shared.outlet.js, &shared.settings, &shared.outlet.metrics);
     let name = settings.subjects.pool_consumer(pool);
     let stream = match js
         .get_stream_no_info(settings.subjects.pool_stream(pool))
@@ -266,7 +317,22 @@ async fn bring_in_line(
             return true;
         }
     };
-    let wanted = pool_consumer_config(settings, pool, config, state);
+    let mut wanted = pool_consumer_config(settings, pool, config, state);
+    if wanted.ack_wait < current.ack_wait {
+        let lowered = pacing
+            .get()
+            .await
+            .is_some_and(|live| may_apply(wanted.ack_wait, current.ack_wait, live));
+        if !lowered {
+            info!(
+                pool,
+                ack_wait = ?wanted.ack_wait,
+                current = ?current.ack_wait,
+                "a lower ack_wait waits until every live instance paces from it"
+            );
+            wanted.ack_wait = current.ack_wait;
+        }
+    }
     let paused_until = state.paused_until(crate::clock::now_utc());
     for write in consumer_writes(&current, &wanted, paused_until) {
         super::hooks::owner_waits_before_write().await;
@@ -347,5 +413,31 @@ mod tests {
         assert!(Renewal::Took.holding());
         assert!(!Renewal::Lost.holding());
         assert!(!Renewal::HeldElsewhere.holding());
+    }
+
+    fn s(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    #[test]
+    fn an_increase_applies_at_once() {
+        assert!(may_apply(s(30), s(2), &[Some(s(2)), None]));
+        assert!(may_apply(s(30), s(30), &[]));
+    }
+
+    #[test]
+    fn a_decrease_waits_for_every_live_instance_to_pace_from_it() {
+        assert!(!may_apply(s(2), s(30), &[Some(s(2)), Some(s(30))]));
+        assert!(may_apply(s(2), s(30), &[Some(s(2)), Some(s(1))]));
+    }
+
+    #[test]
+    fn an_instance_that_does_not_say_what_it_paces_from_is_waited_for() {
+        assert!(!may_apply(s(2), s(30), &[Some(s(2)), None]));
+    }
+
+    #[test]
+    fn with_no_live_instance_a_decrease_applies() {
+        assert!(may_apply(s(2), s(30), &[]));
     }
 }

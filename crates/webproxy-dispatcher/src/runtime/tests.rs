@@ -15,7 +15,7 @@ use webproxy_worker::{Worker, WorkerConfig};
 use super::delivery::DeliveryInfo;
 use super::delivery::fake::FakeDelivery;
 use super::handle::handle_delivery;
-use super::liveness::{Liveness, LivenessPolicy};
+use super::liveness::Liveness;
 use super::progress::{Progress, Record};
 use super::publish::Outlet;
 use super::settle::Settled;
@@ -91,6 +91,7 @@ impl Fixture {
                 &settings,
             )),
             health,
+            pacing: Arc::new(super::pacing::Pacing::new(settings.cluster.ack_wait)),
             gauges: {
                 let gauges = Gauges::default();
                 gauges.add(settings.cluster.pools.keys());
@@ -124,8 +125,7 @@ impl Fixture {
         delivery: &FakeDelivery,
         delivered: tokio::time::Instant,
     ) -> Settled {
-        let policy = LivenessPolicy::for_ack_wait(self.shared.settings.cluster.ack_wait);
-        let liveness = Liveness::new(policy, delivered);
+        let liveness = Liveness::new(self.shared.settings.cluster.ack_wait, delivered);
         handle_delivery(&self.shared, "default", delivery, &liveness).await
     }
 
