@@ -368,3 +368,78 @@ async fn a_settled_conversation_leaves_a_short_lived_marker() {
     );
     assert_eq!(header("Nats-TTL").as_deref(), Some("60"), "{marker:?}");
 }
+
+/// Point 1: a lost configuration bucket is never made again, or seeded, behind the
+/// operators' back. The instance keeps its last good revision, says so, and stays
+/// ready and serving; a later `config push` makes the bucket again, and the instance
+/// runs the pushed document (revision 1 of the new bucket, below what it ran).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let service = Service::start(
+        &nats,
+        &webproxy_tests::pools::kv_config(&config(&upstream, "max_in_flight = 4\n", "")),
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    assert_eq!(call(&client, &upstream).await, Ok(200), "before the loss");
+    let js = jetstream::new(nats.client().await);
+    js.delete_stream("KV_WEBPROXY_CONFIG")
+        .await
+        .expect("delete the configuration bucket");
+    wait_until(ANSWER, "the instance to say the bucket is gone", || async {
+        service.logs().contains("the configuration bucket is gone")
+    })
+    .await;
+    // Watched for 3 s (the watch is retried at most 2 s apart): not made again.
+    let watch_until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < watch_until {
+        assert!(
+            js.get_stream("KV_WEBPROXY_CONFIG").await.is_err(),
+            "the configuration bucket was made again\n{}",
+            service.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(readiness(&service).await.0, 200, "{}", service.logs());
+    assert_eq!(call(&client, &upstream).await, Ok(200), "after the loss");
+
+    // The operator writes a document again: the pool's limit is now 2.
+    let dir = tempfile::tempdir().expect("a directory");
+    let file = dir.path().join("cluster.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[outbound]\nallow_private_networks = true\n\n{}",
+            config(&upstream, "max_in_flight = 2\n", "")
+        ),
+    )
+    .expect("write the document");
+    let url = nats.url();
+    let pushed = webproxy_tests::run_webproxy(&[
+        "config",
+        "push",
+        file.to_str().expect("a UTF-8 path"),
+        "--nats",
+        &url,
+    ])
+    .await;
+    assert!(pushed.status.success(), "{pushed:?}");
+    // Revision 1 of the new bucket, as the seeded one was: the pushed document's
+    // limit shows it is run, on the pool's consumer.
+    wait_until(
+        ANSWER,
+        "the pushed limit on the pool's consumer",
+        || async {
+            let Ok(stream) = js.get_stream("WEBPROXY_POOL_PARTNER").await else {
+                return false;
+            };
+            stream
+                .consumer_info("webproxy-partner-l2")
+                .await
+                .is_ok_and(|info| info.config.max_ack_pending == 2)
+        },
+    )
+    .await;
+}

@@ -5,7 +5,7 @@
 //! compare-and-set, so two writers never both win. Parsing and validating a document
 //! is the binary's; this module only stores text.
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv};
 use futures::{StreamExt as _, TryStreamExt as _};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -19,9 +19,7 @@ use crate::runtime::retry_until_done;
 /// The key of the cluster document.
 pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
-// The revisions the bucket keeps of the document, for `config history`, `show
-// --revision` and `rollback`: JetStream's most.
-use crate::state::CONFIG_HISTORY as HISTORY;
+use crate::state::Bucket;
 
 /// What the first line of a stored value starts with, before the note's JSON. A TOML
 /// comment, so the stored value is itself a valid document.
@@ -108,16 +106,11 @@ fn stored_revision(entry: kv::Entry) -> StoredRevision {
     }
 }
 
-/// The bucket: file storage, the streams' replicas, [`HISTORY`] revisions.
+/// The bucket, as `state.rs` declares it: file storage, `CONFIG_HISTORY` revisions.
 pub(crate) fn config_bucket_config(settings: &Settings) -> kv::Config {
-    kv::Config {
-        bucket: settings.subjects.config_bucket(),
-        description: "webproxy's cluster configuration: rules, pools, outbound policy".into(),
-        history: HISTORY,
-        storage: stream::StorageType::File,
-        num_replicas: settings.streams.replicas,
-        ..Default::default()
-    }
+    Bucket::Config
+        .spec(&settings.subjects, &settings.streams)
+        .kv_config()
 }
 
 /// The cluster document's bucket.
@@ -512,7 +505,7 @@ mod seeding {
             let kv = js
                 .create_key_value(kv::Config {
                     bucket: format!("SEED{round}"),
-                    history: HISTORY,
+                    history: crate::state::CONFIG_HISTORY,
                     ..Default::default()
                 })
                 .await

@@ -6,33 +6,25 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_nats::jetstream::{kv, stream};
+use async_nats::jetstream::kv;
 use futures::TryStreamExt as _;
 use serde::{Deserialize, Serialize};
 use tracing::debug;
 
 use crate::config::Settings;
+use crate::state::Bucket;
 
-/// How long the bucket keeps a value: an instance's heartbeat (every 5 s) and the
-/// lease holder's renewals are written well within it, so one late write does not make
-/// a live instance vanish or lose its lease.
-pub(crate) const TTL: std::time::Duration = std::time::Duration::from_secs(20);
+pub(crate) use crate::state::INSTANCES_TTL as TTL;
 
 /// The key of the lease of the pool consumers' settings; its value is the holder's
 /// instance id. Instance ids have no dot, so it is never one.
 pub(crate) const POOL_CONSUMERS_LEASE: &str = "lease.pool-consumers";
 
-/// The bucket: history 1, every value kept [`TTL`], the streams' replicas.
+/// The bucket, as `state.rs` declares it: history 1, every value kept [`TTL`].
 pub(crate) fn bucket_config(settings: &Settings) -> kv::Config {
-    kv::Config {
-        bucket: settings.subjects.instances_bucket(),
-        description: "webproxy's running instances and the configuration revision each runs".into(),
-        history: 1,
-        max_age: TTL,
-        storage: stream::StorageType::File,
-        num_replicas: settings.streams.replicas,
-        ..Default::default()
-    }
+    Bucket::Instances
+        .spec(&settings.subjects, &settings.streams)
+        .kv_config()
 }
 
 /// One instance's heartbeat in the bucket, under its id: written by the binary in `kv`

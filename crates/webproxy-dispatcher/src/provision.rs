@@ -423,15 +423,9 @@ pub(crate) fn dead_stream_config(settings: &Settings) -> stream::Config {
 /// until changed, with the streams' replicas, a few revisions for whoever looks into
 /// why a pool paused.
 pub(crate) fn pool_state_bucket_config(settings: &Settings) -> kv::Config {
-    kv::Config {
-        bucket: settings.subjects.pool_state_bucket(),
-        description: "webproxy pools' runtime state: pauses and their reasons, adaptive limits"
-            .into(),
-        history: 5,
-        storage: stream::StorageType::File,
-        num_replicas: settings.streams.replicas,
-        ..Default::default()
-    }
+    Bucket::PoolState
+        .spec(&settings.subjects, &settings.streams)
+        .kv_config()
 }
 
 /// `pool`'s runtime state in `store`, and the revision it was read at (none when the

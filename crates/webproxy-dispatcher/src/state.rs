@@ -62,6 +62,11 @@ pub struct BucketSpec {
 
 const MIB: i64 = 1024 * 1024;
 
+/// How long `<PREFIX>_INSTANCES` keeps a value: an instance's heartbeat (every 5 s)
+/// and the lease holder's renewals are written well within it, so one late write does
+/// not make a live instance vanish or lose its lease.
+pub(crate) const INSTANCES_TTL: Duration = Duration::from_secs(20);
+
 /// Revisions the configuration bucket keeps: what `config history`, `show
 /// --revision` and `rollback` can reach (JetStream's most).
 pub(crate) const CONFIG_HISTORY: i64 = 64;
@@ -137,7 +142,7 @@ impl Bucket {
                     "webproxy's running instances and the configuration revision each runs",
                     file,
                     1,
-                    crate::instances::TTL,
+                    INSTANCES_TTL,
                     16 * MIB,
                     None,
                     true,

@@ -118,6 +118,8 @@ pub async fn follow(
     let js = jetstream::new(client);
     let mut seen = running.borrow().revision;
     let mut failures = 0u32;
+    // Whether the bucket's loss was logged: once per loss.
+    let mut lost = false;
     loop {
         if failures > 0 {
             // 100 ms more per failure, at most 2 s: the pull loops' backoff.
@@ -128,13 +130,34 @@ pub async fn follow(
             }
         }
         let settings = running.borrow().settings.clone();
+        // Opened, never made: a lost bucket is not made again (nor seeded) behind the
+        // operators' back; this instance keeps its revision until a push writes one.
+        // A bucket made again after a loss numbers its revisions from 1: read all of it.
+        let after = if lost { 0 } else { seen };
         let watched = async {
-            let store = ConfigStore::open_or_create(&js, &settings.dispatcher).await?;
-            store.watch_after(seen).await
+            match ConfigStore::open(&js, &settings.dispatcher.subjects).await? {
+                Some(store) => store.watch_after(after).await.map(Some),
+                None => Ok(None),
+            }
         };
         let mut revisions = tokio::select! {
             watched = watched => match watched {
-                Ok(revisions) => revisions,
+                Ok(Some(revisions)) => {
+                    lost = false;
+                    revisions
+                }
+                Ok(None) => {
+                    if !lost {
+                        error!(
+                            bucket = settings.dispatcher.subjects.config_bucket(),
+                            running = seen,
+                            "the configuration bucket is gone; still running revision {seen} until `webproxy config push` writes a document again"
+                        );
+                        lost = true;
+                    }
+                    failures = failures.saturating_add(1);
+                    continue;
+                }
                 Err(e) => {
                     warn!(error = %e, after = seen, "cannot watch the configuration bucket; retrying");
                     failures = failures.saturating_add(1);

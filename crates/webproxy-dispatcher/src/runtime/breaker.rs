@@ -30,6 +30,7 @@ use crate::clock;
 use crate::config::PoolConfig;
 use crate::instances;
 use crate::pool_state::PoolState;
+use crate::state::{Bucket, StateBucket};
 
 /// How often an instance reports its counts, and the owner looks at them.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
@@ -105,7 +106,13 @@ impl Counts {
 /// they hold a second recent enough to matter, until `shutdown`.
 pub(super) async fn report(live: Arc<Live>, shutdown: CancellationToken) {
     let instance = instances::instance_id();
-    let mut store: Option<kv::Store> = None;
+    let bucket = {
+        let shared = live.load();
+        StateBucket::new(
+            shared.outlet.js.clone(),
+            Bucket::Instances.spec(&shared.settings.subjects, &shared.settings.streams),
+        )
+    };
     let mut written: HashMap<String, (Report, tokio::time::Instant)> = HashMap::new();
     let mut interval = tokio::time::interval(REPORT_EVERY);
     loop {
@@ -129,20 +136,12 @@ pub(super) async fn report(live: Arc<Live>, shutdown: CancellationToken) {
             {
                 continue;
             }
-            let store = match &store {
-                Some(store) => store,
-                None => match shared
-                    .outlet
-                    .js
-                    .create_or_update_key_value(instances::bucket_config(&shared.settings))
-                    .await
-                {
-                    Ok(opened) => store.insert(opened),
-                    Err(e) => {
-                        warn!(error = %e, "cannot open the instances' bucket to report attempts");
-                        break;
-                    }
-                },
+            let store = match bucket.store().await {
+                Ok(store) => store,
+                Err(e) => {
+                    warn!(error = %e, "cannot open the instances' bucket to report attempts");
+                    break;
+                }
             };
             let value = match serde_json::to_vec(&report) {
                 Ok(value) => value,
@@ -155,7 +154,11 @@ pub(super) async fn report(live: Arc<Live>, shutdown: CancellationToken) {
                 Ok(_) => {
                     written.insert(pool.clone(), (report, tokio::time::Instant::now()));
                 }
-                Err(e) => debug!(pool, error = %e, "cannot report attempts; next second"),
+                Err(e) => {
+                    debug!(pool, error = %e, "cannot report attempts; next second");
+                    // Opened again next time, and made again if it is gone.
+                    bucket.reopen().await;
+                }
             }
         }
     }

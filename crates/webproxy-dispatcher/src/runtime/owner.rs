@@ -35,6 +35,7 @@ use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
 use crate::pool_state::PoolState;
 use crate::provision::{ConsumerWrite, consumer_writes, pool_consumer_config};
+use crate::state::{Bucket, StateBucket};
 
 /// How often the holder renews its lease and checks every pool's consumer, and how
 /// often the others try to take the lease: a quarter of how long the bucket keeps
@@ -45,7 +46,9 @@ const ROUND: Duration = Duration::from_secs(5);
 /// (compare-and-set on the revision). It ends with the bucket's TTL when its holder
 /// stops renewing, and at once when the holder stops cleanly.
 struct Lease {
-    store: kv::Store,
+    /// `<PREFIX>_INSTANCES`, reopened after a failed write, and made again when the
+    /// server confirms it gone: otherwise a lost bucket would leave no holder at all.
+    bucket: StateBucket,
     holder: String,
     revision: Option<u64>,
 }
@@ -113,17 +116,36 @@ impl Lease {
             return false;
         };
         let value = bytes::Bytes::from(self.holder.clone());
-        let written = match write {
-            LeaseWrite::Update(revision) => self
-                .store
-                .update(POOL_CONSUMERS_LEASE, value, revision)
-                .await
-                .map_err(|e| e.to_string()),
-            LeaseWrite::Create => self
-                .store
-                .create(POOL_CONSUMERS_LEASE, value)
-                .await
-                .map_err(|e| e.to_string()),
+        let written = match self.bucket.store().await {
+            Err(e) => Err(e.to_string()),
+            Ok(store) => {
+                let written =
+                    match write {
+                        LeaseWrite::Update(revision) => store
+                            .update(POOL_CONSUMERS_LEASE, value, revision)
+                            .await
+                            .map_err(|e| {
+                                (
+                                    e.kind() == kv::UpdateErrorKind::WrongLastRevision,
+                                    e.to_string(),
+                                )
+                            }),
+                        LeaseWrite::Create => store
+                            .create(POOL_CONSUMERS_LEASE, value)
+                            .await
+                            .map_err(|e| {
+                                (
+                                    e.kind() == kv::CreateErrorKind::AlreadyExists,
+                                    e.to_string(),
+                                )
+                            }),
+                    };
+                if let Err((false, _)) = &written {
+                    // Not another holder's write: the bucket may be gone.
+                    self.bucket.reopen().await;
+                }
+                written.map_err(|(_, e)| e)
+            }
         };
         let renewal = Renewal::of(self.revision.is_some(), written.is_ok());
         match (renewal, written) {
@@ -151,8 +173,8 @@ impl Lease {
     /// Ends the lease at once, so another instance takes it on its next round.
     async fn release(self) {
         if let Some(revision) = self.revision
-            && let Err(e) = self
-                .store
+            && let Ok(store) = self.bucket.store().await
+            && let Err(e) = store
                 .delete_expect_revision(POOL_CONSUMERS_LEASE, Some(revision))
                 .await
         {
@@ -193,23 +215,14 @@ async fn hold_and_write(
         }
         let shared = live.load();
         let (js, settings, metrics) = (&shared.outlet.js, &shared.settings, &shared.outlet.metrics);
-        let lease = match &mut lease {
-            Some(lease) => lease,
-            None => match js
-                .create_or_update_key_value(instances::bucket_config(settings))
-                .await
-            {
-                Ok(store) => lease.insert(Lease {
-                    store,
-                    holder: instances::instance_id(),
-                    revision: None,
-                }),
-                Err(e) => {
-                    warn!(error = %e, "cannot reach the lease of the pool consumers' settings");
-                    continue;
-                }
-            },
-        };
+        let lease = lease.get_or_insert_with(|| Lease {
+            bucket: StateBucket::new(
+                js.clone(),
+                Bucket::Instances.spec(&settings.subjects, &settings.streams),
+            ),
+            holder: instances::instance_id(),
+            revision: None,
+        });
         let holding = lease.hold(Purpose::Round).await;
         report_holding(metrics, &holding_now, holding);
         // Writes computed before the pools' state is read could undo it.
@@ -217,10 +230,10 @@ async fn hold_and_write(
             continue;
         }
         let current = states.borrow_and_update().clone();
-        let mut pacing = LivePacing {
-            store: lease.store.clone(),
-            read: None,
+        let Ok(store) = lease.bucket.store().await else {
+            continue;
         };
+        let mut pacing = LivePacing { store, read: None };
         for (pool, config) in &settings.cluster.pools {
             let state = current.get(pool).cloned().unwrap_or_default();
             if !bring_in_line(&shared, lease, pool, config, &state, &mut pacing).await {
