@@ -443,3 +443,84 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
     )
     .await;
 }
+
+/// How long the use of a bucket takes to show: the service reads it every 5 s, plus a
+/// margin for a loaded machine.
+const BUCKET_USE_SHOWN: Duration = Duration::from_secs(15);
+
+/// Point 1, "When full": every bucket is discard-new, so a full one refuses writes.
+/// The service exports each bucket's use and turns `/readyz` 503, naming the bucket,
+/// from 90 % of its bound, before it is full; back to 200 once it falls below 85 %.
+/// The rate bucket (memory, 8 MiB) is filled by hand with values under keys the
+/// service never reads, at its declared bound, so that nothing the service does
+/// undoes the fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nearly_full_bucket_is_gauged_and_turns_the_service_not_ready_before_it_is_full() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let service = Service::start(
+        &nats,
+        &config(&upstream, "max_in_flight = 4\nrate = \"20/s\"\n", ""),
+    )
+    .await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    // The first claim makes the rate bucket.
+    assert_eq!(call(&client, &upstream).await, Ok(200), "before the fill");
+    let ratio = r#"webproxy_state_bucket_used_ratio{bucket="rate"}"#;
+    let bytes = r#"webproxy_state_bucket_bytes{bucket="rate"}"#;
+    let js = jetstream::new(nats.client().await);
+    let mut stream = js
+        .get_stream("KV_WEBPROXY_RATE")
+        .await
+        .expect("the rate bucket");
+    let bound = stream.info().await.expect("its info").config.max_bytes;
+    wait_until(BUCKET_USE_SHOWN, "the rate bucket's use, low", || async {
+        service.metric(ratio).await.is_some_and(|r| r < 0.1)
+    })
+    .await;
+    assert_eq!(readiness(&service).await.0, 200, "{}", service.logs());
+
+    // 95 % of the bound, in values well under the server's max_payload.
+    let fill = usize::try_from(bound).expect("a bound") / 100 * 95;
+    let pieces = fill.div_ceil(512 * 1024);
+    let kv = js
+        .get_key_value("WEBPROXY_RATE")
+        .await
+        .expect("the rate bucket");
+    for n in 0..pieces {
+        kv.put(format!("filler.{n}"), vec![b'x'; fill / pieces].into())
+            .await
+            .expect("a filler value");
+    }
+    let held = stream.info().await.expect("its info").state.bytes;
+    let body = wait_for(
+        BUCKET_USE_SHOWN,
+        "/readyz 503 naming the nearly full rate bucket",
+        || async {
+            let (status, text) = readiness(&service).await;
+            (status == 503 && text.contains("WEBPROXY_RATE")).then_some(text)
+        },
+    )
+    .await;
+    println!("{body}");
+    assert!(body.contains("% full"), "{body}");
+    let used = service.metric(ratio).await.expect("the ratio gauge");
+    assert!(
+        (0.9..1.0).contains(&used),
+        "the gauge reads {used}, the bucket holds {held} of {bound} bytes"
+    );
+    assert_eq!(service.metric(bytes).await, Some(held as f64));
+
+    stream
+        .purge()
+        .filter("$KV.WEBPROXY_RATE.filler.>")
+        .await
+        .expect("purge the filler");
+    wait_until(BUCKET_USE_SHOWN, "the service ready again", || async {
+        readiness(&service).await.0 == 200
+    })
+    .await;
+    let used = service.metric(ratio).await.expect("the ratio gauge");
+    assert!(used < 0.85, "the gauge reads {used} after the purge");
+    assert_eq!(call(&client, &upstream).await, Ok(200), "after the purge");
+}
