@@ -110,6 +110,8 @@ METRICS = {
     "webproxy_breaker_transitions_total": {"pool", "to"},
     "webproxy_pool_effective_limit": {"pool"},
     "webproxy_clock_skew_seconds": set(),
+    "webproxy_state_bucket_bytes": {"bucket"},
+    "webproxy_state_bucket_used_ratio": {"bucket"},
     "webproxy_build_info": {"version"},
     # `webproxy gateway` (issue 21), on its own health listener.
     "webproxy_gateway_requests_total": {"route", "outcome"},
@@ -132,6 +134,8 @@ CLUSTER_WIDE = {
     "webproxy_pool_max_in_flight",
     "webproxy_pool_paused",
     "webproxy_pool_effective_limit",
+    "webproxy_state_bucket_bytes",
+    "webproxy_state_bucket_used_ratio",
 }
 # An aggregation up to the opening bracket of its argument: `max by (pool) (`.
 AGGREGATION = r"\b([a-z_]+)\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*$"

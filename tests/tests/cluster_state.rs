@@ -25,6 +25,10 @@ const POOL: &str = "partner";
 /// The issue's bound on an answer after the fault: 3 of 3 requests got none in 25 s.
 const ANSWER: Duration = Duration::from_secs(25);
 
+/// How long the use of a bucket takes to show: the service reads it every 5 s, plus a
+/// margin for a loaded machine.
+const BUCKET_USE_SHOWN: Duration = Duration::from_secs(15);
+
 /// The pool `partner` with `pool` (its section's keys) and a rule sending every call
 /// to `upstream` there.
 fn config(upstream: &Upstream, pool: &str, extra: &str) -> String {
@@ -53,12 +57,28 @@ async fn readiness(service: &Service) -> (u16, String) {
     (status, response.text().await.unwrap_or_default())
 }
 
-/// Table item 1: the rate bucket is in memory, so a restart loses it. The limiter
-/// used to keep its old handle and retry on it forever, and every new request of the
-/// pool went unanswered while pools without a rate recovered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rate_limited_pool_recovers_after_a_restart_that_loses_memory_state() {
-    let mut nats = NatsServer::start();
+/// `/readyz`'s body once it answers 503 with a line containing `naming`, within
+/// `within`.
+async fn not_ready_naming(service: &Service, within: Duration, naming: &str) -> String {
+    wait_for(within, &format!("/readyz 503 naming {naming}"), || async {
+        let (status, text) = readiness(service).await;
+        (status == 503 && text.contains(naming)).then_some(text)
+    })
+    .await
+}
+
+/// Waits, up to `within`, for `/readyz` to answer 200.
+async fn ready_again(service: &Service, within: Duration) {
+    wait_until(within, "the service ready again", || async {
+        readiness(service).await.0 == 200
+    })
+    .await;
+}
+
+/// A nats-server, an upstream, and a service whose pool has a rate (20/s), with one
+/// call answered through it: the rate bucket is made and in use.
+async fn rate_limited_pool() -> (NatsServer, Upstream, Service, Client) {
+    let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     let service = Service::start(
         &nats,
@@ -66,11 +86,16 @@ async fn a_rate_limited_pool_recovers_after_a_restart_that_loses_memory_state() 
     )
     .await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
-    assert_eq!(
-        call(&client, &upstream).await,
-        Ok(200),
-        "before the restart"
-    );
+    assert_eq!(call(&client, &upstream).await, Ok(200), "the first call");
+    (nats, upstream, service, client)
+}
+
+/// Table item 1: the rate bucket is in memory, so a restart loses it. The limiter
+/// used to keep its old handle and retry on it forever, and every new request of the
+/// pool went unanswered while pools without a rate recovered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_pool_recovers_after_a_restart_that_loses_memory_state() {
+    let (mut nats, upstream, service, client) = rate_limited_pool().await;
 
     nats.restart();
     let restarted = Instant::now();
@@ -87,10 +112,7 @@ async fn a_rate_limited_pool_recovers_after_a_restart_that_loses_memory_state() 
         "3 requests answered {:?} after the restart",
         restarted.elapsed()
     );
-    wait_until(ANSWER, "the service ready again", || async {
-        readiness(&service).await.0 == 200
-    })
-    .await;
+    ready_again(&service, ANSWER).await;
 }
 
 /// Readiness: a pool whose rate bucket cannot be used (here the bucket's stream is
@@ -100,15 +122,7 @@ async fn a_rate_limited_pool_recovers_after_a_restart_that_loses_memory_state() 
 /// the waiting request is answered and the service is ready again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
-    let nats = NatsServer::start();
-    let upstream = Upstream::start().await;
-    let service = Service::start(
-        &nats,
-        &config(&upstream, "max_in_flight = 4\nrate = \"20/s\"\n", ""),
-    )
-    .await;
-    let client = Client::new(nats.client().await, "webproxy").expect("client");
-    assert_eq!(call(&client, &upstream).await, Ok(200), "before the fault");
+    let (nats, upstream, service, client) = rate_limited_pool().await;
 
     let js = jetstream::new(nats.client().await);
     break_bucket(&js, "KV_WEBPROXY_RATE", "$KV.WEBPROXY_RATE.>").await;
@@ -119,15 +133,7 @@ async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
         async move { client.request(&request).await }
     });
     let broke = Instant::now();
-    let body = wait_for(
-        Duration::from_secs(10),
-        "/readyz 503 naming the rate schedule",
-        || async {
-            let (status, text) = readiness(&service).await;
-            (status == 503 && text.contains("rate schedule")).then_some(text)
-        },
-    )
-    .await;
+    let body = not_ready_naming(&service, Duration::from_secs(10), "rate schedule").await;
     println!("/readyz 503 after {:?}: {body}", broke.elapsed());
     assert!(
         body.contains(POOL) && body.contains("WEBPROXY_RATE"),
@@ -148,10 +154,7 @@ async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
             )
         });
     assert_eq!(reply.status, Some(200), "{reply:?}");
-    wait_until(ANSWER, "the service ready again", || async {
-        readiness(&service).await.0 == 200
-    })
-    .await;
+    ready_again(&service, ANSWER).await;
 }
 
 /// `/flaky`: 503 for the first call, 200 after: one parked retry that succeeds.
@@ -241,15 +244,7 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
     .await;
     std::fs::write(&switch, b"out").expect("start the outage");
     let out = Instant::now();
-    let body = wait_for(
-        ANSWER,
-        "/readyz 503 naming the progress records",
-        || async {
-            let (status, text) = readiness(&service).await;
-            (status == 503 && text.contains("progress records")).then_some(text)
-        },
-    )
-    .await;
+    let body = not_ready_naming(&service, ANSWER, "progress records").await;
     // 6 s of outage in all, as in the issue: three ack_waits.
     wait_until(ANSWER, "6 s of outage", || async {
         out.elapsed() >= Duration::from_secs(6)
@@ -268,10 +263,7 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
         service.logs()
     );
     assert_eq!(upstream.hits_for("/flaky"), 2, "attempted again");
-    wait_until(ANSWER, "the service ready again", || async {
-        readiness(&service).await.0 == 200
-    })
-    .await;
+    ready_again(&service, ANSWER).await;
 }
 
 /// Point 4: a progress bucket deleted by hand while a retry is parked is made again.
@@ -384,12 +376,26 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
     .await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     assert_eq!(call(&client, &upstream).await, Ok(200), "before the loss");
+    // In kv mode the configuration bucket's use is gauged too ("When full").
+    let config_bytes = r#"webproxy_state_bucket_bytes{bucket="config"}"#;
+    wait_until(
+        BUCKET_USE_SHOWN,
+        "the configuration bucket's use",
+        || async { service.metric(config_bytes).await.is_some_and(|b| b > 0.0) },
+    )
+    .await;
     let js = jetstream::new(nats.client().await);
     js.delete_stream("KV_WEBPROXY_CONFIG")
         .await
         .expect("delete the configuration bucket");
     wait_until(ANSWER, "the instance to say the bucket is gone", || async {
         service.logs().contains("the configuration bucket is gone")
+    })
+    .await;
+    // A missing bucket holds nothing and is not full: the gauge reads 0, and the
+    // readiness below stays 200.
+    wait_until(BUCKET_USE_SHOWN, "the lost bucket's use at 0", || async {
+        service.metric(config_bytes).await == Some(0.0)
     })
     .await;
     // Watched for 3 s (the watch is retried at most 2 s apart): not made again.
@@ -442,4 +448,68 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
         },
     )
     .await;
+}
+
+/// Point 1, "When full": every bucket is discard-new, so a full one refuses writes.
+/// The service exports each bucket's use and turns `/readyz` 503, naming the bucket,
+/// from 90 % of its bound, before it is full; back to 200 once it falls below 85 %.
+/// The rate bucket (memory, 8 MiB) is filled by hand with values under keys the
+/// service never reads, at its declared bound, so that nothing the service does
+/// undoes the fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nearly_full_bucket_is_gauged_and_turns_the_service_not_ready_before_it_is_full() {
+    let (nats, upstream, service, client) = rate_limited_pool().await;
+    let ratio = r#"webproxy_state_bucket_used_ratio{bucket="rate"}"#;
+    let bytes = r#"webproxy_state_bucket_bytes{bucket="rate"}"#;
+    let js = jetstream::new(nats.client().await);
+    let mut stream = js
+        .get_stream("KV_WEBPROXY_RATE")
+        .await
+        .expect("the rate bucket");
+    let bound = stream.info().await.expect("its info").config.max_bytes;
+    wait_until(BUCKET_USE_SHOWN, "the rate bucket's use, low", || async {
+        service.metric(ratio).await.is_some_and(|r| r < 0.1)
+    })
+    .await;
+    assert_eq!(readiness(&service).await.0, 200, "{}", service.logs());
+    assert_eq!(
+        service
+            .metric(r#"webproxy_state_bucket_bytes{bucket="config"}"#)
+            .await,
+        None,
+        "in file mode the service never writes the configuration bucket"
+    );
+
+    // 95 % of the bound, in values well under the server's max_payload.
+    let fill = usize::try_from(bound).expect("a bound") / 100 * 95;
+    let pieces = fill.div_ceil(512 * 1024);
+    let kv = js
+        .get_key_value("WEBPROXY_RATE")
+        .await
+        .expect("the rate bucket");
+    for n in 0..pieces {
+        kv.put(format!("filler.{n}"), vec![b'x'; fill / pieces].into())
+            .await
+            .expect("a filler value");
+    }
+    let held = stream.info().await.expect("its info").state.bytes;
+    let body = not_ready_naming(&service, BUCKET_USE_SHOWN, "WEBPROXY_RATE").await;
+    println!("{body}");
+    assert!(body.contains("% full"), "{body}");
+    let used = service.metric(ratio).await.expect("the ratio gauge");
+    assert!(
+        (0.9..1.0).contains(&used),
+        "the gauge reads {used}, the bucket holds {held} of {bound} bytes"
+    );
+    assert_eq!(service.metric(bytes).await, Some(held as f64));
+
+    stream
+        .purge()
+        .filter("$KV.WEBPROXY_RATE.filler.>")
+        .await
+        .expect("purge the filler");
+    ready_again(&service, BUCKET_USE_SHOWN).await;
+    let used = service.metric(ratio).await.expect("the ratio gauge");
+    assert!(used < 0.85, "the gauge reads {used} after the purge");
+    assert_eq!(call(&client, &upstream).await, Ok(200), "after the purge");
 }

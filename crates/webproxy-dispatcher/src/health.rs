@@ -19,7 +19,8 @@ pub(crate) struct Health {
     /// Pools whose pull loop ended while the service was not stopping: not alive.
     dead_loops: Mutex<BTreeSet<String>>,
     /// What keeps a pool from making progress, by what it waits on (a bucket it cannot
-    /// reach, say): not ready meanwhile, and `/readyz` says why.
+    /// reach, say), or soon will (a nearly full bucket): not ready meanwhile, and
+    /// `/readyz` says why.
     stuck: Mutex<BTreeMap<String, String>>,
     /// Counts the connections made; a pull loop waiting on it pulls again the moment
     /// the connection is back, instead of when a pull lost in the outage expires.

@@ -15,6 +15,7 @@ use prometheus_client::registry::Registry;
 
 use crate::gauges::Gauges;
 use crate::health::Health;
+use crate::state::BucketUse;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -58,6 +59,11 @@ struct ConsumerWriteLabels {
 struct TransitionLabels {
     pool: String,
     to: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BucketLabels {
+    bucket: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -108,6 +114,8 @@ pub(crate) struct Metrics {
     rate_schedule_requests: Family<PoolLabels, Counter>,
     breaker_transitions: Family<TransitionLabels, Counter>,
     pool_effective_limit: Family<PoolLabels, Gauge>,
+    state_bucket_bytes: Family<BucketLabels, Gauge>,
+    state_bucket_used_ratio: Family<BucketLabels, Gauge<f64, AtomicU64>>,
 }
 
 impl Metrics {
@@ -242,6 +250,18 @@ impl Metrics {
             "The pool's limit on attempts in flight across all instances as its runtime state sets it: max_in_flight, the adaptive limit when adaptive is on, 1 while the breaker is open or half-open; cluster-wide: every pod reports the same value, so aggregate with max, not sum",
             pool_effective_limit.clone(),
         );
+        let state_bucket_bytes = Family::default();
+        registry.register(
+            "state_bucket_bytes",
+            "Bytes a bucket of the service's cluster state holds, as last read (every 5 s; 0 while it is missing); cluster-wide: every pod reports the same value, so aggregate with max, not sum",
+            state_bucket_bytes.clone(),
+        );
+        let state_bucket_used_ratio = Family::<BucketLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "state_bucket_used_ratio",
+            "The share of its size bound a bucket of the service's cluster state holds, as last read (every 5 s; 0 while it is missing); a full bucket refuses writes, and from 0.9 the instance is not ready until it falls below 0.85; cluster-wide: aggregate with max, not sum",
+            state_bucket_used_ratio.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -272,7 +292,22 @@ impl Metrics {
             rate_schedule_requests,
             breaker_transitions,
             pool_effective_limit,
+            state_bucket_bytes,
+            state_bucket_used_ratio,
         }
+    }
+
+    /// What `bucket` (its `Bucket::label`) holds now: `None` while it is missing,
+    /// which holds nothing.
+    pub(crate) fn set_state_bucket_use(&self, bucket: &'static str, used: Option<BucketUse>) {
+        let labels = BucketLabels { bucket };
+        let (bytes, ratio) = used.map_or((0, 0.0), |used| (used.bytes, used.ratio()));
+        self.state_bucket_bytes
+            .get_or_create(&labels)
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.state_bucket_used_ratio
+            .get_or_create(&labels)
+            .set(ratio);
     }
 
     /// `pool`'s breaker went `to` "open", "half_open" or "closed".
@@ -455,6 +490,14 @@ mod tests {
         metrics.config_refused();
         metrics.breaker_transition("default", "open");
         metrics.set_pool_effective_limit("default", 9);
+        metrics.set_state_bucket_use(
+            "rate",
+            Some(BucketUse {
+                bytes: 768,
+                max_bytes: 1024,
+            }),
+        );
+        metrics.set_state_bucket_use("progress", None);
         assert_eq!(metrics.config_revision(), 12);
         let text = metrics.render(&gauges, &health);
         for line in [
@@ -474,6 +517,10 @@ mod tests {
             r#"webproxy_breaker_transitions_total{pool="default",to="open"} 1"#,
             r#"webproxy_pool_effective_limit{pool="default"} 9"#,
             r#"webproxy_build_info{version="1.2.3"} 1"#,
+            r#"webproxy_state_bucket_bytes{bucket="rate"} 768"#,
+            r#"webproxy_state_bucket_used_ratio{bucket="rate"} 0.75"#,
+            r#"webproxy_state_bucket_bytes{bucket="progress"} 0"#,
+            r#"webproxy_state_bucket_used_ratio{bucket="progress"} 0.0"#,
             "webproxy_clock_skew_seconds ",
         ] {
             assert!(text.contains(line), "missing {line}\n{text}");

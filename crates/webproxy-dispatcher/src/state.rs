@@ -352,16 +352,74 @@ impl StateBucket {
             .map_err(|e| self.unreachable(e))
     }
 
-    /// The bucket's bytes and its bound, from the server, for the gauge of its use.
-    pub async fn usage(&self) -> Result<(u64, i64), BucketError> {
-        let mut found = self
-            .0
-            .js
-            .get_stream(self.0.spec.stream_name())
-            .await
-            .map_err(|e| self.unreachable(e))?;
-        let info = found.info().await.map_err(|e| self.unreachable(e))?;
-        Ok((info.state.bytes, info.config.max_bytes))
+    /// The bucket's bytes and its bound, from the server (one `STREAM.INFO`), for the
+    /// gauge of its use; `None` when the server confirms the bucket gone. Reading it
+    /// never makes, opens or updates the bucket.
+    pub(crate) async fn usage(&self) -> Result<Option<BucketUse>, BucketError> {
+        match self.0.js.get_stream(self.0.spec.stream_name()).await {
+            Ok(found) => {
+                let info = found.cached_info();
+                Ok(Some(BucketUse {
+                    bytes: info.state.bytes,
+                    max_bytes: info.config.max_bytes,
+                }))
+            }
+            Err(e) if is_stream_not_found(&e.kind()) => Ok(None),
+            Err(e) => Err(self.unreachable(e)),
+        }
+    }
+}
+
+/// How much of its bound a bucket holds, as the server reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BucketUse {
+    pub(crate) bytes: u64,
+    /// The stream's bound; zero or negative when it has none (never declared so, but
+    /// a stream may be changed by hand until the service next opens it).
+    pub(crate) max_bytes: i64,
+}
+
+/// From this share of its bound a bucket is nearly full: the service is not ready
+/// until it falls below [`NO_LONGER_FULL`]. A discard-new bucket refuses writes at its
+/// bound, so the operator is told while the last tenth still takes writes.
+pub(crate) const NEARLY_FULL: f64 = 0.90;
+
+/// Below this share a nearly full bucket is no longer so: the gap keeps a bucket that
+/// hovers at the threshold from flapping the service's readiness at every refresh.
+pub(crate) const NO_LONGER_FULL: f64 = 0.85;
+
+impl BucketUse {
+    /// The share of its bound the bucket holds: 0 for a bucket without a bound, which
+    /// cannot fill.
+    pub(crate) fn ratio(self) -> f64 {
+        if self.max_bytes <= 0 {
+            return 0.0;
+        }
+        // Bytes above 2^53 lose precision, far beyond any bound the service declares.
+        self.bytes as f64 / self.max_bytes as f64
+    }
+
+    /// `/readyz`'s line for the nearly full bucket `name`.
+    pub(crate) fn describe(self, name: &str) -> String {
+        let mib = |bytes: f64| bytes / MIB as f64;
+        format!(
+            "bucket {name} is {:.0}% full ({:.1} MiB of {:.1} MiB): writes to it are refused when it is full; not ready from {:.0}% until below {:.0}%",
+            self.ratio() * 100.0,
+            mib(self.bytes as f64),
+            mib(self.max_bytes as f64),
+            NEARLY_FULL * 100.0,
+            NO_LONGER_FULL * 100.0,
+        )
+    }
+
+    /// Whether the bucket is nearly full now, given whether it `was` at the last reading.
+    pub(crate) fn nearly_full(self, was: bool) -> bool {
+        let ratio = self.ratio();
+        if was {
+            ratio >= NO_LONGER_FULL
+        } else {
+            ratio >= NEARLY_FULL
+        }
     }
 }
 
@@ -402,6 +460,41 @@ mod tests {
             .map(|s| s.name)
             .collect();
         assert_eq!(kept, ["WEBPROXY_CONFIG", "WEBPROXY_GATEWAY_KEY"]);
+    }
+
+    #[test]
+    fn a_bucket_is_nearly_full_from_90_percent_until_it_falls_below_85() {
+        let at = |percent: i64| BucketUse {
+            bytes: u64::try_from(percent).expect("a share"),
+            max_bytes: 100,
+        };
+        assert!(!at(89).nearly_full(false));
+        assert!(at(90).nearly_full(false));
+        assert!(at(100).nearly_full(false));
+        assert!(at(86).nearly_full(true), "still nearly full above 85 %");
+        assert!(at(85).nearly_full(true));
+        assert!(!at(84).nearly_full(true));
+        assert_eq!(at(42).ratio(), 0.42);
+        let rate = BucketUse {
+            bytes: 7_800_000,
+            max_bytes: 8 * MIB,
+        };
+        assert_eq!(
+            rate.describe("WEBPROXY_RATE"),
+            "bucket WEBPROXY_RATE is 93% full (7.4 MiB of 8.0 MiB): writes to it are refused when it is full; not ready from 90% until below 85%"
+        );
+    }
+
+    #[test]
+    fn a_bucket_without_a_bound_is_never_nearly_full() {
+        for max_bytes in [0, -1] {
+            let unbounded = BucketUse {
+                bytes: 1 << 40,
+                max_bytes,
+            };
+            assert_eq!(unbounded.ratio(), 0.0);
+            assert!(!unbounded.nearly_full(true));
+        }
     }
 
     #[test]

@@ -11,8 +11,8 @@ use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use webproxy_dispatcher::{
-    ConfigStore, Dispatcher, Instruments, PushNote, Redactor, Secrets, Seeded, StoredRevision,
-    check_server, connect,
+    Bucket, ConfigStore, Dispatcher, Instruments, PushNote, Redactor, Secrets, Seeded,
+    StoredRevision, check_server, connect,
 };
 
 use crate::config::{ClusterDocument, ClusterSource, Settings};
@@ -74,7 +74,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         shutdown.clone(),
         following.clone(),
     ));
-    let Some(dispatcher) = Dispatcher::start(
+    let Some(mut dispatcher) = Dispatcher::start(
         settings.dispatcher.clone(),
         client.clone(),
         &server,
@@ -89,6 +89,8 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     // In kv mode the instance follows the bucket and reports the revision it runs.
     let mut reporting = None;
     if let Some(revision) = revision {
+        // `config push` writes to it: a full bucket refuses the next revision.
+        dispatcher.gauge_bucket(Bucket::Config);
         instruments.set_config_revision(revision);
         tokio::spawn(live::follow(
             client.clone(),

@@ -5,6 +5,7 @@
 //! redelivery; it is never acked before what it produced is stored.
 
 mod breaker;
+mod bucket_use;
 mod conversation;
 mod delivery;
 mod flow;
@@ -57,6 +58,7 @@ use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::provision::{PoolConsumers, Provisioned, Refusal};
 use crate::secrets::Secrets;
+use crate::state::Bucket;
 use live::{Live, Pools};
 use liveness::Liveness;
 use pull::{PULL_EXPIRES, Pull, PullEnd};
@@ -144,6 +146,8 @@ pub struct Dispatcher {
     live: Arc<Live>,
     /// The provisioned pools, which [`Dispatcher::run`] consumes.
     pools: Vec<PoolConsumers>,
+    /// The state buckets whose use [`Dispatcher::run`] exports and watches.
+    buckets: Vec<Bucket>,
 }
 
 impl Dispatcher {
@@ -186,6 +190,16 @@ impl Dispatcher {
                 secrets,
             })),
             pools: provisioned.pools,
+            buckets: bucket_use::SERVED.to_vec(),
+        }
+    }
+
+    /// Also exports the use of `bucket`, and keeps the instance not ready while it is
+    /// nearly full: for the buckets only the binary knows it uses (the configuration
+    /// bucket, in kv mode).
+    pub fn gauge_bucket(&mut self, bucket: Bucket) {
+        if !self.buckets.contains(&bucket) {
+            self.buckets.push(bucket);
         }
     }
 
@@ -234,13 +248,21 @@ impl Dispatcher {
                 }
             }
         }
+        let bucket_use = bucket_use::follow(
+            running.outlet.js.clone(),
+            &running.settings,
+            &self.buckets,
+            running.outlet.metrics.clone(),
+            health.clone(),
+            shutdown.clone(),
+        );
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
         }
         health.set_provisioned();
         // Until the signal the pools follow the revisions; then the pool loops end.
-        tokio::join!(pools.follow(), owner, states, async {
+        tokio::join!(pools.follow(), owner, states, bucket_use, async {
             shutdown.cancelled().await;
             health.set_draining();
         });

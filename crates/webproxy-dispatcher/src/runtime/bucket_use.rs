@@ -1,0 +1,87 @@
+//! The use of the service's state buckets: read from the server on the gauges'
+//! interval (one `STREAM.INFO` a bucket, nothing on the hot path), exported as gauges,
+//! and a nearly full bucket keeps the instance not ready, named on `/readyz`, before
+//! the full bucket refuses the writes the cluster needs (every bucket is discard-new).
+
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::GAUGE_REFRESH;
+use crate::config::Settings;
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::state::{Bucket, StateBucket};
+
+/// The buckets `serve` uses whatever its configuration source. The configuration
+/// bucket is added in kv mode (`Dispatcher::gauge_bucket`); the gateway's buckets are
+/// its own process's.
+pub(super) const SERVED: [Bucket; 4] = [
+    Bucket::Progress,
+    Bucket::Instances,
+    Bucket::PoolState,
+    Bucket::Rate,
+];
+
+/// What the service's readiness is kept by while `bucket` is nearly full.
+fn stuck_key(bucket: Bucket) -> String {
+    format!("full.{}", bucket.label())
+}
+
+/// Reads the use of each of `buckets` every [`GAUGE_REFRESH`] until `shutdown`. A
+/// bucket the server confirms gone holds nothing: its gauges read 0 and it is not
+/// full (its loss is the recreation's business). A reading that fails otherwise (the
+/// API down or slow) changes nothing: the gauges and the readiness keep the last
+/// reading, since a full bucket is no less full for being unreadable.
+pub(super) async fn follow(
+    js: jetstream::Context,
+    settings: &Settings,
+    buckets: &[Bucket],
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) {
+    let mut watched: Vec<(Bucket, StateBucket, bool)> = buckets
+        .iter()
+        .map(|&bucket| {
+            let spec = bucket.spec(&settings.subjects, &settings.streams);
+            (bucket, StateBucket::new(js.clone(), spec), false)
+        })
+        .collect();
+    let mut interval = tokio::time::interval(GAUGE_REFRESH);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        for (bucket, handle, was_full) in &mut watched {
+            let name = &handle.spec().name;
+            let used = match handle.usage().await {
+                Ok(used) => used,
+                Err(e) => {
+                    debug!(bucket = name, error = %e, "cannot read the bucket's use");
+                    continue;
+                }
+            };
+            metrics.set_state_bucket_use(bucket.label(), used);
+            let full = used.is_some_and(|used| used.nearly_full(*was_full));
+            match (used, full) {
+                (Some(used), true) => {
+                    let reason = used.describe(name);
+                    if !*was_full {
+                        warn!("{reason}");
+                    }
+                    health.set_stuck(&stuck_key(*bucket), Some(reason));
+                }
+                (_, false) if *was_full => {
+                    info!(bucket = name, "the bucket is no longer nearly full");
+                    health.set_stuck(&stuck_key(*bucket), None);
+                }
+                _ => {}
+            }
+            *was_full = full;
+        }
+    }
+}
