@@ -13,7 +13,7 @@ use async_nats::jetstream::{self, consumer};
 use webproxy_client::{Client, Submitted};
 use webproxy_protocol::{Reply, Subjects};
 use webproxy_tests::caller::{Harness, accept_rule, envelope, to};
-use webproxy_tests::recovery::{Load, OUTAGE, restart_under_load};
+use webproxy_tests::recovery::{Killed, Load, OUTAGE, restart_under_load};
 use webproxy_tests::{
     Gate, NatsServer, Relay, Service, Upstream, default_routes, run_webproxy, wait_for, wait_until,
 };
@@ -55,20 +55,24 @@ async fn stored_reply(client: &Client, submitted: &Submitted) -> Reply {
     .await
 }
 
-/// The issue's black-box run: 100 conversations waiting on a pool of 16 (upstream
-/// 50 ms, the default `ack_wait` of 15 s), nats-server killed while 16 attempts are at
-/// the upstream and started again after a 3 s outage. Every conversation is answered,
-/// the last one within 10 s of the server's return (generous: it took 13.8 s before
-/// issue 14, and about a second is expected now).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_waiting_conversation_is_answered_within_seconds_of_a_nats_restart() {
+/// Runs issue 14's scenario (`restart_under_load`: 100 conversations waiting on pool
+/// `default` of `limit`, each upstream call `upstream_ms` long, nats-server killed as
+/// `killed` says and started again after [`OUTAGE`]) and
+/// asserts that every conversation is answered, the last within `bound` of the
+/// server's return, and that the pool's limit held. Prints the figure measured.
+async fn recovers_from_a_restart_within(
+    limit: usize,
+    upstream_ms: u64,
+    killed: Killed,
+    bound: Duration,
+) {
     let mut nats = NatsServer::start();
     let gate = Gate::new();
     let upstream = gated_upstream(&gate).await;
     let service = Service::start(
         &nats,
         &format!(
-            "[pools.default]\nmax_in_flight = 16\n\n{}",
+            "[pools.default]\nmax_in_flight = {limit}\n\n{}",
             accept_rule("local", &upstream)
         ),
     )
@@ -77,12 +81,13 @@ async fn every_waiting_conversation_is_answered_within_seconds_of_a_nats_restart
     let load = Load {
         pool: "default",
         count: 100,
-        limit: 16,
-        upstream_ms: 50,
+        limit,
+        upstream_ms,
+        killed,
     };
     let recovery = restart_under_load(&mut nats, &client, &upstream, &gate, load).await;
     println!(
-        "recovery after NATS restart ({OUTAGE:?} outage, 100 conversations, limit 16, upstream 50 ms): last answer {:.2} s after the server was back",
+        "recovery after NATS restart ({OUTAGE:?} outage, killed {killed:?}, 100 conversations, limit {limit}, upstream {upstream_ms} ms): last answer {:.2} s after the server was back",
         recovery.last_answer.as_secs_f64()
     );
     assert!(
@@ -93,16 +98,47 @@ async fn every_waiting_conversation_is_answered_within_seconds_of_a_nats_restart
         service.logs()
     );
     assert!(
-        recovery.last_answer <= Duration::from_secs(10),
-        "the last answer came {:?} after the restart\n{}",
+        recovery.last_answer <= bound,
+        "the last answer came {:?} after the restart, beyond {bound:?}\n{}",
         recovery.last_answer,
         service.logs()
     );
     assert!(
-        upstream.max_concurrent() <= 16,
+        upstream.max_concurrent() <= limit,
         "the pool's limit broke: {}",
         upstream.max_concurrent()
     );
+}
+
+/// The issue's black-box run: 100 conversations waiting on a pool of 16 (upstream
+/// 50 ms, the default `ack_wait` of 15 s), nats-server killed while 16 attempts are at
+/// the upstream and started again after a 3 s outage. Every conversation is answered,
+/// the last one within 10 s of the server's return (generous: it took 13.8 s before
+/// issue 14, and about a second is expected now).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_waiting_conversation_is_answered_within_seconds_of_a_nats_restart() {
+    recovers_from_a_restart_within(16, 50, Killed::AtTheGate, Duration::from_secs(10)).await;
+}
+
+/// Issue 29, point 12 (table item 10): 100 conversations in flight on a pool of 10, a
+/// 100 ms upstream, nats-server killed mid-load and started again after a 3 s outage;
+/// every conversation is answered within 3 s of the server's return, the issue's own
+/// bound. Killed twice over, each time with its own server and instance: while the 10
+/// attempts are held at the upstream (each handler then publishes its reply into the
+/// outage, and 90 conversations are left), and with the load flowing after 40 calls
+/// (a publish or an ack may be on the wire when the connection drops).
+///
+/// What the figure is made of: the reconnect backoff (`runtime/mod.rs`, at most 1 s,
+/// so 0 to 1 s depending on where the server's return falls in it), then the work left
+/// (90 or 60 conversations, 10 at a time, 100 ms each: 0.9 or 0.6 s). Measured on the
+/// shared 2-core machine over 9 runs, alone and 5 in a row with `--test faults`
+/// running beside it: 1.63 to 1.76 s at the gate, 1.26 to 1.43 s mid-flow. Issue 29
+/// reported 4.2 s, which this scenario did not reproduce on today's code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_waiting_conversation_is_answered_within_3_s_of_a_nats_restart() {
+    for killed in [Killed::AtTheGate, Killed::MidFlow { calls: 40 }] {
+        recovers_from_a_restart_within(10, 100, killed, Duration::from_secs(3)).await;
+    }
 }
 
 /// A pool consumer deleted by hand is recreated by the running instance within

@@ -29,7 +29,7 @@ use async_nats::jetstream;
 use clap::Parser;
 use serde::Serialize;
 use webproxy_client::Client;
-use webproxy_testkit::recovery::{Load, OUTAGE, restart_under_load};
+use webproxy_testkit::recovery::{Killed, Load, OUTAGE, restart_under_load};
 use webproxy_testkit::rules::accept_rule;
 use webproxy_testkit::{Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
@@ -578,6 +578,7 @@ async fn main() -> anyhow::Result<()> {
         count: 100,
         limit: 16,
         upstream_ms: 50,
+        killed: Killed::AtTheGate,
     };
     let nats = &mut candidates[0].nats;
     let recovery = restart_under_load(nats, &caller, &upstream, &gate, load).await;

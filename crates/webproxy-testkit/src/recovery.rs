@@ -26,6 +26,20 @@ pub struct Load<'a> {
     pub limit: usize,
     /// How long the upstream takes per request once the gate is open.
     pub upstream_ms: u64,
+    /// When nats-server is killed.
+    pub killed: Killed,
+}
+
+/// The moment of the load at which nats-server is killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Killed {
+    /// While `limit` attempts are held at the gate, which opens once the server is
+    /// gone: every handler in flight publishes its reply into the outage.
+    AtTheGate,
+    /// With the gate open and conversations flowing, once the upstream has taken
+    /// `calls` requests: handlers are caught at every step, some with a publish or an
+    /// ack on the wire when the connection drops.
+    MidFlow { calls: usize },
 }
 
 /// What became of the conversations.
@@ -40,8 +54,8 @@ pub struct Recovery {
 /// Sends `load.count` conversations to `load.pool`, each to `gate`'s
 /// `/gated/{upstream_ms}` on `upstream`, and waits until every one is stored and
 /// `load.limit` of them are held at the gate (the pool is full). Then it kills
-/// nats-server, opens the gate (the held attempts end, and their handlers publish into
-/// the outage), waits [`OUTAGE`], starts the server again, and waits for every answer.
+/// nats-server as `load.killed` says (and opens the gate), waits [`OUTAGE`], starts
+/// the server again, and waits for every answer.
 ///
 /// `client` should reconnect quickly ([`NatsServer::quick_client`]), so that the figure
 /// is the service's. Needs a multi-threaded runtime (the server's start blocks).
@@ -86,8 +100,20 @@ pub async fn restart_under_load(
     )
     .await;
 
-    nats.kill();
-    gate.open();
+    match load.killed {
+        Killed::AtTheGate => {
+            nats.kill();
+            gate.open();
+        }
+        Killed::MidFlow { calls } => {
+            gate.open();
+            wait_until(UNDER_WAY, "the load flowing", || async {
+                upstream.hits_for(&path) >= calls
+            })
+            .await;
+            nats.kill();
+        }
+    }
     // The outage itself: a fixed length is the scenario, not a wait for a condition.
     tokio::time::sleep(OUTAGE).await;
     tokio::task::block_in_place(|| nats.start_again());
