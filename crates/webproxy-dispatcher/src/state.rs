@@ -239,7 +239,7 @@ impl BucketSpec {
 
 /// A bucket could not be reached.
 #[derive(Debug, Error)]
-pub enum BucketError {
+pub(crate) enum BucketError {
     /// The server confirmed the bucket gone, and this bucket is not made again.
     #[error("the bucket {bucket} is gone, and webproxy does not make it again by itself")]
     Lost { bucket: String },
@@ -255,7 +255,7 @@ pub(crate) fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
 /// One bucket of the cluster state, opened on first use and again after a failure.
 /// Clones share one handle.
 #[derive(Debug, Clone)]
-pub struct StateBucket(Arc<Shared>);
+pub(crate) struct StateBucket(Arc<Shared>);
 
 #[derive(Debug)]
 struct Shared {
@@ -265,7 +265,7 @@ struct Shared {
 }
 
 impl StateBucket {
-    pub fn new(js: jetstream::Context, spec: BucketSpec) -> StateBucket {
+    pub(crate) fn new(js: jetstream::Context, spec: BucketSpec) -> StateBucket {
         StateBucket(Arc::new(Shared {
             js,
             spec,
@@ -273,13 +273,13 @@ impl StateBucket {
         }))
     }
 
-    pub fn spec(&self) -> &BucketSpec {
+    pub(crate) fn spec(&self) -> &BucketSpec {
         &self.0.spec
     }
 
     /// The bucket's handle: the one opened before, or opened now, and made when the
     /// server confirms it missing (for a bucket that may be made again).
-    pub async fn store(&self) -> Result<kv::Store, BucketError> {
+    pub(crate) async fn store(&self) -> Result<kv::Store, BucketError> {
         let mut store = self.0.store.lock().await;
         if let Some(store) = store.as_ref() {
             return Ok(store.clone());
@@ -292,7 +292,7 @@ impl StateBucket {
     /// Forgets the handle after an operation on it failed, so that the next
     /// [`StateBucket::store`] looks the bucket up again: a bucket deleted by hand, or
     /// lost with a memory store in a restart, is then made again.
-    pub async fn reopen(&self) {
+    pub(crate) async fn reopen(&self) {
         *self.0.store.lock().await = None;
     }
 
