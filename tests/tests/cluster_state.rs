@@ -198,6 +198,29 @@ async fn break_bucket(js: &jetstream::Context, stream: &str, subject: &str) {
     .expect("seal it");
 }
 
+/// Sends a request for `/flaky` in the background and returns once it is parked: its
+/// first attempt answered 503 and its progress record is written. The task's result
+/// is the request's reply.
+async fn park_a_flaky_request(
+    nats: &NatsServer,
+    upstream: &Upstream,
+) -> tokio::task::JoinHandle<Result<webproxy_protocol::Reply, webproxy_client::Error>> {
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let request =
+        to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(Duration::from_secs(120));
+    let answer = tokio::spawn(async move { client.request(&request).await });
+    let js = jetstream::new(nats.client().await);
+    wait_until(ANSWER, "the first attempt parked", || async {
+        upstream.hits_for("/flaky") == 1
+            && js
+                .get_stream("KV_WEBPROXY_PROGRESS")
+                .await
+                .is_ok_and(|s| s.cached_info().state.messages == 1)
+    })
+    .await;
+    answer
+}
+
 /// Table item 4: an outage of the progress bucket while a parked retry comes due. The
 /// hop's delivery cannot read its record; that used to leave the message for
 /// redelivery until `max_deliver` ended the conversation `internal` ("crashed or
@@ -225,23 +248,7 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
         ),
     )
     .await;
-    let client = Client::new(nats.client().await, "webproxy").expect("client");
-    let request =
-        to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(Duration::from_secs(120));
-    let answer = tokio::spawn({
-        let client = client.clone();
-        async move { client.request(&request).await }
-    });
-    let js = jetstream::new(nats.client().await);
-    // Parked: the first attempt answered 503 and its record is written.
-    wait_until(ANSWER, "the first attempt parked", || async {
-        upstream.hits_for("/flaky") == 1
-            && js
-                .get_stream("KV_WEBPROXY_PROGRESS")
-                .await
-                .is_ok_and(|s| s.cached_info().state.messages == 1)
-    })
-    .await;
+    let answer = park_a_flaky_request(&nats, &upstream).await;
     std::fs::write(&switch, b"out").expect("start the outage");
     let out = Instant::now();
     let body = not_ready_naming(&service, ANSWER, "progress records").await;
@@ -280,21 +287,8 @@ async fn a_deleted_progress_bucket_is_made_again() {
         ),
     )
     .await;
-    let client = Client::new(nats.client().await, "webproxy").expect("client");
-    let request = to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(ANSWER);
-    let answer = tokio::spawn({
-        let client = client.clone();
-        async move { client.request(&request).await }
-    });
+    let answer = park_a_flaky_request(&nats, &upstream).await;
     let js = jetstream::new(nats.client().await);
-    wait_until(ANSWER, "the first attempt parked", || async {
-        upstream.hits_for("/flaky") == 1
-            && js
-                .get_stream("KV_WEBPROXY_PROGRESS")
-                .await
-                .is_ok_and(|s| s.cached_info().state.messages == 1)
-    })
-    .await;
     js.delete_stream("KV_WEBPROXY_PROGRESS")
         .await
         .expect("delete the progress bucket");

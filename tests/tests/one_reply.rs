@@ -206,6 +206,13 @@ async fn listed_dead_letters(nats: &str, id: &str) -> String {
 /// The issue's finding 2: `reply.<id>` saw `{"call":2}` from B, then A's `{"call":1}`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_pod_that_wakes_sends_no_second_live_reply() {
+    let (_nats, woke) = on_one_server(false).await;
+    assert_one_live_body(&woke);
+}
+
+/// The scene on one nats-server, which refuses A's stale reply with "wrong last
+/// sequence"; the server is returned for what the test reads afterwards.
+async fn on_one_server(fail_first: bool) -> (NatsServer, Woke) {
     let nats = NatsServer::start();
     let target = SocketAddr::from((Ipv4Addr::LOCALHOST, nats.port()));
     let woke = a_stalled_pod_wakes_after_another_answered(
@@ -213,10 +220,10 @@ async fn a_stalled_pod_that_wakes_sends_no_second_live_reply() {
         &nats.url(),
         nats.client().await,
         "",
-        false,
+        fail_first,
     )
     .await;
-    assert_one_live_body(&woke);
+    (nats, woke)
 }
 
 /// In a cluster the stale reply is answered "duplicate" rather than "wrong last
@@ -246,16 +253,7 @@ async fn in_a_cluster_a_stalled_pod_that_wakes_sends_no_second_live_reply() {
 /// list` does not show it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_pods_dead_letter_is_superseded_by_the_answer() {
-    let nats = NatsServer::start();
-    let target = SocketAddr::from((Ipv4Addr::LOCALHOST, nats.port()));
-    let woke = a_stalled_pod_wakes_after_another_answered(
-        target,
-        &nats.url(),
-        nats.client().await,
-        "",
-        true,
-    )
-    .await;
+    let (nats, woke) = on_one_server(true).await;
     assert_one_live_body(&woke);
     assert!(
         woke.a_logs.contains("dead letter superseded"),

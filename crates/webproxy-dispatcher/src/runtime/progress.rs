@@ -148,6 +148,18 @@ fn nats_error(key: &str, source: impl Into<async_nats::Error>) -> ProgressError 
     }
 }
 
+/// A failed compare-and-set write: `Conflict` when another writer won it (`lost`),
+/// otherwise the NATS error, which the service's handle retries.
+fn write_error(key: &str, lost: bool, source: impl Into<async_nats::Error>) -> ProgressError {
+    if lost {
+        ProgressError::Conflict {
+            key: key.to_string(),
+        }
+    } else {
+        nats_error(key, source)
+    }
+}
+
 fn encode(value: &impl Serialize) -> Bytes {
     // Strings, numbers and records only: serializing cannot fail.
     Bytes::from(serde_json::to_vec(value).unwrap_or_default())
@@ -265,11 +277,8 @@ impl Progress {
                     let (key, value) = (key.clone(), value.clone());
                     async move {
                         store.update(&key, value, revision).await.map_err(|e| {
-                            if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-                                ProgressError::Conflict { key: key.clone() }
-                            } else {
-                                nats_error(&key, e)
-                            }
+                            let lost = e.kind() == kv::UpdateErrorKind::WrongLastRevision;
+                            write_error(&key, lost, e)
                         })
                     }
                 })
@@ -304,11 +313,8 @@ impl Progress {
             let (key, value) = (key.to_string(), value.clone());
             async move {
                 store.create(&key, value).await.map_err(|e| {
-                    if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                        ProgressError::Conflict { key: key.clone() }
-                    } else {
-                        nats_error(&key, e)
-                    }
+                    let lost = e.kind() == kv::CreateErrorKind::AlreadyExists;
+                    write_error(&key, lost, e)
                 })
             }
         })
