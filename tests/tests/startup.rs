@@ -40,8 +40,23 @@ async fn streams(nats: &NatsServer) -> Vec<String> {
         .expect("list the streams")
 }
 
-/// The one line of the process's output that says why it stopped.
-fn assert_refused(logs: &str) {
+/// `process` (`what`) ends non-zero with one line naming both versions, and `nats`
+/// holds no stream afterwards.
+async fn assert_refused_before_touching_any_bucket(
+    nats: &NatsServer,
+    process: &mut Service,
+    what: &str,
+) {
+    let status = process
+        .wait_exit(EXIT)
+        .await
+        .unwrap_or_else(|| panic!("{what} kept running\n{}", process.logs()));
+    assert!(
+        !status.success(),
+        "{what} exited {status}\n{}",
+        process.logs()
+    );
+    let logs = process.logs();
     let refusals: Vec<&str> = logs
         .lines()
         .filter(|line| line.contains("too old"))
@@ -51,6 +66,11 @@ fn assert_refused(logs: &str) {
         refusals[0].contains("2.10.26") && refusals[0].contains("2.11"),
         "the line names both versions: {}",
         refusals[0]
+    );
+    assert_eq!(
+        streams(nats).await,
+        Vec::<String>::new(),
+        "{what} created streams"
     );
 }
 
@@ -62,21 +82,7 @@ async fn serve_refuses_a_server_older_than_2_11_before_touching_any_bucket() {
         "[config]\nsource = \"kv\"\n\n[pools.default]\nmax_in_flight = 1\n",
         ServiceOptions::default(),
     );
-    let status = service
-        .wait_exit(EXIT)
-        .await
-        .unwrap_or_else(|| panic!("serve kept running\n{}", service.logs()));
-    assert!(
-        !status.success(),
-        "serve exited {status}\n{}",
-        service.logs()
-    );
-    assert_refused(&service.logs());
-    assert_eq!(
-        streams(&nats).await,
-        Vec::<String>::new(),
-        "serve created streams"
-    );
+    assert_refused_before_touching_any_bucket(&nats, &mut service, "serve").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,19 +93,5 @@ async fn the_gateway_refuses_a_server_older_than_2_11_before_touching_any_bucket
         "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"http://127.0.0.1:9/\"\n",
         ServiceOptions::default(),
     );
-    let status = gateway
-        .wait_exit(EXIT)
-        .await
-        .unwrap_or_else(|| panic!("the gateway kept running\n{}", gateway.logs()));
-    assert!(
-        !status.success(),
-        "gateway exited {status}\n{}",
-        gateway.logs()
-    );
-    assert_refused(&gateway.logs());
-    assert_eq!(
-        streams(&nats).await,
-        Vec::<String>::new(),
-        "the gateway created streams"
-    );
+    assert_refused_before_touching_any_bucket(&nats, &mut gateway, "the gateway").await;
 }
