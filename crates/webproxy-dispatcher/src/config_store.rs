@@ -19,7 +19,7 @@ use crate::runtime::retry_until_done;
 /// The key of the cluster document.
 pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
-use crate::state::Bucket;
+use crate::state::{Bucket, is_bucket_not_found};
 
 /// What the first line of a stored value starts with, before the note's JSON. A TOML
 /// comment, so the stored value is itself a valid document.
@@ -129,7 +129,7 @@ impl ConfigStore {
         let bucket = subjects.config_bucket();
         match js.get_key_value(&bucket).await {
             Ok(kv) => Ok(Some(ConfigStore { kv, bucket })),
-            Err(e) if is_missing(&e) => Ok(None),
+            Err(e) if is_bucket_not_found(&e) => Ok(None),
             Err(e) => Err(ConfigStoreError::Bucket {
                 bucket,
                 message: error_chain(&e),
@@ -420,20 +420,6 @@ fn start_context(client: &async_nats::Client, settings: &Settings) -> jetstream:
         settings.cluster.ack_wait,
     ));
     js
-}
-
-/// Whether opening a bucket failed because its stream does not exist.
-fn is_missing(e: &jetstream::context::KeyValueError) -> bool {
-    use std::error::Error as _;
-    e.source()
-        .and_then(|source| source.downcast_ref::<jetstream::context::GetStreamError>())
-        .is_some_and(|e| {
-            matches!(
-                e.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref js)
-                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-            )
-        })
 }
 
 /// An error and its sources, `: `-separated: async-nats' own messages are terse.

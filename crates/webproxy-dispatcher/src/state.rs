@@ -11,7 +11,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, ErrorCode, context::GetStreamErrorKind, kv, stream};
+use async_nats::jetstream::context::{GetStreamError, GetStreamErrorKind, KeyValueError};
+use async_nats::jetstream::{self, ErrorCode, kv, stream};
 use thiserror::Error;
 use tokio::sync::Mutex;
 use webproxy_protocol::Subjects;
@@ -252,6 +253,15 @@ pub(crate) fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
     matches!(kind, GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND)
 }
 
+/// Whether opening a bucket failed because its stream does not exist (10059): the
+/// stream lookup is the error's source.
+pub(crate) fn is_bucket_not_found(e: &KeyValueError) -> bool {
+    use std::error::Error as _;
+    e.source()
+        .and_then(|source| source.downcast_ref::<GetStreamError>())
+        .is_some_and(|e| is_stream_not_found(&e.kind()))
+}
+
 /// One bucket of the cluster state, opened on first use and again after a failure.
 /// Clones share one handle.
 #[derive(Debug, Clone)]
@@ -305,37 +315,27 @@ impl StateBucket {
 
     async fn open(&self) -> Result<kv::Store, BucketError> {
         let spec = &self.0.spec;
-        match self.0.js.get_stream(spec.stream_name()).await {
-            Ok(found) => {
-                let config = found.cached_info().config.clone();
-                if spec.needs_update(&config) {
-                    self.update(config).await?;
-                }
-            }
-            Err(e) if is_stream_not_found(&e.kind()) => {
+        let store = match self.0.js.get_key_value(&spec.name).await {
+            Ok(store) => store,
+            Err(e) if is_bucket_not_found(&e) => {
                 if !spec.recreate {
                     return Err(BucketError::Lost {
                         bucket: spec.name.clone(),
                     });
                 }
-                let created = self
-                    .0
+                self.0
                     .js
                     .create_or_update_key_value(spec.kv_config())
                     .await
-                    .map_err(|e| self.unreachable(e))?;
-                if spec.needs_update(&created.stream.cached_info().config) {
-                    let config = created.stream.cached_info().config.clone();
-                    self.update(config).await?;
-                }
+                    .map_err(|e| self.unreachable(e))?
             }
             Err(e) => return Err(self.unreachable(e)),
+        };
+        let config = &store.stream.cached_info().config;
+        if spec.needs_update(config) {
+            self.update(config.clone()).await?;
         }
-        self.0
-            .js
-            .get_key_value(&spec.name)
-            .await
-            .map_err(|e| self.unreachable(e))
+        Ok(store)
     }
 
     /// Brings the bucket's stream to the spec's bound, age and TTL setting.
