@@ -116,7 +116,8 @@ pub(crate) struct Progress {
 
 #[derive(Debug, Clone)]
 enum Handle {
-    /// The service's: made again when the server confirms it gone, and every failed
+    /// The service's: made again when the server confirms it gone, and every failed read
+    /// or write (a settled record's purge excepted)
     /// operation retried while the delivery's progress acks hold the message (the
     /// server's delivery count cannot be undone, so waiting on the service's own store
     /// must not count as a crash). After [`STUCK_AFTER`] of failures the pool's
@@ -341,23 +342,29 @@ impl Progress {
     /// Removes the record of a conversation that settled. A KV delete or purge always
     /// leaves a marker; this one is a purge whose marker expires after
     /// [`PROGRESS_MARKER_TTL`] (the bucket allows per-message TTLs), so settled
-    /// conversations leave nothing behind for long.
+    /// conversations leave nothing behind for long. One try, unlike the other
+    /// operations: the conversation is answered already, the bucket's age limit removes
+    /// a record left behind, and a settled delivery must not hold its slot for it.
     pub(crate) async fn delete(
         &self,
         origin: &Origin,
         generation: u64,
     ) -> Result<(), ProgressError> {
         let key = origin.record_key(generation);
-        self.run(&key, |store| {
-            let key = key.clone();
-            async move {
-                store
-                    .purge_with_ttl(&key, PROGRESS_MARKER_TTL)
-                    .await
-                    .map_err(|e| nats_error(&key, e))
+        let store = match &self.handle {
+            Handle::Operator(store) => kv::Store::clone(store),
+            Handle::Service { bucket, .. } => {
+                bucket.store().await.map_err(|e| nats_error(&key, e))?
             }
-        })
-        .await
+        };
+        let purged = store.purge_with_ttl(&key, PROGRESS_MARKER_TTL).await;
+        if purged.is_err()
+            && let Handle::Service { bucket, .. } = &self.handle
+        {
+            // Looked up again by the next operation, and made again if it is gone.
+            bucket.reopen().await;
+        }
+        purged.map_err(|e| nats_error(&key, e))
     }
 }
 
