@@ -176,6 +176,15 @@ async fn flaky_upstream() -> Upstream {
     .await
 }
 
+/// The pool `partner` for [`flaky_upstream`]: 3 retries `retry_delay` apart, after
+/// `before` (more sections, or nothing).
+fn flaky_pool(upstream: &Upstream, before: &str, retry_delay: &str) -> String {
+    format!(
+        "{before}[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"{retry_delay}\"\n",
+        path_rule("partner", upstream, "/")
+    )
+}
+
 /// Replaces `stream` by a sealed stream of the same name and subjects, which refuses
 /// every write and every change: the bucket is there but cannot be used.
 async fn break_bucket(js: &jetstream::Context, stream: &str, subject: &str) {
@@ -238,9 +247,10 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
     outage.close().expect("the outage off");
     let service = Service::start_with(
         &nats.url(),
-        &format!(
-            "[service]\nack_wait = \"2s\"\nmax_deliver = 2\n\n[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"2s\"\n",
-            path_rule("partner", &upstream, "/")
+        &flaky_pool(
+            &upstream,
+            "[service]\nack_wait = \"2s\"\nmax_deliver = 2\n\n",
+            "2s",
         ),
         ServiceOptions::default().env(
             "WEBPROXY_TEST_PROGRESS_OUTAGE",
@@ -279,14 +289,7 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
 async fn a_deleted_progress_bucket_is_made_again() {
     let nats = NatsServer::start();
     let upstream = flaky_upstream().await;
-    let service = Service::start(
-        &nats,
-        &format!(
-            "[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"2s\"\n",
-            path_rule("partner", &upstream, "/")
-        ),
-    )
-    .await;
+    let service = Service::start(&nats, &flaky_pool(&upstream, "", "2s")).await;
     let answer = park_a_flaky_request(&nats, &upstream).await;
     let js = jetstream::new(nats.client().await);
     js.delete_stream("KV_WEBPROXY_PROGRESS")
@@ -317,14 +320,7 @@ async fn a_deleted_progress_bucket_is_made_again() {
 async fn a_settled_conversation_leaves_a_short_lived_marker() {
     let nats = NatsServer::start();
     let upstream = flaky_upstream().await;
-    let _service = Service::start(
-        &nats,
-        &format!(
-            "[pools.{POOL}]\nmax_in_flight = 2\n\n{}pool = \"{POOL}\"\nmax_retries = 3\nretry_delay = \"100ms\"\n",
-            path_rule("partner", &upstream, "/")
-        ),
-    )
-    .await;
+    let _service = Service::start(&nats, &flaky_pool(&upstream, "", "100ms")).await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
     let request = to(POOL, &envelope("GET", &upstream.url("/flaky"))).wait(ANSWER);
     let reply = client.request(&request).await.expect("an answer");
