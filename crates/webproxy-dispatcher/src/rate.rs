@@ -175,6 +175,18 @@ impl Schedule {
         }
     }
 
+    /// Where a claim starts from: the stored next slot, or the next slot this instance
+    /// last wrote (`known_next_us`, 0 when none) when that is later. A schedule lost
+    /// with its bucket (a restart of memory storage, a delete by hand) thus goes on
+    /// where this instance left it, instead of starting anew at now in a second that
+    /// already had its calls.
+    pub(crate) fn resumed(stored_next_us: Option<u64>, known_next_us: u64) -> Option<u64> {
+        match stored_next_us {
+            Some(next) => Some(next.max(known_next_us)),
+            None => (known_next_us > 0).then_some(known_next_us),
+        }
+    }
+
     /// Until when a slot at `slot_us`, claimed at `claimed_us`, may be used: a slot
     /// saved up by an idle pool counts from its claim.
     pub(crate) fn usable_until(slot_us: u64, claimed_us: u64) -> u64 {
@@ -188,6 +200,19 @@ mod tests {
 
     fn rate(text: &str) -> Rate {
         text.parse().expect("rate")
+    }
+
+    #[test]
+    fn a_lost_schedule_resumes_where_this_instance_left_it() {
+        // Never claimed here: the stored schedule, or a new one.
+        assert_eq!(Schedule::resumed(None, 0), None);
+        assert_eq!(Schedule::resumed(Some(5), 0), Some(5));
+        // The bucket lost (nothing stored, or a newer instance's fresh start behind
+        // what this one wrote): this instance's last next slot.
+        assert_eq!(Schedule::resumed(None, 7_000), Some(7_000));
+        assert_eq!(Schedule::resumed(Some(5_000), 7_000), Some(7_000));
+        // Others claimed since: theirs.
+        assert_eq!(Schedule::resumed(Some(9_000), 7_000), Some(9_000));
     }
 
     #[test]

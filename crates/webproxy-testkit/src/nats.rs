@@ -121,6 +121,23 @@ impl NatsServer {
         self.start_again();
     }
 
+    /// Stops the server as an orchestrator restarting it would (SIGTERM: it shuts
+    /// JetStream down, writing its stores' state) and starts it again on the same port
+    /// with the same store dir; returns once it accepts connections. What was in memory
+    /// storage is gone.
+    pub fn restart_gracefully(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Ok(pid) = i32::try_from(child.id()) {
+                // Err means it already exited, which is what we want anyway.
+                let _ = Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+            }
+            let _ = child.wait();
+        }
+        self.start_again();
+    }
+
     /// Starts the server again after [`NatsServer::kill`], on the same port with the
     /// same store dir; returns once it accepts connections. With a wait between the
     /// two, a test makes an outage of a known length.

@@ -25,6 +25,17 @@ pub(super) const SERVED: [Bucket; 4] = [
     Bucket::Rate,
 ];
 
+/// Makes a bucket the server confirmed gone again, with the spec's settings (the
+/// handle's own check: only after "stream not found").
+async fn make_again(handle: &StateBucket) {
+    let name = &handle.spec().name;
+    handle.reopen().await;
+    match handle.store().await {
+        Ok(_) => info!(bucket = name, "the bucket was gone; made it again"),
+        Err(e) => debug!(bucket = name, error = %e, "cannot make the bucket again yet"),
+    }
+}
+
 /// What the service's readiness is kept by while `bucket` is nearly full.
 fn stuck_key(bucket: Bucket) -> String {
     format!("full.{}", bucket.label())
@@ -32,7 +43,9 @@ fn stuck_key(bucket: Bucket) -> String {
 
 /// Reads the use of each of `buckets` every [`GAUGE_REFRESH`] until `shutdown`. A
 /// bucket the server confirms gone holds nothing: its gauges read 0 and it is not
-/// full (its loss is the recreation's business). A reading that fails otherwise (the
+/// full, and one that may be made again is made again then, so that a bucket lost
+/// while nothing uses it (a progress bucket between parks, which `dead replay` and
+/// `pools` need) is back within one interval. A reading that fails otherwise (the
 /// API down or slow) changes nothing: the gauges and the readiness keep the last
 /// reading, since a full bucket is no less full for being unreadable.
 pub(super) async fn follow(
@@ -66,6 +79,9 @@ pub(super) async fn follow(
                 }
             };
             metrics.set_state_bucket_use(bucket.label(), used);
+            if used.is_none() && handle.spec().recreate {
+                make_again(handle).await;
+            }
             let full = used.is_some_and(|used| used.nearly_full(*was_full));
             match (used, full) {
                 (Some(used), true) => {

@@ -7,7 +7,7 @@
 //! A message waiting at the gate holds its local permit, and so one of the pool's
 //! `max_in_flight` slots, and its progress acks go on.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -45,6 +45,9 @@ pub(super) struct Flow {
     limiters: Mutex<HashMap<String, Arc<Limiter>>>,
     /// This instance's attempts per pool, for the breaker and the adaptive limit.
     pub(super) counts: super::breaker::Counts,
+    /// Pools whose pause in force left their state before its end (a bucket lost and
+    /// made again, a resume): the lease holder lifts the pause their consumer still has.
+    forgotten_pauses: Mutex<HashSet<String>>,
 }
 
 /// How a message leaves the gate.
@@ -92,7 +95,48 @@ impl Flow {
             loaded: std::sync::atomic::AtomicBool::new(false),
             limiters: Mutex::new(HashMap::new()),
             counts: super::breaker::Counts::default(),
+            forgotten_pauses: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Whether `pool`'s pause left its state before its end since this was last asked
+    /// ([`Flow::follow_states`]); asking forgets it.
+    pub(super) fn take_forgotten_pause(&self, pool: &str) -> bool {
+        self.forgotten_pauses
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(pool)
+    }
+
+    /// Keeps in [`Flow::states`] only the pools `kept` says, noting each pool forgotten
+    /// with a pause in force.
+    fn forget_states(&self, kept: impl Fn(&str) -> bool) {
+        let now = crate::clock::now_utc();
+        let mut forgotten = Vec::new();
+        self.states.send_modify(|states| {
+            Arc::make_mut(states).retain(|pool, state| {
+                let keep = kept(pool);
+                if !keep && state.paused_until(now).is_some() {
+                    forgotten.push(pool.clone());
+                }
+                keep
+            });
+        });
+        if !forgotten.is_empty() {
+            warn!(pools = ?forgotten, "the pools' runtime state was lost with their pauses; the pauses end");
+            self.note_lifted_pauses(forgotten);
+        }
+    }
+
+    /// Notes pools whose pause in force left their state before its end, for the
+    /// lease holder to lift from their consumers: a pause ended by a writer that may
+    /// not have lifted it (a bucket lost and made again, a `pools resume` the owner's
+    /// round overtook with the state it had before).
+    fn note_lifted_pauses(&self, pools: impl IntoIterator<Item = String>) {
+        self.forgotten_pauses
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(pools);
     }
 
     /// The pools' runtime state, as it changes.
@@ -132,18 +176,15 @@ impl Flow {
                     .await
                     .map_err(|e| e.to_string())?;
                 // An empty bucket sends no history to say it is read.
-                if store
+                let empty = store
                     .status()
                     .await
-                    .is_ok_and(|status| status.values() == 0)
-                {
-                    self.set_loaded();
-                }
-                Ok::<_, String>(watch)
+                    .is_ok_and(|status| status.values() == 0);
+                Ok::<_, String>((watch, empty))
             };
-            let mut entries = tokio::select! {
+            let (mut entries, empty) = tokio::select! {
                 watched = watched => match watched {
-                    Ok(entries) => entries,
+                    Ok(watched) => watched,
                     Err(e) => {
                         warn!(bucket = self.state_bucket, error = %e, "cannot watch the pools' runtime state; retrying");
                         failures = failures.saturating_add(1);
@@ -152,6 +193,16 @@ impl Flow {
                 },
                 _ = shutdown.cancelled() => return,
             };
+            // A watch starts with every key's latest value: a state this instance
+            // knew whose key is no longer there (the bucket lost and made again, a
+            // purge) is forgotten once the history is read, so that a breaker left
+            // half-open in a lost bucket does not stay half-open here for ever.
+            let mut history: Option<HashSet<String>> = Some(HashSet::new());
+            if empty {
+                self.forget_states(|_| false);
+                history = None;
+                self.set_loaded();
+            }
             loop {
                 let entry = tokio::select! {
                     entry = entries.next() => entry,
@@ -180,14 +231,28 @@ impl Flow {
                 } else {
                     None
                 };
+                let now = crate::clock::now_utc();
+                let mut lifted = false;
                 self.states.send_modify(|states| {
                     let states = Arc::make_mut(states);
-                    match state {
+                    let paused_after = state.as_ref().and_then(|s| s.paused_until(now));
+                    let before = match state {
                         Some(state) => states.insert(entry.key.clone(), state),
                         None => states.remove(&entry.key),
                     };
+                    lifted = paused_after.is_none()
+                        && before.is_some_and(|b| b.paused_until(now).is_some());
                 });
+                if lifted {
+                    self.note_lifted_pauses([entry.key.clone()]);
+                }
+                if let Some(seen) = history.as_mut() {
+                    seen.insert(entry.key.clone());
+                }
                 if entry.seen_current {
+                    if let Some(seen) = history.take() {
+                        self.forget_states(|pool| seen.contains(pool));
+                    }
                     self.set_loaded();
                 }
             }
@@ -394,10 +459,12 @@ pub(super) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>,
 const CAS_TRIES: usize = 20;
 
 /// What the claiming handler knows of the stored schedule: its last write, which the
-/// next claim tries first (one round trip when no other instance claimed since).
+/// next claim tries first (one round trip when no other instance claimed since), and
+/// the next slot it last wrote, which outlives a lost bucket (`Schedule::resumed`).
 #[derive(Default)]
 struct Claiming {
     last: Option<(u64, u64)>,
+    known_next_us: u64,
 }
 
 /// How long claims may keep failing before the pool counts as stuck (`/readyz` 503):
@@ -550,6 +617,7 @@ impl Limiter {
                 Some((next, revision)) => (Some(next), Some(revision)),
                 None => self.read_schedule(&store).await?,
             };
+            let stored = Schedule::resumed(stored, claiming.known_next_us);
             let claim = self.schedule.claim(stored, now_us(), wanted);
             let value = claim.next_us.to_string().into_bytes();
             self.metrics.rate_schedule_requests(&self.pool, 1);
@@ -569,6 +637,7 @@ impl Limiter {
             };
             if let Some(revision) = written {
                 claiming.last = Some((claim.next_us, revision));
+                claiming.known_next_us = claim.next_us;
                 return Ok(claim);
             }
         }

@@ -347,6 +347,24 @@ async fn bring_in_line(
         }
     }
     let paused_until = state.paused_until(crate::clock::now_utc());
+    // The owner lifts no pause that was never in the pool's state (one made through
+    // the API by hand stays); one that left the state before its end it lifts, since
+    // the writer that ended it may not have (a lost bucket) or its own round may have
+    // written it again from the state it had before.
+    if paused_until.is_none()
+        && current.pause_until.is_some()
+        && shared.flow.take_forgotten_pause(pool)
+    {
+        match shared.outlet.lift_pause(pool).await {
+            Ok(()) => info!(
+                pool,
+                "lifted the consumer pause that the pool state no longer holds"
+            ),
+            Err(e) => {
+                warn!(pool, error = %e, "cannot lift the consumer pause that the pool state no longer holds")
+            }
+        }
+    }
     for write in consumer_writes(&current, &wanted, paused_until) {
         super::hooks::owner_waits_before_write().await;
         // The round's check may be seconds old (a slow server, a paused process): a

@@ -1,0 +1,187 @@
+//! One cell of the matrix: the world a fault needs (one nats-server or a cluster of
+//! three, two `webproxy serve` instances in `kv` mode, an upstream, a caller), and the
+//! run every cell shares: load, fault, let go, then the checks.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use webproxy_client::{Client, Request, Submitted};
+use webproxy_protocol::RequestEnvelope;
+use webproxy_tests::caller::envelope;
+use webproxy_tests::pools::kv_config;
+use webproxy_tests::{NatsCluster, NatsServer, Service, run_webproxy};
+
+use crate::fault::Fault;
+use crate::feature::{Feature, MatrixUpstream};
+use crate::observe::{self, ANSWERED, Observed, REPLY_TO};
+
+/// The pool every feature's conversations end in.
+pub const POOL: &str = "partner";
+
+/// The pools' `ack_wait` (the cluster part's `[service] ack_wait`): short, so that a
+/// stalled pod's messages come back soon.
+pub const ACK_WAIT: Duration = Duration::from_secs(3);
+
+/// How long a request may wait for its answer in all: far beyond [`ANSWERED`].
+const REQUEST_WAIT: Duration = Duration::from_secs(180);
+
+/// The nats-servers of a cell.
+pub enum Nats {
+    One(NatsServer),
+    Cluster(NatsCluster),
+}
+
+impl Nats {
+    /// Every client URL, comma-separated, as `[nats] url` and `--nats` take them.
+    pub fn urls(&self) -> String {
+        match self {
+            Nats::One(server) => server.url(),
+            Nats::Cluster(cluster) => cluster.urls(),
+        }
+    }
+
+    /// A client of every node, reconnecting every 100 ms (so that what a cell times is
+    /// the service's recovery, not the test client's backoff).
+    pub async fn client(&self) -> async_nats::Client {
+        let urls: Vec<String> = self.urls().split(',').map(str::to_string).collect();
+        async_nats::ConnectOptions::new()
+            .reconnect_delay_callback(|_| Duration::from_millis(100))
+            .connect(urls)
+            .await
+            .expect("connect to the cell's nats-servers")
+    }
+}
+
+/// A cell's world.
+pub struct Cell {
+    pub fault: Fault,
+    pub feature: Feature,
+    pub nats: Nats,
+    pub upstream: MatrixUpstream,
+    pub services: Vec<Service>,
+    pub client: Client,
+    pub js: jetstream::Context,
+    pub observed: Observed,
+}
+
+impl Cell {
+    async fn start(fault: Fault, feature: Feature) -> Cell {
+        let nats = if fault.needs_a_cluster() {
+            Nats::Cluster(NatsCluster::start(3))
+        } else {
+            Nats::One(NatsServer::start())
+        };
+        let upstream = MatrixUpstream::start().await;
+        let process = if fault.needs_a_cluster() {
+            "[streams]\nreplicas = 3\n\n"
+        } else {
+            ""
+        };
+        let config = format!(
+            "{process}{}",
+            kv_config(&feature.document(&upstream, ACK_WAIT, 0))
+        );
+        let services = Service::start_each(&nats.urls(), &config, fault.instance_options()).await;
+        let nats_client = nats.client().await;
+        let observed = Observed::subscribe(&nats_client).await;
+        Cell {
+            fault,
+            feature,
+            client: Client::new(nats_client.clone(), "webproxy").expect("client"),
+            js: jetstream::new(nats_client),
+            nats,
+            upstream,
+            services,
+            observed,
+        }
+    }
+
+    /// A conversation to `path` on the upstream, sent to `pool`, with a `reply_to`.
+    pub async fn submit(&self, pool: &str, path: &str) -> Submitted {
+        let request = self.request(pool, path);
+        self.client.submit(&request).await.expect("submit")
+    }
+
+    /// The request [`Cell::submit`] sends.
+    pub fn request(&self, pool: &str, path: &str) -> Request {
+        let envelope: RequestEnvelope = envelope("GET", &self.upstream.url(path));
+        let reply_to = format!("{REPLY_TO}.{}", envelope.id);
+        Request::from_envelope(envelope)
+            .pool(pool)
+            .reply_to(reply_to)
+            .wait(REQUEST_WAIT)
+    }
+
+    /// `webproxy ARGS --nats URLS`'s standard output, or its failure.
+    pub async fn webproxy(&self, args: &[&str]) -> Result<String, String> {
+        let urls = self.nats.urls();
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--nats", &urls]);
+        let output = run_webproxy(&all).await;
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        if output.status.success() {
+            Ok(stdout)
+        } else {
+            Err(format!(
+                "webproxy {args:?}: {}\n{stdout}",
+                String::from_utf8_lossy(&output.stderr)
+            ))
+        }
+    }
+
+    /// Like [`Cell::webproxy`], asserting it succeeded.
+    pub async fn webproxy_ok(&self, args: &[&str]) -> String {
+        self.webproxy(args)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.logs()))
+    }
+
+    /// Pushes the cluster document `document` with `config push --wait`: it returns
+    /// once every live instance runs it.
+    pub async fn push(&self, document: &str) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("cluster.toml");
+        std::fs::write(&path, document).expect("write the document");
+        let path = path.display().to_string();
+        self.webproxy_ok(&["config", "push", &path, "--wait"]).await;
+    }
+
+    /// Every instance's log, for a failure's message.
+    pub fn logs(&self) -> String {
+        self.services
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("--- instance {i} ---\n{}", s.logs()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// A cell: the feature's load under way, the fault, the feature's conversations let
+/// go, then the checks every cell makes.
+pub async fn run(fault: Fault, feature: Feature) {
+    let mut cell = Cell::start(fault, feature).await;
+    let conversations = feature.load(&cell).await;
+    let during = feature.during(&cell);
+    fault.inject(&mut cell).await;
+    feature.let_go(&cell, during).await;
+
+    let stored = observe::wait_answered(
+        &cell.client,
+        &conversations,
+        |reply| feature.answered(reply),
+        || cell.logs(),
+    )
+    .await;
+    observe::assert_one_body_per_generation(&cell.observed, &conversations, &stored);
+    observe::assert_no_letter_for_a_response(&cell.js, &conversations, &stored).await;
+    feature.works_again(&cell).await;
+    if fault.limits_hold() {
+        feature.assert_limits(&cell);
+    }
+    println!(
+        "{fault:?} × {feature:?}: {} conversations answered once (within {ANSWERED:?}), at most {} at the upstream at once",
+        conversations.len(),
+        cell.upstream.max_concurrent()
+    );
+}

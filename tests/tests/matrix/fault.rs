@@ -1,0 +1,179 @@
+//! The matrix's rows: each fault of issue 29, what world it needs, and how it is done
+//! to a running cell.
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::json;
+use webproxy_tests::{ServiceOptions, wait_until};
+
+use crate::cell::{ACK_WAIT, Cell, Nats};
+
+/// How long the JetStream API stays unavailable (two of three nodes stopped): the
+/// issue's 10 s.
+const API_DOWN: Duration = Duration::from_secs(10);
+
+/// How long a stalled pod stays stopped: past two `ack_wait`s, so the server has
+/// redelivered what it held.
+const STALL: Duration = Duration::from_secs(7);
+
+/// How far the skewed pod's clock runs ahead: the issue's 5 s.
+const CLOCK_AHEAD: &str = "5s";
+
+/// How long the stream leaders may take to move to one node: a stepdown elects in a
+/// second or two, several streams one after another on a loaded machine.
+const LEADERS_MOVED: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// A single server restarted (SIGTERM, as an orchestrator restarts it, then started
+    /// again): memory state (the rate bucket) lost. A crash (SIGKILL) may also lose
+    /// the pool consumer's last deliveries, which the server then delivers again while
+    /// their first attempts still run: `faults.rs` and `liveness.rs` crash the server,
+    /// and assert one reply each.
+    Restart,
+    /// A 3-node cluster (replicas 3) losing the node that leads the pool stream and
+    /// the buckets, every leader put there first by stepdown.
+    Leader,
+    /// The buckets the feature keeps deleted by hand ([`crate::feature::Feature::buckets`]).
+    Deleted,
+    /// Two of three nodes stopped for [`API_DOWN`]: no quorum, no JetStream API.
+    ApiDown,
+    /// One of two pods SIGSTOPped for [`STALL`], then resumed.
+    Stalled,
+    /// `ack_wait` and `max_in_flight` pushed down, then up, while attempts run.
+    Pushed,
+    /// One of two pods' clock [`CLOCK_AHEAD`] ahead (the test-only offset), throughout.
+    Clock,
+}
+
+impl Fault {
+    pub fn needs_a_cluster(self) -> bool {
+        matches!(self, Fault::Leader | Fault::ApiDown)
+    }
+
+    /// The options of the cell's two instances.
+    pub fn instance_options(self) -> Vec<ServiceOptions> {
+        let skewed = match self {
+            Fault::Clock => {
+                ServiceOptions::default().env("WEBPROXY_TEST_CLOCK_OFFSET", CLOCK_AHEAD)
+            }
+            _ => ServiceOptions::default(),
+        };
+        vec![ServiceOptions::default(), skewed]
+    }
+
+    /// Whether the pool's limits must hold under the fault. A stalled pod may still
+    /// hold an open HTTP call when the server redelivers its message (README), so
+    /// that row asserts one reply instead.
+    pub fn limits_hold(self) -> bool {
+        self != Fault::Stalled
+    }
+
+    pub async fn inject(self, cell: &mut Cell) {
+        match self {
+            Fault::Restart => {
+                let Nats::One(server) = &mut cell.nats else {
+                    unreachable!("a restart cell runs one server")
+                };
+                tokio::task::block_in_place(|| server.restart_gracefully());
+            }
+            Fault::Leader => {
+                lead_everything_from(cell, "n0").await;
+                let Nats::Cluster(cluster) = &mut cell.nats else {
+                    unreachable!("a leader cell runs a cluster")
+                };
+                cluster.nodes[0].kill();
+            }
+            Fault::Deleted => {
+                for bucket in cell.feature.buckets() {
+                    let stream = format!("KV_WEBPROXY_{bucket}");
+                    if let Err(e) = cell.js.delete_stream(&stream).await {
+                        panic!("delete {stream}: {e}");
+                    }
+                }
+            }
+            Fault::ApiDown => {
+                let Nats::Cluster(cluster) = &mut cell.nats else {
+                    unreachable!("an api-down cell runs a cluster")
+                };
+                cluster.nodes[1].kill();
+                cluster.nodes[2].kill();
+                // The outage itself: a fixed length is the scenario.
+                tokio::time::sleep(API_DOWN).await;
+                tokio::task::block_in_place(|| {
+                    cluster.nodes[1].start_again();
+                    cluster.nodes[2].start_again();
+                });
+            }
+            Fault::Stalled => {
+                let pid = cell.services[0].pid().to_string();
+                signal("-STOP", &pid);
+                // The stall itself: a fixed length is the scenario.
+                tokio::time::sleep(STALL).await;
+                signal("-CONT", &pid);
+            }
+            Fault::Pushed => {
+                let down = cell.feature.document(&cell.upstream, ACK_WAIT / 3 * 2, 1);
+                cell.push(&down).await;
+                let up = cell.feature.document(&cell.upstream, ACK_WAIT * 2, 0);
+                cell.push(&up).await;
+            }
+            Fault::Clock => {}
+        }
+    }
+}
+
+fn signal(signal: &str, pid: &str) {
+    let status = Command::new("kill")
+        .args([signal, pid])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// Moves the leader of every stream (the pool streams, the replies, the dead letters
+/// and every bucket) to `node` by stepdown with a preferred placement, and waits until
+/// each is led from there.
+async fn lead_everything_from(cell: &Cell, node: &str) {
+    use futures::TryStreamExt as _;
+    let names: Vec<String> = cell
+        .js
+        .stream_names()
+        .try_collect()
+        .await
+        .expect("the stream names");
+    for name in names {
+        wait_until(
+            LEADERS_MOVED,
+            &format!("{name} led from {node}"),
+            || async {
+                let Ok(mut stream) = cell.js.get_stream(&name).await else {
+                    return false;
+                };
+                let leader = stream
+                    .info()
+                    .await
+                    .ok()
+                    .and_then(|info| info.cluster.clone())
+                    .and_then(|cluster| cluster.leader);
+                if leader.as_deref() == Some(node) {
+                    return true;
+                }
+                let request = json!({"placement": {"preferred": node}}).to_string();
+                let _ = cell
+                    .js
+                    .client()
+                    .request(
+                        format!("$JS.API.STREAM.LEADER.STEPDOWN.{name}"),
+                        request.into(),
+                    )
+                    .await;
+                // Give the election a moment before asking again.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                false
+            },
+        )
+        .await;
+    }
+}

@@ -1,0 +1,98 @@
+//! The fault matrix of issue 29: every fault of `tests/fault_matrix.toml` against every
+//! feature, each cell one test of the same shape (`cell::run`): the feature's load under
+//! way, the fault injected, then the checks every cell makes (every conversation
+//! answered; one distinct body per generation on `reply.<id>` and the `reply_to`, equal
+//! to the stored one; no unsuperseded dead letter for a conversation answered with a
+//! response; the feature working again within its stated time; the pool's limits never
+//! exceeded). Real `webproxy serve` processes against real nats-servers.
+//!
+//! The cells are `#[ignore]`d: `just test-faults` runs them (several at once), so `just
+//! test` does not run them twice. A cell takes 10 to 40 s: nats-servers (three for the
+//! cluster rows) and two service processes start, a fault lasts seconds, and the
+//! checks wait for every answer.
+
+mod cell;
+mod fault;
+mod feature;
+mod observe;
+
+use fault::Fault;
+use feature::Feature;
+
+/// One `#[ignore]`d test per cell, named `<fault>_<feature>`.
+macro_rules! cells {
+    ($($name:ident: $fault:ident, $feature:ident;)*) => {
+        $(
+            #[doc = concat!("The cell ", stringify!($fault), " × ", stringify!($feature), ".")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[ignore = "the fault matrix: `just test-faults` runs it"]
+            async fn $name() {
+                cell::run(Fault::$fault, Feature::$feature).await;
+            }
+        )*
+    };
+}
+
+cells! {
+    restart_plain: Restart, Plain;
+    restart_rate: Restart, Rate;
+    restart_paused: Restart, Paused;
+    restart_breaker: Restart, Breaker;
+    restart_adaptive: Restart, Adaptive;
+    restart_parked: Restart, Parked;
+    restart_moved: Restart, Moved;
+    restart_replay: Restart, Replay;
+    restart_config: Restart, Config;
+    leader_plain: Leader, Plain;
+    leader_rate: Leader, Rate;
+    leader_paused: Leader, Paused;
+    leader_breaker: Leader, Breaker;
+    leader_adaptive: Leader, Adaptive;
+    leader_parked: Leader, Parked;
+    leader_moved: Leader, Moved;
+    leader_replay: Leader, Replay;
+    leader_config: Leader, Config;
+    deleted_plain: Deleted, Plain;
+    deleted_rate: Deleted, Rate;
+    deleted_paused: Deleted, Paused;
+    deleted_breaker: Deleted, Breaker;
+    deleted_adaptive: Deleted, Adaptive;
+    deleted_parked: Deleted, Parked;
+    deleted_moved: Deleted, Moved;
+    deleted_replay: Deleted, Replay;
+    api_down_plain: ApiDown, Plain;
+    api_down_rate: ApiDown, Rate;
+    api_down_paused: ApiDown, Paused;
+    api_down_breaker: ApiDown, Breaker;
+    api_down_adaptive: ApiDown, Adaptive;
+    api_down_parked: ApiDown, Parked;
+    api_down_moved: ApiDown, Moved;
+    api_down_replay: ApiDown, Replay;
+    api_down_config: ApiDown, Config;
+    stalled_plain: Stalled, Plain;
+    stalled_rate: Stalled, Rate;
+    stalled_paused: Stalled, Paused;
+    stalled_breaker: Stalled, Breaker;
+    stalled_adaptive: Stalled, Adaptive;
+    stalled_parked: Stalled, Parked;
+    stalled_moved: Stalled, Moved;
+    stalled_replay: Stalled, Replay;
+    stalled_config: Stalled, Config;
+    pushed_plain: Pushed, Plain;
+    pushed_rate: Pushed, Rate;
+    pushed_paused: Pushed, Paused;
+    pushed_breaker: Pushed, Breaker;
+    pushed_adaptive: Pushed, Adaptive;
+    pushed_parked: Pushed, Parked;
+    pushed_moved: Pushed, Moved;
+    pushed_replay: Pushed, Replay;
+    clock_plain: Clock, Plain;
+    clock_rate: Clock, Rate;
+    clock_paused: Clock, Paused;
+    clock_breaker: Clock, Breaker;
+    clock_adaptive: Clock, Adaptive;
+    clock_parked: Clock, Parked;
+    clock_moved: Clock, Moved;
+    clock_replay: Clock, Replay;
+    clock_config: Clock, Config;
+}
