@@ -151,12 +151,14 @@ async fn lead_everything_from(cell: &Cell, node: &str) {
                 let Ok(mut stream) = cell.js.get_stream(&name).await else {
                     return false;
                 };
-                let leader = stream
-                    .info()
-                    .await
-                    .ok()
-                    .and_then(|info| info.cluster.clone())
-                    .and_then(|cluster| cluster.leader);
+                let Ok(info) = stream.info().await else {
+                    return false;
+                };
+                // A stream of one replica (a fence) has no leader to move.
+                if info.config.num_replicas < 2 {
+                    return true;
+                }
+                let leader = info.cluster.clone().and_then(|cluster| cluster.leader);
                 if leader.as_deref() == Some(node) {
                     return true;
                 }
