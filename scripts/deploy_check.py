@@ -598,17 +598,19 @@ def check_service_stream_rights(config: dict, report: Report) -> None:
 
 
 def check_gateway_stream_rights(config: dict, report: Report) -> None:
-    """The gateway user may read the info of exactly its two buckets' streams (the
-    "not found" check), and of no other stream."""
+    """The gateway user may read the info of (the "not found" check), create and update
+    (a lost records bucket made again, each brought to its declared bound) exactly its
+    two buckets' streams, and no other stream."""
     names = stream_names(config)
     allow, _ = publish_permissions(GATEWAY_NATS_USER)
-    infos = {s.removeprefix("$JS.API.STREAM.INFO.") for s in allow if s.startswith("$JS.API.STREAM.INFO.")}
-    report.check(
-        infos == names["gateway_buckets"]
-        and not any(subject_matches(p, "$JS.API.STREAM.INFO.KV_OTHER") for p in allow),
-        "authorization.conf's gateway user may STREAM.INFO exactly its buckets' streams",
-        f"buckets: {sorted(names['gateway_buckets'])}; info allowed: {sorted(infos)}",
-    )
+    for verb in ("INFO", "CREATE", "UPDATE"):
+        prefix = f"$JS.API.STREAM.{verb}."
+        allowed = {s.removeprefix(prefix) for s in allow if s.startswith(prefix)}
+        report.check(
+            allowed == names["gateway_buckets"] and not any(subject_matches(p, f"{prefix}KV_OTHER") for p in allow),
+            f"authorization.conf's gateway user may STREAM.{verb} exactly its buckets' streams",
+            f"buckets: {sorted(names['gateway_buckets'])}; allowed: {sorted(allowed)}",
+        )
 
 
 def check_gateway_pools(config: dict, report: Report) -> None:

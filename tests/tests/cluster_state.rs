@@ -15,10 +15,7 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use webproxy_client::Client;
 use webproxy_tests::caller::{envelope, path_rule, to};
-use webproxy_tests::{
-    NatsServer, Service, ServiceOptions, Upstream, default_routes, http_client, wait_for,
-    wait_until,
-};
+use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, default_routes, wait_until};
 
 const POOL: &str = "partner";
 
@@ -42,37 +39,6 @@ async fn call(client: &Client, upstream: &Upstream) -> Result<u16, String> {
     let request = to(POOL, &envelope("GET", &upstream.url("/echo"))).wait(ANSWER);
     let reply = client.request(&request).await.map_err(|e| e.to_string())?;
     reply.status.ok_or_else(|| format!("no status: {reply:?}"))
-}
-
-/// `/readyz`'s status and body.
-async fn readiness(service: &Service) -> (u16, String) {
-    let Ok(response) = http_client()
-        .get(format!("{}/readyz", service.health_url()))
-        .send()
-        .await
-    else {
-        return (0, String::new());
-    };
-    let status = response.status().as_u16();
-    (status, response.text().await.unwrap_or_default())
-}
-
-/// `/readyz`'s body once it answers 503 with a line containing `naming`, within
-/// `within`.
-async fn not_ready_naming(service: &Service, within: Duration, naming: &str) -> String {
-    wait_for(within, &format!("/readyz 503 naming {naming}"), || async {
-        let (status, text) = readiness(service).await;
-        (status == 503 && text.contains(naming)).then_some(text)
-    })
-    .await
-}
-
-/// Waits, up to `within`, for `/readyz` to answer 200.
-async fn ready_again(service: &Service, within: Duration) {
-    wait_until(within, "the service ready again", || async {
-        readiness(service).await.0 == 200
-    })
-    .await;
 }
 
 /// A nats-server, an upstream, and a service whose pool has a rate (20/s), with one
@@ -112,7 +78,7 @@ async fn a_rate_limited_pool_recovers_after_a_restart_that_loses_memory_state() 
         "3 requests answered {:?} after the restart",
         restarted.elapsed()
     );
-    ready_again(&service, ANSWER).await;
+    service.wait_ready(ANSWER).await;
 }
 
 /// Readiness: a pool whose rate bucket cannot be used (here the bucket's stream is
@@ -133,7 +99,9 @@ async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
         async move { client.request(&request).await }
     });
     let broke = Instant::now();
-    let body = not_ready_naming(&service, Duration::from_secs(10), "rate schedule").await;
+    let body = service
+        .not_ready_naming(Duration::from_secs(10), "rate schedule")
+        .await;
     println!("/readyz 503 after {:?}: {body}", broke.elapsed());
     assert!(
         body.contains(POOL) && body.contains("WEBPROXY_RATE"),
@@ -154,7 +122,7 @@ async fn a_pool_that_cannot_use_its_rate_schedule_is_not_ready_and_says_why() {
             )
         });
     assert_eq!(reply.status, Some(200), "{reply:?}");
-    ready_again(&service, ANSWER).await;
+    service.wait_ready(ANSWER).await;
 }
 
 /// `/flaky`: 503 for the first call, 200 after: one parked retry that succeeds.
@@ -261,7 +229,7 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
     let answer = park_a_flaky_request(&nats, &upstream).await;
     std::fs::write(&switch, b"out").expect("start the outage");
     let out = Instant::now();
-    let body = not_ready_naming(&service, ANSWER, "progress records").await;
+    let body = service.not_ready_naming(ANSWER, "progress records").await;
     // 6 s of outage in all, as in the issue: three ack_waits.
     wait_until(ANSWER, "6 s of outage", || async {
         out.elapsed() >= Duration::from_secs(6)
@@ -280,7 +248,7 @@ async fn a_parked_retry_outlives_an_outage_of_its_progress_bucket() {
         service.logs()
     );
     assert_eq!(upstream.hits_for("/flaky"), 2, "attempted again");
-    ready_again(&service, ANSWER).await;
+    service.wait_ready(ANSWER).await;
 }
 
 /// Point 4: a progress bucket deleted by hand while a retry is parked is made again.
@@ -398,7 +366,7 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert_eq!(readiness(&service).await.0, 200, "{}", service.logs());
+    assert_eq!(service.readiness().await.0, 200, "{}", service.logs());
     assert_eq!(call(&client, &upstream).await, Ok(200), "after the loss");
 
     // The operator writes a document again: the pool's limit is now 2.
@@ -461,7 +429,7 @@ async fn a_nearly_full_bucket_is_gauged_and_turns_the_service_not_ready_before_i
         service.metric(ratio).await.is_some_and(|r| r < 0.1)
     })
     .await;
-    assert_eq!(readiness(&service).await.0, 200, "{}", service.logs());
+    assert_eq!(service.readiness().await.0, 200, "{}", service.logs());
     assert_eq!(
         service
             .metric(r#"webproxy_state_bucket_bytes{bucket="config"}"#)
@@ -483,7 +451,9 @@ async fn a_nearly_full_bucket_is_gauged_and_turns_the_service_not_ready_before_i
             .expect("a filler value");
     }
     let held = stream.info().await.expect("its info").state.bytes;
-    let body = not_ready_naming(&service, BUCKET_USE_SHOWN, "WEBPROXY_RATE").await;
+    let body = service
+        .not_ready_naming(BUCKET_USE_SHOWN, "WEBPROXY_RATE")
+        .await;
     println!("{body}");
     assert!(body.contains("% full"), "{body}");
     let used = service.metric(ratio).await.expect("the ratio gauge");
@@ -498,7 +468,7 @@ async fn a_nearly_full_bucket_is_gauged_and_turns_the_service_not_ready_before_i
         .filter("$KV.WEBPROXY_RATE.filler.>")
         .await
         .expect("purge the filler");
-    ready_again(&service, BUCKET_USE_SHOWN).await;
+    service.wait_ready(BUCKET_USE_SHOWN).await;
     let used = service.metric(ratio).await.expect("the ratio gauge");
     assert!(used < 0.85, "the gauge reads {used} after the purge");
     assert_eq!(call(&client, &upstream).await, Ok(200), "after the purge");

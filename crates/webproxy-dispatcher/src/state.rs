@@ -240,7 +240,7 @@ impl BucketSpec {
 
 /// A bucket could not be reached.
 #[derive(Debug, Error)]
-pub(crate) enum BucketError {
+pub enum BucketError {
     /// The server confirmed the bucket gone, and this bucket is not made again.
     #[error("the bucket {bucket} is gone, and webproxy does not make it again by itself")]
     Lost { bucket: String },
@@ -263,9 +263,10 @@ pub(crate) fn is_bucket_not_found(e: &KeyValueError) -> bool {
 }
 
 /// One bucket of the cluster state, opened on first use and again after a failure.
-/// Clones share one handle.
+/// Clones share one handle. Public for the gateway, whose buckets are declared here
+/// too.
 #[derive(Debug, Clone)]
-pub(crate) struct StateBucket(Arc<Shared>);
+pub struct StateBucket(Arc<Shared>);
 
 #[derive(Debug)]
 struct Shared {
@@ -275,7 +276,7 @@ struct Shared {
 }
 
 impl StateBucket {
-    pub(crate) fn new(js: jetstream::Context, spec: BucketSpec) -> StateBucket {
+    pub fn new(js: jetstream::Context, spec: BucketSpec) -> StateBucket {
         StateBucket(Arc::new(Shared {
             js,
             spec,
@@ -283,13 +284,13 @@ impl StateBucket {
         }))
     }
 
-    pub(crate) fn spec(&self) -> &BucketSpec {
+    pub fn spec(&self) -> &BucketSpec {
         &self.0.spec
     }
 
     /// The bucket's handle: the one opened before, or opened now, and made when the
     /// server confirms it missing (for a bucket that may be made again).
-    pub(crate) async fn store(&self) -> Result<kv::Store, BucketError> {
+    pub async fn store(&self) -> Result<kv::Store, BucketError> {
         let mut store = self.0.store.lock().await;
         if let Some(store) = store.as_ref() {
             return Ok(store.clone());
@@ -302,8 +303,24 @@ impl StateBucket {
     /// Forgets the handle after an operation on it failed, so that the next
     /// [`StateBucket::store`] looks the bucket up again: a bucket deleted by hand, or
     /// lost with a memory store in a restart, is then made again.
-    pub(crate) async fn reopen(&self) {
+    pub async fn reopen(&self) {
         *self.0.store.lock().await = None;
+    }
+
+    /// Makes the bucket now (or brings an existing one to its spec), whatever the
+    /// spec's `recreate` says, and keeps the handle: for a bucket that is never made
+    /// again by itself, on an operator's explicit command or a deployment's very first
+    /// start (the gateway key).
+    pub async fn create(&self) -> Result<kv::Store, BucketError> {
+        let mut store = self.0.store.lock().await;
+        let made = self
+            .0
+            .js
+            .create_or_update_key_value(self.0.spec.kv_config())
+            .await
+            .map_err(|e| self.unreachable(e))?;
+        *store = Some(made.clone());
+        Ok(made)
     }
 
     fn unreachable(&self, message: impl ToString) -> BucketError {
@@ -355,7 +372,7 @@ impl StateBucket {
     /// The bucket's bytes and its bound, from the server (one `STREAM.INFO`), for the
     /// gauge of its use; `None` when the server confirms the bucket gone. Reading it
     /// never makes, opens or updates the bucket.
-    pub(crate) async fn usage(&self) -> Result<Option<BucketUse>, BucketError> {
+    pub async fn usage(&self) -> Result<Option<BucketUse>, BucketError> {
         match self.0.js.get_stream(self.0.spec.stream_name()).await {
             Ok(found) => {
                 let info = found.cached_info();
@@ -372,11 +389,11 @@ impl StateBucket {
 
 /// How much of its bound a bucket holds, as the server reported it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct BucketUse {
-    pub(crate) bytes: u64,
+pub struct BucketUse {
+    pub bytes: u64,
     /// The stream's bound; zero or negative when it has none (never declared so, but
     /// a stream may be changed by hand until the service next opens it).
-    pub(crate) max_bytes: i64,
+    pub max_bytes: i64,
 }
 
 /// From this share of its bound a bucket is nearly full: the service is not ready
@@ -391,7 +408,7 @@ pub(crate) const NO_LONGER_FULL: f64 = 0.85;
 impl BucketUse {
     /// The share of its bound the bucket holds: 0 for a bucket without a bound, which
     /// cannot fill.
-    pub(crate) fn ratio(self) -> f64 {
+    pub fn ratio(self) -> f64 {
         if self.max_bytes <= 0 {
             return 0.0;
         }
@@ -400,7 +417,7 @@ impl BucketUse {
     }
 
     /// `/readyz`'s line for the nearly full bucket `name`.
-    pub(crate) fn describe(self, name: &str) -> String {
+    pub fn describe(self, name: &str) -> String {
         let mib = |bytes: f64| bytes / MIB as f64;
         format!(
             "bucket {name} is {:.0}% full ({:.1} MiB of {:.1} MiB): writes to it are refused when it is full; not ready from {:.0}% until below {:.0}%",
@@ -413,7 +430,7 @@ impl BucketUse {
     }
 
     /// Whether the bucket is nearly full now, given whether it `was` at the last reading.
-    pub(crate) fn nearly_full(self, was: bool) -> bool {
+    pub fn nearly_full(self, was: bool) -> bool {
         let ratio = self.ratio();
         if was {
             ratio >= NO_LONGER_FULL

@@ -308,6 +308,30 @@ impl Service {
             .is_ok_and(|r| r.status() == reqwest::StatusCode::OK)
     }
 
+    /// `GET /readyz`'s status and body; `(0, "")` when it does not answer.
+    pub async fn readiness(&self) -> (u16, String) {
+        let Ok(response) = crate::http_client()
+            .get(format!("{}/readyz", self.health_url()))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+        else {
+            return (0, String::new());
+        };
+        let status = response.status().as_u16();
+        (status, response.text().await.unwrap_or_default())
+    }
+
+    /// `/readyz`'s body once it answers 503 with a line containing `naming`; panics
+    /// if `within` passes first.
+    pub async fn not_ready_naming(&self, within: Duration, naming: &str) -> String {
+        crate::wait_for(within, &format!("/readyz 503 naming {naming}"), || async {
+            let (status, text) = self.readiness().await;
+            (status == 503 && text.contains(naming)).then_some(text)
+        })
+        .await
+    }
+
     /// The value of one series on `GET /metrics`, named with its labels exactly as
     /// exposed (`webproxy_in_flight{pool="default"}`); `None` when it is not exposed
     /// or the scrape fails.

@@ -1,5 +1,5 @@
 //! The command line: `serve`, `gateway`, `check-config`, `send` and the operator commands
-//! (`pools`, `dead`, `config`).
+//! (`pools`, `dead`, `config`, `gateway key`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,7 +38,10 @@ enum Command {
     },
     /// Run the HTTP gateway: callers with no NATS client send HTTP requests to its
     /// routes, which go through the pools like any request envelope.
+    #[command(args_conflicts_with_subcommands = true)]
     Gateway {
+        #[command(subcommand)]
+        command: Option<GatewayCommand>,
         /// The configuration file; `[gateway]` holds the gateway's own settings.
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
@@ -80,6 +83,17 @@ enum Command {
     Config {
         #[command(subcommand)]
         command: ConfigCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum GatewayCommand {
+    /// The gateways' shared HMAC key in the bucket <PREFIX>_GATEWAY_KEY: save it, put
+    /// a saved one back, or make a new one. A gateway makes none by itself once its
+    /// deployment has had one.
+    Key {
+        #[command(subcommand)]
+        command: gateway::KeyCommand,
     },
 }
 
@@ -181,6 +195,7 @@ impl Cli {
                 connection: flags,
             } => run_service(config, &flags, serve::run),
             Command::Gateway {
+                command: None,
                 config,
                 connection: flags,
             } => run_service(config, &flags, gateway::run),
@@ -260,7 +275,16 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
             config_commands::run(command).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Serve { .. } | Command::Gateway { .. } | Command::CheckConfig { .. } => {
+        Command::Gateway {
+            command: Some(GatewayCommand::Key { command }),
+            ..
+        } => {
+            gateway::run_key_command(command).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Serve { .. }
+        | Command::Gateway { command: None, .. }
+        | Command::CheckConfig { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }

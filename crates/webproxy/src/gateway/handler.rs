@@ -12,7 +12,7 @@ use axum::response::Response;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
 use webproxy_dispatcher::Backoff;
 
@@ -32,6 +32,12 @@ const RETRY_AFTER: &str = "1";
 const RECORD_BACKOFF: Backoff =
     Backoff::doubling(Duration::from_millis(100), Duration::from_millis(200)).tries(3);
 
+/// What keeps the gateway not ready while its key is lost (`Telemetry::set_stuck`).
+const KEY_LOST: &str = "key";
+
+/// The code of a request refused while the key is lost.
+const KEY_LOST_CODE: &str = "key_lost";
+
 /// Room left in `max_payload` for the NATS message's headers (`Nats-Msg-Id` and the
 /// trace context).
 const HEADER_ROOM: usize = 1024;
@@ -41,7 +47,9 @@ pub struct Gateway {
     routes: Vec<Route>,
     /// Each route's token, read at start and (files) again on SIGHUP.
     tokens: std::sync::RwLock<Arc<Vec<Option<String>>>>,
-    key: Key,
+    /// The HMAC key in force, or why there is none (a lost key bucket): then the
+    /// requests that need it are refused and `/readyz` says why.
+    key: std::sync::RwLock<Result<Key, String>>,
     records: Records,
     client: Client,
     wait: Duration,
@@ -59,17 +67,21 @@ impl Gateway {
     pub fn new(
         settings: &Settings,
         tokens: Vec<Option<String>>,
-        key: Key,
+        key: Result<Key, String>,
         records: Records,
         client: Client,
         max_payload: usize,
         telemetry: Telemetry,
     ) -> Gateway {
         let config = &settings.config.gateway;
+        if let Err(reason) = &key {
+            error!("{reason}");
+        }
+        telemetry.set_stuck(KEY_LOST, key.as_ref().err().cloned());
         Gateway {
             routes: settings.gateway.routes.clone(),
             tokens: std::sync::RwLock::new(Arc::new(tokens)),
-            key,
+            key: std::sync::RwLock::new(key),
             records,
             client,
             wait: config.wait,
@@ -159,14 +171,45 @@ impl Gateway {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(tokens);
     }
 
+    /// The key in force, or the refusal of a request that needs it while it is lost
+    /// (503 `key_lost`, naming the bucket and the commands that restore it).
+    fn key(&self) -> Result<Key, Answer> {
+        self.key
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .map_err(|reason| mapping::gateway_error(503, KEY_LOST_CODE, &reason))
+    }
+
+    /// Puts the key read from its bucket in force, or its loss, and says so when
+    /// either changes.
+    pub fn set_key(&self, next: Result<Key, String>) {
+        let mut key = self
+            .key
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match (&*key, &next) {
+            (Ok(old), Ok(new)) if old != new => warn!(
+                "the gateway key changed (rotated or restored by an operator): ids minted under the other one are no longer served"
+            ),
+            (Err(_), Ok(_)) => info!("the gateway key is back: serving every request again"),
+            (old, Err(reason)) if old.as_ref().err() != Some(reason) => error!("{reason}"),
+            _ => {}
+        }
+        self.telemetry
+            .set_stuck(KEY_LOST, next.as_ref().err().cloned());
+        *key = next;
+    }
+
     /// The token a request presents for `route`, checked: the caller's token
     /// identity, or the answer to a missing or wrong token (407 for
-    /// `Proxy-Authorization`, 401 for a route's own header).
+    /// `Proxy-Authorization`, 401 for a route's own header), or to a right one while
+    /// the key that makes its identity is lost.
     fn authenticate(&self, index: usize, headers: &HeaderMap) -> Result<String, Answer> {
         let route = &self.routes[index];
         let tokens = self.tokens();
         let Some(expected) = tokens.get(index).and_then(Option::as_deref) else {
-            return Ok(self.key.identity(None));
+            return Ok(ids::ANONYMOUS.into());
         };
         let given = headers
             .get(route.token_header.as_str())
@@ -174,7 +217,7 @@ impl Gateway {
             .and_then(|value| ids::presented(value, route.proxy_credential()));
         match given {
             Some(given) if ids::token_matches(given, expected) => {
-                Ok(self.key.identity(Some(expected)))
+                Ok(self.key()?.identity(Some(expected)))
             }
             _ => {
                 let (status, challenge) = if route.proxy_credential() {
@@ -228,8 +271,12 @@ impl Gateway {
         };
         let (id, msg_id) = match &client_key {
             Some(client_key) => {
-                let id = self.key.id_for(&route.path, &identity, client_key);
-                let msg_id = self.key.msg_id_for(&id);
+                let key = match self.key() {
+                    Ok(key) => key,
+                    Err(answer) => return refused(answer),
+                };
+                let id = key.id_for(&route.path, &identity, client_key);
+                let msg_id = key.msg_id_for(&id);
                 (id, msg_id)
             }
             None => match (ids::random_id(), ids::random_hex()) {
@@ -452,9 +499,20 @@ impl Gateway {
         let Some(index) = self.routes.iter().position(|r| r.path == record.route) else {
             return not_found();
         };
-        // A wrong token reads as an unknown id: nothing says the id exists.
+        // A wrong token reads as an unknown id: nothing says the id exists. A right
+        // one while the key is lost gets the key's refusal: the record's identity
+        // cannot be checked without the key.
         match self.authenticate(index, headers) {
             Ok(identity) if identity == record.identity => {}
+            Err(answer) if answer.label == KEY_LOST_CODE => {
+                return (
+                    record.route,
+                    Answered {
+                        id: id.to_string(),
+                        answer,
+                    },
+                );
+            }
             _ => return not_found(),
         }
         let route = record.route.clone();

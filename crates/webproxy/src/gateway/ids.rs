@@ -15,8 +15,9 @@ pub const PREFIX: &str = "gw-";
 /// The token identity of a route without a token.
 pub const ANONYMOUS: &str = "anonymous";
 
-/// The gateway's HMAC key.
-#[derive(Clone)]
+/// The gateway's HMAC key. Compared only with other keys the gateway read (a rotation
+/// is told from a re-read), never with anything a caller sends.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Key(Vec<u8>);
 
 impl std::fmt::Debug for Key {

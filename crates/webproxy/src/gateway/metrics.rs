@@ -2,8 +2,9 @@
 //! wait for their answer. Label values come from the configuration (route paths) and
 //! closed sets (outcomes and the gateway's own codes), never from URLs or ids.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -44,8 +45,11 @@ struct Inner {
     waiting: Gauge,
     refused_connections: Counter,
     nats_connected: Gauge,
-    /// Connected to NATS, with the key and the records bucket: requests can be served.
+    /// Started: connected once, with the records bucket open.
     ready: AtomicBool,
+    /// What else keeps the gateway not ready (its key lost), by what: one line each
+    /// for `/readyz`.
+    stuck: Mutex<BTreeMap<&'static str, String>>,
 }
 
 /// The route label of requests that match no route (and of the replies endpoint).
@@ -95,6 +99,7 @@ impl Telemetry {
                 refused_connections,
                 nats_connected,
                 ready: AtomicBool::new(false),
+                stuck: Mutex::new(BTreeMap::new()),
             }),
         }
     }
@@ -134,6 +139,20 @@ impl Telemetry {
     pub fn set_ready(&self, ready: bool) {
         self.inner.ready.store(ready, Ordering::SeqCst);
     }
+
+    /// Keeps the gateway not ready, saying `reason` on `/readyz`, while `what` is
+    /// stuck; `None` ends it.
+    pub fn set_stuck(&self, what: &'static str, reason: Option<String>) {
+        let mut stuck = self
+            .inner
+            .stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match reason {
+            Some(reason) => stuck.insert(what, reason),
+            None => stuck.remove(what),
+        };
+    }
 }
 
 impl crate::health::Probes for Telemetry {
@@ -142,7 +161,19 @@ impl crate::health::Probes for Telemetry {
     }
 
     fn is_ready(&self) -> bool {
-        self.inner.ready.load(Ordering::SeqCst) && self.inner.nats_connected.get() == 1
+        self.inner.ready.load(Ordering::SeqCst)
+            && self.inner.nats_connected.get() == 1
+            && self.stuck().is_empty()
+    }
+
+    fn stuck(&self) -> Vec<String> {
+        self.inner
+            .stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
     }
 
     fn render_metrics(&self) -> String {

@@ -7,6 +7,7 @@
 
 mod handler;
 mod ids;
+mod key_commands;
 mod listener;
 mod mapping;
 mod metrics;
@@ -19,13 +20,14 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use webproxy_dispatcher::{Instruments, Redactor};
 
 use crate::config::Settings;
 use crate::gateway_config::RESERVED_PATH;
 use crate::{health, rotation};
 
+pub use key_commands::{KeyCommand, run as run_key_command};
 pub use metrics::Telemetry;
 
 /// Where the reply of a conversation that goes on is read: `<REPLIES_PATH><id>`.
@@ -36,6 +38,11 @@ const _: () = assert!(REPLIES_PATH.len() > RESERVED_PATH.len());
 /// How long a failed start-up step (the key, the bucket) waits before it is tried
 /// again.
 const START_RETRY: Duration = Duration::from_secs(1);
+
+/// How often the key bucket is read: a lost key turns `/readyz` 503 within this and
+/// a lookup (the bound is 10 s), and a rotated or restored key is in force on
+/// every gateway within it.
+const KEY_POLL: Duration = Duration::from_secs(2);
 
 /// What the gateway needs before it serves, read from files and the environment:
 /// each route's token, the configured key, the TLS acceptor. `check-config` reads
@@ -133,26 +140,26 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     let js = jetstream::new(nats.clone());
     let subjects = &settings.dispatcher.subjects;
     let streams = &settings.config.streams;
-    let key = match &secrets.key {
-        Some(key) => ids::Key::new(key.as_bytes().to_vec()),
+    let records = store::Records::new(&js, subjects, streams);
+    // A configured key is the operator's; otherwise the bucket's, followed while the
+    // gateway runs.
+    let (key, key_bucket) = match &secrets.key {
+        Some(key) => (Ok(ids::Key::new(key.as_bytes().to_vec())), None),
         None => {
-            let Some(key) = retried(&shutdown, "the gateway key", || {
-                store::shared_key(&js, subjects, streams)
-            })
-            .await
+            let keys = store::KeyBucket::new(&js, subjects, streams);
+            let Some(key) = retried(&shutdown, "the gateway key", || keys.at_start(&records)).await
             else {
                 return Ok(());
             };
-            key
+            (key.map_err(|loss| loss.describe(keys.name())), Some(keys))
         }
     };
-    let Some(records) = retried(&shutdown, "the gateway bucket", || {
-        store::Records::open(&js, subjects, streams)
-    })
-    .await
-    else {
+    if retried(&shutdown, "the gateway bucket", || records.open())
+        .await
+        .is_none()
+    {
         return Ok(());
-    };
+    }
     let client = webproxy_client::Client::new(nats.clone(), subjects.prefix())?;
     let state = Arc::new(handler::Gateway::new(
         &settings,
@@ -163,6 +170,9 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         server.max_payload,
         telemetry.clone(),
     ));
+    if let Some(keys) = key_bucket {
+        tokio::spawn(follow_key(keys, state.clone(), shutdown.clone()));
+    }
     // Listened for before serving: SIGHUP's default action ends the process.
     tokio::spawn(follow_token_files(
         settings.clone(),
@@ -220,6 +230,34 @@ async fn follow_token_files(
         ))
     })
     .await;
+}
+
+/// Reads the key bucket every [`KEY_POLL`] and puts what it holds in force: a key
+/// rotated or restored by an operator, or its loss (the gateway then refuses what
+/// needs the key and is not ready). A reading that fails (the API down) changes
+/// nothing: it says nothing about the key.
+async fn follow_key(
+    keys: store::KeyBucket,
+    state: Arc<handler::Gateway>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(KEY_POLL) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match keys.read().await {
+            Ok(entry) => state.set_key(
+                store::running(entry)
+                    .map(ids::Key::new)
+                    .map_err(|loss| loss.describe(keys.name())),
+            ),
+            Err(e) => debug!(
+                error = format!("{e:#}"),
+                "cannot read the gateway key; keeping the one in force"
+            ),
+        }
+    }
 }
 
 /// `f` until it succeeds, logging each failure; `None` when a signal comes first.
