@@ -187,7 +187,7 @@ fmt:
 lint:
     cargo clippy --workspace --all-targets -- -D warnings
 
-# Measure webproxy (release build) against direct HTTP calls and a broker-only loop; prints a table and writes target/bench/latest.json.
+# Measure webproxy (release build) against direct HTTP calls and a broker-only loop; prints a table and writes target/bench/latest.json. Its sections (main, adaptive, progress-bound) run in turn; `--only progress-bound` or `--skip adaptive,progress-bound` picks among them.
 bench *args:
     cargo build --release -p webproxy -p webproxy-bench
     {{ _nats_path }}; target/release/webproxy-bench {{ args }}

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
-use webproxy_tests::{NatsServer, Upstream, http_client, wait_for, wait_until};
+use webproxy_tests::{NatsServer, Upstream, fails_once_routes, http_client, wait_for, wait_until};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -190,6 +190,23 @@ async fn upstream_custom_router_is_counted() {
         .expect("body");
     assert_eq!(body, "custom");
     assert_eq!(upstream.hits_for("/custom"), 1);
+}
+
+/// Each key fails once and only once, whatever the other keys did.
+#[tokio::test]
+async fn upstream_fails_once_per_key() {
+    let upstream = Upstream::start_with(fails_once_routes()).await;
+    let http = http_client();
+    let status = |path: &str| {
+        let request = http.get(upstream.url(path)).send();
+        async move { request.await.expect("GET /fails-once").status().as_u16() }
+    };
+    assert_eq!(status("/fails-once/a").await, 503);
+    assert_eq!(status("/fails-once/b").await, 503);
+    assert_eq!(status("/fails-once/a").await, 200);
+    assert_eq!(status("/fails-once/b").await, 200);
+    assert_eq!(status("/fails-once/a").await, 200);
+    assert_eq!(upstream.hits_for("/fails-once/a"), 3);
 }
 
 #[tokio::test]

@@ -7,11 +7,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use serde::Serialize;
 use webproxy_client::Client;
 use webproxy_testkit::adaptive::{self, KNEE, KneeUpstream, median};
 use webproxy_testkit::{NatsServer, Service, ServiceOptions};
+
+use crate::write_beside;
 
 /// How long each half of the run lasts: the test's 60 s.
 const HALF: Duration = Duration::from_secs(60);
@@ -80,9 +81,5 @@ pub(crate) async fn report(json: &Path) -> anyhow::Result<()> {
         figures.moved_median,
         figures.calls_per_s_knee_32
     );
-    let path = json.with_file_name("adaptive.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&figures)?)
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    println!("adaptive figures written to {}", path.display());
-    Ok(())
+    write_beside(json, "adaptive", &figures)
 }

@@ -139,13 +139,24 @@ pub(crate) async fn proxied(
     pool: &'static str,
     url: Arc<str>,
 ) -> bool {
+    proxied_within(client, replies, pool, url, REPLY_WAIT).await
+}
+
+/// [`proxied`], waiting up to `wait` for the reply.
+pub(crate) async fn proxied_within(
+    client: Client,
+    replies: Replies,
+    pool: &'static str,
+    url: Arc<str>,
+    wait: Duration,
+) -> bool {
     let id = new_id();
     let reply = replies.expect(&id);
     let request = Request::new("GET", url.as_ref()).id(id).pool(pool);
     if client.submit(&request).await.is_err() {
         return false;
     }
-    match tokio::time::timeout(REPLY_WAIT, reply).await {
+    match tokio::time::timeout(wait, reply).await {
         Ok(Ok(message)) => message
             .headers
             .as_ref()

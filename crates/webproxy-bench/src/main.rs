@@ -13,14 +13,17 @@
 //! load (issue 14's scenario, shared with the liveness test) and reports how soon
 //! the last conversation is answered. The HTTP gateway (`webproxy gateway`) gets rows of
 //! its own beside the NATS-client path, measured in the same run. Then, apart, the
-//! adaptive limit's run (`adaptive.rs`, issue 20's scenario).
+//! adaptive limit's run (`adaptive.rs`, issue 20's scenario) and the progress bucket's
+//! bound (`progress_bound.rs`, issue 29). `--only` and `--skip` pick among these
+//! three [`Section`]s.
 
 mod adaptive;
 mod cost;
 mod gateway;
 mod load;
+mod progress_bound;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,9 +56,35 @@ struct Args {
     /// Another webproxy binary to measure beside this build, as NAME=PATH; repeatable.
     #[arg(long = "reference", value_parser = reference)]
     references: Vec<(String, PathBuf)>,
-    /// Where the figures are written as JSON.
+    /// Where the figures are written as JSON (each section apart from the main one
+    /// writes a file of its own beside it).
     #[arg(long, default_value = "target/bench/latest.json")]
     json: PathBuf,
+    /// Run only these sections, comma-separated (all by default).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Section>,
+    /// Leave these sections out, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    skip: Vec<Section>,
+}
+
+/// The parts of the bench, each with servers and instances of its own; their times are
+/// on the 2-core development machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Section {
+    /// The levels, the references, the probes, the rates and the gateway: about 3
+    /// minutes a round with the default levels and duration.
+    Main,
+    /// Issue 20's adaptive limit, three instances for 2 × 60 s: about 2 minutes.
+    Adaptive,
+    /// Issue 29's progress bucket after 10k parked-and-settled conversations and again
+    /// a minute later: about 80 s, the run (8 s) and a 70 s wait.
+    ProgressBound,
+}
+
+/// Whether `section` runs: among `only` when that names any, and not among `skip`.
+fn runs(section: Section, only: &[Section], skip: &[Section]) -> bool {
+    (only.is_empty() || only.contains(&section)) && !skip.contains(&section)
 }
 
 fn reference(arg: &str) -> Result<(String, PathBuf), String> {
@@ -415,6 +444,39 @@ fn compare(current: &Measured, reference: &Measured) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(dir) = args.json.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if runs(Section::Main, &args.only, &args.skip) {
+        main_section(&args).await?;
+    }
+    // Each has its own servers and instances: sections apart from everything above.
+    if runs(Section::Adaptive, &args.only, &args.skip) {
+        adaptive::report(&args.json).await?;
+    }
+    if runs(Section::ProgressBound, &args.only, &args.skip) {
+        progress_bound::report(&args.json).await?;
+    }
+    Ok(())
+}
+
+/// Writes a section's `figures` to `<name>.json` in the directory of `json` (the main
+/// figures' file) and says where.
+pub(crate) fn write_beside(
+    json: &Path,
+    name: &str,
+    figures: &impl Serialize,
+) -> anyhow::Result<()> {
+    let path = json.with_file_name(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(figures)?)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    println!("{name} figures written to {}", path.display());
+    Ok(())
+}
+
+/// The main section: every level of every binary, the probes, the rates and the
+/// gateway, written to `args.json`.
+async fn main_section(args: &Args) -> anyhow::Result<()> {
     let gate = Gate::new();
     let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
     let config = config(&upstream);
@@ -651,12 +713,30 @@ async fn main() -> anyhow::Result<()> {
         rates,
         gateway,
     };
-    if let Some(dir) = args.json.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
     std::fs::write(&args.json, serde_json::to_string_pretty(&report)?)?;
     println!("figures written to {}", args.json.display());
-    // Its own servers and instances: a section apart from everything above.
-    adaptive::report(&args.json).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Section, runs};
+
+    #[test]
+    fn every_section_runs_unless_left_out() {
+        assert!(runs(Section::Main, &[], &[]));
+        assert!(runs(Section::ProgressBound, &[], &[]));
+        assert!(!runs(Section::Adaptive, &[], &[Section::Adaptive]));
+        assert!(runs(Section::Main, &[], &[Section::Adaptive]));
+    }
+
+    #[test]
+    fn only_runs_the_sections_it_names() {
+        let only = [Section::ProgressBound];
+        assert!(runs(Section::ProgressBound, &only, &[]));
+        assert!(!runs(Section::Main, &only, &[]));
+        assert!(!runs(Section::Adaptive, &only, &[]));
+        // Named in both: left out.
+        assert!(!runs(Section::ProgressBound, &only, &only));
+    }
 }

@@ -1,7 +1,7 @@
 //! An in-process HTTP upstream on 127.0.0.1 that records every request it
 //! sees, so tests can assert on what webproxy actually sent.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -199,6 +199,31 @@ async fn gated(State(gate): State<Gate>, Path(ms): Path<u64>) -> &'static str {
     gate.wait().await;
     tokio::time::sleep(Duration::from_millis(ms)).await;
     "ok"
+}
+
+/// `ANY /fails-once/{key}`: 503 `not yet` the first time each `key` is asked for, 200
+/// `ok` from then on. With a rule that retries, every conversation on a key of its own
+/// parks exactly once and then succeeds, however many run at once (the bench's
+/// progress-bound section). Each call makes routes with nothing seen yet.
+pub fn fails_once_routes() -> Router {
+    Router::new()
+        .route("/fails-once/{key}", any(fails_once))
+        .with_state(Arc::new(Mutex::new(HashSet::new())))
+}
+
+async fn fails_once(
+    State(seen): State<Arc<Mutex<HashSet<String>>>>,
+    Path(key): Path<String>,
+) -> Response {
+    let first = seen
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(key);
+    if first {
+        (StatusCode::SERVICE_UNAVAILABLE, "not yet").into_response()
+    } else {
+        (StatusCode::OK, "ok").into_response()
+    }
 }
 
 /// The default routes (see [`Upstream::start`]), to extend or to serve elsewhere.
