@@ -3,7 +3,8 @@
 # RUNS times in a row (default 20), stopping at the first failure, while the rest of
 # the webproxy-tests suite runs beside it in a loop, so that the rate is measured on a
 # loaded machine (an idle one hid the failure). Prints each run's own figures (its
-# busiest 1 s window and how long the batch took), then the busiest window of all.
+# busiest 1 s window by the service's start stamps, which it asserts, and by the
+# upstream's arrival stamps, and how long the batch took), then the busiest of all.
 #
 # Usage: bash scripts/soak-rate.sh [RUNS]   (nats-server >= 2.11 first on PATH;
 # `just soak-rate` sets that up). The background suite's output goes to
@@ -41,35 +42,45 @@ for line in sys.stdin:
 WEBPROXY_OLD_NATS_SERVER="$(bash scripts/ensure-old-nats-server.sh | tail -n1)"
 export WEBPROXY_OLD_NATS_SERVER
 
-# The background suite's tempdirs (nats-server stores, service configs) go in a
-# directory of their own: a test killed when the soak ends cannot remove its own.
-suite_tmp="$(mktemp -d "${TMPDIR:-/tmp}/soak-rate-suite.XXXXXX")"
+# Every test process's tempdirs (nats-server stores, service configs) go in one
+# directory of the soak's: a test killed when the soak ends cannot remove its own.
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/soak-rate.XXXXXX")"
 suite_pid=""
+run_pid=""
 
-# Ends the background loop and everything it started (cargo, test binaries,
-# nats-servers, webproxy instances): all in the process group setsid gave it. TERM
-# first, so nats-servers and instances shut down as they would; KILL whatever is left
-# after 15 s.
-stop_suite() {
-    if [[ -n "$suite_pid" ]]; then
-        kill -TERM -- "-$suite_pid" 2>/dev/null || true
-        for _ in $(seq 150); do
-            kill -0 -- "-$suite_pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL -- "-$suite_pid" 2>/dev/null || true
-        wait "$suite_pid" 2>/dev/null || true
-        suite_pid=""
-    fi
-    rm -rf "$suite_tmp"
+# Ends the process group led by $1 and everything in it (cargo, test binaries,
+# nats-servers, webproxy instances). TERM first, so nats-servers and instances shut
+# down as they would; KILL whatever is left after 15 s.
+stop_group() {
+    kill -TERM -- "-$1" 2>/dev/null || true
+    for _ in $(seq 150); do
+        kill -0 -- "-$1" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL -- "-$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
 }
-trap stop_suite EXIT
+
+# On any exit (the last run, a failure, Ctrl-C): the run in progress, then the
+# background loop, then their tempdirs.
+stop_all() {
+    if [[ -n "$run_pid" ]]; then
+        stop_group "$run_pid"
+    fi
+    if [[ -n "$suite_pid" ]]; then
+        stop_group "$suite_pid"
+    fi
+    rm -rf "$tmp"
+}
+trap stop_all EXIT
 # Ctrl-C or TERM become a normal exit, so the EXIT trap always runs.
 trap 'exit 130' INT TERM
 
-# setsid: a process group of its own (this script runs without job control, so the
-# loop is no group leader and setsid needs no fork: its pid is the group's id).
-TMPDIR="$suite_tmp" setsid bash -c '
+# Both the loop and each run get a process group of their own from setsid (this script
+# runs without job control, so neither is a group leader and setsid needs no fork: the
+# pid is the group's id), and the script waits with `wait`, which a signal interrupts.
+mkdir "$tmp/suite" "$tmp/runs"
+TMPDIR="$tmp/suite" setsid bash -c '
     round=0
     while true; do
         round=$((round + 1))
@@ -80,9 +91,15 @@ suite_pid=$!
 echo "the rest of the suite runs beside it (pid $suite_pid, log $logs/suite.log)" >&2
 
 busiest_of_all=0
+arrivals_of_all=0
 for run in $(seq "$runs"); do
     # cargo test runs a test binary from its package's directory.
-    if ! (cd tests && "$flow_bin" --exact "$test_name" --nocapture) >"$logs/run.log" 2>&1; then
+    (cd tests && TMPDIR="$tmp/runs" exec setsid "$flow_bin" --exact "$test_name" --nocapture) >"$logs/run.log" 2>&1 &
+    run_pid=$!
+    status=0
+    wait "$run_pid" || status=$?
+    run_pid=""
+    if ((status != 0)); then
         cat "$logs/run.log"
         echo "run $run/$runs FAILED (after $((SECONDS - started)) s; log $logs/run.log)" >&2
         exit 1
@@ -93,5 +110,9 @@ for run in $(seq "$runs"); do
     if ((busiest > busiest_of_all)); then
         busiest_of_all=$busiest
     fi
+    arrivals="$(sed -n 's/.* \([0-9]*\) as this process stamped.*/\1/p' <<<"$figures")"
+    if ((arrivals > arrivals_of_all)); then
+        arrivals_of_all=$arrivals
+    fi
 done
-echo "$runs/$runs passed; busiest 1 s window of all: $busiest_of_all calls; $((SECONDS - started)) s in all"
+echo "$runs/$runs passed; busiest 1 s window of all: $busiest_of_all calls as started, $arrivals_of_all by arrival stamps; $((SECONDS - started)) s in all"
