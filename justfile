@@ -163,6 +163,10 @@ soak runs="10":
     cargo build --workspace --bins
     {{ _nats_path }}; for i in $(seq {{ runs }}); do echo "=== soak run $i/{{ runs }}" >&2; cargo test -p webproxy-tests --tests; done
 
+# Issue 29, table item 11: the 200/s rate test `runs` times in a row, stopping at the first failure, while the rest of the suite loops beside it as load. A soak loop, kept out of `just test` and CI (about 2 minutes after the build).
+soak-rate runs="20":
+    {{ _nats_path }}; bash scripts/soak-rate.sh {{ runs }}
+
 # Fuzz each target for `seconds` (cargo-fuzz, nightly; not in `just test`); crashes land in fuzz/artifacts/ and become regression tests.
 fuzz seconds="60":
     #!/usr/bin/env bash

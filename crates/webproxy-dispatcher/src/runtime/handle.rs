@@ -461,6 +461,7 @@ async fn attempt(
             ));
         }
         trace::inject_http(&trace::attempt_context(&span), &mut own_headers);
+        own_headers.extend(super::hooks::attempt_stamp());
         let policy = RulePolicy {
             rules: &shared.settings.cluster.rules,
             outbound: &shared.settings.cluster.outbound,

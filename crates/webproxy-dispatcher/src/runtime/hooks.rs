@@ -20,6 +20,25 @@ pub fn test_hook(name: &str) -> bool {
     false
 }
 
+/// `stamp-attempts`: every attempt carries `x-webproxy-test-started: <µs since the Unix
+/// epoch>`, the system clock as the attempt leaves the gate, so that a rate test counts
+/// attempts by when the service started them. An upstream in the test process stamps
+/// an arrival only once that process runs: on a loaded machine it went unscheduled for
+/// up to 400 ms, and bunched calls started over 1.2 s into one second.
+pub(super) fn attempt_stamp() -> Option<(String, String)> {
+    #[cfg(feature = "test-hooks")]
+    if on("stamp-attempts") {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        return Some((
+            "x-webproxy-test-started".to_string(),
+            now.as_micros().to_string(),
+        ));
+    }
+    None
+}
+
 /// `lose-park-ack`: the delivery that parked a retry is not acked, as if the ack were
 /// lost, so the server redelivers it after `ack_wait`.
 pub(super) fn lose_park_ack() -> bool {
