@@ -1,6 +1,6 @@
 //! One cell of the matrix: the world a fault needs (one nats-server or a cluster of
 //! three, two `webproxy serve` instances in `kv` mode, an upstream, a caller), and the
-//! run every cell shares: load, fault, let go, then the checks.
+//! caller's side of it.
 
 use std::time::Duration;
 
@@ -12,15 +12,9 @@ use webproxy_tests::pools::kv_config;
 use webproxy_tests::{NatsCluster, NatsServer, Service, run_webproxy};
 
 use crate::fault::Fault;
-use crate::feature::{Feature, MatrixUpstream};
-use crate::observe::{self, ANSWERED, Observed, REPLY_TO};
-
-/// The pool every feature's conversations end in.
-pub const POOL: &str = "partner";
-
-/// The pools' `ack_wait` (the cluster part's `[service] ack_wait`): short, so that a
-/// stalled pod's messages come back soon.
-pub const ACK_WAIT: Duration = Duration::from_secs(3);
+use crate::feature::{ACK_WAIT, Feature};
+use crate::observe::{ANSWERED, Observed, REPLY_TO};
+use crate::upstream::MatrixUpstream;
 
 /// How long a request may wait for its answer in all: far beyond [`ANSWERED`].
 const REQUEST_WAIT: Duration = Duration::from_secs(180);
@@ -65,7 +59,7 @@ pub struct Cell {
 }
 
 impl Cell {
-    async fn start(fault: Fault, feature: Feature) -> Cell {
+    pub async fn start(fault: Fault, feature: Feature) -> Cell {
         let nats = if fault.needs_a_cluster() {
             Nats::Cluster(NatsCluster::start(3))
         } else {
@@ -97,9 +91,21 @@ impl Cell {
     }
 
     /// A conversation to `path` on the upstream, sent to `pool`, with a `reply_to`.
+    /// Right after a fault the pool stream may not answer yet (no responders, which
+    /// the client reports as no such pool): the publish is retried, as a caller
+    /// would, with the same request.
     pub async fn submit(&self, pool: &str, path: &str) -> Submitted {
         let request = self.request(pool, path);
-        self.client.submit(&request).await.expect("submit")
+        let deadline = std::time::Instant::now() + ANSWERED;
+        loop {
+            match self.client.submit(&request).await {
+                Ok(submitted) => return submitted,
+                Err(e) if std::time::Instant::now() > deadline => {
+                    panic!("submit: {e:?}\n{}", self.logs())
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
     }
 
     /// The request [`Cell::submit`] sends.
@@ -155,33 +161,4 @@ impl Cell {
             .collect::<Vec<_>>()
             .join("\n")
     }
-}
-
-/// A cell: the feature's load under way, the fault, the feature's conversations let
-/// go, then the checks every cell makes.
-pub async fn run(fault: Fault, feature: Feature) {
-    let mut cell = Cell::start(fault, feature).await;
-    let conversations = feature.load(&cell).await;
-    let during = feature.during(&cell);
-    fault.inject(&mut cell).await;
-    feature.let_go(&cell, during).await;
-
-    let stored = observe::wait_answered(
-        &cell.client,
-        &conversations,
-        |reply| feature.answered(reply),
-        || cell.logs(),
-    )
-    .await;
-    observe::assert_one_body_per_generation(&cell.observed, &conversations, &stored);
-    observe::assert_no_letter_for_a_response(&cell.js, &conversations, &stored).await;
-    feature.works_again(&cell).await;
-    if fault.limits_hold() {
-        feature.assert_limits(&cell);
-    }
-    println!(
-        "{fault:?} × {feature:?}: {} conversations answered once (within {ANSWERED:?}), at most {} at the upstream at once",
-        conversations.len(),
-        cell.upstream.max_concurrent()
-    );
 }

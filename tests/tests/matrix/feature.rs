@@ -1,107 +1,23 @@
-//! The matrix's columns: each feature's cluster document, its load, what lets its
-//! conversations go after the fault, how it is shown to work again, and its limits.
+//! The matrix's columns: each feature's cluster document, its load's shape, its pool's
+//! limits, and the reply each conversation ends with. What a feature does in a running
+//! cell is `scene.rs`'s.
 
-use std::collections::HashSet;
-use std::ops::Deref;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::Router;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::routing::get;
-use tokio::task::JoinHandle;
-use webproxy_client::Submitted;
-use webproxy_protocol::Outcome;
+use webproxy_tests::Upstream;
 use webproxy_tests::caller::{origin_rule, path_rule};
-use webproxy_tests::{Upstream, default_routes, run_webproxy, wait_for, wait_until};
 
-use crate::cell::{Cell, POOL};
-use crate::observe::{ANSWERED, Stored, wait_answered};
+use crate::observe::Stored;
 
-/// How long a feature may take to show it works again once its conversations are
-/// answered: a fresh conversation, a breaker's open-and-close, a push. Generous for a
-/// loaded machine; each feature's own stated time is asserted where it has one.
-const WORKS_AGAIN: Duration = Duration::from_secs(60);
+/// The pool every feature's conversations end in.
+pub const POOL: &str = "partner";
 
-/// How long a paused pool is watched for a call that must not come: the pause reaches
-/// the consumer in well under a second, and a delivery to a pod takes milliseconds.
-const WATCH_PAUSED: Duration = Duration::from_secs(3);
-
-/// How long `config push --wait` may take: README's 5 s for every instance to run a
-/// revision, plus the command's own start on a loaded machine.
-const PUSH_APPLIED: Duration = Duration::from_secs(15);
+/// The pools' `ack_wait` (the cluster part's `[service] ack_wait`): short, so that a
+/// stalled pod's messages come back soon.
+pub const ACK_WAIT: Duration = Duration::from_secs(3);
 
 /// The pool `default`, where [`Feature::Moved`]'s conversations arrive.
-const ARRIVAL_POOL: &str = "default";
-
-/// The cell's upstream: the fixture's default routes, plus
-/// - `/flaky/{key}`: 503 the first time a key is asked for, 200 after;
-/// - `/mend/{key}`: 503 while broken, 200 once mended.
-pub struct MatrixUpstream {
-    upstream: Upstream,
-    mended: Arc<AtomicBool>,
-}
-
-#[derive(Clone)]
-struct Routes {
-    seen: Arc<Mutex<HashSet<String>>>,
-    mended: Arc<AtomicBool>,
-}
-
-impl MatrixUpstream {
-    pub async fn start() -> MatrixUpstream {
-        let routes = Routes {
-            seen: Arc::default(),
-            mended: Arc::new(AtomicBool::new(true)),
-        };
-        let mended = routes.mended.clone();
-        let router = Router::new()
-            .route("/flaky/{key}", get(flaky))
-            .route("/mend/{key}", get(mend))
-            .with_state(routes);
-        MatrixUpstream {
-            upstream: Upstream::start_with(default_routes().merge(router)).await,
-            mended,
-        }
-    }
-
-    fn mend(&self, mended: bool) {
-        self.mended.store(mended, Ordering::SeqCst);
-    }
-}
-
-impl Deref for MatrixUpstream {
-    type Target = Upstream;
-    fn deref(&self) -> &Upstream {
-        &self.upstream
-    }
-}
-
-async fn flaky(
-    State(routes): State<Routes>,
-    Path(key): Path<String>,
-) -> (StatusCode, &'static str) {
-    let first = routes
-        .seen
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(key);
-    if first {
-        (StatusCode::SERVICE_UNAVAILABLE, "not yet")
-    } else {
-        (StatusCode::OK, "ok")
-    }
-}
-
-async fn mend(State(routes): State<Routes>) -> (StatusCode, &'static str) {
-    if routes.mended.load(Ordering::SeqCst) {
-        (StatusCode::OK, "ok")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "down")
-    }
-}
+pub const ARRIVAL_POOL: &str = "default";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Feature {
@@ -117,12 +33,12 @@ pub enum Feature {
 }
 
 /// The rate of [`Feature::Rate`]'s pool, per second, and its burst.
-const RATE: u32 = 5;
-const BURST: u32 = 1;
+pub const RATE: u32 = 5;
+pub const BURST: u32 = 1;
 
 impl Feature {
     /// The pool's `max_in_flight`.
-    fn max_in_flight(self) -> u32 {
+    pub fn max_in_flight(self) -> u32 {
         match self {
             Feature::Breaker | Feature::Parked | Feature::Replay => 4,
             Feature::Adaptive => 6,
@@ -131,7 +47,7 @@ impl Feature {
     }
 
     /// How many conversations the load sends.
-    fn count(self) -> usize {
+    pub fn count(self) -> usize {
         match self {
             Feature::Paused | Feature::Breaker | Feature::Parked => 8,
             Feature::Replay => 6,
@@ -140,7 +56,7 @@ impl Feature {
     }
 
     /// The upstream path of the load's `n`th conversation.
-    fn path(self, n: usize) -> String {
+    pub fn path(self, n: usize) -> String {
         match self {
             Feature::Rate => "/delay/50".into(),
             Feature::Paused => "/delay/100".into(),
@@ -151,7 +67,7 @@ impl Feature {
     }
 
     /// The pool the conversations are sent to.
-    fn sent_to(self) -> &'static str {
+    pub fn sent_to(self) -> &'static str {
         match self {
             Feature::Moved => ARRIVAL_POOL,
             _ => POOL,
@@ -198,332 +114,9 @@ impl Feature {
         )
     }
 
-    /// Sends the load and returns once it is where the fault should hit it.
-    pub async fn load(self, cell: &Cell) -> Vec<Submitted> {
-        match self {
-            Feature::Paused => {
-                cell.webproxy_ok(&["pools", "pause", POOL]).await;
-                wait_until(ANSWERED, "the pool consumer paused", || async {
-                    pool_consumer_paused(cell).await
-                })
-                .await;
-            }
-            Feature::Breaker | Feature::Replay => cell.upstream.mend(false),
-            _ => {}
-        }
-        let mut conversations = Vec::new();
-        for n in 0..self.count() {
-            conversations.push(cell.submit(self.sent_to(), &self.path(n)).await);
-        }
-        match self {
-            Feature::Paused => {}
-            Feature::Breaker => breaker_open(cell).await,
-            Feature::Parked => {
-                wait_until(ANSWERED, "every conversation parked once", || async {
-                    cell.upstream.hits() >= self.count()
-                })
-                .await;
-            }
-            Feature::Replay => {
-                wait_answered(
-                    &cell.client,
-                    &conversations,
-                    |r| r.outcome == Outcome::Error,
-                    || cell.logs(),
-                )
-                .await;
-                cell.upstream.mend(true);
-            }
-            _ => {
-                wait_until(ANSWERED, "the load under way", || async {
-                    cell.upstream.hits() >= 3
-                })
-                .await;
-            }
-        }
-        conversations
-    }
-
-    /// What runs while the fault is injected: `dead replay` for [`Feature::Replay`].
-    pub fn during(self, cell: &Cell) -> Option<JoinHandle<std::process::Output>> {
-        (self == Feature::Replay).then(|| {
-            let urls = cell.nats.urls();
-            tokio::spawn(async move {
-                run_webproxy(&["dead", "replay", "--yes", "--pool", POOL, "--nats", &urls]).await
-            })
-        })
-    }
-
-    /// Lets the load's conversations go once the fault is over.
-    pub async fn let_go(self, cell: &Cell, during: Option<JoinHandle<std::process::Output>>) {
-        match self {
-            Feature::Paused => {
-                // A lost POOL_STATE forgets the pause (ARCHITECTURE's cluster state).
-                if cell.fault != crate::fault::Fault::Deleted {
-                    stays_unvisited(cell, WATCH_PAUSED).await;
-                }
-                retry_command(cell, &["pools", "resume", POOL]).await;
-            }
-            Feature::Breaker => cell.upstream.mend(true),
-            Feature::Replay => {
-                if let Some(during) = during {
-                    let _ = during.await;
-                }
-                // A replay the fault cut short is run again, as an operator would: the
-                // letters it replayed are skipped, the rest replayed.
-                retry_command(cell, &["dead", "replay", "--yes", "--pool", POOL]).await;
-            }
-            _ => {}
-        }
-    }
-
     /// Whether a stored reply is the one the conversation should end with.
     pub fn answered(self, reply: &Stored) -> bool {
         let generation = if self == Feature::Replay { "1" } else { "0" };
         reply.generation == generation && reply.status == Some(200)
     }
-
-    /// Shows, after the fault, that the feature does its job again.
-    pub async fn works_again(self, cell: &Cell) {
-        match self {
-            Feature::Paused => {
-                cell.webproxy_ok(&["pools", "pause", POOL]).await;
-                wait_until(WORKS_AGAIN, "the pool consumer paused again", || async {
-                    pool_consumer_paused(cell).await
-                })
-                .await;
-                let fresh = fresh(cell, "/delay/100").await;
-                stays_unvisited(cell, WATCH_PAUSED).await;
-                cell.webproxy_ok(&["pools", "resume", POOL]).await;
-                answered_200(cell, &[fresh]).await;
-            }
-            Feature::Breaker => {
-                cell.upstream.mend(false);
-                let mut again = Vec::new();
-                for n in 0..self.count() {
-                    again.push(cell.submit(POOL, &format!("/mend/again-{n}")).await);
-                }
-                breaker_open(cell).await;
-                cell.upstream.mend(true);
-                answered_200(cell, &again).await;
-            }
-            Feature::Parked => {
-                let fresh = fresh(cell, "/flaky/again").await;
-                let stored = answered_200(cell, &[fresh]).await;
-                assert_eq!(stored[0].json["attempts"], 2, "{:?}", stored[0].json);
-            }
-            Feature::Replay => replays_once(cell).await,
-            Feature::Config => {
-                let lower = self.document(&cell.upstream, crate::cell::ACK_WAIT, 1);
-                let started = Instant::now();
-                cell.push(&lower).await;
-                let took = started.elapsed();
-                assert!(took <= PUSH_APPLIED, "config push --wait took {took:?}");
-                let fresh = fresh(cell, "/delay/100").await;
-                answered_200(cell, &[fresh]).await;
-            }
-            Feature::Adaptive => {
-                let fresh = fresh(cell, "/delay/100").await;
-                answered_200(cell, &[fresh]).await;
-                let series = format!("webproxy_pool_effective_limit{{pool=\"{POOL}\"}}");
-                wait_until(WORKS_AGAIN, "an adaptive limit reported", || async {
-                    for service in &cell.services {
-                        if service
-                            .metric(&series)
-                            .await
-                            .is_some_and(|limit| limit >= 1.0)
-                        {
-                            return true;
-                        }
-                    }
-                    false
-                })
-                .await;
-            }
-            Feature::Plain | Feature::Rate | Feature::Moved => {
-                let fresh = fresh(cell, &self.path(0)).await;
-                answered_200(cell, &[fresh]).await;
-            }
-        }
-    }
-
-    /// The pool's limits over the whole cell: never more than `max_in_flight` calls at
-    /// once, and for [`Feature::Rate`] never more than its rate (with the 10% and the
-    /// burst `flow.rs` allows, and what a lost schedule allows) in any 1 s window.
-    pub fn assert_limits(self, cell: &Cell) {
-        let at_once = cell.upstream.max_concurrent();
-        assert!(
-            at_once <= self.max_in_flight() as usize,
-            "{at_once} calls at once in a pool of {}",
-            self.max_in_flight()
-        );
-        if self == Feature::Rate {
-            let times = cell.upstream.hit_times(&self.path(0));
-            let busiest = busiest_window(&times, Duration::from_secs(1));
-            // A fault that loses the schedule (ARCHITECTURE's cluster state, RATE) lets
-            // each instance that had not claimed a slot yet start it anew: one burst
-            // more per instance, in the second of the loss.
-            let anew = match cell.fault {
-                crate::fault::Fault::Restart | crate::fault::Fault::Deleted => cell.services.len(),
-                _ => 0,
-            };
-            let limit = f64::from(RATE) * 1.1 + f64::from(BURST) * (1 + anew) as f64;
-            let first = times.first().copied();
-            let offsets: Vec<u128> = times
-                .iter()
-                .filter_map(|t| first.map(|f| t.duration_since(f).as_millis()))
-                .collect();
-            assert!(
-                busiest as f64 <= limit,
-                "{busiest} calls in one second, limit {limit}; calls at {offsets:?} ms"
-            );
-        }
-    }
-}
-
-/// A conversation sent after the fault, to the feature's pool.
-async fn fresh(cell: &Cell, path: &str) -> Submitted {
-    cell.submit(cell.feature.sent_to(), path).await
-}
-
-/// Waits for `conversations` to be answered 200 (generation 0) within
-/// [`WORKS_AGAIN`]; their stored replies.
-async fn answered_200(cell: &Cell, conversations: &[Submitted]) -> Vec<Stored> {
-    tokio::time::timeout(
-        WORKS_AGAIN,
-        wait_answered(
-            &cell.client,
-            conversations,
-            |r| r.generation == "0" && r.status == Some(200),
-            || cell.logs(),
-        ),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("not answered within {WORKS_AGAIN:?}\n{}", cell.logs()))
-}
-
-/// Watches for `watch` that the upstream gets no call.
-async fn stays_unvisited(cell: &Cell, watch: Duration) {
-    let before = cell.upstream.hits();
-    let until = Instant::now() + watch;
-    while Instant::now() < until {
-        assert_eq!(
-            cell.upstream.hits(),
-            before,
-            "a paused pool called the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Runs a command until it succeeds: right after a fault the JetStream API may still
-/// be electing leaders.
-async fn retry_command(cell: &Cell, args: &[&str]) -> String {
-    let deadline = Instant::now() + ANSWERED;
-    loop {
-        match cell.webproxy(args).await {
-            Ok(out) => return out,
-            Err(e) if Instant::now() > deadline => {
-                panic!("still failing after {ANSWERED:?}: {e}\n{}", cell.logs())
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-        }
-    }
-}
-
-async fn pool_consumer_paused(cell: &Cell) -> bool {
-    let subjects = cell.client.subjects();
-    let Ok(stream) = cell.js.get_stream(subjects.pool_stream(POOL)).await else {
-        return false;
-    };
-    stream
-        .consumer_info(subjects.pool_consumer(POOL))
-        .await
-        .is_ok_and(|info| info.paused)
-}
-
-/// Waits until `pools` shows the breaker's pause.
-async fn breaker_open(cell: &Cell) {
-    let shown = |listed: &str| {
-        listed
-            .lines()
-            .any(|line| line.starts_with("partner paused until") && line.contains("(breaker: "))
-    };
-    let deadline = Instant::now() + WORKS_AGAIN;
-    loop {
-        let listed = cell.webproxy(&["pools"]).await.unwrap_or_else(|e| e);
-        if shown(&listed) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the breaker did not open within {WORKS_AGAIN:?}; pools:\n{listed}\n{}",
-            cell.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// A letter made after the fault is replayed once: `dead replay --id` answers it as
-/// generation 1, and a second `dead replay` says it was replayed already and calls
-/// nothing.
-async fn replays_once(cell: &Cell) {
-    cell.upstream.mend(false);
-    let letter = fresh(cell, "/mend/after").await;
-    wait_answered(
-        &cell.client,
-        std::slice::from_ref(&letter),
-        |r| r.outcome == Outcome::Error,
-        || cell.logs(),
-    )
-    .await;
-    cell.upstream.mend(true);
-    let replay = ["dead", "replay", "--yes", "--id", letter.id.as_str()];
-    wait_for(WORKS_AGAIN, "the letter to be listed", || async {
-        cell.webproxy(&["dead", "list", "--id", &letter.id])
-            .await
-            .ok()
-            .filter(|l| !l.trim().is_empty())
-    })
-    .await;
-    cell.webproxy_ok(&replay).await;
-    wait_answered(
-        &cell.client,
-        std::slice::from_ref(&letter),
-        |r| Feature::Replay.answered(r),
-        || cell.logs(),
-    )
-    .await;
-    let calls = cell.upstream.hits_for("/mend/after");
-    let again = cell.webproxy_ok(&replay).await;
-    assert!(
-        again.contains("already replayed as generation 1"),
-        "{again}"
-    );
-    assert_eq!(
-        cell.upstream.hits_for("/mend/after"),
-        calls,
-        "a second replay called the upstream"
-    );
-    if cell.fault != crate::fault::Fault::Deleted {
-        // Every letter of the load was replayed once: a replay of the pool replays none.
-        let all = cell
-            .webproxy_ok(&["dead", "replay", "--yes", "--pool", POOL])
-            .await;
-        assert!(all.contains("0 replayed"), "{all}");
-    }
-}
-
-/// The most of `times` in any window of `width` starting at one of them.
-fn busiest_window(times: &[Instant], width: Duration) -> usize {
-    times
-        .iter()
-        .map(|start| {
-            times
-                .iter()
-                .filter(|t| **t >= *start && **t < *start + width)
-                .count()
-        })
-        .max()
-        .unwrap_or(0)
 }

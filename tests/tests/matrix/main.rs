@@ -14,10 +14,44 @@
 mod cell;
 mod fault;
 mod feature;
+mod inject;
 mod observe;
+mod scene;
+mod upstream;
 
+use cell::Cell;
 use fault::Fault;
 use feature::Feature;
+use observe::ANSWERED;
+
+/// A cell: the feature's load under way, the fault, the feature's conversations let
+/// go, then the checks every cell makes.
+pub async fn run(fault: Fault, feature: Feature) {
+    let mut cell = Cell::start(fault, feature).await;
+    let conversations = feature.load(&cell).await;
+    let during = feature.during(&cell);
+    fault.inject(&mut cell).await;
+    feature.let_go(&cell, during).await;
+
+    let stored = observe::wait_answered(
+        &cell.client,
+        &conversations,
+        |reply| feature.answered(reply),
+        || cell.logs(),
+    )
+    .await;
+    observe::assert_one_body_per_generation(&cell.observed, &conversations, &stored);
+    observe::assert_no_letter_for_a_response(&cell.js, &conversations, &stored).await;
+    feature.works_again(&cell).await;
+    if fault.limits_hold() {
+        feature.assert_limits(&cell);
+    }
+    println!(
+        "{fault:?} × {feature:?}: {} conversations answered once (within {ANSWERED:?}), at most {} at the upstream at once",
+        conversations.len(),
+        cell.upstream.max_concurrent()
+    );
+}
 
 /// One `#[ignore]`d test per cell, named `<fault>_<feature>`.
 macro_rules! cells {
@@ -27,7 +61,7 @@ macro_rules! cells {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             #[ignore = "the fault matrix: `just test-faults` runs it"]
             async fn $name() {
-                cell::run(Fault::$fault, Feature::$feature).await;
+                run(Fault::$fault, Feature::$feature).await;
             }
         )*
     };
