@@ -117,7 +117,7 @@ impl Lease {
         };
         let value = bytes::Bytes::from(self.holder.clone());
         let written = match self.bucket.store().await {
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err((false, e.to_string())),
             Ok(store) => {
                 let written =
                     match write {
@@ -144,11 +144,19 @@ impl Lease {
                     // Not another holder's write: the bucket may be gone.
                     self.bucket.reopen().await;
                 }
-                written.map_err(|(_, e)| e)
+                written
             }
         };
         let renewal = Renewal::of(self.revision.is_some(), written.is_ok());
         match (renewal, written) {
+            // The server did not answer (an outage, a leader election): the key may still
+            // be at this instance's revision, so the next round renews at it. Dropping
+            // it would leave the key, still this instance's, to block every instance's
+            // take until its TTL ends, and the pools ownerless that long.
+            (Renewal::Lost, Err((false, e))) => {
+                warn!(error = %e, ?purpose, "could not renew the lease of the pool consumers' settings; renewing at its revision next round");
+                return false;
+            }
             (_, Ok(revision)) => {
                 if renewal == Renewal::Took {
                     info!(
@@ -158,11 +166,11 @@ impl Lease {
                 }
                 self.revision = Some(revision);
             }
-            (Renewal::Lost, Err(e)) => {
+            (Renewal::Lost, Err((_, e))) => {
                 warn!(error = %e, ?purpose, "lost the lease of the pool consumers' settings");
                 self.revision = None;
             }
-            (_, Err(e)) => {
+            (_, Err((_, e))) => {
                 debug!(error = %e, "the lease of the pool consumers' settings is held elsewhere");
                 self.revision = None;
             }
