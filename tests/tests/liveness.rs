@@ -398,14 +398,25 @@ async fn a_message_waiting_for_a_permit_is_kept_not_redelivered() {
     // At least one message beyond the one attempted is delivered and waits for the
     // permit (a pull may bring both others at once). ANSWER, not a tighter bound: a
     // loaded machine once took over 10 s to get here (starting the service, three
-    // submits, the first delivery), which says nothing about what is tested.
+    // submits, the first delivery), which says nothing about what is tested. The
+    // owner's round (every 5 s) brings the consumer back in line with the configured
+    // limit, so the raise is made again whenever it finds it undone before then.
     wait_until(
         ANSWER,
         "a message delivered while the permit is taken",
         || async {
-            pool_consumer(&h.js, "default")
-                .await
-                .is_some_and(|i| i.num_ack_pending >= 2)
+            let Some(info) = pool_consumer(&h.js, "default").await else {
+                return false;
+            };
+            if info.num_ack_pending >= 2 {
+                return true;
+            }
+            if info.config.max_ack_pending < 3 {
+                let mut raised = info.config.clone();
+                raised.max_ack_pending = 3;
+                let _ = stream.update_consumer(raised).await;
+            }
+            false
         },
     )
     .await;
