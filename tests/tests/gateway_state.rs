@@ -272,3 +272,54 @@ async fn the_gateways_existing_buckets_are_brought_to_their_declared_bound() {
         assert!(info.config.max_bytes > 0, "{stream} has no bound");
     }
 }
+
+/// How long the gateway takes to show its buckets' use: it reads them every 5 s, plus
+/// a margin for a loaded machine.
+const BUCKET_USE_SHOWN: Duration = Duration::from_secs(15);
+
+/// Point 1, "When full", for the gateway's buckets: the gateway exports their use
+/// (`webproxy_state_bucket_used_ratio{bucket="gateway_key"}`) and turns `/readyz` 503,
+/// naming the bucket, from 90 % of its bound, before a full bucket refuses the key's
+/// rotation; back to 200 once it falls below 85 %. The key bucket (1 MiB) is filled by
+/// hand under keys the gateway never reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nearly_full_gateway_bucket_is_gauged_and_turns_the_gateway_not_ready() {
+    let scene = Scene::start().await;
+    let ratio = r#"webproxy_state_bucket_used_ratio{bucket="gateway_key"}"#;
+    webproxy_tests::wait_until(BUCKET_USE_SHOWN, "the key bucket's use, low", || async {
+        scene.gateway.metric(ratio).await.is_some_and(|r| r < 0.1)
+    })
+    .await;
+    let mut stream = scene
+        .js
+        .get_stream(KEY_STREAM)
+        .await
+        .expect("the key bucket");
+    let bound = stream.info().await.expect("its info").config.max_bytes;
+    let fill = usize::try_from(bound).expect("a bound") / 100 * 95;
+    let pieces = fill.div_ceil(256 * 1024);
+    let kv = scene
+        .js
+        .get_key_value(KEY_BUCKET)
+        .await
+        .expect("the key bucket");
+    for n in 0..pieces {
+        kv.put(format!("filler.{n}"), vec![b'x'; fill / pieces].into())
+            .await
+            .expect("a filler value");
+    }
+    let body = scene
+        .gateway
+        .not_ready_naming(BUCKET_USE_SHOWN, KEY_BUCKET)
+        .await;
+    assert!(body.contains("% full"), "{body}");
+    let used = scene.gateway.metric(ratio).await.expect("the ratio gauge");
+    assert!((0.9..1.0).contains(&used), "the gauge reads {used}");
+
+    stream
+        .purge()
+        .filter(format!("$KV.{KEY_BUCKET}.filler.>"))
+        .await
+        .expect("purge the filler");
+    scene.gateway.wait_ready(BUCKET_USE_SHOWN).await;
+}

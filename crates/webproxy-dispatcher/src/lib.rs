@@ -50,8 +50,8 @@ pub use response_rules::{AppliedResponseRules, ResponseRuleConfig, ResponseRules
 pub use retry::RetryPolicy;
 pub use rules::{RequestRuleConfig, RuleAction};
 pub use runtime::{
-    AckWaitPacing, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, check_server,
-    connect, test_hook,
+    AckWaitPacing, BucketUseSink, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError,
+    check_server, connect, follow_bucket_use, test_hook,
 };
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};

@@ -9,11 +9,13 @@ use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use webproxy_protocol::Subjects;
+
 use super::GAUGE_REFRESH;
-use crate::config::Settings;
+use crate::config::StreamsConfig;
 use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::state::{Bucket, StateBucket};
+use crate::state::{Bucket, BucketUse, StateBucket};
 
 /// The buckets `serve` uses whatever its configuration source. The configuration
 /// bucket is added in kv mode (`Dispatcher::gauge_bucket`); the gateway's buckets are
@@ -41,25 +43,49 @@ fn stuck_key(bucket: Bucket) -> String {
     format!("full.{}", bucket.label())
 }
 
-/// Reads the use of each of `buckets` every [`GAUGE_REFRESH`] until `shutdown`. A
-/// bucket the server confirms gone holds nothing: its gauges read 0 and it is not
-/// full, and one that may be made again is made again then, so that a bucket lost
-/// while nothing uses it (a progress bucket between parks, which `dead replay` and
-/// `pools` need) is back within one interval. A reading that fails otherwise (the
-/// API down or slow) changes nothing: the gauges and the readiness keep the last
-/// reading, since a full bucket is no less full for being unreadable.
-pub(super) async fn follow(
+/// Where a process puts what it reads of its buckets' use: its gauges, and its
+/// readiness while a bucket is nearly full (`reason` names it; `None` ends that).
+pub trait BucketUseSink: Send + Sync {
+    fn set_use(&self, bucket: Bucket, used: Option<BucketUse>);
+    fn set_nearly_full(&self, bucket: Bucket, reason: Option<String>);
+}
+
+/// `serve`'s sink: the dispatcher's gauges and `/readyz`.
+pub(super) struct Served {
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) health: Arc<Health>,
+}
+
+impl BucketUseSink for Served {
+    fn set_use(&self, bucket: Bucket, used: Option<BucketUse>) {
+        self.metrics.set_state_bucket_use(bucket.label(), used);
+    }
+
+    fn set_nearly_full(&self, bucket: Bucket, reason: Option<String>) {
+        self.health.set_stuck(&stuck_key(bucket), reason);
+    }
+}
+
+/// Reads the use of each of `buckets` (declared under `subjects` and `streams`) every
+/// [`GAUGE_REFRESH`] until `shutdown`, into `sink`. A bucket the server confirms gone
+/// holds nothing: its gauges read 0 and it is not full, and one that may be made again
+/// is made again then, so that a bucket lost while nothing uses it (a progress bucket
+/// between parks, which `dead replay` and `pools` need) is back within one interval.
+/// A reading that fails otherwise (the API down or slow) changes nothing: the gauges
+/// and the readiness keep the last reading, since a full bucket is no less full for
+/// being unreadable. `serve` reads its buckets, `gateway` its own two.
+pub async fn follow_bucket_use(
     js: jetstream::Context,
-    settings: &Settings,
+    subjects: &Subjects,
+    streams: &StreamsConfig,
     buckets: &[Bucket],
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
+    sink: &impl BucketUseSink,
     shutdown: CancellationToken,
 ) {
     let mut watched: Vec<(Bucket, StateBucket, bool)> = buckets
         .iter()
         .map(|&bucket| {
-            let spec = bucket.spec(&settings.subjects, &settings.streams);
+            let spec = bucket.spec(subjects, streams);
             (bucket, StateBucket::new(js.clone(), spec), false)
         })
         .collect();
@@ -78,7 +104,7 @@ pub(super) async fn follow(
                     continue;
                 }
             };
-            metrics.set_state_bucket_use(bucket.label(), used);
+            sink.set_use(*bucket, used);
             if used.is_none() && handle.spec().recreate {
                 make_again(handle).await;
             }
@@ -89,11 +115,11 @@ pub(super) async fn follow(
                     if !*was_full {
                         warn!("{reason}");
                     }
-                    health.set_stuck(&stuck_key(*bucket), Some(reason));
+                    sink.set_nearly_full(*bucket, Some(reason));
                 }
                 (_, false) if *was_full => {
                     info!(bucket = name, "the bucket is no longer nearly full");
-                    health.set_stuck(&stuck_key(*bucket), None);
+                    sink.set_nearly_full(*bucket, None);
                 }
                 _ => {}
             }

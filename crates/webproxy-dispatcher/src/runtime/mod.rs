@@ -6,6 +6,7 @@
 
 mod breaker;
 mod bucket_use;
+pub use bucket_use::{BucketUseSink, follow_bucket_use};
 mod conversation;
 mod delivery;
 mod flow;
@@ -248,12 +249,16 @@ impl Dispatcher {
                 }
             }
         }
-        let bucket_use = bucket_use::follow(
+        let served = bucket_use::Served {
+            metrics: running.outlet.metrics.clone(),
+            health: health.clone(),
+        };
+        let bucket_use = bucket_use::follow_bucket_use(
             running.outlet.js.clone(),
-            &running.settings,
+            &running.settings.subjects,
+            &running.settings.streams,
             &self.buckets,
-            running.outlet.metrics.clone(),
-            health.clone(),
+            &served,
             shutdown.clone(),
         );
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());

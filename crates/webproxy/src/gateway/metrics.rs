@@ -3,7 +3,7 @@
 //! closed sets (outcomes and the gateway's own codes), never from URLs or ids.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use webproxy_dispatcher::{Bucket, BucketUse, BucketUseSink};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -24,6 +25,11 @@ struct RequestLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BucketLabels {
+    bucket: &'static str,
 }
 
 /// Waits from 1 ms to about 65 s: `wait` is 30 s by default.
@@ -45,6 +51,8 @@ struct Inner {
     waiting: Gauge,
     refused_connections: Counter,
     nats_connected: Gauge,
+    state_bucket_bytes: Family<BucketLabels, Gauge>,
+    state_bucket_used_ratio: Family<BucketLabels, Gauge<f64, AtomicU64>>,
     /// Started: connected once, with the records bucket open.
     ready: AtomicBool,
     /// What else keeps the gateway not ready (its key lost), by what: one line each
@@ -90,6 +98,19 @@ impl Telemetry {
             "1 while the gateway is connected to NATS",
             nats_connected.clone(),
         );
+        // The same series `serve` exports for its buckets, for the gateway's two.
+        let state_bucket_bytes = Family::<BucketLabels, Gauge>::default();
+        registry.register(
+            "webproxy_state_bucket_bytes",
+            "Bytes held by each of the gateway's state buckets",
+            state_bucket_bytes.clone(),
+        );
+        let state_bucket_used_ratio = Family::<BucketLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "webproxy_state_bucket_used_ratio",
+            "Each of the gateway's state buckets' bytes over its max_bytes; from 0.9 the gateway is not ready",
+            state_bucket_used_ratio.clone(),
+        );
         Telemetry {
             inner: Arc::new(Inner {
                 registry,
@@ -98,6 +119,8 @@ impl Telemetry {
                 waiting,
                 refused_connections,
                 nats_connected,
+                state_bucket_bytes,
+                state_bucket_used_ratio,
                 ready: AtomicBool::new(false),
                 stuck: Mutex::new(BTreeMap::new()),
             }),
@@ -152,6 +175,27 @@ impl Telemetry {
             Some(reason) => stuck.insert(what, reason),
             None => stuck.remove(what),
         };
+    }
+}
+
+impl BucketUseSink for Telemetry {
+    fn set_use(&self, bucket: Bucket, used: Option<BucketUse>) {
+        let labels = BucketLabels {
+            bucket: bucket.label(),
+        };
+        let (bytes, ratio) = used.map_or((0, 0.0), |used| (used.bytes, used.ratio()));
+        self.inner
+            .state_bucket_bytes
+            .get_or_create(&labels)
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.inner
+            .state_bucket_used_ratio
+            .get_or_create(&labels)
+            .set(ratio);
+    }
+
+    fn set_nearly_full(&self, bucket: Bucket, reason: Option<String>) {
+        self.set_stuck(bucket.label(), reason);
     }
 }
 

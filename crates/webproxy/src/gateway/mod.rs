@@ -21,7 +21,7 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use webproxy_dispatcher::{Instruments, Redactor};
+use webproxy_dispatcher::{Bucket, Instruments, Redactor, follow_bucket_use};
 
 use crate::config::Settings;
 use crate::gateway_config::RESERVED_PATH;
@@ -140,6 +140,14 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     let js = jetstream::new(nats.clone());
     let subjects = &settings.dispatcher.subjects;
     let streams = &settings.config.streams;
+    tokio::spawn({
+        let (js, subjects, streams) = (js.clone(), subjects.clone(), streams.clone());
+        let (telemetry, shutdown) = (telemetry.clone(), shutdown.clone());
+        async move {
+            let buckets = [Bucket::Gateway, Bucket::GatewayKey];
+            follow_bucket_use(js, &subjects, &streams, &buckets, &telemetry, shutdown).await;
+        }
+    });
     let records = store::Records::new(&js, subjects, streams);
     // A configured key is the operator's; otherwise the bucket's, followed while the
     // gateway runs.
