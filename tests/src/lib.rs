@@ -16,6 +16,7 @@ pub mod authorized;
 pub mod caller;
 mod cluster;
 pub mod pools;
+pub mod rate;
 mod relay;
 mod secret_volume;
 mod tls;

@@ -14,6 +14,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use webproxy_client::Client;
 use webproxy_tests::caller::{envelope, path_rule, to};
+use webproxy_tests::rate::busiest_window;
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, default_routes};
 
@@ -79,20 +80,6 @@ async fn statuses(calls: Vec<tokio::task::JoinHandle<u16>>) -> Vec<u16> {
 async fn batch(client: &Client, upstream: &Upstream, path: &str, count: usize) -> Vec<u16> {
     let url = upstream.url(path);
     statuses((0..count).map(|_| spawn_request(client, &url)).collect()).await
-}
-
-/// The most of `times` in any window of `width` starting at one of them.
-fn busiest_window(times: &[Duration], width: Duration) -> usize {
-    times
-        .iter()
-        .map(|start| {
-            times
-                .iter()
-                .filter(|t| **t >= *start && **t < *start + width)
-                .count()
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// The header the service's `stamp-attempts` test hook puts on every attempt: when it

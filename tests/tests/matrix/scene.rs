@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use webproxy_client::Submitted;
 use webproxy_protocol::Outcome;
+use webproxy_tests::rate::busiest_window;
 use webproxy_tests::{run_webproxy, wait_for, wait_until};
 
 use crate::cell::Cell;
@@ -335,18 +336,4 @@ async fn replays_once(cell: &Cell) {
             .await;
         assert!(all.contains("0 replayed"), "{all}");
     }
-}
-
-/// The most of `times` in any window of `width` starting at one of them.
-fn busiest_window(times: &[Instant], width: Duration) -> usize {
-    times
-        .iter()
-        .map(|start| {
-            times
-                .iter()
-                .filter(|t| **t >= *start && **t < *start + width)
-                .count()
-        })
-        .max()
-        .unwrap_or(0)
 }
