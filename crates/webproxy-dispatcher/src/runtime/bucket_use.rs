@@ -68,9 +68,10 @@ impl BucketUseSink for Served {
 
 /// Reads the use of each of `buckets` (declared under `subjects` and `streams`) every
 /// [`GAUGE_REFRESH`] until `shutdown`, into `sink`. A bucket the server confirms gone
-/// holds nothing: its gauges read 0 and it is not full, and one that may be made again
-/// is made again then, so that a bucket lost while nothing uses it (a progress bucket
-/// between parks, which `dead replay` and `pools` need) is back within one interval.
+/// holds nothing: its gauges read 0 and it is not full, and one that was there before
+/// and may be made again is made again then, so that a bucket lost while nothing uses
+/// it (a progress bucket between parks, which `dead replay` and `pools` need) is back
+/// within one interval.
 /// A reading that fails otherwise (the API down or slow) changes nothing: the gauges
 /// and the readiness keep the last reading, since a full bucket is no less full for
 /// being unreadable. `serve` reads its buckets, `gateway` its own two.
@@ -82,11 +83,14 @@ pub async fn follow_bucket_use(
     sink: &impl BucketUseSink,
     shutdown: CancellationToken,
 ) {
-    let mut watched: Vec<(Bucket, StateBucket, bool)> = buckets
+    // Each bucket, whether it was nearly full at the last reading, and whether a
+    // reading ever found it: only a bucket that was there is made again, so that one
+    // no feature has made yet (a rate bucket with no rate configured) stays unmade.
+    let mut watched: Vec<(Bucket, StateBucket, bool, bool)> = buckets
         .iter()
         .map(|&bucket| {
             let spec = bucket.spec(subjects, streams);
-            (bucket, StateBucket::new(js.clone(), spec), false)
+            (bucket, StateBucket::new(js.clone(), spec), false, false)
         })
         .collect();
     let mut interval = tokio::time::interval(GAUGE_REFRESH);
@@ -95,7 +99,7 @@ pub async fn follow_bucket_use(
             _ = interval.tick() => {}
             _ = shutdown.cancelled() => return,
         }
-        for (bucket, handle, was_full) in &mut watched {
+        for (bucket, handle, was_full, was_there) in &mut watched {
             let name = &handle.spec().name;
             let used = match handle.usage().await {
                 Ok(used) => used,
@@ -105,7 +109,9 @@ pub async fn follow_bucket_use(
                 }
             };
             sink.set_use(*bucket, used);
-            if used.is_none() && handle.spec().recreate {
+            if used.is_some() {
+                *was_there = true;
+            } else if *was_there && handle.spec().recreate {
                 make_again(handle).await;
             }
             let full = used.is_some_and(|used| used.nearly_full(*was_full));
