@@ -376,8 +376,9 @@ impl Watch {
     /// Waits until `deadline` for the final reply of the conversation `origin` with
     /// envelope id `id`: the first live reply whose `Webproxy-Origin` is `origin`, or
     /// its stored reply, read first when `stored_first` (a duplicate publish, or a
-    /// conversation published earlier), after a reconnect, and when the wait runs
-    /// out. `None` when none came and none is stored. A watch on a `reply_to` reads
+    /// conversation published earlier) and after a reconnect (each until a lookup
+    /// succeeds: one that fails does not end the wait), and when the wait runs out.
+    /// `None` when none came and none is stored. A watch on a `reply_to` reads
     /// no stored reply: `None` when no live one came.
     pub async fn answer(
         mut self,
@@ -388,12 +389,9 @@ impl Watch {
     ) -> Result<Option<Reply>, Error> {
         let client = &self.client;
         let lookups = self.lookups;
-        if lookups
-            && stored_first
-            && let Some(reply) = client.reply(id, origin).await?
-        {
-            return Ok(Some(reply));
-        }
+        // Whether a stored reply may be there that no lookup has found yet: one read
+        // first, or one published while the subscription was down.
+        let mut unread = lookups && stored_first;
         let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
         loop {
             tokio::select! {
@@ -410,10 +408,19 @@ impl Watch {
                     let now = self.statistics.connects.load(Ordering::Relaxed);
                     // Resubscribing is part of reconnecting, so a reply published after
                     // this lookup reaches the subscription.
-                    if lookups && now != self.seen_connects {
-                        self.seen_connects = now;
-                        if let Some(reply) = client.reply(id, origin).await? {
-                            return Ok(Some(reply));
+                    if lookups && (unread || now != self.seen_connects) {
+                        match client.reply(id, origin).await {
+                            Ok(Some(reply)) => return Ok(Some(reply)),
+                            Ok(None) => {
+                                self.seen_connects = now;
+                                unread = false;
+                            }
+                            // The server may not answer for a while (a stream leader
+                            // being elected, a reconnect): that says nothing about the
+                            // reply, so the wait goes on and the lookup is made again
+                            // at the next check. Only the last lookup's failure, when
+                            // the wait runs out, is the caller's.
+                            Err(_) => unread = true,
                         }
                     }
                 }

@@ -26,7 +26,13 @@ impl Gateway {
 
     /// Like [`Gateway::start`] with explicit options (environment variables).
     pub async fn start_with(nats: &NatsServer, config: &str, options: ServiceOptions) -> Gateway {
-        let gateway = Self::spawn(&nats.url(), config, options);
+        Self::start_with_url(&nats.url(), config, options).await
+    }
+
+    /// Like [`Gateway::start_with`] with an explicit NATS URL (e.g. a cluster seed
+    /// list).
+    pub async fn start_with_url(nats_url: &str, config: &str, options: ServiceOptions) -> Gateway {
+        let gateway = Self::spawn(nats_url, config, options);
         gateway.process.wait_ready(READY_TIMEOUT).await;
         gateway
     }

@@ -1,23 +1,36 @@
 //! One cell of the matrix: the world a fault needs (one nats-server or a cluster of
-//! three, two `webproxy serve` instances in `kv` mode, an upstream, a caller), and the
-//! caller's side of it.
+//! three, two `webproxy serve` instances in `kv` mode, an upstream, a caller, and for
+//! the gateway column a `webproxy gateway`), and the caller's side of it.
 
 use std::time::Duration;
 
 use async_nats::jetstream;
 use webproxy_client::{Client, Request, Submitted};
-use webproxy_protocol::RequestEnvelope;
+use webproxy_protocol::{Origin, RequestEnvelope};
 use webproxy_tests::caller::envelope;
 use webproxy_tests::pools::kv_config;
-use webproxy_tests::{NatsCluster, NatsServer, Service, run_webproxy};
+use webproxy_tests::{
+    Gateway, NatsCluster, NatsServer, Service, ServiceOptions, http_client, run_webproxy,
+};
 
 use crate::fault::Fault;
-use crate::feature::{ACK_WAIT, Feature};
+use crate::feature::{ACK_WAIT, Feature, POOL};
 use crate::observe::{ANSWERED, Observed, REPLY_TO};
 use crate::upstream::MatrixUpstream;
 
 /// How long a request may wait for its answer in all: far beyond [`ANSWERED`].
 const REQUEST_WAIT: Duration = Duration::from_secs(180);
+
+/// How long the gateway holds a request for its reply before it answers 202: longer
+/// than any fault and its recovery, so a request held through the fault is answered
+/// with its reply.
+const GATEWAY_WAIT: Duration = Duration::from_secs(60);
+
+/// The gateway's route to the cell's upstream, in pool [`POOL`].
+const GATEWAY_ROUTE: &str = "/m";
+
+/// The gateway's records bucket: each keyed id's route, token identity and origin.
+const GATEWAY_RECORDS: &str = "WEBPROXY_GATEWAY";
 
 /// The nats-servers of a cell.
 pub enum Nats {
@@ -53,6 +66,8 @@ pub struct Cell {
     pub nats: Nats,
     pub upstream: MatrixUpstream,
     pub services: Vec<Service>,
+    /// [`Feature::Gateway`]'s gateway, routing [`GATEWAY_ROUTE`] to pool [`POOL`].
+    pub gateway: Option<Gateway>,
     pub client: Client,
     pub js: jetstream::Context,
     pub observed: Observed,
@@ -76,6 +91,22 @@ impl Cell {
             kv_config(&feature.document(&upstream, ACK_WAIT, 0))
         );
         let services = Service::start_each(&nats.urls(), &config, fault.instance_options()).await;
+        let gateway = match feature {
+            // Its buckets as replicated as the service's: `[streams]` after its routes.
+            Feature::Gateway => Some(
+                Gateway::start_with_url(
+                    &nats.urls(),
+                    &format!(
+                        "wait = \"{}s\"\n\n[[gateway.routes]]\npath = \"{GATEWAY_ROUTE}\"\nupstream = \"{}\"\npool = \"{POOL}\"\n\n{process}",
+                        GATEWAY_WAIT.as_secs(),
+                        upstream.url("/")
+                    ),
+                    ServiceOptions::default(),
+                )
+                .await,
+            ),
+            _ => None,
+        };
         let nats_client = nats.client().await;
         let observed = Observed::subscribe(&nats_client).await;
         Cell {
@@ -86,6 +117,7 @@ impl Cell {
             nats,
             upstream,
             services,
+            gateway,
             observed,
         }
     }
@@ -152,12 +184,63 @@ impl Cell {
         self.webproxy_ok(&["config", "push", &path, "--wait"]).await;
     }
 
-    /// Every instance's log, for a failure's message.
+    /// A request through the gateway to `path` on the upstream with
+    /// `Idempotency-Key: <key>`, with `Prefer: respond-async` when `async_` (a 202 once
+    /// its id is recorded); `None` when the gateway cannot be reached.
+    pub async fn keyed(&self, key: &str, path: &str, async_: bool) -> Option<reqwest::Response> {
+        self.keyed_request(key, path, async_).send().await.ok()
+    }
+
+    /// The request [`Cell::keyed`] sends.
+    pub fn keyed_request(&self, key: &str, path: &str, async_: bool) -> reqwest::RequestBuilder {
+        let gateway = self.gateway.as_ref().expect("a gateway cell");
+        let request = http_client()
+            .get(gateway.url(&format!("{GATEWAY_ROUTE}{path}")))
+            .header("Idempotency-Key", key)
+            // The gateway answers within its wait: more is a hung gateway.
+            .timeout(GATEWAY_WAIT + Duration::from_secs(30));
+        if async_ {
+            request.header("Prefer", "respond-async")
+        } else {
+            request
+        }
+    }
+
+    /// `GET /_webproxy/replies/<id>`: the reply of a gateway id as the gateway's API
+    /// gives it.
+    pub async fn gateway_reply(&self, id: &str) -> Option<reqwest::Response> {
+        let gateway = self.gateway.as_ref().expect("a gateway cell");
+        http_client()
+            .get(gateway.url(&format!("/_webproxy/replies/{id}")))
+            .send()
+            .await
+            .ok()
+    }
+
+    /// The conversation the gateway recorded for `id`; `None` while there is no record
+    /// or the bucket cannot be read.
+    pub async fn gateway_record(&self, id: &str) -> Option<Submitted> {
+        let records = self.js.get_key_value(GATEWAY_RECORDS).await.ok()?;
+        let value = records.get(id).await.ok()??;
+        let record: serde_json::Value = serde_json::from_slice(&value).ok()?;
+        let origin: Origin = record["origin"].as_str()?.parse().ok()?;
+        Some(Submitted {
+            id: id.to_string(),
+            origin,
+        })
+    }
+
+    /// Every instance's log (and the gateway's), for a failure's message.
     pub fn logs(&self) -> String {
         self.services
             .iter()
             .enumerate()
             .map(|(i, s)| format!("--- instance {i} ---\n{}", s.logs()))
+            .chain(
+                self.gateway
+                    .iter()
+                    .map(|g| format!("--- gateway ---\n{}", g.logs())),
+            )
             .collect::<Vec<_>>()
             .join("\n")
     }

@@ -30,6 +30,16 @@ pub enum Feature {
     Moved,
     Replay,
     Config,
+    /// A `webproxy gateway` in front of the pool (`Cell::gateway`). The load is keyed
+    /// HTTP requests, each recorded (a 202) and then sent again with its key and held
+    /// by the gateway through the fault. After it, each one's record must still name
+    /// its conversation: the gateway's API gives the stored reply, and a repeat with
+    /// the key gets the same id and reply with no second upstream call. The stalled
+    /// row stalls a `serve` instance, as in every column: the gateway holds no
+    /// JetStream delivery, so `ack_wait` means nothing to it, and the row's danger (a
+    /// redelivered attempt, a second body) is the service's, which the gateway must
+    /// not turn into a second answer.
+    Gateway,
 }
 
 /// The rate of [`Feature::Rate`]'s pool, per second, and its burst.
@@ -62,6 +72,7 @@ impl Feature {
             Feature::Paused => "/delay/100".into(),
             Feature::Breaker | Feature::Replay => format!("/mend/{n}"),
             Feature::Parked => format!("/flaky/{n}"),
+            Feature::Gateway => format!("/slow/{n}"),
             _ => "/delay/400".into(),
         }
     }
@@ -83,6 +94,8 @@ impl Feature {
             Feature::Paused | Feature::Adaptive => &["POOL_STATE"],
             Feature::Parked | Feature::Moved | Feature::Replay => &["PROGRESS"],
             Feature::Config => &["CONFIG"],
+            // Its key's loss is `gateway_state.rs`'s (the key is never made again).
+            Feature::Gateway => &["GATEWAY"],
         }
     }
 

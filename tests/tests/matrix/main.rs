@@ -3,8 +3,10 @@
 //! way, the fault injected, then the checks every cell makes (every conversation
 //! answered; one distinct body per generation on `reply.<id>` and the `reply_to`, equal
 //! to the stored one; no unsuperseded dead letter for a conversation answered with a
-//! response; the feature working again within its stated time; the pool's limits never
-//! exceeded). Real `webproxy serve` processes against real nats-servers.
+//! response; what the feature must still hold of them, such as the gateway's
+//! idempotency records; the feature working again within its stated time; the pool's
+//! limits never exceeded). Real `webproxy serve` (and `webproxy gateway`) processes
+//! against real nats-servers.
 //!
 //! The cells are `#[ignore]`d: `just test-faults` runs them (several at once), so `just
 //! test` does not run them twice. A cell takes 10 to 40 s: nats-servers (three for the
@@ -29,7 +31,7 @@ use observe::ANSWERED;
 pub async fn run(fault: Fault, feature: Feature) {
     let mut cell = Cell::start(fault, feature).await;
     let conversations = feature.load(&cell).await;
-    let during = feature.during(&cell);
+    let during = feature.during(&cell, &conversations).await;
     fault.inject(&mut cell).await;
     feature.let_go(&cell, during).await;
 
@@ -42,6 +44,7 @@ pub async fn run(fault: Fault, feature: Feature) {
     .await;
     observe::assert_one_body_per_generation(&cell.observed, &conversations, &stored);
     observe::assert_no_letter_for_a_response(&cell.js, &conversations, &stored).await;
+    feature.kept(&cell, &conversations, &stored).await;
     feature.works_again(&cell).await;
     if fault.limits_hold() {
         feature.assert_limits(&cell);
@@ -77,6 +80,7 @@ cells! {
     restart_moved: Restart, Moved;
     restart_replay: Restart, Replay;
     restart_config: Restart, Config;
+    restart_gateway: Restart, Gateway;
     leader_plain: Leader, Plain;
     leader_rate: Leader, Rate;
     leader_paused: Leader, Paused;
@@ -86,6 +90,7 @@ cells! {
     leader_moved: Leader, Moved;
     leader_replay: Leader, Replay;
     leader_config: Leader, Config;
+    leader_gateway: Leader, Gateway;
     deleted_plain: Deleted, Plain;
     deleted_rate: Deleted, Rate;
     deleted_paused: Deleted, Paused;
@@ -103,6 +108,7 @@ cells! {
     api_down_moved: ApiDown, Moved;
     api_down_replay: ApiDown, Replay;
     api_down_config: ApiDown, Config;
+    api_down_gateway: ApiDown, Gateway;
     stalled_plain: Stalled, Plain;
     stalled_rate: Stalled, Rate;
     stalled_paused: Stalled, Paused;
@@ -112,6 +118,7 @@ cells! {
     stalled_moved: Stalled, Moved;
     stalled_replay: Stalled, Replay;
     stalled_config: Stalled, Config;
+    stalled_gateway: Stalled, Gateway;
     pushed_plain: Pushed, Plain;
     pushed_rate: Pushed, Rate;
     pushed_paused: Pushed, Paused;
@@ -120,6 +127,7 @@ cells! {
     pushed_parked: Pushed, Parked;
     pushed_moved: Pushed, Moved;
     pushed_replay: Pushed, Replay;
+    pushed_gateway: Pushed, Gateway;
     clock_plain: Clock, Plain;
     clock_rate: Clock, Rate;
     clock_paused: Clock, Paused;
@@ -129,4 +137,5 @@ cells! {
     clock_moved: Clock, Moved;
     clock_replay: Clock, Replay;
     clock_config: Clock, Config;
+    clock_gateway: Clock, Gateway;
 }

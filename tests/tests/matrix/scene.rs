@@ -1,6 +1,10 @@
 //! What each feature does in a running cell: its load, what lets its conversations go
-//! after the fault, how it is shown to work again, and the check of its limits.
+//! after the fault, what must still hold of them (the gateway's records), how it is
+//! shown to work again, and the check of its limits.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
@@ -13,6 +17,7 @@ use crate::cell::Cell;
 use crate::fault::Fault;
 use crate::feature::{ACK_WAIT, BURST, Feature, POOL, RATE};
 use crate::observe::{ANSWERED, Stored, wait_answered};
+use crate::upstream::slow_body;
 
 /// How long a feature may take to show it works again once its conversations are
 /// answered: a fresh conversation, a breaker's open-and-close, a push. Generous for a
@@ -26,6 +31,32 @@ const WATCH_PAUSED: Duration = Duration::from_secs(3);
 /// How long `config push --wait` may take: README's 5 s for every instance to run a
 /// revision, plus the command's own start on a loaded machine.
 const PUSH_APPLIED: Duration = Duration::from_secs(15);
+
+/// What runs while the fault is injected.
+pub enum During {
+    Nothing,
+    /// [`Feature::Replay`]'s `dead replay`.
+    Replay(JoinHandle<std::process::Output>),
+    /// [`Feature::Gateway`]'s load repeated, each with its key, held by the gateway
+    /// through the fault for its reply.
+    Held(Vec<JoinHandle<Held>>),
+}
+
+/// A request of the gateway's load held through the fault: its number, the id its
+/// record names, and the gateway's answer.
+pub struct Held {
+    n: usize,
+    id: String,
+    answer: Option<Keyed>,
+}
+
+/// A gateway's answer to a keyed request: status, `Webproxy-Id` and body.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Keyed {
+    status: u16,
+    id: String,
+    body: String,
+}
 
 impl Feature {
     /// Sends the load and returns once it is where the fault should hit it.
@@ -43,7 +74,10 @@ impl Feature {
         }
         let mut conversations = Vec::new();
         for n in 0..self.count() {
-            conversations.push(cell.submit(self.sent_to(), &self.path(n)).await);
+            conversations.push(match self {
+                Feature::Gateway => recorded(cell, n).await,
+                _ => cell.submit(self.sent_to(), &self.path(n)).await,
+            });
         }
         match self {
             Feature::Paused => {}
@@ -74,18 +108,60 @@ impl Feature {
         conversations
     }
 
-    /// What runs while the fault is injected: `dead replay` for [`Feature::Replay`].
-    pub fn during(self, cell: &Cell) -> Option<JoinHandle<std::process::Output>> {
-        (self == Feature::Replay).then(|| {
-            let urls = cell.nats.urls();
-            tokio::spawn(async move {
-                run_webproxy(&["dead", "replay", "--yes", "--pool", POOL, "--nats", &urls]).await
-            })
-        })
+    /// What runs while the fault is injected: `dead replay` for [`Feature::Replay`];
+    /// for [`Feature::Gateway`], each request of the load sent again with its key and
+    /// held by the gateway, which joins it to the recorded conversation; it returns
+    /// once each is held or answered already, so that the fault comes while the
+    /// gateway holds those still going.
+    pub async fn during(self, cell: &Cell, conversations: &[Submitted]) -> During {
+        match self {
+            Feature::Replay => {
+                let urls = cell.nats.urls();
+                During::Replay(tokio::spawn(async move {
+                    run_webproxy(&["dead", "replay", "--yes", "--pool", POOL, "--nats", &urls])
+                        .await
+                }))
+            }
+            Feature::Gateway => {
+                let done = Arc::new(AtomicUsize::new(0));
+                let held = conversations
+                    .iter()
+                    .enumerate()
+                    .map(|(n, conversation)| {
+                        let request = cell.keyed_request(&key(n), &self.path(n), false);
+                        let id = conversation.id.clone();
+                        let done = done.clone();
+                        tokio::spawn(async move {
+                            let answer = match request.send().await {
+                                Ok(response) => keyed_of(response).await,
+                                Err(_) => None,
+                            };
+                            done.fetch_add(1, Ordering::SeqCst);
+                            Held { n, id, answer }
+                        })
+                    })
+                    .collect();
+                let gateway = cell.gateway.as_ref().expect("a gateway cell");
+                // A request leaves the gauge before its answer reaches the caller, so
+                // the sum counts none twice.
+                wait_until(ANSWERED, "the gateway holding the load", || async {
+                    gateway
+                        .metric("webproxy_gateway_waiting")
+                        .await
+                        .is_some_and(|waiting| {
+                            waiting + done.load(Ordering::SeqCst) as f64
+                                >= conversations.len() as f64
+                        })
+                })
+                .await;
+                During::Held(held)
+            }
+            _ => During::Nothing,
+        }
     }
 
     /// Lets the load's conversations go once the fault is over.
-    pub async fn let_go(self, cell: &Cell, during: Option<JoinHandle<std::process::Output>>) {
+    pub async fn let_go(self, cell: &Cell, during: During) {
         match self {
             Feature::Paused => {
                 // A lost POOL_STATE forgets the pause (ARCHITECTURE's cluster state).
@@ -95,8 +171,13 @@ impl Feature {
                 retry_command(cell, &["pools", "resume", POOL]).await;
             }
             Feature::Breaker => cell.upstream.mend(true),
+            Feature::Gateway => {
+                if let During::Held(held) = during {
+                    held_answers(cell, held).await;
+                }
+            }
             Feature::Replay => {
-                if let Some(during) = during {
+                if let During::Replay(during) = during {
                     let _ = during.await;
                 }
                 // A replay the fault cut short is run again, as an operator would: the
@@ -104,6 +185,53 @@ impl Feature {
                 retry_command(cell, &["dead", "replay", "--yes", "--pool", POOL]).await;
             }
             _ => {}
+        }
+    }
+
+    /// What must still hold of the load's answered conversations after the fault: for
+    /// [`Feature::Gateway`], the record of each: the gateway's API gives the stored
+    /// reply, and the request repeated with its key is answered with the same id and
+    /// reply and calls the upstream no more.
+    pub async fn kept(self, cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
+        if self != Feature::Gateway {
+            return;
+        }
+        for (n, (conversation, stored)) in conversations.iter().zip(stored).enumerate() {
+            let expected = Keyed {
+                status: 200,
+                id: conversation.id.clone(),
+                body: slow_body(&n.to_string()),
+            };
+            assert_eq!(
+                stored.json["body"].as_str(),
+                Some(expected.body.as_str()),
+                "the stored reply of request {n}"
+            );
+            let calls = cell.upstream.hits_for(&self.path(n));
+            let api = cell.gateway_reply(&conversation.id).await;
+            let api = match api {
+                Some(response) => keyed_of(response).await,
+                None => None,
+            };
+            assert_eq!(
+                api.as_ref().map(|a| (a.status, a.body.as_str())),
+                Some((200, expected.body.as_str())),
+                "/_webproxy/replies/{} after the fault\n{}",
+                conversation.id,
+                cell.logs()
+            );
+            let repeated = keyed_answer(cell, n, false).await;
+            assert_eq!(
+                repeated.as_ref(),
+                Some(&expected),
+                "request {n} repeated with its key after the fault\n{}",
+                cell.logs()
+            );
+            assert_eq!(
+                cell.upstream.hits_for(&self.path(n)),
+                calls,
+                "request {n} repeated with its key called the upstream again"
+            );
         }
     }
 
@@ -164,6 +292,40 @@ impl Feature {
                 })
                 .await;
             }
+            Feature::Gateway => {
+                let path = "/slow/again";
+                let first = wait_for(WORKS_AGAIN, "a new keyed request answered", || async {
+                    keyed(cell, "matrix-again", path, false)
+                        .await
+                        .filter(|a| a.status == 200)
+                })
+                .await;
+                assert_eq!(first.body, slow_body("again"));
+                // Read until the test's own client reads the bucket again after the
+                // fault; a record the gateway never wrote is never found.
+                let recorded = tokio::time::timeout(WORKS_AGAIN, async {
+                    loop {
+                        if cell.gateway_record(&first.id).await.is_some() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                })
+                .await;
+                assert!(
+                    recorded.is_ok(),
+                    "the new keyed request {} was not recorded\n{}",
+                    first.id,
+                    cell.logs()
+                );
+                let again = keyed(cell, "matrix-again", path, false).await;
+                assert_eq!(again.as_ref(), Some(&first), "its repeat");
+                assert_eq!(
+                    cell.upstream.hits_for(path),
+                    1,
+                    "the repeat called the upstream"
+                );
+            }
             Feature::Plain | Feature::Rate | Feature::Moved => {
                 let fresh = fresh(cell, &self.path(0)).await;
                 answered_200(cell, &[fresh]).await;
@@ -203,6 +365,78 @@ impl Feature {
             );
         }
     }
+}
+
+/// The idempotency key of the gateway load's `n`th request.
+fn key(n: usize) -> String {
+    format!("matrix-{n}")
+}
+
+/// A keyed request of `path` through the gateway: its answer, or `None` when the
+/// gateway cannot be reached or answers without an id.
+async fn keyed(cell: &Cell, key: &str, path: &str, async_: bool) -> Option<Keyed> {
+    keyed_of(cell.keyed(key, path, async_).await?).await
+}
+
+/// The gateway load's `n`th request (its key and path).
+async fn keyed_answer(cell: &Cell, n: usize, async_: bool) -> Option<Keyed> {
+    keyed(cell, &key(n), &Feature::Gateway.path(n), async_).await
+}
+
+async fn keyed_of(response: reqwest::Response) -> Option<Keyed> {
+    let status = response.status().as_u16();
+    let id = response
+        .headers()
+        .get("webproxy-id")?
+        .to_str()
+        .ok()?
+        .to_string();
+    let body = response.text().await.ok()?;
+    Some(Keyed { status, id, body })
+}
+
+/// The gateway load's `n`th request, sent with `Prefer: respond-async` until it is
+/// answered 202 (its id recorded), and the conversation its record names.
+async fn recorded(cell: &Cell, n: usize) -> Submitted {
+    let accepted = wait_for(ANSWERED, &format!("request {n} recorded"), || async {
+        keyed_answer(cell, n, true)
+            .await
+            .filter(|a| a.status == 202)
+    })
+    .await;
+    wait_for(ANSWERED, &format!("request {n}'s record"), || {
+        cell.gateway_record(&accepted.id)
+    })
+    .await
+}
+
+/// The load's requests the gateway held through the fault: each answered with its
+/// own id and its reply, or 202 if its wait ran out first (the conversation goes on).
+/// Never another conversation's id or another body, and never a 503: a lookup that
+/// fails while NATS recovers does not end a wait that has time left.
+async fn held_answers(cell: &Cell, held: Vec<JoinHandle<Held>>) {
+    let mut statuses = BTreeMap::<u16, usize>::new();
+    for task in held {
+        let Held { n, id, answer } = task.await.expect("a held request");
+        let answer = answer.unwrap_or_else(|| {
+            panic!(
+                "held request {n}: the gateway gave no answer with an id\n{}",
+                cell.logs()
+            )
+        });
+        assert_eq!(answer.id, id, "held request {n}'s id");
+        match answer.status {
+            200 => assert_eq!(answer.body, slow_body(&n.to_string()), "held request {n}"),
+            202 => {}
+            other => panic!(
+                "held request {n} answered {other}: {}\n{}",
+                answer.body,
+                cell.logs()
+            ),
+        }
+        *statuses.entry(answer.status).or_default() += 1;
+    }
+    println!("the requests held through the fault were answered {statuses:?} (status: count)");
 }
 
 /// A conversation sent after the fault, to the feature's pool.
