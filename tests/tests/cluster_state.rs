@@ -321,8 +321,10 @@ async fn a_settled_conversation_leaves_a_short_lived_marker() {
 
 /// Point 1: a lost configuration bucket is never made again, or seeded, behind the
 /// operators' back. The instance keeps its last good revision, says so, and stays
-/// ready and serving; a later `config push` makes the bucket again, and the instance
-/// runs the pushed document (revision 1 of the new bucket, below what it ran).
+/// ready and serving; an instance started meanwhile neither makes nor seeds it and
+/// waits, not ready; a later `config push` makes the bucket again, the running
+/// instance runs the pushed document (revision 1 of the new bucket, below what it ran)
+/// and the waiting one starts on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back() {
     let nats = NatsServer::start();
@@ -369,6 +371,32 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
     assert_eq!(service.readiness().await.0, 200, "{}", service.logs());
     assert_eq!(call(&client, &upstream).await, Ok(200), "after the loss");
 
+    // An instance started now (a pod restarted elsewhere) does not seed the bucket from
+    // its file either: the running instance's heartbeat says the bucket was lost, not
+    // never made. It waits, not ready, until the operator pushes.
+    let second = Service::spawn(
+        &nats.url(),
+        &webproxy_tests::pools::kv_config(&config(
+            &upstream,
+            "max_in_flight = 4
+",
+            "",
+        )),
+        webproxy_tests::ServiceOptions::default(),
+    );
+    wait_until(ANSWER, "the second instance to refuse to seed", || async {
+        second
+            .logs()
+            .contains("yet live instances run its revision 1")
+    })
+    .await;
+    assert!(
+        js.get_stream("KV_WEBPROXY_CONFIG").await.is_err(),
+        "the starting instance made the configuration bucket again\n{}",
+        second.logs()
+    );
+    assert!(!second.is_ready().await, "{}", second.logs());
+
     // The operator writes a document again: the pool's limit is now 2.
     let dir = tempfile::tempdir().expect("a directory");
     let file = dir.path().join("cluster.toml");
@@ -406,6 +434,8 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
         },
     )
     .await;
+    // The waiting instance starts on the pushed document.
+    second.wait_ready(ANSWER).await;
 }
 
 /// Point 1, "When full": every bucket is discard-new, so a full one refuses writes.

@@ -73,6 +73,12 @@ pub enum ConfigStoreError {
         bucket: String,
         expected: Option<u64>,
     },
+    /// The bucket is missing while live instances report running one of its
+    /// revisions: it was lost, not never made, and is not seeded again from a file.
+    #[error(
+        "the configuration bucket {bucket} is gone, yet live instances run its revision {revision}: it is not seeded again from this instance's file behind the operators' back; push the cluster document again (`webproxy config push`) and this instance starts on it"
+    )]
+    Lost { bucket: String, revision: u64 },
 }
 
 /// The stored value: the note line, then the document.
@@ -390,8 +396,10 @@ impl ConfigStore {
     }
 
     /// At start, in `kv` mode: the bucket's document, or `document` (with `note`) written
-    /// into an empty bucket, created if need be. Retried like provisioning; `None` when
-    /// `shutdown` is cancelled first.
+    /// into an empty bucket, created if need be. A missing bucket is neither made nor
+    /// seeded while live instances run one of its revisions (it was lost: an operator
+    /// pushes it again). Retried like provisioning; `None` when `shutdown` is cancelled
+    /// first.
     pub async fn seed_at_start(
         client: &async_nats::Client,
         settings: &Settings,
@@ -404,14 +412,47 @@ impl ConfigStore {
             "reading or seeding the configuration bucket",
             shutdown,
             || async {
-                ConfigStore::open_or_create(&js, settings)
-                    .await?
-                    .seed(note, document)
-                    .await
+                let store = match ConfigStore::open(&js, &settings.subjects).await? {
+                    Some(store) => store,
+                    None => {
+                        if let Some(revision) = revision_in_use(&js, &settings.subjects).await? {
+                            return Err(ConfigStoreError::Lost {
+                                bucket: settings.subjects.config_bucket(),
+                                revision,
+                            });
+                        }
+                        ConfigStore::open_or_create(&js, settings).await?
+                    }
+                };
+                store.seed(note, document).await
             },
         )
         .await
     }
+}
+
+/// The newest configuration revision a live instance reports running (its heartbeat
+/// in `<PREFIX>_INSTANCES`, kept 20 s), if any. With one, a missing configuration
+/// bucket was lost rather than never made. Instances in file mode report 0.
+async fn revision_in_use(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<Option<u64>, ConfigStoreError> {
+    let bucket = subjects.instances_bucket();
+    let store = match js.get_key_value(&bucket).await {
+        Ok(store) => store,
+        Err(e) if is_bucket_not_found(&e) => return Ok(None),
+        Err(e) => {
+            return Err(ConfigStoreError::Read {
+                bucket,
+                message: error_chain(&e),
+            });
+        }
+    };
+    let reports = instances::reports(&store)
+        .await
+        .map_err(|message| ConfigStoreError::Read { bucket, message })?;
+    Ok(reports.iter().map(|r| r.revision).filter(|r| *r > 0).max())
 }
 
 fn start_context(client: &async_nats::Client, settings: &Settings) -> jetstream::Context {

@@ -171,6 +171,12 @@ impl Flow {
                     .create_or_update_key_value(pool_state_bucket_config(settings))
                     .await
                     .map_err(|e| e.to_string())?;
+                // Read before the watch starts: every later write reaches the watch.
+                let written_before = store
+                    .stream
+                    .get_info()
+                    .await
+                    .map_or(0, |info| info.state.last_sequence);
                 let watch = store
                     .watch_with_history(">")
                     .await
@@ -180,9 +186,9 @@ impl Flow {
                     .status()
                     .await
                     .is_ok_and(|status| status.values() == 0);
-                Ok::<_, String>((watch, empty))
+                Ok::<_, String>((watch, empty, store, written_before))
             };
-            let (mut entries, empty) = tokio::select! {
+            let (mut entries, empty, store, written_before) = tokio::select! {
                 watched = watched => match watched {
                     Ok(watched) => watched,
                     Err(e) => {
@@ -203,9 +209,30 @@ impl Flow {
                 history = None;
                 self.set_loaded();
             }
+            // The watch is checked against the bucket now and then: after a stream
+            // leader moved, a watch was seen to go on without an error yet without the
+            // writes that followed (a resume among them, which left a pool paused here
+            // for good). One that stays behind the bucket's last write for two checks
+            // is made again.
+            let mut last_seen = written_before;
+            let mut behind_checks = 0u32;
+            let mut check =
+                tokio::time::interval_at(tokio::time::Instant::now() + WATCH_CHECK, WATCH_CHECK);
             loop {
                 let entry = tokio::select! {
                     entry = entries.next() => entry,
+                    _ = check.tick() => {
+                        let last = store.stream.get_info().await.map(|info| info.state.last_sequence);
+                        behind_checks = match last {
+                            Ok(last) if last > last_seen => behind_checks + 1,
+                            _ => 0,
+                        };
+                        if behind_checks >= 2 {
+                            warn!(bucket = self.state_bucket, last_seen, "the watch of the pools' runtime state fell behind the bucket; watching again");
+                            break;
+                        }
+                        continue;
+                    }
                     _ = shutdown.cancelled() => return,
                 };
                 let entry = match entry {
@@ -246,6 +273,7 @@ impl Flow {
                 if lifted {
                     self.note_lifted_pauses([entry.key.clone()]);
                 }
+                last_seen = last_seen.max(entry.revision);
                 if let Some(seen) = history.as_mut() {
                     seen.insert(entry.key.clone());
                 }
@@ -466,6 +494,9 @@ struct Claiming {
     last: Option<(u64, u64)>,
     known_next_us: u64,
 }
+
+/// How often the pool-state watch is checked against the bucket's last write.
+const WATCH_CHECK: Duration = Duration::from_secs(5);
 
 /// How long claims may keep failing before the pool counts as stuck (`/readyz` 503):
 /// longer than a leader election, and with the claims' backoff (at most 2 s) well

@@ -82,6 +82,15 @@ fn lease_write(revision: Option<u64>, purpose: Purpose) -> Option<LeaseWrite> {
     }
 }
 
+/// A failed renewal: whether the key had moved on (another write than the one
+/// renewed), and what failed.
+fn update_failure(e: kv::UpdateError) -> (bool, String) {
+    (
+        e.kind() == kv::UpdateErrorKind::WrongLastRevision,
+        e.to_string(),
+    )
+}
+
 /// What a write of the lease key meant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Renewal {
@@ -119,32 +128,40 @@ impl Lease {
         let written = match self.bucket.store().await {
             Err(e) => Err((false, e.to_string())),
             Ok(store) => {
-                let written =
-                    match write {
-                        LeaseWrite::Update(revision) => store
-                            .update(POOL_CONSUMERS_LEASE, value, revision)
+                let written = match write {
+                    LeaseWrite::Update(revision) => store
+                        .update(POOL_CONSUMERS_LEASE, value.clone(), revision)
+                        .await
+                        .map_err(update_failure),
+                    LeaseWrite::Create => store
+                        .create(POOL_CONSUMERS_LEASE, value.clone())
+                        .await
+                        .map_err(|e| {
+                            (
+                                e.kind() == kv::CreateErrorKind::AlreadyExists,
+                                e.to_string(),
+                            )
+                        }),
+                };
+                match written {
+                    // The key moved on, or was there: if its latest write is this
+                    // instance's own (a renewal applied whose answer was lost in an
+                    // outage), the lease is still this instance's, renewed at that
+                    // revision; otherwise another holder's.
+                    Err((true, e)) => match self.own_revision(&store).await {
+                        Some(own) => store
+                            .update(POOL_CONSUMERS_LEASE, value, own)
                             .await
-                            .map_err(|e| {
-                                (
-                                    e.kind() == kv::UpdateErrorKind::WrongLastRevision,
-                                    e.to_string(),
-                                )
-                            }),
-                        LeaseWrite::Create => store
-                            .create(POOL_CONSUMERS_LEASE, value)
-                            .await
-                            .map_err(|e| {
-                                (
-                                    e.kind() == kv::CreateErrorKind::AlreadyExists,
-                                    e.to_string(),
-                                )
-                            }),
-                    };
-                if let Err((false, _)) = &written {
-                    // Not another holder's write: the bucket may be gone.
-                    self.bucket.reopen().await;
+                            .map_err(update_failure),
+                        None => Err((true, e)),
+                    },
+                    Err((false, e)) => {
+                        // Not another holder's write: the bucket may be gone.
+                        self.bucket.reopen().await;
+                        Err((false, e))
+                    }
+                    written => written,
                 }
-                written
             }
         };
         let renewal = Renewal::of(self.revision.is_some(), written.is_ok());
@@ -176,6 +193,13 @@ impl Lease {
             }
         }
         renewal.holding()
+    }
+
+    /// The lease key's revision when its latest write is this instance's own.
+    async fn own_revision(&self, store: &kv::Store) -> Option<u64> {
+        let entry = store.entry(POOL_CONSUMERS_LEASE).await.ok().flatten()?;
+        (entry.operation == kv::Operation::Put && entry.value == self.holder.as_bytes())
+            .then_some(entry.revision)
     }
 
     /// Ends the lease at once, so another instance takes it on its next round.
