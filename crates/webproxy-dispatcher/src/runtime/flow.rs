@@ -132,7 +132,7 @@ impl Flow {
     /// lease holder to lift from their consumers: a pause ended by a writer that may
     /// not have lifted it (a bucket lost and made again, a `pools resume` the owner's
     /// round overtook with the state it had before).
-    fn note_lifted_pauses(&self, pools: impl IntoIterator<Item = String>) {
+    pub(super) fn note_lifted_pauses(&self, pools: impl IntoIterator<Item = String>) {
         self.forgotten_pauses
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

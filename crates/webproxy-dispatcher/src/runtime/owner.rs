@@ -383,16 +383,23 @@ async fn bring_in_line(
     // the API by hand stays); one that left the state before its end it lifts, since
     // the writer that ended it may not have (a lost bucket) or its own round may have
     // written it again from the state it had before.
+    // Like every consumer write, made only while the lease is still this instance's;
+    // a lift that cannot be made is noted again for the next round.
     if paused_until.is_none()
         && current.pause_until.is_some()
         && shared.flow.take_forgotten_pause(pool)
     {
+        if !lease.hold(Purpose::BeforeWrite).await {
+            shared.flow.note_lifted_pauses([pool.to_string()]);
+            return false;
+        }
         match shared.outlet.lift_pause(pool).await {
             Ok(()) => info!(
                 pool,
                 "lifted the consumer pause that the pool state no longer holds"
             ),
             Err(e) => {
+                shared.flow.note_lifted_pauses([pool.to_string()]);
                 warn!(pool, error = %e, "cannot lift the consumer pause that the pool state no longer holds")
             }
         }
