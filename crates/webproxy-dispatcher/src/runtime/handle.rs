@@ -328,6 +328,11 @@ fn with_last_failure(mut error: ErrorBody, last: Option<&AttemptRecord>) -> Erro
     error
 }
 
+const STALE_BEFORE_ATTEMPT: &str =
+    "no confirmed progress within the ack wait before the attempt: not attempted";
+const STALE_DURING_ATTEMPT: &str =
+    "no confirmed progress within the ack wait during the attempt: the call was given up";
+
 /// Makes the attempt and turns its verdict into an ending: the reply, or a park.
 async fn attempt_and_judge<'a>(
     shared: &'a Shared,
@@ -336,7 +341,24 @@ async fn attempt_and_judge<'a>(
     conversation: &mut Conversation<'a>,
     probe: bool,
 ) -> Ending {
-    let (outcome, record) = Box::pin(attempt(shared, request, rule, conversation)).await;
+    // Only the server's current delivery calls the upstream: a stale one's message may
+    // already run in another handler, in the slot this one held. The margin between
+    // stale and the server's redelivery is what lets a call given up here end first.
+    let liveness = conversation.liveness;
+    if !liveness.is_current() {
+        return Ending::Leave {
+            reason: STALE_BEFORE_ATTEMPT.into(),
+        };
+    }
+    let attempted = tokio::select! {
+        attempted = Box::pin(attempt(shared, request, rule, conversation)) => Some(attempted),
+        () = liveness.stale() => None,
+    };
+    let Some((outcome, record)) = attempted else {
+        return Ending::Leave {
+            reason: STALE_DURING_ATTEMPT.into(),
+        };
+    };
     // Counted only when it reached the upstream, and only when its outcome is the
     // upstream's (`crate::breaker::evidence`). A probe that was not leaves the breaker
     // half-open for the next attempt: one under a rule with an origin then decides.

@@ -13,7 +13,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
 
@@ -62,6 +62,9 @@ pub(super) struct Liveness {
     /// The `ack_wait` of the revision the delivery arrived under.
     arrived_under: Duration,
     state: Mutex<State>,
+    /// Wakes [`Liveness::stale`] when a shorter `ack_wait` brings the limit forward;
+    /// confirmations only ever move it later.
+    repaced: Notify,
 }
 
 impl Liveness {
@@ -81,6 +84,7 @@ impl Liveness {
                 stale: false,
                 policy: LivenessPolicy::for_ack_wait(pacing),
             }),
+            repaced: Notify::new(),
         }
     }
 
@@ -102,6 +106,32 @@ impl Liveness {
 
     pub(super) fn is_current(&self) -> bool {
         self.is_current_at(Instant::now())
+    }
+
+    /// Resolves once the delivery is stale: what an attempt is raced against, so that
+    /// no call runs on for a message the server may already have handed to another
+    /// handler (which would put one call more at the upstream than the pool allows).
+    pub(super) async fn stale(&self) {
+        loop {
+            let repaced = self.repaced.notified();
+            tokio::pin!(repaced);
+            // Registered before the limit is read: a repace in between still wakes it.
+            repaced.as_mut().enable();
+            let until = {
+                let state = self.state();
+                if state.stale {
+                    return;
+                }
+                state.last + state.policy.limit
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => {}
+                () = repaced => {}
+            }
+            if !self.is_current() {
+                return;
+            }
+        }
     }
 
     /// A progress ack sent at `sent` was confirmed: the next interval starts there,
@@ -137,6 +167,8 @@ impl Liveness {
             state.last = state.last.max(at);
         }
         state.policy = policy;
+        drop(state);
+        self.repaced.notify_waiters();
         Some(policy.period)
     }
 
@@ -295,6 +327,48 @@ mod tests {
         let late = t0 + Duration::from_secs(25);
         assert_eq!(liveness.repace(Duration::from_secs(2), late), None);
         assert!(!liveness.is_current_at(late));
+    }
+
+    /// Whether `stale` resolves within `within` (paused time: it advances as needed).
+    async fn stale_within(
+        stale: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        within: Duration,
+    ) -> bool {
+        tokio::time::timeout(within, stale.as_mut()).await.is_ok()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stale_resolves_at_the_limit_confirmations_push_back() {
+        let t0 = Instant::now();
+        let liveness = Liveness::new(ACK_WAIT, t0);
+        let stale = liveness.stale();
+        tokio::pin!(stale);
+        assert!(!stale_within(&mut stale, Duration::from_secs(11)).await);
+        liveness.confirmed(t0 + Duration::from_secs(10));
+        assert!(!stale_within(&mut stale, Duration::from_millis(10_900)).await);
+        assert!(
+            stale_within(&mut stale, Duration::from_millis(200)).await,
+            "12 s after the last confirmed send"
+        );
+        assert!(!liveness.is_current());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stale_comes_sooner_when_a_shorter_ack_wait_is_paced_from() {
+        let liveness = Liveness::new(Duration::from_secs(30), Instant::now());
+        let stale = liveness.stale();
+        tokio::pin!(stale);
+        assert!(!stale_within(&mut stale, Duration::from_secs(1)).await);
+        assert!(
+            liveness
+                .repace(Duration::from_secs(2), Instant::now())
+                .is_some()
+        );
+        assert!(!stale_within(&mut stale, Duration::from_millis(1_500)).await);
+        assert!(
+            stale_within(&mut stale, Duration::from_millis(200)).await,
+            "1.6 s after the shorter ack_wait was first paced from, not 24 s"
+        );
     }
 
     #[test]

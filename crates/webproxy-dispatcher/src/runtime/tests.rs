@@ -314,7 +314,7 @@ async fn next_copy(copies: &mut async_nats::Subscriber) -> async_nats::Message {
 #[tokio::test]
 async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
     let f = Fixture::start().await;
-    let payload = r#"{"id":"c","method":"GET","url":"http://10.0.0.1/","reply_to":"app.c"}"#;
+    let payload = r#"{"id":"c","method":"GET","url":"http://127.0.0.2/","reply_to":"app.c"}"#;
     let client = &f.shared.outlet.client;
     let mut copies = client.subscribe("app.c").await.expect("subscribe");
     client.flush().await.expect("flush");
@@ -324,7 +324,7 @@ async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
             .and_then(|h| h.get(name))
             .map(|v| v.as_str().to_owned())
     };
-    // Denied (no rule accepts 10.0.0.1): answered and dead-lettered, no HTTP at all.
+    // Denied (no rule accepts 127.0.0.2): answered and dead-lettered, no HTTP at all.
     let first = caller(payload, 21, 1);
     assert_eq!(f.handle(&first).await, Settled::Done);
     let first_copy = next_copy(&mut copies).await;
@@ -352,7 +352,7 @@ async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
 async fn a_stale_delivery_stores_its_ending_but_does_not_ack() {
     let f = Fixture::start().await;
     let delivery = caller(
-        r#"{"id":"d","method":"GET","url":"http://10.0.0.1/"}"#,
+        r#"{"id":"d","method":"GET","url":"http://127.0.0.2/"}"#,
         31,
         1,
     );
@@ -374,6 +374,44 @@ async fn a_stale_delivery_stores_its_ending_but_does_not_ack() {
             .is_some(),
         "the reply is stored for the redelivered copy to find"
     );
+}
+
+#[tokio::test]
+async fn a_delivery_stale_before_its_attempt_makes_none() {
+    let f = Fixture::start().await;
+    let delivery = caller(&f.envelope("s"), 51, 1);
+    let long_ago = tokio::time::Instant::now() - Duration::from_secs(60);
+    assert_eq!(
+        f.handle_delivered_at(&delivery, long_ago).await,
+        Settled::Left
+    );
+    assert!(delivery.final_acks().is_empty());
+    // An attempt (to the closed port) would have failed and parked a retry.
+    assert_eq!(f.record(51, 0).await, None);
+    assert_eq!(f.messages_in_pool_stream().await, 0, "no retry parked");
+}
+
+#[tokio::test]
+async fn an_attempt_is_given_up_when_its_delivery_goes_stale() {
+    let f = Fixture::start().await;
+    // Accepts connections (the backlog) and never answers: the call runs until given up.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().expect("addr").port();
+    let payload = format!(r#"{{"id":"g","method":"GET","url":"http://127.0.0.1:{port}/x"}}"#);
+    let delivery = caller(&payload, 52, 1);
+    let limit =
+        super::liveness::LivenessPolicy::for_ack_wait(f.shared.settings.cluster.ack_wait).limit;
+    // Stale half a second from now, long before the rule's timeout ends the call.
+    let delivered = tokio::time::Instant::now() - (limit - Duration::from_millis(500));
+    let settled = tokio::time::timeout(
+        Duration::from_secs(10),
+        f.handle_delivered_at(&delivery, delivered),
+    )
+    .await
+    .expect("the call was given up when the delivery went stale");
+    assert_eq!(settled, Settled::Left);
+    assert!(delivery.final_acks().is_empty());
+    assert_eq!(f.messages_in_pool_stream().await, 0, "no retry parked");
 }
 
 #[tokio::test]
