@@ -1,7 +1,8 @@
 //! Credential injection end to end: the upstream sees the secret, the caller's own
 //! header is replaced, file secrets reload on SIGHUP and when their contents change (a
-//! Kubernetes-style `..data` symlink swap, without a signal), and no secret value appears in
-//! the reply, the dead letter, the logs (at trace level) or `check-config`'s output.
+//! Kubernetes-style `..data` symlink swap, without a signal), no secret value appears in
+//! the reply, the dead letter, the logs (at trace level) or `check-config`'s output, and
+//! what a caller wrote itself is never rewritten (a guess is not confirmed).
 
 use std::net::SocketAddr;
 use std::process::Command;
@@ -13,7 +14,7 @@ use axum::routing::get;
 use webproxy_protocol::{ErrorCode, HeaderValue as Hv};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message};
 use webproxy_tests::{
-    SecretVolume, ServiceOptions, Upstream, default_routes, wait_for, webproxy_bin,
+    SecretVolume, ServiceOptions, Upstream, closed_port, default_routes, wait_for, webproxy_bin,
 };
 
 const ENV_SECRET: &str = "env-secret-7f3a9c";
@@ -273,44 +274,116 @@ async fn check_config_names_sources_and_never_prints_values() {
 
 /// A parked retry is webproxy's own copy of a request, like a dead letter: neither
 /// holds a secret value, even one the caller put in its own envelope.
+/// Issue 30, attack 6: a guess of another rule's secret, placed in the URL, a header,
+/// the body and the metadata, gives the same outputs whether it is right or wrong. The
+/// reply, the stored reply, the parked copy (payload and hop state) and the dead letter,
+/// error messages and attempt failures included, are identical once the guess is
+/// swapped back. The upstream is a closed port: it echoes nothing, so only what
+/// webproxy writes itself could tell the two apart.
 #[tokio::test]
-async fn parked_retries_and_dead_letters_hold_no_secret() {
-    let upstream = Upstream::start().await;
+async fn a_right_and_a_wrong_guess_of_a_secret_give_the_same_outputs() {
+    let (_closed, port) = closed_port();
+    let wrong = "env-secret-7f3a9d";
+    assert_eq!(wrong.len(), ENV_SECRET.len());
+    let (right, wrong) = tokio::join!(
+        outputs_of_a_guess(ENV_SECRET, port),
+        outputs_of_a_guess(wrong, port)
+    );
+    assert_eq!(right, wrong);
+    // The guess is in them, as the caller wrote it: the parked copy is the envelope.
+    assert!(right.contains("I know GUESS"), "{right}");
+}
+
+/// Every output of one conversation that carries `guess`, against a rule that injects
+/// [`ENV_SECRET`] and retries once, with the guess and the times masked.
+async fn outputs_of_a_guess(guess: &str, port: u16) -> String {
     let options = ServiceOptions::default().env("PARTNER_TOKEN", ENV_SECRET);
-    let h = Harness::start_with_options(upstream, options, |up| {
+    let h = Harness::start_with_options(Upstream::start().await, options, |_| {
         format!(
-            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^{}'\nmax_retries = 1\nretry_delay = \"100ms\"\n{}\
+            "[[request_rules]]\nname = \"partner\"\nurl_pattern = '^http://127\\.0\\.0\\.1:{port}/'\nmax_retries = 1\nretry_delay = \"100ms\"\n\
+             origin = \"http://127.0.0.1:{port}\"\nallow_http = true\n\
              [request_rules.inject_headers]\nAuthorization = {{ env = \"PARTNER_TOKEN\", prefix = \"Bearer \" }}\n",
-            up.url("/").replace('.', "\\."),
-            origin_of(up),
         )
     })
     .await;
-    let mut parked =
-        h.js.client()
-            .subscribe("webproxy.retry.>")
-            .await
-            .expect("subscribe");
-    let mut request = envelope("GET", &h.upstream.url("/status/503"));
+    let client = h.js.client();
+    let mut parked = client
+        .subscribe("webproxy.retry.>")
+        .await
+        .expect("subscribe");
+    client.flush().await.expect("flush");
+    let mut request = envelope("PUT", &format!("http://127.0.0.1:{port}/x?q={guess}"));
+    request.id = "guess".into();
     request
         .headers
-        .insert("X-Note".into(), Hv::One(format!("I know {ENV_SECRET}")));
-    let reply = h.request(&request).await;
-    assert_eq!(
-        reply.error.as_ref().map(|e| e.code),
-        Some(ErrorCode::RetriesExhausted)
+        .insert("X-Note".into(), Hv::One(format!("I know {guess}")));
+    request.body = Some(format!("the key is {guess}"));
+    request.metadata = Some(serde_json::json!({ "note": guess }));
+    let answer = h.request_answer(&request).await;
+    assert!(answer.reply.error.is_some(), "{:?}", answer.reply);
+    // Denied, its error message quoting the URL: no rule accepts 127.0.0.2.
+    let mut denied = request.clone();
+    denied.id = "denied".into();
+    denied.url = denied.url.replace("127.0.0.1", "127.0.0.2");
+    let denied = h.request(&denied).await;
+    assert!(
+        denied
+            .error
+            .as_ref()
+            .is_some_and(|e| e.message.contains(guess)),
+        "{denied:?}"
     );
     let copy = next_message(&mut parked, REPLY_TIMEOUT, "a parked retry").await;
-    assert_no_secret("the parked retry", &String::from_utf8_lossy(&copy.payload));
-    assert!(
-        String::from_utf8_lossy(&copy.payload).contains("[REDACTED]"),
-        "the parked copy was not redacted"
-    );
-    let letters = h.wait_dead_letters(1).await;
-    assert_no_secret(
-        "the dead letter",
-        &serde_json::to_string(&letters[0].1).expect("json"),
-    );
+    let hop_state: serde_json::Value = copy
+        .headers
+        .as_ref()
+        .and_then(|headers| headers.get("Webproxy-Hop"))
+        .and_then(|value| serde_json::from_str(value.as_str()).ok())
+        .expect("the parked copy's hop state");
+    let mut letters = h.wait_dead_letters(2).await;
+    letters.sort_by(|a, b| a.1.id.cmp(&b.1.id));
+    let stored =
+        h.js.get_stream("WEBPROXY_REPLIES")
+            .await
+            .expect("the replies stream")
+            .get_last_raw_message_by_subject(&h.subjects.stored_reply("guess", &answer.origin))
+            .await
+            .expect("the stored reply");
+    let outputs = [
+        serde_json::to_value(&answer.reply).expect("reply"),
+        serde_json::from_slice(&stored.payload).expect("stored reply"),
+        serde_json::from_slice(&copy.payload).expect("parked copy"),
+        hop_state,
+        serde_json::to_value(&denied).expect("denied reply"),
+        serde_json::to_value(&letters[0].1).expect("dead letter"),
+        serde_json::to_value(&letters[1].1).expect("dead letter"),
+    ];
+    let masked: Vec<_> = outputs.into_iter().map(|o| masked(o, guess)).collect();
+    serde_json::to_string_pretty(&masked).expect("json")
+}
+
+/// `value` with `guess` written `GUESS`, and what differs between two runs anyway
+/// (times, durations, and the origin: a stream starts its sequence from the clock)
+/// blanked.
+fn masked(value: serde_json::Value, guess: &str) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => Value::String(s.replace(guess, "GUESS")),
+        Value::Array(items) => items.into_iter().map(|v| masked(v, guess)).collect(),
+        Value::Object(map) => map
+            .into_iter()
+            .map(|(key, v)| {
+                let v = match key.as_str() {
+                    "duration_ms" | "at" | "first_published_ms" | "due_ms" | "origin" => {
+                        Value::Null
+                    }
+                    _ => masked(v, guess),
+                };
+                (key, v)
+            })
+            .collect(),
+        other => other,
+    }
 }
 
 /// An injecting rule is bound to its origin: whatever its pattern matches, a request

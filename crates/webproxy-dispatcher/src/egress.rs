@@ -1,7 +1,7 @@
 //! The rules and the secrets as the worker's [`HopPolicy`]: a hop may go where
 //! [`target`] finds an accepting rule (its origin included), with the headers that rule
 //! drops and injects and the redirect budget it sets, and the outcome's messages are
-//! redacted with the injected secrets. The chain itself is the worker's.
+//! redacted with the injected secrets the conversation's caller did not name. The chain itself is the worker's.
 
 use std::borrow::Cow;
 
@@ -11,7 +11,7 @@ use webproxy_worker::{Denial, Hop, HopPolicy};
 
 use crate::decision::target;
 use crate::rules::{RequestRule, RequestRules};
-use crate::secrets::Secrets;
+use crate::secrets::{Redaction, Secrets};
 use crate::security::Outbound;
 
 /// What a chain's hops are decided on.
@@ -20,6 +20,8 @@ pub(crate) struct RulePolicy<'a> {
     pub(crate) rules: &'a RequestRules,
     pub(crate) outbound: &'a Outbound,
     pub(crate) secrets: &'a Secrets,
+    /// The conversation's redaction: the secrets its caller did not name.
+    pub(crate) redaction: &'a Redaction,
 }
 
 impl RulePolicy<'_> {
@@ -59,7 +61,7 @@ impl HopPolicy for RulePolicy<'_> {
     }
 
     fn redact<'t>(&self, text: &'t str) -> Cow<'t, str> {
-        self.secrets.redactor().redact(text)
+        self.redaction.redact(text)
     }
 }
 
@@ -101,6 +103,7 @@ mod tests {
             rules: &rules,
             outbound: &outbound,
             secrets: &secrets,
+            redaction: &secrets.redactor().for_envelope(b""),
         };
         let url = |text: &str| Url::parse(text).expect(text);
         let hop = policy

@@ -230,14 +230,7 @@ impl Redactor {
 
     /// `text` with every secret value replaced.
     pub fn redact<'a>(&self, text: &'a str) -> Cow<'a, str> {
-        let needles = self.needles();
-        let mut out = Cow::Borrowed(text);
-        for needle in needles.iter() {
-            if out.contains(needle.as_str()) {
-                out = Cow::Owned(out.replace(needle.as_str(), REDACTED));
-            }
-        }
-        out
+        replace_needles(&self.needles(), text)
     }
 
     /// Like [`Redactor::redact`] on bytes that may not be UTF-8 (a log line).
@@ -253,45 +246,99 @@ impl Redactor {
         out
     }
 
-    /// A request payload with secret values redacted inside its JSON strings, so it
-    /// stays valid JSON; a payload that is not JSON is redacted as bytes. Untouched
-    /// (byte for byte) when it contains no secret.
-    pub(crate) fn redact_payload<'a>(&self, payload: &'a [u8]) -> Cow<'a, [u8]> {
-        let needles = self.needles();
-        if !needles
-            .iter()
-            .any(|n| find(payload, n.as_bytes()).is_some())
-        {
-            return Cow::Borrowed(payload);
+    /// How the outputs of the conversation whose envelope is `payload` are redacted:
+    /// every secret value but those the envelope itself holds.
+    pub(crate) fn for_envelope(&self, payload: &[u8]) -> Redaction {
+        let state = self.state.read().unwrap_or_else(PoisonError::into_inner);
+        let secrets = || {
+            state
+                .fixed
+                .iter()
+                .chain(&state.injected)
+                .filter(|s| !s.is_empty())
+        };
+        if secrets().next().is_none() {
+            return Redaction {
+                needles: state.needles.clone(),
+            };
         }
-        match serde_json::from_slice::<Value>(payload) {
-            Ok(mut value) => {
-                self.redact_value(&mut value);
-                Cow::Owned(serde_json::to_vec(&value).unwrap_or_default())
-            }
-            Err(_) => Cow::Owned(self.redact_bytes(payload).into_owned()),
+        // Anywhere in the bytes (a number, say) or in a string once read: wherever a
+        // caller's text may be quoted back, a guess there must not change it.
+        let text = envelope_text(payload);
+        let named = |s: &String| find(payload, s.as_bytes()).is_some() || text.contains(s.as_str());
+        if !secrets().any(named) {
+            return Redaction {
+                needles: state.needles.clone(),
+            };
+        }
+        Redaction {
+            needles: Arc::new(needles(secrets().filter(|s| !named(s)))),
         }
     }
+}
 
-    fn redact_value(&self, value: &mut Value) {
+/// What one conversation's outputs (error messages, attempt failures) are redacted
+/// with: every secret value except those its caller's own envelope holds. Redacting
+/// what the caller wrote would answer a guess, since the text would change exactly
+/// when the guess is right; a caller that names a secret learns nothing from seeing it.
+#[derive(Clone)]
+pub(crate) struct Redaction {
+    needles: Arc<Vec<String>>,
+}
+
+impl fmt::Debug for Redaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redaction")
+            .field("needles", &self.needles.len())
+            .finish()
+    }
+}
+
+impl Redaction {
+    /// `text` with every secret value this conversation's caller did not name replaced.
+    pub(crate) fn redact<'a>(&self, text: &'a str) -> Cow<'a, str> {
+        replace_needles(&self.needles, text)
+    }
+}
+
+fn replace_needles<'a>(needles: &[String], text: &'a str) -> Cow<'a, str> {
+    let mut out = Cow::Borrowed(text);
+    for needle in needles {
+        if out.contains(needle.as_str()) {
+            out = Cow::Owned(out.replace(needle.as_str(), REDACTED));
+        }
+    }
+    out
+}
+
+/// An envelope's text as the caller meant it: its JSON strings and keys with their
+/// escapes read (a secret spelled `\u0041...` is still named), one per line; the
+/// bytes as UTF-8 when it is not JSON.
+fn envelope_text(payload: &[u8]) -> String {
+    fn walk(value: &Value, out: &mut String) {
         match value {
             Value::String(s) => {
-                if let Cow::Owned(redacted) = self.redact(s) {
-                    *s = redacted;
-                }
+                out.push_str(s);
+                out.push('\n');
             }
-            Value::Array(items) => items.iter_mut().for_each(|v| self.redact_value(v)),
+            Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
             Value::Object(map) => {
-                let keys: Vec<String> = map.keys().cloned().collect();
-                for key in keys {
-                    if let Some(mut v) = map.remove(&key) {
-                        self.redact_value(&mut v);
-                        map.insert(self.redact(&key).into_owned(), v);
-                    }
+                for (key, v) in map {
+                    out.push_str(key);
+                    out.push('\n');
+                    walk(v, out);
                 }
             }
             _ => {}
         }
+    }
+    match serde_json::from_slice::<Value>(payload) {
+        Ok(value) => {
+            let mut out = String::new();
+            walk(&value, &mut out);
+            out
+        }
+        Err(_) => String::from_utf8_lossy(payload).into_owned(),
     }
 }
 
@@ -447,32 +494,41 @@ mod tests {
     }
 
     #[test]
-    fn a_redacted_payload_stays_json_and_a_clean_one_is_untouched() {
+    fn a_conversation_keeps_the_secrets_its_own_envelope_names() {
         let redactor = Redactor::default();
-        redactor.set(vec!["tok-123".into()]);
-        let clean = br#"{"id":"a",  "headers":{"X":"y"}}"#;
-        assert!(matches!(redactor.redact_payload(clean), Cow::Borrowed(_)));
-        let dirty = br#"{"id":"a","headers":{"Authorization":"Bearer tok-123"}}"#;
-        let redacted = redactor.redact_payload(dirty);
-        let value: Value = serde_json::from_slice(&redacted).expect("json");
+        redactor.set(vec!["tok-123".into(), "other-9".into()]);
+        let text = "failed for http://h/?q=tok-123 with other-9";
+        let clean = br#"{"id":"a","url":"http://h/?q=tok-124"}"#;
         assert_eq!(
-            value["headers"]["Authorization"],
-            format!("Bearer {REDACTED}")
+            redactor.for_envelope(clean).redact(text),
+            format!("failed for http://h/?q={REDACTED} with {REDACTED}")
         );
-        assert_eq!(
-            redactor.redact_payload(b"\xff tok-123").as_ref(),
-            b"\xff [REDACTED]"
-        );
+        // Named raw, JSON-escaped, or as a key: the caller knows it, and redacting it
+        // would confirm the guess.
+        for named in [
+            br#"{"id":"a","url":"http://h/?q=tok-123"}"#.as_slice(),
+            br#"{"id":"a","headers":{"X":"tok\u002d123"}}"#.as_slice(),
+            br#"{"id":"a","metadata":{"tok-123":1}}"#.as_slice(),
+            b"\xff not json tok-123".as_slice(),
+        ] {
+            assert_eq!(
+                redactor.for_envelope(named).redact(text),
+                format!("failed for http://h/?q=tok-123 with {REDACTED}"),
+                "{}",
+                String::from_utf8_lossy(named)
+            );
+        }
     }
 
     /// Every `Debug` path that holds secret values: the redactor (its state holds
-    /// every value it redacts) and the loaded secrets.
+    /// every value it redacts), a conversation's redaction and the loaded secrets.
     #[test]
     fn debug_of_the_redactor_and_the_secrets_shows_no_value() {
         let redactor = Redactor::default();
         redactor.add_fixed(vec!["nats-pw-91".into()]);
         redactor.set(vec!["injected-77".into()]);
-        let shown = format!("{redactor:?} {redactor:#?}");
+        let redaction = redactor.for_envelope(b"{}");
+        let shown = format!("{redactor:?} {redactor:#?} {redaction:?} {redaction:#?}");
         assert!(
             !shown.contains("nats-pw-91") && !shown.contains("injected-77"),
             "{shown}"

@@ -484,10 +484,15 @@ async fn attempt(
         }
         trace::inject_http(&trace::attempt_context(&span), &mut own_headers);
         own_headers.extend(super::hooks::attempt_stamp());
+        let redaction = shared
+            .secrets
+            .redactor()
+            .for_envelope(&conversation.payload);
         let policy = RulePolicy {
             rules: &shared.settings.cluster.rules,
             outbound: &shared.settings.cluster.outbound,
             secrets: &shared.secrets,
+            redaction: &redaction,
         };
         let timeout = attempt_timeout(request, rule);
         let chain_request = ChainRequest {

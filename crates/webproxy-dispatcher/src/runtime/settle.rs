@@ -405,15 +405,16 @@ async fn store_dead_letter(
     conversation: &Conversation<'_>,
     error: &ErrorBody,
 ) -> Result<(), PublishFailure> {
-    // The caller's envelope holds an injected secret only if the caller already knew
-    // it, but the dead letter is webproxy's own copy: nothing secret goes in.
-    let redactor = &outlet.redactor;
+    // What webproxy composed is redacted; the caller's envelope is kept as sent, for
+    // replay. Redacting a secret the caller itself wrote would tell it that its guess
+    // was right, so those are left as they are everywhere (`Redactor::for_envelope`).
+    let redaction = outlet.redactor.for_envelope(&conversation.payload);
     let mut redacted = error.clone();
-    redacted.message = redactor.redact(&error.message).into_owned();
+    redacted.message = redaction.redact(&error.message).into_owned();
     let mut attempts = conversation.state.attempts.clone();
     for attempt in &mut attempts.kept {
         if let Some(failure) = &mut attempt.failure {
-            *failure = redactor.redact(failure).into_owned();
+            *failure = redaction.redact(failure).into_owned();
         }
     }
     let payload = dead_letter(
@@ -423,7 +424,7 @@ async fn store_dead_letter(
             origin: Some(conversation.origin()),
             generation: conversation.generation(),
             error: redacted,
-            payload: &redactor.redact_payload(&conversation.payload),
+            payload: &conversation.payload,
             attempts: &attempts,
         },
         outlet.max_payload,
@@ -464,13 +465,9 @@ async fn publish_hop(
     let mut headers = HeaderMap::new();
     headers.insert(header::HOP, record.hop.format().as_str());
     trace::forward(delivery.headers(), &mut headers);
-    // A parked or moved copy is webproxy's own: no secret it knows goes in.
-    let payload = bytes::Bytes::from(
-        outlet
-            .redactor
-            .redact_payload(&conversation.payload)
-            .into_owned(),
-    );
+    // The caller's envelope byte for byte: it holds no injected value the caller did
+    // not write itself, and rewriting what it wrote would answer a guess.
+    let payload = conversation.payload.clone();
     let stored = Stored {
         subject: &record.subject,
         msg_id: &record.msg_id,
