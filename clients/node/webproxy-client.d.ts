@@ -50,6 +50,7 @@ export type ErrorCode =
   | "retries_exhausted"
   | "transport_error"
   | "response_too_large"
+  | "queue_full"
   | "internal";
 
 /** An error outcome's details. */

@@ -2,13 +2,16 @@
 //! JetStream server, with excess requests queued in the stream. Several real
 //! `webproxy serve` processes share one nats-server here.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use webproxy_client::{Client, Error as ClientError, Submitted};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
 use webproxy_tests::run_webproxy as webproxy;
-use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream, wait_until};
+use webproxy_tests::{
+    Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes, wait_until,
+};
 
 struct Cluster {
     nats: NatsServer,
@@ -18,8 +21,15 @@ struct Cluster {
 }
 
 async fn cluster(instances: usize, config: impl Fn(&Upstream) -> String) -> Cluster {
+    cluster_on(Upstream::start().await, instances, config).await
+}
+
+async fn cluster_on(
+    upstream: Upstream,
+    instances: usize,
+    config: impl Fn(&Upstream) -> String,
+) -> Cluster {
     let nats = NatsServer::start();
-    let upstream = Upstream::start().await;
     let text = config(&upstream);
     let mut services = Vec::new();
     for _ in 0..instances {
@@ -150,6 +160,87 @@ async fn a_request_is_moved_to_its_rules_pool() {
     // and the default pool's own requests still run side by side
     let replies = c.burst("default", "/echo", 5).await;
     assert!(replies.iter().all(|r| r.status == Some(200)));
+}
+
+/// Issue 30, point 5: `max_waiting` bounds the requests a rule moves into a pool as it
+/// bounds callers' publishes there. Two instances move 24 requests into `p1`
+/// (`max_waiting` 3, one slot, its upstream held at a gate, so nothing leaves it): the
+/// moves past the bound are answered `queue_full`, naming the pool, and dead-lettered.
+/// Each instance counts and publishes a move as one step, so a move racing from the
+/// other instance passes the bound by at most one: 3 or 4 moves reach `p1`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_past_max_waiting_are_answered_queue_full() {
+    const SENT: usize = 24;
+    let gate = Gate::new();
+    let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
+    let c = cluster_on(upstream, 2, |up| {
+        let base = up.url("/").replace('.', "\\.");
+        format!(
+            "[pools.p1]\nmax_in_flight = 1\nmax_waiting = 3\n\n[[request_rules]]\nname = \"held\"\nurl_pattern = '^{base}gated/'\npool = \"p1\"\n\n{}",
+            accept_rule("local", up)
+        )
+    })
+    .await;
+    let replies = Arc::new(Mutex::new(Vec::new()));
+    let url = c.upstream.url("/gated/0");
+    let mut sent = Vec::new();
+    for _ in 0..SENT {
+        let request = to("default", &envelope("GET", &url)).wait(Duration::from_secs(120));
+        let client = c.client.clone();
+        let replies = replies.clone();
+        sent.push(tokio::spawn(async move {
+            let reply = client.request(&request).await;
+            replies.lock().expect("replies").push(reply);
+        }));
+    }
+    let js = async_nats::jetstream::new(c.nats.client().await);
+    let in_p1 = || async {
+        let mut stream = js
+            .get_stream("WEBPROXY_POOL_P1")
+            .await
+            .expect("p1's stream");
+        stream
+            .info()
+            .await
+            .expect("p1's stream info")
+            .state
+            .messages
+    };
+    // Generous for two instances on a loaded 2-core machine: each move is a few
+    // round trips to the server.
+    wait_until(
+        Duration::from_secs(60),
+        "every move admitted or refused",
+        || async {
+            let answered = replies.lock().expect("replies").len();
+            answered + usize::try_from(in_p1().await).unwrap_or(usize::MAX) == SENT
+        },
+    )
+    .await;
+    let admitted = usize::try_from(in_p1().await).unwrap_or(usize::MAX);
+    assert!((3..=4).contains(&admitted), "{admitted} moves reached p1");
+    {
+        let replies = replies.lock().expect("replies");
+        for reply in replies.iter() {
+            let reply = reply.as_ref().expect("a reply");
+            let error = reply.error.as_ref().expect("an error reply");
+            assert_eq!(error.code, ErrorCode::QueueFull, "{reply:?}");
+            assert!(error.message.contains("pool p1"), "{}", error.message);
+        }
+    }
+    let mut dead = js.get_stream("WEBPROXY_DEAD").await.expect("dead stream");
+    let letters = dead.info().await.expect("dead stream info").state.messages;
+    assert_eq!(letters, u64::try_from(SENT - admitted).expect("count"));
+    gate.open();
+    for task in sent {
+        task.await.expect("request task");
+    }
+    let replies = replies.lock().expect("replies");
+    let answered = replies
+        .iter()
+        .filter(|r| r.as_ref().is_ok_and(|r| r.status == Some(200)))
+        .count();
+    assert_eq!(answered, admitted, "{replies:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,6 +39,8 @@ pub enum ErrorCode {
     RetriesExhausted,
     TransportError,
     ResponseTooLarge,
+    /// The pool a rule moved the request to already holds `max_waiting` requests.
+    QueueFull,
     Internal,
 }
 
@@ -52,6 +54,7 @@ impl ErrorCode {
             ErrorCode::RetriesExhausted => "retries_exhausted",
             ErrorCode::TransportError => "transport_error",
             ErrorCode::ResponseTooLarge => "response_too_large",
+            ErrorCode::QueueFull => "queue_full",
             ErrorCode::Internal => "internal",
         }
     }

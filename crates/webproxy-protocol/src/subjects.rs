@@ -181,6 +181,19 @@ impl Subjects {
         format!("{}.hop.{pool}.{token}", self.prefix)
     }
 
+    /// Where the service moves one conversation's request into `pool` under a rule
+    /// that names that pool: a hop subject of its own, so that the requests moved into
+    /// a pool can be counted against its `max_waiting` apart from retries and replays.
+    /// Service-only.
+    pub fn moved(&self, pool: &str, token: &str) -> String {
+        format!("{}.hop.{pool}.move.{token}", self.prefix)
+    }
+
+    /// Every request moved into `pool` and not yet taken.
+    pub fn moved_filter(&self, pool: &str) -> String {
+        format!("{}.hop.{pool}.move.*", self.prefix)
+    }
+
     /// Every hop into `pool`: with the request subject, the pool consumer's filter.
     pub fn hop_filter(&self, pool: &str) -> String {
         format!("{}.hop.{pool}.>", self.prefix)

@@ -13,6 +13,7 @@ use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, parse_requ
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Shared;
+use super::admission::Admission;
 use super::breaker;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
@@ -171,6 +172,33 @@ async fn decide<'a>(
         }
         Plan::Move(rule) => {
             conversation.rule = &rule.name;
+            let max_waiting = settings
+                .cluster
+                .pools
+                .get(&rule.pool)
+                .and_then(|pool| pool.max_waiting);
+            let mut admitted = None;
+            if let Some(max_waiting) = max_waiting {
+                match outlet
+                    .admissions
+                    .admit(&outlet.js, &outlet.subjects, &rule.pool, max_waiting)
+                    .await
+                {
+                    Ok(Admission::Room(lock)) => admitted = Some(lock),
+                    Ok(Admission::Full { waiting }) => {
+                        let error = queue_full(&rule.name, &rule.pool, waiting, max_waiting);
+                        return reply_error(conversation, error, AckKind::Ack, max_payload);
+                    }
+                    Err(e) => {
+                        return Ending::Leave {
+                            reason: format!(
+                                "cannot count the requests waiting in pool {}: {e}",
+                                rule.pool
+                            ),
+                        };
+                    }
+                }
+            }
             debug!(id = %conversation.raw_id, from = conversation.pool, to = %rule.pool, "moving to the rule's pool");
             Ending::Hop {
                 kind: HopKind::Move,
@@ -178,6 +206,7 @@ async fn decide<'a>(
                     .state
                     .next(conversation.state.attempts.clone(), None),
                 pool: rule.pool.clone(),
+                admitted,
             }
         }
         Plan::Attempt { rule, queue_wait } => {
@@ -210,13 +239,12 @@ async fn decide<'a>(
                 // its pause ends, with no attempt counted; never NAKed, which would
                 // count toward max_deliver and come back ahead of the probe limit.
                 debug!(id = %conversation.raw_id, pool = conversation.pool, %until, "breaker open: parking until its pause ends");
-                return Ending::Hop {
-                    kind: HopKind::Park,
-                    next: conversation
+                return Ending::park(
+                    conversation
                         .state
                         .next(conversation.state.attempts.clone(), Some(until.into())),
-                    pool: conversation.pool.to_string(),
-                };
+                    conversation.pool,
+                );
             }
             if pass == Pass::Probe {
                 breaker::probing(shared, conversation.pool);
@@ -294,6 +322,17 @@ async fn stored_reply(
         conversation.generation(),
     )
     .await
+}
+
+/// A move refused because its pool holds `max_waiting` requests already.
+fn queue_full(rule: &str, pool: &str, waiting: u64, max_waiting: u64) -> ErrorBody {
+    ErrorBody {
+        code: ErrorCode::QueueFull,
+        message: format!(
+            "rule {rule} moves the request to pool {pool}, which holds {waiting} waiting requests (max_waiting {max_waiting}); try again later"
+        ),
+        status: None,
+    }
 }
 
 fn reply_error(
@@ -421,14 +460,13 @@ async fn attempt_and_judge<'a>(
         Verdict::Retry { after, last } => {
             debug!(id = %conversation.raw_id, pool = conversation.pool, after_ms = millis(after), last = %last.description, "parking for a retry");
             Span::current().record("backoff_ms", as_i64(millis(after)));
-            return Ending::Hop {
-                kind: HopKind::Park,
-                next: conversation.state.next(
+            return Ending::park(
+                conversation.state.next(
                     conversation.state.attempts.clone(),
                     Some(clock::now() + after),
                 ),
-                pool: conversation.pool.to_string(),
-            };
+                conversation.pool,
+            );
         }
     };
     Ending::Reply {

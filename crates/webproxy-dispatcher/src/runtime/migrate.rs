@@ -28,7 +28,7 @@ use super::delivery::{Delivery, DeliveryInfo};
 use super::liveness::Liveness;
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
-use crate::hop::{HopKind, HopState};
+use crate::hop::HopState;
 
 /// Some parked retries of layout 1 were not moved; they are still there, and the next
 /// run moves them.
@@ -121,11 +121,7 @@ async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) ->
         Ok((state, due)) => {
             let next = state.next(state.attempts.clone(), Some(due));
             conversation.state = state;
-            Ending::Hop {
-                kind: HopKind::Park,
-                next,
-                pool: pool.to_string(),
-            }
+            Ending::park(next, pool)
         }
         Err(e) => {
             warn!(pool, seq = info.seq, error = %e, "a retry parked by layout 1 has unreadable headers; answering internal and dead-lettering it");
@@ -191,6 +187,7 @@ mod tests {
 
     use std::collections::HashMap;
 
+    use crate::hop::HopKind;
     use async_nats::jetstream::{self, consumer, stream};
     use webproxy_protocol::{Origin, header};
 

@@ -4,6 +4,7 @@
 //! A message is always answered, dead-lettered, parked, or left unacked for
 //! redelivery; it is never acked before what it produced is stored.
 
+mod admission;
 mod breaker;
 mod bucket_use;
 pub use bucket_use::{BucketUseSink, follow_bucket_use};

@@ -3,6 +3,7 @@
 //! other failure is retried a few times and then given up, so that the message is left
 //! for redelivery (where `max_deliver` applies) instead of holding its slot forever.
 
+use super::admission::Admissions;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,10 +32,12 @@ pub struct Outlet {
     pub(crate) max_payload: usize,
     /// Conversations and dead letters are counted where they are published.
     pub(crate) metrics: Arc<Metrics>,
-    /// Webproxy's own copies of a request (dead letters, parked retries) never hold a
-    /// secret it knows.
+    /// What webproxy composes (error messages, attempt failures) holds no secret the
+    /// caller did not write itself (`Redactor::for_envelope`).
     pub(crate) redactor: Redactor,
     pub(crate) progress: Progress,
+    /// This instance's moves into pools, each counted against `max_waiting`.
+    pub(crate) admissions: Arc<Admissions>,
 }
 
 impl Outlet {
@@ -74,6 +77,7 @@ impl Outlet {
             metrics,
             redactor,
             progress,
+            admissions: Arc::default(),
         }
     }
 }

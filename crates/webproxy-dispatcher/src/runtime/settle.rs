@@ -12,6 +12,7 @@ use async_nats::jetstream::AckKind;
 use tracing::{debug, error, info, warn};
 use webproxy_protocol::{ErrorBody, ErrorCode, Origin, header};
 
+use super::admission::Admitted;
 use super::conversation::Conversation;
 use super::delivery::Delivery;
 use super::hooks;
@@ -30,11 +31,13 @@ pub(super) enum Ending {
     /// The final reply, then `ack`; an error reply is dead-lettered first.
     Reply { reply: EncodedReply, ack: AckKind },
     /// Hand the request on as `next`: record the hop, publish it, ack. A park goes to
-    /// the conversation's own pool's retry subject, a move to `pool`'s hop subject.
+    /// the conversation's own pool's retry subject, a move to `pool`'s moved subject
+    /// (held `admitted` until published: `admission.rs`), a replay to its hop subject.
     Hop {
         kind: HopKind,
         next: HopState,
         pool: String,
+        admitted: Option<Admitted>,
     },
     /// The final reply of this generation or a later one (`generation`, the stored
     /// reply's own) is stored already: copy it to the live subject and to the
@@ -50,6 +53,18 @@ pub(super) enum Ending {
     Stale,
     /// Leave the message unacked, for the server to redeliver after `ack_wait`.
     Leave { reason: String },
+}
+
+impl Ending {
+    /// Park the request in `pool` as `next`, until it is due.
+    pub(super) fn park(next: HopState, pool: &str) -> Ending {
+        Ending::Hop {
+            kind: HopKind::Park,
+            next,
+            pool: pool.to_string(),
+            admitted: None,
+        }
+    }
 }
 
 /// What became of the delivery.
@@ -109,11 +124,19 @@ pub(super) async fn settle(
                     Err(e) => return leave(conversation, &e.to_string()),
                 }
             }
-            Ending::Hop { kind, next, pool } => {
+            Ending::Hop {
+                kind,
+                next,
+                pool,
+                admitted,
+            } => {
+                // Held to the end of this turn: the move is published (or not) by then.
+                let _admitted = admitted;
                 let token = new_token();
                 let subject = match kind {
                     HopKind::Park => outlet.subjects.retry(conversation.pool, &token),
-                    HopKind::Move | HopKind::Replay => outlet.subjects.hop(&pool, &token),
+                    HopKind::Move => outlet.subjects.moved(&pool, &token),
+                    HopKind::Replay => outlet.subjects.hop(&pool, &token),
                 };
                 let record = Record {
                     kind,

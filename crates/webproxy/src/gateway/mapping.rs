@@ -109,6 +109,7 @@ pub fn error_status(code: ErrorCode, status: Option<u16>) -> u16 {
         ErrorCode::Expired => 504,
         ErrorCode::UpstreamError | ErrorCode::TransportError | ErrorCode::ResponseTooLarge => 502,
         ErrorCode::RetriesExhausted => status.filter(|s| (100..=999).contains(s)).unwrap_or(502),
+        ErrorCode::QueueFull => 503,
         ErrorCode::Internal => 500,
     }
 }
@@ -299,6 +300,7 @@ mod tests {
             (ErrorCode::RetriesExhausted, Some(503), 503),
             (ErrorCode::RetriesExhausted, None, 502),
             (ErrorCode::ResponseTooLarge, None, 502),
+            (ErrorCode::QueueFull, None, 503),
             (ErrorCode::Internal, None, 500),
         ];
         for (code, status, expected) in cases {
