@@ -5,6 +5,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use serde_json::value::RawValue;
+use sha2::{Digest as _, Sha256};
 use webproxy_protocol::{
     DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers,
 };
@@ -157,45 +158,72 @@ pub(crate) struct LetterParts<'a> {
     pub(crate) attempts: &'a AttemptHistory,
 }
 
+/// The most of a payload that is not a JSON object a dead letter keeps: enough to
+/// see what it was, while a flood of large undecodable payloads costs the dead-letter
+/// stream 4 KiB each rather than up to `max_payload`.
+pub(crate) const UNDECODABLE_KEPT: usize = 4 * 1024;
+
 /// A dead letter for a conversation that ended in `error`. The original payload is kept
-/// as `envelope` when it is a JSON object and as `payload_base64` otherwise; when it
-/// would make the dead letter exceed `max_payload`, a base64 prefix of it is kept and
-/// the letter says `truncated`.
+/// as `envelope` when it is a JSON object (whole: `dead replay` republishes it); when it
+/// is not, its first [`UNDECODABLE_KEPT`] bytes are kept as `payload_base64`, with its
+/// length and SHA-256. When the letter would exceed `max_payload`, a base64 prefix of
+/// the payload is kept; either cut makes the letter say `truncated`.
 pub(crate) fn dead_letter(parts: LetterParts<'_>, max_payload: usize) -> Bytes {
     let payload = parts.payload;
     let envelope = std::str::from_utf8(payload)
         .ok()
         .filter(|text| text.trim_start().starts_with('{'))
         .and_then(|text| RawValue::from_string(text.to_string()).ok());
+    let undecodable = envelope.is_none();
+    let kept = if undecodable {
+        &payload[..payload.len().min(UNDECODABLE_KEPT)]
+    } else {
+        payload
+    };
     let mut letter = DeadLetter {
         pool: parts.pool.to_string(),
         id: parts.id.map(str::to_string),
         generation: parts.generation,
         origin: parts.origin.map(Origin::to_string),
         error: bounded(parts.error),
-        payload_base64: match envelope {
-            Some(_) => None,
-            None => Some(BASE64.encode(payload)),
-        },
+        payload_base64: undecodable.then(|| BASE64.encode(kept)),
+        payload_len: undecodable.then(|| length(payload)),
+        payload_sha256: undecodable.then(|| sha256_hex(payload)),
         envelope,
         attempts: parts.attempts.kept.clone(),
         attempts_dropped: parts.attempts.dropped,
-        truncated: false,
+        truncated: kept.len() < payload.len(),
     };
     let encoded = serde_json::to_vec(&letter).unwrap_or_default();
     let budget = max_payload.saturating_sub(HEADER_ALLOWANCE);
     if encoded.len() <= budget {
         return Bytes::from(encoded);
     }
+    // What identifies the payload once only its start is kept, counted in the
+    // overhead below.
+    letter.payload_len = Some(length(payload));
+    letter.payload_sha256 = Some(sha256_hex(payload));
+    let encoded = serde_json::to_vec(&letter).unwrap_or_default();
     let overhead = encoded.len()
         - letter.envelope.as_ref().map_or(0, |e| e.get().len())
         - letter.payload_base64.as_ref().map_or(0, String::len);
     // Room for the `payload_base64` and `truncated` fields that replace `envelope`.
     let keep = budget.saturating_sub(overhead + 64) / 4 * 3;
     letter.envelope = None;
-    letter.payload_base64 = Some(BASE64.encode(&payload[..keep.min(payload.len())]));
+    letter.payload_base64 = Some(BASE64.encode(&kept[..keep.min(kept.len())]));
     letter.truncated = true;
     Bytes::from(serde_json::to_vec(&letter).unwrap_or_default())
+}
+
+fn length(payload: &[u8]) -> u64 {
+    u64::try_from(payload.len()).unwrap_or(u64::MAX)
+}
+
+fn sha256_hex(payload: &[u8]) -> String {
+    Sha256::digest(payload)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// `invalid_request` with a message naming the field.
@@ -310,6 +338,53 @@ mod tests {
         ))
         .expect("json");
         assert_eq!(letter.payload_base64.as_deref(), Some("/wA="));
+        assert_eq!(letter.payload_len, Some(2));
+        assert!(!letter.truncated);
+    }
+
+    /// Issue 30, point 4: a flood of large undecodable payloads costs the dead-letter
+    /// stream 4 KiB a letter; the letter still identifies the payload.
+    #[test]
+    fn an_undecodable_payload_keeps_its_first_4_kib_its_length_and_hash() {
+        let none = AttemptHistory::default();
+        let payload = vec![0xffu8; 1024 * 1024];
+        let encoded = dead_letter(
+            parts(
+                None,
+                invalid_request("payload", "not json"),
+                &payload,
+                &none,
+            ),
+            8 * 1024 * 1024,
+        );
+        assert!(encoded.len() < 8 * 1024, "{} bytes", encoded.len());
+        let letter: DeadLetter = serde_json::from_slice(&encoded).expect("json");
+        let kept = BASE64
+            .decode(letter.payload_base64.as_deref().expect("kept"))
+            .expect("base64");
+        assert_eq!(kept, payload[..UNDECODABLE_KEPT]);
+        assert_eq!(letter.payload_len, Some(1024 * 1024));
+        assert_eq!(letter.payload_sha256, Some(sha256_hex(&payload)));
+        assert_eq!(letter.payload_sha256.as_deref().map(str::len), Some(64));
+        assert!(letter.truncated);
+        // A request that parsed as an object (denied, say) keeps its whole envelope,
+        // which `dead replay --include-denied` republishes.
+        let big = format!(r#"{{"id":"a","body":"{}"}}"#, "x".repeat(100_000));
+        let letter: DeadLetter = serde_json::from_slice(&dead_letter(
+            parts(
+                Some("a"),
+                invalid_request("method", "bad"),
+                big.as_bytes(),
+                &none,
+            ),
+            1024 * 1024,
+        ))
+        .expect("json");
+        assert_eq!(
+            letter.whole_request().map(|e| e.get().len()),
+            Some(big.len())
+        );
+        assert_eq!(letter.payload_len, None);
     }
 
     #[test]

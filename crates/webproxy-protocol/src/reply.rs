@@ -220,9 +220,17 @@ pub struct DeadLetter {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "crate::schema::any_json")]
     pub envelope: Option<Box<RawValue>>,
-    /// The original payload, when it was not a JSON object.
+    /// The original payload, when it was not a JSON object: its first 4 KiB at most
+    /// (`truncated` says when that is not all of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_base64: Option<String>,
+    /// The original payload's length in bytes, when it was not a JSON object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_len: Option<u64>,
+    /// The original payload's SHA-256 (lowercase hex), when it was not a JSON object:
+    /// what identifies it when only its start is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_sha256: Option<String>,
     /// The attempts made, the first and the last few when there were many.
     #[serde(default)]
     pub attempts: Vec<AttemptRecord>,
