@@ -86,8 +86,8 @@ fn not_refused(reply: &Reply, redirect: bool) -> Option<String> {
 /// a failure lists all that got through.
 #[tokio::test]
 async fn path_parameters_and_dot_semicolon_segments_never_reach_the_upstream() {
-    let h = Harness::start_with_upstream(Upstream::start_with(upstream_routes()).await, rules)
-        .await;
+    let h =
+        Harness::start_with_upstream(Upstream::start_with(upstream_routes()).await, rules).await;
     let mut wrong = Vec::new();
     for form in FORMS {
         let reply = h.request(&envelope("GET", &h.upstream.url(form))).await;
@@ -108,7 +108,10 @@ async fn path_parameters_and_dot_semicolon_segments_never_reach_the_upstream() {
     assert_eq!(raw_hits(&h.upstream), 0, "a form reached the upstream");
 
     let plain = h
-        .request(&envelope("GET", &h.upstream.url("/raw/target/public/users")))
+        .request(&envelope(
+            "GET",
+            &h.upstream.url("/raw/target/public/users"),
+        ))
         .await;
     assert_eq!(plain.status, Some(200), "{plain:?}");
     let denied = h
@@ -157,8 +160,8 @@ async fn allow_path_parameters_lets_a_semicolon_through_but_no_dot_segment() {
 /// hand on a TCP connection so that no client library rewrites them.
 #[tokio::test]
 async fn the_gateway_answers_400_and_sends_no_form_upstream() {
-    let h = Harness::start_with_upstream(Upstream::start_with(upstream_routes()).await, rules)
-        .await;
+    let h =
+        Harness::start_with_upstream(Upstream::start_with(upstream_routes()).await, rules).await;
     let gateway = Gateway::start(
         &h.nats,
         &format!(
@@ -182,7 +185,10 @@ async fn the_gateway_answers_400_and_sends_no_form_upstream() {
     for path in forms {
         let answer = raw_get(gateway.port(), path).await;
         if !answer.starts_with("HTTP/1.1 400") {
-            wrong.push(format!("{path}: {}", answer.lines().next().unwrap_or_default()));
+            wrong.push(format!(
+                "{path}: {}",
+                answer.lines().next().unwrap_or_default()
+            ));
         }
     }
     assert!(wrong.is_empty(), "not 400:\n{}", wrong.join("\n"));
@@ -202,9 +208,11 @@ async fn raw_get(port: u16, path: &str) -> String {
     let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect");
-    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
+    tcp.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .expect("write");
     let mut answer = String::new();
     tcp.read_to_string(&mut answer).await.expect("read");
     answer

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 
 use url::Url;
-use webproxy_protocol::Method;
+use webproxy_protocol::{ErrorCode, Method};
 use webproxy_worker::{Denial, Hop, HopPolicy};
 
 use crate::decision::target;
@@ -54,6 +54,7 @@ impl HopPolicy for RulePolicy<'_> {
             Ok(rule) => Ok(self.hop_for(rule)),
             Err(refusal) => Err(Denial {
                 message: refusal.message,
+                invalid: refusal.code == ErrorCode::InvalidRequest,
             }),
         }
     }

@@ -140,6 +140,8 @@ pub struct RuleSecurity {
     /// The one origin a hop under this rule may go to; always set when the rule
     /// injects headers.
     pub origin: Option<Origin>,
+    /// Whether a hop under this rule may have a `;` in its path (`allow_path_parameters`).
+    pub allow_path_parameters: bool,
 }
 
 impl RuleSecurity {
@@ -152,6 +154,22 @@ impl RuleSecurity {
                 "is bound to origin {}, not {}",
                 origin.ascii_serialization(),
                 url.origin().ascii_serialization()
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether `url`'s path may be sent under this rule: a `;` in it (raw or `%3B`)
+    /// only with `allow_path_parameters`, since Tomcat, Jetty and Spring drop what
+    /// follows it and would read another path than the rules matched. `.;` and `..;`
+    /// segments never reach here: the canonical URL refuses them.
+    pub(crate) fn check_path(&self, url: &Url) -> Result<(), String> {
+        match webproxy_protocol::path_parameter(url) {
+            Some(segment) if !self.allow_path_parameters => Err(format!(
+                "does not allow a ';' in the path (raw or %3B, in segment {segment}), which \
+                 Tomcat, Jetty and Spring drop with what follows it as a path parameter, so \
+                 the upstream could read another path than the rules matched; \
+                 allow_path_parameters = true on the rule sends it"
             )),
             _ => Ok(()),
         }
