@@ -96,6 +96,7 @@ mod tests {
             max_headers: 1,
             max_header_bytes: 1,
             deny_request_headers: vec!["x-global".into()],
+            dns: crate::security::DnsBounds::default(),
         };
         let secrets = Secrets::empty();
         let policy = RulePolicy {
