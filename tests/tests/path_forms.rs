@@ -13,7 +13,6 @@ use axum::extract::{Path, Query};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{Harness, envelope, path_rule};
 use webproxy_tests::{Gateway, Upstream};
@@ -183,7 +182,7 @@ async fn the_gateway_answers_400_and_sends_no_form_upstream() {
     ];
     let mut wrong = Vec::new();
     for path in forms {
-        let answer = raw_get(gateway.port(), path).await;
+        let answer = gateway.raw_get(path).await;
         if !answer.starts_with("HTTP/1.1 400") {
             wrong.push(format!(
                 "{path}: {}",
@@ -198,22 +197,7 @@ async fn the_gateway_answers_400_and_sends_no_form_upstream() {
         "nothing reached the upstream: {}",
         gateway.logs()
     );
-    let plain = raw_get(gateway.port(), "/pub/users").await;
+    let plain = gateway.raw_get("/pub/users").await;
     assert!(plain.starts_with("HTTP/1.1 200"), "{plain}");
     assert!(plain.ends_with("reached"), "{plain}");
-}
-
-/// `GET path` on a fresh connection to the gateway, read to its end.
-async fn raw_get(port: u16, path: &str) -> String {
-    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    tcp.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .expect("write");
-    let mut answer = String::new();
-    tcp.read_to_string(&mut answer).await.expect("read");
-    answer
 }
