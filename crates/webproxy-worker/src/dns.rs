@@ -3,8 +3,11 @@
 //! no timeout could stop, so slow authoritative DNS under a wildcard rule could take
 //! every blocking thread. Each lookup, a wait for a free slot included, ends within
 //! `[outbound] dns_timeout`, and at most `dns_max_concurrent` run at once. It reads
-//! /etc/resolv.conf (nameservers, search list, ndots) and /etc/hosts as the system
-//! resolver does, unless `dns_servers` names the servers; `localhost` needs neither.
+//! /etc/resolv.conf (nameservers, search list, ndots) as the system resolver does,
+//! unless `dns_servers` names the servers. A name in /etc/hosts is answered from there
+//! alone, as glibc's `hosts: files dns` does (hickory would still ask DNS for the
+//! family the file lacks, and wait on a silent server for it); `localhost` is loopback
+//! without either.
 //! The address guard is applied to what this returns, by `resolve.rs`.
 
 use std::fmt;
@@ -12,12 +15,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{
     ConnectionConfig, LookupIpStrategy, NameServerConfig, ResolverConfig, ResolverOpts,
 };
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::op::Query;
+use hickory_resolver::proto::rr::{Name, RecordType};
+use hickory_resolver::{Hosts, TokioResolver};
 use thiserror::Error;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -106,6 +111,8 @@ pub(crate) enum DnsError {
 #[derive(Clone)]
 pub(crate) struct Dns {
     resolver: TokioResolver,
+    /// /etc/hosts as read when this worker (this revision) was built.
+    hosts: Arc<Hosts>,
     slots: Arc<Semaphore>,
     config: DnsConfig,
 }
@@ -143,16 +150,21 @@ impl Dns {
         *builder.options_mut() = options;
         Ok(Dns {
             resolver: builder.build().map_err(|error| error.to_string())?,
+            hosts: Arc::new(Hosts::from_system().unwrap_or_default()),
             slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
             config: config.clone(),
         })
     }
 
     /// The addresses of `host` (a domain name: IP literals never get here), within
-    /// `dns_timeout`, a wait for a slot included; `localhost` without a lookup.
+    /// `dns_timeout`, a wait for a slot included; `localhost` and names in /etc/hosts
+    /// without a query or a slot.
     pub(crate) async fn lookup(&self, host: &str) -> Result<Vec<IpAddr>, DnsError> {
         if is_localhost(host) {
             return Ok(vec![Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()]);
+        }
+        if let Some(found) = in_hosts(&self.hosts, host) {
+            return Ok(found);
         }
         let deadline = Instant::now() + self.config.timeout;
         let result = self.bounded(host, deadline).await;
@@ -213,6 +225,23 @@ fn is_localhost(host: &str) -> bool {
     host == "localhost" || host.ends_with(".localhost")
 }
 
+/// `host`'s addresses in a hosts file, both families, if it names any.
+fn in_hosts(hosts: &Hosts, host: &str) -> Option<Vec<IpAddr>> {
+    let name = Name::from_str_relaxed(host).ok()?;
+    let found: Vec<IpAddr> = [RecordType::A, RecordType::AAAA]
+        .into_iter()
+        .filter_map(|kind| hosts.lookup_static_host(&Query::query(name.clone(), kind)))
+        .flat_map(|lookup| {
+            lookup
+                .answers()
+                .iter()
+                .filter_map(|record| record.data.ip_addr())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (!found.is_empty()).then_some(found)
+}
+
 /// /etc/resolv.conf's servers, search list and options; without a usable file, the
 /// system resolver's own default (a server on this host) and the default options.
 fn system_conf() -> (ResolverConfig, ResolverOpts) {
@@ -262,6 +291,31 @@ mod tests {
         for host in ["localhost.example.com", "notlocalhost", "localhostx"] {
             assert!(!is_localhost(host), "{host}");
         }
+    }
+
+    #[test]
+    fn a_name_in_the_hosts_file_is_answered_from_it_alone() {
+        let mut hosts = Hosts::default();
+        hosts
+            .read_hosts_conf(
+                "127.0.0.2 partner.internal\n# a comment\n::2 partner.internal both\n10.0.0.9 both\n"
+                    .as_bytes(),
+            )
+            .expect("hosts");
+        let ip = |text: &str| text.parse::<IpAddr>().expect("ip");
+        assert_eq!(
+            in_hosts(&hosts, "partner.internal"),
+            Some(vec![ip("127.0.0.2"), ip("::2")])
+        );
+        assert_eq!(
+            in_hosts(&hosts, "Partner.Internal."),
+            in_hosts(&hosts, "partner.internal")
+        );
+        assert_eq!(
+            in_hosts(&hosts, "both"),
+            Some(vec![ip("10.0.0.9"), ip("::2")])
+        );
+        assert_eq!(in_hosts(&hosts, "elsewhere.test"), None);
     }
 
     #[test]
