@@ -127,7 +127,7 @@ impl Dns {
     /// The resolver; an error only for a setup hickory cannot build (one needing TLS,
     /// which this build leaves out), said in words.
     pub(crate) fn new(config: &DnsConfig) -> Result<Dns, String> {
-        let (system, mut options) = system_conf();
+        let (system, mut options) = system_conf(config.servers.is_empty());
         let resolver_config = if config.servers.is_empty() {
             system
         } else {
@@ -243,10 +243,13 @@ fn in_hosts(hosts: &Hosts, host: &str) -> Option<Vec<IpAddr>> {
 }
 
 /// /etc/resolv.conf's servers, search list and options; without a usable file, the
-/// system resolver's own default (a server on this host) and the default options.
-fn system_conf() -> (ResolverConfig, ResolverOpts) {
+/// system resolver's own default (a server on this host) and the default options,
+/// said in the log when its servers are the ones asked (`warn`).
+fn system_conf(warn: bool) -> (ResolverConfig, ResolverOpts) {
     hickory_resolver::system_conf::read_system_conf().unwrap_or_else(|error| {
-        tracing::warn!(%error, "cannot read /etc/resolv.conf; asking a DNS server on this host, as the system resolver would");
+        if warn {
+            tracing::warn!(%error, "cannot read /etc/resolv.conf; asking a DNS server on this host, as the system resolver would");
+        }
         (
             ResolverConfig::from_name_servers(name_servers(&fallback_servers())),
             ResolverOpts::default(),
