@@ -112,6 +112,7 @@ METRICS = {
     "webproxy_clock_skew_seconds": set(),
     "webproxy_state_bucket_bytes": {"bucket"},
     "webproxy_state_bucket_used_ratio": {"bucket"},
+    "webproxy_dns_lookup_failures_total": {"reason"},
     "webproxy_build_info": {"version"},
     # `webproxy gateway` (issue 21), on its own health listener.
     "webproxy_gateway_requests_total": {"route", "outcome"},

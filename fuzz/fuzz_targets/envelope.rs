@@ -14,6 +14,14 @@ fuzz_target!(|payload: &[u8]| {
             assert!(validate_id(&request.id).is_ok());
             assert!(matches!(request.url.scheme(), "http" | "https"));
             assert!(request.url.host().is_some());
+            // No `.;` or `..;` segment, which Tomcat-like upstreams read as a dot segment.
+            for segment in request.url.path().split('/') {
+                let upper = segment.to_ascii_uppercase();
+                let cut = [upper.find(';'), upper.find("%3B")].into_iter().flatten().min();
+                if let Some(at) = cut {
+                    assert!(!matches!(&upper[..at], "." | ".."), "{segment}");
+                }
+            }
             if let Some(reply_to) = &request.reply_to {
                 assert!(subjects.check_reply_to(reply_to, &request.id).is_ok());
                 assert!(!reply_to.starts_with("$JS."));

@@ -761,16 +761,7 @@ async fn escapes_from_a_routes_upstream_are_400() {
         "/svc/%2F..%2F..%2Fitem",
         "/svc/..%5Citem",
     ] {
-        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", scene.gateway.port()))
-            .await
-            .expect("connect");
-        tcp.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .expect("write");
-        let mut answer = String::new();
-        tcp.read_to_string(&mut answer).await.expect("read");
+        let answer = scene.gateway.raw_get(path).await;
         assert!(answer.starts_with("HTTP/1.1 400"), "{path}: {answer}");
         assert!(answer.contains("bad_path"), "{path}: {answer}");
     }

@@ -64,8 +64,8 @@ async fn loopback_in_every_spelling_is_denied_by_default() {
             "loopback, as the IPv4 address embedded",
         ),
         ("0.0.0.0", "0.0.0.0", "unspecified"),
-        // A name resolved by the system resolver (/etc/hosts) to loopback: the reply
-        // does not tell what it resolved to.
+        // A name that resolves to loopback (`localhost` is 127.0.0.1 and ::1 without a
+        // lookup): the reply does not tell what it resolved to.
         ("localhost", "127.0.0.1", "loopback"),
         ("localhost", "::1", "loopback"),
     ];

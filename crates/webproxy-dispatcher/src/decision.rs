@@ -17,7 +17,7 @@ pub(crate) enum Admission<'r> {
     /// Answer with this error at once; no attempt is made.
     Reject {
         error: ErrorBody,
-        /// The deny rule that matched, if one did.
+        /// The rule that matched, if one did.
         rule: Option<&'r RequestRule>,
     },
     /// Attempt under this rule.
@@ -25,13 +25,14 @@ pub(crate) enum Admission<'r> {
 }
 
 /// Matches a request against the rules: no match, a deny rule, or an accept rule
-/// bound to another origin is `denied`.
+/// bound to another origin is `denied`; a path parameter the accepting rule does not
+/// allow is `invalid_request`.
 pub(crate) fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
     match target(rules, request.method, &request.url) {
         Ok(rule) => Admission::Attempt(rule),
         Err(refusal) => Admission::Reject {
             error: ErrorBody {
-                code: ErrorCode::Denied,
+                code: refusal.code,
                 message: refusal.message,
                 status: None,
             },
@@ -43,21 +44,32 @@ pub(crate) fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission
 /// Why nothing may be sent to a URL.
 #[derive(Debug)]
 pub(crate) struct Refusal<'r> {
+    /// `denied` (the rules refuse the destination) or `invalid_request` (the URL is
+    /// one webproxy does not send under the rule that accepts it).
+    pub(crate) code: ErrorCode,
     pub(crate) message: String,
-    /// The rule that matched (a deny rule, or an accept rule bound to another
-    /// origin), if one did.
+    /// The rule that matched (a deny rule, an accept rule bound to another origin,
+    /// or one that does not allow the URL's path parameter), if one did.
     pub(crate) rule: Option<&'r RequestRule>,
 }
 
 /// The rule under which `method url` may be sent, for the first hop and every
-/// redirect hop alike: the first matching rule must accept, and an accept rule with
-/// an origin must name exactly the URL's scheme, host and port.
+/// redirect hop alike: the first matching rule must accept, an accept rule with
+/// an origin must name exactly the URL's scheme, host and port, and a `;` in the path
+/// needs the rule's `allow_path_parameters` (else `invalid_request`, as for a URL
+/// the envelope's parser refuses: the rule is known only here).
 pub(crate) fn target<'r>(
     rules: &'r RequestRules,
     method: Method,
     url: &url::Url,
 ) -> Result<&'r RequestRule, Refusal<'r>> {
-    let refused = |message: String, rule| Err(Refusal { message, rule });
+    let refused = |message: String, rule| {
+        Err(Refusal {
+            code: ErrorCode::Denied,
+            message,
+            rule,
+        })
+    };
     match rules.find(method, url.as_str()) {
         None => refused(format!("no request rule accepts {method} {url}"), None),
         Some(rule) if rule.action == RuleAction::Deny => refused(
@@ -65,7 +77,6 @@ pub(crate) fn target<'r>(
             Some(rule),
         ),
         Some(rule) => match rule.security.check_origin(url) {
-            Ok(()) => Ok(rule),
             Err(why) => refused(
                 format!(
                     "request rule {:?} matches {method} {url} but {why}",
@@ -73,6 +84,15 @@ pub(crate) fn target<'r>(
                 ),
                 Some(rule),
             ),
+            // The URL is not repeated: a path parameter may carry a session id.
+            Ok(()) => match rule.security.check_path(url) {
+                Ok(()) => Ok(rule),
+                Err(why) => Err(Refusal {
+                    code: ErrorCode::InvalidRequest,
+                    message: format!("request rule {:?} {why}", rule.name),
+                    rule: Some(rule),
+                }),
+            },
         },
     }
 }
@@ -385,6 +405,64 @@ mod tests {
         assert!(matches!(
             admit(&request("get", "https://a/x"), &rules),
             Admission::Attempt(r) if r.name == "ok"
+        ));
+    }
+
+    /// The rules: a deny on `/raw/target/admin/` above an accept on
+    /// `/raw/target/`. A `;` the accepting rule does not allow is `invalid_request`
+    /// naming the rule and the key, without repeating the URL; the same rule with
+    /// `allow_path_parameters` admits it; the deny rule still decides what it matches.
+    #[test]
+    fn a_path_parameter_needs_the_accepting_rules_allow_path_parameters() {
+        let specs = [
+            (
+                "admin",
+                "*",
+                "^https://a/raw/target/admin/",
+                RuleAction::Deny,
+            ),
+            ("target", "*", "^https://a/raw/target/", RuleAction::Accept),
+        ];
+        let strict = rules(&specs);
+        for url in [
+            "https://a/raw/target/admin;jsessionid=x/users",
+            "https://a/raw/target/admin%3B/users",
+            "https://a/raw/target/admin%3b/users",
+        ] {
+            match admit(&request("GET", url), &strict) {
+                Admission::Reject { error, rule } => {
+                    assert_eq!(error.code, ErrorCode::InvalidRequest, "{url}");
+                    assert!(error.message.contains("\"target\""), "{}", error.message);
+                    assert!(error.message.contains("';'"), "{}", error.message);
+                    assert!(error.message.contains("segment 3"), "{}", error.message);
+                    assert!(
+                        error.message.contains("allow_path_parameters"),
+                        "{}",
+                        error.message
+                    );
+                    assert!(!error.message.contains("jsessionid"), "{}", error.message);
+                    assert_eq!(rule.map(|r| r.name.as_str()), Some("target"));
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            admit(&request("GET", "https://a/raw/target/admin/x;y"), &strict),
+            Admission::Reject { error, .. } if error.code == ErrorCode::Denied
+        ));
+        assert!(matches!(
+            admit(&request("GET", "https://a/raw/target/x?a=1;b=2"), &strict),
+            Admission::Attempt(r) if r.name == "target"
+        ));
+
+        let mut allowing = rule_config("target", "*", specs[1].2, RuleAction::Accept);
+        allowing.allow_path_parameters = true;
+        let allowing = RequestRules::new(vec![
+            RequestRule::compile(&allowing, &Arc::from([])).expect("valid rule"),
+        ]);
+        assert!(matches!(
+            admit(&request("GET", "https://a/raw/target/cars;color=red"), &allowing),
+            Admission::Attempt(r) if r.name == "target"
         ));
     }
 

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 
 use url::Url;
-use webproxy_protocol::Method;
+use webproxy_protocol::{ErrorCode, Method};
 use webproxy_worker::{Denial, Hop, HopPolicy};
 
 use crate::decision::target;
@@ -56,6 +56,7 @@ impl HopPolicy for RulePolicy<'_> {
             Ok(rule) => Ok(self.hop_for(rule)),
             Err(refusal) => Err(Denial {
                 message: refusal.message,
+                invalid: refusal.code == ErrorCode::InvalidRequest,
             }),
         }
     }
@@ -97,6 +98,7 @@ mod tests {
             max_headers: 1,
             max_header_bytes: 1,
             deny_request_headers: vec!["x-global".into()],
+            dns: crate::security::DnsBounds::default(),
         };
         let secrets = Secrets::empty();
         let policy = RulePolicy {

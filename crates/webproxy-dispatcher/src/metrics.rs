@@ -13,6 +13,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use webproxy_worker::DnsFailure;
+
 use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::state::BucketUse;
@@ -67,6 +69,11 @@ struct BucketLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DnsLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
 }
@@ -116,6 +123,7 @@ pub(crate) struct Metrics {
     pool_effective_limit: Family<PoolLabels, Gauge>,
     state_bucket_bytes: Family<BucketLabels, Gauge>,
     state_bucket_used_ratio: Family<BucketLabels, Gauge<f64, AtomicU64>>,
+    dns_lookup_failures: Family<DnsLabels, Counter>,
 }
 
 impl Metrics {
@@ -262,6 +270,18 @@ impl Metrics {
             "The share of its size bound a bucket of the service's cluster state holds, as last read (every 5 s; 0 while it is missing); a full bucket refuses writes, and from 0.9 the instance is not ready until it falls below 0.85; cluster-wide: aggregate with max, not sum",
             state_bucket_used_ratio.clone(),
         );
+        let dns_lookup_failures = Family::<DnsLabels, Counter>::default();
+        // Every reason from the start, so a rate never begins at a missing series.
+        for failure in [DnsFailure::Timeout, DnsFailure::Busy, DnsFailure::Error] {
+            let _ = dns_lookup_failures.get_or_create(&DnsLabels {
+                reason: failure.as_str(),
+            });
+        }
+        registry.register(
+            "dns_lookup_failures",
+            "Host name lookups that failed on this instance, by reason: timeout (no answer within [outbound] dns_timeout), busy (every slot of dns_max_concurrent was taken and none freed in time) or error (the servers answered with an error, such as no such name, or could not be reached)",
+            dns_lookup_failures.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -294,7 +314,17 @@ impl Metrics {
             pool_effective_limit,
             state_bucket_bytes,
             state_bucket_used_ratio,
+            dns_lookup_failures,
         }
+    }
+
+    /// A host name lookup failed (`webproxy_worker::DnsConfig::on_failure`).
+    pub(crate) fn dns_lookup_failed(&self, failure: DnsFailure) {
+        self.dns_lookup_failures
+            .get_or_create(&DnsLabels {
+                reason: failure.as_str(),
+            })
+            .inc();
     }
 
     /// What `bucket` (its `Bucket::label`) holds now: `None` while it is missing,

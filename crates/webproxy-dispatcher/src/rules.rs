@@ -105,6 +105,11 @@ pub struct RequestRuleConfig {
     /// Headers dropped from this rule's requests, on top of the global list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) deny_request_headers: Vec<String>,
+    /// Sends a `;` in the path (raw or `%3B`, a path parameter such as
+    /// `;jsessionid=x`), which is otherwise `invalid_request`: upstreams such as
+    /// Tomcat drop what follows it, so they read another path than the one matched.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) allow_path_parameters: bool,
 }
 
 /// The header name upstreams that support idempotency keys commonly honour.
@@ -461,12 +466,19 @@ impl RuleSecurity {
             }
             None => None,
         };
+        if config.allow_path_parameters && config.action == RuleAction::Deny {
+            return Err((
+                "allow_path_parameters",
+                "applies only to an accept rule: a deny rule sends nothing".into(),
+            ));
+        }
         Ok(RuleSecurity {
             index: 0,
             follow_redirects: config.follow_redirects,
             inject,
             deny_request_headers,
             origin,
+            allow_path_parameters: config.allow_path_parameters,
         })
     }
 }
@@ -492,6 +504,24 @@ pub(crate) mod tests {
     fn rule(name: &str, method: &str, pattern: &str, action: RuleAction) -> RequestRule {
         RequestRule::compile(&rule_config(name, method, pattern, action), &Arc::from([]))
             .expect("valid rule")
+    }
+
+    #[test]
+    fn allow_path_parameters_is_an_accept_rules_key() {
+        let mut config = rule_config("r", "*", "^https://a/", RuleAction::Accept);
+        config.allow_path_parameters = true;
+        let compiled = RequestRule::compile(&config, &Arc::from([])).expect("valid");
+        assert!(compiled.security.allow_path_parameters);
+        assert!(
+            !rule("r", "*", "^https://a/", RuleAction::Accept)
+                .security
+                .allow_path_parameters,
+            "off by default"
+        );
+        config.action = RuleAction::Deny;
+        let (field, message) = RequestRule::compile(&config, &Arc::from([])).expect_err("deny");
+        assert_eq!(field, "allow_path_parameters");
+        assert!(message.contains("accept rule"), "{message}");
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! within the limits. Which headers a hop sends is the worker's (`egress` tells it).
 
 use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::de::{self, Deserializer, Visitor};
@@ -31,6 +33,13 @@ pub struct OutboundConfig {
     pub(crate) max_header_bytes: usize,
     /// Headers dropped from every request, whatever the caller sends.
     pub(crate) deny_request_headers: Vec<String>,
+    /// The longest one host name lookup may take, a wait for a free slot included.
+    #[serde(with = "humantime_serde")]
+    pub(crate) dns_timeout: Duration,
+    /// The most lookups under way at once on this instance.
+    pub(crate) dns_max_concurrent: usize,
+    /// DNS servers (`IP` or `IP:port`) asked instead of /etc/resolv.conf's.
+    pub(crate) dns_servers: Vec<String>,
 }
 
 impl OutboundConfig {
@@ -93,6 +102,28 @@ pub struct Outbound {
     pub(crate) max_header_bytes: usize,
     /// Lower case.
     pub(crate) deny_request_headers: Vec<String>,
+    /// Host name lookups: `dns_timeout`, `dns_max_concurrent`, `dns_servers`.
+    pub(crate) dns: DnsBounds,
+}
+
+/// `[outbound]`'s DNS keys, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DnsBounds {
+    pub(crate) timeout: Duration,
+    pub(crate) max_concurrent: usize,
+    /// Empty: /etc/resolv.conf's.
+    pub(crate) servers: Vec<SocketAddr>,
+}
+
+impl Default for DnsBounds {
+    /// As `config/default.toml` ships them.
+    fn default() -> Self {
+        DnsBounds {
+            timeout: Duration::from_secs(5),
+            max_concurrent: 256,
+            servers: Vec::new(),
+        }
+    }
 }
 
 impl Outbound {
@@ -109,6 +140,27 @@ impl Outbound {
                 "must be at least 1",
             ));
         }
+        if config.dns_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "outbound.dns_timeout",
+                "must be more than 0",
+            ));
+        }
+        if config.dns_max_concurrent == 0 {
+            return Err(ConfigError::new(
+                "outbound.dns_max_concurrent",
+                "must be at least 1",
+            ));
+        }
+        let servers = config
+            .dns_servers
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                dns_server(text)
+                    .map_err(|m| ConfigError::new(format!("outbound.dns_servers[{i}]"), m))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Outbound {
             max_response_bytes: config.max_response_bytes,
             guard: GuardPolicy {
@@ -122,8 +174,23 @@ impl Outbound {
             deny_request_headers: header_names(&config.deny_request_headers).map_err(
                 |(i, m)| ConfigError::new(format!("outbound.deny_request_headers[{i}]"), m),
             )?,
+            dns: DnsBounds {
+                timeout: config.dns_timeout,
+                max_concurrent: config.dns_max_concurrent,
+                servers,
+            },
         })
     }
+}
+
+/// A DNS server as `dns_servers` names it: an IP address (port 53) or `IP:port`
+/// (`[v6]:port` for IPv6).
+fn dns_server(text: &str) -> Result<SocketAddr, String> {
+    text.parse::<SocketAddr>()
+        .or_else(|_| text.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 53)))
+        .map_err(|_| {
+            format!("{text:?} is not an IP address or IP:port (\"10.0.0.2\", \"[fd00::53]:5353\")")
+        })
 }
 
 /// A request rule's security settings.
@@ -140,6 +207,8 @@ pub struct RuleSecurity {
     /// The one origin a hop under this rule may go to; always set when the rule
     /// injects headers.
     pub origin: Option<Origin>,
+    /// Whether a hop under this rule may have a `;` in its path (`allow_path_parameters`).
+    pub allow_path_parameters: bool,
 }
 
 impl RuleSecurity {
@@ -152,6 +221,22 @@ impl RuleSecurity {
                 "is bound to origin {}, not {}",
                 origin.ascii_serialization(),
                 url.origin().ascii_serialization()
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether `url`'s path may be sent under this rule: a `;` in it (raw or `%3B`)
+    /// only with `allow_path_parameters`, since Tomcat, Jetty and Spring drop what
+    /// follows it and would read another path than the rules matched. `.;` and `..;`
+    /// segments never reach here: the canonical URL refuses them.
+    pub(crate) fn check_path(&self, url: &Url) -> Result<(), String> {
+        match webproxy_protocol::path_parameter(url) {
+            Some(segment) if !self.allow_path_parameters => Err(format!(
+                "does not allow a ';' in the path (raw or %3B, in segment {segment}), which \
+                 Tomcat, Jetty and Spring drop with what follows it as a path parameter, so \
+                 the upstream could read another path than the rules matched; \
+                 allow_path_parameters = true on the rule sends it"
             )),
             _ => Ok(()),
         }
@@ -320,7 +405,35 @@ mod tests {
             max_headers: 2,
             max_header_bytes: 20,
             deny_request_headers: vec!["Proxy-Authorization".into(), "X-Forwarded-Host".into()],
+            dns_timeout: Duration::from_secs(5),
+            dns_max_concurrent: 256,
+            dns_servers: Vec::new(),
         }
+    }
+
+    #[test]
+    fn dns_keys_are_checked_and_name_the_key() {
+        let mut config = outbound(&[], &[]);
+        config.dns_servers = vec![
+            "10.0.0.2".into(),
+            "127.0.0.1:5353".into(),
+            "[::1]:53".into(),
+        ];
+        let compiled = Outbound::compile(&config).expect("valid");
+        let servers: Vec<String> = compiled.dns.servers.iter().map(|s| s.to_string()).collect();
+        assert_eq!(servers, ["10.0.0.2:53", "127.0.0.1:5353", "[::1]:53"]);
+        assert_eq!(compiled.dns.max_concurrent, 256);
+        config.dns_servers = vec!["10.0.0.2".into(), "dns.example".into()];
+        let e = Outbound::compile(&config).expect_err("a name");
+        assert!(e.to_string().contains("outbound.dns_servers[1]"), "{e}");
+        config.dns_servers.clear();
+        config.dns_max_concurrent = 0;
+        let e = Outbound::compile(&config).expect_err("no lookups");
+        assert!(e.to_string().contains("outbound.dns_max_concurrent"), "{e}");
+        config.dns_max_concurrent = 1;
+        config.dns_timeout = Duration::ZERO;
+        let e = Outbound::compile(&config).expect_err("no time");
+        assert!(e.to_string().contains("outbound.dns_timeout"), "{e}");
     }
 
     fn request(headers: &[(&str, &str)], body: &str) -> Request {

@@ -404,6 +404,10 @@ fn parse_url(text: &str) -> Result<Url, String> {
 ///   upstreams split differently from the matcher;
 /// - percent-escaped unreserved characters in the path (`/%61dmin/`) are decoded, and
 ///   the hex digits of the other escapes upper-cased, so a pattern sees one spelling;
+/// - no `.;` or `..;` segment (a `.` or `..` with a `;` parameter, raw or `%3B`, after
+///   the decoding above: `%2e%2e;`, `..%3b`), which Tomcat, Jetty and Spring read as a
+///   dot segment: `/public/..;/admin` is `/admin` to them and under `/public/` to a
+///   pattern. A `;` elsewhere in the path is the rule's to allow ([`path_parameter`]);
 /// - no fragment, which HTTP never sends and a pattern must not see either.
 ///
 /// The result parses back to itself, so what was matched is what is sent. The message
@@ -443,10 +447,57 @@ pub fn canonical_url(mut url: Url) -> Result<Url, String> {
             return Err("has a path that changes when its escapes are decoded".into());
         }
     }
+    if let Some(segment) = dot_parameter_segment(url.path()) {
+        return Err(format!(
+            "has a '.' or '..' path segment with a ';' parameter (segment {segment}, \
+             such as '..;' or '..%3B'), which Tomcat, Jetty and Spring read as a dot \
+             segment, so the upstream would read another path than the rules matched"
+        ));
+    }
     match Url::parse(url.as_str()) {
         Ok(again) if again == url => Ok(url),
         _ => Err("does not parse back to itself once normalised".into()),
     }
+}
+
+/// The segments of a canonical path (after the leading `/`), numbered from 1, each
+/// split at its first path parameter: `;` or its escape, which canonical paths spell
+/// `%3B` (hex upper-cased). `(number, before, parameter)`, `parameter` false when the
+/// segment has none.
+fn segments(path: &str) -> impl Iterator<Item = (usize, &str, bool)> {
+    path.strip_prefix('/')
+        .unwrap_or(path)
+        .split('/')
+        .enumerate()
+        .map(|(i, segment)| {
+            let cut = [segment.find(';'), segment.find("%3B")]
+                .into_iter()
+                .flatten()
+                .min();
+            match cut {
+                Some(at) => (i + 1, &segment[..at], true),
+                None => (i + 1, segment, false),
+            }
+        })
+}
+
+/// The number of the first segment of a canonical path that is `.` or `..` with a path
+/// parameter (`..;`, `.;x`, `..%3B`), if one is.
+fn dot_parameter_segment(path: &str) -> Option<usize> {
+    segments(path)
+        .find(|(_, before, parameter)| *parameter && matches!(*before, "." | ".."))
+        .map(|(number, _, _)| number)
+}
+
+/// The number of the first segment of a canonical URL's path holding a `;`, raw or as
+/// `%3B`, if one does: Tomcat, Jetty and Spring drop what follows it as a path
+/// parameter (`/admin;jsessionid=x/users` is `/admin/users` to them), so a rule must
+/// allow it (`allow_path_parameters`) before webproxy sends it. The query is not the
+/// path: a `;` there is the upstream's.
+pub fn path_parameter(url: &Url) -> Option<usize> {
+    segments(url.path())
+        .find(|(_, _, parameter)| *parameter)
+        .map(|(number, _, _)| number)
 }
 
 /// `path` with percent-escaped unreserved characters (RFC 3986: letters, digits,
@@ -777,6 +828,58 @@ mod tests {
         }
         // Only the path counts: the same characters in the query are the upstream's.
         assert!(url_of("https://a.test/x?next=//b%2Fc").is_ok());
+    }
+
+    #[test]
+    fn dot_segments_with_a_parameter_are_refused_in_every_spelling() {
+        for (text, segment) in [
+            ("https://a.test/public/..;/admin/users", 2),
+            ("https://a.test/public/.;/admin", 2),
+            ("https://a.test/..;jsessionid=x/admin", 1),
+            ("https://a.test/public/%2e%2e;/admin", 2),
+            ("https://a.test/public/%2E%2E;/admin", 2),
+            ("https://a.test/public/..%3b/admin", 2),
+            ("https://a.test/public/..%3B/admin", 2),
+            ("https://a.test/public/%2e%2e%3b/admin", 2),
+            ("https://a.test/public/.%2e%3Bx/admin", 2),
+            ("https://a.test/a/b/%2e;", 3),
+            ("https://a.test/public/..;", 2),
+        ] {
+            let e = url_of(text).expect_err(text);
+            assert!(e.contains("';' parameter"), "{text}: {e}");
+            assert!(e.contains(&format!("segment {segment}")), "{text}: {e}");
+            assert!(!e.contains("a.test"), "the message repeats the URL: {e}");
+        }
+        // Not dot segments: kept (a rule decides on their ';'), and so is the query.
+        for text in [
+            "https://a.test/public/...;/admin",
+            "https://a.test/public/x..;/admin",
+            "https://a.test/public/..x;/admin",
+            "https://a.test/public/a;b/admin",
+            "https://a.test/public/?p=..;/admin",
+        ] {
+            assert!(url_of(text).is_ok(), "{text}");
+        }
+    }
+
+    #[test]
+    fn path_parameters_are_found_raw_or_escaped_in_any_case() {
+        let parameter = |text: &str| path_parameter(&parse_url(text).expect(text));
+        assert_eq!(
+            parameter("https://a.test/admin;jsessionid=x/users"),
+            Some(1)
+        );
+        assert_eq!(parameter("https://a.test/x/admin%3B/users"), Some(2));
+        assert_eq!(parameter("https://a.test/x/admin%3bjsessionid=x"), Some(2));
+        assert_eq!(parameter("https://a.test/x/y/;"), Some(3));
+        assert_eq!(parameter("https://a.test/admin/users"), None);
+        assert_eq!(parameter("https://a.test/admin?a=1;b=2"), None);
+        assert_eq!(parameter("https://a.test/admin%3A/users"), None);
+        assert_eq!(
+            parameter("https://a.test/a%253B"),
+            None,
+            "an escaped %, not a ';'"
+        );
     }
 
     #[test]

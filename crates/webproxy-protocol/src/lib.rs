@@ -14,6 +14,7 @@ mod subjects;
 
 pub use envelope::{
     InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, canonical_url, parse_request,
+    path_parameter,
 };
 pub use headers::{HeaderValue, Headers, collect_headers, is_hop_by_hop};
 pub use name::InvalidName;

@@ -222,7 +222,10 @@ pub(crate) fn url(_: &mut SchemaGenerator) -> Schema {
                         normalises it with the WHATWG URL parser and decodes percent-escaped \
                         unreserved characters in the path; rules match and the service sends \
                         the normalised form. A path with an empty segment (`//`) or an encoded \
-                        `/` or `\\` (`%2F`, `%5C`), and a host ending in a dot, are refused.",
+                        `/` or `\\` (`%2F`, `%5C`), a `.;` or `..;` segment (raw or encoded, \
+                        e.g. `%2e%2e;`, `..%3B`), and a host ending in a dot, are refused. A \
+                        `;` in the path (raw or `%3B`) is refused unless the matching request \
+                        rule sets `allow_path_parameters`.",
         "type": "string",
         "format": "uri",
         "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://",

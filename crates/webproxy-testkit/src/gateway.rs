@@ -59,6 +59,26 @@ impl Gateway {
     pub fn port(&self) -> u16 {
         self.port
     }
+
+    /// `GET path` written by hand on a fresh connection (`Connection: close`), and the
+    /// whole answer as text: every HTTP client resolves dot segments and some rewrite
+    /// escapes, which the path tests must send as they are.
+    pub async fn raw_get(&self, path: &str) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .expect("connect to the gateway");
+        tcp.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("write the request");
+        let mut answer = String::new();
+        tcp.read_to_string(&mut answer)
+            .await
+            .expect("read the answer");
+        answer
+    }
 }
 
 impl Deref for Gateway {

@@ -1,6 +1,6 @@
-//! What a child process has cost so far, read from `/proc` (Linux only): its CPU time
-//! and its peak resident memory. The bench divides them by the conversations served;
-//! tests bound them.
+//! What a child process has cost so far, read from `/proc` (Linux only): its CPU time,
+//! its peak resident memory and its threads. The bench divides the first two by the
+//! conversations served; tests bound them.
 
 use std::fs;
 use std::process::Command;
@@ -39,6 +39,19 @@ pub fn peak_rss(pid: u32) -> Option<u64> {
         .parse()
         .ok()?;
     Some(kib * 1024)
+}
+
+/// How many threads process `pid` has now (`Threads` in `/proc/<pid>/status`);
+/// `None` once it exited. A blocking call (getaddrinfo on tokio's blocking pool) holds
+/// one each.
+pub fn threads(pid: u32) -> Option<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// `getconf CLK_TCK`: the unit of `/proc/<pid>/stat`'s times (100 on Linux).

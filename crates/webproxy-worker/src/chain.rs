@@ -65,6 +65,10 @@ impl fmt::Debug for Hop {
 #[error("{message}")]
 pub struct Denial {
     pub message: String,
+    /// The URL is one webproxy does not send under the rule that matches it (a `;` in
+    /// the path the rule does not allow): the chain ends `Invalid` (`invalid_request`,
+    /// as the same URL from a caller), not `Denied`.
+    pub invalid: bool,
 }
 
 /// The caller's request, as the chain sends it.
@@ -179,15 +183,23 @@ impl Worker {
             let Some(next) = next else {
                 return end(outcome, connected, redirects);
             };
-            hop = match policy
-                .hop(next.method, &next.url)
-                .map_err(|denial| denial.message)
-                .and_then(|hop| bound(&hop, &next.url).map(|()| hop))
-            {
+            hop = match policy.hop(next.method, &next.url).and_then(|hop| {
+                bound(&hop, &next.url)
+                    .map(|()| hop)
+                    .map_err(|message| Denial {
+                        message,
+                        invalid: false,
+                    })
+            }) {
                 Ok(hop) => hop,
-                Err(why) => {
-                    let message = format!("redirect from {url}: {why}");
-                    return end(AttemptOutcome::Denied { message }, connected, redirects);
+                Err(denial) => {
+                    let message = format!("redirect from {url}: {}", denial.message);
+                    let outcome = if denial.invalid {
+                        AttemptOutcome::Invalid { message }
+                    } else {
+                        AttemptOutcome::Denied { message }
+                    };
+                    return end(outcome, connected, redirects);
                 }
             };
             redirects += 1;

@@ -1,6 +1,6 @@
 //! The address guard: whether webproxy may connect to an IP address. Pure code, no I/O;
-//! the worker applies it to IP-literal URLs before sending and to every address the
-//! system resolver returns, so the address checked is the address connected to.
+//! the worker applies it to IP-literal URLs before sending and to every address its
+//! resolver returns, so the address checked is the address connected to.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

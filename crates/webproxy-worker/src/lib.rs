@@ -8,6 +8,7 @@
 #![warn(unreachable_pub)]
 
 mod chain;
+mod dns;
 /// The address guard's pure decision, public for the `guard_url` fuzz target.
 pub mod guard;
 mod redirect;
@@ -24,14 +25,20 @@ use url::Url;
 use webproxy_protocol::AttemptRecord;
 
 pub use crate::chain::{Chain, ChainRequest, Denial, Hop, HopPolicy};
+use crate::dns::{Dns, DnsError};
+pub use crate::dns::{DnsConfig, DnsFailure};
 use crate::guard::Denied;
 pub use crate::guard::GuardPolicy;
 use crate::resolve::GuardedResolver;
 
 /// Why the HTTP client could not be built.
 #[derive(Debug, Error)]
-#[error("cannot build the HTTP client: {0}")]
-pub struct BuildError(#[from] reqwest::Error);
+pub enum BuildError {
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+    #[error("cannot build the DNS resolver: {0}")]
+    Dns(String),
+}
 
 /// Settings of the shared client.
 #[derive(Debug, Clone)]
@@ -44,6 +51,8 @@ pub struct WorkerConfig {
     pub max_response_headers: usize,
     /// The most bytes of response header names and values accepted.
     pub max_response_header_bytes: usize,
+    /// How host names are looked up, and the bounds on it.
+    pub dns: DnsConfig,
 }
 
 impl WorkerConfig {
@@ -54,6 +63,7 @@ impl WorkerConfig {
             guard: GuardPolicy::default(),
             max_response_headers: 100,
             max_response_header_bytes: 64 * 1024,
+            dns: DnsConfig::default(),
         }
     }
 }
@@ -253,7 +263,10 @@ impl Worker {
             // Environment proxy settings would send requests somewhere no rule names,
             // and past the guard: the proxy's address is not the destination's.
             .no_proxy()
-            .dns_resolver(GuardedResolver::new(guard.clone()))
+            .dns_resolver(GuardedResolver::new(
+                guard.clone(),
+                Dns::new(&config.dns).map_err(BuildError::Dns)?,
+            ))
             .http1_max_headers(config.max_response_headers)
             .http2_max_header_list_size(
                 u32::try_from(config.max_response_header_bytes + 32 * config.max_response_headers)
@@ -459,7 +472,10 @@ fn classify(error: &reqwest::Error, timeout: Duration, started: Instant) -> Tran
         FailureKind::Timeout
     } else if chain.iter().any(|e| is_tls(*e)) {
         FailureKind::Tls
-    } else if chain.iter().any(|e| e.to_string().starts_with("dns error")) {
+    } else if chain
+        .iter()
+        .any(|e| e.is::<DnsError>() || e.to_string().starts_with("dns error"))
+    {
         FailureKind::Dns
     } else if let Some(kind) = chain.iter().find_map(|e| io_kind(*e)) {
         match kind {

@@ -1,36 +1,46 @@
-//! Name resolution through the address guard: the system resolver (getaddrinfo, so
-//! /etc/hosts and the host's DNS settings apply) and then the guard on every address it
-//! returns. reqwest connects only to what this returns, so the address checked is the
-//! address used, and a name that resolves differently the second time (DNS rebinding)
-//! is checked again.
+//! Name resolution through the address guard: the bounded async resolver (`dns.rs`,
+//! /etc/resolv.conf and /etc/hosts as the system resolver reads them) and then the
+//! guard on every address it returns. reqwest connects only to what this returns, so
+//! the address checked is the address used, and a name that resolves differently the
+//! second time (DNS rebinding) is checked again.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
+use crate::dns::Dns;
 use crate::guard::{self, Denied, GuardPolicy};
 
 /// A reqwest resolver that drops the addresses the guard denies.
 #[derive(Debug, Clone)]
 pub(crate) struct GuardedResolver {
     policy: Arc<GuardPolicy>,
+    dns: Arc<Dns>,
 }
 
 impl GuardedResolver {
-    pub(crate) fn new(policy: Arc<GuardPolicy>) -> Self {
-        GuardedResolver { policy }
+    pub(crate) fn new(policy: Arc<GuardPolicy>, dns: Dns) -> Self {
+        GuardedResolver {
+            policy,
+            dns: Arc::new(dns),
+        }
     }
 }
 
 impl Resolve for GuardedResolver {
     fn resolve(&self, name: Name) -> Resolving {
         let policy = self.policy.clone();
+        let dns = self.dns.clone();
         let host = name.as_str().to_string();
         Box::pin(async move {
             // Port 0: reqwest puts the URL's port in afterwards.
-            let resolved: Vec<SocketAddr> =
-                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let resolved: Vec<SocketAddr> = dns
+                .lookup(&host)
+                .await?
+                .into_iter()
+                .map(|ip| SocketAddr::new(ip, 0))
+                .collect();
             let allowed = filter(&resolved, &policy)?;
             let addrs: Addrs = Box::new(allowed.into_iter());
             Ok(addrs)

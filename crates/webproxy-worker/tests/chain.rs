@@ -146,8 +146,11 @@ impl HopPolicy for Rules {
             .iter()
             .find(|(prefix, _)| url.as_str().starts_with(prefix.as_str()))
             .map(|(_, hop)| hop.clone())
+            .filter(|_| !url.path().contains(';'))
             .ok_or_else(|| Denial {
                 message: format!("no hop for {method} {url}"),
+                // As the dispatcher's rules refuse a ';' no rule allows.
+                invalid: url.path().contains(';'),
             })
     }
 
@@ -401,6 +404,10 @@ async fn redirect_hops_are_canonical_and_refused_like_a_callers_url() {
         ),
         (url_of(up, "//echo"), "empty path segment"),
         (url_of(up, "/x%2Fecho"), "%2F"),
+        (url_of(up, "/x/..;/echo"), "';' parameter"),
+        (url_of(up, "/x/%2e%2e%3b/echo"), "';' parameter"),
+        // Refused by the policy, which knows whether the rule allows a ';'.
+        (url_of(up, "/echo;jsessionid=x"), "no hop for"),
     ] {
         let chain = perform(&rules, Method::Get, &to(up, 302, &target), &[], "").await;
         match &chain.outcome {

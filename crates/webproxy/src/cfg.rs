@@ -220,6 +220,9 @@ struct EffectiveRule<'a> {
     inject_headers: std::collections::BTreeMap<&'a str, &'a webproxy_dispatcher::SecretSource>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     deny_request_headers: &'a [String],
+    /// Whether a `;` in the path may be sent.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    allow_path_parameters: bool,
     /// What the rule's responses mean, and whether that is its own list, the global
     /// one or the defaults.
     response_rules: webproxy_dispatcher::AppliedResponseRules,
@@ -265,6 +268,7 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
                 .map(|(name, source)| (name.as_str(), source))
                 .collect(),
             deny_request_headers: &r.security.deny_request_headers,
+            allow_path_parameters: r.security.allow_path_parameters,
             response_rules: r.applied_response_rules(),
         })
         .collect();
@@ -353,6 +357,9 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
             }
             if !rule.deny_request_headers.is_empty() {
                 outln!("    drops headers {}", rule.deny_request_headers.join(", "))?;
+            }
+            if rule.allow_path_parameters {
+                outln!("    sends a ';' in the path (allow_path_parameters)")?;
             }
             if rule.action == RuleAction::Accept {
                 let source = match rule.response_rules.source {

@@ -79,7 +79,11 @@ impl Live {
     ) -> Result<(), StartError> {
         let running = self.load();
         let (settings, retained) = keep_dropped_pools(&running.settings, settings);
-        let worker = worker_for(&settings.cluster.outbound, running.outlet.max_payload)?;
+        let worker = worker_for(
+            &settings.cluster.outbound,
+            running.outlet.max_payload,
+            &running.outlet.metrics,
+        )?;
         let mut outlet = running.outlet.clone();
         outlet
             .js

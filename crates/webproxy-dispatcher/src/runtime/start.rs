@@ -9,13 +9,14 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-use webproxy_worker::{BuildError, Worker, WorkerConfig};
+use webproxy_worker::{BuildError, DnsConfig, Worker, WorkerConfig};
 
 use super::Dispatcher;
 use crate::Instruments;
 use crate::backoff::Backoff;
 use crate::cluster::jetstream_request_timeout;
 use crate::config::Settings;
+use crate::metrics::Metrics;
 use crate::outbox::max_response_bytes_for;
 use crate::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
 use crate::secrets::Secrets;
@@ -70,7 +71,11 @@ impl Dispatcher {
         check_server(server)?;
         let max_payload = server.max_payload;
         info!(server = %server.version, max_payload, "connected to NATS");
-        let worker = worker_for(&settings.cluster.outbound, max_payload)?;
+        let worker = worker_for(
+            &settings.cluster.outbound,
+            max_payload,
+            &instruments.metrics,
+        )?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
         let Some(provisioned) =
@@ -112,15 +117,28 @@ pub fn check_server(server: &async_nats::ServerInfo) -> Result<(), StartError> {
 }
 
 /// The HTTP client for `[outbound]`, its response limit resolved against the server's
-/// `max_payload`: at start, and for every revision of the document.
-pub(super) fn worker_for(outbound: &Outbound, max_payload: usize) -> Result<Worker, StartError> {
+/// `max_payload`: at start, and for every revision of the document. Each revision's
+/// client has its own DNS resolver and `dns_max_concurrent` slots (a lookup keeps the
+/// revision it started under); every one counts its failed lookups in `metrics`.
+pub(super) fn worker_for(
+    outbound: &Outbound,
+    max_payload: usize,
+    metrics: &Arc<Metrics>,
+) -> Result<Worker, StartError> {
     let max_response_bytes =
         effective_max_response_bytes(outbound.max_response_bytes, max_payload)?;
+    let metrics = metrics.clone();
     Ok(Worker::new(&WorkerConfig {
         max_response_bytes,
         guard: outbound.guard.clone(),
         max_response_headers: outbound.max_headers,
         max_response_header_bytes: outbound.max_header_bytes,
+        dns: DnsConfig {
+            timeout: outbound.dns.timeout,
+            max_concurrent: outbound.dns.max_concurrent,
+            servers: outbound.dns.servers.clone(),
+            on_failure: Some(Arc::new(move |failure| metrics.dns_lookup_failed(failure))),
+        },
     })?)
 }
 

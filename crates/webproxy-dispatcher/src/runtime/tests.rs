@@ -71,6 +71,7 @@ impl Fixture {
             guard: settings.cluster.outbound.guard.clone(),
             max_response_headers: settings.cluster.outbound.max_headers,
             max_response_header_bytes: settings.cluster.outbound.max_header_bytes,
+            dns: webproxy_worker::DnsConfig::default(),
         })
         .expect("worker");
         let secrets = Secrets::empty();

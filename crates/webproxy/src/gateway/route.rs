@@ -22,8 +22,12 @@ pub fn find<'a, 'p>(routes: &'a [Route], path: &'p str) -> Option<(&'a Route, &'
 /// The upstream URL for `rest` (the request path after the route's) and `query`, in
 /// the canonical form the service matches rules against; or why it is refused (400).
 /// Refused: an encoded separator (`%2F`, `%5C`) or a backslash anywhere in `rest`,
-/// and a join that, once `..` and `%2e%2e` segments are resolved, leaves the
-/// upstream's origin or path.
+/// a `.;` or `..;` segment in any spelling (the canonical URL refuses it: Tomcat
+/// reads `/pub/..;/admin` as `/admin`, outside the route's upstream), and a join
+/// that, once `..` and `%2e%2e` segments are resolved, leaves the upstream's origin
+/// or path. A `;` elsewhere in the path stays: whether it may be sent is the request
+/// rule's (`allow_path_parameters`), which the service applies (400 from its
+/// `invalid_request`).
 pub fn target(route: &Route, rest: &str, query: Option<&str>) -> Result<Url, String> {
     let lower = rest.to_ascii_lowercase();
     if lower.contains("%2f") || lower.contains("%5c") || rest.contains('\\') {
@@ -121,6 +125,24 @@ mod tests {
         ] {
             assert!(target(&r, rest, None).is_err(), "{rest}");
         }
+        for rest in [
+            "/..;/admin",
+            "/%2e%2e;/admin",
+            "/..%3B/admin",
+            "/..%3b/admin",
+            "/.%2E%3bx/admin",
+            "/.;/admin",
+        ] {
+            let e = target(&r, rest, None).expect_err(rest);
+            assert!(e.contains("';' parameter"), "{rest}: {e}");
+        }
+        // A parameter that is not a dot segment is the rule's to allow or refuse.
+        assert_eq!(
+            target(&r, "/admin;jsessionid=x/users", None)
+                .map(|u| u.to_string())
+                .as_deref(),
+            Ok("http://up/base/admin;jsessionid=x/users")
+        );
         // `x` joined to `/base` is `/basex`: beside the upstream's path, not under it.
         let root = route("/api", "http://up/");
         assert!(target(&root, "/../../etc", None).is_ok_and(|u| u.path() == "/etc"));
