@@ -16,6 +16,7 @@ use tracing::{error, info, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
 use webproxy_dispatcher::Backoff;
 
+use super::connections::Limit;
 use super::ids::{self, Key};
 use super::mapping::{self, Answer};
 use super::metrics::{NO_ROUTE, Telemetry};
@@ -56,6 +57,8 @@ pub struct Gateway {
     idempotency_header: String,
     max_request_bytes: usize,
     max_payload: usize,
+    /// `body_idle_timeout`: the longest pause in a body being read.
+    body_idle_timeout: Duration,
     permits: Arc<Semaphore>,
     telemetry: Telemetry,
     /// Cancelled when `shutdown_grace` is about to run out: requests still waiting
@@ -89,6 +92,7 @@ impl Gateway {
             max_request_bytes: usize::try_from(settings.config.outbound.max_request_bytes())
                 .unwrap_or(usize::MAX),
             max_payload,
+            body_idle_timeout: config.body_idle_timeout,
             permits: Arc::new(Semaphore::new(config.max_concurrent)),
             telemetry,
             give_up: CancellationToken::new(),
@@ -295,33 +299,27 @@ impl Gateway {
             answer,
         };
         // Past max_concurrent waiting requests, refuse before reading the body.
+        if self.permits.available_permits() == 0 {
+            return answered(self.busy());
+        }
+        let method = request.method().as_str().to_string();
+        let body = match read_body(
+            request.into_body(),
+            self.max_request_bytes,
+            self.body_idle_timeout,
+        )
+        .await
+        {
+            Ok(body) => body,
+            Err(unread) => return answered(self.unread(unread)),
+        };
+        // A request takes its place only with its whole body in hand, so a client that
+        // stalls its body holds its connection but never one of max_concurrent.
         let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
-            let mut answer = mapping::gateway_error(
-                503,
-                "busy",
-                "the gateway has max_concurrent requests waiting",
-            );
-            answer
-                .headers
-                .push(("retry-after".into(), RETRY_AFTER.into()));
-            return answered(answer);
+            return answered(self.busy());
         };
         self.telemetry.waiting().inc();
         let _waiting = scopeguard_dec(&self.telemetry);
-        let method = request.method().as_str().to_string();
-        let body = match axum::body::to_bytes(request.into_body(), self.max_request_bytes).await {
-            Ok(body) => body,
-            Err(_) => {
-                return answered(mapping::gateway_error(
-                    413,
-                    "too_large",
-                    &format!(
-                        "the body is over outbound.max_request_bytes = {} (or could not be read)",
-                        self.max_request_bytes
-                    ),
-                ));
-            }
-        };
         let envelope = RequestEnvelope {
             id: id.clone(),
             method,
@@ -361,6 +359,52 @@ impl Gateway {
             .await;
         self.telemetry.waited(&route.path, started.elapsed());
         answered(answer)
+    }
+
+    /// 503 `busy`: `max_concurrent` requests are waiting.
+    fn busy(&self) -> Answer {
+        self.telemetry.limited(Limit::MaxConcurrent);
+        let mut answer = mapping::gateway_error(
+            503,
+            "busy",
+            "the gateway has max_concurrent requests waiting",
+        );
+        answer
+            .headers
+            .push(("retry-after".into(), RETRY_AFTER.into()));
+        answer
+    }
+
+    /// The answer to a body that was not read whole.
+    fn unread(&self, unread: Unread) -> Answer {
+        match unread {
+            Unread::TooLarge => mapping::gateway_error(
+                413,
+                "too_large",
+                &format!(
+                    "the body is over outbound.max_request_bytes = {}",
+                    self.max_request_bytes
+                ),
+            ),
+            Unread::Stalled => {
+                self.telemetry.limited(Limit::BodyIdleTimeout);
+                let mut answer = mapping::gateway_error(
+                    408,
+                    "body_timeout",
+                    &format!(
+                        "no bytes of the body arrived for gateway.body_idle_timeout = {}",
+                        humantime::format_duration(self.body_idle_timeout)
+                    ),
+                );
+                answer.headers.push(("connection".into(), "close".into()));
+                answer
+            }
+            Unread::Failed(e) => mapping::gateway_error(
+                400,
+                "bad_request",
+                &format!("the body could not be read: {e}"),
+            ),
+        }
     }
 
     /// Publishes `publish` (unless a keyed id's record shows it published already),
@@ -536,6 +580,62 @@ impl Gateway {
                 answer,
             },
         )
+    }
+}
+
+/// The answer on a connection over a connection cap (`listener.rs`): 503 naming the
+/// cap, and the connection closes.
+pub fn over_limit(limit: Limit) -> Response {
+    let whose = match limit {
+        Limit::MaxConnectionsPerSource => "this client's address has",
+        _ => "the gateway has",
+    };
+    let mut answer = mapping::gateway_error(
+        503,
+        limit.key(),
+        &format!(
+            "{whose} gateway.{} connections open; try again later",
+            limit.key()
+        ),
+    );
+    answer.headers.extend([
+        ("retry-after".into(), RETRY_AFTER.into()),
+        ("connection".into(), "close".into()),
+    ]);
+    respond(refused(answer))
+}
+
+/// Why a body was not read whole.
+#[derive(Debug)]
+enum Unread {
+    /// Over `max_request_bytes`: read up to the limit, not refused by its
+    /// `Content-Length`, since an answer sent while a client still writes megabytes
+    /// is often lost to the reset of closing under them.
+    TooLarge,
+    /// No bytes for `body_idle_timeout`.
+    Stalled,
+    /// The connection failed or the framing was wrong.
+    Failed(axum::Error),
+}
+
+/// `body` whole, up to `limit` bytes, with no pause between its bytes longer than
+/// `idle`: a slow body that keeps coming is read to its end, one that stops is not
+/// waited for.
+async fn read_body(body: Body, limit: usize, idle: Duration) -> Result<Vec<u8>, Unread> {
+    use futures::StreamExt as _;
+    let mut read = Vec::new();
+    let mut chunks = body.into_data_stream();
+    loop {
+        let chunk = match tokio::time::timeout(idle, chunks.next()).await {
+            Err(_) => return Err(Unread::Stalled),
+            Ok(None) => return Ok(read),
+            Ok(Some(Err(e))) => return Err(Unread::Failed(e)),
+            Ok(Some(Ok(chunk))) => chunk,
+        };
+        if read.len() + chunk.len() > limit {
+            return Err(Unread::TooLarge);
+        }
+        read.extend_from_slice(&chunk);
     }
 }
 
