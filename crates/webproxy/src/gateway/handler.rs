@@ -17,7 +17,7 @@ use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestE
 use webproxy_dispatcher::Backoff;
 
 use super::connections::Limit;
-use super::ids::{self, Key};
+use super::ids::{self, Binding, Fingerprint, Key};
 use super::mapping::{self, Answer};
 use super::metrics::{NO_ROUTE, Telemetry};
 use super::store::{Record, Records};
@@ -109,8 +109,8 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
     Router::new().fallback(handle).with_state(gateway)
 }
 
-/// An answer and the id it names (minted, or a fresh one that names nothing when
-/// the request was refused before an id was minted).
+/// An answer and the id it names (the conversation's, or a fresh one that names
+/// nothing when the request was refused before it was bound to its id).
 struct Answered {
     id: String,
     answer: Answer,
@@ -152,7 +152,8 @@ async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Respon
     respond(answered)
 }
 
-/// A refusal before any id was minted: `Webproxy-Id` names nothing published.
+/// A refusal before the request was published under its id (or found recorded
+/// under it): `Webproxy-Id` is a fresh one that names nothing published.
 fn refused(answer: Answer) -> Answered {
     let id = ids::random_id().unwrap_or_else(|_| format!("{}none", ids::PREFIX));
     Answered { id, answer }
@@ -273,34 +274,22 @@ impl Gateway {
                 }
             },
         };
-        let (id, msg_id) = match &client_key {
+        let (id, key) = match &client_key {
             Some(client_key) => {
                 let key = match self.key() {
                     Ok(key) => key,
                     Err(answer) => return refused(answer),
                 };
-                let id = key.id_for(&route.path, &identity, client_key);
-                let msg_id = key.msg_id_for(&id);
-                (id, msg_id)
+                (key.id_for(&route.path, &identity, client_key), Some(key))
             }
-            None => match (ids::random_id(), ids::random_hex()) {
-                (Ok(id), Ok(msg_id)) => (id, msg_id),
-                _ => {
-                    return refused(mapping::gateway_error(
-                        500,
-                        "internal",
-                        "the operating system's random source failed",
-                    ));
-                }
+            None => match ids::random_id() {
+                Ok(id) => (id, None),
+                Err(_) => return refused(no_randomness()),
             },
-        };
-        let answered = |answer| Answered {
-            id: id.clone(),
-            answer,
         };
         // Past max_concurrent waiting requests, refuse before reading the body.
         if self.permits.available_permits() == 0 {
-            return answered(self.busy());
+            return refused(self.busy());
         }
         let method = request.method().as_str().to_string();
         let body = match read_body(
@@ -311,15 +300,24 @@ impl Gateway {
         .await
         {
             Ok(body) => body,
-            Err(unread) => return answered(self.unread(unread)),
+            Err(unread) => return refused(self.unread(unread)),
         };
         // A request takes its place only with its whole body in hand, so a client that
         // stalls its body holds its connection but never one of max_concurrent.
         let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
-            return answered(self.busy());
+            return refused(self.busy());
         };
         self.telemetry.waiting().inc();
         let _waiting = scopeguard_dec(&self.telemetry);
+        let request = key.as_ref().map(|key| {
+            key.fingerprint(
+                &method,
+                url.as_str(),
+                &split.headers,
+                &self.idempotency_header,
+                &body,
+            )
+        });
         let envelope = RequestEnvelope {
             id: id.clone(),
             method,
@@ -331,7 +329,7 @@ impl Gateway {
         };
         let size = serde_json::to_vec(&envelope).map_or(usize::MAX, |payload| payload.len());
         if size + HEADER_ROOM > self.max_payload {
-            return answered(mapping::gateway_error(
+            return refused(mapping::gateway_error(
                 413,
                 "too_large",
                 &format!(
@@ -340,6 +338,13 @@ impl Gateway {
                 ),
             ));
         }
+        let msg_id = match (&key, &request) {
+            (Some(key), Some(request)) => key.msg_id_for(&id, request),
+            _ => match ids::random_hex() {
+                Ok(msg_id) => msg_id,
+                Err(_) => return refused(no_randomness()),
+            },
+        };
         let mut publish = Publish::from_envelope(envelope)
             .pool(route.pool.clone())
             .msg_id(msg_id);
@@ -347,18 +352,21 @@ impl Gateway {
             publish = publish.message_header(name, value);
         }
         let started = Instant::now();
-        let answer = self
+        let conversed = self
             .converse(
                 route,
                 &identity,
                 &id,
-                client_key.is_some(),
+                request.as_ref(),
                 &publish,
                 split.respond_async,
             )
             .await;
         self.telemetry.waited(&route.path, started.elapsed());
-        answered(answer)
+        match conversed {
+            Ok(answer) => Answered { id, answer },
+            Err(refusal) => refused(refusal),
+        }
     }
 
     /// 503 `busy`: `max_concurrent` requests are waiting.
@@ -407,50 +415,96 @@ impl Gateway {
         }
     }
 
+    /// Whether a keyed id's record may answer `request`: the refusal (422) of one
+    /// that is not the request the key was first used with, or that cannot be told
+    /// from it.
+    fn bound(&self, record: &Record, request: &Fingerprint) -> Result<(), Answer> {
+        let key = &self.idempotency_header;
+        match ids::binding(record.request.as_ref(), request) {
+            Binding::Same => Ok(()),
+            Binding::Differs(part) => Err(mapping::gateway_error(
+                422,
+                "idempotency_mismatch",
+                &format!(
+                    "the {key} was used with a different request: the {part} differs. A new request needs a new key"
+                ),
+            )),
+            Binding::Unbound => Err(mapping::gateway_error(
+                422,
+                "idempotency_unverifiable",
+                &format!(
+                    "the {key} was first used on an older gateway, which kept nothing to compare this request with, so the first request's answer is not given for it; whoever holds that answer's Webproxy-Id reads it at {REPLIES_PATH}<id>, and the key is free again after [streams] reply_max_age"
+                ),
+            )),
+        }
+    }
+
     /// Publishes `publish` (unless a keyed id's record shows it published already),
-    /// records the id, and waits up to `wait` for the reply.
+    /// records the id, and waits up to `wait` for the reply. `request` is a keyed
+    /// id's fingerprint: a record of another request is refused. `Err` is an answer
+    /// that must not name the id: one given before the id is bound to this request
+    /// (recorded for it, or found recorded for it). A keyed id follows from the
+    /// route, the token and the key alone, so naming it to a caller who merely
+    /// reused someone else's key would let that caller read the other conversation at
+    /// `/_webproxy/replies/<id>`, then or later.
     async fn converse(
         &self,
         route: &Route,
         identity: &str,
         id: &str,
-        keyed: bool,
+        request: Option<&Fingerprint>,
         publish: &Publish,
         respond_async: bool,
-    ) -> Answer {
-        let known = if keyed {
-            match self.records.get(id).await {
-                Ok(record) => record,
-                Err(e) => return unavailable(&e),
-            }
-        } else {
-            None
+    ) -> Result<Answer, Answer> {
+        let known = match request {
+            Some(request) => match self.records.get(id).await {
+                Ok(Some(record)) => {
+                    self.bound(&record, request)?;
+                    Some(record)
+                }
+                Ok(None) => None,
+                Err(e) => return Err(unavailable(&e)),
+            },
+            None => None,
         };
         let deadline = Instant::now() + self.wait;
         let watch = match self.client.watch(id).await {
             Ok(watch) => watch,
-            Err(e) => return unavailable(&e),
+            Err(e) => return Err(unavailable(&e)),
         };
         let (origin, stored_first, recorded) = match known {
             // A retry with the same key: the same conversation, never a second publish.
             Some(record) => match record.origin() {
                 Ok(origin) => (origin, true, true),
-                Err(e) => return unavailable(&e),
+                Err(e) => return Ok(unavailable(&e)),
             },
             None => {
                 let (origin, duplicate) = match self.client.publish_request(publish).await {
                     Ok(published) => published,
-                    Err(e) => return publish_failed(&e),
+                    Err(e) => return Err(publish_failed(&e)),
                 };
-                let record = Record::new(&route.path, identity, &origin);
+                let record = Record::new(&route.path, identity, &origin, request);
                 match self.record(id, &record).await {
                     // A concurrent retry with the same key recorded first.
                     Ok(record) => match record.origin() {
                         Ok(recorded) => {
+                            if let Some(request) = request
+                                && let Err(refusal) = self.bound(&record, request)
+                            {
+                                // Another request under the key, sent at the same
+                                // time, recorded first. This one's message (another
+                                // Nats-Msg-Id) was published and goes on unanswered.
+                                warn!(
+                                    id,
+                                    %origin,
+                                    "a request published under an idempotency key that another request recorded first"
+                                );
+                                return Err(refusal);
+                            }
                             let twin = recorded != origin;
                             (recorded, duplicate || twin, true)
                         }
-                        Err(e) => return unavailable(&e),
+                        Err(e) => return Ok(unavailable(&e)),
                     },
                     Err(e) => {
                         // The conversation goes on (its reply and any dead letter
@@ -463,16 +517,16 @@ impl Gateway {
             }
         };
         if respond_async {
-            return mapping::settled(id, recorded, None);
+            return Ok(mapping::settled(id, recorded, None));
         }
         let waited = tokio::select! {
             waited = watch.answer(id, &origin, stored_first, deadline) => waited,
             _ = self.give_up.cancelled() => Ok(None),
         };
-        match waited {
+        Ok(match waited {
             Ok(reply) => mapping::settled(id, recorded, reply.as_ref()),
             Err(e) => unavailable(&e),
-        }
+        })
     }
 
     /// [`Records::create`], tried as [`RECORD_BACKOFF`] says: a bucket that cannot
@@ -644,6 +698,15 @@ fn scopeguard_dec(telemetry: &Telemetry) -> impl Drop + '_ {
     scopeguard::guard((), move |()| {
         telemetry.waiting().dec();
     })
+}
+
+/// The operating system's random source failed: 500.
+fn no_randomness() -> Answer {
+    mapping::gateway_error(
+        500,
+        "internal",
+        "the operating system's random source failed",
+    )
 }
 
 /// NATS could not be reached or refused: 503, try again.
