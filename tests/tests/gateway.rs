@@ -1086,6 +1086,13 @@ impl KeptAlive {
             .expect("write");
     }
 
+    /// A connection on which `text` was written.
+    async fn sending(port: u16, text: &str) -> KeptAlive {
+        let mut connection = Self::connect(port).await;
+        connection.write(text).await.expect("write");
+        connection
+    }
+
     /// Writes `text` as it is; an error once the gateway has closed the connection.
     async fn write(&mut self, text: &str) -> std::io::Result<()> {
         self.tcp.write_all(text.as_bytes()).await
@@ -1435,27 +1442,29 @@ async fn each_connection_limit_ends_what_it_bounds() {
     let body: Value = serde_json::from_slice(&body).expect("json");
     assert_eq!(body["error"]["code"], "max_connections", "{body}");
     over.closed("a connection over max_connections").await;
+    // Each answer comes after this, and its connection stays open a second after it.
+    let released = tokio::time::Instant::now();
     gate.open();
     for connection in &mut held {
         let (head, _) = connection.answer().await;
         assert!(head.starts_with("http/1.1 200"), "{head}");
     }
-    let answered = tokio::time::Instant::now();
     for connection in &mut held {
         connection
             .closed("a kept-alive connection with no next request")
             .await;
     }
-    assert!(answered.elapsed() >= Duration::from_millis(900));
+    assert!(
+        released.elapsed() >= Duration::from_millis(950),
+        "closed {:?} after the gate opened, before keep_alive_timeout",
+        released.elapsed()
+    );
     let mut silent = KeptAlive::connect(port).await;
     silent.closed("a new connection that sends nothing").await;
     assert!(limited(&scene.gateway, "keep_alive_timeout").await >= 7.0);
 
-    let mut slow_head = KeptAlive::connect(port).await;
-    slow_head
-        .write("GET /svc/item HTTP/1.1\r\nHost: gw\r\nX-Slow: ")
-        .await
-        .expect("write");
+    let mut slow_head =
+        KeptAlive::sending(port, "GET /svc/item HTTP/1.1\r\nHost: gw\r\nX-Slow: ").await;
     let started = tokio::time::Instant::now();
     // A byte every 200 ms until the gateway cuts it (a write fails or it reads EOF).
     let mut every = tokio::time::interval(Duration::from_millis(200));
@@ -1479,11 +1488,11 @@ async fn each_connection_limit_ends_what_it_bounds() {
     );
     assert!(limited(&scene.gateway, "header_read_timeout").await >= 1.0);
 
-    let mut stalled = KeptAlive::connect(port).await;
-    stalled
-        .write("POST /svc/echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 10\r\n\r\nabc")
-        .await
-        .expect("write");
+    let mut stalled = KeptAlive::sending(
+        port,
+        "POST /svc/echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 10\r\n\r\nabc",
+    )
+    .await;
     let (head, body) = stalled.answer().await;
     assert!(head.starts_with("http/1.1 408"), "{head}");
     let body: Value = serde_json::from_slice(&body).expect("json");
@@ -1491,11 +1500,11 @@ async fn each_connection_limit_ends_what_it_bounds() {
     stalled.closed("a connection whose body stalled").await;
     assert!(limited(&scene.gateway, "body_idle_timeout").await >= 1.0);
 
-    let mut slow_body = KeptAlive::connect(port).await;
-    slow_body
-        .write("POST /svc/echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 8\r\n\r\n")
-        .await
-        .expect("write");
+    let mut slow_body = KeptAlive::sending(
+        port,
+        "POST /svc/echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 8\r\n\r\n",
+    )
+    .await;
     for _ in 0..8 {
         every.tick().await;
         slow_body

@@ -397,6 +397,49 @@ mod tests {
     }
 
     #[test]
+    fn connection_limits_are_checked_and_name_their_key() {
+        let with = |limits: &str| {
+            let text = format!(
+                "listen = \"127.0.0.1:8080\"\nhealth_listen = \"127.0.0.1:9091\"\nwait = \"30s\"\nmax_concurrent = 8\nidempotency_header = \"Idempotency-Key\"\n{limits}"
+            );
+            let config: GatewayConfig = toml::from_str(&text).expect("schema");
+            config.check().map(|_| ())
+        };
+        let limits = |connections, per_source, header, body, idle| {
+            format!(
+                "max_connections = {connections}\nmax_connections_per_source = {per_source}\nheader_read_timeout = \"{header}\"\nbody_idle_timeout = \"{body}\"\nkeep_alive_timeout = \"{idle}\"\n"
+            )
+        };
+        assert!(with(&limits(10, 10, "10s", "10s", "10s")).is_ok());
+        assert!(
+            with(&limits(10, 0, "10s", "10s", "0s")).is_ok(),
+            "keep-alive off"
+        );
+        for (bad, key) in [
+            (limits(0, 0, "10s", "10s", "5s"), "gateway.max_connections"),
+            (
+                limits(10, 11, "10s", "10s", "5s"),
+                "gateway.max_connections_per_source",
+            ),
+            (
+                limits(10, 0, "0s", "10s", "0s"),
+                "gateway.header_read_timeout",
+            ),
+            (
+                limits(10, 0, "10s", "0s", "5s"),
+                "gateway.body_idle_timeout",
+            ),
+            (
+                limits(10, 0, "10s", "10s", "11s"),
+                "gateway.keep_alive_timeout",
+            ),
+        ] {
+            let error = with(&bad).expect_err(&bad);
+            assert!(error.to_string().contains(key), "{bad}: {error}");
+        }
+    }
+
+    #[test]
     fn a_token_header_is_lower_case_and_proxy_authorization_by_default() {
         let gateway = config(
             "127.0.0.1:8080",
