@@ -120,6 +120,11 @@ METRICS = {
     "webproxy_gateway_waiting": set(),
     "webproxy_gateway_refused_connections_total": set(),
     "webproxy_gateway_nats_connected": set(),
+    # The gateway's limits on what one client can hold (issue 30).
+    "webproxy_gateway_connections": set(),
+    "webproxy_gateway_connections_opened_total": set(),
+    "webproxy_gateway_limits_total": {"limit"},
+    "webproxy_gateway_accept_errors_total": set(),
 }
 HISTOGRAMS = {
     "webproxy_attempt_duration_seconds",

@@ -31,6 +31,21 @@ pub struct GatewayConfig {
     pub wait: Duration,
     /// Requests waiting in this gateway at once; more get 503.
     pub max_concurrent: usize,
+    /// Connections open at once; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// Connections open at once from one source address (an IPv6 /64); 0 is no cap.
+    pub max_connections_per_source: usize,
+    /// How long a request's head may take to arrive, counted from when the gateway
+    /// starts waiting for it (hyper's `header_read_timeout`).
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// How long a request's body may send nothing before it is answered 408.
+    #[serde(with = "humantime_serde")]
+    pub body_idle_timeout: Duration,
+    /// How long a connection may stay open with no request on it; 0 turns keep-alive
+    /// off.
+    #[serde(with = "humantime_serde")]
+    pub keep_alive_timeout: Duration,
     /// CIDRs (or addresses) that may connect at all; empty allows every address.
     #[serde(default)]
     pub allow_sources: Vec<String>,
@@ -116,6 +131,7 @@ impl GatewayConfig {
                 "must be at least 1",
             ));
         }
+        self.check_limits()?;
         if self.wait.is_zero() {
             return Err(ConfigError::new(
                 "gateway.wait",
@@ -168,6 +184,49 @@ impl GatewayConfig {
             idempotency_header,
             tls,
         })
+    }
+}
+
+impl GatewayConfig {
+    /// The connection limits: caps at least 1 (the per-source one 0, for none, or at
+    /// most `max_connections`), timeouts over 0, and an idle connection's
+    /// `keep_alive_timeout` no longer than `header_read_timeout`, which hyper also runs
+    /// while a kept-alive connection waits for its next request.
+    fn check_limits(&self) -> Result<(), ConfigError> {
+        if self.max_connections == 0 {
+            return Err(ConfigError::new(
+                "gateway.max_connections",
+                "must be at least 1",
+            ));
+        }
+        if self.max_connections_per_source > self.max_connections {
+            return Err(ConfigError::new(
+                "gateway.max_connections_per_source",
+                format!(
+                    "{} is over max_connections = {}; 0 turns the cap off",
+                    self.max_connections_per_source, self.max_connections
+                ),
+            ));
+        }
+        for (key, timeout) in [
+            ("gateway.header_read_timeout", self.header_read_timeout),
+            ("gateway.body_idle_timeout", self.body_idle_timeout),
+        ] {
+            if timeout.is_zero() {
+                return Err(ConfigError::new(key, "must be more than 0"));
+            }
+        }
+        if self.keep_alive_timeout > self.header_read_timeout {
+            return Err(ConfigError::new(
+                "gateway.keep_alive_timeout",
+                format!(
+                    "{} is longer than header_read_timeout = {}, which also ends a kept-alive connection waiting for its next request; raise header_read_timeout too",
+                    humantime::format_duration(self.keep_alive_timeout),
+                    humantime::format_duration(self.header_read_timeout)
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -276,7 +335,7 @@ mod tests {
 
     fn config(listen: &str, allow: &[&str], routes: &str) -> Result<Gateway, ConfigError> {
         let text = format!(
-            "listen = \"{listen}\"\nhealth_listen = \"127.0.0.1:9091\"\nwait = \"30s\"\nmax_concurrent = 1024\nidempotency_header = \"Idempotency-Key\"\nallow_sources = {allow:?}\n{routes}"
+            "listen = \"{listen}\"\nhealth_listen = \"127.0.0.1:9091\"\nwait = \"30s\"\nmax_concurrent = 1024\nmax_connections = 2048\nmax_connections_per_source = 0\nheader_read_timeout = \"10s\"\nbody_idle_timeout = \"10s\"\nkeep_alive_timeout = \"5s\"\nidempotency_header = \"Idempotency-Key\"\nallow_sources = {allow:?}\n{routes}"
         );
         let config: GatewayConfig = toml::from_str(&text).expect("schema");
         config.check()
@@ -334,6 +393,49 @@ mod tests {
         for (routes, key) in cases {
             let error = config("127.0.0.1:8080", &[], routes).expect_err(routes);
             assert!(error.to_string().contains(key), "{routes}: {error}");
+        }
+    }
+
+    #[test]
+    fn connection_limits_are_checked_and_name_their_key() {
+        let with = |limits: &str| {
+            let text = format!(
+                "listen = \"127.0.0.1:8080\"\nhealth_listen = \"127.0.0.1:9091\"\nwait = \"30s\"\nmax_concurrent = 8\nidempotency_header = \"Idempotency-Key\"\n{limits}"
+            );
+            let config: GatewayConfig = toml::from_str(&text).expect("schema");
+            config.check().map(|_| ())
+        };
+        let limits = |connections, per_source, header, body, idle| {
+            format!(
+                "max_connections = {connections}\nmax_connections_per_source = {per_source}\nheader_read_timeout = \"{header}\"\nbody_idle_timeout = \"{body}\"\nkeep_alive_timeout = \"{idle}\"\n"
+            )
+        };
+        assert!(with(&limits(10, 10, "10s", "10s", "10s")).is_ok());
+        assert!(
+            with(&limits(10, 0, "10s", "10s", "0s")).is_ok(),
+            "keep-alive off"
+        );
+        for (bad, key) in [
+            (limits(0, 0, "10s", "10s", "5s"), "gateway.max_connections"),
+            (
+                limits(10, 11, "10s", "10s", "5s"),
+                "gateway.max_connections_per_source",
+            ),
+            (
+                limits(10, 0, "0s", "10s", "0s"),
+                "gateway.header_read_timeout",
+            ),
+            (
+                limits(10, 0, "10s", "0s", "5s"),
+                "gateway.body_idle_timeout",
+            ),
+            (
+                limits(10, 0, "10s", "10s", "11s"),
+                "gateway.keep_alive_timeout",
+            ),
+        ] {
+            let error = with(&bad).expect_err(&bad);
+            assert!(error.to_string().contains(key), "{bad}: {error}");
         }
     }
 

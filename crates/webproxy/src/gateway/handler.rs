@@ -16,7 +16,8 @@ use tracing::{error, info, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
 use webproxy_dispatcher::Backoff;
 
-use super::ids::{self, Key};
+use super::connections::Limit;
+use super::ids::{self, Binding, Fingerprint, Key};
 use super::mapping::{self, Answer};
 use super::metrics::{NO_ROUTE, Telemetry};
 use super::store::{Record, Records};
@@ -56,6 +57,8 @@ pub struct Gateway {
     idempotency_header: String,
     max_request_bytes: usize,
     max_payload: usize,
+    /// `body_idle_timeout`: the longest pause in a body being read.
+    body_idle_timeout: Duration,
     permits: Arc<Semaphore>,
     telemetry: Telemetry,
     /// Cancelled when `shutdown_grace` is about to run out: requests still waiting
@@ -89,6 +92,7 @@ impl Gateway {
             max_request_bytes: usize::try_from(settings.config.outbound.max_request_bytes())
                 .unwrap_or(usize::MAX),
             max_payload,
+            body_idle_timeout: config.body_idle_timeout,
             permits: Arc::new(Semaphore::new(config.max_concurrent)),
             telemetry,
             give_up: CancellationToken::new(),
@@ -105,8 +109,8 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
     Router::new().fallback(handle).with_state(gateway)
 }
 
-/// An answer and the id it names (minted, or a fresh one that names nothing when
-/// the request was refused before an id was minted).
+/// An answer and the id it names (the conversation's, or a fresh one that names
+/// nothing when the request was refused before it was bound to its id).
 struct Answered {
     id: String,
     answer: Answer,
@@ -148,7 +152,8 @@ async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Respon
     respond(answered)
 }
 
-/// A refusal before any id was minted: `Webproxy-Id` names nothing published.
+/// A refusal before the request was published under its id (or found recorded
+/// under it): `Webproxy-Id` is a fresh one that names nothing published.
 fn refused(answer: Answer) -> Answered {
     let id = ids::random_id().unwrap_or_else(|_| format!("{}none", ids::PREFIX));
     Answered { id, answer }
@@ -269,59 +274,50 @@ impl Gateway {
                 }
             },
         };
-        let (id, msg_id) = match &client_key {
+        let (id, key) = match &client_key {
             Some(client_key) => {
                 let key = match self.key() {
                     Ok(key) => key,
                     Err(answer) => return refused(answer),
                 };
-                let id = key.id_for(&route.path, &identity, client_key);
-                let msg_id = key.msg_id_for(&id);
-                (id, msg_id)
+                (key.id_for(&route.path, &identity, client_key), Some(key))
             }
-            None => match (ids::random_id(), ids::random_hex()) {
-                (Ok(id), Ok(msg_id)) => (id, msg_id),
-                _ => {
-                    return refused(mapping::gateway_error(
-                        500,
-                        "internal",
-                        "the operating system's random source failed",
-                    ));
-                }
+            None => match ids::random_id() {
+                Ok(id) => (id, None),
+                Err(_) => return refused(no_randomness()),
             },
         };
-        let answered = |answer| Answered {
-            id: id.clone(),
-            answer,
-        };
         // Past max_concurrent waiting requests, refuse before reading the body.
+        if self.permits.available_permits() == 0 {
+            return refused(self.busy());
+        }
+        let method = request.method().as_str().to_string();
+        let body = match read_body(
+            request.into_body(),
+            self.max_request_bytes,
+            self.body_idle_timeout,
+        )
+        .await
+        {
+            Ok(body) => body,
+            Err(unread) => return refused(self.unread(unread)),
+        };
+        // A request takes its place only with its whole body in hand, so a client that
+        // stalls its body holds its connection but never one of max_concurrent.
         let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
-            let mut answer = mapping::gateway_error(
-                503,
-                "busy",
-                "the gateway has max_concurrent requests waiting",
-            );
-            answer
-                .headers
-                .push(("retry-after".into(), RETRY_AFTER.into()));
-            return answered(answer);
+            return refused(self.busy());
         };
         self.telemetry.waiting().inc();
         let _waiting = scopeguard_dec(&self.telemetry);
-        let method = request.method().as_str().to_string();
-        let body = match axum::body::to_bytes(request.into_body(), self.max_request_bytes).await {
-            Ok(body) => body,
-            Err(_) => {
-                return answered(mapping::gateway_error(
-                    413,
-                    "too_large",
-                    &format!(
-                        "the body is over outbound.max_request_bytes = {} (or could not be read)",
-                        self.max_request_bytes
-                    ),
-                ));
-            }
-        };
+        let request = key.as_ref().map(|key| {
+            key.fingerprint(
+                &method,
+                url.as_str(),
+                &split.headers,
+                &self.idempotency_header,
+                &body,
+            )
+        });
         let envelope = RequestEnvelope {
             id: id.clone(),
             method,
@@ -333,7 +329,7 @@ impl Gateway {
         };
         let size = serde_json::to_vec(&envelope).map_or(usize::MAX, |payload| payload.len());
         if size + HEADER_ROOM > self.max_payload {
-            return answered(mapping::gateway_error(
+            return refused(mapping::gateway_error(
                 413,
                 "too_large",
                 &format!(
@@ -342,6 +338,13 @@ impl Gateway {
                 ),
             ));
         }
+        let msg_id = match (&key, &request) {
+            (Some(key), Some(request)) => key.msg_id_for(&id, request),
+            _ => match ids::random_hex() {
+                Ok(msg_id) => msg_id,
+                Err(_) => return refused(no_randomness()),
+            },
+        };
         let mut publish = Publish::from_envelope(envelope)
             .pool(route.pool.clone())
             .msg_id(msg_id);
@@ -349,64 +352,159 @@ impl Gateway {
             publish = publish.message_header(name, value);
         }
         let started = Instant::now();
-        let answer = self
+        let conversed = self
             .converse(
                 route,
                 &identity,
                 &id,
-                client_key.is_some(),
+                request.as_ref(),
                 &publish,
                 split.respond_async,
             )
             .await;
         self.telemetry.waited(&route.path, started.elapsed());
-        answered(answer)
+        match conversed {
+            Ok(answer) => Answered { id, answer },
+            Err(refusal) => refused(refusal),
+        }
+    }
+
+    /// 503 `busy`: `max_concurrent` requests are waiting.
+    fn busy(&self) -> Answer {
+        self.telemetry.limited(Limit::MaxConcurrent);
+        let mut answer = mapping::gateway_error(
+            503,
+            "busy",
+            "the gateway has max_concurrent requests waiting",
+        );
+        answer
+            .headers
+            .push(("retry-after".into(), RETRY_AFTER.into()));
+        answer
+    }
+
+    /// The answer to a body that was not read whole.
+    fn unread(&self, unread: Unread) -> Answer {
+        match unread {
+            Unread::TooLarge => mapping::gateway_error(
+                413,
+                "too_large",
+                &format!(
+                    "the body is over outbound.max_request_bytes = {}",
+                    self.max_request_bytes
+                ),
+            ),
+            Unread::Stalled => {
+                self.telemetry.limited(Limit::BodyIdleTimeout);
+                let mut answer = mapping::gateway_error(
+                    408,
+                    "body_timeout",
+                    &format!(
+                        "no bytes of the body arrived for gateway.body_idle_timeout = {}",
+                        humantime::format_duration(self.body_idle_timeout)
+                    ),
+                );
+                answer.headers.push(("connection".into(), "close".into()));
+                answer
+            }
+            Unread::Failed(e) => mapping::gateway_error(
+                400,
+                "bad_request",
+                &format!("the body could not be read: {e}"),
+            ),
+        }
+    }
+
+    /// Whether a keyed id's record may answer `request`: the refusal (422) of one
+    /// that is not the request the key was first used with, or that cannot be told
+    /// from it.
+    fn bound(&self, record: &Record, request: &Fingerprint) -> Result<(), Answer> {
+        let key = &self.idempotency_header;
+        match ids::binding(record.request.as_ref(), request) {
+            Binding::Same => Ok(()),
+            Binding::Differs(part) => Err(mapping::gateway_error(
+                422,
+                "idempotency_mismatch",
+                &format!(
+                    "the {key} was used with a different request: the {part} differs. A new request needs a new key"
+                ),
+            )),
+            Binding::Unbound => Err(mapping::gateway_error(
+                422,
+                "idempotency_unverifiable",
+                &format!(
+                    "the {key} was first used on an older gateway, which kept nothing to compare this request with, so the first request's answer is not given for it; whoever holds that answer's Webproxy-Id reads it at {REPLIES_PATH}<id>, and the key is free again after [streams] reply_max_age"
+                ),
+            )),
+        }
     }
 
     /// Publishes `publish` (unless a keyed id's record shows it published already),
-    /// records the id, and waits up to `wait` for the reply.
+    /// records the id, and waits up to `wait` for the reply. `request` is a keyed
+    /// id's fingerprint: a record of another request is refused. `Err` is an answer
+    /// that must not name the id: one given before the id is bound to this request
+    /// (recorded for it, or found recorded for it). A keyed id follows from the
+    /// route, the token and the key alone, so naming it to a caller who merely
+    /// reused someone else's key would let that caller read the other conversation at
+    /// `/_webproxy/replies/<id>`, then or later.
     async fn converse(
         &self,
         route: &Route,
         identity: &str,
         id: &str,
-        keyed: bool,
+        request: Option<&Fingerprint>,
         publish: &Publish,
         respond_async: bool,
-    ) -> Answer {
-        let known = if keyed {
-            match self.records.get(id).await {
-                Ok(record) => record,
-                Err(e) => return unavailable(&e),
-            }
-        } else {
-            None
+    ) -> Result<Answer, Answer> {
+        let known = match request {
+            Some(request) => match self.records.get(id).await {
+                Ok(Some(record)) => {
+                    self.bound(&record, request)?;
+                    Some(record)
+                }
+                Ok(None) => None,
+                Err(e) => return Err(unavailable(&e)),
+            },
+            None => None,
         };
         let deadline = Instant::now() + self.wait;
         let watch = match self.client.watch(id).await {
             Ok(watch) => watch,
-            Err(e) => return unavailable(&e),
+            Err(e) => return Err(unavailable(&e)),
         };
         let (origin, stored_first, recorded) = match known {
             // A retry with the same key: the same conversation, never a second publish.
             Some(record) => match record.origin() {
                 Ok(origin) => (origin, true, true),
-                Err(e) => return unavailable(&e),
+                Err(e) => return Ok(unavailable(&e)),
             },
             None => {
                 let (origin, duplicate) = match self.client.publish_request(publish).await {
                     Ok(published) => published,
-                    Err(e) => return publish_failed(&e),
+                    Err(e) => return Err(publish_failed(&e)),
                 };
-                let record = Record::new(&route.path, identity, &origin);
+                let record = Record::new(&route.path, identity, &origin, request);
                 match self.record(id, &record).await {
                     // A concurrent retry with the same key recorded first.
                     Ok(record) => match record.origin() {
                         Ok(recorded) => {
+                            if let Some(request) = request
+                                && let Err(refusal) = self.bound(&record, request)
+                            {
+                                // Another request under the key, sent at the same
+                                // time, recorded first. This one's message (another
+                                // Nats-Msg-Id) was published and goes on unanswered.
+                                warn!(
+                                    id,
+                                    %origin,
+                                    "a request published under an idempotency key that another request recorded first"
+                                );
+                                return Err(refusal);
+                            }
                             let twin = recorded != origin;
                             (recorded, duplicate || twin, true)
                         }
-                        Err(e) => return unavailable(&e),
+                        Err(e) => return Ok(unavailable(&e)),
                     },
                     Err(e) => {
                         // The conversation goes on (its reply and any dead letter
@@ -419,16 +517,16 @@ impl Gateway {
             }
         };
         if respond_async {
-            return mapping::settled(id, recorded, None);
+            return Ok(mapping::settled(id, recorded, None));
         }
         let waited = tokio::select! {
             waited = watch.answer(id, &origin, stored_first, deadline) => waited,
             _ = self.give_up.cancelled() => Ok(None),
         };
-        match waited {
+        Ok(match waited {
             Ok(reply) => mapping::settled(id, recorded, reply.as_ref()),
             Err(e) => unavailable(&e),
-        }
+        })
     }
 
     /// [`Records::create`], tried as [`RECORD_BACKOFF`] says: a bucket that cannot
@@ -539,11 +637,76 @@ impl Gateway {
     }
 }
 
+/// The answer on a connection over a connection cap (`listener.rs`): 503 naming the
+/// cap, and the connection closes.
+pub fn over_limit(limit: Limit) -> Response {
+    let whose = match limit {
+        Limit::MaxConnectionsPerSource => "this client's address has",
+        _ => "the gateway has",
+    };
+    let mut answer = mapping::gateway_error(
+        503,
+        limit.key(),
+        &format!(
+            "{whose} gateway.{} connections open; try again later",
+            limit.key()
+        ),
+    );
+    answer.headers.extend([
+        ("retry-after".into(), RETRY_AFTER.into()),
+        ("connection".into(), "close".into()),
+    ]);
+    respond(refused(answer))
+}
+
+/// Why a body was not read whole.
+#[derive(Debug)]
+enum Unread {
+    /// Over `max_request_bytes`: read up to the limit, not refused by its
+    /// `Content-Length`, since an answer sent while a client still writes megabytes
+    /// is often lost to the reset of closing under them.
+    TooLarge,
+    /// No bytes for `body_idle_timeout`.
+    Stalled,
+    /// The connection failed or the framing was wrong.
+    Failed(axum::Error),
+}
+
+/// `body` whole, up to `limit` bytes, with no pause between its bytes longer than
+/// `idle`: a slow body that keeps coming is read to its end, one that stops is not
+/// waited for.
+async fn read_body(body: Body, limit: usize, idle: Duration) -> Result<Vec<u8>, Unread> {
+    use futures::StreamExt as _;
+    let mut read = Vec::new();
+    let mut chunks = body.into_data_stream();
+    loop {
+        let chunk = match tokio::time::timeout(idle, chunks.next()).await {
+            Err(_) => return Err(Unread::Stalled),
+            Ok(None) => return Ok(read),
+            Ok(Some(Err(e))) => return Err(Unread::Failed(e)),
+            Ok(Some(Ok(chunk))) => chunk,
+        };
+        if read.len() + chunk.len() > limit {
+            return Err(Unread::TooLarge);
+        }
+        read.extend_from_slice(&chunk);
+    }
+}
+
 /// Decrements the waiting gauge when dropped, however the request ends.
 fn scopeguard_dec(telemetry: &Telemetry) -> impl Drop + '_ {
     scopeguard::guard((), move |()| {
         telemetry.waiting().dec();
     })
+}
+
+/// The operating system's random source failed: 500.
+fn no_randomness() -> Answer {
+    mapping::gateway_error(
+        500,
+        "internal",
+        "the operating system's random source failed",
+    )
 }
 
 /// NATS could not be reached or refused: 503, try again.

@@ -1,11 +1,14 @@
 //! The ids the gateway mints (pure but for the random ones): `gw-` and 32 hex
 //! characters, random without a client key, else an HMAC under the gateway key of
 //! the route, the token identity and the client key, so ids are neither guessable
-//! nor shared across routes and tokens. Tokens are compared in constant time.
+//! nor shared across routes and tokens. A keyed id is bound to its request by the
+//! request's [`Fingerprint`]. Tokens are compared in constant time.
 
 use hmac::{Hmac, Mac as _};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
+use webproxy_protocol::Headers;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -54,11 +57,49 @@ impl Key {
         format!("{PREFIX}{}", hex(&mac[..16]))
     }
 
-    /// The `Nats-Msg-Id` of a keyed id's publish: derived (a retry within the
-    /// duplicate window is stored once) but not the id itself, which the HTTP client
-    /// and reply subscribers see, so no one can publish first under it.
-    pub fn msg_id_for(&self, id: &str) -> String {
-        hex(&self.mac(&[b"msg-id", id.as_bytes()])[..16])
+    /// The `Nats-Msg-Id` of a keyed id's publish of `request`: derived (the same
+    /// request retried within the duplicate window is stored once) but not the id
+    /// itself, which the HTTP client and reply subscribers see, so no one can publish
+    /// first under it. Another request under the same id is another message, so it
+    /// is never taken for the first one's duplicate.
+    pub fn msg_id_for(&self, id: &str, request: &Fingerprint) -> String {
+        let fields = [
+            b"msg-id".as_slice(),
+            id.as_bytes(),
+            request.method.as_bytes(),
+            request.url.as_bytes(),
+            request.headers.as_bytes(),
+            request.body.as_bytes(),
+        ];
+        hex(&self.mac(&fields)[..16])
+    }
+
+    /// What binds a keyed id to its request: an HMAC of each part that reaches the
+    /// upstream. Keyed, so the record lets no reader of the bucket test a guess of a
+    /// body or URL. `headers` are the ones the envelope carries (no hop-by-hop or
+    /// trace headers, no token, no deadline), less `key_header`, whose value is
+    /// already in the id.
+    pub fn fingerprint(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &Headers,
+        key_header: &str,
+        body: &[u8],
+    ) -> Fingerprint {
+        let mut fields: Vec<&[u8]> = vec![b"request-headers"];
+        for (name, value) in headers.iter().filter(|(name, _)| *name != key_header) {
+            for value in value.values() {
+                fields.extend([name.as_bytes(), value.as_bytes()]);
+            }
+        }
+        let part = |fields: &[&[u8]]| hex(&self.mac(fields));
+        Fingerprint {
+            method: part(&[b"request-method", method.as_bytes()]),
+            url: part(&[b"request-url", url.as_bytes()]),
+            headers: part(&fields),
+            body: part(&[b"request-body", body]),
+        }
     }
 
     /// The identity of a route's token: an HMAC of its value, so a token's
@@ -68,6 +109,47 @@ impl Key {
             Some(token) => format!("t{}", hex(&self.mac(&[b"token", token.as_bytes()])[..12])),
             None => ANONYMOUS.into(),
         }
+    }
+}
+
+/// The parts of a keyed request, each an HMAC-SHA256 in hex ([`Key::fingerprint`]),
+/// kept in the id's record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    pub method: String,
+    pub url: String,
+    pub headers: String,
+    pub body: String,
+}
+
+/// How a request stands to the record of its keyed id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// The request the id was first used with: its answer is this one's.
+    Same,
+    /// Another request: the first part that differs, in the order method, URL,
+    /// headers, body. Only the first is named, so an answer tells a caller probing
+    /// someone else's key about a later part only once it has every earlier one.
+    Differs(&'static str),
+    /// The record holds no fingerprint (written by a gateway before the binding):
+    /// nothing says it is the same request.
+    Unbound,
+}
+
+/// How `request` stands to `recorded`, the fingerprint in its id's record.
+pub fn binding(recorded: Option<&Fingerprint>, request: &Fingerprint) -> Binding {
+    let Some(recorded) = recorded else {
+        return Binding::Unbound;
+    };
+    let parts = [
+        ("method", &recorded.method, &request.method),
+        ("URL", &recorded.url, &request.url),
+        ("headers", &recorded.headers, &request.headers),
+        ("body", &recorded.body, &request.body),
+    ];
+    match parts.into_iter().find(|(_, first, this)| first != this) {
+        Some((part, _, _)) => Binding::Differs(part),
+        None => Binding::Same,
     }
 }
 
@@ -129,9 +211,95 @@ mod tests {
         ] {
             assert_ne!(id, other);
         }
-        assert_ne!(key.msg_id_for(&id), id);
+        let request = key.fingerprint("POST", "https://h/p", &Headers::new(), "k", b"b");
+        assert_ne!(key.msg_id_for(&id, &request), id);
         assert_ne!(key.identity(Some("a")), key.identity(Some("b")));
         assert_eq!(key.identity(None), ANONYMOUS);
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> Headers {
+        webproxy_protocol::collect_headers(pairs.iter().map(|(n, v)| (*n, (*v).to_string())))
+    }
+
+    #[test]
+    fn a_request_is_bound_to_its_method_url_headers_and_body() {
+        let key = Key::new(b"k".to_vec());
+        let print = |method, url, headers: &[(&str, &str)], body: &[u8]| {
+            key.fingerprint(
+                method,
+                url,
+                &self::headers(headers),
+                "idempotency-key",
+                body,
+            )
+        };
+        let first = print("POST", "https://h/pay", &[("a", "1")], b"card=4242");
+        let same = print(
+            "POST",
+            "https://h/pay",
+            &[("a", "1"), ("idempotency-key", "another spelling")],
+            b"card=4242",
+        );
+        assert_eq!(binding(Some(&first), &same), Binding::Same);
+        let cases = [
+            (
+                print("GET", "https://h/pay", &[("a", "1")], b"card=4242"),
+                "method",
+            ),
+            (
+                print("POST", "https://h/x", &[("a", "1")], b"card=4242"),
+                "URL",
+            ),
+            (
+                print("POST", "https://h/pay", &[("a", "2")], b"card=4242"),
+                "headers",
+            ),
+            (
+                print(
+                    "POST",
+                    "https://h/pay",
+                    &[("a", "1"), ("a", "1")],
+                    b"card=4242",
+                ),
+                "headers",
+            ),
+            (print("POST", "https://h/pay", &[], b"card=4242"), "headers"),
+            (
+                print("POST", "https://h/pay", &[("a", "1")], b"card=4243"),
+                "body",
+            ),
+            // Fields are length-prefixed: moving bytes between them changes the print.
+            (
+                print("POST", "https://h/pay", &[("a1", "")], b"card=4242"),
+                "headers",
+            ),
+            (print("GET", "https://h/x", &[], b""), "method"),
+        ];
+        assert_ne!(
+            key.msg_id_for("gw-1", &first),
+            key.msg_id_for("gw-1", &cases[0].0),
+            "another request under the same id is another message"
+        );
+        for (other, part) in cases {
+            assert_eq!(
+                binding(Some(&first), &other),
+                Binding::Differs(part),
+                "{part}"
+            );
+        }
+        assert_eq!(binding(None, &first), Binding::Unbound);
+        assert_eq!(
+            key.msg_id_for("gw-1", &first),
+            key.msg_id_for("gw-1", &same)
+        );
+        let other_key = Key::new(b"j".to_vec()).fingerprint(
+            "POST",
+            "https://h/pay",
+            &headers(&[("a", "1")]),
+            "idempotency-key",
+            b"card=4242",
+        );
+        assert_ne!(other_key.body, first.body, "keyed: a bare hash would match");
     }
 
     #[test]

@@ -1,30 +1,74 @@
 //! The gateway's HTTP/1.1 listener: connections from outside `allow_sources` are
-//! closed before a byte is read, with TLS every connection is a TLS session from the
-//! PEM files, and on shutdown every connection finishes its request and closes.
+//! closed before a byte is read, connections past `max_connections` (overall or per
+//! source) are answered 503 and closed, with TLS every connection is a TLS session
+//! from the PEM files, and on shutdown every connection finishes its request and
+//! closes. A connection's head must arrive within `header_read_timeout` (hyper's
+//! timer) and a connection with no request on it closes after `keep_alive_timeout`.
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use axum::Router;
-use hyper_util::rt::TokioIo;
+use hyper::server::conn::http1;
+use hyper::service::{Service as _, service_fn};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use ipnet::IpNet;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::Telemetry;
+use super::connections::{self, AcceptFailures, Activity, Caps, Connections, Idle, Limit};
+use super::handler;
+use crate::gateway_config::GatewayConfig;
 
 /// A TLS handshake that takes longer than this is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections over a cap that are being answered 503 at once; past these, one is
+/// closed unanswered, so a flood costs at most this many descriptors beyond
+/// `max_connections`.
+const REFUSING: usize = 64;
+
+/// How long a connection over a cap has to send its request's head before it is
+/// closed unanswered.
+const REFUSAL_HEAD_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The limits each connection is served within (`[gateway]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub caps: Caps,
+    pub header_read_timeout: Duration,
+    /// `keep_alive_timeout`; `None` when it is 0: keep-alive off.
+    pub keep_alive: Option<Duration>,
+}
+
+impl Limits {
+    pub fn of(config: &GatewayConfig) -> Limits {
+        Limits {
+            caps: Caps {
+                total: config.max_connections,
+                per_source: config.max_connections_per_source,
+            },
+            header_read_timeout: config.header_read_timeout,
+            keep_alive: Some(config.keep_alive_timeout).filter(|timeout| !timeout.is_zero()),
+        }
+    }
+}
 
 /// The acceptor for the certificate chain in `cert` and the private key in `key`.
 pub fn tls_acceptor(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
@@ -84,16 +128,17 @@ fn give_up_after(grace: Duration) -> Duration {
     grace.saturating_sub((grace / 4).min(Duration::from_secs(1)))
 }
 
-/// Serves `app` on `listener` until `drain.shutdown`, then drains: the listener is
-/// closed, every connection is told to finish the request it is answering and close
-/// (an idle keep-alive connection closes at once, a busy one answers with
-/// `Connection: close`), and this returns when they all have, or when `grace` has
-/// passed since `shutdown`.
+/// Serves `app` on `listener` within `limits` until `drain.shutdown`, then drains:
+/// the listener is closed, every connection is told to finish the request it is
+/// answering and close (an idle keep-alive connection closes at once, a busy one
+/// answers with `Connection: close`), and this returns when they all have, or when
+/// `grace` has passed since `shutdown`.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     tls: Option<TlsAcceptor>,
     allow: Vec<IpNet>,
+    limits: Limits,
     telemetry: Telemetry,
     drain: Drain,
 ) {
@@ -103,6 +148,9 @@ pub async fn serve(
         give_up,
     } = drain;
     let connections = TaskTracker::new();
+    let open = Connections::new(limits.caps);
+    let refusing = Arc::new(Semaphore::new(REFUSING));
+    let mut failures = AcceptFailures::default();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -111,23 +159,61 @@ pub async fn serve(
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
-                // Out of file descriptors, say: wait rather than spin.
-                warn!(error = %e, "cannot accept a connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
+                // Out of file descriptors, say: the connection stays in the backlog
+                // and the next accept fails at once, so wait, longer each time.
+                telemetry.accept_failed();
+                let failure = failures.failed(Instant::now());
+                if let Some(unlogged) = failure.log {
+                    warn!(error = %e, failures_not_logged = unlogged, "cannot accept a connection; waiting before accepting again");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(failure.pause) => continue,
+                    _ = shutdown.cancelled() => break,
+                }
             }
         };
+        if let Some(run) = failures.accepted() {
+            info!(failures = run, "accepting connections again");
+        }
         if !allowed(&allow, peer.ip()) {
             telemetry.refused_connection();
             debug!(%peer, "connection outside gateway.allow_sources closed");
             continue;
         }
-        let service = TowerToHyperService::new(app.clone());
+        let ticket = match open.open(peer.ip()) {
+            Ok(ticket) => ticket,
+            Err(limit) => {
+                telemetry.limited(limit);
+                debug!(%peer, limit = limit.key(), "connection over a gateway limit refused");
+                // With TLS no answer is possible before a handshake, which is not
+                // spent on a connection that is refused anyway.
+                if tls.is_none()
+                    && let Ok(permit) = refusing.clone().try_acquire_owned()
+                {
+                    connections.spawn(async move {
+                        refuse(stream, limit).await;
+                        drop(permit);
+                    });
+                }
+                continue;
+            }
+        };
+        let counted = (ticket, telemetry.connection_opened());
+        let app = app.clone();
         let tls = tls.clone();
         let shutdown = shutdown.clone();
+        let telemetry = telemetry.clone();
         connections.spawn(async move {
+            let _counted = counted;
+            let served = Served {
+                app,
+                peer,
+                limits,
+                telemetry: &telemetry,
+                shutdown: &shutdown,
+            };
             let Some(acceptor) = tls else {
-                return serve_connection(stream, service, peer, &shutdown).await;
+                return served.connection(stream).await;
             };
             let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
             let handshake = tokio::select! {
@@ -136,7 +222,7 @@ pub async fn serve(
                 _ = shutdown.cancelled() => return,
             };
             match handshake {
-                Ok(Ok(stream)) => serve_connection(stream, service, peer, &shutdown).await,
+                Ok(Ok(stream)) => served.connection(stream).await,
                 Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
                 Err(_) => debug!(%peer, "TLS handshake timed out"),
             }
@@ -173,28 +259,157 @@ pub async fn serve(
     }
 }
 
-/// One HTTP/1.1 connection, until the client closes it or, after `shutdown`, until
-/// the request it is answering is answered (with `Connection: close`).
-async fn serve_connection<S>(
-    stream: S,
-    service: TowerToHyperService<Router>,
+/// A connection over `limit`: its request's head is read (for up to
+/// [`REFUSAL_HEAD_TIMEOUT`]) and answered 503 naming the limit, and it closes.
+async fn refuse(stream: TcpStream, limit: Limit) {
+    let service =
+        service_fn(move |_request| async move { Ok::<_, Infallible>(handler::over_limit(limit)) });
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(REFUSAL_HEAD_TIMEOUT)
+        .keep_alive(false)
+        .serve_connection(TokioIo::new(stream), service);
+    if let Err(e) = connection.await {
+        debug!(error = %e, "a refused connection ended with an error");
+    }
+}
+
+/// What one connection is served with.
+struct Served<'a> {
+    app: Router,
     peer: SocketAddr,
-    shutdown: &CancellationToken,
-) where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let connection =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-    tokio::pin!(connection);
-    let served = tokio::select! {
-        served = connection.as_mut() => served,
-        _ = shutdown.cancelled() => {
-            connection.as_mut().graceful_shutdown();
-            connection.await
+    limits: Limits,
+    telemetry: &'a Telemetry,
+    shutdown: &'a CancellationToken,
+}
+
+impl Served<'_> {
+    /// One HTTP/1.1 connection, until the client closes it, it waits
+    /// `keep_alive_timeout` for a request or `header_read_timeout` for a head, or,
+    /// after `shutdown`, until the request it is answering is answered (with
+    /// `Connection: close`).
+    async fn connection<S>(self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let Served {
+            app,
+            peer,
+            limits,
+            telemetry,
+            shutdown,
+        } = self;
+        let activity = Activity::new();
+        let app = TowerToHyperService::new(app);
+        let service = service_fn({
+            let activity = activity.clone();
+            move |request| {
+                let answering = activity.request();
+                let answer = app.call(request);
+                async move {
+                    let answer = answer.await;
+                    drop(answering);
+                    answer
+                }
+            }
+        });
+        let io = TokioIo::new(Watched {
+            inner: stream,
+            activity: activity.clone(),
+        });
+        let connection = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .keep_alive(limits.keep_alive.is_some())
+            .serve_connection(io, service);
+        tokio::pin!(connection);
+        let served = tokio::select! {
+            served = connection.as_mut() => served,
+            () = idle_for(&activity, limits.keep_alive) => {
+                telemetry.limited(Limit::KeepAliveTimeout);
+                // Closes it at once, unless a request arrived just now: then it is
+                // answered first.
+                connection.as_mut().graceful_shutdown();
+                connection.await
+            }
+            _ = shutdown.cancelled() => {
+                connection.as_mut().graceful_shutdown();
+                connection.await
+            }
+        };
+        match served {
+            Ok(()) => {}
+            Err(e) if e.is_timeout() => {
+                telemetry.limited(Limit::HeaderReadTimeout);
+                debug!(%peer, "a request's head took longer than gateway.header_read_timeout; connection closed");
+            }
+            Err(e) => debug!(%peer, error = %e, "connection ended with an error"),
         }
+    }
+}
+
+/// Ends once the connection has waited `keep_alive` for a request (never without
+/// one: with keep-alive off, hyper closes the connection after its answer).
+async fn idle_for(activity: &Activity, keep_alive: Option<Duration>) {
+    let Some(timeout) = keep_alive else {
+        return std::future::pending().await;
     };
-    if let Err(e) = served {
-        debug!(%peer, error = %e, "connection ended with an error");
+    loop {
+        match connections::idle(activity.now(), Instant::now(), timeout) {
+            Idle::Close => return,
+            Idle::CheckAt(at) => tokio::time::sleep_until(at).await,
+        }
+    }
+}
+
+/// A connection's stream, telling its [`Activity`] when bytes arrive.
+struct Watched<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.read();
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

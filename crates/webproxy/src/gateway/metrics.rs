@@ -1,6 +1,7 @@
-//! The gateway's metrics: requests by route and outcome, and the time requests
-//! wait for their answer. Label values come from the configuration (route paths) and
-//! closed sets (outcomes and the gateway's own codes), never from URLs or ids.
+//! The gateway's metrics: requests by route and outcome, the time requests wait for
+//! their answer, open connections and the limits that acted on them. Label values
+//! come from the configuration (route paths) and closed sets (outcomes, the gateway's
+//! own codes, its limits' keys), never from URLs, ids or addresses.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,6 +17,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use webproxy_dispatcher::{Bucket, BucketUse, BucketUseSink};
 
+use super::connections::Limit;
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
     route: String,
@@ -25,6 +28,11 @@ struct RequestLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    limit: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -50,6 +58,10 @@ struct Inner {
     wait: Family<RouteLabels, Histogram, fn() -> Histogram>,
     waiting: Gauge,
     refused_connections: Counter,
+    connections: Gauge,
+    connections_opened: Counter,
+    limits: Family<LimitLabels, Counter>,
+    accept_errors: Counter,
     nats_connected: Gauge,
     state_bucket_bytes: Family<BucketLabels, Gauge>,
     state_bucket_used_ratio: Family<BucketLabels, Gauge<f64, AtomicU64>>,
@@ -92,6 +104,34 @@ impl Telemetry {
             "Connections closed at once because their address is outside allow_sources",
             refused_connections.clone(),
         );
+        let connections = Gauge::default();
+        registry.register(
+            "webproxy_gateway_connections",
+            "Connections open on this gateway now (at most max_connections)",
+            connections.clone(),
+        );
+        let connections_opened = Counter::default();
+        registry.register(
+            "webproxy_gateway_connections_opened",
+            "Connections the gateway took on (within its caps and allow_sources)",
+            connections_opened.clone(),
+        );
+        let limits = Family::<LimitLabels, Counter>::default();
+        registry.register(
+            "webproxy_gateway_limits",
+            "Times a [gateway] limit refused or closed a connection or a request, by the limit's key",
+            limits.clone(),
+        );
+        // Every limit's series from the start, so a rate over it is 0 rather than absent.
+        for limit in Limit::ALL {
+            let _ = limits.get_or_create(&LimitLabels { limit: limit.key() });
+        }
+        let accept_errors = Counter::default();
+        registry.register(
+            "webproxy_gateway_accept_errors",
+            "Connections the gateway failed to accept (out of file descriptors, say); it waits up to 1 s before it accepts again",
+            accept_errors.clone(),
+        );
         let nats_connected = Gauge::default();
         registry.register(
             "webproxy_gateway_nats_connected",
@@ -118,6 +158,10 @@ impl Telemetry {
                 wait,
                 waiting,
                 refused_connections,
+                connections,
+                connections_opened,
+                limits,
+                accept_errors,
                 nats_connected,
                 state_bucket_bytes,
                 state_bucket_used_ratio,
@@ -153,6 +197,28 @@ impl Telemetry {
 
     pub fn refused_connection(&self) {
         self.inner.refused_connections.inc();
+    }
+
+    /// A connection was taken on: counted, and in the gauge of open connections
+    /// until the returned guard is dropped.
+    pub fn connection_opened(&self) -> impl Drop + Send + use<> {
+        self.inner.connections_opened.inc();
+        self.inner.connections.inc();
+        scopeguard::guard(self.clone(), |telemetry| {
+            telemetry.inner.connections.dec();
+        })
+    }
+
+    /// `limit` refused or closed a connection or a request.
+    pub fn limited(&self, limit: Limit) {
+        self.inner
+            .limits
+            .get_or_create(&LimitLabels { limit: limit.key() })
+            .inc();
+    }
+
+    pub fn accept_failed(&self) {
+        self.inner.accept_errors.inc();
     }
 
     pub fn set_nats_connected(&self, connected: bool) {

@@ -5,6 +5,7 @@
 //! `/_webproxy/replies/<id>`. State lives in NATS only (the ids' records and the
 //! shared key), so any number of gateways run behind one Kubernetes Service.
 
+mod connections;
 mod handler;
 mod ids;
 mod key_commands;
@@ -203,6 +204,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         handler::router(state),
         secrets.tls,
         settings.gateway.allow_sources.clone(),
+        listener::Limits::of(config),
         telemetry.clone(),
         drain,
     )

@@ -1,7 +1,8 @@
 //! The gateway's two KV buckets, declared with the service's in the dispatcher's
 //! `state.rs` and reached through its `StateBucket`: `<PREFIX>_GATEWAY_KEY`, the shared
 //! HMAC key when `[gateway] key` is unset, and `<PREFIX>_GATEWAY`, each minted id's
-//! route, token identity and origin, kept for `reply_max_age`. The records bucket is
+//! route, token identity and origin (and a keyed id's request fingerprint), kept for
+//! `reply_max_age`. The records bucket is
 //! made again when the server confirms it gone; the key bucket never is, and the key is
 //! made by a gateway only on a deployment's first start (neither bucket there), else
 //! only by `webproxy gateway key rotate` or `restore`. Only gateways and operators
@@ -13,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use webproxy_dispatcher::{Bucket, BucketError, StateBucket, StreamsConfig};
 use webproxy_protocol::{Origin, Subjects};
 
-use super::ids::{self, Key};
+use super::ids::{self, Fingerprint, Key};
 
 /// The key's name in `<PREFIX>_GATEWAY_KEY`.
 const KEY: &str = "hmac";
@@ -27,14 +28,24 @@ pub struct Record {
     pub identity: String,
     /// The conversation: `<STREAM>:<seq>`.
     pub origin: String,
+    /// A keyed id's request, which a retry with the key must repeat. Absent for a
+    /// random id, and in records written before gateways kept it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<Fingerprint>,
 }
 
 impl Record {
-    pub fn new(route: &str, identity: &str, origin: &Origin) -> Record {
+    pub fn new(
+        route: &str,
+        identity: &str,
+        origin: &Origin,
+        request: Option<&Fingerprint>,
+    ) -> Record {
         Record {
             route: route.into(),
             identity: identity.into(),
             origin: origin.to_string(),
+            request: request.cloned(),
         }
     }
 
@@ -349,6 +360,35 @@ mod tests {
             key: key.into(),
             revision: 1,
         }
+    }
+
+    #[test]
+    fn a_record_from_before_the_binding_reads_as_unbound() {
+        let old = r#"{"route":"/a","identity":"t1","origin":"WEBPROXY_POOL_DEFAULT:7"}"#;
+        let record: Record = serde_json::from_str(old).expect("an older record");
+        assert_eq!(record.request, None);
+        let random = Record::new("/a", "t1", &record.origin().expect("origin"), None);
+        assert_eq!(
+            serde_json::to_string(&random).expect("json"),
+            old,
+            "a random id's record is written as before"
+        );
+        let request = Key::new(b"k".to_vec()).fingerprint(
+            "GET",
+            "https://h/",
+            &webproxy_protocol::Headers::new(),
+            "idempotency-key",
+            b"",
+        );
+        let keyed = Record::new(
+            "/a",
+            "t1",
+            &record.origin().expect("origin"),
+            Some(&request),
+        );
+        let read: Record =
+            serde_json::from_slice(&serde_json::to_vec(&keyed).expect("json")).expect("read");
+        assert_eq!(read, keyed);
     }
 
     #[test]
