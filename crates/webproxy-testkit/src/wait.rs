@@ -42,15 +42,43 @@ where
     }
 }
 
-/// A currently free TCP port on 127.0.0.1. Another process can take it before
-/// the caller binds it; prefer letting servers bind port 0 themselves.
+/// A currently free TCP port on 127.0.0.1, for a server the test starts later.
+///
+/// Chosen at random below the kernel's ephemeral range, never from it: a port the kernel
+/// hands out for `bind(0)` is also what it gives the next outgoing connection of any
+/// test running in parallel, which then takes the port before the server binds it
+/// (seen as `Address already in use`). Below that range only another test's server can
+/// collide, and among some 20 000 ports that is rare.
 pub fn free_port() -> u16 {
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind 127.0.0.1:0 to find a free port");
-    listener
-        .local_addr()
-        .expect("local address of a bound listener")
-        .port()
+    let (low, high) = (10_000, ephemeral_range_start().max(10_001));
+    for _ in 0..1_000 {
+        let port = low + u16::try_from(random_u64() % u64::from(high - low)).unwrap_or(0);
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free 127.0.0.1 port in {low}..{high} after 1000 tries")
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default when it cannot be read).
+fn ephemeral_range_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
+/// A random number from the standard library's per-process random hash keys: enough to
+/// spread ports, with no dependency for it.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish()
 }
 
 /// A 127.0.0.1 port that refuses connections for as long as the returned socket lives:
