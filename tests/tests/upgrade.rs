@@ -153,14 +153,15 @@ async fn all_answered(calls: Vec<(Call, u32)>, within: Duration, logs: &dyn Fn()
     }
 }
 
-/// The pool stream is layout 2 with its fence, and layout 1's consumers are gone.
-async fn assert_layout2(js: &jetstream::Context) {
+/// The pool stream is layout 3 with its fence and its own replies and dead-letter
+/// streams, the shared ones are retired, and layout 1's consumers are gone.
+async fn assert_layout3(js: &jetstream::Context) {
     let subjects = Subjects::new("webproxy").expect("prefix");
     let mut pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
     let config = pool.info().await.expect("info").config.clone();
     assert_eq!(
         config.metadata.get("webproxy.layout").map(String::as_str),
-        Some("2")
+        Some("3")
     );
     assert!(
         config.subjects.contains(&subjects.hop_filter("default")),
@@ -172,12 +173,26 @@ async fn assert_layout2(js: &jetstream::Context) {
             "{gone} is still there"
         );
     }
-    for kept in ["webproxy-default-l2", "webproxy-default-retry-l2"] {
+    for kept in ["webproxy-default-l3", "webproxy-default-retry-l3"] {
         pool.consumer_info(kept).await.expect(kept);
     }
-    let mut replies = js.get_stream("WEBPROXY_REPLIES").await.expect("replies");
-    let replies = replies.info().await.expect("info").config.subjects.clone();
-    assert_eq!(replies, ["webproxy.reply.*.*.*"]);
+    for (stream, captures) in [
+        (
+            "WEBPROXY_POOL_DEFAULT_REPLIES",
+            &["webproxy.reply.*.WEBPROXY_POOL_DEFAULT.*"][..],
+        ),
+        (
+            "WEBPROXY_POOL_DEFAULT_DEAD",
+            &["webproxy.dead.default", "webproxy.dead.default.superseded"][..],
+        ),
+        // Layout 1's shared streams, retired: what they hold ages out.
+        ("WEBPROXY_REPLIES", &["webproxy.retired.replies"][..]),
+        ("WEBPROXY_DEAD", &["webproxy.retired.dead"][..]),
+    ] {
+        let mut found = js.get_stream(stream).await.expect(stream);
+        let subjects = found.info().await.expect("info").config.subjects.clone();
+        assert_eq!(subjects, captures, "{stream}");
+    }
     for (fence, _) in FENCES {
         let mut stream = js.get_stream(fence).await.expect(fence);
         let storage = stream.info().await.expect("info").config.storage;
@@ -259,7 +274,7 @@ async fn old_first_then_new() {
     old.terminate();
     // Ready means migrated: nothing is left on layout 1's retry subject.
     assert_eq!(messages_on(&pool, "webproxy.retry.default").await, 0);
-    assert_layout2(&js).await;
+    assert_layout3(&js).await;
     assert!(
         new.logs()
             .contains("moved the retries that layout 1 parked"),
@@ -325,7 +340,7 @@ async fn new_first_then_old() {
 
     assert!(!old.is_ready().await, "{}", old.logs());
     answered_nothing(&old);
-    assert_layout2(&js).await;
+    assert_layout3(&js).await;
     // Had the old version got past the fences, its consumer would not be created
     // either: its filter overlaps the new consumer's on the work queue.
     let pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
@@ -347,8 +362,8 @@ async fn new_first_then_old() {
     );
 }
 
-/// Issue 29, points 8 and 10: layout 2 as the release before fences moved to file left
-/// it, its fences in memory (the pool's holding an old pod's stray publish). Today's version
+/// Issue 29, points 8 and 10: the fences in memory, as the release before fences moved
+/// to file left them (the pool's holding an old pod's stray publish). Today's version
 /// starts, deletes them and makes them again on file; an old pod that starts then is
 /// still refused by the fences, and the new version answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -383,7 +398,7 @@ async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
         .expect("stored in the memory fence");
 
     let new = Service::start(&nats, &config).await;
-    assert_layout2(&js).await;
+    assert_layout3(&js).await;
     assert!(
         new.logs()
             .contains("moving fence stream WEBPROXY_FENCE_POOL_DEFAULT"),
