@@ -404,7 +404,7 @@ async fn poison_input_is_dead_lettered_and_valid_requests_are_answered() {
             .get_stream("WEBPROXY_POOL_DEFAULT")
             .await
             .expect("pool")
-            .consumer_info("webproxy-default-l2")
+            .consumer_info("webproxy-default-l3")
             .await
             .expect("consumer");
         (info.num_pending == 0 && info.num_ack_pending == 0).then_some(info)
@@ -534,8 +534,8 @@ async fn a_parked_retry_survives_a_restart() {
             let Ok(pool) = js.get_stream("WEBPROXY_POOL_DEFAULT").await else {
                 return false;
             };
-            let work = pool.consumer_info("webproxy-default-l2").await;
-            let parked = pool.consumer_info("webproxy-default-retry-l2").await;
+            let work = pool.consumer_info("webproxy-default-l3").await;
+            let parked = pool.consumer_info("webproxy-default-retry-l3").await;
             matches!((work, parked), (Ok(w), Ok(p))
             if upstream.hits_for("/status/503") == 1
                 && w.num_ack_pending == 0

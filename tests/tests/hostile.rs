@@ -151,7 +151,7 @@ impl Scene {
             .await
             .expect("pool stream");
         stream
-            .consumer_info(format!("webproxy-{pool}-l2"))
+            .consumer_info(format!("webproxy-{pool}-l3"))
             .await
             .expect("pool consumer info")
     }

@@ -380,7 +380,7 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         .await
         .expect("pool stream");
     let before = stream
-        .consumer_info("webproxy-default-l2")
+        .consumer_info("webproxy-default-l3")
         .await
         .expect("consumer");
     assert_eq!(before.config.max_ack_pending, 2);
@@ -406,14 +406,14 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         "the new limit on the consumer",
         || async {
             stream
-                .consumer_info("webproxy-default-l2")
+                .consumer_info("webproxy-default-l3")
                 .await
                 .is_ok_and(|info| info.config.max_ack_pending == 5)
         },
     )
     .await;
     let after = stream
-        .consumer_info("webproxy-default-l2")
+        .consumer_info("webproxy-default-l3")
         .await
         .expect("consumer");
     assert_eq!(after.created, before.created, "the consumer was recreated");
@@ -464,7 +464,7 @@ async fn an_owner_that_lost_its_lease_writes_no_consumer() {
         .expect("pool stream");
     let consumer = || async {
         stream
-            .consumer_info("webproxy-default-l2")
+            .consumer_info("webproxy-default-l3")
             .await
             .expect("consumer")
             .config

@@ -80,7 +80,7 @@ async fn callers_cannot_read_each_others_replies() {
         let js = js.clone();
         async move {
             let stream = js.get_stream_no_info("WEBPROXY_POOL_DEFAULT").await.ok()?;
-            let info = stream.consumer_info("webproxy-default-l2").await.ok()?;
+            let info = stream.consumer_info("webproxy-default-l3").await.ok()?;
             // Two deliveries: pool streams start at a first sequence of Unix
             // microseconds, so the stream sequence says nothing about the count.
             (info.num_ack_pending == 0 && info.delivered.consumer_sequence == 2).then_some(())
