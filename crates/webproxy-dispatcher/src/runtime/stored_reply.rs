@@ -173,3 +173,89 @@ pub(super) async fn store_once(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Against a real nats-server: a reply that layout 2 stored in its shared stream,
+    //! read back after the upgrade to layout 3.
+
+    use async_nats::HeaderMap;
+    use async_nats::jetstream::stream;
+    use bytes::Bytes;
+
+    use super::super::tests::{Fixture, STREAM};
+    use super::*;
+    use crate::provision::provision;
+
+    #[tokio::test]
+    async fn a_reply_stored_before_the_upgrade_is_found_and_a_replay_is_stored_in_the_pools_stream() {
+        let f = Fixture::start().await;
+        let js = &f.js;
+        let outlet = &f.shared.outlet;
+        let origin = Origin::new(STREAM, 42);
+        let subject = outlet.subjects.stored_reply("old", &origin);
+        // Layout 2's shared replies stream, with one reply of generation 0 stored
+        // before the upgrade: the pool's own stream cannot exist beside it.
+        js.delete_stream(format!("{STREAM}_REPLIES"))
+            .await
+            .expect("delete the pool's replies stream");
+        js.create_stream(stream::Config {
+            name: "WEBPROXY_REPLIES".into(),
+            subjects: vec!["webproxy.reply.*.*.*".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("layout 2's replies stream");
+        let mut headers = HeaderMap::new();
+        headers.insert(header::ORIGIN, origin.to_string().as_str());
+        headers.insert(header::GENERATION, "0");
+        js.publish_with_headers(subject.clone(), headers.clone(), "before".into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+
+        provision(js, &f.shared.settings).await.expect("upgraded");
+        let found = answering(outlet, &subject, &origin, 0)
+            .await
+            .expect("read")
+            .expect("the reply stored before the upgrade");
+        assert_eq!(found.message.payload, "before");
+        assert!(
+            answering(outlet, &subject, &origin, 1)
+                .await
+                .expect("read")
+                .is_none(),
+            "generation 0 does not answer generation 1"
+        );
+
+        headers.insert(header::GENERATION, "1");
+        let payload = Bytes::from_static(b"replayed");
+        let stored = |msg_id| Stored {
+            subject: &subject,
+            msg_id,
+            headers: &headers,
+            payload: &payload,
+        };
+        // A replay (generation 1) reads the subject first: the pool's own stream holds
+        // nothing on it, so it stores on top of nothing there.
+        let kept = store_once(outlet, stored("m1"), &origin, 1)
+            .await
+            .expect("stored");
+        assert!(matches!(kept, Kept::Ours), "{kept:?}");
+        let found = answering(outlet, &subject, &origin, 1)
+            .await
+            .expect("read")
+            .expect("generation 1's reply");
+        assert_eq!(found.message.payload, "replayed");
+        // The shared stream still holds the old one, untouched.
+        let old = js
+            .get_stream_no_info("WEBPROXY_REPLIES")
+            .await
+            .expect("shared")
+            .get_last_raw_message_by_subject(&subject)
+            .await
+            .expect("kept");
+        assert_eq!(old.payload, "before");
+    }
+}
