@@ -773,6 +773,11 @@ pub(crate) async fn provision(
     )
     .await?;
     retire_shared_stream(js, &subjects.dead_stream(), subjects.retired_dead_subject()).await?;
+    // At once: until a pool's own streams exist, what an instance of layout 2 still
+    // running stores for that pool has no stream (it logs that and answers live only).
+    for pool in settings.cluster.pools.keys() {
+        provision_endings(js, settings, pool).await?;
+    }
     make_fence(js, replies_fence_config(settings)).await?;
     let progress = StateBucket::new(
         js.clone(),
@@ -797,8 +802,8 @@ pub(crate) async fn provision(
     })
 }
 
-/// Provisions one pool: its stream (migrated from an older layout if need be), its
-/// fence and its two consumers. A work consumer that exists is bound as it is: its
+/// Provisions one pool: its replies and dead-letter streams, its stream (migrated
+/// from an older layout if need be), its fence and its two consumers. A work consumer that exists is bound as it is: its
 /// settings are written only by their owner (`runtime::owner`), under a lease, from
 /// the configured limits and the pool's runtime state; one that does not is created
 /// from them.
@@ -810,22 +815,8 @@ pub(crate) async fn provision_pool(
 ) -> Result<PoolConsumers, ProvisionError> {
     let subjects = &settings.subjects;
     // Where the pool's conversations end go first, so that none ends before its
-    // reply or letter can be stored.
-    for config in [
-        pool_replies_stream_config(settings, pool),
-        pool_dead_stream_config(settings, pool),
-    ] {
-        provision_stream(
-            js,
-            StreamPlan {
-                config,
-                fresh_first_sequence: false,
-                old_consumers: Vec::new(),
-                fence: None,
-            },
-        )
-        .await?;
-    }
+    // reply or letter can be stored (a pool added live has none yet).
+    provision_endings(js, settings, pool).await?;
     let stream_config = pool_stream_config(settings, pool, pool_config);
     let stream_name = stream_config.name.clone();
     provision_stream(
@@ -871,6 +862,30 @@ pub(crate) async fn provision_pool(
         work,
         parked,
     })
+}
+
+/// Creates or updates `pool`'s own replies and dead-letter streams.
+async fn provision_endings(
+    js: &jetstream::Context,
+    settings: &Settings,
+    pool: &str,
+) -> Result<(), ProvisionError> {
+    for config in [
+        pool_replies_stream_config(settings, pool),
+        pool_dead_stream_config(settings, pool),
+    ] {
+        provision_stream(
+            js,
+            StreamPlan {
+                config,
+                fresh_first_sequence: false,
+                old_consumers: Vec::new(),
+                fence: None,
+            },
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing

@@ -188,7 +188,8 @@ mod tests {
     use crate::provision::provision;
 
     #[tokio::test]
-    async fn a_reply_stored_before_the_upgrade_is_found_and_a_replay_is_stored_in_the_pools_stream() {
+    async fn a_reply_stored_before_the_upgrade_is_found_and_a_replay_is_stored_in_the_pools_stream()
+    {
         let f = Fixture::start().await;
         let js = &f.js;
         let outlet = &f.shared.outlet;
