@@ -154,8 +154,9 @@ async fn all_answered(calls: Vec<(Call, u32)>, within: Duration, logs: &dyn Fn()
 }
 
 /// The pool stream is layout 3 with its fence and its own replies and dead-letter
-/// streams, the shared ones are retired, and layout 1's consumers are gone.
-async fn assert_layout3(js: &jetstream::Context) {
+/// streams, layout 1's consumers are gone, and the shared streams are retired when
+/// the old version made them (`shared`), or absent.
+async fn assert_layout3(js: &jetstream::Context, shared: bool) {
     let subjects = Subjects::new("webproxy").expect("prefix");
     let mut pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
     let config = pool.info().await.expect("info").config.clone();
@@ -176,7 +177,7 @@ async fn assert_layout3(js: &jetstream::Context) {
     for kept in ["webproxy-default-l3", "webproxy-default-retry-l3"] {
         pool.consumer_info(kept).await.expect(kept);
     }
-    for (stream, captures) in [
+    let mut streams = vec![
         (
             "WEBPROXY_POOL_DEFAULT_REPLIES",
             &["webproxy.reply.*.WEBPROXY_POOL_DEFAULT.*"][..],
@@ -185,10 +186,20 @@ async fn assert_layout3(js: &jetstream::Context) {
             "WEBPROXY_POOL_DEFAULT_DEAD",
             &["webproxy.dead.default", "webproxy.dead.default.superseded"][..],
         ),
-        // Layout 1's shared streams, retired: what they hold ages out.
+    ];
+    // Layout 1's shared streams, retired: what they hold ages out.
+    let retired = [
         ("WEBPROXY_REPLIES", &["webproxy.retired.replies"][..]),
         ("WEBPROXY_DEAD", &["webproxy.retired.dead"][..]),
-    ] {
+    ];
+    if shared {
+        streams.extend(retired);
+    } else {
+        for (stream, _) in retired {
+            assert!(js.get_stream(stream).await.is_err(), "{stream} was made");
+        }
+    }
+    for (stream, captures) in streams {
         let mut found = js.get_stream(stream).await.expect(stream);
         let subjects = found.info().await.expect("info").config.subjects.clone();
         assert_eq!(subjects, captures, "{stream}");
@@ -274,7 +285,7 @@ async fn old_first_then_new() {
     old.terminate();
     // Ready means migrated: nothing is left on layout 1's retry subject.
     assert_eq!(messages_on(&pool, "webproxy.retry.default").await, 0);
-    assert_layout3(&js).await;
+    assert_layout3(&js, true).await;
     assert!(
         new.logs()
             .contains("moved the retries that layout 1 parked"),
@@ -340,7 +351,7 @@ async fn new_first_then_old() {
 
     assert!(!old.is_ready().await, "{}", old.logs());
     answered_nothing(&old);
-    assert_layout3(&js).await;
+    assert_layout3(&js, false).await;
     // Had the old version got past the fences, its consumer would not be created
     // either: its filter overlaps the new consumer's on the work queue.
     let pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
@@ -398,7 +409,7 @@ async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
         .expect("stored in the memory fence");
 
     let new = Service::start(&nats, &config).await;
-    assert_layout3(&js).await;
+    assert_layout3(&js, false).await;
     assert!(
         new.logs()
             .contains("moving fence stream WEBPROXY_FENCE_POOL_DEFAULT"),
