@@ -604,6 +604,15 @@ async fn provision_stream(
             js.update_stream(config)
                 .await
                 .map_err(|e| provision_error(what(), e))?;
+            // Again, now that the stream records this layout, and on every start: an
+            // instance of layout 2 recreates its work consumer when it finds it gone
+            // (`recreate_pool_consumer`), and one that looked at the stream before
+            // the update above saw its own layout and may have done so since the
+            // deletion. From now on it refuses to. A consumer left that way would
+            // overlap this layout's on the work queue (10100) for good.
+            for consumer in &old_consumers {
+                delete_consumer(&stream, consumer).await?;
+            }
             Some(found)
         }
         None => {
