@@ -6,7 +6,9 @@
 //! which both versions publish.
 //!
 //! Needs the old binary: `just test-upgrade` builds it and names it in
-//! `WEBPROXY_OLD_BINARY`. Ignored in the normal run.
+//! `WEBPROXY_OLD_BINARY`. Ignored in the normal run. The same goes for layout 2's last
+//! build (`WEBPROXY_LAYOUT2_BINARY`), which the move to per-pool replies and
+//! dead-letter streams (layout 3) is tested against.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -424,4 +426,113 @@ async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
     let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
     all_answered(vec![(call, 1)], REPLY_TIMEOUT, &logs).await;
     answered_nothing(&old);
+}
+
+const LAYOUT2_BINARY: &str = "WEBPROXY_LAYOUT2_BINARY";
+
+/// The last build of stream layout 2 (`just test-upgrade` builds it and names it in
+/// `WEBPROXY_LAYOUT2_BINARY`).
+fn layout2() -> ServiceOptions {
+    let path = std::env::var_os(LAYOUT2_BINARY)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("{LAYOUT2_BINARY} is not set: run `just test-upgrade`"));
+    assert!(
+        path.is_file(),
+        "{LAYOUT2_BINARY}={} is no file",
+        path.display()
+    );
+    ServiceOptions::default().binary(path)
+}
+
+/// Issue 30, point 4: layout 2 (one replies and one dead-letter stream for every pool)
+/// first, then today's in a rolling update. The new instance retires the shared
+/// streams and makes the pool's own; a reply and a dead letter stored by layout 2 stay
+/// readable, retries it parked are answered by the new one, and a layout 2 instance
+/// started afterwards stays not ready and answers nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the layout 2 binary: run `just test-upgrade`"]
+async fn layout2_first_then_layout3() {
+    let layout2 = layout2();
+    let nats = NatsServer::start();
+    let upstream = upstream().await;
+    let config = config(&upstream);
+    let old = Service::start_with(&nats.url(), &config, layout2.clone()).await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let js = jetstream::new(nats.client().await);
+
+    let stored = client
+        .request_answer(
+            &to("default", &envelope("GET", &upstream.url("/echo"))).wait(REPLY_TIMEOUT),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("layout 2's reply: {e}\n{}", old.logs()));
+    let denied = envelope("GET", "http://127.0.0.1:1/denied");
+    let letter = client
+        .request_answer(&to("default", &denied).wait(REPLY_TIMEOUT))
+        .await
+        .expect("layout 2's denial");
+    assert!(letter.reply.error.is_some(), "{:?}", letter.reply);
+    let caller = OldCaller::new(&nats).await;
+    let mut parked = Vec::new();
+    for _ in 0..2 {
+        let mut request = envelope("GET", "");
+        request.url = upstream.url(&format!("/flaky/{}/1", request.id));
+        parked.push((caller.call(&request).await, 2));
+    }
+    // The other two are answered and acked: what the work queue holds is the parks.
+    wait_until(REPLY_TIMEOUT, "layout 2 to park two retries", || async {
+        let mut pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
+        pool.info().await.is_ok_and(|info| info.state.messages == 2)
+    })
+    .await;
+
+    let new = Service::start(&nats, &config).await;
+    old.terminate();
+    let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
+    assert_layout3(&js, true).await;
+    all_answered(parked, PARKED_REPLY_TIMEOUT, &logs).await;
+    // What layout 2 stored is read from its retired streams.
+    let reply = client
+        .reply(&stored.reply.id, &stored.origin)
+        .await
+        .expect("lookup")
+        .unwrap_or_else(|| panic!("layout 2's stored reply is gone\n{}", logs()));
+    assert_eq!(reply.status, Some(200));
+    let listed = webproxy_tests::run_webproxy(&[
+        "dead",
+        "list",
+        "--nats",
+        &nats.url(),
+        "--id",
+        &denied.id,
+        "--json",
+    ])
+    .await;
+    assert!(listed.status.success(), "{listed:?}");
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(text.contains("\"stream\":\"WEBPROXY_DEAD\""), "{text}");
+
+    // A layout 2 instance that starts now is fenced out.
+    let again = Service::spawn(&nats.url(), &config, layout2);
+    wait_until(
+        REPLY_TIMEOUT,
+        "layout 2 to refuse the retired replies stream as newer",
+        || async {
+            again
+                .logs()
+                .contains("is newer than this instance's layout 2")
+        },
+    )
+    .await;
+    let call = caller.call(&envelope("GET", &upstream.url("/echo"))).await;
+    let logs = || {
+        format!(
+            "--- new ---\n{}\n--- layout 2 ---\n{}",
+            new.logs(),
+            again.logs()
+        )
+    };
+    all_answered(vec![(call, 1)], REPLY_TIMEOUT, &logs).await;
+    assert!(!again.is_ready().await, "{}", again.logs());
+    answered_nothing(&again);
 }
