@@ -20,6 +20,26 @@ fn caller(nats: &async_nats::Client, name: &str) -> Client {
         .expect("caller name")
 }
 
+/// Waits until the service logs that conversation `id` finished `invalid_request`.
+async fn refused(service: &Service, id: &str) {
+    wait_for(
+        REPLY_TIMEOUT,
+        "the refused conversation to finish",
+        || async {
+            service
+                .logs()
+                .lines()
+                .any(|line| {
+                    line.contains(id)
+                        && line.contains("conversation finished")
+                        && line.contains("invalid_request")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn callers_cannot_read_each_others_replies() {
     let nats = NatsServer::start_authorized();
@@ -106,22 +126,7 @@ async fn callers_cannot_read_each_others_replies() {
         .submit(&to("default", &outside))
         .await
         .expect("submitted");
-    wait_for(
-        REPLY_TIMEOUT,
-        "the refused conversation to finish",
-        || async {
-            service
-                .logs()
-                .lines()
-                .any(|line| {
-                    line.contains(&outside.id)
-                        && line.contains("conversation finished")
-                        && line.contains("invalid_request")
-                })
-                .then_some(())
-        },
-    )
-    .await;
+    refused(&service, &outside.id).await;
     a.flush().await.expect("flush");
     assert!(
         leaked(&mut other).is_none(),
@@ -161,22 +166,7 @@ async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
             .submit(&to("default", &request))
             .await
             .unwrap_or_else(|e| panic!("{subject}: submit: {e}\n{}", service.logs()));
-        wait_for(
-            REPLY_TIMEOUT,
-            &format!("{subject} to be refused"),
-            || async {
-                service
-                    .logs()
-                    .lines()
-                    .any(|line| {
-                        line.contains(&request.id)
-                            && line.contains("conversation finished")
-                            && line.contains("invalid_request")
-                    })
-                    .then_some(())
-            },
-        )
-        .await;
+        refused(&service, &request.id).await;
     }
     assert_eq!(upstream.hits(), 0, "a refused conversation was attempted");
 }
@@ -261,22 +251,7 @@ async fn a_caller_cannot_place_a_message_in_another_callers_reply_space() {
         .submit(&to("default", &aimed))
         .await
         .unwrap_or_else(|e| panic!("submit: {e}\n{}", service.logs()));
-    wait_for(
-        REPLY_TIMEOUT,
-        "the aimed conversation to finish",
-        || async {
-            service
-                .logs()
-                .lines()
-                .any(|line| {
-                    line.contains(&aimed.id)
-                        && line.contains("conversation finished")
-                        && line.contains("invalid_request")
-                })
-                .then_some(())
-        },
-    )
-    .await;
+    refused(&service, &aimed.id).await;
     assert_eq!(
         upstream.hits_for("/echo"),
         0,
