@@ -96,7 +96,7 @@ test: && test-python test-node demo
     python3 scripts/module_cycles.py
     # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
     # tests/tests/startup.rs runs the service against a nats-server too old for it.
-    {{ _nats_path }}; old_nats="$(bash scripts/ensure-old-nats-server.sh | tail -n1)"; export WEBPROXY_OLD_NATS_SERVER="$old_nats"; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace; else cargo test --workspace; fi
+    {{ _nats_path }}; old_nats="$(bash scripts/ensure-old-nats-server.sh | tail -n1)"; export WEBPROXY_OLD_NATS_SERVER="$old_nats"; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace --no-fail-fast; else cargo test --workspace; fi
 
 # The last commit of stream layout 1 (before the conversation core): `just test-upgrade`'s old version.
 upgrade_from := "c7a4dcd"

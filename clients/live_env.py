@@ -254,7 +254,7 @@ class LiveEnv:
             # Small stream limits: JetStream reserves them against free disk.
             '[streams]\nreply_max_bytes = 67108864\ndead_max_bytes = 67108864\n'
             # Isolated: copies go only to a caller's own reply space, as deployed.
-            + ('reply_to_allow = ["callers.*.replies.>"]\n' if self.isolated else "")
+            + ('reply_to_allow = ["callers.{caller}.replies.>"]\n' if self.isolated else "")
             + '\n'
             # The upstream is on loopback, which the address guard denies by default.
             '[outbound]\nallow_private_networks = true\n\n'

@@ -124,6 +124,12 @@ export interface RequestOptions extends SubmitOptions {
 export interface ClientOptions {
   /** The deployment's subject prefix (default `"webproxy"`). */
   prefix?: string;
+  /**
+   * Publish requests as this caller, on `<prefix>.request.<pool>.<caller>`: the name
+   * NATS permissions let the connection publish under, whose reply space the service's
+   * `[streams] reply_to_allow` (`{caller}`) gives the requests' `replyTo`.
+   */
+  caller?: string | null;
 }
 
 /** A request JetStream has stored; `origin` is `<STREAM>:<seq>`. */

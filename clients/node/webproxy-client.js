@@ -16,6 +16,7 @@ export const DEFAULT_WAIT_MS = 30_000;
 
 const ID = /^[A-Za-z0-9_-]{1,128}$/;
 const POOL = /^[a-z0-9_-]{1,32}$/;
+const CALLER = /^[A-Za-z0-9_-]{1,64}$/;
 // A conversation's origin: its pool stream (one subject token) and stream sequence.
 const ORIGIN = /^[A-Za-z0-9_-]{1,255}:[1-9][0-9]{0,19}$/;
 // A literal subject: non-empty tokens, no wildcards, no white space.
@@ -244,13 +245,18 @@ export class Client {
   #js;
   #jsm;
   #prefix;
+  #caller;
   #retiredRepliesStream;
   #reconnects = 0;
 
-  constructor(nc, { prefix = DEFAULT_PREFIX } = {}) {
+  constructor(nc, { prefix = DEFAULT_PREFIX, caller = null } = {}) {
+    if (caller !== null) {
+      check(CALLER, "caller", caller);
+    }
     this.#nc = nc;
     this.#js = jetstream(nc);
     this.#prefix = prefix;
+    this.#caller = caller;
     // The shared replies stream of webproxy before its stream layout 3, retired at the
     // upgrade: it holds the replies stored before it until they age out.
     this.#retiredRepliesStream = `${prefix.replaceAll(".", "_").toUpperCase()}_REPLIES`;
@@ -403,7 +409,8 @@ export class Client {
 
   async #publish(envelope, pool, msgId) {
     check(POOL, "pool", pool);
-    const subject = `${this.#prefix}.request.${pool}`;
+    const subject =
+      this.#caller === null ? `${this.#prefix}.request.${pool}` : `${this.#prefix}.request.${pool}.${this.#caller}`;
     const payload = JSON.stringify(envelope);
     try {
       // msgID is sent as the Nats-Msg-Id header.

@@ -9,7 +9,7 @@ fuzz_target!(|payload: &[u8]| {
     let Ok(subjects) = Subjects::new("webproxy") else {
         return;
     };
-    match parse_request(payload, &subjects) {
+    match parse_request(payload, &subjects, None) {
         Ok(request) => {
             assert!(validate_id(&request.id).is_ok());
             assert!(matches!(request.url.scheme(), "http" | "https"));
@@ -23,7 +23,7 @@ fuzz_target!(|payload: &[u8]| {
                 }
             }
             if let Some(reply_to) = &request.reply_to {
-                assert!(subjects.check_reply_to(reply_to, &request.id).is_ok());
+                assert!(subjects.check_reply_to(reply_to, &request.id, None).is_ok());
                 assert!(!reply_to.starts_with("$JS."));
             }
             for (name, value) in &request.headers {

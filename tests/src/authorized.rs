@@ -125,6 +125,8 @@ pub fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str>
 pub struct Caller {
     pub nats: async_nats::Client,
     pub js: Context,
+    /// `a` for `caller_a`: the caller name it publishes requests under.
+    pub name: String,
     /// `callers.a` for `caller_a`.
     pub space: String,
     /// Server errors (permission violations) reported on this connection.
@@ -142,6 +144,7 @@ impl Caller {
         Caller {
             js: async_nats::jetstream::new(client.clone()),
             nats: client,
+            name: name.to_owned(),
             space,
             errors,
         }
@@ -152,11 +155,25 @@ impl Caller {
         format!("{}.replies.{tail}", self.space)
     }
 
-    /// Publishes `payload` on `webproxy.request.<pool>` with JetStream, with message
-    /// id `msg_id` and `headers` on top; the server's answer.
+    /// Publishes `payload` on its own request subject of `pool`,
+    /// `webproxy.request.<pool>.<name>`, with JetStream, with message id `msg_id` and
+    /// `headers` on top; the server's answer.
     pub async fn try_publish(
         &self,
         pool: &str,
+        msg_id: &str,
+        headers: &HeaderMap,
+        payload: impl Into<Bytes>,
+    ) -> Result<PublishAck, PublishError> {
+        let subject = format!("webproxy.request.{pool}.{}", self.name);
+        self.try_publish_on(&subject, msg_id, headers, payload)
+            .await
+    }
+
+    /// Like [`Caller::try_publish`], on any `subject`: another caller's name, or none.
+    pub async fn try_publish_on(
+        &self,
+        subject: &str,
         msg_id: &str,
         headers: &HeaderMap,
         payload: impl Into<Bytes>,
@@ -166,7 +183,7 @@ impl Caller {
             .headers(headers.clone())
             .message_id(msg_id);
         self.js
-            .send_publish(format!("webproxy.request.{pool}"), publish)
+            .send_publish(subject.to_owned(), publish)
             .await?
             .await
     }

@@ -130,6 +130,34 @@ async fn transitions(services: &[Service], to: &str) -> f64 {
     sum
 }
 
+/// The attempts of pool [`POOL`] the instances have reported in `WEBPROXY_INSTANCES`
+/// (`stats.<pool>.<instance>`: `{"s": [[second, attempts, failures, latency_ms], ...]}`).
+async fn reported_attempts(js: &async_nats::jetstream::Context) -> u64 {
+    let Ok(bucket) = js.get_key_value("WEBPROXY_INSTANCES").await else {
+        return 0;
+    };
+    let Ok(mut keys) = bucket.keys().await else {
+        return 0;
+    };
+    let mut attempts = 0;
+    while let Some(Ok(key)) = keys.next().await {
+        if !key.starts_with(&format!("stats.{POOL}.")) {
+            continue;
+        }
+        let Ok(Some(value)) = bucket.get(&key).await else {
+            continue;
+        };
+        let report: serde_json::Value = serde_json::from_slice(&value).unwrap_or_default();
+        attempts += report["s"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|second| second[1].as_u64())
+            .sum::<u64>();
+    }
+    attempts
+}
+
 /// "F of M attempts failed": (F, M).
 fn counts_in(reason: &str) -> (u64, u64) {
     let words: Vec<&str> = reason.split_whitespace().collect();
@@ -298,7 +326,13 @@ async fn errors_the_caller_chose_do_not_open_the_breaker() {
         .collect();
     end_in_errors(chosen, &["UpstreamError", "RetriesExhausted"]).await;
     assert_eq!(upstream.hits(), 60);
-    // The caller's errors are in the counts (reported each second) before the 503s go.
+    // The caller's errors are in the counts (reported each second) before the 503s go:
+    // else the 503s may open the breaker before the next report, on counts without them.
+    let js = async_nats::jetstream::new(nats.client().await);
+    wait_until(SEEN, "the 60 attempts reported", || async {
+        reported_attempts(&js).await >= 60
+    })
+    .await;
     let failing_from = Instant::now();
     let url = upstream.url("/status/503");
     let calls: Vec<_> = (0..100).map(|_| spawn_request(&client, &url)).collect();

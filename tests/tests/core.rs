@@ -115,10 +115,10 @@ async fn metadata_is_echoed_verbatim() {
 async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
     let h = Harness::start(|up| accept_rule("local", up)).await;
     let mut request = envelope("GET", &h.upstream.url("/echo"));
-    request.reply_to = Some(format!("app.replies.{}", request.id));
+    request.reply_to = Some(format!("_INBOX.app.replies.{}", request.id));
     let mut copies =
         h.js.client()
-            .subscribe(format!("app.replies.{}", request.id))
+            .subscribe(format!("_INBOX.app.replies.{}", request.id))
             .await
             .expect("subscribe");
     let answer = h.request_answer(&request).await;

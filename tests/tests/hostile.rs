@@ -107,7 +107,7 @@ impl Scene {
         let nats = NatsServer::start_authorized();
         let (upstream, outage) = upstream().await;
         let config = format!(
-            "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+            "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
             config(&upstream)
         );
         let service = Service::start_with(&nats.url(), &config, options).await;

@@ -131,11 +131,14 @@ async fn invalid_envelopes_are_answered_dead_lettered_and_not_redelivered() {
     }
 
     // An id that cannot name a reply subject: answered on a valid reply_to only.
-    let mut custom = nats.subscribe("app.bad-id").await.expect("subscribe");
+    let mut custom = nats
+        .subscribe("_INBOX.app.bad-id")
+        .await
+        .expect("subscribe");
     h.publish_raw(
         "default",
         &new_id(),
-        json!({"id": "not a token", "method": "GET", "url": url, "reply_to": "app.bad-id"})
+        json!({"id": "not a token", "method": "GET", "url": url, "reply_to": "_INBOX.app.bad-id"})
             .to_string(),
     )
     .await;

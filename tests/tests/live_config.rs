@@ -423,7 +423,7 @@ async fn kv_instances_seed_and_read_the_bucket_with_the_deploy_permissions() {
     let upstream = Upstream::start().await;
     // deploy/nats/authorization.conf confines reply_to to the callers' reply spaces.
     let config = kv_config(&format!(
-        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
         accept_rule("local", &upstream)
     ));
     let seeder = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;

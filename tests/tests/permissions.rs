@@ -29,6 +29,9 @@ const DRAINED_POOL: &str = "drained";
 /// The JetStream API of the callers' account, as webproxy's account imports it.
 const CALLERS_API: &str = "$JS.CALLERS.API";
 
+/// The reply spaces the file's comments say the service must confine copies to.
+const REPLY_TO_ALLOW: &str = "[streams]\nreply_to_allow = [\"callers.{caller}.replies.>\"]\n";
+
 /// A server with the file's accounts, an upstream, and the service as the file's
 /// `webproxy` user with the pool `partner`, confining reply copies to the callers'
 /// reply spaces as the file's comments say it must.
@@ -47,7 +50,7 @@ impl Scene {
     async fn start_on(nats: NatsServer) -> Scene {
         let upstream = Upstream::start().await;
         let config = format!(
-            "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n\
+            "{REPLY_TO_ALLOW}\n\
              [pools.{GATEWAY_POOL}]\nmax_in_flight = 4\n\n[pools.{DRAINED_POOL}]\n\n\
              {}pool = \"{GATEWAY_POOL}\"\n",
             path_rule("partner", &upstream, "/")
@@ -357,15 +360,25 @@ async fn the_operators_pools_remove_answers_an_isolated_caller_into_its_stream()
 
     let caller = Caller::connect(&scene.nats, "caller_a").await;
     let (id, reply_to, origin) = scene.unheard(&caller, DRAINED_POOL).await;
+    // The operator's command reads the service's reply_to_allow from its config, to
+    // copy the ending into the caller's space as the service would.
+    let config = tempfile::NamedTempFile::new().expect("a config file");
+    std::fs::write(config.path(), REPLY_TO_ALLOW).expect("write the config");
+    let config = config.path().to_str().expect("a UTF-8 path");
     let removed = scene
-        .operator(&["pools", "remove", DRAINED_POOL, "--dead-letter"])
+        .operator(&[
+            "pools",
+            "remove",
+            DRAINED_POOL,
+            "--dead-letter",
+            "--config",
+            config,
+        ])
         .await;
     assert!(removed.contains(DRAINED_POOL), "{removed}");
 
-    assert_eq!(
-        admin.wait_dead_letters(&origin, REPLY_TIMEOUT).await.len(),
-        1
-    );
+    let letters = admin.wait_dead_letters(&origin, REPLY_TIMEOUT).await;
+    assert_eq!(letters.len(), 1);
     assert_eq!(
         admin
             .wait_stored_replies(&id, &origin, REPLY_TIMEOUT)

@@ -11,13 +11,42 @@ use webproxy_tests::authorized::{SERVICE_USER, connect_as, service_as, violation
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
 use webproxy_tests::{NatsServer, Service, Upstream, wait_for};
 
+/// A client publishing as caller `name`, which the file's permissions require of
+/// `caller_<name>`.
+fn caller(nats: &async_nats::Client, name: &str) -> Client {
+    Client::new(nats.clone(), "webproxy")
+        .expect("client")
+        .with_caller(name)
+        .expect("caller name")
+}
+
+/// Waits until the service logs that conversation `id` finished `invalid_request`.
+async fn refused(service: &Service, id: &str) {
+    wait_for(
+        REPLY_TIMEOUT,
+        "the refused conversation to finish",
+        || async {
+            service
+                .logs()
+                .lines()
+                .any(|line| {
+                    line.contains(id)
+                        && line.contains("conversation finished")
+                        && line.contains("invalid_request")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn callers_cannot_read_each_others_replies() {
     let nats = NatsServer::start_authorized();
     let upstream = Upstream::start().await;
     let options = service_as(SERVICE_USER);
     let config = format!(
-        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
         accept_rule("local", &upstream)
     );
     let service = Service::start_with(&nats.url(), &config, options).await;
@@ -42,13 +71,12 @@ async fn callers_cannot_read_each_others_replies() {
 
     // Each caller gets its own reply under its own prefix.
     let mut replies = Vec::new();
-    for (client, prefix) in [(&a, "callers.a"), (&b, "callers.b")] {
+    for (client, name, prefix) in [(&a, "a", "callers.a"), (&b, "b", "callers.b")] {
         let mut request = envelope("GET", &upstream.url("/echo"));
         let subject = format!("{prefix}.replies.{}", request.id);
         request.reply_to = Some(subject.clone());
         let mut inbox = client.subscribe(subject).await.expect("subscribe");
-        Client::new(client.clone(), "webproxy")
-            .expect("client")
+        caller(client, name)
             .submit(&to("default", &request))
             .await
             .unwrap_or_else(|e| panic!("{prefix}: submit: {e}\n{}", service.logs()));
@@ -93,27 +121,11 @@ async fn callers_cannot_read_each_others_replies() {
     let mut other = a.subscribe("callers.a.other.>").await.expect("subscribe");
     let mut outside = envelope("GET", &upstream.url("/echo"));
     outside.reply_to = Some("callers.a.other.1".into());
-    Client::new(a.clone(), "webproxy")
-        .expect("client")
+    caller(&a, "a")
         .submit(&to("default", &outside))
         .await
         .expect("submitted");
-    wait_for(
-        REPLY_TIMEOUT,
-        "the refused conversation to finish",
-        || async {
-            service
-                .logs()
-                .lines()
-                .any(|line| {
-                    line.contains(&outside.id)
-                        && line.contains("conversation finished")
-                        && line.contains("invalid_request")
-                })
-                .then_some(())
-        },
-    )
-    .await;
+    refused(&service, &outside.id).await;
     a.flush().await.expect("flush");
     assert!(
         leaked(&mut other).is_none(),
@@ -140,7 +152,7 @@ async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
 
     // Caller A aims its reply_to at the service's inbox and at server subjects.
     let (a, _) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
-    let client = Client::new(a.clone(), "webproxy").expect("client");
+    let client = caller(&a, "a");
     for subject in [
         "_WEBPROXY_INBOX.guess.1",
         "$O.bucket.x",
@@ -153,22 +165,7 @@ async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
             .submit(&to("default", &request))
             .await
             .unwrap_or_else(|e| panic!("{subject}: submit: {e}\n{}", service.logs()));
-        wait_for(
-            REPLY_TIMEOUT,
-            &format!("{subject} to be refused"),
-            || async {
-                service
-                    .logs()
-                    .lines()
-                    .any(|line| {
-                        line.contains(&request.id)
-                            && line.contains("conversation finished")
-                            && line.contains("invalid_request")
-                    })
-                    .then_some(())
-            },
-        )
-        .await;
+        refused(&service, &request.id).await;
     }
     assert_eq!(upstream.hits(), 0, "a refused conversation was attempted");
 }
@@ -184,12 +181,12 @@ async fn an_isolated_callers_client_listens_on_its_reply_to_only() {
     let nats = NatsServer::start_authorized();
     let upstream = Upstream::start().await;
     let config = format!(
-        "[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n\n{}",
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
         accept_rule("local", &upstream)
     );
     let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
     let (a, mut a_errors) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
-    let client = Client::new(a.clone(), "webproxy").expect("client");
+    let client = caller(&a, "a");
     let own_reply_to = |request: Request| {
         let subject = format!("callers.a.replies.{}", request.envelope().id);
         request.reply_to(subject)
@@ -225,4 +222,71 @@ async fn an_isolated_callers_client_listens_on_its_reply_to_only() {
     let live = format!("webproxy.reply.{}", request.envelope().id);
     let _refused = a.subscribe(live.clone()).await.expect("subscribe");
     violation(&mut a_errors, &live, REPLY_TIMEOUT).await;
+}
+
+/// Issue 30's attack 7: caller a names caller b's reply subject as its `reply_to`. With
+/// `reply_to_allow = ["callers.{caller}.replies.>"]` and each caller publishing only
+/// under its own name, the service refuses it (`invalid_request`) and nothing reaches
+/// b's space; a cannot publish under b's name or under none. a's own reply space still
+/// gets its copy, also after a rule moves the request into another pool (the caller's
+/// name travels with the hop).
+#[tokio::test]
+async fn a_caller_cannot_place_a_message_in_another_callers_reply_space() {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n[pools.moved]\n\n{}pool = \"moved\"\n",
+        accept_rule("local", &upstream)
+    );
+    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let (a, mut a_errors) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
+    let (b, _) = connect_as(&nats, "caller_b", Some("callers.b._INBOX")).await;
+    let mut b_space = b.subscribe("callers.b.replies.>").await.expect("subscribe");
+    b.flush().await.expect("flush");
+
+    let mut aimed = envelope("GET", &upstream.url("/echo"));
+    aimed.reply_to = Some(format!("callers.b.replies.{}", aimed.id));
+    caller(&a, "a")
+        .submit(&to("default", &aimed))
+        .await
+        .unwrap_or_else(|e| panic!("submit: {e}\n{}", service.logs()));
+    refused(&service, &aimed.id).await;
+    assert_eq!(
+        upstream.hits_for("/echo"),
+        0,
+        "the refused request was sent"
+    );
+
+    // a under b's name, and under no name: refused by the server.
+    let payload = serde_json::to_vec(&aimed).expect("json");
+    for subject in ["webproxy.request.default.b", "webproxy.request.default"] {
+        a.publish(subject, payload.clone().into())
+            .await
+            .expect("publish");
+        violation(&mut a_errors, subject, REPLY_TIMEOUT).await;
+    }
+
+    // a's own space, through a move into another pool: a copy arrives.
+    let mut own = envelope("GET", &upstream.url("/echo"));
+    let own_subject = format!("callers.a.replies.{}", own.id);
+    own.reply_to = Some(own_subject.clone());
+    let mut inbox = a.subscribe(own_subject).await.expect("subscribe");
+    caller(&a, "a")
+        .submit(&to("default", &own))
+        .await
+        .expect("submitted");
+    let message = tokio::time::timeout(REPLY_TIMEOUT, inbox.next())
+        .await
+        .unwrap_or_else(|_| panic!("no copy in a's own space\n{}", service.logs()))
+        .expect("reply");
+    let reply: Reply = serde_json::from_slice(&message.payload).expect("reply json");
+    assert_eq!(reply.status, Some(200), "{reply:?}");
+
+    b.flush().await.expect("flush");
+    assert!(
+        futures::FutureExt::now_or_never(b_space.next())
+            .flatten()
+            .is_none(),
+        "a placed a message in b's reply space"
+    );
 }

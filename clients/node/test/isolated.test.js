@@ -48,7 +48,8 @@ describe("an isolated caller", () => {
       }
     })().catch(() => {});
     try {
-      const client = new Client(nc);
+      // caller_a may publish requests only under its own caller name.
+      const client = new Client(nc, { caller: "a" });
       const id = newId();
       const reply = await client.request("GET", `${env.upstream_url}/isolated`, {
         id,

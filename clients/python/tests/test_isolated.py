@@ -41,7 +41,8 @@ def test_an_isolated_caller_listens_on_its_reply_to_only(isolated: LiveEnv):
             error_cb=on_error,
         )
         try:
-            client = Client(nc)
+            # caller_a may publish requests only under its own caller name.
+            client = Client(nc, caller="a")
             id = webproxy_client.new_id()
             reply = await client.request(
                 "GET", isolated.url("/isolated"), id=id,

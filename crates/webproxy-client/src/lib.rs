@@ -61,7 +61,7 @@ use futures::StreamExt as _;
 use thiserror::Error;
 use tokio::time::Instant;
 use webproxy_protocol::{
-    InvalidName, ReplyBody, Subjects, header, validate_id, validate_pool_name,
+    InvalidName, ReplyBody, Subjects, header, validate_caller, validate_id, validate_pool_name,
     validate_subject_literal,
 };
 
@@ -99,6 +99,8 @@ pub enum Error {
     },
     #[error("invalid pool name: {0}")]
     InvalidPool(#[source] InvalidName),
+    #[error("invalid caller name: {0}")]
+    InvalidCaller(#[source] InvalidName),
     #[error("invalid reply_to {subject:?}: {source}")]
     InvalidReplyTo {
         subject: String,
@@ -342,6 +344,8 @@ pub struct Client {
     nats: async_nats::Client,
     js: jetstream::Context,
     subjects: Subjects,
+    /// The caller name requests are published under, if any: see [`Client::with_caller`].
+    caller: Option<String>,
 }
 
 /// A request JetStream has stored: its envelope id and its conversation's origin,
@@ -449,7 +453,17 @@ impl Client {
             js: jetstream::new(nats.clone()),
             nats,
             subjects: Subjects::new(prefix).map_err(Error::InvalidPrefix)?,
+            caller: None,
         })
+    }
+
+    /// Publishes requests as caller `caller`, on `<prefix>.request.<pool>.<caller>`: the
+    /// name NATS permissions let this connection publish under, whose reply space the
+    /// service's `[streams] reply_to_allow` (`{caller}`) gives the requests' `reply_to`.
+    pub fn with_caller(mut self, caller: &str) -> Result<Client, Error> {
+        validate_caller(caller).map_err(Error::InvalidCaller)?;
+        self.caller = Some(caller.to_owned());
+        Ok(self)
     }
 
     pub fn subjects(&self) -> &Subjects {
@@ -574,7 +588,10 @@ impl Client {
     async fn publish(&self, request: &Request) -> Result<Stored, Error> {
         let pool = &request.pool;
         validate_pool_name(pool).map_err(Error::InvalidPool)?;
-        let subject = self.subjects.request(pool);
+        let subject = match &self.caller {
+            None => self.subjects.request(pool),
+            Some(caller) => self.subjects.caller_request(pool, caller),
+        };
         let msg_id = match &request.msg_id {
             Some(msg_id) => {
                 check_msg_id(msg_id)?;

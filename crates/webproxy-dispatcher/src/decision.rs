@@ -368,7 +368,12 @@ mod tests {
 
     fn request(method: &str, url: &str) -> Request {
         let json = format!(r#"{{"id":"a","method":"{method}","url":"{url}"}}"#);
-        parse_request(json.as_bytes(), &Subjects::new("webproxy").expect("prefix")).expect("valid")
+        parse_request(
+            json.as_bytes(),
+            &Subjects::new("webproxy").expect("prefix"),
+            None,
+        )
+        .expect("valid")
     }
 
     #[test]

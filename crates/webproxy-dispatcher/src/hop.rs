@@ -82,6 +82,10 @@ pub(crate) struct HopState {
     pub(crate) due_ms: Option<u64>,
     #[serde(default)]
     pub(crate) attempts: AttemptHistory,
+    /// The caller name of the request subject the caller published on, if it had one:
+    /// its `reply_to` is checked against that caller's reply space on every hop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) caller: Option<String>,
 }
 
 mod origin_text {
@@ -112,8 +116,9 @@ pub(crate) enum HopError {
 }
 
 impl HopState {
-    /// The state of a caller's own message: step 0 of generation 0.
-    pub(crate) fn caller(origin: Origin, published: SystemTime) -> HopState {
+    /// The state of a caller's own message: step 0 of generation 0, published by the
+    /// caller its request subject names.
+    pub(crate) fn first(origin: Origin, published: SystemTime, caller: Option<&str>) -> HopState {
         HopState {
             origin,
             generation: 0,
@@ -121,6 +126,7 @@ impl HopState {
             first_published_ms: unix_ms(published),
             due_ms: None,
             attempts: AttemptHistory::default(),
+            caller: caller.map(str::to_owned),
         }
     }
 
@@ -215,6 +221,8 @@ impl HopState {
             first_published_ms,
             due_ms: None,
             attempts,
+            // Layout 1 had no caller names.
+            caller: None,
         };
         Ok((state, from_unix_ms(due)))
     }
@@ -314,9 +322,10 @@ mod tests {
     }
 
     fn state() -> HopState {
-        HopState::caller(
+        HopState::first(
             Origin::new("WEBPROXY_POOL_DEFAULT", 42),
             from_unix_ms(1_700_000_000_000),
+            None,
         )
     }
 
@@ -333,6 +342,12 @@ mod tests {
             "{header}"
         );
         assert_eq!(HopState::parse(Some(&header)), Ok(next));
+        // A hop keeps the caller name of the request subject; none is left out.
+        assert!(!header.contains("caller"), "{header}");
+        let named = HopState::first(Origin::new("S", 1), from_unix_ms(0), Some("a"))
+            .next(AttemptHistory::default(), None);
+        assert_eq!(named.caller.as_deref(), Some("a"));
+        assert_eq!(HopState::parse(Some(&named.format())), Ok(named));
     }
 
     #[test]

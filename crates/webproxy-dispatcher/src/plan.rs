@@ -193,7 +193,11 @@ mod tests {
     }
 
     fn parsed(json: &str) -> Result<Request, ParseError> {
-        parse_request(json.as_bytes(), &Subjects::new("webproxy").expect("prefix"))
+        parse_request(
+            json.as_bytes(),
+            &Subjects::new("webproxy").expect("prefix"),
+            None,
+        )
     }
 
     fn input<'a>(

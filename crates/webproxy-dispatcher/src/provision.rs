@@ -230,6 +230,7 @@ pub(crate) fn pool_stream_config(
         )),
         subjects: vec![
             subjects.request(pool),
+            subjects.caller_requests(pool),
             subjects.hop_filter(pool),
             subjects.retry_filter(pool),
         ],
@@ -240,7 +241,8 @@ pub(crate) fn pool_stream_config(
         max_messages_per_subject: max_waiting,
         // Per-subject discard-new rejects a publish into a full queue at once, so
         // callers feel back-pressure. Hop and retry subjects hold one message each, so
-        // the limit binds only the request subject and no handler waits for room.
+        // the limit binds only the request subjects, each caller's its own, and no
+        // handler waits for room.
         discard: stream::DiscardPolicy::New,
         discard_new_per_subject: config.max_waiting.is_some(),
         ..Default::default()
@@ -280,7 +282,11 @@ pub(crate) fn pool_consumer_config(
     consumer::pull::Config {
         durable_name: Some(subjects.pool_consumer(pool)),
         description: Some(format!("webproxy pool {pool}: the concurrency limit")),
-        filter_subjects: vec![subjects.request(pool), subjects.hop_filter(pool)],
+        filter_subjects: vec![
+            subjects.request(pool),
+            subjects.caller_requests(pool),
+            subjects.hop_filter(pool),
+        ],
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.cluster.ack_wait,
         max_ack_pending: i64::try_from(state.max_ack_pending(config)).unwrap_or(i64::MAX),

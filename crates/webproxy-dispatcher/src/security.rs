@@ -447,6 +447,7 @@ mod tests {
         webproxy_protocol::parse_request(
             json.to_string().as_bytes(),
             &webproxy_protocol::Subjects::new("webproxy").expect("prefix"),
+            None,
         )
         .expect("valid")
     }

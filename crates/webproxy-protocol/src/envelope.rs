@@ -163,8 +163,14 @@ pub struct InvalidEnvelope {
     pub metadata: Option<Box<RawValue>>,
 }
 
-/// Parses and validates a request envelope published under `subjects`' prefix.
-pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, ParseError> {
+/// Parses and validates a request envelope published under `subjects`' prefix by
+/// `caller`, the name its request subject gave (none for `<prefix>.request.<pool>`),
+/// whose reply space bounds `reply_to`.
+pub fn parse_request(
+    payload: &[u8],
+    subjects: &Subjects,
+    caller: Option<&str>,
+) -> Result<Request, ParseError> {
     // Fields stay raw until read, so `metadata` is echoed byte for byte.
     let raw: BTreeMap<String, &RawValue> = match serde_json::from_slice(payload) {
         Ok(raw) => raw,
@@ -193,7 +199,8 @@ pub fn parse_request(payload: &[u8], subjects: &Subjects) -> Result<Request, Par
     let valid_id = raw_id.clone().filter(|id| validate_id(id).is_ok());
     // reply_to is checked against the id's own default subject; with no valid id only
     // a subject outside the reserved prefixes can be used.
-    let reply_to_check = parse_reply_to(&object, subjects, valid_id.as_deref().unwrap_or(""));
+    let reply_to_check =
+        parse_reply_to(&object, subjects, valid_id.as_deref().unwrap_or(""), caller);
     let fail = |field: &'static str, message: String| {
         ParseError::Invalid(Box::new(InvalidEnvelope {
             field,
@@ -349,6 +356,7 @@ fn parse_reply_to(
     object: &Map<String, Value>,
     subjects: &Subjects,
     id: &str,
+    caller: Option<&str>,
 ) -> Result<Option<String>, String> {
     match object.get("reply_to") {
         None | Some(Value::Null) => Ok(None),
@@ -361,7 +369,7 @@ fn parse_reply_to(
                 ));
             }
             subjects
-                .check_reply_to(subject, id)
+                .check_reply_to(subject, id, caller)
                 .map_err(|e| e.to_string())?;
             if !id.is_empty() && *subject == subjects.reply(id) {
                 Ok(None)
@@ -600,12 +608,16 @@ fn parse_headers(value: Option<&Value>) -> Result<Vec<(String, String)>, String>
 mod tests {
     use super::*;
 
+    /// Custom reply subjects under `app.` are every caller's.
     fn subjects() -> Subjects {
-        Subjects::new("webproxy").expect("valid prefix")
+        Subjects::new("webproxy")
+            .expect("valid prefix")
+            .with_reply_to_allow(&["app.>".into()])
+            .expect("valid pattern")
     }
 
     fn parse(json: &str) -> Result<Request, ParseError> {
-        parse_request(json.as_bytes(), &subjects())
+        parse_request(json.as_bytes(), &subjects(), None)
     }
 
     fn invalid_field(json: &str) -> (&'static str, String, Option<String>, Option<String>) {

@@ -23,8 +23,9 @@ pub use reply::{
     AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody, excerpt, quote,
 };
 pub use subjects::{
-    SERVICE_INBOX, Subjects, subject_matches, validate_id, validate_pool_name, validate_prefix,
-    validate_subject_literal, validate_subject_pattern,
+    CALLER_PLACEHOLDER, DEFAULT_REPLY_TO_ALLOW, SERVICE_INBOX, Subjects, subject_matches,
+    validate_caller, validate_id, validate_pool_name, validate_prefix, validate_subject_literal,
+    validate_subject_pattern,
 };
 
 /// The protocol version this crate speaks; replies carry it as `"v": 1`.

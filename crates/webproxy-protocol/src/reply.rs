@@ -215,6 +215,11 @@ pub struct DeadLetter {
     /// generation from. Absent only for payloads that never were a conversation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub origin: Option<String>,
+    /// The caller name of the request subject it was published on
+    /// (`<prefix>.request.<pool>.<caller>`), when it had one: a replay keeps it, so that
+    /// its `reply_to` is checked against the same caller's reply space.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
     pub error: ErrorBody,
     /// The original request, when the payload was a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]

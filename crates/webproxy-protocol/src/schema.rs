@@ -272,8 +272,11 @@ pub(crate) fn reply_to(_: &mut SchemaGenerator) -> Schema {
         "description": "A core-NATS subject that also gets a copy of the reply. A literal \
                         subject that does not start with `$` (server subjects), outside \
                         webproxy's own inboxes (`_WEBPROXY_INBOX.`) and the deployment's own \
-                        prefix (`webproxy.` by default), except <prefix>.reply.<id> itself. \
-                        The copy carries the header Nats-Msg-Id \
+                        prefix (`webproxy.` by default), except <prefix>.reply.<id> itself, \
+                        and inside the caller's reply space: an `_INBOX.` subject when the \
+                        service sets no `[streams] reply_to_allow`, else one of those \
+                        patterns, `{caller}` read as the caller name of the request subject \
+                        <prefix>.request.<pool>.<caller>. The copy carries the header Nats-Msg-Id \
                         <STREAM>:<seq>:<generation>:reply, the stored reply's, so that a \
                         stream capturing the subject stores each reply once.",
         "type": "string",

@@ -51,6 +51,30 @@ pub fn validate_pool_name(pool: &str) -> Result<(), InvalidName> {
     Ok(())
 }
 
+/// A caller name, the optional last token of a request subject
+/// (`<prefix>.request.<pool>.<caller>`): 1 to 64 characters of `[A-Za-z0-9_-]`. NATS
+/// permissions decide who may publish under which name; the service takes the name
+/// from the subject and checks the request's `reply_to` against that caller's space.
+pub fn validate_caller(caller: &str) -> Result<(), InvalidName> {
+    let ok = !caller.is_empty() && caller.len() <= 64 && caller.chars().all(is_token_char);
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidName(format!(
+            "caller name {caller:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '_' and '-'"
+        )))
+    }
+}
+
+/// The token of a `reply_to_allow` pattern that stands for the caller's own name, as its
+/// request subject gives it: `callers.{caller}.replies.>` allows caller `a` the subjects
+/// under `callers.a.replies.` and nothing of caller `b`'s.
+pub const CALLER_PLACEHOLDER: &str = "{caller}";
+
+/// What a custom `reply_to` may be when `reply_to_allow` is empty: the NATS default
+/// inboxes, whose names are random and which no stream captures.
+pub const DEFAULT_REPLY_TO_ALLOW: &str = "_INBOX.>";
+
 /// The subject prefix: one or more dot-separated tokens of `[A-Za-z0-9_-]`.
 pub fn validate_prefix(prefix: &str) -> Result<(), InvalidName> {
     let ok = !prefix.is_empty()
@@ -137,7 +161,8 @@ pub const SERVICE_INBOX: &str = "_WEBPROXY_INBOX";
 pub struct Subjects {
     prefix: String,
     stream_prefix: String,
-    /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
+    /// Patterns a custom `reply_to` must match, each token [`CALLER_PLACEHOLDER`]
+    /// standing for the caller's name; empty allows only [`DEFAULT_REPLY_TO_ALLOW`].
     reply_to_allow: Vec<String>,
 }
 
@@ -153,14 +178,27 @@ impl Subjects {
     }
 
     /// Confines custom `reply_to` subjects to `patterns` (on top of the reserved
-    /// prefixes); empty allows any unreserved subject. Each is checked with
-    /// [`validate_subject_pattern`]; the error gives the index.
+    /// prefixes); empty allows only [`DEFAULT_REPLY_TO_ALLOW`]. Each is checked with
+    /// [`validate_subject_pattern`], [`CALLER_PLACEHOLDER`] only as a whole token; the
+    /// error gives the index.
     pub fn with_reply_to_allow(
         mut self,
         patterns: &[String],
     ) -> Result<Self, (usize, InvalidName)> {
         for (i, pattern) in patterns.iter().enumerate() {
-            validate_subject_pattern(pattern).map_err(|e| (i, e))?;
+            let stray = pattern
+                .split('.')
+                .any(|token| token != CALLER_PLACEHOLDER && token.contains(['{', '}']));
+            if stray {
+                return Err((
+                    i,
+                    InvalidName(format!(
+                        "{pattern:?}: {CALLER_PLACEHOLDER} must be a whole token, and no other braces are allowed"
+                    )),
+                ));
+            }
+            validate_subject_pattern(&pattern.replace(CALLER_PLACEHOLDER, "caller"))
+                .map_err(|e| (i, e))?;
         }
         self.reply_to_allow = patterns.to_vec();
         Ok(self)
@@ -170,9 +208,37 @@ impl Subjects {
         &self.prefix
     }
 
-    /// Where callers publish requests for `pool`.
+    /// Where callers publish requests for `pool` with no caller name: their `reply_to`
+    /// may use only the `reply_to_allow` patterns that name no caller.
     pub fn request(&self, pool: &str) -> String {
         format!("{}.request.{pool}", self.prefix)
+    }
+
+    /// Where caller `caller` publishes requests for `pool`, when NATS permissions let it
+    /// publish only under its own name: `<prefix>.request.<pool>.<caller>`.
+    pub fn caller_request(&self, pool: &str, caller: &str) -> String {
+        format!("{}.request.{pool}.{caller}", self.prefix)
+    }
+
+    /// Every named caller's request subject of `pool`.
+    pub fn caller_requests(&self, pool: &str) -> String {
+        format!("{}.request.{pool}.*", self.prefix)
+    }
+
+    /// Whether `subject` is one of `pool`'s request subjects and, if so, the caller it
+    /// names: `Some(None)` for `<prefix>.request.<pool>`, `Some(Some(caller))` for a
+    /// named caller's, `None` for any other subject (a hop, or nothing of this pool).
+    pub fn request_caller<'s>(&self, pool: &str, subject: &'s str) -> Option<Option<&'s str>> {
+        let rest = subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".request.")?
+            .strip_prefix(pool)?;
+        if rest.is_empty() {
+            return Some(None);
+        }
+        let caller = rest.strip_prefix('.')?;
+        validate_caller(caller).ok()?;
+        Some(Some(caller))
     }
 
     /// Where the service parks one conversation's request until its next attempt is
@@ -193,16 +259,23 @@ impl Subjects {
     }
 
     /// Where the service moves one conversation's request into `pool` under a rule
-    /// that names that pool: a hop subject of its own, so that the requests moved into
-    /// a pool can be counted against its `max_waiting` apart from retries and replays.
-    /// Service-only.
-    pub fn moved(&self, pool: &str, token: &str) -> String {
-        format!("{}.hop.{pool}.move.{token}", self.prefix)
+    /// that names that pool: a hop subject of its own, with the caller's name when the
+    /// request had one, so that the requests moved into a pool can be counted against
+    /// their caller's `max_waiting` apart from retries and replays. Service-only.
+    pub fn moved(&self, pool: &str, caller: Option<&str>, token: &str) -> String {
+        match caller {
+            None => format!("{}.hop.{pool}.move.{token}", self.prefix),
+            Some(caller) => format!("{}.hop.{pool}.move.{caller}.{token}", self.prefix),
+        }
     }
 
-    /// Every request moved into `pool` and not yet taken.
-    pub fn moved_filter(&self, pool: &str) -> String {
-        format!("{}.hop.{pool}.move.*", self.prefix)
+    /// Every request of `caller` (or of no named caller) moved into `pool` and not yet
+    /// taken.
+    pub fn moved_filter(&self, pool: &str, caller: Option<&str>) -> String {
+        match caller {
+            None => format!("{}.hop.{pool}.move.*", self.prefix),
+            Some(caller) => format!("{}.hop.{pool}.move.{caller}.*", self.prefix),
+        }
     }
 
     /// Every hop into `pool`: with the request subject, the pool consumer's filter.
@@ -439,8 +512,16 @@ impl Subjects {
     /// the service's own namespace (except exactly its own default reply subject),
     /// outside every server subject (those that start with `$`: `$JS.`, `$SYS.`,
     /// `$KV.`, `$O.`, `$MQTT.`, `$SRV.`, ...) and outside webproxy's private inboxes
-    /// ([`SERVICE_INBOX`]), and matching `reply_to_allow` when that is set.
-    pub fn check_reply_to(&self, subject: &str, id: &str) -> Result<(), InvalidName> {
+    /// ([`SERVICE_INBOX`]), and inside the space `reply_to_allow` gives `caller`: the
+    /// patterns that name no caller, and those with [`CALLER_PLACEHOLDER`] read as
+    /// `caller`'s own name. `caller` is the name on the request subject; a request
+    /// without one gets no pattern that names a caller.
+    pub fn check_reply_to(
+        &self,
+        subject: &str,
+        id: &str,
+        caller: Option<&str>,
+    ) -> Result<(), InvalidName> {
         validate_subject_literal(subject)?;
         if subject == self.reply(id) {
             return Ok(());
@@ -462,17 +543,35 @@ impl Subjects {
                 )));
             }
         }
-        if !self.reply_to_allow.is_empty()
-            && !self
-                .reply_to_allow
-                .iter()
-                .any(|pattern| subject_matches(pattern, subject))
-        {
-            return Err(InvalidName(format!(
-                "{subject:?} matches none of the allowed reply subjects ([streams] reply_to_allow)"
-            )));
+        if self.reply_to_allow.is_empty() {
+            return if subject_matches(DEFAULT_REPLY_TO_ALLOW, subject) {
+                Ok(())
+            } else {
+                Err(InvalidName(format!(
+                    "{subject:?} is not an {DEFAULT_REPLY_TO_ALLOW:?} inbox, the only custom reply subjects allowed while [streams] reply_to_allow is empty"
+                )))
+            };
         }
-        Ok(())
+        let allowed = self.reply_to_allow.iter().any(|pattern| {
+            match (pattern.contains(CALLER_PLACEHOLDER), caller) {
+                (false, _) => subject_matches(pattern, subject),
+                (true, Some(caller)) => {
+                    subject_matches(&pattern.replace(CALLER_PLACEHOLDER, caller), subject)
+                }
+                (true, None) => false,
+            }
+        });
+        if allowed {
+            return Ok(());
+        }
+        Err(InvalidName(match caller {
+            Some(caller) => format!(
+                "{subject:?} is outside caller {caller:?}'s reply subjects ([streams] reply_to_allow)"
+            ),
+            None => format!(
+                "{subject:?} matches none of the reply subjects allowed to a request without a caller name ([streams] reply_to_allow; a caller's own name comes from its request subject, <prefix>.request.<pool>.<caller>)"
+            ),
+        }))
     }
 }
 
@@ -633,14 +732,23 @@ mod tests {
 
     #[test]
     fn reply_to_rules() {
-        let s = subjects();
-        assert!(s.check_reply_to("app.replies.42", "x").is_ok());
-        assert!(s.check_reply_to("webproxy.reply.x", "x").is_ok());
-        assert!(s.check_reply_to("webproxy.reply.y", "x").is_err());
-        assert!(s.check_reply_to("webproxy.request.default", "x").is_err());
-        assert!(s.check_reply_to("$JS.API.STREAM.DELETE.X", "x").is_err());
-        assert!(s.check_reply_to("$SYS.x", "x").is_err());
-        assert!(s.check_reply_to("$KV.b.k", "x").is_err());
+        // Everything allowed but what is reserved whatever the patterns say.
+        let s = subjects()
+            .with_reply_to_allow(&[">".into()])
+            .expect("valid");
+        assert!(s.check_reply_to("app.replies.42", "x", None).is_ok());
+        assert!(s.check_reply_to("webproxy.reply.x", "x", None).is_ok());
+        assert!(s.check_reply_to("webproxy.reply.y", "x", None).is_err());
+        assert!(
+            s.check_reply_to("webproxy.request.default", "x", None)
+                .is_err()
+        );
+        assert!(
+            s.check_reply_to("$JS.API.STREAM.DELETE.X", "x", None)
+                .is_err()
+        );
+        assert!(s.check_reply_to("$SYS.x", "x", None).is_err());
+        assert!(s.check_reply_to("$KV.b.k", "x", None).is_err());
         // Every server subject, not only the ones listed before.
         for subject in [
             "$O.bucket.x",
@@ -649,7 +757,7 @@ mod tests {
             "$G",
             "$anything.x",
         ] {
-            let e = s.check_reply_to(subject, "x").expect_err(subject);
+            let e = s.check_reply_to(subject, "x", None).expect_err(subject);
             assert!(e.0.contains("'$'"), "{e}");
         }
         // webproxy's own inboxes, whatever follows the private prefix.
@@ -658,20 +766,117 @@ mod tests {
             "_WEBPROXY_INBOX.x",
             "_WEBPROXY_INBOX",
         ] {
-            let e = s.check_reply_to(subject, "x").expect_err(subject);
+            let e = s.check_reply_to(subject, "x", None).expect_err(subject);
             assert!(e.0.contains("_WEBPROXY_INBOX."), "{e}");
         }
-        assert!(s.check_reply_to("webproxy", "x").is_err());
+        assert!(s.check_reply_to("webproxy", "x", None).is_err());
         // Callers' own inboxes stay usable, and look-alike prefixes are not reserved.
-        assert!(s.check_reply_to("_INBOX.abc.1", "x").is_ok());
-        assert!(s.check_reply_to("_WEBPROXY_INBOXES.x", "x").is_ok());
-        assert!(s.check_reply_to("app.*", "x").is_err());
-        assert!(s.check_reply_to("app.>", "x").is_err());
-        assert!(s.check_reply_to("app..x", "x").is_err());
-        assert!(s.check_reply_to("app x", "x").is_err());
-        assert!(s.check_reply_to("", "x").is_err());
+        assert!(s.check_reply_to("_INBOX.abc.1", "x", None).is_ok());
+        assert!(s.check_reply_to("_WEBPROXY_INBOXES.x", "x", None).is_ok());
+        assert!(s.check_reply_to("app.*", "x", None).is_err());
+        assert!(s.check_reply_to("app.>", "x", None).is_err());
+        assert!(s.check_reply_to("app..x", "x", None).is_err());
+        assert!(s.check_reply_to("app x", "x", None).is_err());
+        assert!(s.check_reply_to("", "x", None).is_err());
         // a subject that merely starts with the prefix's letters is the caller's own
-        assert!(s.check_reply_to("webproxyish.replies", "x").is_ok());
+        assert!(s.check_reply_to("webproxyish.replies", "x", None).is_ok());
+    }
+
+    #[test]
+    fn an_empty_reply_to_allow_allows_only_inboxes() {
+        let s = subjects();
+        assert!(s.check_reply_to("_INBOX.abc.1", "x", None).is_ok());
+        assert!(s.check_reply_to("_INBOX.abc.1", "x", Some("a")).is_ok());
+        assert!(s.check_reply_to("webproxy.reply.x", "x", None).is_ok());
+        for subject in [
+            "app.replies.42",
+            "callers.b.replies.1",
+            "_INBOXES.x",
+            "_INBOX",
+        ] {
+            let e = s
+                .check_reply_to(subject, "x", Some("a"))
+                .expect_err(subject);
+            assert!(e.0.contains("_INBOX.>"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_caller_may_name_only_its_own_reply_space() {
+        let s = subjects()
+            .with_reply_to_allow(&["callers.{caller}.replies.>".into(), "shared.inbox".into()])
+            .expect("valid patterns");
+        assert!(
+            s.check_reply_to("callers.a.replies.42", "x", Some("a"))
+                .is_ok()
+        );
+        let e = s
+            .check_reply_to("callers.b.replies.42", "x", Some("a"))
+            .expect_err("b's space");
+        assert!(e.0.contains("caller \"a\""), "{e}");
+        // No name on the request subject: no pattern that names a caller applies.
+        let e = s
+            .check_reply_to("callers.a.replies.42", "x", None)
+            .expect_err("anonymous");
+        assert!(e.0.contains("without a caller name"), "{e}");
+        // A pattern without the placeholder is every caller's.
+        assert!(s.check_reply_to("shared.inbox", "x", None).is_ok());
+        assert!(s.check_reply_to("shared.inbox", "x", Some("b")).is_ok());
+        // Inboxes are not allowed once the list is set, unless it names them.
+        assert!(s.check_reply_to("_INBOX.abc", "x", Some("a")).is_err());
+        for bad in ["callers.{caller}x.>", "callers.{call}.>", "a.{caller}.{"] {
+            assert!(
+                subjects().with_reply_to_allow(&[bad.into()]).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn request_subjects_name_their_caller() {
+        let s = subjects();
+        assert_eq!(s.caller_request("p1", "a"), "webproxy.request.p1.a");
+        assert_eq!(s.request_caller("p1", "webproxy.request.p1"), Some(None));
+        assert_eq!(
+            s.request_caller("p1", "webproxy.request.p1.a"),
+            Some(Some("a"))
+        );
+        for other in [
+            "webproxy.request.p10",
+            "webproxy.request.p1.a.b",
+            "webproxy.request.p2.a",
+            "webproxy.hop.p1.t",
+            "webproxy.request.p1.",
+            "other.request.p1",
+        ] {
+            assert_eq!(s.request_caller("p1", other), None, "{other}");
+        }
+        assert!(subject_matches(
+            &s.caller_requests("p1"),
+            &s.caller_request("p1", "a")
+        ));
+        assert_eq!(s.moved("p1", None, "t"), "webproxy.hop.p1.move.t");
+        assert_eq!(s.moved("p1", Some("a"), "t"), "webproxy.hop.p1.move.a.t");
+        assert!(subject_matches(
+            &s.moved_filter("p1", None),
+            &s.moved("p1", None, "t")
+        ));
+        assert!(!subject_matches(
+            &s.moved_filter("p1", None),
+            &s.moved("p1", Some("a"), "t")
+        ));
+        assert!(subject_matches(
+            &s.moved_filter("p1", Some("a")),
+            &s.moved("p1", Some("a"), "t")
+        ));
+        assert!(!subject_matches(
+            &s.moved_filter("p1", Some("b")),
+            &s.moved("p1", Some("a"), "t")
+        ));
+        assert!(validate_caller(&"a".repeat(64)).is_ok());
+        assert!(validate_caller(&"a".repeat(65)).is_err());
+        assert!(validate_caller("a.b").is_err());
+        assert!(validate_caller("").is_err());
     }
 
     #[test]
@@ -679,25 +884,25 @@ mod tests {
         let s = subjects()
             .with_reply_to_allow(&["callers.*.replies.>".into(), "app.inbox".into()])
             .expect("valid patterns");
-        assert!(s.check_reply_to("callers.a.replies.42", "x").is_ok());
-        assert!(s.check_reply_to("app.inbox", "x").is_ok());
+        assert!(s.check_reply_to("callers.a.replies.42", "x", None).is_ok());
+        assert!(s.check_reply_to("app.inbox", "x", None).is_ok());
         let e = s
-            .check_reply_to("callers.a.other.42", "x")
+            .check_reply_to("callers.a.other.42", "x", None)
             .expect_err("not allowed");
         assert!(e.0.contains("reply_to_allow"), "{e}");
-        assert!(s.check_reply_to("callers.a.replies", "x").is_err());
-        assert!(s.check_reply_to("app.inbox.1", "x").is_err());
+        assert!(s.check_reply_to("callers.a.replies", "x", None).is_err());
+        assert!(s.check_reply_to("app.inbox.1", "x", None).is_err());
         // The reserved prefixes stay refused even when a pattern would match them.
         let broad = subjects()
             .with_reply_to_allow(&[">".into()])
             .expect("valid");
         assert!(
             broad
-                .check_reply_to("webproxy.request.default", "x")
+                .check_reply_to("webproxy.request.default", "x", None)
                 .is_err()
         );
         // The default reply subject needs no pattern.
-        assert!(s.check_reply_to("webproxy.reply.x", "x").is_ok());
+        assert!(s.check_reply_to("webproxy.reply.x", "x", None).is_ok());
     }
 
     #[test]

@@ -128,7 +128,7 @@ fn examples_agree_with_the_parser() {
     assert!(!valid.is_empty());
     for envelope in valid {
         let payload = serde_json::to_vec(envelope).expect("serialize");
-        if let Err(e) = parse_request(&payload, &subjects) {
+        if let Err(e) = parse_request(&payload, &subjects, None) {
             panic!("{envelope} is rejected: {e}");
         }
     }
@@ -136,7 +136,7 @@ fn examples_agree_with_the_parser() {
     assert!(!invalid.is_empty());
     for case in invalid {
         let payload = serde_json::to_vec(&case["envelope"]).expect("serialize");
-        match parse_request(&payload, &subjects) {
+        match parse_request(&payload, &subjects, None) {
             Err(ParseError::Invalid(e)) => assert_eq!(e.field, case["field"], "{case}"),
             other => panic!("{case}: expected an invalid field, got {other:?}"),
         }

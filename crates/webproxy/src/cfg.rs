@@ -642,6 +642,7 @@ mod tests {
     fn warnings_name_the_rule_or_key() {
         let settings = load_text(
             "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n\n\
+             [streams]\nreply_to_allow = [\"callers.{caller}.replies.>\", \"callers.*.replies.>\"]\n\n\
              [[request_rules]]\nname = \"no-admin\"\nurl_pattern = '^https://a\\.test/admin/'\naction = \"deny\"\n\
              [[request_rules]]\nname = \"health\"\nurl_pattern = '^https://a\\.test/admin/health'\n\
              [[request_rules]]\nname = \"loose\"\nurl_pattern = 'https://b.test/'\n",
@@ -665,10 +666,16 @@ mod tests {
             has("request_rules[2] (loose).url_pattern", "unescaped '.'"),
             "{warnings:?}"
         );
-        assert!(has("streams.reply_to_allow", "credentials"), "{warnings:?}");
+        assert!(
+            has(
+                "streams.reply_to_allow[1] = \"callers.*.replies.>\"",
+                "{caller}"
+            ),
+            "{warnings:?}"
+        );
         assert_eq!(warnings.len(), 4, "{warnings:?}");
         let allowed = load_text(
-            "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n[streams]\nreply_to_allow = [\"callers.*.replies.>\"]\n",
+            "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n[streams]\nreply_to_allow = [\"callers.{caller}.replies.>\", \"_INBOX.>\"]\n",
         )
         .expect("valid");
         assert!(allowed.warnings().is_empty(), "{:?}", allowed.warnings());

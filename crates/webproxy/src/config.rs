@@ -156,10 +156,20 @@ impl Settings {
             || nats.nkey_seed_file.is_some()
             || nats.token.is_some()
             || nats.user.is_some();
-        if authenticated && self.config.streams.reply_to_allow.is_empty() {
-            warnings.push(
-                "streams.reply_to_allow is empty although [nats] names credentials: NATS permissions probably confine the callers, yet a request's reply_to may name any unreserved subject, another caller's or another deployment's replies included; list the callers' reply subjects, e.g. [\"callers.*.replies.>\"]".into(),
-            );
+        // Empty allows only `_INBOX.` subjects, whose random names no caller guesses
+        // and no stream captures; any other wildcard pattern that names no caller is
+        // every caller's space at once.
+        if authenticated {
+            for (i, pattern) in self.config.streams.reply_to_allow.iter().enumerate() {
+                let shared = !pattern.contains(webproxy_protocol::CALLER_PLACEHOLDER)
+                    && !pattern.starts_with("_INBOX.")
+                    && pattern.split('.').any(|token| token == "*" || token == ">");
+                if shared {
+                    warnings.push(format!(
+                        "streams.reply_to_allow[{i}] = {pattern:?} names no {{caller}} although [nats] names credentials: NATS permissions probably confine the callers, yet any caller may name any subject it matches as its reply_to, another caller's included; write the caller's own token as {{caller}}, e.g. \"callers.{{caller}}.replies.>\", and let each caller publish only on <prefix>.request.*.<its name>"
+                    ));
+                }
+            }
         }
         warnings
     }

@@ -714,7 +714,7 @@ pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
     let outlet = if args.dry_run || count == 0 {
         None
     } else {
-        Some(operator_outlet(&client).await?)
+        Some(operator_outlet(&client, client.subjects()).await?)
     };
     let (mut replayed, mut skipped) = (0_u64, 0_u64);
     dead.for_each(selection, async |stored| {

@@ -419,10 +419,14 @@ pub(crate) mod tests {
             "{prefix}"
         );
         assert_ne!(prefix, service_inbox_prefix());
-        let subjects = webproxy_protocol::Subjects::new("webproxy").expect("prefix");
+        // Refused even where every other subject is allowed.
+        let subjects = webproxy_protocol::Subjects::new("webproxy")
+            .expect("prefix")
+            .with_reply_to_allow(&[">".into()])
+            .expect("pattern");
         // What async-nats puts under the prefix: one more token per inbox.
         let inbox = format!("{prefix}.AbC123");
-        assert!(subjects.check_reply_to(&inbox, "x").is_err());
+        assert!(subjects.check_reply_to(&inbox, "x", None).is_err());
     }
 
     #[test]

@@ -11,6 +11,7 @@ use clap::Args;
 use futures::StreamExt as _;
 use webproxy_client::Client;
 use webproxy_dispatcher::Outlet;
+use webproxy_protocol::Subjects;
 
 use crate::cfg;
 use crate::config::Settings;
@@ -114,8 +115,10 @@ fn batch_bytes(max_payload: usize) -> usize {
 
 /// An outlet for the operator commands, which end or replay conversations through
 /// the service's own code. The CLI loads no secrets: what it publishes is what the
-/// callers sent.
-pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
+/// callers sent. `subjects` are the configuration's (`--config`): its `reply_to_allow`
+/// decides which `reply_to` of a request the CLI ends gets a copy, as the service's
+/// would; without a configuration only `_INBOX.` subjects do.
+pub async fn operator_outlet(client: &Client, subjects: &Subjects) -> anyhow::Result<Outlet> {
     let js = jetstream::new(client.nats().clone());
     let bucket = client.subjects().progress_bucket();
     let progress = js.get_key_value(&bucket).await.with_context(|| {
@@ -123,7 +126,7 @@ pub async fn operator_outlet(client: &Client) -> anyhow::Result<Outlet> {
     })?;
     Ok(Outlet::operator(
         client.nats().clone(),
-        client.subjects().clone(),
+        subjects.clone(),
         progress,
     ))
 }

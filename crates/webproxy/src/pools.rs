@@ -12,10 +12,12 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
 use webproxy_dispatcher::{ConfigStore, Outlet, Settled, mark_removing};
-use webproxy_protocol::{ErrorBody, ErrorCode};
+use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
 use crate::live;
-use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
+use crate::operator::{
+    NatsArgs, connect, connect_with_settings, for_each_message, operator_outlet,
+};
 
 /// One pool as the server sees it.
 #[derive(Debug, Serialize)]
@@ -95,18 +97,23 @@ async fn pool_state(
         }
     }
     let parked = parked_count;
-    let oldest = stream
-        .raw_message_builder()
-        .next_by_subject(subjects.request(pool))
-        .sequence(work.delivered.stream_sequence + 1)
-        .send()
-        .await
-        .ok()
-        .map(|message| {
-            SystemTime::now()
-                .duration_since(SystemTime::from(message.time))
-                .unwrap_or_default()
-        });
+    // The first undelivered request, with or without a caller name.
+    let mut oldest: Option<Duration> = None;
+    for filter in [subjects.request(pool), subjects.caller_requests(pool)] {
+        let waited = stream
+            .raw_message_builder()
+            .next_by_subject(filter)
+            .sequence(work.delivered.stream_sequence + 1)
+            .send()
+            .await
+            .ok()
+            .map(|message| {
+                SystemTime::now()
+                    .duration_since(SystemTime::from(message.time))
+                    .unwrap_or_default()
+            });
+        oldest = oldest.max(waited);
+    }
     let pauses = runtime
         .pauses
         .iter()
@@ -132,7 +139,7 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let mut states = Vec::new();
     // No pool, no service run yet: nothing to read pauses from.
     if !names.is_empty() {
-        let outlet = operator_outlet(&client).await?;
+        let outlet = operator_outlet(&client, client.subjects()).await?;
         for pool in names {
             states.push(pool_state(&client, &js, &outlet, &pool).await?);
         }
@@ -291,16 +298,16 @@ async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<Outlet> {
     js.get_stream_no_info(&stream_name)
         .await
         .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
-    operator_outlet(client).await
+    operator_outlet(client, client.subjects()).await
 }
 
 pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::Result<()> {
     if pool == "default" {
         bail!("pool default always exists and cannot be removed");
     }
-    let client = connect(args).await?;
+    let (client, settings) = connect_with_settings(args).await?;
     let js = jetstream::new(client.nats().clone());
-    let subjects = client.subjects().clone();
+    let subjects = settings.dispatcher.subjects.clone();
     let stream_name = subjects.pool_stream(pool);
     let mut stream = js
         .get_stream(&stream_name)
@@ -338,7 +345,7 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
         }
     }
     if waiting > 0 {
-        let ended = dead_letter_all(&client, &stream, pool).await?;
+        let ended = dead_letter_all(&client, &subjects, &stream, pool).await?;
         outln!("dead-lettered {ended} messages of pool {pool}")?;
     }
     js.delete_stream(&stream_name)
@@ -371,10 +378,11 @@ fn consumer_not_found(e: &stream::ConsumerError) -> bool {
 /// and the request is dead-lettered, so it can be replayed into another pool.
 async fn dead_letter_all(
     client: &Client,
+    subjects: &Subjects,
     stream: &stream::Stream,
     pool: &str,
 ) -> anyhow::Result<u64> {
-    let outlet = operator_outlet(client).await?;
+    let outlet = operator_outlet(client, subjects).await?;
     let reader: consumer::PullConsumer = stream
         .create_consumer(consumer::pull::Config {
             ack_policy: consumer::AckPolicy::Explicit,

@@ -68,6 +68,7 @@ DEFAULT_WAIT = 30.0
 
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _POOL = re.compile(r"[a-z0-9_-]{1,32}")
+_CALLER = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # A conversation's origin: its pool stream (one subject token) and stream sequence.
 _ORIGIN = re.compile(r"[A-Za-z0-9_-]{1,255}:[1-9][0-9]{0,19}")
 # A literal subject: non-empty tokens, no wildcards, no white space.
@@ -303,9 +304,18 @@ def _decode(payload: bytes, origin: Optional[str]) -> Reply:
 class Client:
     """A webproxy client over one nats-py connection."""
 
-    def __init__(self, nc: NATS, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self, nc: NATS, prefix: str = DEFAULT_PREFIX, caller: Optional[str] = None
+    ) -> None:
+        """``caller``: publish requests as that caller, on
+        ``<prefix>.request.<pool>.<caller>``, the name NATS permissions let the
+        connection publish under; the service gives a request's ``reply_to`` that
+        caller's reply space (``[streams] reply_to_allow`` with ``{caller}``)."""
+        if caller is not None:
+            _check(_CALLER, "caller", caller)
         self._nc = nc
         self._prefix = prefix
+        self._caller = caller
         # The shared replies stream of webproxy before its stream layout 3, retired at
         # the upgrade: it holds the replies stored before it until they age out.
         self._retired_replies_stream = prefix.replace(".", "_").upper() + "_REPLIES"
@@ -441,6 +451,8 @@ class Client:
     async def _publish(self, envelope: Envelope, pool: str, msg_id: str) -> PubAck:
         _check(_POOL, "pool", pool)
         subject = f"{self._prefix}.request.{pool}"
+        if self._caller is not None:
+            subject = f"{subject}.{self._caller}"
         payload = json.dumps(envelope).encode()
         for attempt in range(1, _PUBLISH_TRIES + 1):
             try:

@@ -2,10 +2,13 @@
 //! requests waiting in a pool whether callers published them there or rules moved them
 //! there, so a flood published to one pool cannot fill another through a move.
 //!
-//! Callers' publishes are bounded by the server (the request subject's per-subject
-//! limit, discard new). Moves go on subjects of their own (`Subjects::moved`), apart
-//! from parked retries, due hops and replays, which do not count; before a move this
-//! instance counts the pool's request subject and moved subjects and refuses the move
+//! `max_waiting` is a bound per caller: each request subject of a pool (the one without
+//! a caller name, and each `<prefix>.request.<pool>.<caller>`) is a queue of its own, and
+//! a caller's requests moved into the pool count against its own queue. Callers'
+//! publishes are bounded by the server (the per-subject limit, discard new). Moves go on
+//! subjects of their own (`Subjects::moved`, with the caller's name), apart from parked
+//! retries, due hops and replays, which do not count; before a move this instance counts
+//! the caller's request subject and its moved subjects in the pool and refuses the move
 //! when they hold `max_waiting`. The count and the publish are one step per pool in an
 //! instance (a lock held until the move is published), so moves racing from other
 //! instances pass the bound by at most one each.
@@ -42,13 +45,14 @@ pub(crate) struct Admissions {
 }
 
 impl Admissions {
-    /// Counts `pool`'s waiting requests (published and moved) and says whether one more
-    /// moved request fits under `max_waiting`.
+    /// Counts `caller`'s requests waiting in `pool` (published and moved) and says
+    /// whether one more moved request fits under `max_waiting`.
     pub(super) async fn admit(
         &self,
         js: &jetstream::Context,
         subjects: &Subjects,
         pool: &str,
+        caller: Option<&str>,
         max_waiting: u64,
     ) -> Result<Admission, async_nats::Error> {
         let lock = self
@@ -61,7 +65,11 @@ impl Admissions {
         let admitted = lock.lock_owned().await;
         let stream = js.get_stream_no_info(subjects.pool_stream(pool)).await?;
         let mut waiting = 0u64;
-        for filter in [subjects.request(pool), subjects.moved_filter(pool)] {
+        let published = match caller {
+            None => subjects.request(pool),
+            Some(caller) => subjects.caller_request(pool, caller),
+        };
+        for filter in [published, subjects.moved_filter(pool, caller)] {
             let mut counts = stream.info_with_subjects(filter).await?;
             while let Some((_, count)) = counts.try_next().await? {
                 waiting = waiting.saturating_add(u64::try_from(count).unwrap_or(u64::MAX));

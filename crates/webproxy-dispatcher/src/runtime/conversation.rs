@@ -46,8 +46,15 @@ impl<'a> Conversation<'a> {
         subjects: &Subjects,
         liveness: &'a Liveness,
     ) -> (Conversation<'a>, Option<HopError>) {
-        let own = HopState::caller(Origin::new(info.stream.as_str(), info.seq), info.published);
-        let hop = delivery.subject() != subjects.request(pool);
+        // The caller's name comes from the subject it published on, which NATS
+        // permissions confine; never from anything it wrote.
+        let request_caller = subjects.request_caller(pool, delivery.subject());
+        let own = HopState::first(
+            Origin::new(info.stream.as_str(), info.seq),
+            info.published,
+            request_caller.flatten(),
+        );
+        let hop = request_caller.is_none();
         let (state, error) = if hop {
             let header = delivery
                 .headers()
@@ -94,6 +101,11 @@ impl<'a> Conversation<'a> {
             }
             Err(ParseError::Undecodable { .. }) => {}
         }
+    }
+
+    /// The caller name of the request subject, carried along every hop.
+    pub(super) fn caller(&self) -> Option<&str> {
+        self.state.caller.as_deref()
     }
 
     pub(super) fn origin(&self) -> &Origin {

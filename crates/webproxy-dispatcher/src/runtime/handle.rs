@@ -99,7 +99,11 @@ pub(super) async fn handle_delivery<'a>(
             // Only the service writes hop state: a malformed one is a bug, answered and
             // dead-lettered rather than read as defaults.
             warn!(pool, error = %e, "malformed hop state on a service subject");
-            conversation.absorb(&parse_request(delivery.payload(), &shared.outlet.subjects));
+            conversation.absorb(&parse_request(
+                delivery.payload(),
+                &shared.outlet.subjects,
+                conversation.caller(),
+            ));
             internal(
                 &shared.outlet,
                 &conversation,
@@ -126,7 +130,7 @@ async fn decide<'a>(
     if revisited && let Some(ending) = claim_step(outlet, info, conversation).await {
         return ending;
     }
-    let parsed = parse_request(delivery.payload(), &outlet.subjects);
+    let parsed = parse_request(delivery.payload(), &outlet.subjects, conversation.caller());
     conversation.absorb(&parsed);
     if let Some(id) = conversation.id.as_deref() {
         Span::current().record("id", id);
@@ -181,7 +185,13 @@ async fn decide<'a>(
             if let Some(max_waiting) = max_waiting {
                 match outlet
                     .admissions
-                    .admit(&outlet.js, &outlet.subjects, &rule.pool, max_waiting)
+                    .admit(
+                        &outlet.js,
+                        &outlet.subjects,
+                        &rule.pool,
+                        conversation.caller(),
+                        max_waiting,
+                    )
                     .await
                 {
                     Ok(Admission::Room(lock)) => admitted = Some(lock),
@@ -598,7 +608,11 @@ impl Outlet {
         let liveness = Liveness::new(Duration::from_secs(3600), tokio::time::Instant::now());
         let (mut conversation, _) =
             Conversation::new(pool, message, &info, &self.subjects, &liveness);
-        conversation.absorb(&parse_request(&message.payload, &self.subjects));
+        conversation.absorb(&parse_request(
+            &message.payload,
+            &self.subjects,
+            conversation.caller(),
+        ));
         conversation.record = self
             .progress
             .load(conversation.origin(), conversation.generation())

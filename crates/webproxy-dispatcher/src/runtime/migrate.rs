@@ -112,7 +112,7 @@ async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) ->
     // Not a hop of this layout: the conversation's own state comes from the layout 1
     // headers below, so the constructor's complaint about a missing hop header is moot.
     let (mut conversation, _) = Conversation::new(pool, parked, &info, &outlet.subjects, &liveness);
-    conversation.absorb(&parse_request(parked.payload(), &outlet.subjects));
+    conversation.absorb(&parse_request(parked.payload(), &outlet.subjects, None));
     let headers = &parked.message.headers;
     let read = HopState::from_layout1(conversation.origin().clone(), |name| {
         headers.get(name).map(|value| value.as_str())

@@ -376,7 +376,7 @@ mod tests {
     use crate::hop::AttemptHistory;
 
     fn record(step: u32, taken_by: Option<u64>) -> Record {
-        let caller = HopState::caller(Origin::new("S", 1), SystemTime::UNIX_EPOCH);
+        let caller = HopState::first(Origin::new("S", 1), SystemTime::UNIX_EPOCH, None);
         let mut hop = caller.next(AttemptHistory::default(), None);
         hop.step = step;
         Record {

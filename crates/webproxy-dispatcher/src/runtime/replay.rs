@@ -94,6 +94,7 @@ impl Outlet {
                     first_published_ms: unix_ms(crate::clock::now()),
                     due_ms: None,
                     attempts: AttemptHistory::default(),
+                    caller: letter.caller.clone(),
                 },
                 taken_by: None,
             };
@@ -158,7 +159,7 @@ mod tests {
     use super::*;
 
     fn record(kind: HopKind, taken_by: Option<u64>) -> Record {
-        let hop = HopState::caller(Origin::new("S", 1), SystemTime::UNIX_EPOCH)
+        let hop = HopState::first(Origin::new("S", 1), SystemTime::UNIX_EPOCH, None)
             .next(AttemptHistory::default(), None);
         Record {
             kind,

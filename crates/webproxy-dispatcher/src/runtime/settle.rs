@@ -135,7 +135,7 @@ pub(super) async fn settle(
                 let token = new_token();
                 let subject = match kind {
                     HopKind::Park => outlet.subjects.retry(conversation.pool, &token),
-                    HopKind::Move => outlet.subjects.moved(&pool, &token),
+                    HopKind::Move => outlet.subjects.moved(&pool, next.caller.as_deref(), &token),
                     HopKind::Replay => outlet.subjects.hop(&pool, &token),
                 };
                 let record = Record {
@@ -445,6 +445,7 @@ async fn store_dead_letter(
             pool: conversation.pool,
             id: conversation.id.as_deref(),
             origin: Some(conversation.origin()),
+            caller: conversation.caller(),
             generation: conversation.generation(),
             error: redacted,
             payload: &conversation.payload,

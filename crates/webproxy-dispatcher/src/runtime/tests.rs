@@ -193,7 +193,7 @@ fn hop(record: &Record, payload: &str, seq: u64) -> FakeDelivery {
 async fn a_callers_forged_hop_state_is_ignored() {
     let f = Fixture::start().await;
     // Claims to be generation 9 of another conversation, with attempts made.
-    let mut forged = HopState::caller(Origin::new(STREAM, 1), SystemTime::UNIX_EPOCH);
+    let mut forged = HopState::first(Origin::new(STREAM, 1), SystemTime::UNIX_EPOCH, None);
     forged.generation = 9;
     forged.step = 3;
     let mut delivery = caller(
@@ -312,9 +312,10 @@ async fn next_copy(copies: &mut async_nats::Subscriber) -> async_nats::Message {
 #[tokio::test]
 async fn a_redelivered_message_whose_reply_is_stored_is_not_attempted_again() {
     let f = Fixture::start().await;
-    let payload = r#"{"id":"c","method":"GET","url":"http://127.0.0.2/","reply_to":"app.c"}"#;
+    let payload =
+        r#"{"id":"c","method":"GET","url":"http://127.0.0.2/","reply_to":"_INBOX.app.c"}"#;
     let client = &f.shared.outlet.client;
-    let mut copies = client.subscribe("app.c").await.expect("subscribe");
+    let mut copies = client.subscribe("_INBOX.app.c").await.expect("subscribe");
     client.flush().await.expect("flush");
     let copy_header = |copy: &async_nats::Message, name: &str| {
         copy.headers
