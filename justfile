@@ -101,8 +101,8 @@ test: && test-python test-node demo
 # The last commit of stream layout 1 (before the conversation core): `just test-upgrade`'s old version.
 upgrade_from := "c7a4dcd"
 
-# A commit of stream layout 2 (one replies and one dead-letter stream for every pool): `just test-upgrade`'s other old version.
-upgrade_from_layout2 := "86ea120"
+# The last commit of stream layout 2 (one replies and one dead-letter stream for every pool; caller names on the request subject): `just test-upgrade`'s other old version.
+upgrade_from_layout2 := "3952bf2"
 
 # Mixed versions: the old versions (`upgrade_from` and `upgrade_from_layout2`, each built once into <target>/upgrade/) and today's on one nats-server, in either order.
 test-upgrade:
