@@ -31,16 +31,18 @@ const OLD_BINARY: &str = "WEBPROXY_OLD_BINARY";
 /// A conversation that parks twice waits 2 x 2 s, plus a migration in between.
 const PARKED_REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
-fn old_binary() -> PathBuf {
-    let path = std::env::var_os(OLD_BINARY)
+/// The service run from the binary that the environment variable `var` names.
+fn built(var: &str) -> ServiceOptions {
+    let path = std::env::var_os(var)
         .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("{OLD_BINARY} is not set: run `just test-upgrade`"));
-    assert!(path.is_file(), "{OLD_BINARY}={} is no file", path.display());
-    path
+        .unwrap_or_else(|| panic!("{var} is not set: run `just test-upgrade`"));
+    assert!(path.is_file(), "{var}={} is no file", path.display());
+    ServiceOptions::default().binary(path)
 }
 
+/// Layout 1's last build.
 fn old() -> ServiceOptions {
-    ServiceOptions::default().binary(old_binary())
+    built(OLD_BINARY)
 }
 
 /// The default routes and `/flaky/{key}/{n}`: 503 for the first `n` calls with that
@@ -433,15 +435,7 @@ const LAYOUT2_BINARY: &str = "WEBPROXY_LAYOUT2_BINARY";
 /// The last build of stream layout 2 (`just test-upgrade` builds it and names it in
 /// `WEBPROXY_LAYOUT2_BINARY`).
 fn layout2() -> ServiceOptions {
-    let path = std::env::var_os(LAYOUT2_BINARY)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("{LAYOUT2_BINARY} is not set: run `just test-upgrade`"));
-    assert!(
-        path.is_file(),
-        "{LAYOUT2_BINARY}={} is no file",
-        path.display()
-    );
-    ServiceOptions::default().binary(path)
+    built(LAYOUT2_BINARY)
 }
 
 /// Issue 30, point 4: layout 2 (one replies and one dead-letter stream for every pool)
