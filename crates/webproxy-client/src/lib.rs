@@ -34,8 +34,10 @@
 //! from JetStream's publish ack; every reply carries it in `Webproxy-Origin`. The
 //! envelope `id` names the live reply subject `<prefix>.reply.<id>`, which anyone may
 //! reuse, so a live reply with another origin is ignored. The stored reply is read
-//! from exactly `<prefix>.reply.<id>.<STREAM>.<seq>` in the replies stream, never
-//! from the newest reply for the id. Each publish has a fresh random `Nats-Msg-Id`
+//! from exactly `<prefix>.reply.<id>.<STREAM>.<seq>` in the replies stream of the
+//! origin's pool stream, `<STREAM>_REPLIES` (then in the shared stream that layout 3
+//! retired, for a reply stored before that upgrade), never from the newest reply for
+//! the id. Each publish has a fresh random `Nats-Msg-Id`
 //! (32 hex characters from the operating system's CSPRNG), reused only when that same
 //! publish is tried again: when JetStream answers that a message with that id is still
 //! in process (err_code 10158), or when the caller sets [`Request::msg_id`].

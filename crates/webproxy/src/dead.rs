@@ -1,4 +1,4 @@
-//! `webproxy dead list` and `webproxy dead replay`: read the dead-letter stream, and
+//! `webproxy dead list` and `webproxy dead replay`: read the dead-letter streams, and
 //! replay failed conversations as a new generation from their origin, through the
 //! dispatcher's own replay. Dead letters stay where they are, as an audit trail.
 //!
