@@ -101,14 +101,18 @@ test: && test-python test-node demo
 # The last commit of stream layout 1 (before the conversation core): `just test-upgrade`'s old version.
 upgrade_from := "c7a4dcd"
 
-# Mixed versions: the old version (`upgrade_from`, built once into <target>/upgrade/) and today's on one nats-server, in either order.
+# The last commit of stream layout 2 (one replies and one dead-letter stream for every pool; caller names on the request subject): `just test-upgrade`'s other old version.
+upgrade_from_layout2 := "3952bf2"
+
+# Mixed versions: the old versions (`upgrade_from` and `upgrade_from_layout2`, each built once into <target>/upgrade/) and today's on one nats-server, in either order.
 test-upgrade:
     #!/usr/bin/env bash
     set -euo pipefail
     {{ _nats_path }}
     old_bin="$(bash scripts/build-commit.sh {{ upgrade_from }} debug upgrade | tail -n1)"
+    layout2_bin="$(bash scripts/build-commit.sh {{ upgrade_from_layout2 }} debug upgrade | tail -n1)"
     cargo build --workspace --bins
-    WEBPROXY_OLD_BINARY="$old_bin" cargo test -p webproxy-tests --test upgrade -- --ignored
+    WEBPROXY_OLD_BINARY="$old_bin" WEBPROXY_LAYOUT2_BINARY="$layout2_bin" cargo test -p webproxy-tests --test upgrade -- --ignored
 
 # Issue 29's fault matrix: checks that docs/guarantees.md reproduces tests/fault_matrix.toml's table, runs every test the matrix names against real nats-servers and binaries (the matrix binary's 67 cells two at a time: about 8 minutes warm), then prints the table.
 test-faults:

@@ -563,13 +563,16 @@ def gateway_request_subjects() -> set[str]:
 
 def stream_names(config: dict) -> dict[str, str | set[str]]:
     """The names of the streams a config's service and gateway keep (subjects.rs):
-    its prefix's stream prefix, its pools' streams and fences, and the buckets'
-    streams of the service and of the gateway."""
+    its prefix's stream prefix, its pools' streams, their replies and dead-letter
+    streams (layout 3) and fences, and the buckets' streams of the service and of the
+    gateway."""
     upper = config.get("streams", {}).get("prefix", "webproxy").replace(".", "_").upper()
     pools = {pool.upper() for pool in config.get("pools", {})}
     return {
         "prefix": upper,
         "pools": {f"{upper}_POOL_{pool}" for pool in pools},
+        "pool_replies": {f"{upper}_POOL_{pool}_REPLIES" for pool in pools},
+        "pool_dead": {f"{upper}_POOL_{pool}_DEAD" for pool in pools},
         "fences": {f"{upper}_FENCE_REPLIES"} | {f"{upper}_FENCE_POOL_{pool}" for pool in pools},
         "service_buckets": {f"KV_{upper}_{b}" for b in ("PROGRESS", "CONFIG", "INSTANCES", "POOL_STATE", "RATE")},
         "gateway_buckets": {f"KV_{upper}_{b}" for b in ("GATEWAY", "GATEWAY_KEY")},
@@ -588,7 +591,7 @@ def check_service_stream_rights(config: dict, report: Report) -> None:
         "authorization.conf's service user may delete exactly the fences of its config's pools and replies",
         f"fences: {sorted(names['fences'])}; deletes allowed: {sorted(deletes)}",
     )
-    others = sorted(names["pools"] | names["service_buckets"] | names["gateway_buckets"]) + [
+    others = sorted(names["pools"] | names["pool_replies"] | names["pool_dead"] | names["service_buckets"] | names["gateway_buckets"]) + [
         f"{names['prefix']}_REPLIES",
         f"{names['prefix']}_DEAD",
     ]
@@ -632,6 +635,24 @@ def check_gateway_pools(config: dict, report: Report) -> None:
     )
 
 
+def check_gateway_reply_reads(config: dict, report: Report) -> None:
+    """The gateway user may read stored replies (STREAM.MSG.GET) from exactly the
+    replies streams of the pools its routes name, and from the shared replies stream
+    that layout 3 retired (replies stored before the upgrade), and from no other
+    stream: a route to a new pool fails here until its replies stream is allowed."""
+    upper = config.get("streams", {}).get("prefix", "webproxy").replace(".", "_").upper()
+    pools = {route.get("pool", "default").upper() for route in config.get("gateway", {}).get("routes", [])}
+    wanted = {f"{upper}_POOL_{pool}_REPLIES" for pool in pools} | {f"{upper}_REPLIES"}
+    allow, _ = publish_permissions(GATEWAY_NATS_USER)
+    prefix = "$JS.API.STREAM.MSG.GET."
+    allowed = {s.removeprefix(prefix) for s in allow if s.startswith(prefix)}
+    report.check(
+        allowed == wanted and not any(subject_matches(p, f"{prefix}OTHER") for p in allow),
+        "authorization.conf's gateway user may read stored replies from exactly its routes' pools' replies streams and the retired shared one",
+        f"wanted: {sorted(wanted)}; allowed: {sorted(allowed)}",
+    )
+
+
 def check_gateway(
     kubectl: str, webproxy: str, service_docs: list[dict], secrets: dict[str, dict[str, str]], nats_passwords: dict[str, str], report: Report
 ) -> list[dict]:
@@ -663,6 +684,7 @@ def check_gateway(
     check_nats_user("the gateway", env, GATEWAY_NATS_USER, nats_passwords, report)
     check_volumes("the gateway's Deployment", spec, configmap, secrets, report)
     check_gateway_pools(config, report)
+    check_gateway_reply_reads(config, report)
     check_gateway_stream_rights(config, report)
     command = container.get("command", [])
     report.check(

@@ -28,6 +28,8 @@ const ORIGIN_HEADER = "Webproxy-Origin";
 // id is not stored yet. Tried again with the same id, this many times in all, this
 // many milliseconds apart.
 const IN_PROCESS = 10158;
+// JetStream's "stream not found".
+const STREAM_NOT_FOUND = 10059;
 export const PUBLISH_TRIES = 10;
 export const PUBLISH_RETRY_DELAY_MS = 50;
 // How often a waiting request looks whether the connection was re-made, which is
@@ -244,7 +246,7 @@ export class Client {
   #jsm;
   #prefix;
   #caller;
-  #repliesStream;
+  #retiredRepliesStream;
   #reconnects = 0;
 
   constructor(nc, { prefix = DEFAULT_PREFIX, caller = null } = {}) {
@@ -255,7 +257,9 @@ export class Client {
     this.#js = jetstream(nc);
     this.#prefix = prefix;
     this.#caller = caller;
-    this.#repliesStream = `${prefix.replaceAll(".", "_").toUpperCase()}_REPLIES`;
+    // The shared replies stream of webproxy before its stream layout 3, retired at the
+    // upgrade: it holds the replies stored before it until they age out.
+    this.#retiredRepliesStream = `${prefix.replaceAll(".", "_").toUpperCase()}_REPLIES`;
     // Ends by itself when the connection closes.
     (async () => {
       for await (const status of nc.status()) {
@@ -368,25 +372,39 @@ export class Client {
    * The stored final reply of the conversation `origin` with envelope id `id`, or
    * null if there is none (yet, or any more: replies are kept for the service's
    * reply_max_age). Another conversation's reply for the same id is never it: the
-   * lookup reads exactly `<prefix>.reply.<id>.<STREAM>.<seq>`. It needs read access
-   * to the replies stream, which an isolated caller (one confined to its own replyTo
-   * subjects) does not have.
+   * lookup reads exactly `<prefix>.reply.<id>.<STREAM>.<seq>`, in the replies stream
+   * of the origin's pool stream, `<STREAM>_REPLIES`, and, when that has none, in the
+   * shared stream `<PREFIX>_REPLIES` that webproxy retired when it gave each pool its
+   * own (replies stored before that upgrade). It needs read access to those streams,
+   * which an isolated caller (one confined to its own replyTo subjects) does not have.
    */
   async reply(id, origin) {
     check(ID, "id", id);
     check(ORIGIN, "origin", origin);
     const [stream, seq] = origin.split(":");
-    let message;
+    const subject = `${this.#prefix}.reply.${id}.${stream}.${seq}`;
+    for (const replies of [`${stream}_REPLIES`, this.#retiredRepliesStream]) {
+      const message = await this.#last(replies, subject);
+      if (message) {
+        return decode(message.data, origin);
+      }
+    }
+    return null;
+  }
+
+  /** The last message on `subject` in `stream`; null when there is none, or no such
+   * stream (the retired shared one, once deleted). */
+  async #last(stream, subject) {
     try {
       this.#jsm ??= await jetstreamManager(this.#nc);
-      message = await this.#jsm.streams.getMessage(this.#repliesStream, {
-        last_by_subj: `${this.#prefix}.reply.${id}.${stream}.${seq}`,
-      });
+      return await this.#jsm.streams.getMessage(stream, { last_by_subj: subject });
     } catch (e) {
+      if (e?.code === STREAM_NOT_FOUND || e?.name === "StreamNotFoundError") {
+        return null;
+      }
       this.#jsm = undefined;
       throw new LookupFailed(`cannot read the stored reply: ${e.message}`, { cause: e });
     }
-    return message ? decode(message.data, origin) : null;
   }
 
   async #publish(envelope, pool, msgId) {

@@ -297,9 +297,11 @@ impl Admin {
 
     /// The last stored reply on `subject`, if any.
     pub async fn last_stored_reply(&self, subject: &str) -> Option<StreamMessage> {
+        // The subject names the origin's pool stream, whose replies stream holds it.
+        let pool_stream = subject.split('.').nth(3).expect("a stored reply subject");
         let stream = self
             .js
-            .get_stream_no_info(subjects().replies_stream())
+            .get_stream_no_info(subjects().pool_replies_stream(pool_stream))
             .await
             .expect("replies stream");
         match stream.get_last_raw_message_by_subject(subject).await {
@@ -312,7 +314,7 @@ impl Admin {
     /// Every stored reply of conversation `id` from `origin`, oldest first.
     pub async fn stored_replies(&self, id: &str, origin: &Origin) -> Vec<StreamMessage> {
         self.messages(
-            &subjects().replies_stream(),
+            &subjects().replies_stream_of(origin),
             &subjects().stored_reply(id, origin),
         )
         .await
@@ -336,10 +338,16 @@ impl Admin {
     /// Every dead letter whose `Webproxy-Origin` is `origin`, oldest first.
     pub async fn dead_letters(&self, origin: &Origin) -> Vec<StreamMessage> {
         let origin = origin.to_string();
-        self.messages_where(&subjects().dead_stream(), |m| {
-            header(Some(&m.headers), ORIGIN) == Some(origin.as_str())
-        })
-        .await
+        let mut letters = Vec::new();
+        for stream in crate::dead_streams(&self.js).await {
+            letters.extend(
+                self.messages_where(&stream, |m| {
+                    header(Some(&m.headers), ORIGIN) == Some(origin.as_str())
+                })
+                .await,
+            );
+        }
+        letters
     }
 
     /// Waits up to `within` for a dead letter from `origin`, and returns every one

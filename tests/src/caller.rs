@@ -100,19 +100,20 @@ impl Harness {
             .expect("stored");
     }
 
-    /// Every dead letter stored so far, with its headers.
+    /// Every dead letter stored so far, with its headers: every pool's, pool by pool.
     pub async fn dead_letters(&self) -> Vec<(HeaderMap, DeadLetter)> {
-        let mut stream = self
-            .js
-            .get_stream("WEBPROXY_DEAD")
-            .await
-            .expect("dead stream");
-        let last = stream.info().await.expect("info").state.last_sequence;
         let mut letters = Vec::new();
-        for seq in 1..=last {
-            if let Ok(message) = stream.get_raw_message(seq).await {
-                let letter = serde_json::from_slice(&message.payload).expect("dead letter json");
-                letters.push((message.headers, letter));
+        for name in crate::dead_streams(&self.js).await {
+            let mut stream = self.js.get_stream(&name).await.expect("dead stream");
+            let last = stream.info().await.expect("info").state.last_sequence;
+            for seq in 1..=last {
+                if let Ok(message) = stream.get_raw_message(seq).await
+                    && !message.subject.ends_with(".superseded")
+                {
+                    let letter =
+                        serde_json::from_slice(&message.payload).expect("dead letter json");
+                    letters.push((message.headers, letter));
+                }
             }
         }
         letters

@@ -34,3 +34,50 @@ pub use webproxy_testkit::{
     wait_for, wait_until, webproxy_bin,
 };
 pub use webproxy_testkit::{adaptive, process, recovery};
+
+/// The dead-letter streams under the default prefix that exist now: each pool's
+/// (`WEBPROXY_POOL_<POOL>_DEAD`) by name, then the retired shared one of layout 2
+/// (`WEBPROXY_DEAD`), if it is there.
+pub async fn dead_streams(js: &async_nats::jetstream::Context) -> Vec<String> {
+    try_dead_streams(js).await.expect("list streams")
+}
+
+/// [`dead_streams`], or `None` while JetStream cannot answer.
+pub async fn try_dead_streams(js: &async_nats::jetstream::Context) -> Option<Vec<String>> {
+    let mut dead = pool_streams_ending(js, "_DEAD").await?;
+    if js.get_stream("WEBPROXY_DEAD").await.is_ok() {
+        dead.push("WEBPROXY_DEAD".to_string());
+    }
+    Some(dead)
+}
+
+/// Each pool's replies stream (`WEBPROXY_POOL_<POOL>_REPLIES`) that exists now, by
+/// name; `None` while JetStream cannot answer.
+pub async fn replies_streams(js: &async_nats::jetstream::Context) -> Option<Vec<String>> {
+    pool_streams_ending(js, "_REPLIES").await
+}
+
+async fn pool_streams_ending(
+    js: &async_nats::jetstream::Context,
+    suffix: &str,
+) -> Option<Vec<String>> {
+    use futures::TryStreamExt as _;
+    let names: Vec<String> = js.stream_names().try_collect().await.ok()?;
+    let mut found: Vec<String> = names
+        .into_iter()
+        .filter(|n| n.starts_with("WEBPROXY_POOL_") && n.ends_with(suffix))
+        .collect();
+    found.sort();
+    Some(found)
+}
+
+/// How many messages every dead-letter stream of [`dead_streams`] holds together;
+/// `None` while JetStream cannot answer.
+pub async fn dead_letter_count(js: &async_nats::jetstream::Context) -> Option<u64> {
+    let mut count = 0;
+    for name in try_dead_streams(js).await? {
+        let mut stream = js.get_stream(&name).await.ok()?;
+        count += stream.info().await.ok()?.state.messages;
+    }
+    Some(count)
+}

@@ -241,12 +241,12 @@ async fn a_live_reply_with_another_origin_is_ignored() {
     assert_ne!(answer.origin.seq, 1);
 }
 
-/// The replies stream's message count: one per stored reply.
+/// The default pool's replies stream's message count: one per stored reply.
 async fn stored_replies(h: &Harness) -> u64 {
-    let mut stream =
-        h.js.get_stream(h.subjects.replies_stream())
-            .await
-            .expect("replies stream");
+    let replies = h
+        .subjects
+        .pool_replies_stream(&h.subjects.pool_stream("default"));
+    let mut stream = h.js.get_stream(replies).await.expect("replies stream");
     stream.info().await.expect("info").state.messages
 }
 

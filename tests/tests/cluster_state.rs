@@ -428,7 +428,7 @@ async fn a_lost_configuration_bucket_is_not_made_again_behind_the_operators_back
                 return false;
             };
             stream
-                .consumer_info("webproxy-partner-l2")
+                .consumer_info("webproxy-partner-l3")
                 .await
                 .is_ok_and(|info| info.config.max_ack_pending == 2)
         },

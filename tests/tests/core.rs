@@ -148,7 +148,7 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
     assert_eq!(stored.id, request.id);
     assert_eq!(stored.status, Some(200));
     let stream =
-        h.js.get_stream("WEBPROXY_REPLIES")
+        h.js.get_stream("WEBPROXY_POOL_DEFAULT_REPLIES")
             .await
             .expect("replies stream");
     // Stored on the conversation's own subject, under an id made of its origin; the

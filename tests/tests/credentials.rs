@@ -343,7 +343,7 @@ async fn outputs_of_a_guess(guess: &str, port: u16) -> String {
     let mut letters = h.wait_dead_letters(2).await;
     letters.sort_by(|a, b| a.1.id.cmp(&b.1.id));
     let stored =
-        h.js.get_stream("WEBPROXY_REPLIES")
+        h.js.get_stream(h.subjects.replies_stream_of(&answer.origin))
             .await
             .expect("the replies stream")
             .get_last_raw_message_by_subject(&h.subjects.stored_reply("guess", &answer.origin))

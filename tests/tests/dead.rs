@@ -57,8 +57,12 @@ async fn publish_letters(js: &jetstream::Context, letters: impl IntoIterator<Ite
 }
 
 async fn harness(options: ServiceOptions) -> Harness {
+    // Pool partner's letters need its dead-letter stream, which its provisioning makes.
     Harness::start_with_options(Upstream::start().await, options, |up| {
-        accept_rule("local", up)
+        format!(
+            "{}\n[pools.partner]\nmax_in_flight = 1\n",
+            accept_rule("local", up)
+        )
     })
     .await
 }
@@ -124,18 +128,19 @@ async fn dead_list_filters_by_code_id_pool_since_and_limit() {
     .await;
     let nats = h.nats.url();
 
+    // Each pool's letters are in its own stream, read pool by pool, oldest first.
     assert_eq!(
         listed(&nats, &[]).await,
-        ["a1", "a2", "a3", "a4", "b1", "b2"]
+        ["a1", "a2", "a4", "b1", "a3", "b2"]
     );
     assert_eq!(listed(&nats, &["--code", "denied"]).await, ["a2", "b2"]);
     assert_eq!(
         listed(&nats, &["--code", "expired,internal"]).await,
-        ["a3", "a4", "b1"]
+        ["a4", "b1", "a3"]
     );
     assert_eq!(
         listed(&nats, &["--code", "expired", "--code", "internal"]).await,
-        ["a3", "a4", "b1"]
+        ["a4", "b1", "a3"]
     );
     assert_eq!(listed(&nats, &["--id", "a3"]).await, ["a3"]);
     assert_eq!(
@@ -146,7 +151,7 @@ async fn dead_list_filters_by_code_id_pool_since_and_limit() {
     // --limit counts matching letters, not letters read.
     assert_eq!(
         listed(&nats, &["--code", "expired,denied", "--limit", "2"]).await,
-        ["a2", "a3"]
+        ["a2", "a4"]
     );
     assert_eq!(listed(&nats, &["--pool", "partner"]).await, ["a3", "b2"]);
     assert_eq!(
@@ -213,7 +218,7 @@ async fn dead_list_streams_ten_thousand_letters_in_bounded_memory() {
     )
     .await;
     let stream_bytes =
-        h.js.get_stream("WEBPROXY_DEAD")
+        h.js.get_stream("WEBPROXY_POOL_DEFAULT_DEAD")
             .await
             .expect("dead stream")
             .info()

@@ -77,14 +77,16 @@ impl Observed {
 /// id's origins (`webproxy.reply.<id>.<STREAM>.<seq>`); `None` while JetStream cannot
 /// answer (a cluster electing leaders after a node loss).
 async fn stored_replies(js: &jetstream::Context) -> Option<BTreeMap<String, u64>> {
-    let stream = js.get_stream("WEBPROXY_REPLIES").await.ok()?;
-    let mut info = stream.info_with_subjects("webproxy.reply.>").await.ok()?;
     // Subjects come in pages, and a subject stored while they are read can appear on
-    // two of them: each counts once.
+    // two of them: each counts once. Each pool's replies are in a stream of its own.
     let mut subjects = BTreeMap::new();
-    while let Some(entry) = info.next().await {
-        let (subject, count) = entry.ok()?;
-        subjects.insert(subject, count as u64);
+    for name in webproxy_tests::replies_streams(js).await? {
+        let stream = js.get_stream(&name).await.ok()?;
+        let mut info = stream.info_with_subjects("webproxy.reply.>").await.ok()?;
+        while let Some(entry) = info.next().await {
+            let (subject, count) = entry.ok()?;
+            subjects.insert(subject, count as u64);
+        }
     }
     let mut counts = BTreeMap::new();
     for (subject, count) in subjects {
@@ -402,7 +404,7 @@ async fn poison_input_is_dead_lettered_and_valid_requests_are_answered() {
             .get_stream("WEBPROXY_POOL_DEFAULT")
             .await
             .expect("pool")
-            .consumer_info("webproxy-default-l2")
+            .consumer_info("webproxy-default-l3")
             .await
             .expect("consumer");
         (info.num_pending == 0 && info.num_ack_pending == 0).then_some(info)
@@ -435,8 +437,9 @@ async fn publish(js: &jetstream::Context, msg_id: &str, payload: Vec<u8>) {
 
 async fn wait_for_dead_letters(js: &jetstream::Context, count: u64) {
     wait_until(RECOVERY, &format!("{count} dead letters"), || async {
-        let mut dead = js.get_stream("WEBPROXY_DEAD").await.expect("dead stream");
-        dead.info().await.is_ok_and(|i| i.state.messages >= count)
+        webproxy_tests::dead_letter_count(js)
+            .await
+            .is_some_and(|letters| letters >= count)
     })
     .await;
 }
@@ -531,8 +534,8 @@ async fn a_parked_retry_survives_a_restart() {
             let Ok(pool) = js.get_stream("WEBPROXY_POOL_DEFAULT").await else {
                 return false;
             };
-            let work = pool.consumer_info("webproxy-default-l2").await;
-            let parked = pool.consumer_info("webproxy-default-retry-l2").await;
+            let work = pool.consumer_info("webproxy-default-l3").await;
+            let parked = pool.consumer_info("webproxy-default-retry-l3").await;
             matches!((work, parked), (Ok(w), Ok(p))
             if upstream.hits_for("/status/503") == 1
                 && w.num_ack_pending == 0

@@ -151,7 +151,7 @@ impl Scene {
             .await
             .expect("pool stream");
         stream
-            .consumer_info(format!("webproxy-{pool}-l2"))
+            .consumer_info(format!("webproxy-{pool}-l3"))
             .await
             .expect("pool consumer info")
     }
@@ -415,7 +415,7 @@ async fn forged_hop_state_and_redelivery_cannot_steal_replace_or_stretch() {
     let victim_origin_text = victim_origin.to_string();
     let claimed = scene
         .admin
-        .messages_where("WEBPROXY_REPLIES", |m| {
+        .messages_where(&format!("{}_REPLIES", victim_origin.stream), |m| {
             header(Some(&m.headers), ORIGIN) == Some(victim_origin_text.as_str())
         })
         .await;

@@ -634,7 +634,7 @@ async fn three_kv_instances_follow_every_push_live() {
         .await
         .expect("stream");
     let consumer = stream
-        .consumer_info("webproxy-partner-l2")
+        .consumer_info("webproxy-partner-l3")
         .await
         .expect("consumer");
     assert_eq!(consumer.config.max_ack_pending, 4);
@@ -787,7 +787,7 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
         .get_stream("WEBPROXY_POOL_PARTNER")
         .await
         .expect("stream");
-    let consumer = "webproxy-partner-l2";
+    let consumer = "webproxy-partner-l3";
     let limit = || async {
         let info = stream.consumer_info(consumer).await.expect("consumer");
         (info.config.max_ack_pending, info.paused)
@@ -883,7 +883,7 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
 /// The pool consumer's `ack_wait` on the server.
 async fn consumer_ack_wait(js: &async_nats::jetstream::Context) -> Option<Duration> {
     let stream = js.get_stream("WEBPROXY_POOL_PARTNER").await.ok()?;
-    let info = stream.consumer_info("webproxy-partner-l2").await.ok()?;
+    let info = stream.consumer_info("webproxy-partner-l3").await.ok()?;
     Some(info.config.ack_wait)
 }
 

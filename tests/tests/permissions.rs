@@ -346,7 +346,7 @@ async fn the_operators_pools_remove_answers_an_isolated_caller_into_its_stream()
         .operator(&["pools", "pause", DRAINED_POOL, "--reason", "test"])
         .await;
     let admin = Admin::connect(&scene.nats).await;
-    let consumer = format!("webproxy-{DRAINED_POOL}-l2");
+    let consumer = format!("webproxy-{DRAINED_POOL}-l3");
     let stream_name = format!("WEBPROXY_POOL_{}", DRAINED_POOL.to_ascii_uppercase());
     wait_for(REPLY_TIMEOUT, "the pool consumer paused", || async {
         let mut consumer: jetstream::consumer::PullConsumer = admin

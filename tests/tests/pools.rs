@@ -228,8 +228,9 @@ async fn moves_past_max_waiting_are_answered_queue_full() {
             assert!(error.message.contains("pool p1"), "{}", error.message);
         }
     }
-    let mut dead = js.get_stream("WEBPROXY_DEAD").await.expect("dead stream");
-    let letters = dead.info().await.expect("dead stream info").state.messages;
+    let letters = webproxy_tests::dead_letter_count(&js)
+        .await
+        .expect("dead letters");
     assert_eq!(letters, u64::try_from(SENT - admitted).expect("count"));
     gate.open();
     for task in sent {
@@ -344,8 +345,8 @@ async fn pools_are_listed_and_removed() {
         assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::Internal));
     }
     let js = async_nats::jetstream::new(c.nats.client().await);
-    let mut dead = js.get_stream("WEBPROXY_DEAD").await.expect("dead stream");
-    assert_eq!(dead.info().await.expect("info").state.messages, 3);
+    // `pools remove` leaves the pool's dead-letter stream, with its letters.
+    assert_eq!(webproxy_tests::dead_letter_count(&js).await, Some(3));
 
     let result = c
         .client
@@ -379,7 +380,7 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         .await
         .expect("pool stream");
     let before = stream
-        .consumer_info("webproxy-default-l2")
+        .consumer_info("webproxy-default-l3")
         .await
         .expect("consumer");
     assert_eq!(before.config.max_ack_pending, 2);
@@ -405,14 +406,14 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         "the new limit on the consumer",
         || async {
             stream
-                .consumer_info("webproxy-default-l2")
+                .consumer_info("webproxy-default-l3")
                 .await
                 .is_ok_and(|info| info.config.max_ack_pending == 5)
         },
     )
     .await;
     let after = stream
-        .consumer_info("webproxy-default-l2")
+        .consumer_info("webproxy-default-l3")
         .await
         .expect("consumer");
     assert_eq!(after.created, before.created, "the consumer was recreated");
@@ -463,7 +464,7 @@ async fn an_owner_that_lost_its_lease_writes_no_consumer() {
         .expect("pool stream");
     let consumer = || async {
         stream
-            .consumer_info("webproxy-default-l2")
+            .consumer_info("webproxy-default-l3")
             .await
             .expect("consumer")
             .config

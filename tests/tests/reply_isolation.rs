@@ -59,16 +59,15 @@ async fn callers_cannot_read_each_others_replies() {
     violation(&mut a_errors, "callers.b.replies.>", REPLY_TIMEOUT).await;
     let mut a_snoops_stored = a.subscribe("webproxy.reply.>").await.expect("subscribe");
     violation(&mut a_errors, "webproxy.reply.>", REPLY_TIMEOUT).await;
-    // ...and to read the replies stream through the JetStream API.
-    a.publish("$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES", "{}".into())
-        .await
-        .expect("publish");
-    violation(
-        &mut a_errors,
+    // ...and to read a pool's replies stream, or the shared one of layout 2, through
+    // the JetStream API.
+    for get in [
+        "$JS.API.STREAM.MSG.GET.WEBPROXY_POOL_DEFAULT_REPLIES",
         "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES",
-        REPLY_TIMEOUT,
-    )
-    .await;
+    ] {
+        a.publish(get, "{}".into()).await.expect("publish");
+        violation(&mut a_errors, get, REPLY_TIMEOUT).await;
+    }
 
     // Each caller gets its own reply under its own prefix.
     let mut replies = Vec::new();
@@ -109,7 +108,7 @@ async fn callers_cannot_read_each_others_replies() {
         let js = js.clone();
         async move {
             let stream = js.get_stream_no_info("WEBPROXY_POOL_DEFAULT").await.ok()?;
-            let info = stream.consumer_info("webproxy-default-l2").await.ok()?;
+            let info = stream.consumer_info("webproxy-default-l3").await.ok()?;
             // Two deliveries: pool streams start at a first sequence of Unix
             // microseconds, so the stream sequence says nothing about the count.
             (info.num_ack_pending == 0 && info.delivered.consumer_sequence == 2).then_some(())

@@ -6,7 +6,9 @@
 //! which both versions publish.
 //!
 //! Needs the old binary: `just test-upgrade` builds it and names it in
-//! `WEBPROXY_OLD_BINARY`. Ignored in the normal run.
+//! `WEBPROXY_OLD_BINARY`. Ignored in the normal run. The same goes for layout 2's last
+//! build (`WEBPROXY_LAYOUT2_BINARY`), which the move to per-pool replies and
+//! dead-letter streams (layout 3) is tested against.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -29,16 +31,18 @@ const OLD_BINARY: &str = "WEBPROXY_OLD_BINARY";
 /// A conversation that parks twice waits 2 x 2 s, plus a migration in between.
 const PARKED_REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
-fn old_binary() -> PathBuf {
-    let path = std::env::var_os(OLD_BINARY)
+/// The service run from the binary that the environment variable `var` names.
+fn built(var: &str) -> ServiceOptions {
+    let path = std::env::var_os(var)
         .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("{OLD_BINARY} is not set: run `just test-upgrade`"));
-    assert!(path.is_file(), "{OLD_BINARY}={} is no file", path.display());
-    path
+        .unwrap_or_else(|| panic!("{var} is not set: run `just test-upgrade`"));
+    assert!(path.is_file(), "{var}={} is no file", path.display());
+    ServiceOptions::default().binary(path)
 }
 
+/// Layout 1's last build.
 fn old() -> ServiceOptions {
-    ServiceOptions::default().binary(old_binary())
+    built(OLD_BINARY)
 }
 
 /// The default routes and `/flaky/{key}/{n}`: 503 for the first `n` calls with that
@@ -153,14 +157,16 @@ async fn all_answered(calls: Vec<(Call, u32)>, within: Duration, logs: &dyn Fn()
     }
 }
 
-/// The pool stream is layout 2 with its fence, and layout 1's consumers are gone.
-async fn assert_layout2(js: &jetstream::Context) {
+/// The pool stream is layout 3 with its fence and its own replies and dead-letter
+/// streams, layout 1's consumers are gone, and the shared streams are retired when
+/// the old version made them (`shared`), or absent.
+async fn assert_layout3(js: &jetstream::Context, shared: bool) {
     let subjects = Subjects::new("webproxy").expect("prefix");
     let mut pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
     let config = pool.info().await.expect("info").config.clone();
     assert_eq!(
         config.metadata.get("webproxy.layout").map(String::as_str),
-        Some("2")
+        Some("3")
     );
     assert!(
         config.subjects.contains(&subjects.hop_filter("default")),
@@ -172,12 +178,36 @@ async fn assert_layout2(js: &jetstream::Context) {
             "{gone} is still there"
         );
     }
-    for kept in ["webproxy-default-l2", "webproxy-default-retry-l2"] {
+    for kept in ["webproxy-default-l3", "webproxy-default-retry-l3"] {
         pool.consumer_info(kept).await.expect(kept);
     }
-    let mut replies = js.get_stream("WEBPROXY_REPLIES").await.expect("replies");
-    let replies = replies.info().await.expect("info").config.subjects.clone();
-    assert_eq!(replies, ["webproxy.reply.*.*.*"]);
+    let mut streams = vec![
+        (
+            "WEBPROXY_POOL_DEFAULT_REPLIES",
+            &["webproxy.reply.*.WEBPROXY_POOL_DEFAULT.*"][..],
+        ),
+        (
+            "WEBPROXY_POOL_DEFAULT_DEAD",
+            &["webproxy.dead.default", "webproxy.dead.default.superseded"][..],
+        ),
+    ];
+    // Layout 1's shared streams, retired: what they hold ages out.
+    let retired = [
+        ("WEBPROXY_REPLIES", &["webproxy.retired.replies"][..]),
+        ("WEBPROXY_DEAD", &["webproxy.retired.dead"][..]),
+    ];
+    if shared {
+        streams.extend(retired);
+    } else {
+        for (stream, _) in retired {
+            assert!(js.get_stream(stream).await.is_err(), "{stream} was made");
+        }
+    }
+    for (stream, captures) in streams {
+        let mut found = js.get_stream(stream).await.expect(stream);
+        let subjects = found.info().await.expect("info").config.subjects.clone();
+        assert_eq!(subjects, captures, "{stream}");
+    }
     for (fence, _) in FENCES {
         let mut stream = js.get_stream(fence).await.expect(fence);
         let storage = stream.info().await.expect("info").config.storage;
@@ -259,7 +289,7 @@ async fn old_first_then_new() {
     old.terminate();
     // Ready means migrated: nothing is left on layout 1's retry subject.
     assert_eq!(messages_on(&pool, "webproxy.retry.default").await, 0);
-    assert_layout2(&js).await;
+    assert_layout3(&js, true).await;
     assert!(
         new.logs()
             .contains("moved the retries that layout 1 parked"),
@@ -325,7 +355,7 @@ async fn new_first_then_old() {
 
     assert!(!old.is_ready().await, "{}", old.logs());
     answered_nothing(&old);
-    assert_layout2(&js).await;
+    assert_layout3(&js, false).await;
     // Had the old version got past the fences, its consumer would not be created
     // either: its filter overlaps the new consumer's on the work queue.
     let pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
@@ -347,8 +377,8 @@ async fn new_first_then_old() {
     );
 }
 
-/// Issue 29, points 8 and 10: layout 2 as the release before fences moved to file left
-/// it, its fences in memory (the pool's holding an old pod's stray publish). Today's version
+/// Issue 29, points 8 and 10: the fences in memory, as the release before fences moved
+/// to file left them (the pool's holding an old pod's stray publish). Today's version
 /// starts, deletes them and makes them again on file; an old pod that starts then is
 /// still refused by the fences, and the new version answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -383,7 +413,7 @@ async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
         .expect("stored in the memory fence");
 
     let new = Service::start(&nats, &config).await;
-    assert_layout2(&js).await;
+    assert_layout3(&js, false).await;
     assert!(
         new.logs()
             .contains("moving fence stream WEBPROXY_FENCE_POOL_DEFAULT"),
@@ -398,4 +428,105 @@ async fn memory_fences_are_moved_to_file_and_still_keep_old_pods_out() {
     let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
     all_answered(vec![(call, 1)], REPLY_TIMEOUT, &logs).await;
     answered_nothing(&old);
+}
+
+const LAYOUT2_BINARY: &str = "WEBPROXY_LAYOUT2_BINARY";
+
+/// The last build of stream layout 2 (`just test-upgrade` builds it and names it in
+/// `WEBPROXY_LAYOUT2_BINARY`).
+fn layout2() -> ServiceOptions {
+    built(LAYOUT2_BINARY)
+}
+
+/// Issue 30, point 4: layout 2 (one replies and one dead-letter stream for every pool)
+/// first, then today's in a rolling update. The new instance retires the shared
+/// streams and makes the pool's own; a reply and a dead letter stored by layout 2 stay
+/// readable, retries it parked are answered by the new one, and a layout 2 instance
+/// started afterwards stays not ready and answers nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the layout 2 binary: run `just test-upgrade`"]
+async fn layout2_first_then_layout3() {
+    let layout2 = layout2();
+    let nats = NatsServer::start();
+    let upstream = upstream().await;
+    let config = config(&upstream);
+    let old = Service::start_with(&nats.url(), &config, layout2.clone()).await;
+    let client = Client::new(nats.client().await, "webproxy").expect("client");
+    let js = jetstream::new(nats.client().await);
+
+    let stored = client
+        .request_answer(
+            &to("default", &envelope("GET", &upstream.url("/echo"))).wait(REPLY_TIMEOUT),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("layout 2's reply: {e}\n{}", old.logs()));
+    let denied = envelope("GET", "http://127.0.0.1:1/denied");
+    let letter = client
+        .request_answer(&to("default", &denied).wait(REPLY_TIMEOUT))
+        .await
+        .expect("layout 2's denial");
+    assert!(letter.reply.error.is_some(), "{:?}", letter.reply);
+    let caller = OldCaller::new(&nats).await;
+    let mut parked = Vec::new();
+    for _ in 0..2 {
+        let mut request = envelope("GET", "");
+        request.url = upstream.url(&format!("/flaky/{}/1", request.id));
+        parked.push((caller.call(&request).await, 2));
+    }
+    // The other two are answered and acked: what the work queue holds is the parks.
+    wait_until(REPLY_TIMEOUT, "layout 2 to park two retries", || async {
+        let mut pool = js.get_stream("WEBPROXY_POOL_DEFAULT").await.expect("pool");
+        pool.info().await.is_ok_and(|info| info.state.messages == 2)
+    })
+    .await;
+
+    let new = Service::start(&nats, &config).await;
+    old.terminate();
+    let logs = || format!("--- new ---\n{}\n--- old ---\n{}", new.logs(), old.logs());
+    assert_layout3(&js, true).await;
+    all_answered(parked, PARKED_REPLY_TIMEOUT, &logs).await;
+    // What layout 2 stored is read from its retired streams.
+    let reply = client
+        .reply(&stored.reply.id, &stored.origin)
+        .await
+        .expect("lookup")
+        .unwrap_or_else(|| panic!("layout 2's stored reply is gone\n{}", logs()));
+    assert_eq!(reply.status, Some(200));
+    let listed = webproxy_tests::run_webproxy(&[
+        "dead",
+        "list",
+        "--nats",
+        &nats.url(),
+        "--id",
+        &denied.id,
+        "--json",
+    ])
+    .await;
+    assert!(listed.status.success(), "{listed:?}");
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(text.contains("\"stream\":\"WEBPROXY_DEAD\""), "{text}");
+
+    // A layout 2 instance that starts now is fenced out.
+    let again = Service::spawn(&nats.url(), &config, layout2);
+    wait_until(
+        REPLY_TIMEOUT,
+        "layout 2 to refuse the retired replies stream as newer",
+        || async {
+            again
+                .logs()
+                .contains("is newer than this instance's layout 2")
+        },
+    )
+    .await;
+    let call = caller.call(&envelope("GET", &upstream.url("/echo"))).await;
+    let logs = || {
+        format!(
+            "--- new ---\n{}\n--- layout 2 ---\n{}",
+            new.logs(),
+            again.logs()
+        )
+    };
+    all_answered(vec![(call, 1)], REPLY_TIMEOUT, &logs).await;
+    assert!(!again.is_ready().await, "{}", again.logs());
+    answered_nothing(&again);
 }

@@ -179,7 +179,7 @@ describe("against a live webproxy", () => {
     Number(await (await fetch(url(`/_hits?path=${encodeURIComponent(path)}`))).text());
   const storedReplies = async () => {
     const jsm = await jetstreamManager(nc);
-    return (await jsm.streams.info("WEBPROXY_REPLIES")).state.messages;
+    return (await jsm.streams.info("WEBPROXY_POOL_DEFAULT_REPLIES")).state.messages;
   };
 
   test("a response", TEST_TIMEOUT, async () => {

@@ -122,8 +122,12 @@ class FakeNats {
     if (subject === "$JS.API.INFO") {
       return { data: encode({}) };
     }
-    assert.equal(subject, "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES");
     const { last_by_subj: wanted } = JSON.parse(new TextDecoder().decode(data));
+    if (subject === "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES") {
+      // The shared stream of webproxy before layout 3, retired and empty here.
+      return { data: encode({ error: { code: 404, err_code: 10037, description: "no message found" } }) };
+    }
+    assert.equal(subject, "$JS.API.STREAM.MSG.GET.WEBPROXY_POOL_DEFAULT_REPLIES");
     this.lookedUp.push(wanted);
     const payload = this.stored[wanted];
     if (!payload) {

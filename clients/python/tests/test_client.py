@@ -350,7 +350,7 @@ class Relay:
 
 
 async def stored_replies(nc) -> int:
-    info = await nc.jetstream().stream_info("WEBPROXY_REPLIES")
+    info = await nc.jetstream().stream_info("WEBPROXY_POOL_DEFAULT_REPLIES")
     return info.state.messages
 
 

@@ -86,7 +86,10 @@ class FakeNats:
         return answer
 
     async def get_last_msg(self, stream, subject):
-        assert stream == "WEBPROXY_REPLIES"
+        if stream == "WEBPROXY_REPLIES":
+            # The shared stream of webproxy before layout 3, retired and empty here.
+            raise nats.js.errors.NotFoundError(code=404, err_code=10037, description="no message found")
+        assert stream == "WEBPROXY_POOL_DEFAULT_REPLIES"
         self.looked_up.append(subject)
         if subject in self.stored:
             return self.stored[subject]

@@ -84,9 +84,9 @@ def test_a_client_from_the_readme_protocol_alone(live: LiveEnv):
             assert again.get("duplicate") is True
             assert (again["stream"], again["seq"]) == (ack["stream"], ack["seq"])
 
-            # The stored reply, on the conversation's own subject, and none for an
-            # unknown one.
-            get = "$JS.API.STREAM.MSG.GET.WEBPROXY_REPLIES"
+            # The stored reply, on the conversation's own subject in the replies
+            # stream of its origin's pool stream, and none for an unknown one.
+            get = f"$JS.API.STREAM.MSG.GET.{ack['stream']}_REPLIES"
             own = f"webproxy.reply.{id}.{ack['stream']}.{ack['seq']}"
             found = await nc.request(get, json.dumps({"last_by_subj": own}).encode(), timeout=5)
             stored = json.loads(base64.b64decode(json.loads(found.data)["message"]["data"]))

@@ -34,8 +34,10 @@
 //! from JetStream's publish ack; every reply carries it in `Webproxy-Origin`. The
 //! envelope `id` names the live reply subject `<prefix>.reply.<id>`, which anyone may
 //! reuse, so a live reply with another origin is ignored. The stored reply is read
-//! from exactly `<prefix>.reply.<id>.<STREAM>.<seq>` in the replies stream, never
-//! from the newest reply for the id. Each publish has a fresh random `Nats-Msg-Id`
+//! from exactly `<prefix>.reply.<id>.<STREAM>.<seq>` in the replies stream of the
+//! origin's pool stream, `<STREAM>_REPLIES` (then in the shared stream that layout 3
+//! retired, for a reply stored before that upgrade), never from the newest reply for
+//! the id. Each publish has a fresh random `Nats-Msg-Id`
 //! (32 hex characters from the operating system's CSPRNG), reused only when that same
 //! publish is tried again: when JetStream answers that a message with that id is still
 //! in process (err_code 10158), or when the caller sets [`Request::msg_id`].
@@ -672,28 +674,44 @@ fn check_msg_id(msg_id: &str) -> Result<(), Error> {
 /// The stored reply message of the conversation `origin` with envelope id `id`: the
 /// last message on exactly its own subject ([`Subjects::stored_reply`]), read from
 /// the stream leader through the message-get API (a direct get may be answered by a
-/// lagging replica).
+/// lagging replica). The stream is the origin pool stream's own replies stream
+/// ([`Subjects::replies_stream_of`]); when that has nothing on the subject, the
+/// shared stream of webproxy before layout 3 ([`Subjects::replies_stream`]) is read,
+/// which holds the replies stored before the upgrade until they age out, and which an
+/// operator may delete after that.
 pub async fn stored_reply(
     js: &jetstream::Context,
     subjects: &Subjects,
     id: &str,
     origin: &Origin,
 ) -> Result<Option<StreamMessage>, Error> {
-    last_message(js, subjects, &subjects.stored_reply(id, origin)).await
+    let subject = subjects.stored_reply(id, origin);
+    if let Some(message) = last_message(js, &subjects.replies_stream_of(origin), &subject).await? {
+        return Ok(Some(message));
+    }
+    last_message(js, &subjects.replies_stream(), &subject).await
 }
 
+/// The last message on `subject` in `stream`; none when there is none, or when the
+/// stream does not exist (the retired shared stream, once deleted).
 async fn last_message(
     js: &jetstream::Context,
-    subjects: &Subjects,
+    stream: &str,
     subject: &str,
 ) -> Result<Option<StreamMessage>, Error> {
     let stream = js
-        .get_stream_no_info(subjects.replies_stream())
+        .get_stream_no_info(stream)
         .await
         .map_err(|e| Error::Lookup(Box::new(e)))?;
     match stream.get_last_raw_message_by_subject(subject).await {
         Ok(message) => Ok(Some(message)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e)
+            if matches!(e.kind(), LastRawMessageErrorKind::JetStream(ref js)
+            if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            Ok(None)
+        }
         Err(e) => Err(Error::Lookup(Box::new(e))),
     }
 }

@@ -4,9 +4,11 @@
 //!
 //! Streams and consumers carry the layout they were made for in their metadata
 //! ([`LAYOUT_KEY`]). An instance migrates an older layout, refuses (and leaves alone)
-//! a newer one, and fences instances of layout 1 out: new consumer names, the old
-//! consumers deleted, and fence streams that capture a subject layout 1 lists, so that
-//! an old instance's rewrite of a stream fails (see ARCHITECTURE.md's invariants).
+//! a newer one, and fences instances of older layouts out: new consumer names, the old
+//! consumers deleted, fence streams that capture a subject layout 1 lists, and, against
+//! layout 2, per-pool replies and dead-letter streams whose subjects overlap what
+//! layout 2's shared streams list, so that an old instance's rewrite of a stream fails
+//! (see ARCHITECTURE.md's invariants).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -37,11 +39,15 @@ impl ProvisionError {
     }
 }
 
-/// The layout of streams and consumers this instance makes: `2` has per-conversation
-/// hop and retry subjects, stored replies per conversation and the consumers
-/// `<prefix>-<pool>-l2` and `<prefix>-<pool>-retry-l2`. Layout 1 (webproxy before the
-/// conversation core) had one retry subject per pool and stored every reply.
-pub(crate) const LAYOUT: u32 = 2;
+/// The layout of streams and consumers this instance makes: `3` has per-conversation
+/// hop and retry subjects, stored replies per conversation, a replies stream and a
+/// dead-letter stream per pool (`<POOL STREAM>_REPLIES`, `<POOL STREAM>_DEAD`, each with
+/// its own byte budget) and the consumers `<prefix>-<pool>-l3` and
+/// `<prefix>-<pool>-retry-l3`. Layout 2 had the same subjects but one replies stream
+/// and one dead-letter stream shared by every pool (and consumers named `-l2`); layout
+/// 1 (webproxy before the conversation core) had one retry subject per pool and stored
+/// every reply.
+pub(crate) const LAYOUT: u32 = 3;
 
 /// The metadata key holding a stream's or consumer's layout; absent means layout 1.
 pub(crate) const LAYOUT_KEY: &str = "webproxy.layout";
@@ -378,7 +384,7 @@ pub(crate) struct PoolConsumers {
 
 fn limits_stream(
     name: String,
-    subject: String,
+    subjects: Vec<String>,
     description: &str,
     max_age: Duration,
     max_bytes: i64,
@@ -387,7 +393,7 @@ fn limits_stream(
     stream::Config {
         name,
         description: Some(description.to_string()),
-        subjects: vec![subject],
+        subjects,
         retention: stream::RetentionPolicy::Limits,
         storage: stream::StorageType::File,
         num_replicas: replicas,
@@ -398,27 +404,33 @@ fn limits_stream(
     }
 }
 
-/// The stream that stores final replies: one subject per conversation, never the live
-/// copies on `<prefix>.reply.<id>`.
-pub(crate) fn replies_stream_config(settings: &Settings) -> stream::Config {
+/// The stream that stores the final replies of the conversations that started in
+/// `pool`'s stream: one subject per conversation, never the live copies on
+/// `<prefix>.reply.<id>`. `reply_max_bytes` is its own budget, so a flood through
+/// another pool cannot evict these replies.
+pub(crate) fn pool_replies_stream_config(settings: &Settings, pool: &str) -> stream::Config {
     let streams = &settings.streams;
+    let subjects = &settings.subjects;
+    let pool_stream = subjects.pool_stream(pool);
     limits_stream(
-        settings.subjects.replies_stream(),
-        settings.subjects.stored_reply_wildcard(),
-        "webproxy final replies, one per conversation",
+        subjects.pool_replies_stream(&pool_stream),
+        vec![subjects.pool_replies_filter(&pool_stream)],
+        &format!("webproxy pool {pool}: final replies, one per conversation"),
         streams.reply_max_age,
         streams.reply_max_bytes,
         streams.replicas,
     )
 }
 
-/// The stream that stores dead letters.
-pub(crate) fn dead_stream_config(settings: &Settings) -> stream::Config {
+/// The stream that stores `pool`'s dead letters and the marks of superseded ones,
+/// with its own `dead_max_bytes`.
+pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream::Config {
     let streams = &settings.streams;
+    let subjects = &settings.subjects;
     limits_stream(
-        settings.subjects.dead_stream(),
-        settings.subjects.dead_wildcard(),
-        "webproxy dead letters: conversations that ended in an error",
+        subjects.pool_dead_stream(pool),
+        vec![subjects.dead(pool), subjects.dead_superseded(pool)],
+        &format!("webproxy pool {pool}: dead letters, conversations that ended in an error"),
         streams.dead_max_age,
         streams.dead_max_bytes,
         streams.replicas,
@@ -555,10 +567,10 @@ struct StreamPlan {
     config: stream::Config,
     /// A new stream starts at [`fresh_first_sequence`] (pool streams: origins).
     fresh_first_sequence: bool,
-    /// Layout 1's consumers on it, deleted before it is migrated.
-    layout1_consumers: Vec<String>,
-    /// The fence created once it has this instance's layout.
-    fence: stream::Config,
+    /// Older layouts' consumers on it, deleted before it is migrated.
+    old_consumers: Vec<String>,
+    /// The fence created once it has this instance's layout, if it has one.
+    fence: Option<stream::Config>,
 }
 
 /// Creates a stream with this instance's layout, or updates an existing one in place:
@@ -572,7 +584,7 @@ async fn provision_stream(
     let StreamPlan {
         mut config,
         fresh_first_sequence: fresh,
-        layout1_consumers,
+        old_consumers,
         fence,
     } = plan;
     let name = config.name.clone();
@@ -586,7 +598,7 @@ async fn provision_stream(
                 }
                 Examined::Migrate { from } => {
                     warn!(stream = %name, from, to = LAYOUT, "migrating stream {name} from layout {from} to layout {LAYOUT}; instances of layout {from} are fenced out from now on");
-                    for consumer in &layout1_consumers {
+                    for consumer in &old_consumers {
                         delete_consumer(&stream, consumer).await?;
                     }
                     from
@@ -598,6 +610,15 @@ async fn provision_stream(
             js.update_stream(config)
                 .await
                 .map_err(|e| provision_error(what(), e))?;
+            // Again, now that the stream records this layout, and on every start: an
+            // instance of layout 2 recreates its work consumer when it finds it gone
+            // (`recreate_pool_consumer`), and one that looked at the stream before
+            // the update above saw its own layout and may have done so since the
+            // deletion. From now on it refuses to. A consumer left that way would
+            // overlap this layout's on the work queue (10100) for good.
+            for consumer in &old_consumers {
+                delete_consumer(&stream, consumer).await?;
+            }
             Some(found)
         }
         None => {
@@ -611,8 +632,71 @@ async fn provision_stream(
             None
         }
     };
-    make_fence(js, fence).await?;
+    if let Some(fence) = fence {
+        make_fence(js, fence).await?;
+    }
     Ok(found)
+}
+
+/// What becomes of layout 2's shared replies or dead-letter stream (pure), given its
+/// subjects and metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Retirement {
+    /// Retired already (it captures only `retired`): nothing to do.
+    Done,
+    /// Take its subjects away: they become `retired`, and its layout this one's.
+    Retire,
+    /// A newer layout made it what it is, or it is being removed: leave it alone.
+    Refuse(Refusal),
+}
+
+pub(crate) fn retirement(
+    subjects: &[String],
+    metadata: &HashMap<String, String>,
+    retired: &str,
+) -> Retirement {
+    match examine(metadata) {
+        Examined::Refuse(refusal) => Retirement::Refuse(refusal),
+        _ if subjects.len() == 1 && subjects[0] == retired => Retirement::Done,
+        _ => Retirement::Retire,
+    }
+}
+
+/// Retires layout 2's shared stream `name` (the replies or the dead letters of every
+/// pool): its subjects become `retired`, which nothing publishes on, so that each
+/// pool's own stream may capture what it captured. What it stored stays, readable by
+/// subject until its `max_age` ends it (readers look there when a pool's own stream
+/// has nothing for a subject); its limits are kept. Its metadata records this layout,
+/// so an instance of layout 2 that starts again refuses it as newer, and its rewrite
+/// of the dead-letter stream (which it makes without looking at the layout) lists
+/// subjects that now overlap the pools' streams and fails with err_code 10065: either
+/// way it stays not ready. A missing stream is fine: a deployment that began at
+/// layout 3 never had one.
+async fn retire_shared_stream(
+    js: &jetstream::Context,
+    name: &str,
+    retired: String,
+) -> Result<(), ProvisionError> {
+    let what = || format!("stream {name}");
+    let Some((_, info)) = existing_stream(js, name).await? else {
+        return Ok(());
+    };
+    let mut config = info.config;
+    match retirement(&config.subjects, &config.metadata, &retired) {
+        Retirement::Done => return Ok(()),
+        Retirement::Refuse(refusal) => {
+            error!(stream = %name, own_layout = LAYOUT, "not retiring stream {name}: {refusal}");
+            return Err(refused(what(), refusal));
+        }
+        Retirement::Retire => {}
+    }
+    warn!(stream = %name, from = ?config.subjects, to = %retired, "retiring the shared stream {name}: each pool's own stream stores what it stored from now on; what it holds stays readable until it ages out, and instances of layout 2 are fenced out");
+    config.subjects = vec![retired];
+    config.metadata = with_layout(&config.metadata);
+    js.update_stream(config)
+        .await
+        .map_err(|e| provision_error(what(), e))?;
+    Ok(())
 }
 
 /// How a fence is brought to its config, given the storage of the one there (pure).
@@ -694,21 +778,22 @@ pub(crate) async fn provision(
     js: &jetstream::Context,
     settings: &Settings,
 ) -> Result<Provisioned, ProvisionError> {
-    provision_stream(
+    // Layout 2's shared streams first: their subjects overlap every pool's own
+    // replies and dead-letter streams, which the server would refuse to create.
+    let subjects = &settings.subjects;
+    retire_shared_stream(
         js,
-        StreamPlan {
-            config: replies_stream_config(settings),
-            fresh_first_sequence: false,
-            layout1_consumers: Vec::new(),
-            fence: replies_fence_config(settings),
-        },
+        &subjects.replies_stream(),
+        subjects.retired_replies_subject(),
     )
     .await?;
-    let dead = dead_stream_config(settings);
-    let name = dead.name.clone();
-    js.create_or_update_stream(dead)
-        .await
-        .map_err(|e| provision_error(format!("stream {name}"), e))?;
+    retire_shared_stream(js, &subjects.dead_stream(), subjects.retired_dead_subject()).await?;
+    // At once: until a pool's own streams exist, what an instance of layout 2 still
+    // running stores for that pool has no stream (it logs that and answers live only).
+    for pool in settings.cluster.pools.keys() {
+        provision_endings(js, settings, pool).await?;
+    }
+    make_fence(js, replies_fence_config(settings)).await?;
     let progress = StateBucket::new(
         js.clone(),
         Bucket::Progress.spec(&settings.subjects, &settings.streams),
@@ -732,8 +817,8 @@ pub(crate) async fn provision(
     })
 }
 
-/// Provisions one pool: its stream (migrated from an older layout if need be), its
-/// fence and its two consumers. A work consumer that exists is bound as it is: its
+/// Provisions one pool: its replies and dead-letter streams, its stream (migrated
+/// from an older layout if need be), its fence and its two consumers. A work consumer that exists is bound as it is: its
 /// settings are written only by their owner (`runtime::owner`), under a lease, from
 /// the configured limits and the pool's runtime state; one that does not is created
 /// from them.
@@ -744,6 +829,9 @@ pub(crate) async fn provision_pool(
     pool_config: &PoolConfig,
 ) -> Result<PoolConsumers, ProvisionError> {
     let subjects = &settings.subjects;
+    // Where the pool's conversations end go first, so that none ends before its
+    // reply or letter can be stored (a pool added live has none yet).
+    provision_endings(js, settings, pool).await?;
     let stream_config = pool_stream_config(settings, pool, pool_config);
     let stream_name = stream_config.name.clone();
     provision_stream(
@@ -751,11 +839,13 @@ pub(crate) async fn provision_pool(
         StreamPlan {
             config: stream_config,
             fresh_first_sequence: true,
-            layout1_consumers: vec![
+            old_consumers: vec![
                 subjects.layout1_pool_consumer(pool),
                 subjects.layout1_retry_consumer(pool),
+                subjects.layout2_pool_consumer(pool),
+                subjects.layout2_retry_consumer(pool),
             ],
-            fence: pool_fence_config(settings, pool),
+            fence: Some(pool_fence_config(settings, pool)),
         },
     )
     .await?;
@@ -787,6 +877,30 @@ pub(crate) async fn provision_pool(
         work,
         parked,
     })
+}
+
+/// Creates or updates `pool`'s own replies and dead-letter streams.
+async fn provision_endings(
+    js: &jetstream::Context,
+    settings: &Settings,
+    pool: &str,
+) -> Result<(), ProvisionError> {
+    for config in [
+        pool_replies_stream_config(settings, pool),
+        pool_dead_stream_config(settings, pool),
+    ] {
+        provision_stream(
+            js,
+            StreamPlan {
+                config,
+                fresh_first_sequence: false,
+                old_consumers: Vec::new(),
+                fence: None,
+            },
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing
@@ -853,6 +967,56 @@ mod tests {
     }
 
     #[test]
+    fn the_shared_streams_of_layout_2_are_retired_once() {
+        let retired = "webproxy.retired.dead";
+        let shared = vec!["webproxy.dead.>".to_string()];
+        for layout in [&[][..], &[(LAYOUT_KEY, "2")][..]] {
+            assert_eq!(
+                retirement(&shared, &metadata(layout), retired),
+                Retirement::Retire
+            );
+        }
+        assert_eq!(
+            retirement(
+                &[retired.to_string()],
+                &metadata(&[(LAYOUT_KEY, "3")]),
+                retired
+            ),
+            Retirement::Done
+        );
+        // Marked layout 3 but still capturing (an update lost half-way): retired again.
+        assert_eq!(
+            retirement(&shared, &metadata(&[(LAYOUT_KEY, "3")]), retired),
+            Retirement::Retire
+        );
+        assert!(matches!(
+            retirement(&shared, &metadata(&[(LAYOUT_KEY, "4")]), retired),
+            Retirement::Refuse(Refusal::NewerLayout { .. })
+        ));
+    }
+
+    #[test]
+    fn each_pool_has_its_own_replies_and_dead_letter_streams() {
+        let settings =
+            settings_from("[pools.a]\nmax_in_flight = 1\n[pools.b]\nmax_in_flight = 1\n")
+                .expect("settings");
+        let replies = pool_replies_stream_config(&settings, "a");
+        assert_eq!(replies.name, "WEBPROXY_POOL_A_REPLIES");
+        assert_eq!(replies.subjects, ["webproxy.reply.*.WEBPROXY_POOL_A.*"]);
+        assert_eq!(replies.max_bytes, settings.streams.reply_max_bytes);
+        assert_eq!(replies.max_age, settings.streams.reply_max_age);
+        assert_eq!(replies.discard, stream::DiscardPolicy::Old);
+        let dead = pool_dead_stream_config(&settings, "b");
+        assert_eq!(dead.name, "WEBPROXY_POOL_B_DEAD");
+        assert_eq!(
+            dead.subjects,
+            ["webproxy.dead.b", "webproxy.dead.b.superseded"]
+        );
+        assert_eq!(dead.max_bytes, settings.streams.dead_max_bytes);
+        assert_eq!(dead.max_age, settings.streams.dead_max_age);
+    }
+
+    #[test]
     fn versions() {
         assert!(server_version_supported("2.11.0"));
         assert!(!server_version_supported("2.10.29"));
@@ -904,11 +1068,15 @@ mod tests {
             examine(&metadata(&[(LAYOUT_KEY, "1")])),
             Examined::Migrate { from: 1 }
         );
-        assert_eq!(examine(&metadata(&[(LAYOUT_KEY, "2")])), Examined::Current);
         assert_eq!(
-            examine(&metadata(&[(LAYOUT_KEY, "3")])),
+            examine(&metadata(&[(LAYOUT_KEY, "2")])),
+            Examined::Migrate { from: 2 }
+        );
+        assert_eq!(examine(&metadata(&[(LAYOUT_KEY, "3")])), Examined::Current);
+        assert_eq!(
+            examine(&metadata(&[(LAYOUT_KEY, "4")])),
             Examined::Refuse(Refusal::NewerLayout {
-                found: "3".into(),
+                found: "4".into(),
                 own: LAYOUT
             })
         );
@@ -918,7 +1086,7 @@ mod tests {
             Examined::Refuse(Refusal::NewerLayout { .. })
         ));
         // A removal in progress wins over any layout.
-        for layout in ["1", "2", "3"] {
+        for layout in ["1", "2", "3", "4"] {
             assert_eq!(
                 examine(&metadata(&[(LAYOUT_KEY, layout), (REMOVING_KEY, "true")])),
                 Examined::Refuse(Refusal::Removing)

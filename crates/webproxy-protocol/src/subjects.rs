@@ -24,20 +24,31 @@ pub fn validate_id(id: &str) -> Result<(), InvalidName> {
     Ok(())
 }
 
-/// A pool name: 1 to 32 of `[a-z0-9_-]`.
+/// Endings a pool name may not have: pool `x`'s replies and dead-letter streams are
+/// named like the work streams of pools `x_replies` and `x_dead` would be.
+const RESERVED_POOL_SUFFIXES: [&str; 2] = ["_replies", "_dead"];
+
+/// A pool name: 1 to 32 of `[a-z0-9_-]`, not ending in `_replies` or `_dead`.
 pub fn validate_pool_name(pool: &str) -> Result<(), InvalidName> {
     let ok = !pool.is_empty()
         && pool.len() <= 32
         && pool
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
-    if ok {
-        Ok(())
-    } else {
-        Err(InvalidName(format!(
+    if !ok {
+        return Err(InvalidName(format!(
             "pool name {pool:?} must be 1 to 32 characters of a-z, 0-9, '_' and '-'"
-        )))
+        )));
     }
+    if let Some(suffix) = RESERVED_POOL_SUFFIXES
+        .iter()
+        .find(|suffix| pool.ends_with(*suffix))
+    {
+        return Err(InvalidName(format!(
+            "pool name {pool:?} must not end in {suffix:?}: the replies and dead-letter streams of a pool without it have that name"
+        )));
+    }
+    Ok(())
 }
 
 /// A caller name, the optional last token of a request subject
@@ -287,9 +298,18 @@ impl Subjects {
         )
     }
 
-    /// What the replies stream captures: stored replies only, never the live copies.
+    /// What layout 2's shared replies stream captured: every pool's stored replies,
+    /// never the live copies. Since layout 3 each pool stream's replies have a stream
+    /// of their own ([`Subjects::pool_replies_filter`]).
     pub fn stored_reply_wildcard(&self) -> String {
         format!("{}.reply.*.*.*", self.prefix)
+    }
+
+    /// What the replies stream of the pool stream `pool_stream` captures: the stored
+    /// replies of the conversations that started there, `<prefix>.reply.*.<STREAM>.*`.
+    /// Disjoint from every other pool stream's, and from the live copies.
+    pub fn pool_replies_filter(&self, pool_stream: &str) -> String {
+        format!("{}.reply.*.{pool_stream}.*", self.prefix)
     }
 
     /// Where failed conversations of `pool` are copied.
@@ -329,14 +349,52 @@ impl Subjects {
         format!("{}_POOL_{}", self.stream_prefix, pool.to_ascii_uppercase())
     }
 
-    /// The stream that stores final replies.
+    /// Layout 2's stream of every pool's stored replies, `WEBPROXY_REPLIES`. Layout 3
+    /// retires it: its subjects become [`Subjects::retired_replies_subject`], and what
+    /// it stored stays readable by subject until it ages out (`reply_max_age`), so a
+    /// reader that finds nothing in [`Subjects::replies_stream_of`] looks here.
     pub fn replies_stream(&self) -> String {
         format!("{}_REPLIES", self.stream_prefix)
     }
 
-    /// The stream that stores dead letters.
+    /// Layout 2's stream of every pool's dead letters, `WEBPROXY_DEAD`, retired like
+    /// [`Subjects::replies_stream`] (subjects [`Subjects::retired_dead_subject`]).
     pub fn dead_stream(&self) -> String {
         format!("{}_DEAD", self.stream_prefix)
+    }
+
+    /// The stream that stores the replies of the conversations whose origin is in the
+    /// pool stream `pool_stream`: `<pool_stream>_REPLIES`, e.g.
+    /// `WEBPROXY_POOL_DEFAULT_REPLIES`. A client derives it from an origin alone
+    /// ([`Subjects::replies_stream_of`]); each has its own `reply_max_bytes`, so one
+    /// pool's flood cannot evict another pool's replies.
+    pub fn pool_replies_stream(&self, pool_stream: &str) -> String {
+        format!("{pool_stream}_REPLIES")
+    }
+
+    /// The stream that holds the stored reply of the conversation `origin`.
+    pub fn replies_stream_of(&self, origin: &Origin) -> String {
+        self.pool_replies_stream(&origin.stream)
+    }
+
+    /// The stream that stores `pool`'s dead letters and superseded marks,
+    /// `<pool stream>_DEAD`, e.g. `WEBPROXY_POOL_DEFAULT_DEAD`, with its own
+    /// `dead_max_bytes`.
+    pub fn pool_dead_stream(&self, pool: &str) -> String {
+        format!("{}_DEAD", self.pool_stream(pool))
+    }
+
+    /// The subject the retired [`Subjects::replies_stream`] captures once layout 3
+    /// took its subjects away: nothing publishes on it. Its only purpose is that the
+    /// stream keeps a subject that overlaps no other stream's.
+    pub fn retired_replies_subject(&self) -> String {
+        format!("{}.retired.replies", self.prefix)
+    }
+
+    /// The subject the retired [`Subjects::dead_stream`] captures; nothing publishes
+    /// on it.
+    pub fn retired_dead_subject(&self) -> String {
+        format!("{}.retired.dead", self.prefix)
     }
 
     /// The KV bucket of progress records (conversations that parked or moved).
@@ -382,15 +440,27 @@ impl Subjects {
     }
 
     /// The durable consumer of `pool`'s request and hop subjects, e.g.
-    /// `webproxy-default-l2`. The suffix names the stream layout: a layout's consumers
+    /// `webproxy-default-l3`. The suffix names the stream layout: a layout's consumers
     /// get names of their own, so that an instance of an older layout cannot find, and
     /// take messages from, a consumer of a newer one.
     pub fn pool_consumer(&self, pool: &str) -> String {
+        format!("{}-{pool}-l3", self.consumer_prefix())
+    }
+
+    /// The durable consumer of `pool`'s retry subjects, e.g. `webproxy-default-retry-l3`.
+    pub fn retry_consumer(&self, pool: &str) -> String {
+        format!("{}-{pool}-retry-l3", self.consumer_prefix())
+    }
+
+    /// Layout 2's pool consumer (`webproxy-<pool>-l2`), which a migration to layout 3
+    /// deletes.
+    pub fn layout2_pool_consumer(&self, pool: &str) -> String {
         format!("{}-{pool}-l2", self.consumer_prefix())
     }
 
-    /// The durable consumer of `pool`'s retry subjects, e.g. `webproxy-default-retry-l2`.
-    pub fn retry_consumer(&self, pool: &str) -> String {
+    /// Layout 2's retry consumer (`webproxy-<pool>-retry-l2`), which a migration
+    /// deletes.
+    pub fn layout2_retry_consumer(&self, pool: &str) -> String {
         format!("{}-{pool}-retry-l2", self.consumer_prefix())
     }
 
@@ -545,8 +615,13 @@ mod tests {
         assert_eq!(s.pool_stream("default"), "WEBPROXY_POOL_DEFAULT");
         assert_eq!(s.replies_stream(), "WEBPROXY_REPLIES");
         assert_eq!(s.dead_stream(), "WEBPROXY_DEAD");
-        assert_eq!(s.pool_consumer("default"), "webproxy-default-l2");
-        assert_eq!(s.retry_consumer("default"), "webproxy-default-retry-l2");
+        assert_eq!(s.pool_consumer("default"), "webproxy-default-l3");
+        assert_eq!(s.retry_consumer("default"), "webproxy-default-retry-l3");
+        assert_eq!(s.layout2_pool_consumer("default"), "webproxy-default-l2");
+        assert_eq!(
+            s.layout2_retry_consumer("default"),
+            "webproxy-default-retry-l2"
+        );
         assert_eq!(s.layout1_pool_consumer("default"), "webproxy-default");
         assert_eq!(
             s.layout1_retry_consumer("default"),
@@ -570,8 +645,52 @@ mod tests {
         ));
         let dotted = Subjects::new("acme.wp").expect("valid prefix");
         assert_eq!(dotted.pool_stream("a-b"), "ACME_WP_POOL_A-B");
-        assert_eq!(dotted.pool_consumer("a"), "acme_wp-a-l2");
+        assert_eq!(dotted.pool_consumer("a"), "acme_wp-a-l3");
         assert_eq!(dotted.layout1_pool_consumer("a"), "acme_wp-a");
+    }
+
+    #[test]
+    fn per_pool_streams_derive_from_the_origin_and_overlap_nothing() {
+        let s = subjects();
+        let default = s.pool_stream("default");
+        let partner = s.pool_stream("partner");
+        assert_eq!(
+            s.pool_replies_stream(&default),
+            "WEBPROXY_POOL_DEFAULT_REPLIES"
+        );
+        assert_eq!(s.pool_dead_stream("default"), "WEBPROXY_POOL_DEFAULT_DEAD");
+        let origin = Origin::new(&default, 7);
+        assert_eq!(
+            s.replies_stream_of(&origin),
+            "WEBPROXY_POOL_DEFAULT_REPLIES"
+        );
+        assert_eq!(
+            s.pool_replies_filter(&default),
+            "webproxy.reply.*.WEBPROXY_POOL_DEFAULT.*"
+        );
+        let stored = s.stored_reply("order-42", &origin);
+        assert!(subject_matches(&s.pool_replies_filter(&default), &stored));
+        assert!(!subject_matches(&s.pool_replies_filter(&partner), &stored));
+        assert!(!subject_matches(
+            &s.pool_replies_filter(&default),
+            &s.reply("order-42")
+        ));
+        // Layout 1's fence keeps its subject apart from every pool's replies.
+        assert!(!subject_matches(&s.replies_fence_subject(), &stored));
+        // The retired shared streams capture nothing anyone publishes on.
+        for retired in [s.retired_replies_subject(), s.retired_dead_subject()] {
+            assert!(!subject_matches(&s.stored_reply_wildcard(), &retired));
+            assert!(!subject_matches(&s.dead_wildcard(), &retired));
+            assert!(!subject_matches(&s.reply_wildcard(), &retired));
+        }
+        assert_eq!(s.retired_replies_subject(), "webproxy.retired.replies");
+        assert_eq!(s.retired_dead_subject(), "webproxy.retired.dead");
+        let dotted = Subjects::new("acme.wp").expect("valid prefix");
+        assert_eq!(
+            dotted.pool_replies_stream(&dotted.pool_stream("a-b")),
+            "ACME_WP_POOL_A-B_REPLIES"
+        );
+        assert_eq!(dotted.pool_dead_stream("a-b"), "ACME_WP_POOL_A-B_DEAD");
     }
 
     #[test]
@@ -594,6 +713,12 @@ mod tests {
         assert!(validate_pool_name("").is_err());
         assert!(validate_pool_name(&"p".repeat(33)).is_err());
         assert!(validate_pool_name("a.b").is_err());
+        // Pool x's own streams are named as pool x_dead's and x_replies' would be.
+        assert!(validate_pool_name("x_dead").is_err());
+        assert!(validate_pool_name("x_replies").is_err());
+        assert!(validate_pool_name("dead").is_ok());
+        assert!(validate_pool_name("x-dead").is_ok());
+        assert!(validate_pool_name("x_deadline").is_ok());
     }
 
     #[test]

@@ -94,7 +94,7 @@ pub struct Service {
 /// the address guard denies by default.
 pub const ALLOW_PRIVATE_NETWORKS: &str = "WEBPROXY_OUTBOUND__ALLOW_PRIVATE_NETWORKS";
 
-/// The replies and dead-letter streams' max_bytes in tests (64 MiB).
+/// Each pool's replies and dead-letter streams' max_bytes in tests (64 MiB each).
 const TEST_STREAM_MAX_BYTES: &str = "67108864";
 
 /// How a [`Service`] is started beyond its config file.
@@ -274,9 +274,10 @@ impl Service {
             command.env(ALLOW_PRIVATE_NETWORKS, "true");
         }
         // JetStream reserves a stream's max_bytes against free disk when it creates the
-        // stream; the 1 GiB defaults of the replies and dead-letter streams, times the
-        // servers of tests running in parallel, would fail on a machine with little
-        // free disk. Tests store a few megabytes at most.
+        // stream; the defaults (256 MiB for each pool's replies and dead-letter
+        // streams), times the pools of a test and the servers of tests running in
+        // parallel, would fail on a machine with little free disk. Tests store a few
+        // megabytes at most; a test of three pools reserves 384 MiB.
         for var in [
             "WEBPROXY_STREAMS__REPLY_MAX_BYTES",
             "WEBPROXY_STREAMS__DEAD_MAX_BYTES",

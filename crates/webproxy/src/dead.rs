@@ -1,11 +1,16 @@
-//! `webproxy dead list` and `webproxy dead replay`: read the dead-letter stream, and
+//! `webproxy dead list` and `webproxy dead replay`: read the dead-letter streams, and
 //! replay failed conversations as a new generation from their origin, through the
 //! dispatcher's own replay. Dead letters stay where they are, as an audit trail.
 //!
-//! Both stream the dead-letter stream rather than load it (it may hold up to
-//! `dead_max_bytes`, 1 GiB by default): a read holds one fetched batch at a time, and
-//! stops at the stream's last letter as it was when the command started, so letters
-//! stored meanwhile (a replay that fails again, say) are not read in the same run.
+//! Each pool has a dead-letter stream of its own (`<POOL STREAM>_DEAD`); the letters
+//! stored before the upgrade to layout 3 are in the retired shared stream
+//! (`<PREFIX>_DEAD`) until they age out. Both commands read the shared stream first (its
+//! letters are older), then every pool's stream on the server (or `--pool`'s only).
+//!
+//! Both stream each dead-letter stream rather than load it (one may hold up to
+//! `dead_max_bytes`): a read holds one fetched batch at a time, and stops at the
+//! stream's last letter as it was when the command started, so letters stored
+//! meanwhile (a replay that fails again, say) are not read in the same run.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -17,6 +22,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use async_nats::jetstream::{self, consumer, stream};
 use clap::Args;
+use futures::TryStreamExt as _;
 use serde::{Deserialize as _, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -92,6 +98,9 @@ fn parse_code(value: &str) -> Result<ErrorCode, String> {
 /// One stored dead letter.
 #[derive(Debug, Serialize)]
 pub struct StoredLetter {
+    /// The stream that holds it: its pool's, or the retired shared one.
+    pub stream: String,
+    /// Its sequence in that stream.
     pub sequence: u64,
     /// RFC 3339, when it was stored.
     pub stored_at: String,
@@ -99,42 +108,120 @@ pub struct StoredLetter {
     pub letter: DeadLetter,
 }
 
-/// The dead-letter stream as it was when the command opened it.
+/// One dead-letter stream as it was when the command opened it.
 struct DeadStream {
     stream: stream::Stream,
-    subjects: webproxy_protocol::Subjects,
+    name: String,
     /// The stream's last sequence at opening: reads stop there.
     end: u64,
+}
+
+/// The dead-letter streams a command reads: the retired shared one first, then each
+/// pool's, by name.
+struct DeadStreams {
+    streams: Vec<DeadStream>,
+    subjects: webproxy_protocol::Subjects,
     max_payload: usize,
 }
 
-impl DeadStream {
-    async fn open(client: &Client) -> anyhow::Result<DeadStream> {
+/// The names of the dead-letter streams to read (pure): the retired shared stream,
+/// then `pool`'s own, or, without one, every pool's among `existing` (pool `x`'s is
+/// `<PREFIX>_POOL_X_DEAD`, and no pool's work stream ends in `_DEAD`).
+fn dead_stream_names(
+    subjects: &webproxy_protocol::Subjects,
+    pool: Option<&str>,
+    existing: &[String],
+) -> Vec<String> {
+    let mut names = vec![subjects.dead_stream()];
+    match pool {
+        Some(pool) => names.push(subjects.pool_dead_stream(pool)),
+        None => {
+            let prefix = subjects.pool_stream("");
+            let mut pools: Vec<String> = existing
+                .iter()
+                .filter(|name| name.starts_with(&prefix) && name.ends_with("_DEAD"))
+                .cloned()
+                .collect();
+            pools.sort();
+            names.extend(pools);
+        }
+    }
+    names
+}
+
+impl DeadStreams {
+    async fn open(client: &Client, selection: &Selection) -> anyhow::Result<DeadStreams> {
         let subjects = client.subjects().clone();
         let js = jetstream::new(client.nats().clone());
-        let stream = js
-            .get_stream(subjects.dead_stream())
-            .await
-            .with_context(|| format!("cannot open stream {}", subjects.dead_stream()))?;
-        Ok(DeadStream {
-            end: stream.cached_info().state.last_sequence,
-            stream,
+        let existing: Vec<String> = if selection.pool.is_some() {
+            Vec::new()
+        } else {
+            js.stream_names()
+                .try_collect()
+                .await
+                .context("cannot list streams")?
+        };
+        let mut streams = Vec::new();
+        for name in dead_stream_names(&subjects, selection.pool.as_deref(), &existing) {
+            let stream = match js.get_stream(&name).await {
+                Ok(stream) => stream,
+                // The shared stream of an older layout, deleted once it aged out, or a
+                // pool with no dead letters stream (yet).
+                Err(e)
+                    if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e).with_context(|| format!("cannot open stream {name}")),
+            };
+            let end = stream.cached_info().state.last_sequence;
+            if end > 0 {
+                streams.push(DeadStream { stream, name, end });
+            }
+        }
+        Ok(DeadStreams {
+            streams,
             subjects,
             max_payload: client.nats().server_info().max_payload,
         })
     }
 
-    /// Hands each letter that `selection` matches to `each`, oldest first, until
-    /// `each` breaks, `--limit` letters matched, or the end; returns how many matched.
+    /// Hands each letter that `selection` matches to `each`, stream by stream and
+    /// oldest first in each, until `each` breaks, `--limit` letters matched, or the
+    /// end; returns how many matched.
     async fn for_each(
         &self,
         selection: &Selection,
         mut each: impl AsyncFnMut(StoredLetter) -> anyhow::Result<ControlFlow<()>>,
     ) -> anyhow::Result<u64> {
-        if self.end == 0 {
-            return Ok(0);
+        let mut superseded = HashSet::new();
+        for dead in &self.streams {
+            superseded.extend(self.superseded(dead, selection).await?);
         }
-        let superseded = self.superseded(selection).await?;
+        let limit = selection.limit.map_or(u64::MAX, NonZeroU64::get);
+        let mut matched = 0;
+        for dead in &self.streams {
+            let stopped = self
+                .for_each_in(dead, selection, &superseded, limit, &mut matched, &mut each)
+                .await?;
+            if stopped.is_break() {
+                break;
+            }
+        }
+        Ok(matched)
+    }
+
+    /// [`DeadStreams::for_each`] in one stream; breaks when the whole read stops.
+    async fn for_each_in(
+        &self,
+        dead: &DeadStream,
+        selection: &Selection,
+        superseded: &HashSet<Superseded>,
+        limit: u64,
+        matched: &mut u64,
+        each: &mut impl AsyncFnMut(StoredLetter) -> anyhow::Result<ControlFlow<()>>,
+    ) -> anyhow::Result<ControlFlow<()>> {
         let filter = selection.pool.as_deref().map_or_else(
             || self.subjects.dead_letters_wildcard(),
             |pool| self.subjects.dead(pool),
@@ -144,71 +231,61 @@ impl DeadStream {
             .map_or(consumer::DeliverPolicy::All, |start_time| {
                 consumer::DeliverPolicy::ByStartTime { start_time }
             });
-        let reader = self.reader(filter, deliver_policy).await?;
-        let limit = selection.limit.map_or(u64::MAX, NonZeroU64::get);
-        let mut matched = 0;
+        let reader = reader(dead, filter, deliver_policy).await?;
+        let mut stopped = ControlFlow::Continue(());
         for_each_message(&reader, self.max_payload, async |message| {
             let info = message
                 .info()
                 .map_err(|e| anyhow::anyhow!("dead letter without metadata: {e}"))?;
             let sequence = info.stream_sequence;
-            if sequence > self.end {
+            if sequence > dead.end {
                 return Ok(ControlFlow::Break(()));
             }
             let stored_at = info.published.format(&Rfc3339).unwrap_or_default();
             match serde_json::from_slice::<DeadLetter>(&message.payload) {
                 Ok(letter) if superseded.contains(&Superseded::of(&letter)) => {}
                 Ok(letter) if selection.matches(&letter) => {
-                    matched += 1;
+                    *matched += 1;
                     let stored = StoredLetter {
+                        stream: dead.name.clone(),
                         sequence,
                         stored_at,
                         letter,
                     };
-                    if each(stored).await?.is_break() || matched == limit {
+                    if each(stored).await?.is_break() || *matched == limit {
+                        stopped = ControlFlow::Break(());
                         return Ok(ControlFlow::Break(()));
                     }
                 }
                 Ok(_) => {}
-                Err(e) => eprintln!("warning: dead letter {sequence} is not readable: {e}"),
+                Err(e) => eprintln!(
+                    "warning: dead letter {sequence} of {} is not readable: {e}",
+                    dead.name
+                ),
             }
-            Ok(if sequence == self.end {
+            Ok(if sequence == dead.end {
                 ControlFlow::Break(())
             } else {
                 ControlFlow::Continue(())
             })
         })
         .await?;
-        Ok(matched)
-    }
-
-    /// An ephemeral consumer that acks nothing: it reads without changing the stream.
-    async fn reader(
-        &self,
-        filter_subject: String,
-        deliver_policy: consumer::DeliverPolicy,
-    ) -> anyhow::Result<consumer::PullConsumer> {
-        self.stream
-            .create_consumer(consumer::pull::Config {
-                filter_subject,
-                deliver_policy,
-                ack_policy: consumer::AckPolicy::None,
-                inactive_threshold: Duration::from_secs(30),
-                ..Default::default()
-            })
-            .await
-            .context("cannot create a reader on the dead-letter stream")
+        Ok(stopped)
     }
 
     /// The conversations whose letters the service marked superseded (a stalled
     /// delivery's letter, where another delivery answered with a response). Marks are
     /// rare and small, so they are read whole before the letters.
-    async fn superseded(&self, selection: &Selection) -> anyhow::Result<HashSet<Superseded>> {
+    async fn superseded(
+        &self,
+        dead: &DeadStream,
+        selection: &Selection,
+    ) -> anyhow::Result<HashSet<Superseded>> {
         let filter = selection.pool.as_deref().map_or_else(
             || self.subjects.dead_superseded_wildcard(),
             |pool| self.subjects.dead_superseded(pool),
         );
-        let reader = self.reader(filter, consumer::DeliverPolicy::All).await?;
+        let reader = reader(dead, filter, consumer::DeliverPolicy::All).await?;
         let mut marks = HashSet::new();
         for_each_message(&reader, self.max_payload, async |message| {
             let header = |name: &str| {
@@ -227,6 +304,29 @@ impl DeadStream {
         .await?;
         Ok(marks)
     }
+}
+
+/// An ephemeral consumer that acks nothing: it reads without changing the stream.
+async fn reader(
+    dead: &DeadStream,
+    filter_subject: String,
+    deliver_policy: consumer::DeliverPolicy,
+) -> anyhow::Result<consumer::PullConsumer> {
+    dead.stream
+        .create_consumer(consumer::pull::Config {
+            filter_subject,
+            deliver_policy,
+            ack_policy: consumer::AckPolicy::None,
+            inactive_threshold: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "cannot create a reader on the dead-letter stream {}",
+                dead.name
+            )
+        })
 }
 
 /// A conversation's generation whose dead letter is superseded.
@@ -259,7 +359,7 @@ fn print_line(line: fmt::Arguments<'_>) -> anyhow::Result<ControlFlow<()>> {
 /// letter per line), printed as they are read.
 pub async fn list(args: &NatsArgs, selection: &Selection, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
-    let dead = DeadStream::open(&client).await?;
+    let dead = DeadStreams::open(&client, selection).await?;
     let mut header = !json;
     let listed = dead
         .for_each(selection, async |stored| {
@@ -377,6 +477,9 @@ impl fmt::Display for Skip {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Newest {
     generation: u64,
+    /// Where the letter is: its stream and sequence. Generations order one
+    /// conversation's letters across streams; within one stream, so does the sequence.
+    stream: String,
     sequence: u64,
     skip: Option<Skip>,
 }
@@ -439,14 +542,20 @@ impl Plan {
         };
         let candidate = Newest {
             generation: stored.letter.generation,
+            stream: stored.stream.clone(),
             sequence: stored.sequence,
             skip: self.skip(&stored.letter),
         };
         self.newest
             .entry(origin)
             .and_modify(|newest| {
-                if (candidate.generation, candidate.sequence) > (newest.generation, newest.sequence)
-                {
+                // Streams are read in order, the retired shared one first: a letter
+                // read later with the same generation is the later one.
+                let later = candidate.generation > newest.generation
+                    || (candidate.generation == newest.generation
+                        && (candidate.stream != newest.stream
+                            || candidate.sequence > newest.sequence));
+                if later {
                     *newest = candidate.clone();
                 }
             })
@@ -471,13 +580,17 @@ impl Plan {
             Err(skip) => return Action::Skip(skip),
         };
         match self.newest.get(&origin) {
-            Some(newest) if newest.sequence == stored.sequence => match &newest.skip {
-                Some(skip) => Action::Skip(skip.clone()),
-                None => Action::Replay {
-                    generation: newest.generation + 1,
-                    origin,
-                },
-            },
+            Some(newest)
+                if newest.sequence == stored.sequence && newest.stream == stored.stream =>
+            {
+                match &newest.skip {
+                    Some(skip) => Action::Skip(skip.clone()),
+                    None => Action::Replay {
+                        generation: newest.generation + 1,
+                        origin,
+                    },
+                }
+            }
             // Letters stored between the passes are not in the plan.
             _ => Action::Superseded,
         }
@@ -562,7 +675,7 @@ pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
     let selection = &args.selection;
     check_codes(&selection.code, args.include_denied)?;
     let client = connect(nats).await?;
-    let dead = DeadStream::open(&client).await?;
+    let dead = DeadStreams::open(&client, selection).await?;
     let mut plan = Plan::new(args.include_denied);
     let matched = dead
         .for_each(selection, async |stored| {
@@ -759,7 +872,12 @@ mod tests {
     }
 
     fn stored(sequence: u64, letter: DeadLetter) -> StoredLetter {
+        stored_in("WEBPROXY_POOL_DEFAULT_DEAD", sequence, letter)
+    }
+
+    fn stored_in(stream: &str, sequence: u64, letter: DeadLetter) -> StoredLetter {
         StoredLetter {
+            stream: stream.to_string(),
             sequence,
             stored_at: String::new(),
             letter,
@@ -824,6 +942,72 @@ mod tests {
                     generation: 2
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn letters_of_the_retired_shared_stream_and_a_pool_stream_are_told_apart() {
+        // The shared stream is read first; sequences repeat across streams.
+        let letters = [
+            stored_in(
+                "WEBPROXY_DEAD",
+                1,
+                letter("a", ErrorCode::Internal, Some("S:1"), 0),
+            ),
+            stored_in(
+                "WEBPROXY_POOL_DEFAULT_DEAD",
+                1,
+                letter("b", ErrorCode::Internal, Some("S:2"), 0),
+            ),
+            stored_in(
+                "WEBPROXY_POOL_DEFAULT_DEAD",
+                2,
+                letter("a", ErrorCode::Internal, Some("S:1"), 1),
+            ),
+        ];
+        let mut plan = Plan::new(false);
+        letters.iter().for_each(|l| plan.add(l));
+        assert_eq!(plan.to_replay(), 2);
+        assert_eq!(plan.action(&letters[0]), Action::Superseded);
+        assert_eq!(
+            plan.action(&letters[1]),
+            Action::Replay {
+                origin: Origin::new("S", 2),
+                generation: 1
+            }
+        );
+        assert_eq!(
+            plan.action(&letters[2]),
+            Action::Replay {
+                origin: Origin::new("S", 1),
+                generation: 2
+            }
+        );
+    }
+
+    #[test]
+    fn the_shared_stream_is_read_first_then_every_pools() {
+        let subjects = webproxy_protocol::Subjects::new("webproxy").expect("prefix");
+        let existing = [
+            "WEBPROXY_POOL_B_DEAD",
+            "WEBPROXY_POOL_B",
+            "WEBPROXY_POOL_A_DEAD",
+            "WEBPROXY_POOL_A_REPLIES",
+            "WEBPROXY_DEAD",
+            "OTHER_POOL_A_DEAD",
+        ]
+        .map(String::from);
+        assert_eq!(
+            dead_stream_names(&subjects, None, &existing),
+            [
+                "WEBPROXY_DEAD",
+                "WEBPROXY_POOL_A_DEAD",
+                "WEBPROXY_POOL_B_DEAD"
+            ]
+        );
+        assert_eq!(
+            dead_stream_names(&subjects, Some("b"), &existing),
+            ["WEBPROXY_DEAD", "WEBPROXY_POOL_B_DEAD"]
         );
     }
 

@@ -46,9 +46,12 @@ async fn pool_names(client: &Client, js: &jetstream::Context) -> anyhow::Result<
         .try_collect()
         .await
         .context("cannot list streams")?;
+    // A pool's replies and dead-letter streams share the prefix; no pool's name ends
+    // like theirs (`validate_pool_name`).
     let mut pools: Vec<String> = names
         .iter()
         .filter_map(|n| n.strip_prefix(stream_prefix.as_str()))
+        .filter(|n| !n.ends_with("_REPLIES") && !n.ends_with("_DEAD"))
         .map(str::to_ascii_lowercase)
         .collect();
     pools.sort();
@@ -67,17 +70,23 @@ async fn pool_state(
         .get_stream_no_info(subjects.pool_stream(pool))
         .await
         .with_context(|| format!("cannot open the stream of pool {pool}"))?;
-    // A pool not yet migrated from layout 1 still has that layout's consumers.
-    let work = match stream.consumer_info(subjects.pool_consumer(pool)).await {
-        Ok(info) => info,
-        Err(e) => stream
-            .consumer_info(subjects.layout1_pool_consumer(pool))
-            .await
-            .map_err(|_| e)
-            .with_context(|| format!("cannot read consumer {}", subjects.pool_consumer(pool)))?,
-    };
+    // A pool not yet migrated from an older layout still has that layout's consumers.
+    let mut work = None;
+    for name in [
+        subjects.pool_consumer(pool),
+        subjects.layout2_pool_consumer(pool),
+        subjects.layout1_pool_consumer(pool),
+    ] {
+        if let Ok(info) = stream.consumer_info(name).await {
+            work = Some(info);
+            break;
+        }
+    }
+    let work =
+        work.with_context(|| format!("cannot read consumer {}", subjects.pool_consumer(pool)))?;
     let parked = [
         subjects.retry_consumer(pool),
+        subjects.layout2_retry_consumer(pool),
         subjects.layout1_retry_consumer(pool),
     ];
     let mut parked_count = 0;
@@ -324,6 +333,8 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     for name in [
         subjects.pool_consumer(pool),
         subjects.retry_consumer(pool),
+        subjects.layout2_pool_consumer(pool),
+        subjects.layout2_retry_consumer(pool),
         subjects.layout1_pool_consumer(pool),
         subjects.layout1_retry_consumer(pool),
     ] {

@@ -207,22 +207,20 @@ pub async fn assert_no_letter_for_a_response(
 
 /// Every dead letter not marked superseded; `None` while JetStream cannot answer.
 async fn dead_letters(js: &jetstream::Context) -> Option<Vec<DeadLetter>> {
-    let stream = match js.get_stream("WEBPROXY_DEAD").await {
-        Ok(stream) => stream,
-        // No letter was ever written.
-        Err(e) if e.to_string().contains("not found") => return Some(Vec::new()),
-        Err(_) => return None,
-    };
-    let state = stream.get_info().await.ok()?.state;
     let mut letters = Vec::new();
-    for seq in state.first_sequence..=state.last_sequence {
-        let Ok(message) = stream.get_raw_message(seq).await else {
-            continue;
-        };
-        if message.subject.ends_with(".superseded") {
-            continue;
+    // Each pool's letters are in a stream of its own.
+    for name in webproxy_tests::try_dead_streams(js).await? {
+        let stream = js.get_stream(&name).await.ok()?;
+        let state = stream.get_info().await.ok()?.state;
+        for seq in state.first_sequence..=state.last_sequence {
+            let Ok(message) = stream.get_raw_message(seq).await else {
+                continue;
+            };
+            if message.subject.ends_with(".superseded") {
+                continue;
+            }
+            letters.push(serde_json::from_slice(&message.payload).expect("a dead letter"));
         }
-        letters.push(serde_json::from_slice(&message.payload).expect("a dead letter"));
     }
     Some(letters)
 }

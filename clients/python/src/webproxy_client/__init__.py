@@ -81,6 +81,8 @@ _ORIGIN_HEADER = "Webproxy-Origin"
 _RECONNECT_CHECK = 0.25
 # JetStream's error code for "no message found" in a stream message lookup.
 _NO_MESSAGE_FOUND = 10037
+# JetStream's error code for "stream not found".
+_STREAM_NOT_FOUND = 10059
 # JetStream's "duplicate message id is in process": an earlier publish with the same
 # id is not stored yet. Tried again with the same id, this many times in all, this
 # many seconds apart.
@@ -314,7 +316,9 @@ class Client:
         self._nc = nc
         self._prefix = prefix
         self._caller = caller
-        self._replies_stream = prefix.replace(".", "_").upper() + "_REPLIES"
+        # The shared replies stream of webproxy before its stream layout 3, retired at
+        # the upgrade: it holds the replies stored before it until they age out.
+        self._retired_replies_stream = prefix.replace(".", "_").upper() + "_REPLIES"
 
     @property
     def _js(self) -> JetStreamContext:
@@ -415,23 +419,34 @@ class Client:
         """The stored final reply of the conversation ``origin`` with envelope id
         ``id``, or None if there is none (yet, or any more: replies are kept for the
         service's reply_max_age). Another conversation's reply for the same id is
-        never it: the lookup reads exactly ``<prefix>.reply.<id>.<STREAM>.<seq>``.
-        It needs read access to the replies stream, which an isolated caller (one
+        never it: the lookup reads exactly ``<prefix>.reply.<id>.<STREAM>.<seq>``,
+        in the replies stream of the origin's pool stream, ``<STREAM>_REPLIES``, and,
+        when that has none, in the shared stream ``<PREFIX>_REPLIES`` that webproxy
+        retired when it gave each pool its own (replies stored before that upgrade).
+        It needs read access to those streams, which an isolated caller (one
         confined to its own ``reply_to`` subjects) does not have."""
         _check(_ID, "id", id)
         _check(_ORIGIN, "origin", origin)
         stream, seq = origin.split(":")
+        subject = f"{self._prefix}.reply.{id}.{stream}.{seq}"
+        for replies in (f"{stream}_REPLIES", self._retired_replies_stream):
+            data = await self._last(replies, subject)
+            if data is not None:
+                return _decode(data, origin)
+        return None
+
+    async def _last(self, stream: str, subject: str) -> Optional[bytes]:
+        """The last message's data on ``subject`` in ``stream``; None when there is
+        none, or no such stream (the retired shared one, once deleted)."""
         try:
-            message = await self._js.get_last_msg(
-                self._replies_stream, f"{self._prefix}.reply.{id}.{stream}.{seq}"
-            )
+            message = await self._js.get_last_msg(stream, subject)
         except nats.js.errors.NotFoundError as e:
-            if e.err_code == _NO_MESSAGE_FOUND:
+            if e.err_code in (_NO_MESSAGE_FOUND, _STREAM_NOT_FOUND):
                 return None
             raise LookupFailed(f"cannot read the stored reply: {e}") from e
         except nats.errors.Error as e:
             raise LookupFailed(f"cannot read the stored reply: {e}") from e
-        return _decode(message.data or b"", origin)
+        return message.data or b""
 
     async def _publish(self, envelope: Envelope, pool: str, msg_id: str) -> PubAck:
         _check(_POOL, "pool", pool)

@@ -224,7 +224,7 @@ mod tests {
     async fn back_to_layout1(f: &Fixture) -> stream::Stream {
         let js = &f.js;
         let pool = js.get_stream(STREAM).await.expect("pool");
-        for name in ["webproxy-default-l2", "webproxy-default-retry-l2"] {
+        for name in ["webproxy-default-l3", "webproxy-default-retry-l3"] {
             pool.delete_consumer(name).await.expect("delete");
         }
         js.delete_stream("WEBPROXY_FENCE_POOL_DEFAULT")
@@ -384,14 +384,14 @@ mod tests {
         let mut config = pool.info().await.expect("info").config.clone();
         config
             .metadata
-            .insert(provision::LAYOUT_KEY.into(), "3".into());
+            .insert(provision::LAYOUT_KEY.into(), "4".into());
         config.max_messages = 12345;
-        js.update_stream(&config).await.expect("layout 3");
+        js.update_stream(&config).await.expect("layout 4");
         let Err(error) = provision(js, settings).await else {
             panic!("a newer layout is refused");
         };
         assert!(
-            matches!(error.refusal(), Some(Refusal::NewerLayout { found, own: 2 }) if found == "3"),
+            matches!(error.refusal(), Some(Refusal::NewerLayout { found, own: 3 }) if found == "4"),
             "{error}"
         );
         let after = pool.info().await.expect("info").config.clone();
@@ -405,9 +405,9 @@ mod tests {
         // stream is not marked for removal.
         config
             .metadata
-            .insert(provision::LAYOUT_KEY.into(), "2".into());
-        js.update_stream(&config).await.expect("layout 2");
-        pool.delete_consumer("webproxy-default-l2")
+            .insert(provision::LAYOUT_KEY.into(), "3".into());
+        js.update_stream(&config).await.expect("layout 3");
+        pool.delete_consumer("webproxy-default-l3")
             .await
             .expect("delete");
         let consumer = provision::recreate_pool_consumer(js, settings, "default")
@@ -415,20 +415,20 @@ mod tests {
             .expect("recreated");
         assert_eq!(
             consumer.cached_info().config.durable_name.as_deref(),
-            Some("webproxy-default-l2")
+            Some("webproxy-default-l3")
         );
         config
             .metadata
             .insert(provision::REMOVING_KEY.into(), "true".into());
         js.update_stream(&config).await.expect("marked");
-        pool.delete_consumer("webproxy-default-l2")
+        pool.delete_consumer("webproxy-default-l3")
             .await
             .expect("delete");
         let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
         assert_eq!(error.refusal(), Some(&Refusal::Removing));
-        assert!(pool.consumer_info("webproxy-default-l2").await.is_err());
+        assert!(pool.consumer_info("webproxy-default-l3").await.is_err());
         js.delete_stream(STREAM).await.expect("removed");
         let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");

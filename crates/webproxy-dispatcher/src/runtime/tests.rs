@@ -144,17 +144,14 @@ impl Fixture {
         &self,
         subject: &str,
     ) -> Option<async_nats::jetstream::message::StreamMessage> {
-        let stream = self
-            .js
-            .get_stream(if subject.contains(".reply.") {
-                "WEBPROXY_REPLIES"
-            } else if subject.contains(".dead.") {
-                "WEBPROXY_DEAD"
-            } else {
-                STREAM
-            })
-            .await
-            .expect("stream");
+        let name = if subject.contains(".reply.") {
+            format!("{STREAM}_REPLIES")
+        } else if subject.contains(".dead.") {
+            format!("{STREAM}_DEAD")
+        } else {
+            STREAM.to_string()
+        };
+        let stream = self.js.get_stream(name).await.expect("stream");
         stream.get_last_raw_message_by_subject(subject).await.ok()
     }
 
