@@ -14,8 +14,9 @@ use webproxy_client::{Client, Submitted};
 use webproxy_protocol::{DeadLetter, Outcome};
 use webproxy_tests::wait_for;
 
-/// Where each conversation's `reply_to` copy goes: `REPLY_TO.<id>`.
-pub const REPLY_TO: &str = "matrix.replies";
+/// Where each conversation's `reply_to` copy goes: `REPLY_TO.<id>`, an `_INBOX.`
+/// subject, the only kind a service without `reply_to_allow` accepts.
+pub const REPLY_TO: &str = "_INBOX.matrix.replies";
 
 /// How long every conversation may take to be answered once its fault is over and
 /// its feature let it go: a redelivery after a stall or a node loss takes an `ack_wait`
@@ -41,7 +42,10 @@ impl Observed {
     /// first request is published.
     pub async fn subscribe(nats: &async_nats::Client) -> Observed {
         let observed = Observed::default();
-        for (subject, on_reply_to) in [("webproxy.reply.*", false), ("matrix.replies.*", true)] {
+        for (subject, on_reply_to) in [
+            ("webproxy.reply.*".to_owned(), false),
+            (format!("{REPLY_TO}.*"), true),
+        ] {
             let mut messages = nats.subscribe(subject).await.expect("subscribe");
             let sink = observed.clone();
             tokio::spawn(async move {
