@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Builds the `webproxy` binary of an older commit once, into <target>/<dir>/<commit>/
-# (its own source tree and binary), and prints the binary's path as the last line on
-# stdout. Diagnostics go to stderr. The commits built into one <dir> share a target dir,
-# <target>/<dir>/target: the crates they have in common compile once, so a second old
-# version (`just test-upgrade` builds two) costs minutes less than a cold build.
+# (its own source tree and target dir; the cargo registry is shared), and prints the
+# binary's path as the last line on stdout. Diagnostics go to stderr.
 #   scripts/build-commit.sh COMMIT debug|release DIR
 # `just test-upgrade` builds the previous stream layout's version with it (debug), and
 # `just bench-reference` the performance reference (release).
@@ -20,7 +18,7 @@ case "$profile" in
     release) flags=(--release) ;;
     *) echo "profile must be debug or release, not $profile" >&2; exit 2 ;;
 esac
-binary="$root/webproxy"
+binary="$root/target/$profile/webproxy"
 if [[ -x "$binary" ]]; then
     echo "using the $profile binary of $commit: $binary" >&2
 else
@@ -28,9 +26,6 @@ else
     echo "building the $profile binary of $commit into $root" >&2
     rm -rf "$root/src" && mkdir -p "$root/src"
     git -C "$repo" archive "$commit" | tar -x -C "$root/src"
-    shared="$target/$dir/target"
-    (cd "$root/src" && CARGO_TARGET_DIR="$shared" cargo build --locked "${flags[@]}" -p webproxy --bin webproxy >&2)
-    # Copied out at once: the next commit's build writes the same path in the shared dir.
-    cp "$shared/$profile/webproxy" "$binary"
+    (cd "$root/src" && CARGO_TARGET_DIR="$root/target" cargo build --locked "${flags[@]}" -p webproxy --bin webproxy >&2)
 fi
 echo "$binary"
