@@ -72,7 +72,7 @@ echo "demo: nats-server on $nats_url, echo upstream on 127.0.0.1:$echo_port, web
 step() {
     python3 -c 'import shlex, sys; print("$ webproxy send", shlex.join(sys.argv[1:]))' "$@" >&2
     set +e
-    reply="$("$webproxy" send --config config/webproxy.toml -s "$nats_url" "$@")"
+    reply="$("$webproxy" send --json --config config/webproxy.toml -s "$nats_url" "$@")"
     status=$?
     set -e
     echo "$reply" >&2
