@@ -70,7 +70,7 @@ echo "demo: nats-server on $nats_url, echo upstream on 127.0.0.1:$echo_port, web
 # One quickstart step: prints the command, runs it, keeps its output in $reply and its
 # exit status in $status.
 step() {
-    python3 -c 'import shlex, sys; print("$ webproxy send", shlex.join(sys.argv[1:]))' "$@" >&2
+    python3 -c 'import shlex, sys; print("$ webproxy send --json", shlex.join(sys.argv[1:]))' "$@" >&2
     set +e
     reply="$("$webproxy" send --json --config config/webproxy.toml -s "$nats_url" "$@")"
     status=$?
