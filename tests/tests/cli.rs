@@ -199,6 +199,7 @@ async fn send_exits_distinctly_on_an_error_a_missing_pool_and_a_timeout() {
     assert_eq!(timeout.status.code(), Some(exit::TIMEOUT), "{timeout:?}");
     let failure = one_json_object(&timeout);
     assert_eq!(failure["failure"], "timeout", "{failure}");
+    assert!(failure["id"].is_string(), "{failure}");
     let origin = failure["origin"].as_str().expect("origin");
     assert_eq!(origin_in(origin), Some(origin), "{failure}");
     assert_eq!(

@@ -34,7 +34,7 @@ pub struct SendArgs {
     #[arg(long, value_name = "PATH")]
     pub data_file: Option<PathBuf>,
     /// Print exactly one JSON object: the reply with its `origin`, or a failure
-    /// (`failure`, `exit_code`, `message`, and `origin` when the request was stored).
+    /// (`failure`, `exit_code`, `message`, and `id` and `origin` after a timeout).
     #[arg(long)]
     pub json: bool,
     /// The HTTP method, e.g. GET.
@@ -93,8 +93,9 @@ impl Reason {
 struct Failure {
     reason: Reason,
     message: String,
-    /// The conversation's origin, when the request was stored.
-    origin: Option<Origin>,
+    /// The conversation's id and origin, when the request was stored: with both, its
+    /// stored reply can be read later.
+    stored: Option<(String, Origin)>,
 }
 
 impl Failure {
@@ -102,7 +103,7 @@ impl Failure {
         Failure {
             reason,
             message: message.into(),
-            origin: None,
+            stored: None,
         }
     }
 }
@@ -166,10 +167,10 @@ fn build_request(args: &SendArgs) -> Result<Request, Failure> {
 async fn classify(client: &Client, error: ClientError) -> Failure {
     let message = error.to_string();
     match error {
-        ClientError::Timeout { origin, .. } => Failure {
+        ClientError::Timeout { id, origin, .. } => Failure {
             reason: Reason::Timeout,
-            message: format!("{message}; the reply may still come: read it by this origin"),
-            origin: Some(origin),
+            message: format!("{message}; the reply may still come: read it by its id and origin"),
+            stored: Some((id, origin)),
         },
         ClientError::NoSuchPool { .. } => {
             let js = async_nats::jetstream::new(client.nats().clone());
@@ -248,14 +249,15 @@ fn print_failure(failure: &Failure, json: bool) -> anyhow::Result<ExitCode> {
             "exit_code": code,
             "message": failure.message,
         });
-        if let (Some(origin), Value::Object(fields)) = (&failure.origin, &mut value) {
+        if let (Some((id, origin)), Value::Object(fields)) = (&failure.stored, &mut value) {
+            fields.insert("id".to_string(), json!(id));
             fields.insert("origin".to_string(), json!(origin.to_string()));
         }
         outln!("{value}")?;
     } else {
         eprintln!("error: {}", failure.message);
-        if let Some(origin) = &failure.origin {
-            eprintln!("origin {origin}");
+        if let Some((id, origin)) = &failure.stored {
+            eprintln!("id {id}, origin {origin}");
         }
     }
     Ok(ExitCode::from(code))
