@@ -70,9 +70,9 @@ echo "demo: nats-server on $nats_url, echo upstream on 127.0.0.1:$echo_port, web
 # One quickstart step: prints the command, runs it, keeps its output in $reply and its
 # exit status in $status.
 step() {
-    python3 -c 'import shlex, sys; print("$ webproxy send", shlex.join(sys.argv[1:]))' "$@" >&2
+    python3 -c 'import shlex, sys; print("$ webproxy send --json", shlex.join(sys.argv[1:]))' "$@" >&2
     set +e
-    reply="$("$webproxy" send --config config/webproxy.toml -s "$nats_url" "$@")"
+    reply="$("$webproxy" send --json --config config/webproxy.toml -s "$nats_url" "$@")"
     status=$?
     set -e
     echo "$reply" >&2

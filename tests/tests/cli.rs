@@ -17,6 +17,45 @@ fn stdout_json(output: &Output) -> Value {
     })
 }
 
+/// Standard output as exactly one JSON object, as `send --json` promises.
+fn one_json_object(output: &Output) -> Value {
+    let mut values = serde_json::Deserializer::from_slice(&output.stdout).into_iter::<Value>();
+    let first = values.next().and_then(Result::ok);
+    let rest = values.count();
+    match first {
+        Some(value @ Value::Object(_)) if rest == 0 => value,
+        _ => panic!(
+            "stdout is not exactly one JSON object: {}\nstderr: {}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    }
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// `send`'s exit codes, as README's `send` section documents them.
+mod exit {
+    pub const RESPONSE: i32 = 0;
+    pub const ERROR_OUTCOME: i32 = 3;
+    pub const TIMEOUT: i32 = 4;
+    pub const NO_SUCH_POOL: i32 = 5;
+    pub const UNREACHABLE: i32 = 6;
+}
+
+/// An origin of the default pool's stream, `WEBPROXY_POOL_DEFAULT:<seq>`, in `text`.
+fn origin_in(text: &str) -> Option<&str> {
+    let start = text.find("WEBPROXY_POOL_DEFAULT:")?;
+    let tail = &text[start..];
+    let seq_start = "WEBPROXY_POOL_DEFAULT:".len();
+    let digits = tail[seq_start..]
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(tail.len() - seq_start);
+    (digits > 0).then(|| &tail[..seq_start + digits])
+}
+
 #[tokio::test]
 async fn send_prints_the_reply_and_exits_by_outcome() {
     let h = Harness::start(|up| accept_rule("local", up)).await;
@@ -26,6 +65,7 @@ async fn send_prints_the_reply_and_exits_by_outcome() {
         "send",
         "--nats",
         &nats,
+        "--json",
         "-H",
         "X-Trace: abc",
         "-d",
@@ -34,10 +74,12 @@ async fn send_prints_the_reply_and_exits_by_outcome() {
         &url,
     ])
     .await;
-    assert!(output.status.success(), "{output:?}");
-    let reply = stdout_json(&output);
+    assert_eq!(output.status.code(), Some(exit::RESPONSE), "{output:?}");
+    let reply = one_json_object(&output);
     assert_eq!(reply["outcome"], "response");
     assert_eq!(reply["status"], 200);
+    let origin = reply["origin"].as_str().expect("origin");
+    assert_eq!(origin_in(origin), Some(origin), "{reply}");
     let echo: Value = serde_json::from_str(reply["body"].as_str().expect("body")).expect("echo");
     assert_eq!(echo["method"], "POST");
     assert_eq!(echo["body"], "hello");
@@ -59,26 +101,137 @@ async fn send_prints_the_reply_and_exits_by_outcome() {
     .await;
     assert!(output.status.success(), "{output:?}");
     let echo: Value =
-        serde_json::from_str(stdout_json(&output)["body"].as_str().expect("body")).expect("echo");
+        serde_json::from_str(one_json_object(&output)["body"].as_str().expect("body"))
+            .expect("echo");
     assert_eq!(echo["body_len"], 3);
+}
 
-    let denied = webproxy(&[
+/// The default output: a summary line with the origin on stderr, the body as it came
+/// on stdout.
+#[tokio::test]
+async fn send_prints_a_summary_with_the_origin_and_the_body() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let output = webproxy(&[
         "send",
         "--nats",
-        &nats,
+        &h.nats.url(),
         "GET",
-        "http://127.0.0.1:9/elsewhere",
+        &h.upstream.url("/echo?from=send"),
     ])
     .await;
-    assert!(!denied.status.success(), "{denied:?}");
-    assert_eq!(stdout_json(&denied)["error"]["code"], "denied");
+    assert_eq!(output.status.code(), Some(exit::RESPONSE), "{output:?}");
+    let stderr = stderr(&output);
+    let summary = stderr.lines().next().unwrap_or_default();
+    assert!(
+        summary.starts_with("response 200, 1 attempt, origin WEBPROXY_POOL_DEFAULT:"),
+        "{stderr}"
+    );
+    assert!(origin_in(summary).is_some(), "{stderr}");
+    let echo: Value = serde_json::from_slice(&output.stdout).expect("the body alone on stdout");
+    assert_eq!(echo["query"], "from=send", "{echo}");
+}
+
+/// An error outcome, a missing pool and a timeout each have an exit code of their own;
+/// a timeout prints the origin, by which the stored reply can be read later.
+#[tokio::test]
+async fn send_exits_distinctly_on_an_error_a_missing_pool_and_a_timeout() {
+    let h = Harness::start(|up| accept_rule("local", up)).await;
+    let nats = h.nats.url();
+    let url = h.upstream.url("/echo");
+
+    // No rule accepts this loopback URL.
+    let denied_url = "http://127.0.0.1:9/elsewhere";
+    let denied = webproxy(&["send", "--nats", &nats, "GET", denied_url]).await;
+    assert_eq!(
+        denied.status.code(),
+        Some(exit::ERROR_OUTCOME),
+        "{denied:?}"
+    );
+    let summary = stderr(&denied);
+    assert!(summary.starts_with("error denied: "), "{summary}");
+    assert!(origin_in(&summary).is_some(), "{summary}");
+    let denied = webproxy(&["send", "--nats", &nats, "--json", "GET", denied_url]).await;
+    assert_eq!(
+        denied.status.code(),
+        Some(exit::ERROR_OUTCOME),
+        "{denied:?}"
+    );
+    let reply = one_json_object(&denied);
+    assert_eq!(reply["error"]["code"], "denied", "{reply}");
+    assert!(reply["origin"].is_string(), "{reply}");
 
     let no_pool = webproxy(&["send", "--nats", &nats, "--pool", "nope", "GET", &url]).await;
-    assert!(!no_pool.status.success());
-    assert!(
-        String::from_utf8_lossy(&no_pool.stderr).contains("no pool \"nope\""),
+    assert_eq!(
+        no_pool.status.code(),
+        Some(exit::NO_SUCH_POOL),
         "{no_pool:?}"
     );
+    assert!(stderr(&no_pool).contains("no pool \"nope\""), "{no_pool:?}");
+    let no_pool = webproxy(&[
+        "send", "--nats", &nats, "--json", "--pool", "nope", "GET", &url,
+    ])
+    .await;
+    assert_eq!(
+        no_pool.status.code(),
+        Some(exit::NO_SUCH_POOL),
+        "{no_pool:?}"
+    );
+    let failure = one_json_object(&no_pool);
+    assert_eq!(failure["failure"], "no_such_pool", "{failure}");
+    assert_eq!(failure["exit_code"], exit::NO_SUCH_POOL, "{failure}");
+
+    // A paused pool stores the request and delivers nothing: no reply within the wait.
+    let paused = webproxy(&["pools", "pause", "default", "--nats", &nats]).await;
+    assert!(paused.status.success(), "{paused:?}");
+    webproxy_tests::wait_until(
+        std::time::Duration::from_secs(10),
+        "the pool paused",
+        || async { h.pool_consumer("default").await.paused },
+    )
+    .await;
+    let timeout = webproxy(&["send", "--nats", &nats, "--wait", "1s", "GET", &url]).await;
+    assert_eq!(timeout.status.code(), Some(exit::TIMEOUT), "{timeout:?}");
+    assert!(origin_in(&stderr(&timeout)).is_some(), "{timeout:?}");
+    let timeout = webproxy(&[
+        "send", "--nats", &nats, "--json", "--wait", "1s", "GET", &url,
+    ])
+    .await;
+    assert_eq!(timeout.status.code(), Some(exit::TIMEOUT), "{timeout:?}");
+    let failure = one_json_object(&timeout);
+    assert_eq!(failure["failure"], "timeout", "{failure}");
+    assert!(failure["id"].is_string(), "{failure}");
+    let origin = failure["origin"].as_str().expect("origin");
+    assert_eq!(origin_in(origin), Some(origin), "{failure}");
+    assert_eq!(
+        h.upstream.hits_for("/echo"),
+        0,
+        "a paused pool called the upstream"
+    );
+}
+
+/// NATS that cannot be reached, and a NATS without JetStream (which answers a publish
+/// as a missing pool does), exit as unreachable, not as a missing pool.
+#[tokio::test]
+async fn send_tells_unreachable_nats_and_jetstream_from_a_missing_pool() {
+    let url = "http://127.0.0.1:9/";
+    let (_socket, port) = webproxy_tests::closed_port();
+    let closed = format!("nats://127.0.0.1:{port}");
+    let output = webproxy(&["send", "--nats", &closed, "GET", url]).await;
+    assert_eq!(output.status.code(), Some(exit::UNREACHABLE), "{output:?}");
+    assert!(
+        stderr(&output).contains("cannot connect to NATS"),
+        "{output:?}"
+    );
+    let output = webproxy(&["send", "--nats", &closed, "--json", "GET", url]).await;
+    assert_eq!(output.status.code(), Some(exit::UNREACHABLE), "{output:?}");
+    assert_eq!(one_json_object(&output)["failure"], "nats_unreachable");
+
+    let nats = webproxy_tests::NatsServer::start_without_jetstream();
+    let output = webproxy(&["send", "--nats", &nats.url(), "--json", "GET", url]).await;
+    assert_eq!(output.status.code(), Some(exit::UNREACHABLE), "{output:?}");
+    let failure = one_json_object(&output);
+    assert_eq!(failure["failure"], "jetstream_unavailable", "{failure}");
+    assert_eq!(failure["exit_code"], exit::UNREACHABLE, "{failure}");
 }
 
 async fn check_config(text: &str) -> Output {

@@ -178,7 +178,8 @@ async fn comparable(response: Response) -> (u16, BTreeMap<String, Vec<String>>, 
     (status, headers, response.bytes().await.expect("body"))
 }
 
-/// The answer at `url` (a `Location`) with `headers`, once it is no longer 404.
+/// The answer at `url` (a `Location`) with `headers`, once it is no longer the 202 of
+/// a reply not ready yet.
 async fn reply_at(url: &str, headers: &[(&str, &str)]) -> Response {
     let http = http_client();
     wait_for(ANSWER, &format!("the reply at {url}"), || async {
@@ -187,7 +188,7 @@ async fn reply_at(url: &str, headers: &[(&str, &str)]) -> Response {
             request = request.header(*name, *value);
         }
         let response = request.send().await.ok()?;
-        (response.status() != 404).then_some(response)
+        (response.status() != 202).then_some(response)
     })
     .await
 }
@@ -519,7 +520,8 @@ async fn bodies_too_large_and_too_many_waiting_are_refused() {
 
 /// Waiting: a wait that runs out is 202 with the id and `Location`; the
 /// conversation goes on and `Location` later answers as the request would have
-/// been (404 until then). Async: `Prefer: respond-async` is 202 at once.
+/// been (202 with `Retry-After` until then). Async: `Prefer: respond-async` is 202 at
+/// once.
 #[tokio::test]
 async fn a_wait_that_runs_out_and_respond_async_give_202_then_the_reply() {
     let gate = Gate::new();
@@ -537,8 +539,9 @@ async fn a_wait_that_runs_out_and_respond_async_give_202_then_the_reply() {
     let body: Value = serde_json::from_slice(&pending.bytes().await.expect("body")).expect("json");
     assert_eq!(body["id"], id.as_str());
     let early = fetch(&scene.gateway.url(&location)).await;
-    assert_eq!(early.status(), 404);
+    assert_eq!(early.status(), 202);
     assert_eq!(header(&early, "webproxy-outcome"), "pending");
+    assert_eq!(header(&early, "retry-after"), "1");
     gate.open();
     let answer = reply_at(&scene.gateway.url(&location), &[]).await;
     assert_eq!(header(&answer, "webproxy-id"), id);
@@ -633,9 +636,9 @@ async fn tokens_are_required_checked_and_never_forwarded() {
     }
 }
 
-/// Isolation: `/_webproxy/replies/<id>` serves an id only to its own route and token;
-/// another token's, no token's, a NATS caller's and a NATS-published `gw-` id are
-/// all 404.
+/// Isolation: `/_webproxy/replies/<id>` serves an id only to its own route and token.
+/// Another route's token, a NATS caller's id and a NATS-published `gw-` id are 404; a
+/// poll with no route's token is 407 whatever the id, so it learns nothing of it.
 #[tokio::test]
 async fn replies_are_served_only_to_their_own_route_and_token() {
     let scene = Scene::start_with(routes(), accept, token_routes, token_options()).await;
@@ -651,10 +654,10 @@ async fn replies_are_served_only_to_their_own_route_and_token() {
     )
     .await;
     assert_eq!(own.status(), 200);
-    for (name, value) in [
-        ("X-Gateway-Token", "beta-secret"),
-        ("Proxy-Authorization", "Bearer beta-secret"),
-        ("X-Other", "none"),
+    for (name, value, status) in [
+        ("X-Gateway-Token", "beta-secret", 404),
+        ("Proxy-Authorization", "Bearer beta-secret", 407),
+        ("X-Other", "none", 407),
     ] {
         let other = http
             .get(scene.gateway.url(&location))
@@ -662,7 +665,7 @@ async fn replies_are_served_only_to_their_own_route_and_token() {
             .send()
             .await
             .expect("gateway");
-        assert_eq!(other.status(), 404, "{name}: {value}");
+        assert_eq!(other.status(), status, "{name}: {value}");
     }
 
     // NATS callers' conversations, one with an id the gateway could have minted.
@@ -673,16 +676,77 @@ async fn replies_are_served_only_to_their_own_route_and_token() {
             .await
             .expect("a NATS caller's reply");
         assert_eq!(reply.status, Some(200));
-        for token in ["Bearer alpha-secret", "Bearer beta-secret"] {
+        for (name, value) in [
+            ("Proxy-Authorization", "Bearer alpha-secret"),
+            ("X-Gateway-Token", "beta-secret"),
+        ] {
             let response = http
                 .get(scene.gateway.url(&format!("/_webproxy/replies/{id}")))
-                .header("Proxy-Authorization", token)
+                .header(name, value)
                 .send()
                 .await
                 .expect("gateway");
             assert_eq!(response.status(), 404, "{id}");
         }
     }
+}
+
+/// Polling by HTTP conventions: a reply not ready yet is 202 with `Retry-After` (and
+/// `Webproxy-Outcome: pending`), a poll without a token or with a wrong one is 407
+/// with `Proxy-Authenticate`, as a request is, and the ready reply is served as the
+/// request would have been answered.
+#[tokio::test]
+async fn a_poll_is_202_until_the_reply_is_ready_and_407_without_the_token() {
+    let gate = Gate::new();
+    let scene = Scene::start_with(
+        routes().merge(gate.routes()),
+        accept,
+        token_routes,
+        token_options(),
+    )
+    .await;
+    let http = http_client();
+    let token = ("Proxy-Authorization", "Bearer alpha-secret");
+    let location = accepted(
+        http.get(scene.gateway.url("/a/gated/0"))
+            .header(token.0, token.1),
+    )
+    .await;
+    let url = scene.gateway.url(&location);
+
+    let pending = http
+        .get(&url)
+        .header(token.0, token.1)
+        .send()
+        .await
+        .expect("gateway");
+    assert_eq!(pending.status(), 202);
+    assert_eq!(header(&pending, "retry-after"), "1");
+    assert_eq!(header(&pending, "webproxy-outcome"), "pending");
+    assert_eq!(header(&pending, "location"), location);
+
+    for presented in [None, Some("Bearer wrong"), Some("alpha-secret")] {
+        let mut poll = http.get(&url);
+        if let Some(value) = presented {
+            poll = poll.header("Proxy-Authorization", value);
+        }
+        let refused = poll.send().await.expect("gateway");
+        assert_eq!(refused.status(), 407, "{presented:?}");
+        assert_eq!(
+            header(&refused, "proxy-authenticate"),
+            "Bearer realm=\"webproxy\"",
+            "{presented:?}"
+        );
+        let body: Value =
+            serde_json::from_slice(&refused.bytes().await.expect("body")).expect("json");
+        assert_eq!(body["error"]["code"], "unauthorized", "{body}");
+    }
+
+    gate.open();
+    let ready = reply_at(&url, &[token]).await;
+    assert_eq!(ready.status(), 200);
+    assert_eq!(header(&ready, "webproxy-outcome"), "response");
+    assert_eq!(ready.bytes().await.expect("body"), "ok");
 }
 
 /// Idempotency: a call retried with the same `Idempotency-Key` makes one upstream

@@ -1,5 +1,6 @@
-//! A real nats-server per test: JetStream on, 127.0.0.1 only, a port of its
-//! own and a store dir of its own, killed when dropped.
+//! A real nats-server per test: JetStream on (unless a test asks for a server
+//! without), 127.0.0.1 only, a port of its own and a store dir of its own, killed when
+//! dropped.
 
 use std::fs::{self, File};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -25,6 +26,8 @@ pub struct NatsServer {
     log_path: PathBuf,
     output_path: PathBuf,
     extra_config: String,
+    /// False for a server that answers NATS but not JetStream (no `jetstream` block).
+    jetstream: bool,
     port: u16,
     child: Option<Child>,
 }
@@ -47,7 +50,17 @@ impl NatsServer {
         Self::start_from(binary.into(), "")
     }
 
+    /// A server with JetStream off: NATS answers, a JetStream publish gets "no
+    /// responders", as for a JetStream that lost its quorum.
+    pub fn start_without_jetstream() -> NatsServer {
+        Self::start_configured(PathBuf::from("nats-server"), "", false)
+    }
+
     fn start_from(binary: PathBuf, extra_config: &str) -> NatsServer {
+        Self::start_configured(binary, extra_config, true)
+    }
+
+    fn start_configured(binary: PathBuf, extra_config: &str, jetstream: bool) -> NatsServer {
         let dir = tempfile::Builder::new()
             .prefix("webproxy-nats-")
             .tempdir()
@@ -62,6 +75,7 @@ impl NatsServer {
             output_path: dir.path().join("nats-server.out"),
             ports_dir,
             extra_config: extra_config.to_owned(),
+            jetstream,
             port: 0,
             child: None,
             dir,
@@ -246,14 +260,21 @@ impl NatsServer {
             Some(port) => format!("127.0.0.1:{port}"),
             None => "127.0.0.1:-1".to_owned(),
         };
+        let jetstream = if self.jetstream {
+            format!(
+                "jetstream {{\n  store_dir: {}\n}}\n",
+                quote_path(&self.store_dir)
+            )
+        } else {
+            String::new()
+        };
         let config = format!(
             "listen: {listen}\n\
-             jetstream {{\n  store_dir: {store}\n}}\n\
+             {jetstream}\
              log_file: {log}\n\
              ports_file_dir: {ports}\n\
              \n{extra}\n",
             listen = quote(&listen),
-            store = quote_path(&self.store_dir),
             log = quote_path(&self.log_path),
             ports = quote_path(&self.ports_dir),
             extra = self.extra_config,

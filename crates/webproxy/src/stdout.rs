@@ -26,6 +26,17 @@ pub fn print(text: fmt::Arguments<'_>) -> anyhow::Result<()> {
     }
 }
 
+/// Writes `bytes` to standard output as they are (a reply's body need not be text);
+/// [`Closed`] when its reader has gone.
+pub fn write_bytes(bytes: &[u8]) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(bytes).and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(Closed.into()),
+        Err(e) => Err(anyhow::Error::new(e).context("cannot write to standard output")),
+    }
+}
+
 /// `println!` that returns [`print`]'s result instead of panicking.
 macro_rules! outln {
     () => {

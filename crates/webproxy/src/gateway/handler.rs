@@ -25,7 +25,8 @@ use super::{REPLIES_PATH, route};
 use crate::config::Settings;
 use crate::gateway_config::Route;
 
-/// What a 503 asks the client to wait before it tries again, in seconds.
+/// What a 503, and a poll for a reply not ready yet, ask the client to wait before it
+/// tries again, in seconds: a reply usually comes within one.
 const RETRY_AFTER: &str = "1";
 
 /// An id's record is written 3 times, 100 ms then 200 ms apart, before the id is
@@ -224,26 +225,44 @@ impl Gateway {
             Some(given) if ids::token_matches(given, expected) => {
                 Ok(self.key()?.identity(Some(expected)))
             }
-            _ => {
-                let (status, challenge) = if route.proxy_credential() {
-                    (407, "proxy-authenticate")
-                } else {
-                    (401, "www-authenticate")
-                };
-                let mut answer = mapping::gateway_error(
-                    status,
-                    "unauthorized",
-                    &format!(
-                        "route {} needs its token in {}",
-                        route.path, route.token_header
-                    ),
-                );
-                answer
-                    .headers
-                    .push((challenge.into(), "Bearer realm=\"webproxy\"".into()));
-                Err(answer)
+            _ => Err(unauthorized(
+                route.proxy_credential(),
+                &format!(
+                    "route {} needs its token in {}",
+                    route.path, route.token_header
+                ),
+            )),
+        }
+    }
+
+    /// The credentials of a poll (`/_webproxy/replies/<id>`), judged before its id is
+    /// looked up so that the answer says nothing of whether the id exists: a poll
+    /// that presents the token of some route (or any poll, while some route takes
+    /// none) goes on to the lookup; any other is refused as a request without its
+    /// token is, 407 (401 when every route takes its token in a header of its own).
+    fn poll_credentials(&self, headers: &HeaderMap) -> Result<(), Answer> {
+        let tokens = self.tokens();
+        let mut proxy_credential = false;
+        for (index, route) in self.routes.iter().enumerate() {
+            let Some(expected) = tokens.get(index).and_then(Option::as_deref) else {
+                return Ok(());
+            };
+            proxy_credential |= route.proxy_credential();
+            let given = headers
+                .get(route.token_header.as_str())
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| ids::presented(value, route.proxy_credential()));
+            if given.is_some_and(|given| ids::token_matches(given, expected)) {
+                return Ok(());
             }
         }
+        if self.routes.is_empty() {
+            return Ok(());
+        }
+        Err(unauthorized(
+            proxy_credential,
+            "a poll needs the token of the route whose request minted the id",
+        ))
     }
 
     /// A request to a route: checked, published, waited for.
@@ -554,7 +573,8 @@ impl Gateway {
 
     /// `GET /_webproxy/replies/<id>`: the reply of an id this gateway's route minted
     /// for the same token identity, as the original request would have been
-    /// answered; 404 for any other id, and while there is no reply yet.
+    /// answered; 202 with `Retry-After` while there is no reply yet; 407 without the
+    /// token of any route ([`Gateway::poll_credentials`]); 404 for any other id.
     async fn stored(&self, id: &str, method: &Method, headers: &HeaderMap) -> (String, Answered) {
         let not_found = || {
             (
@@ -578,6 +598,15 @@ impl Gateway {
                 },
             );
         }
+        if let Err(answer) = self.poll_credentials(headers) {
+            return (
+                NO_ROUTE.to_string(),
+                Answered {
+                    id: id.to_string(),
+                    answer,
+                },
+            );
+        }
         if !id.starts_with(ids::PREFIX) || webproxy_protocol::validate_id(id).is_err() {
             return not_found();
         }
@@ -597,8 +626,8 @@ impl Gateway {
         let Some(index) = self.routes.iter().position(|r| r.path == record.route) else {
             return not_found();
         };
-        // A wrong token reads as an unknown id: nothing says the id exists. A right
-        // one while the key is lost gets the key's refusal: the record's identity
+        // Another route's token reads as an unknown id: nothing says the id exists. A
+        // right one while the key is lost gets the key's refusal: the record's identity
         // cannot be checked without the key.
         match self.authenticate(index, headers) {
             Ok(identity) if identity == record.identity => {}
@@ -618,10 +647,14 @@ impl Gateway {
             Err(e) => unavailable(&e),
             Ok(origin) => match self.client.reply(id, &origin).await {
                 Ok(Some(reply)) => mapping::from_reply(&reply),
+                // 202, as a wait that runs out is answered, with a hint when to poll
+                // again: a 404 reads as final to HTTP clients.
                 Ok(None) => {
-                    let mut answer =
-                        mapping::gateway_error(404, "pending", "the conversation has no reply yet");
-                    answer.outcome = mapping::PENDING;
+                    let mut answer = mapping::pending(id);
+                    answer.label = mapping::PENDING;
+                    answer
+                        .headers
+                        .push(("retry-after".into(), RETRY_AFTER.into()));
                     answer
                 }
                 Err(e) => unavailable(&e),
@@ -635,6 +668,21 @@ impl Gateway {
             },
         )
     }
+}
+
+/// The refusal of a missing or wrong token: 407 with `Proxy-Authenticate` for a token
+/// in `Proxy-Authorization`, 401 with `WWW-Authenticate` for a route's own header.
+fn unauthorized(proxy_credential: bool, message: &str) -> Answer {
+    let (status, challenge) = if proxy_credential {
+        (407, "proxy-authenticate")
+    } else {
+        (401, "www-authenticate")
+    };
+    let mut answer = mapping::gateway_error(status, "unauthorized", message);
+    answer
+        .headers
+        .push((challenge.into(), "Bearer realm=\"webproxy\"".into()));
+    answer
 }
 
 /// The answer on a connection over a connection cap (`listener.rs`): 503 naming the
