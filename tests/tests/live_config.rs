@@ -980,3 +980,56 @@ async fn lowering_ack_wait_while_an_attempt_runs_does_not_duplicate_it() {
         "one live reply"
     );
 }
+
+/// Issue 31, point 3: a pushed `max_waiting` reached the instances ("pool limits
+/// updated") but not the pool's stream, whose per-subject limit stayed unlimited until
+/// a restart. Now each instance writes it onto the stream as it runs the revision,
+/// and says which limit it applied, with the old value.
+#[tokio::test]
+async fn a_pushed_max_waiting_is_applied_to_the_stream_and_logged() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let document = |limits: &str| {
+        format!(
+            "[outbound]\nallow_private_networks = true\n\n[pools.partner]\nmax_in_flight = 1\n{limits}\n{}",
+            accept_rule("local", &upstream)
+        )
+    };
+    success(
+        &config(
+            &nats,
+            &["push", &write(dir.path(), "r1.toml", &document(""))],
+        )
+        .await,
+    );
+    let services = Service::start_many(&nats.url(), &kv_config(""), 1).await;
+    let js = async_nats::jetstream::new(nats.client().await);
+    let per_subject = || async {
+        let mut stream = js.get_stream("WEBPROXY_POOL_PARTNER").await.ok()?;
+        let config = &stream.info().await.ok()?.config;
+        Some((
+            config.max_messages_per_subject,
+            config.discard_new_per_subject,
+        ))
+    };
+    assert_eq!(per_subject().await, Some((-1, false)));
+
+    push_and_wait(
+        &nats,
+        dir.path(),
+        "r2.toml",
+        &document("max_waiting = 1\n"),
+        &services,
+    )
+    .await;
+    webproxy_tests::wait_until(REPLY_TIMEOUT, "the stream to take max_waiting", || async {
+        per_subject().await == Some((1, true))
+    })
+    .await;
+    let applied = "pool limits applied: max_waiting 1 (was unlimited)";
+    webproxy_tests::wait_until(REPLY_TIMEOUT, "the log line naming the limit", || async {
+        services[0].logs().contains(applied)
+    })
+    .await;
+}

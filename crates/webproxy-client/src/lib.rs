@@ -150,6 +150,7 @@ fn timeout_detail(reply_to: Option<&str>) -> String {
 impl Error {
     /// The pool refused the publish because its queue is full: `max_waiting`, the
     /// request subject's per-subject limit, is reached. Publishing later may succeed.
+    /// Told by the description: the code, 10077, is any store failure (a full disk too).
     pub fn is_queue_full(&self) -> bool {
         let Error::Publish(error) = self else {
             return false;
@@ -159,7 +160,7 @@ impl Error {
             .and_then(|source| source.downcast_ref::<jetstream::Error>())
             .is_some_and(|e| {
                 e.error_code() == JsErrorCode::STREAM_STORE_FAILED
-                    || e.to_string().contains("maximum messages per subject")
+                    && e.to_string().contains("maximum messages per subject")
             })
     }
 }

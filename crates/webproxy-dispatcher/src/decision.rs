@@ -112,8 +112,8 @@ pub(crate) fn expiry(
         return Some(ErrorBody {
             code: ErrorCode::Expired,
             message: format!(
-                "the deadline passed {} ms before the attempt could start",
-                late.as_millis()
+                "the deadline passed {} before the attempt could start",
+                human(late)
             ),
             status: None,
         });
@@ -122,14 +122,21 @@ pub(crate) fn expiry(
         Some((waited, limit)) if waited > limit => Some(ErrorBody {
             code: ErrorCode::Expired,
             message: format!(
-                "waited {} ms in the pool's queue, longer than its queue_timeout of {} ms",
-                waited.as_millis(),
-                limit.as_millis()
+                "waited {} in the pool's queue, longer than its queue_timeout of {}",
+                human(waited),
+                human(limit)
             ),
             status: None,
         }),
         _ => None,
     }
+}
+
+/// A duration as people read it, to the millisecond: `1s 500ms`, `6years 11months`
+/// (a deadline set decades ago), never a bare count of milliseconds.
+fn human(duration: Duration) -> String {
+    let millis = Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX));
+    humantime::format_duration(millis).to_string()
 }
 
 /// What an attempt's outcome means for the conversation; the retry decision as a type,
@@ -483,11 +490,25 @@ mod tests {
         assert!(expiry(at(0), Some(at(1)), None).is_none());
         let late = expiry(at(2), Some(at(1)), None).expect("expired");
         assert_eq!(late.code, ErrorCode::Expired);
+        assert!(
+            late.message.contains("passed 1ms before"),
+            "{}",
+            late.message
+        );
+        // Decades late reads in years, not in milliseconds.
+        let ancient = expiry(at(0), Some(SystemTime::UNIX_EPOCH), None).expect("expired");
+        assert!(
+            ancient.message.contains("passed 57years"),
+            "{}",
+            ancient.message
+        );
         let secs = Duration::from_secs;
         assert!(expiry(at(0), None, Some((secs(29), secs(30)))).is_none());
         let waited = expiry(at(0), None, Some((secs(31), secs(30)))).expect("expired");
         assert!(
-            waited.message.contains("queue_timeout"),
+            waited
+                .message
+                .contains("waited 31s in the pool's queue, longer than its queue_timeout of 30s"),
             "{}",
             waited.message
         );

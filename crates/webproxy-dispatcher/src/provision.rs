@@ -250,8 +250,10 @@ pub(crate) fn pool_stream_config(
 }
 
 /// What provisioning writes to the server for one pool, from the configuration: a
-/// revision that changes any of it has the pool's stream and consumers updated
-/// ([`provision_pool`] again), and the local permits resized to `max_in_flight`.
+/// revision that changes any of it has the pool's stream updated by every instance
+/// ([`update_pool_stream`]: `max_waiting`), its consumers by their owner
+/// (`runtime::owner`: `max_in_flight`, `ack_wait`), and the local permits resized to
+/// `max_in_flight`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PoolSpec {
     pub(crate) max_in_flight: u64,
@@ -267,6 +269,54 @@ impl PoolSpec {
             ack_wait: settings.cluster.ack_wait,
         }
     }
+
+    /// The limits that differ from `from`, each with its old value, for the log line
+    /// that says a revision's limits are applied: `max_waiting 1 (was unlimited)`.
+    pub(crate) fn changes_from(&self, from: &PoolSpec) -> String {
+        let waiting = |limit: Option<u64>| limit.map_or("unlimited".to_owned(), |n| n.to_string());
+        let wait = |d: Duration| humantime::format_duration(d).to_string();
+        let mut changes = Vec::new();
+        if self.max_in_flight != from.max_in_flight {
+            changes.push(format!(
+                "max_in_flight {} (was {})",
+                self.max_in_flight, from.max_in_flight
+            ));
+        }
+        if self.max_waiting != from.max_waiting {
+            changes.push(format!(
+                "max_waiting {} (was {})",
+                waiting(self.max_waiting),
+                waiting(from.max_waiting)
+            ));
+        }
+        if self.ack_wait != from.ack_wait {
+            changes.push(format!(
+                "ack_wait {} (was {})",
+                wait(self.ack_wait),
+                wait(from.ack_wait)
+            ));
+        }
+        changes.join(", ")
+    }
+}
+
+/// Writes `pool`'s stream settings from the configuration onto its stream (its
+/// `max_waiting`, the request subjects' per-subject limit): provisioning a pool runs
+/// only when the pool is new, so a revision that changes them needs this. Idempotent;
+/// every instance that runs the revision writes the same settings.
+pub(crate) async fn update_pool_stream(
+    js: &jetstream::Context,
+    settings: &Settings,
+    pool: &str,
+    config: &PoolConfig,
+) -> Result<(), ProvisionError> {
+    let plan = StreamPlan {
+        config: pool_stream_config(settings, pool, config),
+        fresh_first_sequence: true,
+        old_consumers: Vec::new(),
+        fence: None,
+    };
+    provision_stream(js, plan).await.map(|_| ())
 }
 
 /// The durable pull consumer of one pool's request subject: the configured limits with
@@ -948,6 +998,32 @@ pub(crate) async fn recreate_pool_consumer(
 mod tests {
     use super::*;
     use crate::config::tests::settings_from;
+
+    #[test]
+    fn a_limit_change_names_each_limit_with_its_old_value() {
+        let from = PoolSpec {
+            max_in_flight: 2,
+            max_waiting: None,
+            ack_wait: Duration::from_secs(15),
+        };
+        let to = PoolSpec {
+            max_waiting: Some(1),
+            ack_wait: Duration::from_secs(90),
+            ..from
+        };
+        assert_eq!(
+            to.changes_from(&from),
+            "max_waiting 1 (was unlimited), ack_wait 1m 30s (was 15s)"
+        );
+        assert_eq!(
+            from.changes_from(&PoolSpec {
+                max_in_flight: 3,
+                ..from
+            }),
+            "max_in_flight 2 (was 3)"
+        );
+        assert_eq!(from.changes_from(&from), "");
+    }
 
     #[test]
     fn fences_are_on_file_and_a_memory_fence_is_moved() {

@@ -288,7 +288,11 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
     if warnings.is_empty() {
         outln!("configuration is valid")?;
     } else {
-        outln!("configuration is valid, with {} warnings", warnings.len())?;
+        let plural = if warnings.len() == 1 { "" } else { "s" };
+        outln!(
+            "configuration is valid, with {} warning{plural}",
+            warnings.len()
+        )?;
     }
     outln!("prefix: {}", settings.dispatcher.subjects.prefix())?;
     let guard = &settings.dispatcher.cluster.outbound.guard;

@@ -14,7 +14,7 @@ use tracing::{error, info, warn};
 use super::start::{StartError, worker_for};
 use super::{Shared, parked, pull_loop, refresh_gauges};
 use crate::config::{Settings, jetstream_request_timeout};
-use crate::provision::{PoolConsumers, PoolSpec, provision_pool};
+use crate::provision::{PoolConsumers, PoolSpec, provision_pool, update_pool_stream};
 use crate::secrets::Secrets;
 
 /// The revision every new message is handled under, and the pools the running document
@@ -259,7 +259,17 @@ impl Pools {
             let wanted = PoolSpec::of(settings, config);
             if let Some(served) = self.served.get_mut(pool) {
                 if served.spec != wanted {
-                    info!(pool, from = ?served.spec, to = ?wanted, "pool limits updated");
+                    let changes = wanted.changes_from(&served.spec);
+                    if served.spec.max_waiting != wanted.max_waiting
+                        && let Err(e) = update_pool_stream(js, settings, pool, config).await
+                    {
+                        // Nothing of the revision's limits is applied, so the next
+                        // try sees the same change.
+                        warn!(pool, error = %e, "cannot apply the pool's new limits ({changes}) to its stream; retrying");
+                        done = false;
+                        continue;
+                    }
+                    info!(pool, "pool limits applied: {changes}");
                     resize(
                         &served.permits,
                         served.spec.max_in_flight,
