@@ -520,3 +520,21 @@ async fn wait_for_reply(client: &Client, submitted: &Submitted) -> Reply {
     })
     .await
 }
+
+/// Issue 31: `pools pause`, `resume` and `remove` refuse a pool whose stream does not
+/// exist, naming it and the command that lists the pools, rather than reporting a
+/// pause that holds nothing or a raw JetStream error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_resume_and_remove_refuse_a_pool_that_does_not_exist() {
+    let c = cluster(1, |up| accept_rule("local", up)).await;
+    let nats = c.nats.url();
+    for command in ["pause", "resume", "remove"] {
+        let refused = webproxy(&["pools", command, "nosuch", "--nats", &nats]).await;
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "{command}: {refused:?}");
+        assert!(
+            stderr.contains("no pool nosuch") && stderr.contains("`webproxy pools`"),
+            "{command}: {stderr}"
+        );
+    }
+}

@@ -294,11 +294,36 @@ pub async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
 /// The operator's outlet, once `pool`'s stream is known to exist.
 async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<Outlet> {
     let js = jetstream::new(client.nats().clone());
-    let stream_name = client.subjects().pool_stream(pool);
-    js.get_stream_no_info(&stream_name)
-        .await
-        .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
+    pool_stream(&js, client.subjects(), pool).await?;
     operator_outlet(client, client.subjects()).await
+}
+
+/// `pool`'s stream, read from the server (an info request: a stream handle made
+/// without one would "exist" for any name), or an error naming the pool and the
+/// command that lists the pools when there is no such stream.
+async fn pool_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    pool: &str,
+) -> anyhow::Result<stream::Stream> {
+    let stream_name = subjects.pool_stream(pool);
+    match js.get_stream(&stream_name).await {
+        Ok(stream) => Ok(stream),
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            bail!(
+                "no pool {pool}: its stream {stream_name} does not exist; `webproxy pools` lists the pools"
+            )
+        }
+        Err(e) => {
+            Err(e).with_context(|| format!("cannot read stream {stream_name} of pool {pool}"))
+        }
+    }
 }
 
 pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::Result<()> {
@@ -309,10 +334,7 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     let js = jetstream::new(client.nats().clone());
     let subjects = settings.dispatcher.subjects.clone();
     let stream_name = subjects.pool_stream(pool);
-    let mut stream = js
-        .get_stream(&stream_name)
-        .await
-        .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
+    let mut stream = pool_stream(&js, &subjects, pool).await?;
     let waiting = stream
         .info()
         .await
