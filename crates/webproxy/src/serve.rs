@@ -18,7 +18,11 @@ use webproxy_dispatcher::{
 use crate::config::{ClusterDocument, ClusterSource, Settings};
 use crate::live::{self, Running};
 use crate::{document, health, rotation};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
+
+/// How long the start waits for the first heartbeat to be written before serving
+/// anyway (the heartbeat keeps trying).
+const FIRST_REPORT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
@@ -86,8 +90,25 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    // In kv mode the instance follows the bucket and reports the revision it runs.
-    let mut reporting = None;
+    // In kv mode the instance follows the bucket. In either mode it reports what it
+    // runs: `config push` refuses a push no instance would follow, and `pools remove`
+    // a pool a file-mode instance still has.
+    let (reported, first_report) = oneshot::channel();
+    let reporting = tokio::spawn(live::heartbeat(
+        client.clone(),
+        settings.dispatcher.clone(),
+        source,
+        following,
+        dispatcher.ack_wait_pacing(),
+        reported,
+        shutdown.clone(),
+    ));
+    // Ready only once reported (or a few seconds tried): an operator who pushes as
+    // soon as the instances are ready finds them in the bucket.
+    let _ = tokio::time::timeout(FIRST_REPORT, first_report).await;
+    // In file mode nothing changes what runs; the sender is kept until the end, as
+    // the heartbeat stops when it is dropped.
+    let mut _file_running = None;
     if let Some(revision) = revision {
         // `config push` writes to it: a full bucket refuses the next revision.
         dispatcher.gauge_bucket(Bucket::Config);
@@ -100,22 +121,16 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
             dispatcher.reconfigure(),
             shutdown.clone(),
         ));
-        reporting = Some(tokio::spawn(live::heartbeat(
-            client.clone(),
-            settings.dispatcher.clone(),
-            following,
-            dispatcher.ack_wait_pacing(),
-            shutdown.clone(),
-        )));
+    } else {
+        _file_running = Some(running);
     }
     info!(pools = ?settings.dispatcher.cluster.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
         .run(shutdown, settings.config.service.shutdown_grace)
         .await;
-    if let Some(reporting) = reporting {
-        // Its report deleted, so that `config push --wait` stops waiting for it.
-        let _ = reporting.await;
-    }
+    // Its report deleted, so that `config push --wait` stops waiting for it.
+    let _ = reporting.await;
+    drop(_file_running);
     if let Err(e) = client.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
     }
