@@ -99,7 +99,9 @@ enum GatewayCommand {
 
 #[derive(Debug, Subcommand)]
 enum PoolsCommand {
-    /// Delete a pool's stream and consumers. Refused while messages wait in it, unless
+    /// Delete a pool's stream and consumers. Refused for a pool that does not exist, or
+    /// that the running configuration still has (the bucket's document, or a live
+    /// instance's heartbeat), unless --force; and while messages wait in it, unless
     /// --dead-letter, which answers and dead-letters them first.
     Remove {
         name: String,
@@ -108,6 +110,11 @@ enum PoolsCommand {
         /// End the pool's waiting messages with an `internal` error and dead-letter them.
         #[arg(long)]
         dead_letter: bool,
+        /// Remove it even though the running configuration still has it: its
+        /// instances then answer its requests `internal` until it is taken out of
+        /// their configuration, and do not recreate it.
+        #[arg(long)]
+        force: bool,
     },
     /// Stop a pool's deliveries on every instance, through consumer pause: requests keep
     /// waiting in its stream. Other pauses (an upstream's Retry-After) keep their own ends.
@@ -249,7 +256,8 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
                     name,
                     nats,
                     dead_letter,
-                }) => pools::remove(&nats, &name, dead_letter).await?,
+                    force,
+                }) => pools::remove(&nats, &name, dead_letter, force).await?,
                 Some(PoolsCommand::Pause {
                     name,
                     nats,

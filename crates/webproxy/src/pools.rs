@@ -14,10 +14,10 @@ use webproxy_client::Client;
 use webproxy_dispatcher::{ConfigStore, Outlet, Settled, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
-use crate::live;
 use crate::operator::{
     NatsArgs, connect, connect_with_settings, for_each_message, operator_outlet,
 };
+use crate::{document, live};
 
 /// One pool as the server sees it.
 #[derive(Debug, Serialize)]
@@ -326,7 +326,15 @@ async fn pool_stream(
     }
 }
 
-pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::Result<()> {
+/// `pools remove`: refused for a pool that does not exist, that the running
+/// configuration still has (unless `force`), or that holds messages (unless
+/// `dead_letter`).
+pub async fn remove(
+    args: &NatsArgs,
+    pool: &str,
+    dead_letter: bool,
+    force: bool,
+) -> anyhow::Result<()> {
     if pool == "default" {
         bail!("pool default always exists and cannot be removed");
     }
@@ -335,6 +343,13 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     let subjects = settings.dispatcher.subjects.clone();
     let stream_name = subjects.pool_stream(pool);
     let mut stream = pool_stream(&js, &subjects, pool).await?;
+    let routing = still_routed(&js, &subjects, pool).await?;
+    if !routing.is_empty() && !force {
+        bail!(
+            "refused: pool {pool} is still in the running configuration ({}), whose instances would serve it without a stream; take [pools.{pool}] and the request rules naming it out of the configuration first (`webproxy config push` in kv mode; in file mode, the file of every instance, restarted), then remove it, or pass --force to remove it anyway. Instances in file mode older than this check do not report their pools",
+            routing.join("; ")
+        );
+    }
     let waiting = stream
         .info()
         .await
@@ -386,6 +401,56 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     }
     outln!("removed pool {pool}")?;
     Ok(())
+}
+
+/// Where the running cluster configuration still has `pool`: the current document
+/// of the configuration bucket (what every instance in kv mode runs, or will), and
+/// the live instances whose heartbeat lists it (in either mode). Empty when nothing
+/// routes to it, as far as can be known: an instance in file mode older than the
+/// heartbeat's `pools` does not say.
+async fn still_routed(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    pool: &str,
+) -> anyhow::Result<Vec<String>> {
+    let mut routing = Vec::new();
+    if let Some(store) = ConfigStore::open(js, subjects).await?
+        && let Some(current) = store.current().await?
+    {
+        match document::parse(&current.document) {
+            Ok(document) if document.pools.keys().any(|p| p.eq_ignore_ascii_case(pool)) => {
+                routing.push(format!(
+                    "revision {} of {} has [pools.{pool}]",
+                    current.revision,
+                    store.bucket()
+                ));
+            }
+            Ok(_) => {}
+            // The instances keep their last good revision: the heartbeats still say.
+            Err(e) => eprintln!(
+                "warning: cannot read revision {} of {}: {e:#}",
+                current.revision,
+                store.bucket()
+            ),
+        }
+    }
+    let instances: Vec<String> = live::reports(js, subjects)
+        .await?
+        .into_iter()
+        .filter(|r| {
+            r.pools
+                .as_ref()
+                .is_some_and(|pools| pools.iter().any(|p| p.eq_ignore_ascii_case(pool)))
+        })
+        .map(|r| r.instance)
+        .collect();
+    if !instances.is_empty() {
+        routing.push(format!(
+            "live instances running it: {}",
+            instances.join(", ")
+        ));
+    }
+    Ok(routing)
 }
 
 fn consumer_not_found(e: &stream::ConsumerError) -> bool {
