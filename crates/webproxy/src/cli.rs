@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use webproxy_dispatcher::{Redactor, Secrets};
+use webproxy_dispatcher::Redactor;
 
 use crate::config::Settings;
 use crate::config_commands::{self, ConfigCommand};
@@ -48,7 +48,8 @@ enum Command {
         #[command(flatten)]
         connection: ConnectionArgs,
     },
-    /// Validate a configuration and print the effective pools and rules.
+    /// Validate a configuration as `serve` would before it starts (or `gateway`, with
+    /// --gateway) and print the effective pools and rules.
     CheckConfig {
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
@@ -56,6 +57,10 @@ enum Command {
         /// configuration's cluster sections.
         #[arg(long, value_name = "FILE")]
         document: Option<PathBuf>,
+        /// Check what `webproxy gateway` checks before it starts (its routes' tokens,
+        /// its key and TLS files) rather than what `serve` does.
+        #[arg(long)]
+        gateway: bool,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -209,6 +214,7 @@ impl Cli {
             Command::CheckConfig {
                 config,
                 document,
+                gateway,
                 json,
             } => {
                 // What serve would run on in this environment: NATS_URL and the
@@ -223,13 +229,15 @@ impl Cli {
                             .with_context(|| format!("invalid document {}", path.display()))?;
                     settings = settings.with_document(document, dispatcher);
                 }
-                // Every secret must be readable for the configuration to be valid; the
-                // values are never printed.
-                Secrets::load(&settings.dispatcher.cluster.rules, Redactor::default())
-                    .context("invalid configuration: cannot read an injected secret")?;
-                if !settings.gateway.routes.is_empty() {
+                // What the process checks before it starts, by the very function it
+                // uses: `check-config` refuses exactly what it would. The values are
+                // never printed.
+                if gateway {
                     gateway::load_secrets(&settings)
-                        .context("invalid configuration: the gateway cannot start")?;
+                        .context("invalid configuration: `webproxy gateway` would not start")?;
+                } else {
+                    serve::load_secrets(&settings, &Redactor::default())
+                        .context("invalid configuration: `webproxy serve` would not start")?;
                 }
                 cfg::print_effective(&settings, &settings.warnings(), json)?;
                 Ok(ExitCode::SUCCESS)

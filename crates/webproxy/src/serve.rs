@@ -30,7 +30,10 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     // In file mode the rules are known now, and an unreadable secret stops the start
     // before anything connects; in kv mode they are known once the bucket is read.
     let file_secrets = match source {
-        ClusterSource::File => Some(load_secrets(&settings, &redactor)?),
+        ClusterSource::File => {
+            log_warnings(&settings);
+            Some(load_secrets(&settings, &redactor)?)
+        }
         ClusterSource::Kv => None,
     };
     let instruments = Instruments::new();
@@ -62,6 +65,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
             else {
                 return Ok(());
             };
+            log_warnings(&settings);
             let secrets = load_secrets(&settings, &redactor)?;
             (settings, secrets, Some(revision))
         }
@@ -138,11 +142,22 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Logs the configuration's warnings and reads the injected secrets of its rules.
-fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<Secrets>> {
+/// Logs the configuration's warnings.
+fn log_warnings(settings: &Settings) {
     for warning in settings.warnings() {
         warn!("configuration: {warning}");
     }
+}
+
+/// Reads the injected secrets of `settings`' rules: what `serve` checks of a loaded
+/// configuration (`cfg::load`) before it serves, and so what `check-config` checks
+/// for it, by this one function. In file mode the rules are the file's, read before
+/// anything connects; in kv mode the bucket's revision's, once read (the file's, when
+/// they seed an empty bucket: `check-config`, which reads no bucket, checks them as
+/// that start would). The gateway's tokens and key are `webproxy gateway`'s
+/// (`gateway::load_secrets`, which `check-config --gateway` runs), not serve's: a pod
+/// of one need not hold the other's secrets.
+pub fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<Secrets>> {
     let secrets = Secrets::load(&settings.dispatcher.cluster.rules, redactor.clone())
         .context("cannot read an injected secret")?;
     Ok(Arc::new(secrets))
