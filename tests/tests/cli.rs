@@ -304,3 +304,38 @@ async fn check_config_refuses_what_serve_or_gateway_refuses_and_nothing_else() {
     assert!(!gateway.status.success(), "{gateway:?}");
     assert!(stderr.contains(UNSET), "{stderr}");
 }
+
+/// Issue 31: a `[nats] credentials_file` that can be read but holds no credentials
+/// passed `check-config`, while `serve` refused to start on it: both now refuse it,
+/// by the function `serve` reads it with before connecting.
+#[tokio::test]
+async fn check_config_and_serve_both_refuse_unusable_nats_credentials() {
+    let creds = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(creds.path(), "not a credentials file\n").expect("write");
+    let text = format!(
+        "[nats]\ncredentials_file = \"{}\"\n",
+        creds.path().display()
+    );
+    let checked = check_config(&text).await;
+    assert!(!checked.status.success(), "{checked:?}");
+    let stderr = String::from_utf8_lossy(&checked.stderr);
+    assert!(stderr.contains("cannot parse user JWT"), "{stderr}");
+
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), &text).expect("write");
+    let mut serve = std::process::Command::new(webproxy_tests::webproxy_bin());
+    serve
+        .args(["serve", "--config", file.path().to_str().expect("utf8")])
+        .env("WEBPROXY_NATS__URL", "nats://127.0.0.1:1")
+        .env("WEBPROXY_HTTP__LISTEN", "127.0.0.1:0");
+    let served = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        tokio::process::Command::from(serve).output(),
+    )
+    .await
+    .expect("serve exits at once")
+    .expect("run serve");
+    assert!(!served.status.success(), "{served:?}");
+    let stderr = String::from_utf8_lossy(&served.stderr);
+    assert!(stderr.contains("cannot parse user JWT"), "{stderr}");
+}

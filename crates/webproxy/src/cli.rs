@@ -13,7 +13,7 @@ use crate::config_commands::{self, ConfigCommand};
 use crate::connection::{self, ConnectionArgs};
 use crate::operator::NatsArgs;
 use crate::send::SendArgs;
-use crate::{cfg, dead, gateway, pools, send, serve, telemetry};
+use crate::{cfg, dead, gateway, nats_auth, pools, send, serve, telemetry};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -232,6 +232,12 @@ impl Cli {
                 // What the process checks before it starts, by the very function it
                 // uses: `check-config` refuses exactly what it would. The values are
                 // never printed.
+                // The [nats] files as both read them before connecting (a
+                // credentials file that is readable but no credentials passes
+                // `cfg::load`).
+                runtime()?
+                    .block_on(nats_auth::connect_options(&settings.config.nats))
+                    .context("invalid configuration: the [nats] settings cannot connect")?;
                 if gateway {
                     gateway::load_secrets(&settings)
                         .context("invalid configuration: `webproxy gateway` would not start")?;
