@@ -11,7 +11,7 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{ConfigStore, Outlet, Settled, mark_removing};
+use webproxy_dispatcher::{ConfigStore, Outlet, Settled, is_stream_not_found, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
 use crate::operator::{
@@ -309,13 +309,7 @@ async fn pool_stream(
     let stream_name = subjects.pool_stream(pool);
     match js.get_stream(&stream_name).await {
         Ok(stream) => Ok(stream),
-        Err(e)
-            if matches!(
-                e.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref js)
-                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-            ) =>
-        {
+        Err(e) if is_stream_not_found(&e.kind()) => {
             bail!(
                 "no pool {pool}: its stream {stream_name} does not exist; `webproxy pools` lists the pools"
             )
