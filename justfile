@@ -79,8 +79,8 @@ run:
     gateway_pid=$!
     cargo run --release -q -p webproxy -- serve --config config/webproxy.toml
 
-# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' and the loopback quickstart last.
-test: && test-python test-node demo
+# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' and the loopback quickstart last (from a tree without ./target, with CARGO_TARGET_DIR set).
+test: && test-python test-node demo-target-dir
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # Issue 15: the bench must not depend on the test package, which turns on the
@@ -152,7 +152,12 @@ test-node:
 # The README's loopback quickstart end to end, on free ports: nats-server, the local echo upstream (scripts/echo_upstream.py) and webproxy, then the quickstart's `webproxy send` calls, each checked. No internet needed.
 demo:
     cargo build --workspace --bins
-    {{ _nats_path }}; bash scripts/demo.sh target/debug/webproxy
+    {{ _nats_path }}; target="$(bash scripts/target-dir.sh)"; bash scripts/demo.sh "$target/debug/webproxy"
+
+# `just demo` from a tree without ./target, with CARGO_TARGET_DIR naming the real target dir through a symlink (nothing rebuilt): recipes and scripts find the binaries where cargo put them. `just test` runs the demo this way.
+demo-target-dir:
+    cargo build --workspace --bins
+    bash scripts/demo-target-dir.sh
 
 # Rewrite the JSON Schemas under schema/ from the protocol types (the drift test fails until they match).
 schema:
@@ -199,7 +204,7 @@ lint:
 # Measure webproxy (release build) against direct HTTP calls and a broker-only loop; prints a table and writes target/bench/latest.json. Its sections (main, adaptive, progress-bound) run in turn; `--only progress-bound` or `--skip adaptive,progress-bound` picks among them.
 bench *args:
     cargo build --release -p webproxy -p webproxy-bench
-    {{ _nats_path }}; target/release/webproxy-bench {{ args }}
+    {{ _nats_path }}; target="$(bash scripts/target-dir.sh)"; "$target/release/webproxy-bench" {{ args }}
 
 # The performance reference (issue 17): main as it stood when the performance work began.
 bench_reference := "1e76bb6"
@@ -211,9 +216,9 @@ bench-reference *args:
     {{ _nats_path }}
     reference="$(bash scripts/build-commit.sh {{ bench_reference }} release reference | tail -n1)"
     cargo build --release -p webproxy -p webproxy-bench
-    target/release/webproxy-bench --rounds 3 --reference "{{ bench_reference }}=$reference" {{ args }}
+    "$(bash scripts/target-dir.sh)/release/webproxy-bench" --rounds 3 --reference "{{ bench_reference }}=$reference" {{ args }}
 
-# Where `webproxy serve` (release) spends its CPU at 256 outstanding: perf samples for `seconds`, summarized by crate and by kind of work (data in target/profile/).
+# Where `webproxy serve` (release) spends its CPU at 256 outstanding: perf samples for `seconds`, summarized by crate and by kind of work (data in <target>/profile/).
 profile seconds="10":
     cargo build --release -p webproxy -p webproxy-bench
     {{ _nats_path }}; bash scripts/profile.sh {{ seconds }}

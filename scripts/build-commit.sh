@@ -11,7 +11,7 @@ commit="$1"
 profile="$2"
 dir="$3"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-target="$(realpath -m "${CARGO_TARGET_DIR:-$repo/target}")"
+target="$(realpath -m "$(bash "$repo/scripts/target-dir.sh")")"
 root="$target/$dir/$commit"
 case "$profile" in
     debug) flags=() ;;

@@ -281,9 +281,12 @@ def effective_config(text: str) -> dict:
     return merged(tomllib.loads((REPO / "config" / "default.toml").read_text()), tomllib.loads(text))
 
 
-def check_config(webproxy: str, label: str, text: str, report: Report, secrets: dict[str, str] | None = None) -> dict | None:
+def check_config(webproxy: str, label: str, text: str, report: Report, secrets: dict[str, str] | None = None,
+                 gateway: bool = False) -> dict | None:
     """Runs the real `webproxy check-config --json` on the text, with `secrets` (the
-    variables the pod gets from Secrets, placeholders here) in the environment."""
+    variables the pod gets from Secrets, placeholders here) in the environment; with
+    `gateway`, `--gateway`: what `webproxy gateway` checks (its routes' tokens) rather
+    than `serve`."""
     # WEBPROXY_ variables and the nats CLI's (NATS_URL, NATS_CREDS, NATS_CONTEXT) are
     # configuration too; a developer's own must not leak in.
     nats_cli = ("NATS_URL", "NATS_CREDS", "NATS_CONTEXT")
@@ -293,7 +296,7 @@ def check_config(webproxy: str, label: str, text: str, report: Report, secrets: 
         f.write(text)
         f.flush()
         result = subprocess.run(
-            [webproxy, "check-config", "--config", f.name, "--json"],
+            [webproxy, "check-config", "--config", f.name, "--json", *(["--gateway"] if gateway else [])],
             capture_output=True, text=True, env=env, check=False,
         )
     if not report.check(result.returncode == 0, f"webproxy check-config accepts {label}", result.stderr.strip()):
@@ -680,7 +683,7 @@ def check_gateway(
         "the gateway's container sets every variable its tokens and key are read from",
         f"missing: {sorted(wanted - set(env))}",
     )
-    check_config(webproxy, "the gateway's webproxy.toml", text, report, env)
+    check_config(webproxy, "the gateway's webproxy.toml", text, report, env, gateway=True)
     check_nats_user("the gateway", env, GATEWAY_NATS_USER, nats_passwords, report)
     check_volumes("the gateway's Deployment", spec, configmap, secrets, report)
     check_gateway_pools(config, report)

@@ -16,7 +16,7 @@ test_name="a_rate_of_200_per_second_holds_across_three_instances"
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-target="${CARGO_TARGET_DIR:-$repo/target}"
+target="$(bash scripts/target-dir.sh)"
 logs="$target/soak-rate"
 mkdir -p "$logs"
 

@@ -29,11 +29,23 @@ async fn run(nats: &NatsServer, args: &[&str]) -> String {
 /// Pushes the cluster document `document` with `config push --wait` (it returns once
 /// every live instance runs it); its output.
 pub async fn push_config(nats: &NatsServer, document: &str) -> String {
+    push_document(nats, document, "--wait").await
+}
+
+/// Writes the cluster document `document` with `config push --force` before any
+/// instance runs (a plain push is refused while no instance in kv mode would follow
+/// it); the instances started next read it instead of seeding their own.
+pub async fn seed_config(nats: &NatsServer, document: &str) -> String {
+    push_document(nats, document, "--force").await
+}
+
+/// `config push` of `document` (from a file) with `flag`; its output.
+async fn push_document(nats: &NatsServer, document: &str, flag: &str) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("cluster.toml");
     std::fs::write(&path, document).expect("write the document");
     let path = path.display().to_string();
-    run(nats, &["config", "push", &path, "--wait"]).await
+    run(nats, &["config", "push", &path, flag]).await
 }
 
 /// `webproxy pools`'s standard output.

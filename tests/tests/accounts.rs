@@ -42,6 +42,8 @@ impl Scene {
             &[
                 "config",
                 "push",
+                // Before the service starts: nothing follows it yet.
+                "--force",
                 &file.display().to_string(),
                 "--message",
                 "partner",

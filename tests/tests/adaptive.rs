@@ -13,7 +13,7 @@ use std::time::Duration;
 use webproxy_client::Client;
 use webproxy_tests::adaptive::{self, KNEE, KneeUpstream, median};
 use webproxy_tests::caller::{accept_rule, origin_rule, pool_consumer};
-use webproxy_tests::pools::{kv_config, pool_json, pools, push_config};
+use webproxy_tests::pools::{kv_config, pool_json, pools, push_config, seed_config};
 use webproxy_tests::{NatsServer, Service, Upstream, wait_until};
 
 /// With the knee at 8 and `max_in_flight = 64`, the limit settles: over the last 20 s
@@ -80,7 +80,7 @@ async fn adaptive_turned_off_live_restores_max_in_flight() {
             origin_rule("partner", &upstream, "/")
         )
     };
-    push_config(&nats, &document("adaptive = true\nmin_in_flight = 3")).await;
+    seed_config(&nats, &document("adaptive = true\nmin_in_flight = 3")).await;
     let _services =
         Service::start_many(&nats.url(), &kv_config(&accept_rule("local", &upstream)), 2).await;
     wait_until(SEEN, "the adaptive limit on the consumer", || async {

@@ -18,7 +18,7 @@ use axum::routing::get;
 use futures::StreamExt as _;
 use webproxy_client::Client;
 use webproxy_tests::caller::{envelope, origin_rule, to};
-use webproxy_tests::pools::{kv_config, pool_json, pools, push_config};
+use webproxy_tests::pools::{kv_config, pool_json, pools, push_config, seed_config};
 use webproxy_tests::{NatsServer, Service, Upstream, closed_port, default_routes, wait_until};
 
 const POOL: &str = "partner";
@@ -498,7 +498,7 @@ async fn a_breaker_taken_out_of_the_config_while_open_lets_go_of_the_pool() {
     let breaker = format!(
         "[pools.{POOL}.breaker]\nmin_attempts = 10\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"10m\"\nmax_open_for = \"10m\""
     );
-    push_config(&nats, &document(&breaker)).await;
+    seed_config(&nats, &document(&breaker)).await;
     let services = Service::start_many(
         &nats.url(),
         &kv_config(&webproxy_tests::caller::accept_rule("local", &upstream)),

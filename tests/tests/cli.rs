@@ -414,3 +414,81 @@ async fn a_closed_stdout_ends_send_quietly() {
         "the request was not sent"
     );
 }
+
+/// Issue 31: `check-config` and the process it checks for decide by one function. A
+/// gateway route whose token variable is unset: `serve` starts (the token is the
+/// gateway's, not serve's), so `check-config` accepts it; `webproxy gateway` refuses
+/// to start, and so does `check-config --gateway`, both naming the variable. (An
+/// unreadable injected secret is refused by `check-config` and `serve` alike:
+/// `credentials.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_refuses_what_serve_or_gateway_refuses_and_nothing_else() {
+    const UNSET: &str = "WEBPROXY_TEST_UNSET_ROUTE_TOKEN";
+    let text = format!(
+        "[[gateway.routes]]\npath = \"/svc\"\nupstream = \"https://partner.example/api/\"\ntoken = {{ env = \"{UNSET}\" }}\n"
+    );
+    let checked = check_config(&text).await;
+    assert!(checked.status.success(), "{checked:?}");
+
+    let nats = webproxy_tests::NatsServer::start();
+    let service = webproxy_tests::Service::start(&nats, &text).await;
+    assert!(service.is_ready().await, "{}", service.logs());
+
+    let refused = check_config_with(&["--gateway"], &text).await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(stderr.contains(UNSET), "{stderr}");
+    assert!(
+        stderr.contains("`webproxy gateway` would not start"),
+        "{stderr}"
+    );
+
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), &text).expect("write");
+    let config = file.path().to_str().expect("utf8");
+    let url = nats.url();
+    let gateway = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        webproxy(&["gateway", "--config", config, "--nats", &url]),
+    )
+    .await
+    .expect("the gateway exits at once");
+    let stderr = String::from_utf8_lossy(&gateway.stderr);
+    assert!(!gateway.status.success(), "{gateway:?}");
+    assert!(stderr.contains(UNSET), "{stderr}");
+}
+
+/// Issue 31: a `[nats] credentials_file` that can be read but holds no credentials
+/// passed `check-config`, while `serve` refused to start on it: both now refuse it,
+/// by the function `serve` reads it with before connecting.
+#[tokio::test]
+async fn check_config_and_serve_both_refuse_unusable_nats_credentials() {
+    let creds = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(creds.path(), "not a credentials file\n").expect("write");
+    let text = format!(
+        "[nats]\ncredentials_file = \"{}\"\n",
+        creds.path().display()
+    );
+    let checked = check_config(&text).await;
+    assert!(!checked.status.success(), "{checked:?}");
+    let stderr = String::from_utf8_lossy(&checked.stderr);
+    assert!(stderr.contains("cannot parse user JWT"), "{stderr}");
+
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), &text).expect("write");
+    let mut serve = std::process::Command::new(webproxy_tests::webproxy_bin());
+    serve
+        .args(["serve", "--config", file.path().to_str().expect("utf8")])
+        .env("WEBPROXY_NATS__URL", "nats://127.0.0.1:1")
+        .env("WEBPROXY_HTTP__LISTEN", "127.0.0.1:0");
+    let served = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        tokio::process::Command::from(serve).output(),
+    )
+    .await
+    .expect("serve exits at once")
+    .expect("run serve");
+    assert!(!served.status.success(), "{served:?}");
+    let stderr = String::from_utf8_lossy(&served.stderr);
+    assert!(stderr.contains("cannot parse user JWT"), "{stderr}");
+}

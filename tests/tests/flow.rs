@@ -351,7 +351,12 @@ async fn pauses_of_two_causes_survive_a_push_and_a_restart_and_end_separately() 
         std::fs::write(&path, text).expect("write");
         path.to_string_lossy().into_owned()
     };
-    cli(&nats, &["config", "push", &push("one.toml", document(4))]).await;
+    // Before the instances start: nothing follows it yet.
+    cli(
+        &nats,
+        &["config", "push", "--force", &push("one.toml", document(4))],
+    )
+    .await;
     let mut services = Service::start_many(&nats.url(), "[config]\nsource = \"kv\"\n", 3).await;
     let client = Client::new(nats.client().await, "webproxy").expect("client");
 

@@ -96,6 +96,7 @@ async fn push_prints_the_revision_and_a_diff_and_history_says_who_and_why() {
             &nats,
             &[
                 "push",
+                "--force",
                 &first,
                 "--message",
                 "open the partner",
@@ -123,6 +124,7 @@ async fn push_prints_the_revision_and_a_diff_and_history_says_who_and_why() {
         &nats,
         &[
             "push",
+            "--force",
             &second,
             "--author",
             "bob",
@@ -172,13 +174,15 @@ async fn a_stale_expect_revision_is_refused() {
         "two.toml",
         &document(&upstream, "[pools.other]\n\n"),
     );
-    success(&config(&nats, &["push", &one, "--expect-revision", "0"]).await);
+    success(&config(&nats, &["push", "--force", &one, "--expect-revision", "0"]).await);
     // Pushing over "no document" again: someone pushed revision 1 meanwhile.
-    let refused = failure(&config(&nats, &["push", &two, "--expect-revision", "0"]).await);
+    let refused =
+        failure(&config(&nats, &["push", "--force", &two, "--expect-revision", "0"]).await);
     assert!(refused.contains("is no longer absent"), "{refused}");
-    success(&config(&nats, &["push", &two, "--expect-revision", "1"]).await);
+    success(&config(&nats, &["push", "--force", &two, "--expect-revision", "1"]).await);
     // Operator A read revision 1; operator B pushed revision 2 since.
-    let refused = failure(&config(&nats, &["push", &one, "--expect-revision", "1"]).await);
+    let refused =
+        failure(&config(&nats, &["push", "--force", &one, "--expect-revision", "1"]).await);
     assert!(
         refused.contains("is no longer at revision 1: it changed since it was read"),
         "{refused}"
@@ -255,7 +259,7 @@ async fn show_diff_and_rollback() {
     let two = write(dir.path(), "two.toml", &two_text);
     let diff = success(&config(&nats, &["diff", &one]).await);
     assert!(diff.starts_with("--- no document\n+++ "), "{diff}");
-    success(&config(&nats, &["push", &one]).await);
+    success(&config(&nats, &["push", "--force", &one]).await);
     let diff = success(&config(&nats, &["diff", &one]).await);
     assert_eq!(diff, "no difference from revision 1\n");
     let diff = success(&config(&nats, &["diff", &two]).await);
@@ -265,7 +269,7 @@ async fn show_diff_and_rollback() {
     );
     // diff writes nothing.
     assert_eq!(history(&nats).await.len(), 1);
-    success(&config(&nats, &["push", &two]).await);
+    success(&config(&nats, &["push", "--force", &two]).await);
 
     assert_eq!(success(&config(&nats, &["show"]).await), two_text);
     assert_eq!(
@@ -282,7 +286,7 @@ async fn show_diff_and_rollback() {
         "{missing}"
     );
 
-    let rolled = success(&config(&nats, &["rollback", "1", "--author", "carol"]).await);
+    let rolled = success(&config(&nats, &["rollback", "--force", "1", "--author", "carol"]).await);
     assert!(rolled.starts_with("pushed revision 3 "), "{rolled}");
     assert!(rolled.contains("-[pools.other]\n"), "{rolled}");
     assert_eq!(success(&config(&nats, &["show"]).await), one_text);
@@ -290,7 +294,7 @@ async fn show_diff_and_rollback() {
     assert_eq!(listed.len(), 3);
     assert_eq!(listed[2]["user"], "carol");
     assert_eq!(listed[2]["message"], "rollback to revision 1");
-    let again = failure(&config(&nats, &["rollback", "3"]).await);
+    let again = failure(&config(&nats, &["rollback", "--force", "3"]).await);
     assert!(
         again.contains("revision 3 is the current one already"),
         "{again}"
@@ -349,7 +353,7 @@ async fn seeded_bucket() -> (NatsServer, Upstream) {
     let upstream = Upstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let file = write(dir.path(), "cluster.toml", &document(&upstream, ""));
-    success(&config(&nats, &["push", &file]).await);
+    success(&config(&nats, &["push", "--force", &file]).await);
     (nats, upstream)
 }
 
@@ -382,7 +386,7 @@ async fn a_kv_instance_serves_by_the_buckets_rules_not_its_files() {
     // The bucket denies /admin; the instance's file accepts everything.
     let deny = path_rule("no-admin", &upstream, "/admin") + "action = \"deny\"\n";
     let file = write(dir.path(), "cluster.toml", &document(&upstream, &deny));
-    success(&config(&nats, &["push", &file]).await);
+    success(&config(&nats, &["push", "--force", &file]).await);
     let service = Service::start_with(
         &nats.url(),
         &kv_config(&accept_rule("everything", &upstream)),
@@ -550,7 +554,11 @@ async fn three_kv_instances_follow_every_push_live() {
     success(
         &config(
             &nats,
-            &["push", &write(dir.path(), "r1.toml", &base(1, ""))],
+            &[
+                "push",
+                "--force",
+                &write(dir.path(), "r1.toml", &base(1, "")),
+            ],
         )
         .await,
     );
@@ -769,7 +777,11 @@ async fn one_lease_holder_writes_pool_consumers_and_keeps_pauses_and_runtime_sta
     success(
         &config(
             &nats,
-            &["push", &write(dir.path(), "r1.toml", &document(2, ""))],
+            &[
+                "push",
+                "--force",
+                &write(dir.path(), "r1.toml", &document(2, "")),
+            ],
         )
         .await,
     );
@@ -914,7 +926,11 @@ async fn lowering_ack_wait_while_an_attempt_runs_does_not_duplicate_it() {
     success(
         &config(
             &nats,
-            &["push", &write(dir.path(), "r1.toml", &document("30s"))],
+            &[
+                "push",
+                "--force",
+                &write(dir.path(), "r1.toml", &document("30s")),
+            ],
         )
         .await,
     );
@@ -999,7 +1015,8 @@ async fn a_pushed_max_waiting_is_applied_to_the_stream_and_logged() {
     success(
         &config(
             &nats,
-            &["push", &write(dir.path(), "r1.toml", &document(""))],
+            // Before any instance runs, as a first deployment seeds the bucket.
+            &["push", &write(dir.path(), "r1.toml", &document("")), "--force"],
         )
         .await,
     );
@@ -1032,4 +1049,62 @@ async fn a_pushed_max_waiting_is_applied_to_the_stream_and_logged() {
         services[0].logs().contains(applied)
     })
     .await;
+}
+
+/// Issue 31: `config push` refuses a document no live instance would follow, naming
+/// the instances that run file mode (each would refuse its next start beside a
+/// document), unless `--force`; with an instance in kv mode live, it writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_no_instance_follows_is_refused_unless_forced() {
+    let nats = NatsServer::start();
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "one.toml", &document(&upstream, ""));
+    let instance = Service::start(&nats, &accept_rule("local", &upstream)).await;
+    let named = format!("-{}", instance.pid());
+    // The heartbeat is written once the instance runs: until then the refusal says
+    // that no instance reports at all.
+    let refused = webproxy_tests::wait_for(
+        Duration::from_secs(10),
+        "a refusal naming the instance in file mode",
+        || {
+            let (nats, file, named) = (&nats, &file, &named);
+            async move {
+                let refused = failure(&config(nats, &["push", file]).await);
+                refused.contains(named.as_str()).then_some(refused)
+            }
+        },
+    )
+    .await;
+    assert!(refused.contains("source = \"file\""), "{refused}");
+    assert!(refused.contains("--force"), "{refused}");
+    // Nothing was written.
+    let shown = failure(&config(&nats, &["show"]).await);
+    assert!(shown.contains("no bucket WEBPROXY_CONFIG"), "{shown}");
+
+    let forced = config(&nats, &["push", &file, "--force"]).await;
+    success(&forced);
+    assert!(text(&forced.stderr).contains(&named), "{forced:?}");
+    drop(instance);
+
+    // An instance in kv mode follows what is pushed: no --force needed.
+    let follower = Service::start(&nats, &kv_config(&accept_rule("local", &upstream))).await;
+    let two = write(
+        dir.path(),
+        "two.toml",
+        &document(&upstream, "[pools.other]\n\n"),
+    );
+    // Once its heartbeat says kv mode: the killed file-mode instance's report stays
+    // until it expires, and is only warned about.
+    webproxy_tests::wait_until(Duration::from_secs(10), "a push in kv mode", || {
+        let (nats, two) = (&nats, &two);
+        async move {
+            config(nats, &["push", two, "--wait"])
+                .await
+                .status
+                .success()
+        }
+    })
+    .await;
+    drop(follower);
 }

@@ -198,17 +198,21 @@ async fn a_deleted_pool_consumer_is_recreated_and_counted() {
     assert_eq!(reply.status, Some(200), "{reply:?}");
 }
 
-/// `pools remove` on a pool that a running instance still has in its config: the
-/// instance notices its consumer is gone but does not recreate it (the stream is
-/// marked `removing`, then deleted), nor the stream; it stays alive, serves its other
-/// pools, and stays not ready, since a pool of its config has no consumer: the
-/// operator's cue to take the pool out of the config.
+/// `pools remove --force` on a pool that a running instance still has in its config
+/// (without `--force` it is refused, issue 31): the instance notices its consumer is
+/// gone but does not recreate it (the stream is marked `removing`, then deleted), nor
+/// the stream; it stays alive, serves its other pools, and stays not ready, since a
+/// pool of its config has no consumer: the operator's cue to take the pool out of the
+/// config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_removed_with_pools_remove_stays_removed() {
     let h =
         Harness::start(|up| format!("[pools.p1]\nmax_in_flight = 2\n\n{}", config(up, "15s", 4)))
             .await;
-    let removed = run_webproxy(&["pools", "remove", "p1", "--nats", &h.nats.url()]).await;
+    let refused = run_webproxy(&["pools", "remove", "p1", "--nats", &h.nats.url()]).await;
+    assert!(!refused.status.success(), "{refused:?}");
+    let removed =
+        run_webproxy(&["pools", "remove", "p1", "--force", "--nats", &h.nats.url()]).await;
     assert!(removed.status.success(), "{removed:?}");
 
     wait_until(

@@ -371,6 +371,8 @@ async fn the_operators_pools_remove_answers_an_isolated_caller_into_its_stream()
             "remove",
             DRAINED_POOL,
             "--dead-letter",
+            // The scene's instance still has the pool in its configuration.
+            "--force",
             "--config",
             config,
         ])

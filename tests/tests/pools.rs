@@ -8,10 +8,14 @@ use std::time::{Duration, Instant};
 use webproxy_client::{Client, Error as ClientError, Submitted};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
+use webproxy_tests::pools::{kv_config, push_config};
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{
     Gate, NatsServer, Service, ServiceOptions, Upstream, default_routes, wait_until,
 };
+
+/// How long an instance asked to stop may take to exit.
+const EXIT: Duration = Duration::from_secs(30);
 
 struct Cluster {
     nats: NatsServer,
@@ -290,8 +294,15 @@ async fn pools_are_listed_and_removed() {
         )
     })
     .await;
-    // With no instance consuming, requests wait in the pool.
-    c.services[0].kill();
+    // With no instance consuming, requests wait in the pool. Stopped cleanly, so its
+    // heartbeat, which lists p1, is gone and `pools remove` does not refuse p1 as
+    // still run (a killed instance's stays 20 s).
+    c.services[0].terminate();
+    assert!(
+        c.services[0].wait_exit(EXIT).await.is_some(),
+        "{}",
+        c.services[0].logs()
+    );
     let nats = c.nats.url();
     let mut replies = c
         .nats
@@ -519,4 +530,104 @@ async fn wait_for_reply(client: &Client, submitted: &Submitted) -> Reply {
             .expect("lookup")
     })
     .await
+}
+
+/// Issue 31: `pools pause`, `resume` and `remove` refuse a pool whose stream does not
+/// exist, naming it and the command that lists the pools, rather than reporting a
+/// pause that holds nothing or a raw JetStream error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_resume_and_remove_refuse_a_pool_that_does_not_exist() {
+    let c = cluster(1, |up| accept_rule("local", up)).await;
+    let nats = c.nats.url();
+    for command in ["pause", "resume", "remove"] {
+        let refused = webproxy(&["pools", command, "nosuch", "--nats", &nats]).await;
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "{command}: {refused:?}");
+        assert!(
+            stderr.contains("no pool nosuch") && stderr.contains("`webproxy pools`"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
+/// `pools remove`'s refusal, waiting out the instances' first heartbeats.
+async fn refused_remove(nats: &str, pool: &str, naming: &str) -> String {
+    webproxy_tests::wait_for(
+        Duration::from_secs(10),
+        "pools remove refused naming where the pool is still run",
+        || async move {
+            let refused = webproxy(&["pools", "remove", pool, "--nats", nats]).await;
+            let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+            (!refused.status.success() && stderr.contains(naming)).then_some(stderr)
+        },
+    )
+    .await
+}
+
+/// Issue 31: `pools remove` refuses a pool the running configuration still has in kv
+/// mode (the bucket's document names it): removed, every later request for it would
+/// be answered `internal: no stream stores ...` and nothing would recreate it. Taken
+/// out of the document first, it is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_refuses_a_pool_the_kv_document_still_has() {
+    let c = cluster(1, |up| {
+        kv_config(&format!(
+            "[outbound]\nallow_private_networks = true\n\n[pools.p1]\n\n{}",
+            accept_rule("local", up)
+        ))
+    })
+    .await;
+    let nats = c.nats.url();
+    let refused = refused_remove(&nats, "p1", "revision 1 of WEBPROXY_CONFIG has [pools.p1]").await;
+    assert!(refused.contains("config push"), "{refused}");
+    assert!(refused.contains("live instances running it"), "{refused}");
+    // The pool still serves.
+    let reply = c
+        .client
+        .request(&to("p1", &envelope("GET", &c.upstream.url("/echo"))).wait(REPLY_TIMEOUT))
+        .await
+        .expect("a reply from p1");
+    assert_eq!(reply.outcome, Outcome::Response, "{reply:?}");
+
+    push_config(
+        &c.nats,
+        &format!(
+            "[outbound]\nallow_private_networks = true\n\n{}",
+            accept_rule("local", &c.upstream)
+        ),
+    )
+    .await;
+    // The heartbeat says the new revision's pools at once on the change.
+    webproxy_tests::wait_until(Duration::from_secs(10), "p1 removed", || {
+        let nats = &nats;
+        async move {
+            webproxy(&["pools", "remove", "p1", "--nats", nats])
+                .await
+                .status
+                .success()
+        }
+    })
+    .await;
+}
+
+/// Issue 31: `pools remove` refuses a pool that a live instance in file mode runs
+/// (its heartbeat lists its pools), naming the instance; once it stopped, the pool
+/// is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_refuses_a_pool_a_file_mode_instance_still_runs() {
+    let mut c = cluster(1, |up| {
+        format!("[pools.p1]\n\n{}", accept_rule("local", up))
+    })
+    .await;
+    let nats = c.nats.url();
+    let named = format!("-{}", c.services[0].pid());
+    let refused = refused_remove(&nats, "p1", &named).await;
+    assert!(
+        refused.contains("pool p1 is still in the running configuration"),
+        "{refused}"
+    );
+    c.services[0].terminate();
+    assert!(c.services[0].wait_exit(EXIT).await.is_some());
+    let removed = webproxy(&["pools", "remove", "p1", "--nats", &nats]).await;
+    assert!(removed.status.success(), "{removed:?}");
 }

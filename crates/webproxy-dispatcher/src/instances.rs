@@ -27,8 +27,10 @@ pub(crate) fn bucket_config(settings: &Settings) -> kv::Config {
         .kv_config()
 }
 
-/// One instance's heartbeat in the bucket, under its id: written by the binary in `kv`
-/// mode every 5 s and at once when what it reports changes.
+/// One instance's heartbeat in the bucket, under its id: written by the binary every
+/// 5 s and at once when what it reports changes (in `kv` mode, and since issue 31 in
+/// `file` mode too, so that `config push` and `pools remove` see what file-mode
+/// instances run).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceReport {
     pub instance: String,
@@ -44,9 +46,24 @@ pub struct InstanceReport {
     /// arrived under, and are waited for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pacing_ack_wait_ms: Option<u64>,
+    /// Where its configuration comes from: `"kv"` or `"file"` (`[config] source`).
+    /// Absent from instances older than the field, which reported only in `kv` mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// The pools its running configuration has (`[pools]`, which every request rule's
+    /// pool is in), so that `pools remove` can refuse one still routed to. Absent from
+    /// instances older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pools: Option<Vec<String>>,
 }
 
 impl InstanceReport {
+    /// Whether it runs `[config] source = "file"`: it never follows the configuration
+    /// bucket, so no pushed revision reaches it.
+    pub fn runs_file_mode(&self) -> bool {
+        self.source.as_deref() == Some("file")
+    }
+
     /// The `ack_wait` it paces from, when it says.
     pub(crate) fn pacing_ack_wait(&self) -> Option<Duration> {
         self.pacing_ack_wait_ms.map(Duration::from_millis)

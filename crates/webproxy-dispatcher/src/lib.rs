@@ -56,7 +56,7 @@ pub use runtime::{
 pub use secret_source::SecretSource;
 pub use secrets::{Redactor, Secrets};
 pub use security::{OutboundConfig, parse_cidrs};
-pub use state::{Bucket, BucketError, BucketUse, StateBucket};
+pub use state::{Bucket, BucketError, BucketUse, StateBucket, is_stream_not_found};
 pub use trace::request_ids;
 
 use gauges::Gauges;

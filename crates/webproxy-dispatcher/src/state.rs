@@ -249,7 +249,7 @@ pub enum BucketError {
 }
 
 /// Whether the JetStream API answered that no stream by this name exists.
-pub(crate) fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
+pub fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
     matches!(kind, GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND)
 }
 

@@ -6,14 +6,14 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use webproxy_dispatcher::{Redactor, Secrets};
+use webproxy_dispatcher::Redactor;
 
 use crate::config::Settings;
 use crate::config_commands::{self, ConfigCommand};
 use crate::connection::{self, ConnectionArgs};
 use crate::operator::NatsArgs;
 use crate::send::SendArgs;
-use crate::{cfg, dead, gateway, pools, send, serve, telemetry};
+use crate::{cfg, dead, gateway, nats_auth, pools, send, serve, telemetry};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -48,7 +48,8 @@ enum Command {
         #[command(flatten)]
         connection: ConnectionArgs,
     },
-    /// Validate a configuration and print the effective pools and rules.
+    /// Validate a configuration as `serve` would before it starts (or `gateway`, with
+    /// --gateway) and print the effective pools and rules.
     CheckConfig {
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
@@ -56,6 +57,10 @@ enum Command {
         /// configuration's cluster sections.
         #[arg(long, value_name = "FILE")]
         document: Option<PathBuf>,
+        /// Check what `webproxy gateway` checks before it starts (its routes' tokens,
+        /// its key and TLS files) rather than what `serve` does.
+        #[arg(long)]
+        gateway: bool,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -99,7 +104,9 @@ enum GatewayCommand {
 
 #[derive(Debug, Subcommand)]
 enum PoolsCommand {
-    /// Delete a pool's stream and consumers. Refused while messages wait in it, unless
+    /// Delete a pool's stream and consumers. Refused for a pool that does not exist, or
+    /// that the running configuration still has (the bucket's document, or a live
+    /// instance's heartbeat), unless --force; and while messages wait in it, unless
     /// --dead-letter, which answers and dead-letters them first.
     Remove {
         name: String,
@@ -108,6 +115,11 @@ enum PoolsCommand {
         /// End the pool's waiting messages with an `internal` error and dead-letter them.
         #[arg(long)]
         dead_letter: bool,
+        /// Remove it even though the running configuration still has it: its
+        /// instances then answer its requests `internal` until it is taken out of
+        /// their configuration, and do not recreate it.
+        #[arg(long)]
+        force: bool,
     },
     /// Stop a pool's deliveries on every instance, through consumer pause: requests keep
     /// waiting in its stream. Other pauses (an upstream's Retry-After) keep their own ends.
@@ -202,6 +214,7 @@ impl Cli {
             Command::CheckConfig {
                 config,
                 document,
+                gateway,
                 json,
             } => {
                 // What serve would run on in this environment: NATS_URL and the
@@ -216,13 +229,21 @@ impl Cli {
                             .with_context(|| format!("invalid document {}", path.display()))?;
                     settings = settings.with_document(document, dispatcher);
                 }
-                // Every secret must be readable for the configuration to be valid; the
-                // values are never printed.
-                Secrets::load(&settings.dispatcher.cluster.rules, Redactor::default())
-                    .context("invalid configuration: cannot read an injected secret")?;
-                if !settings.gateway.routes.is_empty() {
+                // What the process checks before it starts, by the very function it
+                // uses: `check-config` refuses exactly what it would. The values are
+                // never printed.
+                // The [nats] files as both read them before connecting (a
+                // credentials file that is readable but no credentials passes
+                // `cfg::load`).
+                runtime()?
+                    .block_on(nats_auth::connect_options(&settings.config.nats))
+                    .context("invalid configuration: the [nats] settings cannot connect")?;
+                if gateway {
                     gateway::load_secrets(&settings)
-                        .context("invalid configuration: the gateway cannot start")?;
+                        .context("invalid configuration: `webproxy gateway` would not start")?;
+                } else {
+                    serve::load_secrets(&settings, &Redactor::default())
+                        .context("invalid configuration: `webproxy serve` would not start")?;
                 }
                 cfg::print_effective(&settings, &settings.warnings(), json)?;
                 Ok(ExitCode::SUCCESS)
@@ -249,7 +270,8 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
                     name,
                     nats,
                     dead_letter,
-                }) => pools::remove(&nats, &name, dead_letter).await?,
+                    force,
+                }) => pools::remove(&nats, &name, dead_letter, force).await?,
                 Some(PoolsCommand::Pause {
                     name,
                     nats,

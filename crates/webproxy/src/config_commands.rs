@@ -37,6 +37,8 @@ pub enum ConfigCommand {
         #[command(flatten)]
         wait: WaitArgs,
         #[command(flatten)]
+        followers: FollowerArgs,
+        #[command(flatten)]
         nats: NatsArgs,
     },
     /// Print the current document, or an older revision's.
@@ -64,6 +66,8 @@ pub enum ConfigCommand {
         note: NoteArgs,
         #[command(flatten)]
         wait: WaitArgs,
+        #[command(flatten)]
+        followers: FollowerArgs,
         #[command(flatten)]
         nats: NatsArgs,
     },
@@ -150,6 +154,53 @@ impl WaitArgs {
     }
 }
 
+/// Whether anything follows what is written.
+#[derive(Debug, Args)]
+pub struct FollowerArgs {
+    /// Write even when no live instance runs `[config] source = "kv"` (in the bucket
+    /// <PREFIX>_INSTANCES): for instance to write the document before the first
+    /// instance in kv mode starts. Instances in file mode refuse to start while the
+    /// bucket holds a document.
+    #[arg(long)]
+    force: bool,
+}
+
+impl FollowerArgs {
+    /// Refuses, unless `--force`, a write that no live instance would follow: none
+    /// reports `kv` mode. The instances in file mode are named, since each of them
+    /// would refuse its next start beside a document; with kv followers as well,
+    /// they are named in a warning.
+    async fn check(&self, js: &jetstream::Context, subjects: &Subjects) -> anyhow::Result<()> {
+        let reports = live::reports(js, subjects).await?;
+        let (file, kv): (Vec<_>, Vec<_>) = reports.iter().partition(|r| r.runs_file_mode());
+        let file: Vec<&str> = file.iter().map(|r| r.instance.as_str()).collect();
+        let restart = "each refuses its next start while the bucket holds a document";
+        if kv.is_empty() && !self.force {
+            let found = if file.is_empty() {
+                format!(
+                    "no live instance reports to {}",
+                    subjects.instances_bucket()
+                )
+            } else {
+                format!(
+                    "the live instances run [config] source = \"file\" ({}), so none would follow it, and {restart}",
+                    file.join(", ")
+                )
+            };
+            bail!(
+                "refused: no live instance runs [config] source = \"kv\" to follow this document: {found}; set source = \"kv\" and restart the instances first, or pass --force to write it anyway"
+            );
+        }
+        if !file.is_empty() {
+            eprintln!(
+                "warning: live instances in file mode will not follow this document, and {restart}: {}",
+                file.join(", ")
+            );
+        }
+        Ok(())
+    }
+}
+
 impl NoteArgs {
     fn note(self, default_message: impl FnOnce() -> String) -> PushNote {
         let user = self.author.unwrap_or_else(|| {
@@ -174,6 +225,7 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             expect_revision,
             note,
             wait,
+            followers,
             nats,
         } => {
             let (client, settings) = connect_with_settings(&nats).await?;
@@ -181,6 +233,8 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             let text = read_document(&file)?;
             let pushed = validated(&text, &settings, &name)?;
             let js = jetstream::new(client.nats().clone());
+            // Before the bucket is made: a refused push leaves nothing behind.
+            followers.check(&js, &settings.dispatcher.subjects).await?;
             let store = ConfigStore::open_or_create(&js, &settings.dispatcher).await?;
             let current = store.latest().await?;
             let expected = match expect_revision {
@@ -201,11 +255,13 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             revision,
             note,
             wait,
+            followers,
             nats,
         } => {
             let (settings, store, js) = open(&nats).await?;
             let old = revision_of(&store, revision).await?;
             let pushed = validated(&old.document, &settings, &format!("revision {revision}"))?;
+            followers.check(&js, &settings.dispatcher.subjects).await?;
             let current = store.latest().await?;
             if current.as_ref().is_some_and(|c| c.revision == revision) {
                 bail!("revision {revision} is the current one already");

@@ -1,8 +1,8 @@
 //! `serve` in `kv` mode after start: follows the configuration bucket (every new
 //! revision validated as a push is, then handed to the dispatcher to swap in, or
-//! refused, keeping the running one), and reports the revision it runs in the
-//! `<PREFIX>_INSTANCES` bucket on a heartbeat that `config push --wait` and `pools`
-//! read.
+//! refused, keeping the running one); and in either mode, the heartbeat in the
+//! `<PREFIX>_INSTANCES` bucket (the revision, the source and the pools it runs) that
+//! `config push`, `pools` and `pools remove` read.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,14 +10,14 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 use webproxy_dispatcher::{
     AckWaitPacing, ConfigStore, Instruments, Redactor, Secrets, StartError, StoredRevision,
 };
 
-use crate::config::Settings;
+use crate::config::{ClusterSource, Settings};
 use crate::document;
 
 /// What this instance runs: the settings of one revision and its rules' secrets.
@@ -36,9 +36,13 @@ const HEARTBEAT: Duration = Duration::from_secs(5);
 /// One instance's report in `<PREFIX>_INSTANCES`, under its id.
 pub use webproxy_dispatcher::InstanceReport as Report;
 
-/// The instances in `reports` that do not run `revision` or a later one (pure).
+/// The instances in `reports` that do not run `revision` or a later one (pure); an
+/// instance in file mode never runs a pushed revision, so it is not waited for.
 pub fn lagging(reports: &[Report], revision: u64) -> Vec<&Report> {
-    reports.iter().filter(|r| r.revision < revision).collect()
+    reports
+        .iter()
+        .filter(|r| !r.runs_file_mode() && r.revision < revision)
+        .collect()
 }
 
 /// The live instances' reports, by id; none when the bucket does not exist.
@@ -49,16 +53,20 @@ pub async fn reports(
     Ok(ConfigStore::instance_reports(js, subjects).await?)
 }
 
-/// Reports `running`'s revision, and the `ack_wait` this instance paces from, every
-/// [`HEARTBEAT`] and at once when either changes, until `shutdown`; then deletes the
-/// report, so `--wait` does not wait for this instance.
+/// Reports `running`'s revision and pools, where they come from (`source`), and the
+/// `ack_wait` this instance paces from, every [`HEARTBEAT`] and at once when any
+/// changes, until `shutdown`; then deletes the report, so `--wait` does not wait for
+/// this instance. `reported` is told once the first report was tried, written or not.
 pub async fn heartbeat(
     client: async_nats::Client,
     settings: Arc<webproxy_dispatcher::Settings>,
+    source: ClusterSource,
     mut running: watch::Receiver<Running>,
     mut pacing: AckWaitPacing,
+    reported: oneshot::Sender<()>,
     shutdown: CancellationToken,
 ) {
+    let mut reported = Some(reported);
     let js = jetstream::new(client);
     let id = ConfigStore::instance_id();
     let mut store: Option<kv::Store> = None;
@@ -77,27 +85,54 @@ pub async fn heartbeat(
                 Err(e) => warn!(error = %e, "cannot report this instance's revision"),
             }
         }
-        let Some(store) = &store else { continue };
-        let report = Report {
-            instance: id.clone(),
-            revision: running.borrow_and_update().revision,
-            version: env!("CARGO_PKG_VERSION").into(),
-            time: time::OffsetDateTime::now_utc()
-                .format(&time::format_description::well_known::Rfc3339)
-                .unwrap_or_default(),
-            pacing_ack_wait_ms: Some(
-                u64::try_from(pacing.longest().as_millis()).unwrap_or(u64::MAX),
-            ),
-        };
-        let value = serde_json::to_vec(&report).unwrap_or_default();
-        if let Err(e) = store.put(&id, value.into()).await {
-            warn!(error = %e, "cannot report this instance's revision");
+        if let Some(store) = &store {
+            write_report(store, &id, source, &mut running, &mut pacing).await;
+        }
+        // Tried once, written or not: the start waits no longer.
+        if let Some(reported) = reported.take() {
+            let _ = reported.send(());
         }
     }
     if let Some(store) = store
         && let Err(e) = store.purge(&id).await
     {
         debug!(error = %e, "cannot delete this instance's report; it expires");
+    }
+}
+
+/// Writes one heartbeat: what `running` runs, from where, and the pacing.
+async fn write_report(
+    store: &kv::Store,
+    id: &str,
+    source: ClusterSource,
+    running: &mut watch::Receiver<Running>,
+    pacing: &mut AckWaitPacing,
+) {
+    let (revision, pools) = {
+        let running = running.borrow_and_update();
+        let pools = running.settings.dispatcher.cluster.pools.keys().cloned();
+        (running.revision, pools.collect())
+    };
+    let report = Report {
+        instance: id.to_string(),
+        revision,
+        version: env!("CARGO_PKG_VERSION").into(),
+        time: time::OffsetDateTime::now_utc()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+        pacing_ack_wait_ms: Some(u64::try_from(pacing.longest().as_millis()).unwrap_or(u64::MAX)),
+        source: Some(
+            match source {
+                ClusterSource::File => "file",
+                ClusterSource::Kv => "kv",
+            }
+            .into(),
+        ),
+        pools: Some(pools),
+    };
+    let value = serde_json::to_vec(&report).unwrap_or_default();
+    if let Err(e) = store.put(id, value.into()).await {
+        warn!(error = %e, "cannot report this instance's revision");
     }
 }
 
@@ -260,6 +295,8 @@ mod tests {
             version: "1".into(),
             time: String::new(),
             pacing_ack_wait_ms: None,
+            source: None,
+            pools: None,
         }
     }
 
@@ -272,6 +309,20 @@ mod tests {
             .collect();
         assert_eq!(lagging, ["a"]);
         assert!(lagging_none(&reports, 3));
+    }
+
+    #[test]
+    fn an_instance_in_file_mode_is_never_waited_for() {
+        let mut file = report("f", 0);
+        file.source = Some("file".into());
+        let mut kv = report("k", 0);
+        kv.source = Some("kv".into());
+        let reports = [file, kv];
+        let lagging: Vec<&str> = lagging(&reports, 1)
+            .iter()
+            .map(|r| r.instance.as_str())
+            .collect();
+        assert_eq!(lagging, ["k"]);
     }
 
     fn lagging_none(reports: &[Report], revision: u64) -> bool {

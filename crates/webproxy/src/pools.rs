@@ -11,13 +11,13 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{ConfigStore, Outlet, Settled, mark_removing};
+use webproxy_dispatcher::{ConfigStore, Outlet, Settled, is_stream_not_found, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
-use crate::live;
 use crate::operator::{
     NatsArgs, connect, connect_with_settings, for_each_message, operator_outlet,
 };
+use crate::{document, live};
 
 /// One pool as the server sees it.
 #[derive(Debug, Serialize)]
@@ -294,14 +294,41 @@ pub async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
 /// The operator's outlet, once `pool`'s stream is known to exist.
 async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<Outlet> {
     let js = jetstream::new(client.nats().clone());
-    let stream_name = client.subjects().pool_stream(pool);
-    js.get_stream_no_info(&stream_name)
-        .await
-        .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
+    pool_stream(&js, client.subjects(), pool).await?;
     operator_outlet(client, client.subjects()).await
 }
 
-pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::Result<()> {
+/// `pool`'s stream, read from the server (an info request: a stream handle made
+/// without one would "exist" for any name), or an error naming the pool and the
+/// command that lists the pools when there is no such stream.
+async fn pool_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    pool: &str,
+) -> anyhow::Result<stream::Stream> {
+    let stream_name = subjects.pool_stream(pool);
+    match js.get_stream(&stream_name).await {
+        Ok(stream) => Ok(stream),
+        Err(e) if is_stream_not_found(&e.kind()) => {
+            bail!(
+                "no pool {pool}: its stream {stream_name} does not exist; `webproxy pools` lists the pools"
+            )
+        }
+        Err(e) => {
+            Err(e).with_context(|| format!("cannot read stream {stream_name} of pool {pool}"))
+        }
+    }
+}
+
+/// `pools remove`: refused for a pool that does not exist, that the running
+/// configuration still has (unless `force`), or that holds messages (unless
+/// `dead_letter`).
+pub async fn remove(
+    args: &NatsArgs,
+    pool: &str,
+    dead_letter: bool,
+    force: bool,
+) -> anyhow::Result<()> {
     if pool == "default" {
         bail!("pool default always exists and cannot be removed");
     }
@@ -309,10 +336,14 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     let js = jetstream::new(client.nats().clone());
     let subjects = settings.dispatcher.subjects.clone();
     let stream_name = subjects.pool_stream(pool);
-    let mut stream = js
-        .get_stream(&stream_name)
-        .await
-        .with_context(|| format!("no pool {pool} (stream {stream_name})"))?;
+    let mut stream = pool_stream(&js, &subjects, pool).await?;
+    let routing = still_routed(&js, &subjects, pool).await?;
+    if !routing.is_empty() && !force {
+        bail!(
+            "refused: pool {pool} is still in the running configuration ({}), whose instances would serve it without a stream; take [pools.{pool}] and the request rules naming it out of the configuration first (`webproxy config push` in kv mode; in file mode, the file of every instance, restarted), then remove it, or pass --force to remove it anyway. Instances in file mode older than this check do not report their pools",
+            routing.join("; ")
+        );
+    }
     let waiting = stream
         .info()
         .await
@@ -364,6 +395,56 @@ pub async fn remove(args: &NatsArgs, pool: &str, dead_letter: bool) -> anyhow::R
     }
     outln!("removed pool {pool}")?;
     Ok(())
+}
+
+/// Where the running cluster configuration still has `pool`: the current document
+/// of the configuration bucket (what every instance in kv mode runs, or will), and
+/// the live instances whose heartbeat lists it (in either mode). Empty when nothing
+/// routes to it, as far as can be known: an instance in file mode older than the
+/// heartbeat's `pools` does not say.
+async fn still_routed(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    pool: &str,
+) -> anyhow::Result<Vec<String>> {
+    let mut routing = Vec::new();
+    if let Some(store) = ConfigStore::open(js, subjects).await?
+        && let Some(current) = store.current().await?
+    {
+        match document::parse(&current.document) {
+            Ok(document) if document.pools.keys().any(|p| p.eq_ignore_ascii_case(pool)) => {
+                routing.push(format!(
+                    "revision {} of {} has [pools.{pool}]",
+                    current.revision,
+                    store.bucket()
+                ));
+            }
+            Ok(_) => {}
+            // The instances keep their last good revision: the heartbeats still say.
+            Err(e) => eprintln!(
+                "warning: cannot read revision {} of {}: {e:#}",
+                current.revision,
+                store.bucket()
+            ),
+        }
+    }
+    let instances: Vec<String> = live::reports(js, subjects)
+        .await?
+        .into_iter()
+        .filter(|r| {
+            r.pools
+                .as_ref()
+                .is_some_and(|pools| pools.iter().any(|p| p.eq_ignore_ascii_case(pool)))
+        })
+        .map(|r| r.instance)
+        .collect();
+    if !instances.is_empty() {
+        routing.push(format!(
+            "live instances running it: {}",
+            instances.join(", ")
+        ));
+    }
+    Ok(routing)
 }
 
 fn consumer_not_found(e: &stream::ConsumerError) -> bool {

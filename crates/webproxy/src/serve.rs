@@ -18,7 +18,11 @@ use webproxy_dispatcher::{
 use crate::config::{ClusterDocument, ClusterSource, Settings};
 use crate::live::{self, Running};
 use crate::{document, health, rotation};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
+
+/// How long the start waits for the first heartbeat to be written before serving
+/// anyway (the heartbeat keeps trying).
+const FIRST_REPORT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
@@ -26,7 +30,10 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     // In file mode the rules are known now, and an unreadable secret stops the start
     // before anything connects; in kv mode they are known once the bucket is read.
     let file_secrets = match source {
-        ClusterSource::File => Some(load_secrets(&settings, &redactor)?),
+        ClusterSource::File => {
+            log_warnings(&settings);
+            Some(load_secrets(&settings, &redactor)?)
+        }
         ClusterSource::Kv => None,
     };
     let instruments = Instruments::new();
@@ -58,6 +65,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
             else {
                 return Ok(());
             };
+            log_warnings(&settings);
             let secrets = load_secrets(&settings, &redactor)?;
             (settings, secrets, Some(revision))
         }
@@ -86,8 +94,25 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    // In kv mode the instance follows the bucket and reports the revision it runs.
-    let mut reporting = None;
+    // In kv mode the instance follows the bucket. In either mode it reports what it
+    // runs: `config push` refuses a push no instance would follow, and `pools remove`
+    // a pool a file-mode instance still has.
+    let (reported, first_report) = oneshot::channel();
+    let reporting = tokio::spawn(live::heartbeat(
+        client.clone(),
+        settings.dispatcher.clone(),
+        source,
+        following,
+        dispatcher.ack_wait_pacing(),
+        reported,
+        shutdown.clone(),
+    ));
+    // Ready only once reported (or a few seconds tried): an operator who pushes as
+    // soon as the instances are ready finds them in the bucket.
+    let _ = tokio::time::timeout(FIRST_REPORT, first_report).await;
+    // In file mode nothing changes what runs; the sender is kept until the end, as
+    // the heartbeat stops when it is dropped.
+    let mut _file_running = None;
     if let Some(revision) = revision {
         // `config push` writes to it: a full bucket refuses the next revision.
         dispatcher.gauge_bucket(Bucket::Config);
@@ -100,22 +125,16 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
             dispatcher.reconfigure(),
             shutdown.clone(),
         ));
-        reporting = Some(tokio::spawn(live::heartbeat(
-            client.clone(),
-            settings.dispatcher.clone(),
-            following,
-            dispatcher.ack_wait_pacing(),
-            shutdown.clone(),
-        )));
+    } else {
+        _file_running = Some(running);
     }
     info!(pools = ?settings.dispatcher.cluster.pools.keys().collect::<Vec<_>>(), "serving");
     dispatcher
         .run(shutdown, settings.config.service.shutdown_grace)
         .await;
-    if let Some(reporting) = reporting {
-        // Its report deleted, so that `config push --wait` stops waiting for it.
-        let _ = reporting.await;
-    }
+    // Its report deleted, so that `config push --wait` stops waiting for it.
+    let _ = reporting.await;
+    drop(_file_running);
     if let Err(e) = client.flush().await {
         warn!(error = %e, "could not flush the NATS connection");
     }
@@ -123,11 +142,22 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Logs the configuration's warnings and reads the injected secrets of its rules.
-fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<Secrets>> {
+/// Logs the configuration's warnings.
+fn log_warnings(settings: &Settings) {
     for warning in settings.warnings() {
         warn!("configuration: {warning}");
     }
+}
+
+/// Reads the injected secrets of `settings`' rules: what `serve` checks of a loaded
+/// configuration (`cfg::load`) before it serves, and so what `check-config` checks
+/// for it, by this one function. In file mode the rules are the file's, read before
+/// anything connects; in kv mode the bucket's revision's, once read (the file's, when
+/// they seed an empty bucket: `check-config`, which reads no bucket, checks them as
+/// that start would). The gateway's tokens and key are `webproxy gateway`'s
+/// (`gateway::load_secrets`, which `check-config --gateway` runs), not serve's: a pod
+/// of one need not hold the other's secrets.
+pub fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<Secrets>> {
     let secrets = Secrets::load(&settings.dispatcher.cluster.rules, redactor.clone())
         .context("cannot read an injected secret")?;
     Ok(Arc::new(secrets))

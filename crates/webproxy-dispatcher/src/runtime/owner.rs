@@ -318,7 +318,16 @@ impl LivePacing {
     async fn get(&mut self) -> Option<&[Option<Duration>]> {
         if self.read.is_none() {
             let read = match instances::reports(&self.store).await {
-                Ok(reports) => Some(reports.iter().map(|r| r.pacing_ack_wait()).collect()),
+                // Instances in file mode report too (for `config push` and `pools
+                // remove`), but are not waited for, as when they reported nothing: a
+                // lowered ack_wait reaches them by a deploy, not by a push (README).
+                Ok(reports) => Some(
+                    reports
+                        .iter()
+                        .filter(|r| !r.runs_file_mode())
+                        .map(|r| r.pacing_ack_wait())
+                        .collect(),
+                ),
                 Err(e) => {
                     warn!(error = %e, "cannot read the instances' heartbeats; a lower ack_wait waits");
                     None
