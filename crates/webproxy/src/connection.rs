@@ -1,11 +1,12 @@
 //! Where the `[nats]` settings come from besides the configuration: the nats CLI's
-//! conventions (`-s/--server`, `--creds`, `--user`, `--password`, `--tlsca`,
-//! `--context`, and `NATS_URL`, `NATS_CREDS`, `NATS_CONTEXT` with the nats CLI's
-//! context files), resolved in one pure function into a [`Layer`] that is laid over
+//! conventions (`-s/--server`, `--creds`, `--nkey`, `--user`, `--password`, `--tlsca`,
+//! `--tlscert`/`--tlskey`, `--inbox-prefix`, `--context`, and `NATS_URL`, `NATS_CREDS`,
+//! `NATS_NKEY`, `NATS_CERT`/`NATS_KEY`, `NATS_CONTEXT` with the nats CLI's context
+//! files), resolved in one pure function into a [`Layer`] that is laid over
 //! the configuration's `[nats]`.
 //!
 //! Precedence, highest first: flags (`-s` before `--context`), then `NATS_CONTEXT`,
-//! then `NATS_URL` (and `NATS_CREDS`), then the configuration (`WEBPROXY_NATS__*`, the
+//! then `NATS_URL` (and `NATS_CREDS`, `NATS_NKEY`, `NATS_CERT`/`NATS_KEY`), then the configuration (`WEBPROXY_NATS__*`, the
 //! file, the compiled default). `NATS_URL` is read here rather than by clap's `env`,
 //! which would make it outrank an explicit `--context`.
 
@@ -32,6 +33,9 @@ pub struct ConnectionArgs {
     /// NATS user credentials file [env: NATS_CREDS].
     #[arg(long, value_name = "FILE", conflicts_with = "user")]
     pub creds: Option<PathBuf>,
+    /// NATS NKey seed file [env: NATS_NKEY].
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["user", "creds"])]
+    pub nkey: Option<PathBuf>,
     /// NATS user name; without --password, a token (as the nats CLI reads it).
     #[arg(long, value_name = "USER")]
     pub user: Option<String>,
@@ -41,6 +45,16 @@ pub struct ConnectionArgs {
     /// The CA that signs the NATS server's certificate; turns TLS on.
     #[arg(long, value_name = "FILE")]
     pub tlsca: Option<PathBuf>,
+    /// Client certificate for TLS, with --tlskey [env: NATS_CERT].
+    #[arg(long, value_name = "FILE", requires = "tlskey")]
+    pub tlscert: Option<PathBuf>,
+    /// Private key of --tlscert [env: NATS_KEY].
+    #[arg(long, value_name = "FILE", requires = "tlscert")]
+    pub tlskey: Option<PathBuf>,
+    /// The connection's inbox prefix, for a user whose NATS permissions allow
+    /// subscribing only under its own subjects (`callers.a._INBOX`).
+    #[arg(long, value_name = "PREFIX")]
+    pub inbox_prefix: Option<String>,
     /// A nats CLI context, read from $XDG_CONFIG_HOME/nats/context/NAME.json
     /// [env: NATS_CONTEXT].
     #[arg(long, value_name = "NAME")]
@@ -52,6 +66,9 @@ pub struct ConnectionArgs {
 pub struct NatsEnvironment {
     pub url: Option<String>,
     pub creds: Option<PathBuf>,
+    pub nkey: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
     pub context: Option<String>,
 }
 
@@ -61,6 +78,9 @@ impl NatsEnvironment {
         NatsEnvironment {
             url: var("NATS_URL"),
             creds: var("NATS_CREDS").map(PathBuf::from),
+            nkey: var("NATS_NKEY").map(PathBuf::from),
+            cert: var("NATS_CERT").map(PathBuf::from),
+            key: var("NATS_KEY").map(PathBuf::from),
             context: var("NATS_CONTEXT"),
         }
     }
@@ -84,6 +104,7 @@ pub struct Layer {
     pub tls_ca_file: Option<PathBuf>,
     /// The client certificate and its key.
     pub client_cert: Option<(PathBuf, PathBuf)>,
+    pub inbox_prefix: Option<String>,
 }
 
 impl Layer {
@@ -94,6 +115,7 @@ impl Layer {
             auth: higher.auth.or(self.auth),
             tls_ca_file: higher.tls_ca_file.or(self.tls_ca_file),
             client_cert: higher.client_cert.or(self.client_cert),
+            inbox_prefix: higher.inbox_prefix.or(self.inbox_prefix),
         }
     }
 
@@ -126,6 +148,9 @@ impl Layer {
             nats.tls_cert_file = Some(cert.clone());
             nats.tls_key_file = Some(key.clone());
         }
+        if let Some(prefix) = &self.inbox_prefix {
+            nats.inbox_prefix = Some(prefix.clone());
+        }
     }
 }
 
@@ -134,28 +159,37 @@ pub fn context_name<'a>(flags: &'a ConnectionArgs, env: &'a NatsEnvironment) -> 
     flags.context.as_deref().or(env.context.as_deref())
 }
 
-/// The one precedence: `NATS_URL` and `NATS_CREDS`, under the context's settings,
-/// under the flags.
+/// The one precedence: `NATS_URL`, `NATS_CREDS` (before `NATS_NKEY`, the nats CLI's
+/// order) and `NATS_CERT`/`NATS_KEY`, under the context's settings, under the flags.
 pub fn resolve(flags: &ConnectionArgs, env: &NatsEnvironment, context: Option<Layer>) -> Layer {
     let environment = Layer {
         url: env.url.clone(),
-        auth: env.creds.clone().map(Auth::Creds),
+        auth: env
+            .creds
+            .clone()
+            .map(Auth::Creds)
+            .or_else(|| env.nkey.clone().map(Auth::NkeySeed)),
+        // One of the pair alone is left to the layers below, as a context's is refused:
+        // a certificate without its key cannot be used.
+        client_cert: env.cert.clone().zip(env.key.clone()),
         ..Layer::default()
     };
-    let auth = match (&flags.creds, &flags.user, &flags.password) {
-        (Some(creds), _, _) => Some(Auth::Creds(creds.clone())),
-        (None, Some(user), Some(password)) => Some(Auth::UserPassword(
+    let auth = match (&flags.creds, &flags.nkey, &flags.user, &flags.password) {
+        (Some(creds), _, _, _) => Some(Auth::Creds(creds.clone())),
+        (None, Some(seed), _, _) => Some(Auth::NkeySeed(seed.clone())),
+        (None, None, Some(user), Some(password)) => Some(Auth::UserPassword(
             user.clone(),
             Secret::new(password.clone()),
         )),
-        (None, Some(token), None) => Some(Auth::Token(Secret::new(token.clone()))),
-        (None, None, _) => None,
+        (None, None, Some(token), None) => Some(Auth::Token(Secret::new(token.clone()))),
+        (None, None, None, _) => None,
     };
     let flags = Layer {
         url: flags.server.clone(),
         auth,
         tls_ca_file: flags.tlsca.clone(),
-        client_cert: None,
+        client_cert: flags.tlscert.clone().zip(flags.tlskey.clone()),
+        inbox_prefix: flags.inbox_prefix.clone(),
     };
     environment.under(context.unwrap_or_default()).under(flags)
 }
@@ -204,6 +238,7 @@ struct ContextFile {
     cert: String,
     key: String,
     ca: String,
+    inbox_prefix: String,
     nsc: String,
 }
 
@@ -246,6 +281,7 @@ fn context_layer(text: &str, home: Option<&Path>) -> anyhow::Result<Layer> {
         auth,
         tls_ca_file: path(file.ca),
         client_cert,
+        inbox_prefix: set(file.inbox_prefix),
     })
 }
 
@@ -364,6 +400,106 @@ mod tests {
             crate::nats_auth::check(&nats).is_err(),
             "the file is absent"
         );
+    }
+
+    #[test]
+    fn the_nkey_flag_outranks_nats_nkey_and_a_context() {
+        let mut env = NatsEnvironment {
+            nkey: Some("/env.nk".into()),
+            ..NatsEnvironment::default()
+        };
+        let mut flags = ConnectionArgs::default();
+        assert_eq!(
+            resolve(&flags, &env, None).auth,
+            Some(Auth::NkeySeed("/env.nk".into()))
+        );
+        // NATS_CREDS comes first, as the nats CLI orders its ways to authenticate.
+        env.creds = Some("/env.creds".into());
+        assert_eq!(
+            resolve(&flags, &env, None).auth,
+            Some(Auth::Creds("/env.creds".into()))
+        );
+        let ctx = Layer {
+            auth: Some(Auth::Token(Secret::new("007"))),
+            ..Layer::default()
+        };
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx.clone())).auth,
+            Some(Auth::Token(Secret::new("007")))
+        );
+        flags.nkey = Some("/flag.nk".into());
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx)).auth,
+            Some(Auth::NkeySeed("/flag.nk".into()))
+        );
+        let mut nats = crate::nats_auth::tests::nats();
+        nats.credentials_file = Some("/config.creds".into());
+        resolve(&flags, &env, None).apply(&mut nats);
+        assert_eq!(nats.credentials_file, None);
+        assert_eq!(nats.nkey_seed_file, Some("/flag.nk".into()));
+    }
+
+    #[test]
+    fn the_client_certificate_flags_outrank_nats_cert_and_a_context() {
+        let pair = |c: &str, k: &str| Some((PathBuf::from(c), PathBuf::from(k)));
+        let mut env = NatsEnvironment {
+            cert: Some("/env.pem".into()),
+            ..NatsEnvironment::default()
+        };
+        let mut flags = ConnectionArgs::default();
+        // NATS_CERT without NATS_KEY is no client certificate.
+        assert_eq!(resolve(&flags, &env, None).client_cert, None);
+        env.key = Some("/env-key.pem".into());
+        assert_eq!(
+            resolve(&flags, &env, None).client_cert,
+            pair("/env.pem", "/env-key.pem")
+        );
+        let ctx = Layer {
+            client_cert: pair("/ctx.pem", "/ctx-key.pem"),
+            ..Layer::default()
+        };
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx.clone())).client_cert,
+            pair("/ctx.pem", "/ctx-key.pem")
+        );
+        flags.tlscert = Some("/flag.pem".into());
+        flags.tlskey = Some("/flag-key.pem".into());
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx)).client_cert,
+            pair("/flag.pem", "/flag-key.pem")
+        );
+        let mut nats = crate::nats_auth::tests::nats();
+        nats.tls_cert_file = Some("/config.pem".into());
+        nats.tls_key_file = Some("/config-key.pem".into());
+        resolve(&flags, &env, None).apply(&mut nats);
+        assert_eq!(nats.tls_cert_file, Some("/flag.pem".into()));
+        assert_eq!(nats.tls_key_file, Some("/flag-key.pem".into()));
+    }
+
+    #[test]
+    fn the_inbox_prefix_flag_outranks_a_context_and_the_configuration() {
+        let env = NatsEnvironment::default();
+        let mut flags = ConnectionArgs::default();
+        let ctx = context_layer(r#"{"inbox_prefix": "ctx._INBOX"}"#, None).expect("a context");
+        assert_eq!(ctx.inbox_prefix.as_deref(), Some("ctx._INBOX"));
+        let mut nats = crate::nats_auth::tests::nats();
+        nats.inbox_prefix = Some("config._INBOX".into());
+        // Nothing set: the configuration's stays.
+        resolve(&flags, &env, None).apply(&mut nats);
+        assert_eq!(nats.inbox_prefix.as_deref(), Some("config._INBOX"));
+        resolve(&flags, &env, Some(ctx.clone())).apply(&mut nats);
+        assert_eq!(nats.inbox_prefix.as_deref(), Some("ctx._INBOX"));
+        flags.inbox_prefix = Some("callers.a._INBOX".into());
+        resolve(&flags, &env, Some(ctx)).apply(&mut nats);
+        assert_eq!(nats.inbox_prefix.as_deref(), Some("callers.a._INBOX"));
+        assert!(crate::nats_auth::check(&nats).is_ok());
+        for bad in ["", "callers.*._INBOX", "callers..x", "a >", "callers.>"] {
+            nats.inbox_prefix = Some(bad.into());
+            assert_eq!(
+                crate::nats_auth::check(&nats).expect_err(bad).key,
+                "nats.inbox_prefix"
+            );
+        }
     }
 
     #[test]
