@@ -29,6 +29,14 @@ pub struct SendArgs {
     /// Read the request body from a file.
     #[arg(long, value_name = "PATH")]
     pub data_file: Option<PathBuf>,
+    /// The caller name: the request goes on `<prefix>.request.<pool>.<caller>`, the
+    /// subject NATS permissions let an isolated caller publish on.
+    #[arg(long, value_name = "NAME")]
+    pub caller: Option<String>,
+    /// Have the reply copied to this subject and listen there only (an isolated
+    /// caller may read neither `<prefix>.reply.>` nor the stored replies).
+    #[arg(long, value_name = "SUBJECT")]
+    pub reply_to: Option<String>,
     /// Print the reply on one line.
     #[arg(long)]
     pub json: bool,
@@ -54,7 +62,13 @@ pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot read --data-file {}", path.display()))?;
         request = request.body_bytes(bytes);
     }
-    let client = connect(&args.nats).await?;
+    if let Some(subject) = &args.reply_to {
+        request = request.reply_to(subject.clone());
+    }
+    let mut client = connect(&args.nats).await?;
+    if let Some(caller) = &args.caller {
+        client = client.with_caller(caller)?;
+    }
     let reply = client.request(&request).await?;
     let printed = if args.json {
         serde_json::to_string(&reply)?
