@@ -20,6 +20,18 @@ fn caller(nats: &async_nats::Client, name: &str) -> Client {
         .expect("caller name")
 }
 
+/// An upstream, and the service as the file's service user, giving each caller its
+/// own reply space: `reply_to_allow = ["callers.{caller}.replies.>"]`.
+async fn isolating_service(nats: &NatsServer) -> (Upstream, Service) {
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
+        accept_rule("local", &upstream)
+    );
+    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    (upstream, service)
+}
+
 /// Waits until the service logs that conversation `id` finished `invalid_request`.
 async fn refused(service: &Service, id: &str) {
     wait_for(
@@ -179,12 +191,7 @@ async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
 #[tokio::test]
 async fn an_isolated_callers_client_listens_on_its_reply_to_only() {
     let nats = NatsServer::start_authorized();
-    let upstream = Upstream::start().await;
-    let config = format!(
-        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
-        accept_rule("local", &upstream)
-    );
-    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let (upstream, service) = isolating_service(&nats).await;
     let (a, mut a_errors) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
     let client = caller(&a, "a");
     let own_reply_to = |request: Request| {
@@ -297,12 +304,7 @@ async fn a_caller_cannot_place_a_message_in_another_callers_reply_space() {
 #[tokio::test]
 async fn send_works_as_an_isolated_caller() {
     let nats = NatsServer::start_authorized();
-    let upstream = Upstream::start().await;
-    let config = format!(
-        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
-        accept_rule("local", &upstream)
-    );
-    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let (upstream, service) = isolating_service(&nats).await;
 
     let url = nats.url();
     let password = password("caller_a");

@@ -55,6 +55,10 @@ pub struct ConnectionArgs {
     /// subscribing only under its own subjects (`callers.a._INBOX`).
     #[arg(long, value_name = "PREFIX")]
     pub inbox_prefix: Option<String>,
+    /// The JetStream API prefix of a JetStream imported from another account, instead
+    /// of `$JS.API`.
+    #[arg(long, value_name = "PREFIX")]
+    pub js_api_prefix: Option<String>,
     /// A nats CLI context, read from $XDG_CONFIG_HOME/nats/context/NAME.json
     /// [env: NATS_CONTEXT].
     #[arg(long, value_name = "NAME")]
@@ -105,6 +109,7 @@ pub struct Layer {
     /// The client certificate and its key.
     pub client_cert: Option<(PathBuf, PathBuf)>,
     pub inbox_prefix: Option<String>,
+    pub js_api_prefix: Option<String>,
 }
 
 impl Layer {
@@ -116,6 +121,7 @@ impl Layer {
             tls_ca_file: higher.tls_ca_file.or(self.tls_ca_file),
             client_cert: higher.client_cert.or(self.client_cert),
             inbox_prefix: higher.inbox_prefix.or(self.inbox_prefix),
+            js_api_prefix: higher.js_api_prefix.or(self.js_api_prefix),
         }
     }
 
@@ -150,6 +156,9 @@ impl Layer {
         }
         if let Some(prefix) = &self.inbox_prefix {
             nats.inbox_prefix = Some(prefix.clone());
+        }
+        if let Some(prefix) = &self.js_api_prefix {
+            nats.js_api_prefix = Some(prefix.clone());
         }
     }
 }
@@ -190,6 +199,7 @@ pub fn resolve(flags: &ConnectionArgs, env: &NatsEnvironment, context: Option<La
         tls_ca_file: flags.tlsca.clone(),
         client_cert: flags.tlscert.clone().zip(flags.tlskey.clone()),
         inbox_prefix: flags.inbox_prefix.clone(),
+        js_api_prefix: flags.js_api_prefix.clone(),
     };
     environment.under(context.unwrap_or_default()).under(flags)
 }
@@ -239,6 +249,7 @@ struct ContextFile {
     key: String,
     ca: String,
     inbox_prefix: String,
+    jetstream_api_prefix: String,
     nsc: String,
 }
 
@@ -282,6 +293,7 @@ fn context_layer(text: &str, home: Option<&Path>) -> anyhow::Result<Layer> {
         tls_ca_file: path(file.ca),
         client_cert,
         inbox_prefix: set(file.inbox_prefix),
+        js_api_prefix: set(file.jetstream_api_prefix),
     })
 }
 
@@ -476,29 +488,55 @@ mod tests {
         assert_eq!(nats.tls_key_file, Some("/flag-key.pem".into()));
     }
 
+    /// A prefix flag, the nats CLI context's key for it, and the `[nats]` key it sets.
+    type PrefixSetting = (
+        fn(&mut ConnectionArgs) -> &mut Option<String>,
+        &'static str,
+        fn(&mut NatsConfig) -> &mut Option<String>,
+        &'static str,
+    );
+
     #[test]
-    fn the_inbox_prefix_flag_outranks_a_context_and_the_configuration() {
+    fn the_prefix_flags_outrank_a_context_and_the_configuration() {
+        let settings: [PrefixSetting; 2] = [
+            (
+                |f| &mut f.inbox_prefix,
+                "inbox_prefix",
+                |n| &mut n.inbox_prefix,
+                "nats.inbox_prefix",
+            ),
+            (
+                |f| &mut f.js_api_prefix,
+                "jetstream_api_prefix",
+                |n| &mut n.js_api_prefix,
+                "nats.js_api_prefix",
+            ),
+        ];
         let env = NatsEnvironment::default();
-        let mut flags = ConnectionArgs::default();
-        let ctx = context_layer(r#"{"inbox_prefix": "ctx._INBOX"}"#, None).expect("a context");
-        assert_eq!(ctx.inbox_prefix.as_deref(), Some("ctx._INBOX"));
-        let mut nats = crate::nats_auth::tests::nats();
-        nats.inbox_prefix = Some("config._INBOX".into());
-        // Nothing set: the configuration's stays.
-        resolve(&flags, &env, None).apply(&mut nats);
-        assert_eq!(nats.inbox_prefix.as_deref(), Some("config._INBOX"));
-        resolve(&flags, &env, Some(ctx.clone())).apply(&mut nats);
-        assert_eq!(nats.inbox_prefix.as_deref(), Some("ctx._INBOX"));
-        flags.inbox_prefix = Some("callers.a._INBOX".into());
-        resolve(&flags, &env, Some(ctx)).apply(&mut nats);
-        assert_eq!(nats.inbox_prefix.as_deref(), Some("callers.a._INBOX"));
-        assert!(crate::nats_auth::check(&nats).is_ok());
-        for bad in ["", "callers.*._INBOX", "callers..x", "a >", "callers.>"] {
-            nats.inbox_prefix = Some(bad.into());
+        for (flag, context_key, config, config_key) in settings {
+            let mut flags = ConnectionArgs::default();
+            let ctx = context_layer(&format!(r#"{{"{context_key}": "ctx.X"}}"#), None)
+                .expect("a context");
+            let mut nats = crate::nats_auth::tests::nats();
+            *config(&mut nats) = Some("config.X".into());
+            // Nothing set: the configuration's stays.
+            resolve(&flags, &env, None).apply(&mut nats);
             assert_eq!(
-                crate::nats_auth::check(&nats).expect_err(bad).key,
-                "nats.inbox_prefix"
+                config(&mut nats).as_deref(),
+                Some("config.X"),
+                "{config_key}"
             );
+            resolve(&flags, &env, Some(ctx.clone())).apply(&mut nats);
+            assert_eq!(config(&mut nats).as_deref(), Some("ctx.X"), "{config_key}");
+            *flag(&mut flags) = Some("callers.a.X".into());
+            resolve(&flags, &env, Some(ctx)).apply(&mut nats);
+            assert_eq!(config(&mut nats).as_deref(), Some("callers.a.X"));
+            assert!(crate::nats_auth::check(&nats).is_ok(), "{config_key}");
+            for bad in ["", "callers.*.X", "callers..x", "a >", "callers.>"] {
+                *config(&mut nats) = Some(bad.into());
+                let e = crate::nats_auth::check(&nats).expect_err(bad);
+                assert_eq!(e.key, config_key);
+            }
         }
     }
 

@@ -42,6 +42,10 @@ pub struct NatsConfig {
     /// whose permissions allow subscribing only under its own subjects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inbox_prefix: Option<String>,
+    /// The JetStream API prefix of an imported JetStream, instead of `$JS.API`; used by
+    /// `send` and the operator commands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub js_api_prefix: Option<String>,
 }
 
 fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
@@ -61,6 +65,7 @@ impl fmt::Debug for NatsConfig {
             .field("tls_cert_file", &self.tls_cert_file)
             .field("tls_key_file", &self.tls_key_file)
             .field("inbox_prefix", &self.inbox_prefix)
+            .field("js_api_prefix", &self.js_api_prefix)
             .finish()
     }
 }
@@ -168,17 +173,16 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
         }
         _ => {}
     }
-    if let Some(prefix) = &nats.inbox_prefix
-        && (prefix.is_empty()
-            || prefix
-                .split('.')
-                .any(|token| token.is_empty() || token == "*" || token == ">")
-            || prefix.contains(char::is_whitespace))
-    {
-        return Err(ConfigError::new(
-            "nats.inbox_prefix",
-            "must be a subject without wildcards, empty tokens or whitespace",
-        ));
+    for (key, prefix) in [
+        ("nats.inbox_prefix", &nats.inbox_prefix),
+        ("nats.js_api_prefix", &nats.js_api_prefix),
+    ] {
+        if prefix.as_deref().is_some_and(|p| !literal_subject(p)) {
+            return Err(ConfigError::new(
+                key,
+                "must be a subject without wildcards, empty tokens or whitespace",
+            ));
+        }
     }
     for (key, path) in [
         ("nats.credentials_file", &nats.credentials_file),
@@ -192,6 +196,14 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// A subject a prefix can be: tokens that are neither empty nor wildcards.
+fn literal_subject(subject: &str) -> bool {
+    !subject.contains(char::is_whitespace)
+        && subject
+            .split('.')
+            .all(|token| !token.is_empty() && token != "*" && token != ">")
 }
 
 fn readable(key: &str, path: &Path) -> Result<(), ConfigError> {
@@ -372,6 +384,7 @@ pub(crate) mod tests {
             tls_cert_file: None,
             tls_key_file: None,
             inbox_prefix: None,
+            js_api_prefix: None,
         }
     }
 
