@@ -416,34 +416,28 @@ mod tests {
 
     #[test]
     fn the_nkey_flag_outranks_nats_nkey_and_a_context() {
+        let auth = |f: &ConnectionArgs, e: &NatsEnvironment, c| resolve(f, e, c).auth;
+        let seed = |path: &str| Some(Auth::NkeySeed(path.into()));
         let mut env = NatsEnvironment {
             nkey: Some("/env.nk".into()),
             ..NatsEnvironment::default()
         };
         let mut flags = ConnectionArgs::default();
-        assert_eq!(
-            resolve(&flags, &env, None).auth,
-            Some(Auth::NkeySeed("/env.nk".into()))
-        );
+        assert_eq!(auth(&flags, &env, None), seed("/env.nk"));
         // NATS_CREDS comes first, as the nats CLI orders its ways to authenticate.
         env.creds = Some("/env.creds".into());
         assert_eq!(
-            resolve(&flags, &env, None).auth,
+            auth(&flags, &env, None),
             Some(Auth::Creds("/env.creds".into()))
         );
+        let token = Some(Auth::Token(Secret::new("007")));
         let ctx = Layer {
-            auth: Some(Auth::Token(Secret::new("007"))),
+            auth: token.clone(),
             ..Layer::default()
         };
-        assert_eq!(
-            resolve(&flags, &env, Some(ctx.clone())).auth,
-            Some(Auth::Token(Secret::new("007")))
-        );
+        assert_eq!(auth(&flags, &env, Some(ctx.clone())), token);
         flags.nkey = Some("/flag.nk".into());
-        assert_eq!(
-            resolve(&flags, &env, Some(ctx)).auth,
-            Some(Auth::NkeySeed("/flag.nk".into()))
-        );
+        assert_eq!(auth(&flags, &env, Some(ctx)), seed("/flag.nk"));
         let mut nats = crate::nats_auth::tests::nats();
         nats.credentials_file = Some("/config.creds".into());
         resolve(&flags, &env, None).apply(&mut nats);
