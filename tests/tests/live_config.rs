@@ -1016,7 +1016,11 @@ async fn a_pushed_max_waiting_is_applied_to_the_stream_and_logged() {
         &config(
             &nats,
             // Before any instance runs, as a first deployment seeds the bucket.
-            &["push", &write(dir.path(), "r1.toml", &document("")), "--force"],
+            &[
+                "push",
+                &write(dir.path(), "r1.toml", &document("")),
+                "--force",
+            ],
         )
         .await,
     );

@@ -294,3 +294,30 @@ fn the_example_server_passwords_are_not_webproxy_variables() {
         "deploy/nats/nats-server.conf"
     );
 }
+
+/// `--js-api-prefix` reaches the JetStream calls of the operator commands: under a
+/// prefix nothing answers (no account imports a JetStream there) `pools` fails, where
+/// the same command with the default `$JS.API` lists the pools.
+#[tokio::test]
+async fn the_js_api_prefix_flag_reaches_jetstream() {
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pools = ["pools", "--json", "-s", &url];
+    assert_connects(&webproxy(&pools, &[], dir.path()).await, "$JS.API");
+    let prefixed = [&pools[..], &["--js-api-prefix", "nowhere.API"]].concat();
+    let output = tokio::time::timeout(EXIT_TIMEOUT, webproxy(&prefixed, &[], dir.path()))
+        .await
+        .expect("pools under an unanswered prefix gave up in time");
+    assert!(
+        !output.status.success(),
+        "pools succeeded under a prefix nothing answers: {}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    // Refused by JetStream, not by the flag parser.
+    assert!(
+        stderr(&output).contains("cannot list streams"),
+        "{}",
+        stderr(&output)
+    );
+}

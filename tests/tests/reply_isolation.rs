@@ -7,9 +7,9 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use webproxy_client::{Client, Error, Request};
 use webproxy_protocol::Reply;
-use webproxy_tests::authorized::{SERVICE_USER, connect_as, service_as, violation};
+use webproxy_tests::authorized::{SERVICE_USER, connect_as, password, service_as, violation};
 use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, to};
-use webproxy_tests::{NatsServer, Service, Upstream, wait_for};
+use webproxy_tests::{NatsServer, Service, Upstream, run_webproxy, wait_for};
 
 /// A client publishing as caller `name`, which the file's permissions require of
 /// `caller_<name>`.
@@ -18,6 +18,18 @@ fn caller(nats: &async_nats::Client, name: &str) -> Client {
         .expect("client")
         .with_caller(name)
         .expect("caller name")
+}
+
+/// An upstream, and the service as the file's service user, giving each caller its
+/// own reply space: `reply_to_allow = ["callers.{caller}.replies.>"]`.
+async fn isolating_service(nats: &NatsServer) -> (Upstream, Service) {
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
+        accept_rule("local", &upstream)
+    );
+    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    (upstream, service)
 }
 
 /// Waits until the service logs that conversation `id` finished `invalid_request`.
@@ -179,12 +191,7 @@ async fn the_service_inbox_and_server_subjects_are_out_of_callers_reach() {
 #[tokio::test]
 async fn an_isolated_callers_client_listens_on_its_reply_to_only() {
     let nats = NatsServer::start_authorized();
-    let upstream = Upstream::start().await;
-    let config = format!(
-        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
-        accept_rule("local", &upstream)
-    );
-    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let (upstream, service) = isolating_service(&nats).await;
     let (a, mut a_errors) = connect_as(&nats, "caller_a", Some("callers.a._INBOX")).await;
     let client = caller(&a, "a");
     let own_reply_to = |request: Request| {
@@ -289,4 +296,49 @@ async fn a_caller_cannot_place_a_message_in_another_callers_reply_space() {
             .is_none(),
         "a placed a message in b's reply space"
     );
+}
+
+/// `webproxy send` works as an isolated caller: as `caller_a`, with its inbox under
+/// `callers.a._INBOX`, publishing as caller `a` and listening on its own `reply_to`
+/// only, which is all the example permissions allow it.
+#[tokio::test]
+async fn send_works_as_an_isolated_caller() {
+    let nats = NatsServer::start_authorized();
+    let (upstream, service) = isolating_service(&nats).await;
+
+    let url = nats.url();
+    let password = password("caller_a");
+    let target = upstream.url("/echo?marker=sent-as-caller-a");
+    let reply_to = format!("callers.a.replies.{}", webproxy_client::new_id());
+    let args = [
+        "send",
+        "--nats",
+        &url,
+        "--user",
+        "caller_a",
+        "--password",
+        &password,
+        "--inbox-prefix",
+        "callers.a._INBOX",
+        "--caller",
+        "a",
+        "--reply-to",
+        &reply_to,
+        "--timeout",
+        "20s",
+        "GET",
+        &target,
+    ];
+    // Bounded beyond send's own --timeout, so a hung process fails the test.
+    let output = tokio::time::timeout(Duration::from_secs(40), run_webproxy(&args))
+        .await
+        .unwrap_or_else(|_| panic!("webproxy send hung\n{}", service.logs()));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "send as caller_a failed: {}\nstdout: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        service.logs()
+    );
+    assert!(stdout.contains("sent-as-caller-a"), "{stdout}");
 }

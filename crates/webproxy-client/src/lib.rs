@@ -469,8 +469,20 @@ impl Client {
         Ok(self)
     }
 
+    /// Makes the JetStream API calls under `prefix` instead of `$JS.API`: for a
+    /// caller whose account imports the service's JetStream under that prefix.
+    pub fn with_js_api_prefix(mut self, prefix: &str) -> Client {
+        self.js = jetstream::with_prefix(self.nats.clone(), prefix);
+        self
+    }
+
     pub fn subjects(&self) -> &Subjects {
         &self.subjects
+    }
+
+    /// The JetStream context this client's API calls go through (with its prefix).
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
     }
 
     /// Sends `request` and waits up to its wait time for the final reply, which may be

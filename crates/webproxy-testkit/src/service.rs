@@ -20,7 +20,14 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// the machine; tests must only ever talk to 127.0.0.1.
 /// The nats CLI's variables, which outrank the config file's `[nats]`: a developer's
 /// own must not point the binary under test elsewhere.
-pub const NATS_CLI_VARS: &[&str] = &["NATS_URL", "NATS_CREDS", "NATS_CONTEXT"];
+pub const NATS_CLI_VARS: &[&str] = &[
+    "NATS_URL",
+    "NATS_CREDS",
+    "NATS_NKEY",
+    "NATS_CERT",
+    "NATS_KEY",
+    "NATS_CONTEXT",
+];
 
 const PROXY_VARS: &[&str] = &[
     "http_proxy",

@@ -645,7 +645,8 @@ mod tests {
     #[test]
     fn warnings_name_the_rule_or_key() {
         let settings = load_text(
-            "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n\n\
+            "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n\
+             inbox_prefix = \"callers.a._INBOX\"\njs_api_prefix = \"a.API\"\n\n\
              [streams]\nreply_to_allow = [\"callers.{caller}.replies.>\", \"callers.*.replies.>\"]\n\n\
              [[request_rules]]\nname = \"no-admin\"\nurl_pattern = '^https://a\\.test/admin/'\naction = \"deny\"\n\
              [[request_rules]]\nname = \"health\"\nurl_pattern = '^https://a\\.test/admin/health'\n\
@@ -677,7 +678,9 @@ mod tests {
             ),
             "{warnings:?}"
         );
-        assert_eq!(warnings.len(), 4, "{warnings:?}");
+        assert!(has("nats.inbox_prefix", "_WEBPROXY_INBOX"), "{warnings:?}");
+        assert!(has("nats.js_api_prefix", "serve"), "{warnings:?}");
+        assert_eq!(warnings.len(), 6, "{warnings:?}");
         let allowed = load_text(
             "[nats]\nuser = \"webproxy\"\npassword = \"pw\"\n[streams]\nreply_to_allow = [\"callers.{caller}.replies.>\", \"_INBOX.>\"]\n",
         )

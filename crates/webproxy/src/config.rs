@@ -171,6 +171,15 @@ impl Settings {
                 }
             }
         }
+        // Both are for a caller's connection (`send`, the operator commands): `serve`
+        // keeps to its own account's JetStream, and a custom inbox gives up the
+        // private one no caller's reply_to may name.
+        if nats.inbox_prefix.is_some() {
+            warnings.push("nats.inbox_prefix is set: `serve` and `gateway` then take their inboxes under it instead of their private _WEBPROXY_INBOX.<random>, which no caller's reply_to may name; set it for `send` and the operator commands only".to_string());
+        }
+        if nats.js_api_prefix.is_some() {
+            warnings.push("nats.js_api_prefix is set: `send` and the operator commands use it, `serve` and `gateway` do not (they use their own account's $JS.API)".to_string());
+        }
         warnings
     }
 }

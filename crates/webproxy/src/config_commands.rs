@@ -232,7 +232,7 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             let name = file.display().to_string();
             let text = read_document(&file)?;
             let pushed = validated(&text, &settings, &name)?;
-            let js = jetstream::new(client.nats().clone());
+            let js = client.jetstream().clone();
             // Before the bucket is made: a refused push leaves nothing behind.
             followers.check(&js, &settings.dispatcher.subjects).await?;
             let store = ConfigStore::open_or_create(&js, &settings.dispatcher).await?;
@@ -315,7 +315,7 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
             let name = file.display().to_string();
             let text = read_document(&file)?;
             validated(&text, &settings, &name)?;
-            let js = jetstream::new(client.nats().clone());
+            let js = client.jetstream().clone();
             let current = match ConfigStore::open(&js, &settings.dispatcher.subjects).await? {
                 Some(store) => store.current().await?,
                 None => None,
@@ -469,7 +469,7 @@ fn read_document(file: &Path) -> anyhow::Result<String> {
 /// The bucket, which must exist.
 async fn open(nats: &NatsArgs) -> anyhow::Result<(Settings, ConfigStore, jetstream::Context)> {
     let (client, settings) = connect_with_settings(nats).await?;
-    let js = jetstream::new(client.nats().clone());
+    let js = client.jetstream().clone();
     let store = ConfigStore::open(&js, &settings.dispatcher.subjects)
         .await?
         .with_context(|| {

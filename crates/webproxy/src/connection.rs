@@ -1,11 +1,12 @@
 //! Where the `[nats]` settings come from besides the configuration: the nats CLI's
-//! conventions (`-s/--server`, `--creds`, `--user`, `--password`, `--tlsca`,
-//! `--context`, and `NATS_URL`, `NATS_CREDS`, `NATS_CONTEXT` with the nats CLI's
-//! context files), resolved in one pure function into a [`Layer`] that is laid over
+//! conventions (`-s/--server`, `--creds`, `--nkey`, `--user`, `--password`, `--tlsca`,
+//! `--tlscert`/`--tlskey`, `--inbox-prefix`, `--context`, and `NATS_URL`, `NATS_CREDS`,
+//! `NATS_NKEY`, `NATS_CERT`/`NATS_KEY`, `NATS_CONTEXT` with the nats CLI's context
+//! files), resolved in one pure function into a [`Layer`] that is laid over
 //! the configuration's `[nats]`.
 //!
 //! Precedence, highest first: flags (`-s` before `--context`), then `NATS_CONTEXT`,
-//! then `NATS_URL` (and `NATS_CREDS`), then the configuration (`WEBPROXY_NATS__*`, the
+//! then `NATS_URL` (and `NATS_CREDS`, `NATS_NKEY`, `NATS_CERT`/`NATS_KEY`), then the configuration (`WEBPROXY_NATS__*`, the
 //! file, the compiled default). `NATS_URL` is read here rather than by clap's `env`,
 //! which would make it outrank an explicit `--context`.
 
@@ -32,6 +33,9 @@ pub struct ConnectionArgs {
     /// NATS user credentials file [env: NATS_CREDS].
     #[arg(long, value_name = "FILE", conflicts_with = "user")]
     pub creds: Option<PathBuf>,
+    /// NATS NKey seed file [env: NATS_NKEY].
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["user", "creds"])]
+    pub nkey: Option<PathBuf>,
     /// NATS user name; without --password, a token (as the nats CLI reads it).
     #[arg(long, value_name = "USER")]
     pub user: Option<String>,
@@ -41,6 +45,20 @@ pub struct ConnectionArgs {
     /// The CA that signs the NATS server's certificate; turns TLS on.
     #[arg(long, value_name = "FILE")]
     pub tlsca: Option<PathBuf>,
+    /// Client certificate for TLS, with --tlskey [env: NATS_CERT].
+    #[arg(long, value_name = "FILE", requires = "tlskey")]
+    pub tlscert: Option<PathBuf>,
+    /// Private key of --tlscert [env: NATS_KEY].
+    #[arg(long, value_name = "FILE", requires = "tlscert")]
+    pub tlskey: Option<PathBuf>,
+    /// The connection's inbox prefix, for a user whose NATS permissions allow
+    /// subscribing only under its own subjects (`callers.a._INBOX`).
+    #[arg(long, value_name = "PREFIX")]
+    pub inbox_prefix: Option<String>,
+    /// The JetStream API prefix of a JetStream imported from another account, instead
+    /// of `$JS.API`.
+    #[arg(long, value_name = "PREFIX")]
+    pub js_api_prefix: Option<String>,
     /// A nats CLI context, read from $XDG_CONFIG_HOME/nats/context/NAME.json
     /// [env: NATS_CONTEXT].
     #[arg(long, value_name = "NAME")]
@@ -52,6 +70,9 @@ pub struct ConnectionArgs {
 pub struct NatsEnvironment {
     pub url: Option<String>,
     pub creds: Option<PathBuf>,
+    pub nkey: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
     pub context: Option<String>,
 }
 
@@ -61,6 +82,9 @@ impl NatsEnvironment {
         NatsEnvironment {
             url: var("NATS_URL"),
             creds: var("NATS_CREDS").map(PathBuf::from),
+            nkey: var("NATS_NKEY").map(PathBuf::from),
+            cert: var("NATS_CERT").map(PathBuf::from),
+            key: var("NATS_KEY").map(PathBuf::from),
             context: var("NATS_CONTEXT"),
         }
     }
@@ -84,6 +108,8 @@ pub struct Layer {
     pub tls_ca_file: Option<PathBuf>,
     /// The client certificate and its key.
     pub client_cert: Option<(PathBuf, PathBuf)>,
+    pub inbox_prefix: Option<String>,
+    pub js_api_prefix: Option<String>,
 }
 
 impl Layer {
@@ -94,6 +120,8 @@ impl Layer {
             auth: higher.auth.or(self.auth),
             tls_ca_file: higher.tls_ca_file.or(self.tls_ca_file),
             client_cert: higher.client_cert.or(self.client_cert),
+            inbox_prefix: higher.inbox_prefix.or(self.inbox_prefix),
+            js_api_prefix: higher.js_api_prefix.or(self.js_api_prefix),
         }
     }
 
@@ -126,6 +154,12 @@ impl Layer {
             nats.tls_cert_file = Some(cert.clone());
             nats.tls_key_file = Some(key.clone());
         }
+        if let Some(prefix) = &self.inbox_prefix {
+            nats.inbox_prefix = Some(prefix.clone());
+        }
+        if let Some(prefix) = &self.js_api_prefix {
+            nats.js_api_prefix = Some(prefix.clone());
+        }
     }
 }
 
@@ -134,28 +168,38 @@ pub fn context_name<'a>(flags: &'a ConnectionArgs, env: &'a NatsEnvironment) -> 
     flags.context.as_deref().or(env.context.as_deref())
 }
 
-/// The one precedence: `NATS_URL` and `NATS_CREDS`, under the context's settings,
-/// under the flags.
+/// The one precedence: `NATS_URL`, `NATS_CREDS` (before `NATS_NKEY`, the nats CLI's
+/// order) and `NATS_CERT`/`NATS_KEY`, under the context's settings, under the flags.
 pub fn resolve(flags: &ConnectionArgs, env: &NatsEnvironment, context: Option<Layer>) -> Layer {
     let environment = Layer {
         url: env.url.clone(),
-        auth: env.creds.clone().map(Auth::Creds),
+        auth: env
+            .creds
+            .clone()
+            .map(Auth::Creds)
+            .or_else(|| env.nkey.clone().map(Auth::NkeySeed)),
+        // One of the pair alone is left to the layers below, as a context's is refused:
+        // a certificate without its key cannot be used.
+        client_cert: env.cert.clone().zip(env.key.clone()),
         ..Layer::default()
     };
-    let auth = match (&flags.creds, &flags.user, &flags.password) {
-        (Some(creds), _, _) => Some(Auth::Creds(creds.clone())),
-        (None, Some(user), Some(password)) => Some(Auth::UserPassword(
+    let auth = match (&flags.creds, &flags.nkey, &flags.user, &flags.password) {
+        (Some(creds), _, _, _) => Some(Auth::Creds(creds.clone())),
+        (None, Some(seed), _, _) => Some(Auth::NkeySeed(seed.clone())),
+        (None, None, Some(user), Some(password)) => Some(Auth::UserPassword(
             user.clone(),
             Secret::new(password.clone()),
         )),
-        (None, Some(token), None) => Some(Auth::Token(Secret::new(token.clone()))),
-        (None, None, _) => None,
+        (None, None, Some(token), None) => Some(Auth::Token(Secret::new(token.clone()))),
+        (None, None, None, _) => None,
     };
     let flags = Layer {
         url: flags.server.clone(),
         auth,
         tls_ca_file: flags.tlsca.clone(),
-        client_cert: None,
+        client_cert: flags.tlscert.clone().zip(flags.tlskey.clone()),
+        inbox_prefix: flags.inbox_prefix.clone(),
+        js_api_prefix: flags.js_api_prefix.clone(),
     };
     environment.under(context.unwrap_or_default()).under(flags)
 }
@@ -204,6 +248,8 @@ struct ContextFile {
     cert: String,
     key: String,
     ca: String,
+    inbox_prefix: String,
+    jetstream_api_prefix: String,
     nsc: String,
 }
 
@@ -246,6 +292,8 @@ fn context_layer(text: &str, home: Option<&Path>) -> anyhow::Result<Layer> {
         auth,
         tls_ca_file: path(file.ca),
         client_cert,
+        inbox_prefix: set(file.inbox_prefix),
+        js_api_prefix: set(file.jetstream_api_prefix),
     })
 }
 
@@ -364,6 +412,126 @@ mod tests {
             crate::nats_auth::check(&nats).is_err(),
             "the file is absent"
         );
+    }
+
+    #[test]
+    fn the_nkey_flag_outranks_nats_nkey_and_a_context() {
+        let auth = |f: &ConnectionArgs, e: &NatsEnvironment, c| resolve(f, e, c).auth;
+        let seed = |path: &str| Some(Auth::NkeySeed(path.into()));
+        let mut env = NatsEnvironment {
+            nkey: Some("/env.nk".into()),
+            ..NatsEnvironment::default()
+        };
+        let mut flags = ConnectionArgs::default();
+        assert_eq!(auth(&flags, &env, None), seed("/env.nk"));
+        // NATS_CREDS comes first, as the nats CLI orders its ways to authenticate.
+        env.creds = Some("/env.creds".into());
+        assert_eq!(
+            auth(&flags, &env, None),
+            Some(Auth::Creds("/env.creds".into()))
+        );
+        let token = Some(Auth::Token(Secret::new("007")));
+        let ctx = Layer {
+            auth: token.clone(),
+            ..Layer::default()
+        };
+        assert_eq!(auth(&flags, &env, Some(ctx.clone())), token);
+        flags.nkey = Some("/flag.nk".into());
+        assert_eq!(auth(&flags, &env, Some(ctx)), seed("/flag.nk"));
+        let mut nats = crate::nats_auth::tests::nats();
+        nats.credentials_file = Some("/config.creds".into());
+        resolve(&flags, &env, None).apply(&mut nats);
+        assert_eq!(nats.credentials_file, None);
+        assert_eq!(nats.nkey_seed_file, Some("/flag.nk".into()));
+    }
+
+    #[test]
+    fn the_client_certificate_flags_outrank_nats_cert_and_a_context() {
+        let pair = |c: &str, k: &str| Some((PathBuf::from(c), PathBuf::from(k)));
+        let mut env = NatsEnvironment {
+            cert: Some("/env.pem".into()),
+            ..NatsEnvironment::default()
+        };
+        let mut flags = ConnectionArgs::default();
+        // NATS_CERT without NATS_KEY is no client certificate.
+        assert_eq!(resolve(&flags, &env, None).client_cert, None);
+        env.key = Some("/env-key.pem".into());
+        assert_eq!(
+            resolve(&flags, &env, None).client_cert,
+            pair("/env.pem", "/env-key.pem")
+        );
+        let ctx = Layer {
+            client_cert: pair("/ctx.pem", "/ctx-key.pem"),
+            ..Layer::default()
+        };
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx.clone())).client_cert,
+            pair("/ctx.pem", "/ctx-key.pem")
+        );
+        flags.tlscert = Some("/flag.pem".into());
+        flags.tlskey = Some("/flag-key.pem".into());
+        assert_eq!(
+            resolve(&flags, &env, Some(ctx)).client_cert,
+            pair("/flag.pem", "/flag-key.pem")
+        );
+        let mut nats = crate::nats_auth::tests::nats();
+        nats.tls_cert_file = Some("/config.pem".into());
+        nats.tls_key_file = Some("/config-key.pem".into());
+        resolve(&flags, &env, None).apply(&mut nats);
+        assert_eq!(nats.tls_cert_file, Some("/flag.pem".into()));
+        assert_eq!(nats.tls_key_file, Some("/flag-key.pem".into()));
+    }
+
+    /// A prefix flag, the nats CLI context's key for it, and the `[nats]` key it sets.
+    type PrefixSetting = (
+        fn(&mut ConnectionArgs) -> &mut Option<String>,
+        &'static str,
+        fn(&mut NatsConfig) -> &mut Option<String>,
+        &'static str,
+    );
+
+    #[test]
+    fn the_prefix_flags_outrank_a_context_and_the_configuration() {
+        let settings: [PrefixSetting; 2] = [
+            (
+                |f| &mut f.inbox_prefix,
+                "inbox_prefix",
+                |n| &mut n.inbox_prefix,
+                "nats.inbox_prefix",
+            ),
+            (
+                |f| &mut f.js_api_prefix,
+                "jetstream_api_prefix",
+                |n| &mut n.js_api_prefix,
+                "nats.js_api_prefix",
+            ),
+        ];
+        let env = NatsEnvironment::default();
+        for (flag, context_key, config, config_key) in settings {
+            let mut flags = ConnectionArgs::default();
+            let ctx = context_layer(&format!(r#"{{"{context_key}": "ctx.X"}}"#), None)
+                .expect("a context");
+            let mut nats = crate::nats_auth::tests::nats();
+            *config(&mut nats) = Some("config.X".into());
+            // Nothing set: the configuration's stays.
+            resolve(&flags, &env, None).apply(&mut nats);
+            assert_eq!(
+                config(&mut nats).as_deref(),
+                Some("config.X"),
+                "{config_key}"
+            );
+            resolve(&flags, &env, Some(ctx.clone())).apply(&mut nats);
+            assert_eq!(config(&mut nats).as_deref(), Some("ctx.X"), "{config_key}");
+            *flag(&mut flags) = Some("callers.a.X".into());
+            resolve(&flags, &env, Some(ctx)).apply(&mut nats);
+            assert_eq!(config(&mut nats).as_deref(), Some("callers.a.X"));
+            assert!(crate::nats_auth::check(&nats).is_ok(), "{config_key}");
+            for bad in ["", "callers.*.X", "callers..x", "a >", "callers.>"] {
+                *config(&mut nats) = Some(bad.into());
+                let e = crate::nats_auth::check(&nats).expect_err(bad);
+                assert_eq!(e.key, config_key);
+            }
+        }
     }
 
     #[test]

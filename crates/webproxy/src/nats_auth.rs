@@ -38,6 +38,14 @@ pub struct NatsConfig {
     pub tls_cert_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<std::path::PathBuf>,
+    /// The connection's inbox prefix instead of webproxy's private one: for a caller
+    /// whose permissions allow subscribing only under its own subjects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inbox_prefix: Option<String>,
+    /// The JetStream API prefix of an imported JetStream, instead of `$JS.API`; used by
+    /// `send` and the operator commands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub js_api_prefix: Option<String>,
 }
 
 fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
@@ -56,6 +64,8 @@ impl fmt::Debug for NatsConfig {
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_cert_file", &self.tls_cert_file)
             .field("tls_key_file", &self.tls_key_file)
+            .field("inbox_prefix", &self.inbox_prefix)
+            .field("js_api_prefix", &self.js_api_prefix)
             .finish()
     }
 }
@@ -163,6 +173,17 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
         }
         _ => {}
     }
+    for (key, prefix) in [
+        ("nats.inbox_prefix", &nats.inbox_prefix),
+        ("nats.js_api_prefix", &nats.js_api_prefix),
+    ] {
+        if prefix.as_deref().is_some_and(|p| !literal_subject(p)) {
+            return Err(ConfigError::new(
+                key,
+                "must be a subject without wildcards, empty tokens or whitespace",
+            ));
+        }
+    }
     for (key, path) in [
         ("nats.credentials_file", &nats.credentials_file),
         ("nats.nkey_seed_file", &nats.nkey_seed_file),
@@ -175,6 +196,14 @@ pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// A subject a prefix can be: tokens that are neither empty nor wildcards.
+fn literal_subject(subject: &str) -> bool {
+    !subject.contains(char::is_whitespace)
+        && subject
+            .split('.')
+            .all(|token| !token.is_empty() && token != "*" && token != ">")
 }
 
 fn readable(key: &str, path: &Path) -> Result<(), ConfigError> {
@@ -296,11 +325,15 @@ pub fn service_inbox_prefix() -> String {
     format!("{SERVICE_INBOX}.{token}")
 }
 
-/// Connect options carrying the authentication and TLS settings, and webproxy's
-/// private inbox prefix (every connection made with the service's own `[nats]`
-/// settings: `serve` and the operator commands).
+/// Connect options carrying the authentication and TLS settings, and the inbox prefix:
+/// `nats.inbox_prefix` where set, else webproxy's private one (every connection made
+/// with the service's own `[nats]` settings: `serve` and the operator commands).
 pub async fn connect_options(nats: &NatsConfig) -> std::io::Result<async_nats::ConnectOptions> {
-    let mut options = async_nats::ConnectOptions::new().custom_inbox_prefix(service_inbox_prefix());
+    let inbox = nats
+        .inbox_prefix
+        .clone()
+        .unwrap_or_else(service_inbox_prefix);
+    let mut options = async_nats::ConnectOptions::new().custom_inbox_prefix(inbox);
     if let Some(path) = &nats.credentials_file {
         options = options
             .credentials_file(path)
@@ -350,6 +383,8 @@ pub(crate) mod tests {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
+            inbox_prefix: None,
+            js_api_prefix: None,
         }
     }
 

@@ -55,7 +55,10 @@ pub async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, S
                 crate::nats_auth::redact_url_credentials(&nats_config.url)
             )
         })?;
-    let client = Client::new(nats, settings.dispatcher.subjects.prefix())?;
+    let mut client = Client::new(nats, settings.dispatcher.subjects.prefix())?;
+    if let Some(prefix) = &nats_config.js_api_prefix {
+        client = client.with_js_api_prefix(prefix);
+    }
     Ok((client, settings))
 }
 
@@ -119,7 +122,7 @@ fn batch_bytes(max_payload: usize) -> usize {
 /// decides which `reply_to` of a request the CLI ends gets a copy, as the service's
 /// would; without a configuration only `_INBOX.` subjects do.
 pub async fn operator_outlet(client: &Client, subjects: &Subjects) -> anyhow::Result<Outlet> {
-    let js = jetstream::new(client.nats().clone());
+    let js = client.jetstream().clone();
     let bucket = client.subjects().progress_bucket();
     let progress = js.get_key_value(&bucket).await.with_context(|| {
         format!("cannot open the progress bucket {bucket} (has `webproxy serve` run?)")

@@ -134,7 +134,7 @@ async fn pool_state(
 
 pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
-    let js = jetstream::new(client.nats().clone());
+    let js = client.jetstream().clone();
     let names = pool_names(&client, &js).await?;
     let mut states = Vec::new();
     // No pool, no service run yet: nothing to read pauses from.
@@ -293,7 +293,7 @@ pub async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
 
 /// The operator's outlet, once `pool`'s stream is known to exist.
 async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<Outlet> {
-    let js = jetstream::new(client.nats().clone());
+    let js = client.jetstream().clone();
     pool_stream(&js, client.subjects(), pool).await?;
     operator_outlet(client, client.subjects()).await
 }
@@ -333,7 +333,7 @@ pub async fn remove(
         bail!("pool default always exists and cannot be removed");
     }
     let (client, settings) = connect_with_settings(args).await?;
-    let js = jetstream::new(client.nats().clone());
+    let js = client.jetstream().clone();
     let subjects = settings.dispatcher.subjects.clone();
     let stream_name = subjects.pool_stream(pool);
     let mut stream = pool_stream(&js, &subjects, pool).await?;

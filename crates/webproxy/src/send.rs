@@ -33,6 +33,14 @@ pub struct SendArgs {
     /// Read the request body from a file.
     #[arg(long, value_name = "PATH")]
     pub data_file: Option<PathBuf>,
+    /// The caller name: the request goes on `<prefix>.request.<pool>.<caller>`, the
+    /// subject NATS permissions let an isolated caller publish on.
+    #[arg(long, value_name = "NAME")]
+    pub caller: Option<String>,
+    /// Have the reply copied to this subject and listen there only (an isolated
+    /// caller may read neither `<prefix>.reply.>` nor the stored replies).
+    #[arg(long, value_name = "SUBJECT")]
+    pub reply_to: Option<String>,
     /// Print exactly one JSON object: the reply with its `origin`, or a failure
     /// (`failure`, `exit_code`, `message`, and `id` and `origin` after a timeout).
     #[arg(long)]
@@ -126,6 +134,12 @@ async fn send(args: &SendArgs) -> Result<Answer, Failure> {
         };
         Failure::new(reason, format!("{e:#}"))
     })?;
+    let client = match &args.caller {
+        Some(caller) => client
+            .with_caller(caller)
+            .map_err(|e| Failure::new(Reason::Usage, e.to_string()))?,
+        None => client,
+    };
     match client.request_answer(&request).await {
         Ok(answer) => Ok(answer),
         Err(error) => Err(classify(&client, error).await),
@@ -156,6 +170,9 @@ fn build_request(args: &SendArgs) -> Result<Request, Failure> {
             )
         })?;
         request = request.body_bytes(bytes);
+    }
+    if let Some(subject) = &args.reply_to {
+        request = request.reply_to(subject.clone());
     }
     Ok(request)
 }

@@ -7,7 +7,6 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use async_nats::jetstream;
 use clap::Subcommand;
 
 use super::store::{self, Installed, KeyBucket};
@@ -57,7 +56,7 @@ async fn key_bucket(nats: &NatsArgs) -> anyhow::Result<KeyBucket> {
             "this configuration sets [gateway] key: gateways run with it use that key, not the bucket's"
         );
     }
-    let js = jetstream::new(client.nats().clone());
+    let js = client.jetstream().clone();
     Ok(KeyBucket::new(
         &js,
         client.subjects(),
