@@ -159,8 +159,19 @@ async fn push_prints_the_revision_and_a_diff_and_history_says_who_and_why() {
         "{listed:?}"
     );
     let lines = success(&config(&nats, &["history"]).await);
-    assert!(lines.contains("bob  deny admin"), "{lines}");
-    assert!(lines.contains("alice  open the partner"), "{lines}");
+    let words = |line: &str| {
+        line.split_whitespace()
+            .skip(2)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let rows: Vec<String> = lines.lines().map(words).collect();
+    assert_eq!(rows[0], "USER MESSAGE", "{lines}");
+    assert!(rows.contains(&"bob deny admin".to_string()), "{lines}");
+    assert!(
+        rows.contains(&"alice open the partner".to_string()),
+        "{lines}"
+    );
 }
 
 #[tokio::test]

@@ -304,9 +304,7 @@ pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
                 let listed: Vec<Listed> = history.iter().map(Listed::from).collect();
                 outln!("{}", serde_json::to_string_pretty(&listed)?)?;
             } else {
-                for revision in &history {
-                    outln!("{}", describe(revision))?;
-                }
+                out!("{}", history_table(&history))?;
             }
             Ok(())
         }
@@ -430,18 +428,44 @@ fn rfc3339(time: time::OffsetDateTime) -> String {
 }
 
 /// One line: revision, time, user and message (`-` where the value carries no note).
-fn describe(revision: &StoredRevision) -> String {
+/// One revision as `config history` and `config show` print it: revision, time, user
+/// and message (on one line).
+fn columns(revision: &StoredRevision) -> [String; 4] {
     let (user, message) = match (&revision.note, revision.deleted) {
         (_, true) => ("-", "(deleted)"),
         (Some(note), false) => (note.user.as_str(), note.message.as_str()),
         (None, false) => ("-", "(written without a note)"),
     };
-    let message = message.replace('\n', " ");
-    format!(
-        "{:>6}  {}  {user}  {message}",
-        revision.revision,
-        rfc3339(revision.created)
-    )
+    [
+        revision.revision.to_string(),
+        rfc3339(revision.created),
+        user.to_owned(),
+        message.replace('\n', " "),
+    ]
+}
+
+/// `config show`'s line about the revision it prints.
+fn describe(revision: &StoredRevision) -> String {
+    columns(revision).join("  ")
+}
+
+/// `config history`'s table: a header, then one line a revision, oldest first, in
+/// aligned columns (the message last).
+fn history_table(history: &[StoredRevision]) -> String {
+    let header = ["REVISION", "TIME", "USER", "MESSAGE"].map(str::to_owned);
+    let rows: Vec<[String; 4]> = std::iter::once(header)
+        .chain(history.iter().map(columns))
+        .collect();
+    let width = |column: usize| {
+        rows.iter()
+            .map(|row| row[column].chars().count())
+            .max()
+            .unwrap_or(0)
+    };
+    let (revision, time, user) = (width(0), width(1), width(2));
+    rows.iter()
+        .map(|[r, t, u, m]| format!("{r:>revision$}  {t:<time$}  {u:<user$}  {m}\n"))
+        .collect()
 }
 
 fn current_name(current: Option<&StoredRevision>) -> String {
@@ -479,4 +503,45 @@ async fn open(nats: &NatsArgs) -> anyhow::Result<(Settings, ConfigStore, jetstre
             )
         })?;
     Ok((settings, store, js))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn revision(revision: u64, note: Option<(&str, &str)>, deleted: bool) -> StoredRevision {
+        StoredRevision {
+            revision,
+            created: time::OffsetDateTime::UNIX_EPOCH,
+            note: note.map(|(user, message)| PushNote {
+                user: user.into(),
+                message: message.into(),
+            }),
+            document: String::new(),
+            deleted,
+        }
+    }
+
+    #[test]
+    fn history_is_a_table_with_a_header_in_aligned_columns() {
+        let table = history_table(&[
+            revision(1, Some(("alice", "open the partner")), false),
+            revision(12, Some(("bob", "deny\nadmin")), false),
+            revision(13, None, false),
+            revision(14, None, true),
+        ]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 5, "{table}");
+        assert!(lines[0].starts_with("REVISION  TIME"), "{table}");
+        // Every column starts at the same place on every line.
+        let at = |line: &str, what: &str| line.find(what).expect(what);
+        assert_eq!(at(lines[1], "alice"), at(lines[2], "bob"), "{table}");
+        assert_eq!(at(lines[1], "open"), at(lines[2], "deny admin"), "{table}");
+        assert_eq!(at(lines[0], "USER"), at(lines[1], "alice"), "{table}");
+        assert!(
+            lines[3].ends_with("-      (written without a note)"),
+            "{table}"
+        );
+        assert!(lines[4].ends_with("(deleted)"), "{table}");
+    }
 }
