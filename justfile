@@ -119,7 +119,7 @@ test-faults:
     cargo build --workspace --bins
     python3 scripts/fault_matrix.py --check
     {{ _nats_path }}; python3 scripts/fault_matrix.py --pairs | while read -r file test; do cargo test -p webproxy-tests --test "$file" -- --exact "$test"; done
-    {{ _nats_path }}; cargo test -p webproxy-tests --test matrix -- --ignored --exact --test-threads 2 $(python3 scripts/fault_matrix.py --matrix)
+    {{ _nats_path }}; bash scripts/matrix-run.sh
     python3 scripts/fault_matrix.py
 
 # Issue 20's adaptive-limit test: about 2 minutes, since the limit moves once per 5 s and needs tens of seconds to settle (ignored by `just test`; `.ci/run` runs it).
