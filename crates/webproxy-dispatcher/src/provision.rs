@@ -953,15 +953,31 @@ async fn provision_endings(
     Ok(())
 }
 
+/// What [`recreate_pool_consumer`] found.
+pub(crate) enum Recreated {
+    /// The consumer was there after all (it did not answer a pull, but the API found
+    /// it): nothing was written.
+    Found(consumer::PullConsumer),
+    /// It was confirmed gone (10014) and made anew.
+    Made(consumer::PullConsumer),
+}
+
 /// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing
-/// else: the pull loop calls it when the consumer is gone. It does so only while the
-/// pool's stream exists, is not marked for removal and has this instance's layout;
-/// otherwise the error (a [`Refusal`]) says why not.
+/// else: the pull loop calls it when a pull finds no consumer to answer it. It does so
+/// only while the pool's stream exists, is not marked for removal and has this
+/// instance's layout; otherwise the error (a [`Refusal`]) says why not.
+///
+/// A pull answered "no responders" says as little as a KV call does: the consumer is
+/// gone, or it has no leader, or the JetStream API is down. So it is made only after
+/// `CONSUMER.INFO` answers 10014, and made strictly (action create): a write of this
+/// instance's settings over a consumer that exists would undo what the pools' owner
+/// wrote there (a newer revision's limits, a lowered `ack_wait` no instance paces
+/// from yet).
 pub(crate) async fn recreate_pool_consumer(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,
-) -> Result<consumer::PullConsumer, ProvisionError> {
+) -> Result<Recreated, ProvisionError> {
     let stream_name = settings.subjects.pool_stream(pool);
     let name = settings.subjects.pool_consumer(pool);
     let what = format!("consumer {name} on {stream_name}");
@@ -987,11 +1003,39 @@ pub(crate) async fn recreate_pool_consumer(
         }
         Examined::Refuse(refusal) => return Err(refused(what, refusal)),
     }
-    let state = read_pool_state(js, settings, pool).await;
-    stream
-        .create_consumer(pool_consumer_config(settings, pool, pool_config, &state))
+    if let Some(found) = existing_consumer(&stream, &name)
         .await
-        .map_err(|e| provision_error(what, e))
+        .map_err(|e| provision_error(what.clone(), e))?
+    {
+        return Ok(Recreated::Found(found));
+    }
+    let state = read_pool_state(js, settings, pool).await;
+    match stream
+        .create_consumer_strict(pool_consumer_config(settings, pool, pool_config, &state))
+        .await
+    {
+        Ok(made) => Ok(Recreated::Made(made)),
+        // Another instance made it first.
+        Err(e) if e.kind() == stream::ConsumerCreateStrictErrorKind::AlreadyExists => stream
+            .get_consumer(&name)
+            .await
+            .map(Recreated::Found)
+            .map_err(|e| provision_error(what, e)),
+        Err(e) => Err(provision_error(what, e)),
+    }
+}
+
+/// The consumer `name` on `stream`, or `None` when the API answers that it does not
+/// exist (10014); any other failure (a timeout, no responders) is an error.
+async fn existing_consumer(
+    stream: &stream::Stream,
+    name: &str,
+) -> Result<Option<consumer::PullConsumer>, async_nats::Error> {
+    match stream.consumer_info(name).await {
+        Ok(_) => Ok(Some(stream.get_consumer(name).await?)),
+        Err(e) if e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(test)]

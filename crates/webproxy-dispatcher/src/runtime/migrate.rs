@@ -410,13 +410,30 @@ mod tests {
         pool.delete_consumer("webproxy-default-l3")
             .await
             .expect("delete");
-        let consumer = provision::recreate_pool_consumer(js, settings, "default")
-            .await
-            .expect("recreated");
+        let provision::Recreated::Made(consumer) =
+            provision::recreate_pool_consumer(js, settings, "default")
+                .await
+                .expect("recreated")
+        else {
+            panic!("the deleted consumer was found");
+        };
         assert_eq!(
             consumer.cached_info().config.durable_name.as_deref(),
             Some("webproxy-default-l3")
         );
+        // One that exists is found, and what the owner wrote there stays: a pull's
+        // "no responders" may mean only that JetStream was down.
+        let mut owned = consumer.cached_info().config.clone();
+        owned.max_ack_pending = 777;
+        pool.update_consumer(owned)
+            .await
+            .expect("the owner's write");
+        let Ok(provision::Recreated::Found(found)) =
+            provision::recreate_pool_consumer(js, settings, "default").await
+        else {
+            panic!("the consumer that exists was not found");
+        };
+        assert_eq!(found.cached_info().config.max_ack_pending, 777);
         config
             .metadata
             .insert(provision::REMOVING_KEY.into(), "true".into());

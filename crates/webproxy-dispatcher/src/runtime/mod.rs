@@ -474,7 +474,7 @@ async fn pull_loop(
                 }
             }
             PullEnd::ConsumerGone(why) => {
-                warn!(pool = %pool, reason = %why, "the pool's consumer is missing; recreating it");
+                warn!(pool = %pool, reason = %why, "the pool's consumer did not answer; recreating it if it is gone");
                 shared.health.set_pool_down(&pool, true);
                 match crate::provision::recreate_pool_consumer(
                     &shared.outlet.js,
@@ -483,11 +483,17 @@ async fn pull_loop(
                 )
                 .await
                 {
-                    Ok(recreated) => {
-                        consumer = recreated;
+                    Ok(crate::provision::Recreated::Made(made)) => {
+                        consumer = made;
                         shared.outlet.metrics.consumer_recreated(&pool);
                         shared.health.set_pool_down(&pool, false);
                         info!(pool = %pool, "recreated the pool's consumer");
+                        failures = 0;
+                    }
+                    Ok(crate::provision::Recreated::Found(found)) => {
+                        consumer = found;
+                        shared.health.set_pool_down(&pool, false);
+                        info!(pool = %pool, "the pool's consumer answers again; nothing recreated");
                         failures = 0;
                     }
                     Err(e)

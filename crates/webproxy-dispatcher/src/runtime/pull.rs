@@ -38,7 +38,7 @@ pub(super) fn status_end(status: StatusCode, description: Option<&str>) -> Optio
         StatusCode::IDLE_HEARTBEAT => None,
         StatusCode::TIMEOUT | StatusCode::NOT_FOUND => Some(PullEnd::Done),
         StatusCode::NO_RESPONDERS => Some(PullEnd::ConsumerGone(
-            "no responders: the consumer does not exist".into(),
+            "no responders: the consumer is gone, has no leader, or JetStream is down".into(),
         )),
         StatusCode::REQUEST_TERMINATED
             if description
