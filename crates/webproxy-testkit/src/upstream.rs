@@ -3,13 +3,13 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, Request, State};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -31,11 +31,43 @@ struct Stats {
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
     arrivals: Mutex<HashMap<String, Vec<Instant>>>,
+    /// The requests being handled now, by arrival number.
+    open: Mutex<BTreeMap<u64, OpenCall>>,
+    next_call: AtomicU64,
+    /// The requests that were being handled when the most were: what a failed limit
+    /// check prints, so that it shows which calls overlapped and from where.
+    busiest: Mutex<Vec<OpenCall>>,
+}
+
+/// A request being handled: for [`Upstream::busiest_calls`].
+#[derive(Clone)]
+struct OpenCall {
+    path: String,
+    peer: Option<SocketAddr>,
+    arrived: SystemTime,
+}
+
+impl std::fmt::Display for OpenCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = humantime::format_rfc3339_micros(self.arrived);
+        match self.peer {
+            Some(peer) => write!(f, "{} from {peer}, arrived {at}", self.path),
+            None => write!(f, "{}, arrived {at}", self.path),
+        }
+    }
 }
 
 impl Stats {
     fn arrivals(&self) -> MutexGuard<'_, HashMap<String, Vec<Instant>>> {
         self.arrivals.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn open(&self) -> MutexGuard<'_, BTreeMap<u64, OpenCall>> {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn busiest(&self) -> MutexGuard<'_, Vec<OpenCall>> {
+        self.busiest.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -72,6 +104,7 @@ impl Upstream {
             .unwrap_or_else(|e| panic!("bind upstream on {addr}: {e}"));
         let addr = listener.local_addr().expect("upstream local address");
         let server = tokio::spawn(async move {
+            let app = app.into_make_service_with_connect_info::<SocketAddr>();
             if let Err(error) = axum::serve(listener, app).await {
                 eprintln!("upstream on {addr} stopped: {error}");
             }
@@ -109,6 +142,17 @@ impl Upstream {
         self.stats.max_in_flight.load(Ordering::SeqCst)
     }
 
+    /// The requests that were being handled at once when the most were (see
+    /// [`Upstream::max_concurrent`]), each with its path, the address it came from and
+    /// when it arrived: for a failed limit check's message.
+    pub fn busiest_calls(&self) -> Vec<String> {
+        self.stats
+            .busiest()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
     /// When each request on `path` arrived, oldest first.
     pub fn hit_times(&self, path: &str) -> Vec<Instant> {
         self.stats.arrivals().get(path).cloned().unwrap_or_default()
@@ -128,24 +172,39 @@ async fn count(State(stats): State<Arc<Stats>>, request: Request, next: Next) ->
         .or_default()
         .push(Instant::now());
     stats.total.fetch_add(1, Ordering::SeqCst);
+    let call = OpenCall {
+        path: request.uri().path().to_owned(),
+        peer: request
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|ConnectInfo(peer)| *peer),
+        arrived: SystemTime::now(),
+    };
     // A guard rather than a decrement after `.await`: a request the client
     // abandons (e.g. on /hang) is dropped mid-handler and must stop counting.
-    let _in_flight = InFlight::enter(stats);
+    let _in_flight = InFlight::enter(stats, call);
     next.run(request).await
 }
 
-struct InFlight(Arc<Stats>);
+struct InFlight(Arc<Stats>, u64);
 
 impl InFlight {
-    fn enter(stats: Arc<Stats>) -> InFlight {
+    fn enter(stats: Arc<Stats>, call: OpenCall) -> InFlight {
+        let number = stats.next_call.fetch_add(1, Ordering::SeqCst);
+        let mut open = stats.open();
+        open.insert(number, call);
         let now = stats.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        stats.max_in_flight.fetch_max(now, Ordering::SeqCst);
-        InFlight(stats)
+        if stats.max_in_flight.fetch_max(now, Ordering::SeqCst) < now {
+            *stats.busiest() = open.values().cloned().collect();
+        }
+        drop(open);
+        InFlight(stats, number)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.0.open().remove(&self.1);
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -11,6 +11,7 @@ use webproxy_tests::caller::envelope;
 use webproxy_tests::pools::kv_config;
 use webproxy_tests::{
     Gateway, NatsCluster, NatsServer, Service, ServiceOptions, http_client, run_webproxy,
+    wait_until,
 };
 
 use crate::fault::Fault;
@@ -28,6 +29,13 @@ const GATEWAY_WAIT: Duration = Duration::from_secs(60);
 
 /// The gateway's route to the cell's upstream, in pool [`POOL`].
 const GATEWAY_ROUTE: &str = "/m";
+
+/// The instances' heartbeat bucket.
+const INSTANCES_BUCKET: &str = "WEBPROXY_INSTANCES";
+
+/// How long every instance may take to report after a fault: its next heartbeat (every
+/// 5 s) once JetStream answers again, with a loaded machine's margin.
+const INSTANCES_REPORT: Duration = Duration::from_secs(30);
 
 /// The gateway's records bucket: each keyed id's route, token identity and origin.
 const GATEWAY_RECORDS: &str = "WEBPROXY_GATEWAY";
@@ -176,12 +184,38 @@ impl Cell {
 
     /// Pushes the cluster document `document` with `config push --wait`: it returns
     /// once every live instance runs it.
+    ///
+    /// It first waits for every instance's heartbeat in `WEBPROXY_INSTANCES`: an
+    /// instance reports every 5 s, so after a fault (or a slow start) a push may come
+    /// before any report, and `config push` then refuses, rightly, to write a document
+    /// no live instance would follow.
     pub async fn push(&self, document: &str) {
+        wait_until(INSTANCES_REPORT, "every instance's heartbeat", || async {
+            self.instances_reporting().await >= self.services.len()
+        })
+        .await;
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("cluster.toml");
         std::fs::write(&path, document).expect("write the document");
         let path = path.display().to_string();
         self.webproxy_ok(&["config", "push", &path, "--wait"]).await;
+    }
+
+    /// How many instances' heartbeats `WEBPROXY_INSTANCES` holds now (its other keys
+    /// are leases); none while it cannot be read.
+    async fn instances_reporting(&self) -> usize {
+        use futures::StreamExt as _;
+        let Ok(bucket) = self.js.get_key_value(INSTANCES_BUCKET).await else {
+            return 0;
+        };
+        let Ok(keys) = bucket.keys().await else {
+            return 0;
+        };
+        keys.filter(|key| {
+            std::future::ready(key.as_ref().is_ok_and(|key| !key.starts_with("lease.")))
+        })
+        .count()
+        .await
     }
 
     /// A request through the gateway to `path` on the upstream with

@@ -340,8 +340,10 @@ impl Feature {
         let at_once = cell.upstream.max_concurrent();
         assert!(
             at_once <= self.max_in_flight() as usize,
-            "{at_once} calls at once in a pool of {}",
-            self.max_in_flight()
+            "{at_once} calls at once in a pool of {}:\n{}\n{}",
+            self.max_in_flight(),
+            cell.upstream.busiest_calls().join("\n"),
+            cell.logs()
         );
         if self == Feature::Rate {
             let times = cell.upstream.hit_times(&self.path(0));

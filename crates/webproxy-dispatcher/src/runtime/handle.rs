@@ -399,6 +399,7 @@ async fn attempt_and_judge<'a>(
             reason: STALE_BEFORE_ATTEMPT.into(),
         };
     }
+    debug!(id = %conversation.raw_id, pool = conversation.pool, origin = %conversation.state.origin, "attempting");
     let attempted = tokio::select! {
         attempted = Box::pin(attempt(shared, request, rule, conversation)) => Some(attempted),
         () = liveness.stale() => None,
