@@ -72,7 +72,7 @@ run:
         python3 scripts/echo_upstream.py --port 8081 >/dev/null 2>>.nats/echo-upstream.log &
         echo_pid=$!
     fi
-    # The HTTP gateway beside the service (README, "Without a NATS client"): built once,
+    # The HTTP gateway beside the service (docs/gateway.md): built once,
     # then both run from the same build.
     cargo build --release -p webproxy
     cargo run --release -q -p webproxy -- gateway --config config/webproxy.toml &
