@@ -72,15 +72,15 @@ run:
         python3 scripts/echo_upstream.py --port 8081 >/dev/null 2>>.nats/echo-upstream.log &
         echo_pid=$!
     fi
-    # The HTTP gateway beside the service (README, "Without a NATS client"): built once,
+    # The HTTP gateway beside the service (docs/gateway.md): built once,
     # then both run from the same build.
     cargo build --release -p webproxy
     cargo run --release -q -p webproxy -- gateway --config config/webproxy.toml &
     gateway_pid=$!
     cargo run --release -q -p webproxy -- serve --config config/webproxy.toml
 
-# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' and the loopback quickstart last (from a tree without ./target, with CARGO_TARGET_DIR set).
-test: && test-python test-node demo-target-dir
+# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' and the loopback quickstart last (from a tree without ./target, with CARGO_TARGET_DIR set), and the README's "Run it yourself".
+test: && test-python test-node demo-target-dir readme
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # Issue 15: the bench must not depend on the test package, which turns on the
@@ -153,6 +153,11 @@ test-node:
 demo:
     cargo build --workspace --bins
     {{ _nats_path }}; target="$(bash scripts/target-dir.sh)"; bash scripts/demo.sh "$target/debug/webproxy"
+
+# README.md's "Run it yourself" section as a newcomer runs it: its `sh` blocks in order, from an empty temporary directory, with only the webproxy binary, a nats-server and the system's tools on PATH, on free ports; the output the section shows is checked. No internet needed.
+readme:
+    cargo build --workspace --bins
+    {{ _nats_path }}; target="$(bash scripts/target-dir.sh)"; bash scripts/readme-run.sh "$target/debug/webproxy"
 
 # `just demo` from a tree without ./target, with CARGO_TARGET_DIR naming the real target dir through a symlink (nothing rebuilt): recipes and scripts find the binaries where cargo put them. `just test` runs the demo this way.
 demo-target-dir:

@@ -28,9 +28,9 @@ stop() {
 }
 trap stop EXIT
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# free_port
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
 
 # Up to 20 s (a first start creates the streams) for `check` to succeed.
 wait_until() {

@@ -48,18 +48,10 @@ tmp="$(mktemp -d "${TMPDIR:-/tmp}/soak-rate.XXXXXX")"
 suite_pid=""
 run_pid=""
 
-# Ends the process group led by $1 and everything in it (cargo, test binaries,
-# nats-servers, webproxy instances). TERM first, so nats-servers and instances shut
-# down as they would; KILL whatever is left after 15 s.
-stop_group() {
-    kill -TERM -- "-$1" 2>/dev/null || true
-    for _ in $(seq 150); do
-        kill -0 -- "-$1" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL -- "-$1" 2>/dev/null || true
-    wait "$1" 2>/dev/null || true
-}
+# stop_group: ends the process group led by its argument (cargo, test binaries,
+# nats-servers, webproxy instances).
+# shellcheck source=scripts/lib.sh
+source "$repo/scripts/lib.sh"
 
 # On any exit (the last run, a failure, Ctrl-C): the run in progress, then the
 # background loop, then their tempdirs.

@@ -3,8 +3,8 @@
 // random Nats-Msg-Id, pick the pool subject, keep only the reply of its own
 // conversation (its origin, <STREAM>:<seq> from the publish ack), fall back to its
 // own stored reply (unless it listens on a replyTo of its own), and tell an error
-// outcome from a response. The wire protocol is in the repository's README and
-// schema/request.schema.json. Its types are in webproxy-client.d.ts.
+// outcome from a response. The wire protocol is in the repository's docs/protocol.md
+// and schema/request.schema.json. Its types are in webproxy-client.d.ts.
 
 import { randomBytes, randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";

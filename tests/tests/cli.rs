@@ -36,7 +36,7 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// `send`'s exit codes, as README's `send` section documents them.
+/// `send`'s exit codes, as docs/cli.md ("`send`'s exit codes") documents them.
 mod exit {
     pub const RESPONSE: i32 = 0;
     pub const ERROR_OUTCOME: i32 = 3;

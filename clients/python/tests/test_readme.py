@@ -1,8 +1,8 @@
 """The READMEs, checked against a live webproxy: the client README's example runs as
-written, and a client written from the top-level README's protocol lines alone, on
-core NATS calls only (as in a language with no JetStream support), works: a random
-Nats-Msg-Id, the origin from the ack, the origin header on the reply, and the stored
-reply on the conversation's own subject."""
+written (and the top-level README shows that very example), and a client written from
+the top-level README's protocol lines alone, on core NATS calls only (as in a language
+with no JetStream support), works: a random Nats-Msg-Id, the origin from the ack, the
+origin header on the reply, and the stored reply on the conversation's own subject."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def test_the_readme_example_runs(live: LiveEnv, tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "200 path /readme\n", result.stdout + result.stderr
+
+
+def test_the_top_level_readme_shows_the_example_that_runs():
+    # README.md's Python example (its first python block) is this client's, which
+    # the test above runs: a change to either must be made to both.
+    shown = code_block(REPO / "README.md", "python")
+    assert shown == code_block(PYTHON_DIR / "README.md", "python"), shown
 
 
 def test_a_client_from_the_readme_protocol_alone(live: LiveEnv):

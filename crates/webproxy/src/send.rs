@@ -53,7 +53,7 @@ pub struct SendArgs {
 
 /// Why `send` ended without a reply to print, each with its exit code. 0 is a
 /// `response` reply and 3 an `error` reply; clap's usage errors are 2, as a malformed
-/// `-H` is here. README's `send` section lists them; keep it in step.
+/// `-H` is here. docs/cli.md, "`send`'s exit codes", lists them; keep it in step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Reason {
     /// Anything else: an unreadable configuration or `--data-file`, a publish JetStream

@@ -46,7 +46,7 @@ impl Fault {
     }
 
     /// Whether the pool's limits must hold under the fault. A stalled pod may still
-    /// hold an open HTTP call when the server redelivers its message (README), so
+    /// hold an open HTTP call when the server redelivers its message (docs/flow-control.md), so
     /// that row asserts one reply instead.
     pub fn limits_hold(self) -> bool {
         self != Fault::Stalled

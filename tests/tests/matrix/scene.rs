@@ -28,7 +28,7 @@ const WORKS_AGAIN: Duration = Duration::from_secs(60);
 /// the consumer in well under a second, and a delivery to a pod takes milliseconds.
 const WATCH_PAUSED: Duration = Duration::from_secs(3);
 
-/// How long `config push --wait` may take: README's 5 s for every instance to run a
+/// How long `config push --wait` may take: docs/configuration.md's 5 s for every instance to run a
 /// revision, plus the command's own start on a loaded machine.
 const PUSH_APPLIED: Duration = Duration::from_secs(15);
 

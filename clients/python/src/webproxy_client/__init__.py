@@ -4,8 +4,8 @@ It gets right what every caller must: subscribe before publishing, publish with 
 fresh random ``Nats-Msg-Id``, pick the pool subject, keep only the reply of its own
 conversation (its *origin*, ``<STREAM>:<seq>`` from the publish ack), fall back to
 its own stored reply (unless it listens on a ``reply_to`` of its own), and tell an
-error outcome from a response. The wire protocol is in the repository's README and
-``schema/request.schema.json``.
+error outcome from a response. The wire protocol is in the repository's
+``docs/protocol.md`` and ``schema/request.schema.json``.
 
     nc = await nats.connect("nats://127.0.0.1:4222")
     client = Client(nc)

@@ -320,7 +320,7 @@ impl LivePacing {
             let read = match instances::reports(&self.store).await {
                 // Instances in file mode report too (for `config push` and `pools
                 // remove`), but are not waited for, as when they reported nothing: a
-                // lowered ack_wait reaches them by a deploy, not by a push (README).
+                // lowered ack_wait reaches them by a deploy, not by a push (docs/configuration.md).
                 Ok(reports) => Some(
                     reports
                         .iter()
