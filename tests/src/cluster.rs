@@ -41,6 +41,28 @@ impl NatsCluster {
         }
     }
 
+    /// Waits until every node's `/healthz` answers 200: JetStream enabled and its meta
+    /// group led and current. A cluster that just started elects for a few seconds,
+    /// more on a loaded machine; a service started before that spends its own start
+    /// timeout on the election.
+    pub async fn wait_jetstream_ready(&self, timeout: std::time::Duration) {
+        let http = http_client();
+        crate::wait_until(timeout, "every node's /healthz to answer 200", || async {
+            for port in &self.monitor_ports {
+                let healthy = http
+                    .get(format!("http://127.0.0.1:{port}/healthz"))
+                    .send()
+                    .await
+                    .is_ok_and(|response| response.status().is_success());
+                if !healthy {
+                    return false;
+                }
+            }
+            true
+        })
+        .await;
+    }
+
     /// Every node's client URL, comma-separated, as `[nats] url` takes them.
     pub fn urls(&self) -> String {
         self.nodes

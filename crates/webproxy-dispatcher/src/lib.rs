@@ -43,7 +43,7 @@ pub use backoff::Backoff;
 pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
 pub use config_error::ConfigError;
-pub use config_store::{ConfigStore, PushNote, Seeded, StoredRevision};
+pub use config_store::{ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision};
 pub use instances::InstanceReport;
 pub use provision::mark_removing;
 pub use response_rules::{AppliedResponseRules, ResponseRuleConfig, ResponseRulesSource};

@@ -171,15 +171,18 @@ pub async fn follow(
         let after = if lost { 0 } else { seen };
         let watched = async {
             match ConfigStore::open(&js, &settings.dispatcher.subjects).await? {
-                Some(store) => store.watch_after(after).await.map(Some),
+                Some(store) => {
+                    let revisions = store.watch_after(after).await?;
+                    Ok::<_, webproxy_dispatcher::ConfigStoreError>(Some((store, revisions)))
+                }
                 None => Ok(None),
             }
         };
-        let mut revisions = tokio::select! {
+        let (store, mut revisions) = tokio::select! {
             watched = watched => match watched {
-                Ok(Some(revisions)) => {
+                Ok(Some(watching)) => {
                     lost = false;
-                    revisions
+                    watching
                 }
                 Ok(None) => {
                     if !lost {
@@ -201,9 +204,29 @@ pub async fn follow(
             },
             _ = shutdown.cancelled() => return,
         };
+        let mut catch_up = CatchUp::default();
+        let mut checks =
+            tokio::time::interval_at(tokio::time::Instant::now() + WATCH_CHECK, WATCH_CHECK);
         loop {
             let next = tokio::select! {
                 next = revisions.next() => next,
+                _ = checks.tick() => {
+                    // A watch can go quiet without an error: its consumer lost with the
+                    // node that held it while the client reconnected elsewhere. The
+                    // bucket's latest revision, read directly, shows it.
+                    if let Ok(Some(latest)) = store.latest().await
+                        && catch_up.behind(seen, latest.revision)
+                    {
+                        warn!(
+                            after = seen,
+                            latest = latest.revision,
+                            "the watch of the configuration bucket fell behind its latest revision; watching again"
+                        );
+                        failures = 1;
+                        break;
+                    }
+                    continue;
+                }
                 _ = shutdown.cancelled() => return,
             };
             match next {
@@ -227,6 +250,33 @@ pub async fn follow(
                 }
             }
         }
+    }
+}
+
+/// How often a configuration watch is checked against the bucket's latest revision:
+/// README promises every instance runs a push within 5 s, and a quiet watch is made
+/// again at the second check that finds it behind.
+const WATCH_CHECK: Duration = Duration::from_secs(2);
+
+/// Whether a watch is behind the bucket (pure): behind at two checks in a row, on the
+/// same latest revision, so that a revision written just before a check (and on its
+/// way in the watch) is not taken for a quiet watch.
+#[derive(Debug, Default)]
+struct CatchUp {
+    behind_on: Option<u64>,
+}
+
+impl CatchUp {
+    /// At a check that saw `seen` as the last revision taken and `latest` in the
+    /// bucket: whether to watch again.
+    fn behind(&mut self, seen: u64, latest: u64) -> bool {
+        if latest <= seen {
+            self.behind_on = None;
+            return false;
+        }
+        let again = self.behind_on == Some(latest);
+        self.behind_on = Some(latest);
+        again
     }
 }
 
@@ -298,6 +348,23 @@ mod tests {
             source: None,
             pools: None,
         }
+    }
+
+    #[test]
+    fn a_watch_is_behind_only_at_the_second_check_on_the_same_latest_revision() {
+        let mut catch_up = CatchUp::default();
+        assert!(!catch_up.behind(3, 3), "up to date");
+        assert!(!catch_up.behind(3, 4), "a revision may be on its way");
+        assert!(catch_up.behind(3, 4), "still not taken at the next check");
+        let mut catch_up = CatchUp::default();
+        assert!(!catch_up.behind(3, 4));
+        assert!(!catch_up.behind(4, 4), "taken in between");
+        assert!(!catch_up.behind(4, 5), "a newer one is on its way again");
+        assert!(
+            !catch_up.behind(4, 6),
+            "pushes keep coming: give the newest its time"
+        );
+        assert!(catch_up.behind(4, 6));
     }
 
     #[test]

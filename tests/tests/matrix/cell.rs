@@ -30,6 +30,10 @@ const GATEWAY_WAIT: Duration = Duration::from_secs(60);
 /// The gateway's route to the cell's upstream, in pool [`POOL`].
 const GATEWAY_ROUTE: &str = "/m";
 
+/// How long a new 3-node cluster may take to elect its JetStream meta leader on a
+/// loaded machine (two cells at once, each with its servers and instances).
+const CLUSTER_READY: Duration = Duration::from_secs(60);
+
 /// The instances' heartbeat bucket.
 const INSTANCES_BUCKET: &str = "WEBPROXY_INSTANCES";
 
@@ -84,7 +88,9 @@ pub struct Cell {
 impl Cell {
     pub async fn start(fault: Fault, feature: Feature) -> Cell {
         let nats = if fault.needs_a_cluster() {
-            Nats::Cluster(NatsCluster::start(3))
+            let cluster = NatsCluster::start(3);
+            cluster.wait_jetstream_ready(CLUSTER_READY).await;
+            Nats::Cluster(cluster)
         } else {
             Nats::One(NatsServer::start())
         };

@@ -76,6 +76,19 @@ impl Dispatcher {
             max_payload,
             &instruments.metrics,
         )?;
+        // Made first with a timeout of their own: creating a replicated stream waits
+        // for its group's election, which on a loaded cluster takes longer than the
+        // hot path's timeout (a third of ack_wait), and a create that times out is
+        // tried again from the start. Then provisioned again, with everything there
+        // (updates only), for handles that carry the hot path's timeout.
+        let mut admin = async_nats::jetstream::new(client.clone());
+        admin.set_timeout(PROVISION_REQUEST_TIMEOUT);
+        if retry_until_done("provisioning", shutdown, || provision(&admin, &settings))
+            .await
+            .is_none()
+        {
+            return Ok(None);
+        }
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
         let Some(provisioned) =
@@ -158,6 +171,11 @@ fn effective_max_response_bytes(
         }),
     }
 }
+
+/// How long one request of provisioning (a stream's or bucket's creation) is waited
+/// for: async-nats' own 5 s, doubled for a replicated stream's election on a loaded
+/// cluster.
+const PROVISION_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (also the
 /// configuration bucket's reads at start, `crate::config_store`); `None` when
