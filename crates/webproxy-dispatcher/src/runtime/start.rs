@@ -76,19 +76,6 @@ impl Dispatcher {
             max_payload,
             &instruments.metrics,
         )?;
-        // Made first with a timeout of their own: creating a replicated stream waits
-        // for its group's election, which on a loaded cluster takes longer than the
-        // hot path's timeout (a third of ack_wait), and a create that times out is
-        // tried again from the start. Then provisioned again, with everything there
-        // (updates only), for handles that carry the hot path's timeout.
-        let mut admin = async_nats::jetstream::new(client.clone());
-        admin.set_timeout(PROVISION_REQUEST_TIMEOUT);
-        if retry_until_done("provisioning", shutdown, || provision(&admin, &settings))
-            .await
-            .is_none()
-        {
-            return Ok(None);
-        }
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
         let Some(provisioned) =
@@ -172,14 +159,15 @@ fn effective_max_response_bytes(
     }
 }
 
-/// How long one request of provisioning (a stream's or bucket's creation) is waited
-/// for: async-nats' own 5 s, doubled for a replicated stream's election on a loaded
-/// cluster.
-const PROVISION_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (also the
 /// configuration bucket's reads at start, `crate::config_store`); `None` when
 /// `shutdown` is cancelled first.
+///
+/// A failure unlike the one before is progress, and the backoff starts again: two
+/// instances that start together create the same replicated streams, and of two
+/// equal creates in flight one was seen answered late or not at all (10 s did not
+/// do), so each step of provisioning can time out once and then find its stream made. A backoff that grew over those
+/// steps took a start past 30 s.
 pub(crate) async fn retry_until_done<T, E, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
@@ -191,21 +179,50 @@ where
     Fut: Future<Output = Result<T, E>>,
 {
     let mut failures = 0u32;
+    let mut last_failure = String::new();
     loop {
         match step().await {
             Ok(done) => return Some(done),
-            Err(e) => warn!(error = %e, "{what} failed; retrying"),
+            Err(e) => {
+                warn!(error = %e, "{what} failed; retrying");
+                let failure = e.to_string();
+                failures = next_failures(failures, &last_failure, &failure);
+                last_failure = failure;
+            }
         }
-        failures = failures.saturating_add(1);
         if !START_BACKOFF.wait(failures, shutdown).await {
             return None;
         }
     }
 }
 
+/// The count of failures in a row to back off by (pure): one more after the same
+/// failure again, and one (the shortest wait) after a failure unlike the last.
+fn next_failures(failures: u32, last: &str, now: &str) -> u32 {
+    if last == now {
+        failures.saturating_add(1)
+    } else {
+        1
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failure_unlike_the_last_starts_the_backoff_again() {
+        assert_eq!(next_failures(0, "", "stream A timed out"), 1);
+        assert_eq!(
+            next_failures(1, "stream A timed out", "stream A timed out"),
+            2
+        );
+        assert_eq!(
+            next_failures(2, "stream A timed out", "stream B timed out"),
+            1
+        );
+        assert_eq!(next_failures(u32::MAX, "x", "x"), u32::MAX);
+    }
 
     #[test]
     fn response_limit_is_derived_and_capped() {
