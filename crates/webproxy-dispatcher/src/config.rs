@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use webproxy_protocol::Subjects;
 
 use crate::config_error::element_key;
+use crate::decision::human;
 
 pub(crate) use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
 pub(crate) use crate::config_error::ConfigError;
@@ -77,8 +78,9 @@ impl Settings {
             return Err(ConfigError::new(
                 "streams.duplicate_window",
                 format!(
-                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
-                    cluster.ack_wait, streams.duplicate_window
+                    "must be at least twice [service] ack_wait ({}), got {}",
+                    human(cluster.ack_wait),
+                    human(streams.duplicate_window)
                 ),
             ));
         }
