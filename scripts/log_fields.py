@@ -21,6 +21,8 @@ import re
 import sys
 from pathlib import Path
 
+from module_cycles import lex, workspace_arguments, workspace_of, write_tree
+
 MACRO = re.compile(r"\b(?:info|warn|error|debug|trace)!\s*\(")
 # A tracing field's Debug sigil: `?` that starts a field or a field's value. The try
 # operator follows an expression (an identifier, `)` or `]`), never these.
@@ -28,55 +30,6 @@ DEBUG_FIELD = re.compile(r"(?<=[(,=\s])\?\s*[A-Za-z_&*]")
 PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
 CFG_TEST = re.compile(r"#\s*\[\s*cfg\s*\(\s*test\s*\)\s*\]")
 MOD_DECL = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+([A-Za-z_][A-Za-z0-9_]*)\s*;")
-RAW_STRING = re.compile(r'b?r(#*)"')
-CHAR = re.compile(r"'(?:\\(?:u\{[0-9a-fA-F]*\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])'")
-
-
-def lex(source: str) -> tuple[str, list[tuple[int, int]]]:
-    """`source` with comments and string literals blanked (newlines kept), and where
-    each string literal's text is (its quotes included)."""
-    out: list[str] = []
-    strings: list[tuple[int, int]] = []
-    i, n = 0, len(source)
-
-    def blank(text: str) -> str:
-        return re.sub(r"[^\n]", " ", text)
-
-    while i < n:
-        c = source[i]
-        if source.startswith("//", i):
-            j = source.find("\n", i)
-            j = n if j < 0 else j
-        elif source.startswith("/*", i):
-            depth, j = 1, i + 2
-            while j < n and depth:
-                if source.startswith("/*", j):
-                    depth, j = depth + 1, j + 2
-                elif source.startswith("*/", j):
-                    depth, j = depth - 1, j + 2
-                else:
-                    j += 1
-        elif (m := RAW_STRING.match(source, i)) and (
-            i == 0 or not (source[i - 1].isalnum() or source[i - 1] == "_")
-        ):
-            end = source.find('"' + m.group(1), m.end())
-            j = n if end < 0 else end + 1 + len(m.group(1))
-            strings.append((i, j))
-        elif c == '"':
-            j = i + 1
-            while j < n and source[j] != '"':
-                j += 2 if source[j] == "\\" else 1
-            j += 1
-            strings.append((i, j))
-        elif c == "'" and (m := CHAR.match(source, i)):
-            j = m.end()
-        else:
-            out.append(c)
-            i += 1
-            continue
-        out.append(blank(source[i:j]))
-        i = j
-    return "".join(out), strings
 
 
 def matching(code: str, open_at: int) -> int:
@@ -219,11 +172,8 @@ def self_test() -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for rel, text in SELF_TEST.items():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_text(text, encoding="utf-8")
-        got = check(root)
+        write_tree(Path(tmp), SELF_TEST)
+        got = check(Path(tmp))
     if got != SELF_TEST_WANT:
         print("log_fields self-test failed:", file=sys.stderr)
         print(" got:\n  " + "\n  ".join(got), file=sys.stderr)
@@ -235,14 +185,12 @@ def self_test() -> int:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--self-test", action="store_true", help="check the checker and exit")
-    parser.add_argument("root", nargs="?", default=".", help="the workspace (default: .)")
+    workspace_arguments(parser)
     args = parser.parse_args(argv)
     if args.self_test:
         return self_test()
-    workspace = Path(args.root).resolve()
-    if not (workspace / "Cargo.toml").is_file():
-        print(f"log_fields: no Cargo.toml in {workspace}", file=sys.stderr)
+    workspace = workspace_of("log_fields", args.root)
+    if workspace is None:
         return 2
     found = check(workspace)
     for line in found:
