@@ -147,7 +147,8 @@ enum PoolsCommand {
 
 #[derive(Debug, Subcommand)]
 enum DeadCommand {
-    /// List dead letters, oldest first, as they are read.
+    /// List dead letters, oldest first: a table, printed once every letter is read, or
+    /// with --json one array, printed as the letters are read.
     List {
         #[command(flatten)]
         nats: NatsArgs,
