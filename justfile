@@ -79,7 +79,7 @@ run:
     gateway_pid=$!
     cargo run --release -q -p webproxy -- serve --config config/webproxy.toml
 
-# Format check, clippy, build the binaries the integration tests spawn, check deploy/ and module cycles, then run every test, the clients' and the loopback quickstart last (from a tree without ./target, with CARGO_TARGET_DIR set), and the README's "Run it yourself".
+# Format check, clippy, build the binaries the integration tests spawn, check deploy/, module cycles and log fields, then run every test, the clients' and the loopback quickstart last (from a tree without ./target, with CARGO_TARGET_DIR set), and the README's "Run it yourself".
 test: && test-python test-node demo-target-dir readme
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
@@ -94,6 +94,9 @@ test: && test-python test-node demo-target-dir readme
     # No module imports form a cycle (issue 15): a new cycle fails the build.
     python3 scripts/module_cycles.py --self-test
     python3 scripts/module_cycles.py
+    # Log lines carry Display, never Rust's Debug (`?field`, `{:?}`) (issue 31, point 9).
+    python3 scripts/log_fields.py --self-test
+    python3 scripts/log_fields.py
     # nextest cannot run doctests, so they run first: the suite's summary stays the last line.
     # tests/tests/startup.rs runs the service against a nats-server too old for it.
     {{ _nats_path }}; old_nats="$(bash scripts/ensure-old-nats-server.sh | tail -n1)"; export WEBPROXY_OLD_NATS_SERVER="$old_nats"; if cargo nextest --version >/dev/null 2>&1; then cargo test --workspace --doc -q && cargo nextest run --workspace --no-fail-fast; else cargo test --workspace; fi

@@ -34,9 +34,16 @@ SKIP_DIRS = {"target", "fuzz", ".git", "node_modules", ".venv", ".venv-clients"}
 # ---------------------------------------------------------------- lexing
 
 
-def strip(source: str) -> str:
-    """`source` with comments, string and char literals blanked (newlines kept)."""
-    out = []
+_RAW_STRING = re.compile(r'b?r(#*)"')
+_CHAR = re.compile(r"'(?:\\(?:u\{[0-9a-fA-F]*\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])'")
+
+
+def lex(source: str) -> tuple[str, list[tuple[int, int]]]:
+    """`source` with comments, string and char literals blanked (newlines kept), and
+    where each string literal's text is (its quotes included). Shared with
+    scripts/log_fields.py."""
+    out: list[str] = []
+    strings: list[tuple[int, int]] = []
     i, n = 0, len(source)
 
     def blank(text: str) -> str:
@@ -47,8 +54,6 @@ def strip(source: str) -> str:
         if source.startswith("//", i):
             j = source.find("\n", i)
             j = n if j < 0 else j
-            out.append(blank(source[i:j]))
-            i = j
         elif source.startswith("/*", i):
             depth, j = 1, i + 2
             while j < n and depth:
@@ -58,35 +63,32 @@ def strip(source: str) -> str:
                     depth, j = depth - 1, j + 2
                 else:
                     j += 1
-            out.append(blank(source[i:j]))
-            i = j
-        elif (m := re.compile(r'b?r(#*)"').match(source, i)) and (
+        elif (m := _RAW_STRING.match(source, i)) and (
             i == 0 or not (source[i - 1].isalnum() or source[i - 1] == "_")
         ):
             end = source.find('"' + m.group(1), m.end())
             j = n if end < 0 else end + 1 + len(m.group(1))
-            out.append(blank(source[i:j]))
-            i = j
+            strings.append((i, j))
         elif c == '"':
             j = i + 1
             while j < n and source[j] != '"':
                 j += 2 if source[j] == "\\" else 1
-            out.append(blank(source[i : j + 1]))
-            i = j + 1
-        elif c == "'":
-            m = re.compile(r"'(?:\\(?:u\{[0-9a-fA-F]*\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])'").match(
-                source, i
-            )
-            if m:  # a char literal; otherwise a lifetime or a label
-                out.append(blank(m.group(0)))
-                i = m.end()
-            else:
-                out.append(c)
-                i += 1
+            j += 1
+            strings.append((i, j))
+        elif c == "'" and (m := _CHAR.match(source, i)):
+            j = m.end()
         else:
             out.append(c)
             i += 1
-    return "".join(out)
+            continue
+        out.append(blank(source[i:j]))
+        i = j
+    return "".join(out), strings
+
+
+def strip(source: str) -> str:
+    """`source` with comments, string and char literals blanked (newlines kept)."""
+    return lex(source)[0]
 
 
 TOKEN = re.compile(r"\$?[A-Za-z_][A-Za-z0-9_]*|::|[{}(),*;]|\S")
@@ -464,14 +466,36 @@ SELF_TEST = {
 }
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """Writes `files` (a path relative to `root`, its text): a self-test's workspace.
+    Shared with scripts/log_fields.py."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+
+
+def workspace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every checker takes: --self-test and the workspace. Shared with
+    scripts/log_fields.py."""
+    parser.add_argument("--self-test", action="store_true", help="check the checker and exit")
+    parser.add_argument("root", nargs="?", default=".", help="the workspace (default: .)")
+
+
+def workspace_of(name: str, root: str) -> Path | None:
+    """`root` resolved, or None (said on stderr) when it holds no Cargo.toml."""
+    workspace = Path(root).resolve()
+    if not (workspace / "Cargo.toml").is_file():
+        print(f"{name}: no Cargo.toml in {workspace}", file=sys.stderr)
+        return None
+    return workspace
+
+
 def self_test() -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for rel, text in SELF_TEST.items():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_text(text, encoding="utf-8")
+        write_tree(root, SELF_TEST)
         crate = load_crate("a", root / "a/src/lib.rs")
         got = {(parent, tuple(comp)) for parent, comp, *_ in cycles_of(crate, False)}
         want = {((), ("x", "y")), (("w",), ("p", "q"))}
@@ -503,14 +527,12 @@ def main(argv: list[str]) -> int:
         "--include-tests", action="store_true", help="count references made by test code"
     )
     parser.add_argument("--verbose", action="store_true", help="name where each edge is made")
-    parser.add_argument("--self-test", action="store_true", help="check the checker and exit")
-    parser.add_argument("root", nargs="?", default=".", help="the workspace (default: .)")
+    workspace_arguments(parser)
     args = parser.parse_args(argv)
     if args.self_test:
         return self_test()
-    workspace = Path(args.root).resolve()
-    if not (workspace / "Cargo.toml").is_file():
-        print(f"module_cycles: no Cargo.toml in {workspace}", file=sys.stderr)
+    workspace = workspace_of("module_cycles", args.root)
+    if workspace is None:
         return 2
 
     total, crates = 0, 0

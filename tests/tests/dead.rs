@@ -77,6 +77,15 @@ async fn json_lines(args: &[&str]) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("{args:?}: not JSON lines ({e}): {output:?}"))
 }
 
+/// Runs webproxy and returns its stdout as one JSON array (`dead list --json`), after
+/// checking it succeeded.
+async fn json_array(args: &[&str]) -> Vec<Value> {
+    let output = webproxy(args).await;
+    assert!(output.status.success(), "{args:?}: {output:?}");
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("{args:?}: not one JSON array ({e}): {output:?}"))
+}
+
 /// Runs webproxy and returns its stdout as text, after checking it succeeded.
 async fn text_output(args: &[&str]) -> String {
     let output = webproxy(args).await;
@@ -96,7 +105,7 @@ fn field(lines: &[Value], field: &str) -> Vec<String> {
 async fn listed(nats: &str, filters: &[&str]) -> Vec<String> {
     let mut args = vec!["dead", "list", "--nats", nats, "--json"];
     args.extend_from_slice(filters);
-    field(&json_lines(&args).await, "id")
+    field(&json_array(&args).await, "id")
 }
 
 #[tokio::test]
@@ -165,12 +174,63 @@ async fn dead_list_filters_by_code_id_pool_since_and_limit() {
         ["b2"]
     );
 
-    // The table prints the same selection.
-    let table = webproxy(&["dead", "list", "--nats", &nats, "--code", "denied"]).await;
-    assert!(table.status.success(), "{table:?}");
-    let text = String::from_utf8_lossy(&table.stdout);
-    assert_eq!(text.lines().count(), 3, "a header and two letters: {text}");
-    assert!(text.contains(" a2 ") && text.contains(" b2 "), "{text}");
+    // Each letter carries its conversation's origin, what it is picked by.
+    let denied = json_array(&[
+        "dead", "list", "--nats", &nats, "--code", "denied", "--json",
+    ])
+    .await;
+    assert_eq!(
+        field(&denied, "origin"),
+        ["WEBPROXY_POOL_DEFAULT:2", "WEBPROXY_POOL_DEFAULT:6"]
+    );
+    assert_eq!(
+        field(&denied, "stream"),
+        ["WEBPROXY_POOL_DEFAULT_DEAD", "WEBPROXY_POOL_PARTNER_DEAD"]
+    );
+    assert!(
+        denied
+            .iter()
+            .all(|l| l["sequence"].is_u64() && l["stored_at"].is_string()),
+        "{denied:?}"
+    );
+    let none = json_array(&["dead", "list", "--nats", &nats, "--id", "nobody", "--json"]).await;
+    assert!(none.is_empty(), "{none:?}");
+
+    // The table prints the same selection: a header, then a letter a line, each
+    // column (the origin's among them) starting where its header does.
+    let text = text_output(&["dead", "list", "--nats", &nats, "--code", "denied"]).await;
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "a header and two letters: {text}");
+    let header: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "SEQ", "STORED", "POOL", "ORIGIN", "ID", "GEN", "CODE", "MESSAGE"
+        ],
+        "{text}"
+    );
+    let at = |line: &str, what: &str| {
+        line.find(what)
+            .unwrap_or_else(|| panic!("{what} not in {line:?}: {text}"))
+    };
+    for (line, pool, origin, id) in [
+        (lines[1], "default", "WEBPROXY_POOL_DEFAULT:2", "a2"),
+        (lines[2], "partner", "WEBPROXY_POOL_DEFAULT:6", "b2"),
+    ] {
+        assert_eq!(at(line, pool), at(lines[0], "POOL"), "{text}");
+        assert_eq!(at(line, origin), at(lines[0], "ORIGIN"), "{text}");
+        assert_eq!(
+            at(line, &format!(" {id} ")) + 1,
+            at(lines[0], " ID ") + 1,
+            "{text}"
+        );
+        assert_eq!(at(line, "denied"), at(lines[0], "CODE"), "{text}");
+        assert_eq!(
+            at(line, &format!("{id} failed")),
+            at(lines[0], "MESSAGE"),
+            "{text}"
+        );
+    }
     assert!(!text.contains(" a1 "), "{text}");
 
     for (flag, bad, named) in [
@@ -255,9 +315,14 @@ async fn dead_list_streams_ten_thousand_letters_in_bounded_memory() {
     let reader = tokio::spawn(async move {
         let mut lines = tokio::io::BufReader::new(stdout).lines();
         let mut count = 0_u64;
+        // One JSON array, a letter a line between `[` and `]`.
         while let Some(line) = lines.next_line().await.expect("read stdout") {
+            if line == "[" || line == "]" {
+                continue;
+            }
             count += 1;
-            let letter: Value = serde_json::from_str(&line).expect("a JSON line");
+            let line = line.strip_suffix(',').unwrap_or(&line);
+            let letter: Value = serde_json::from_str(line).expect("a letter a line");
             assert_eq!(letter["id"], format!("many-{count}"), "line {count}");
             assert_eq!(letter["sequence"], count, "line {count}");
         }

@@ -144,10 +144,7 @@ async fn a_pools_letter_and_reply_survive_another_pools_flood() {
     ])
     .await;
     assert!(listed.status.success(), "{listed:?}");
-    let lines: Vec<Value> = serde_json::Deserializer::from_slice(&listed.stdout)
-        .into_iter()
-        .collect::<Result<_, _>>()
-        .expect("JSON lines");
+    let lines: Vec<Value> = serde_json::from_slice(&listed.stdout).expect("one JSON array");
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!(lines[0]["id"], victim.reply.id.as_str());
     assert_eq!(lines[0]["stream"], "WEBPROXY_POOL_A_DEAD");
@@ -356,10 +353,7 @@ async fn layout2s_shared_streams_are_retired_and_still_read() {
     // `dead list` reads the retired stream first, then the pool's own.
     let listed = webproxy(&["dead", "list", "--nats", &nats.url(), "--json"]).await;
     assert!(listed.status.success(), "{listed:?}");
-    let lines: Vec<Value> = serde_json::Deserializer::from_slice(&listed.stdout)
-        .into_iter()
-        .collect::<Result<_, _>>()
-        .expect("JSON lines");
+    let lines: Vec<Value> = serde_json::from_slice(&listed.stdout).expect("one JSON array");
     let found: Vec<(&str, &str)> = lines
         .iter()
         .map(|l| {

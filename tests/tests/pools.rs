@@ -335,6 +335,52 @@ async fn pools_are_listed_and_removed() {
             .is_some_and(|a| a.iter().any(|p| p["pool"] == "default"))
     );
 
+    // The table: a header, then a pool a line, the names where POOL starts and each
+    // number ending where its header ends.
+    let table = webproxy(&["pools", "--nats", &nats]).await;
+    assert!(table.status.success(), "{table:?}");
+    let text = String::from_utf8_lossy(&table.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    let header = lines[0];
+    assert_eq!(
+        header.split_whitespace().collect::<Vec<_>>(),
+        [
+            "POOL",
+            "MAX_IN_FLIGHT",
+            "WAITING",
+            "IN_FLIGHT",
+            "PARKED",
+            "OLDEST_WAITING"
+        ],
+        "{text}"
+    );
+    let p1 = lines
+        .iter()
+        .find(|line| line.starts_with("p1 "))
+        .unwrap_or_else(|| panic!("no row for p1: {text}"));
+    // Where each of the first `n` words of `line` ends.
+    let ends = |line: &str, n: usize| -> Vec<usize> {
+        let mut ends = Vec::new();
+        let mut previous = ' ';
+        for (at, c) in line.char_indices() {
+            if c == ' ' && previous != ' ' {
+                ends.push(at);
+            }
+            previous = c;
+        }
+        ends.truncate(n);
+        ends
+    };
+    assert_eq!(
+        p1.split_whitespace().take(5).collect::<Vec<_>>(),
+        ["p1", "2", "3", "0", "0"],
+        "{text}"
+    );
+    assert_eq!(ends(p1, 5)[1..], ends(header, 5)[1..], "{text}");
+    // The oldest wait, in human units, ends the line where its header does.
+    assert_eq!(p1.len(), header.len(), "{text}");
+    assert!(p1.trim_end().ends_with('s'), "{text}");
+
     let refused = webproxy(&["pools", "remove", "p1", "--nats", &nats]).await;
     assert!(!refused.status.success(), "{refused:?}");
     assert!(

@@ -379,11 +379,9 @@ async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
     let nats = h.nats.url();
     let listed = webproxy(&["dead", "list", "--nats", &nats, "--json"]).await;
     assert!(listed.status.success(), "{listed:?}");
-    // JSON lines: one letter per line.
-    let letters: Vec<serde_json::Value> = serde_json::Deserializer::from_slice(&listed.stdout)
-        .into_iter()
-        .collect::<Result<_, _>>()
-        .expect("json lines");
+    // One JSON array of letters.
+    let letters: Vec<serde_json::Value> =
+        serde_json::from_slice(&listed.stdout).expect("one JSON array");
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0]["id"], request.id.as_str());
     assert_eq!(letters[0]["error"]["code"], "retries_exhausted");
@@ -391,7 +389,9 @@ async fn dead_letters_are_listed_and_replayed_as_a_new_generation() {
     let other_pool =
         webproxy(&["dead", "list", "--nats", &nats, "--pool", "other", "--json"]).await;
     assert!(other_pool.status.success(), "{other_pool:?}");
-    assert!(other_pool.stdout.is_empty(), "{other_pool:?}");
+    let none: Vec<serde_json::Value> =
+        serde_json::from_slice(&other_pool.stdout).expect("one JSON array");
+    assert!(none.is_empty(), "{other_pool:?}");
 
     let mut replies =
         h.js.client()

@@ -134,6 +134,15 @@ pub(crate) enum Evidence {
 }
 
 impl Evidence {
+    /// How a log line names it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Evidence::Upstream => "upstream",
+            Evidence::CallerDestination => "caller_destination",
+            Evidence::CallerTimeout => "caller_timeout",
+        }
+    }
+
     /// Whether the outcome feeds the breaker and the adaptive limit.
     pub(crate) fn counts(self) -> bool {
         self == Evidence::Upstream

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use webproxy_protocol::validate_pool_name;
 
 use crate::breaker::BreakerConfig;
-use crate::config_error::ConfigError;
+use crate::config_error::{ConfigError, element_key};
 use crate::rate::Rate;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
 use crate::rules::{RequestRule, RequestRuleConfig, RequestRules, RuleAction};
@@ -173,13 +173,17 @@ impl ClusterConfig {
             .enumerate()
             .map(|(index, rule)| {
                 ResponseRule::compile(rule).map_err(|(field, message)| {
-                    ConfigError::new(format!("response_rules[{index}].{field}"), message)
+                    ConfigError::new(
+                        format!("{}.{field}", element_key("response_rules", index, None)),
+                        message,
+                    )
                 })
             })
             .collect::<Result<Arc<[_]>, _>>()?;
         let mut rules = Vec::with_capacity(self.request_rules.len());
         for (index, rule) in self.request_rules.iter().enumerate() {
-            let key = |field: &str| format!("request_rules[{index}] ({}).{field}", rule.name);
+            let rule_key = element_key("request_rules", index, Some(&rule.name));
+            let key = |field: &str| format!("{rule_key}.{field}");
             if !pools.contains_key(&rule.pool) {
                 return Err(ConfigError::new(
                     key("pool"),

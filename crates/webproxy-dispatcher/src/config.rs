@@ -7,6 +7,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Subjects;
 
+use crate::config_error::element_key;
+use crate::decision::human;
+
 pub(crate) use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
 pub(crate) use crate::config_error::ConfigError;
 
@@ -60,7 +63,10 @@ impl Settings {
             .map_err(|e| ConfigError::new("streams.prefix", e.to_string()))?
             .with_reply_to_allow(&streams.reply_to_allow)
             .map_err(|(i, e)| {
-                ConfigError::new(format!("streams.reply_to_allow[{i}]"), e.to_string())
+                ConfigError::new(
+                    element_key("streams.reply_to_allow", i, None),
+                    e.to_string(),
+                )
             })?;
         if !(1..=5).contains(&streams.replicas) {
             return Err(ConfigError::new("streams.replicas", "must be from 1 to 5"));
@@ -72,8 +78,9 @@ impl Settings {
             return Err(ConfigError::new(
                 "streams.duplicate_window",
                 format!(
-                    "must be at least twice [service] ack_wait ({:?}), got {:?}",
-                    cluster.ack_wait, streams.duplicate_window
+                    "must be at least twice [service] ack_wait ({}), got {}",
+                    human(cluster.ack_wait),
+                    human(streams.duplicate_window)
                 ),
             ));
         }

@@ -134,7 +134,7 @@ pub(crate) fn expiry(
 
 /// A duration as people read it, to the millisecond: `1s 500ms`, `6years 11months`
 /// (a deadline set decades ago), never a bare count of milliseconds.
-fn human(duration: Duration) -> String {
+pub(crate) fn human(duration: Duration) -> String {
     let millis = Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX));
     humantime::format_duration(millis).to_string()
 }

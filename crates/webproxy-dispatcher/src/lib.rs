@@ -42,7 +42,7 @@ mod trace;
 pub use backoff::Backoff;
 pub use cluster::{ClusterConfig, PoolConfig};
 pub use config::{Settings, StreamsConfig};
-pub use config_error::ConfigError;
+pub use config_error::{ConfigError, element_key, key_path};
 pub use config_store::{ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision};
 pub use instances::InstanceReport;
 pub use provision::mark_removing;

@@ -358,6 +358,21 @@ pub(crate) enum ConsumerWrite {
     Pause(OffsetDateTime),
 }
 
+/// How a log line names the write: `update`, or `pause until <RFC 3339>`.
+impl std::fmt::Display for ConsumerWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConsumerWrite::Update => f.write_str("update"),
+            ConsumerWrite::Pause(until) => {
+                let until = until
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .map_err(|_| std::fmt::Error)?;
+                write!(f, "pause until {until}")
+            }
+        }
+    }
+}
+
 impl ConsumerWrite {
     /// Its label in `webproxy_pool_consumer_writes_total`.
     pub(crate) fn kind(&self) -> &'static str {
@@ -740,7 +755,7 @@ async fn retire_shared_stream(
         }
         Retirement::Retire => {}
     }
-    warn!(stream = %name, from = ?config.subjects, to = %retired, "retiring the shared stream {name}: each pool's own stream stores what it stored from now on; what it holds stays readable until it ages out, and instances of layout 2 are fenced out");
+    warn!(stream = %name, from = %config.subjects.join(", "), to = %retired, "retiring the shared stream {name}: each pool's own stream stores what it stored from now on; what it holds stays readable until it ages out, and instances of layout 2 are fenced out");
     config.subjects = vec![retired];
     config.metadata = with_layout(&config.metadata);
     js.update_stream(config)
@@ -769,6 +784,14 @@ pub(crate) fn fence_step(
     }
 }
 
+/// A stream's storage as its configuration spells it.
+fn storage_name(storage: stream::StorageType) -> &'static str {
+    match storage {
+        stream::StorageType::File => "file",
+        stream::StorageType::Memory => "memory",
+    }
+}
+
 /// Creates or updates a fence, moving one on other storage by deleting it and
 /// creating it again. Deleting loses at most the one stray message of an old instance
 /// it holds, which nothing reads. An old instance that rewrites its stream in the gap
@@ -782,7 +805,7 @@ async fn make_fence(js: &jetstream::Context, fence: stream::Config) -> Result<()
         .await?
         .map(|(_, info)| info.config.storage);
     if fence_step(found, fence.storage) == FenceStep::Move {
-        warn!(stream = %name, from = ?found, to = ?fence.storage, "moving fence stream {name}: deleting it and creating it again");
+        warn!(stream = %name, from = found.map_or("none", storage_name), to = storage_name(fence.storage), "moving fence stream {name}: deleting it and creating it again");
         match js.delete_stream(&name).await {
             Ok(_) => {}
             // Another instance moved it first.

@@ -9,6 +9,7 @@ use regex::Regex;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Method;
 
+use crate::config_error::element_key;
 use crate::response_rules::{AppliedResponseRules, ResponseRule, ResponseRuleConfig};
 use crate::retry::RetryPolicy;
 use crate::secret_source::SecretSource;
@@ -208,8 +209,12 @@ impl RequestRule {
                 .iter()
                 .enumerate()
                 .map(|(i, r)| {
-                    ResponseRule::compile(r)
-                        .map_err(|(field, m)| (format!("response_rules[{i}].{field}"), m))
+                    ResponseRule::compile(r).map_err(|(field, m)| {
+                        (
+                            format!("{}.{field}", element_key("response_rules", i, None)),
+                            m,
+                        )
+                    })
                 })
                 .collect::<Result<Arc<[_]>, _>>()?,
         };
@@ -289,7 +294,7 @@ impl RequestRules {
     pub(crate) fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         for (index, rule) in self.rules.iter().enumerate() {
-            let key = format!("request_rules[{index}] ({})", rule.name);
+            let key = element_key("request_rules", index, Some(&rule.name));
             let pattern = rule.pattern.as_str();
             if let Some((earlier, shadow)) = self.rules[..index]
                 .iter()
@@ -297,8 +302,8 @@ impl RequestRules {
                 .find(|(_, earlier)| shadows(earlier, rule))
             {
                 warnings.push(format!(
-                    "{key}: never matches: request_rules[{earlier}] ({}) comes first, covers its methods, and its url_pattern is a prefix of this one's; to make this rule an exception, move it above",
-                    shadow.name
+                    "{key}: never matches: {} comes first, covers its methods, and its url_pattern is a prefix of this one's; to make this rule an exception, move it above",
+                    element_key("request_rules", earlier, Some(&shadow.name))
                 ));
             }
             if !is_anchored(pattern) {

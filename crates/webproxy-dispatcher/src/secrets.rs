@@ -10,6 +10,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::config_error::element_key;
 use crate::rules::RequestRules;
 use crate::secret_source::read_secret;
 
@@ -157,8 +158,8 @@ fn read_all(
                 Some(secret) => secret,
                 None => read_secret(source, env, read_file).map_err(|message| SecretError {
                     key: format!(
-                        "request_rules[{index}] ({}).inject_headers.{header}",
-                        rule.name
+                        "{}.inject_headers.{header}",
+                        element_key("request_rules", index, Some(&rule.name))
                     ),
                     message,
                 })?,

@@ -14,7 +14,7 @@ use url::{Origin, Url};
 use webproxy_protocol::{ErrorBody, Request};
 use webproxy_worker::GuardPolicy;
 
-use crate::config_error::ConfigError;
+use crate::config_error::{ConfigError, element_key};
 use crate::outbox::invalid_request;
 use crate::secret_source::SecretSource;
 
@@ -158,7 +158,7 @@ impl Outbound {
             .enumerate()
             .map(|(i, text)| {
                 dns_server(text)
-                    .map_err(|m| ConfigError::new(format!("outbound.dns_servers[{i}]"), m))
+                    .map_err(|m| ConfigError::new(element_key("outbound.dns_servers", i, None), m))
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Outbound {
@@ -172,7 +172,7 @@ impl Outbound {
             max_headers: config.max_headers,
             max_header_bytes: config.max_header_bytes,
             deny_request_headers: header_names(&config.deny_request_headers).map_err(
-                |(i, m)| ConfigError::new(format!("outbound.deny_request_headers[{i}]"), m),
+                |(i, m)| ConfigError::new(element_key("outbound.deny_request_headers", i, None), m),
             )?,
             dns: DnsBounds {
                 timeout: config.dns_timeout,
@@ -381,7 +381,7 @@ pub fn parse_cidrs(key: &str, items: &[String]) -> Result<Vec<IpNet>, ConfigErro
                 .map(|net| net.trunc())
                 .map_err(|_| {
                     ConfigError::new(
-                        format!("{key}[{index}]"),
+                        element_key(key, index, None),
                         format!("{text:?} is not a CIDR (like \"10.0.0.0/8\") or an IP address"),
                     )
                 })

@@ -12,7 +12,7 @@ use figment::providers::{Env, Format as _, Serialized, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
-use webproxy_dispatcher::{ResponseRulesSource, RuleAction};
+use webproxy_dispatcher::{ResponseRulesSource, RuleAction, key_path};
 
 /// Every key with its default, commented.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
@@ -127,17 +127,20 @@ fn stray_variables(names: &[String]) -> Vec<String> {
 /// errors name the key, and the variable when one set it.
 pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings> {
     let variables = prefixed_variables();
-    let mut config: Config = figment(path)?
+    let figment = figment(path)?;
+    let mut config: Config = figment
         .extract()
-        .map_err(|e| anyhow::anyhow!(describe(e, &variables)))
+        .map_err(|e| anyhow::anyhow!(describe(e, &variables, &figment)))
         .context("invalid configuration")?;
     connection.apply(&mut config.nats);
     let mut settings = config.validate().context("invalid configuration")?;
     settings.environment_warnings = stray_variables(&variables);
     let file: Value = match path {
-        Some(path) => Figment::from(Toml::file_exact(path))
-            .extract()
-            .map_err(|e| anyhow::anyhow!(describe(e, &variables)))?,
+        Some(path) => {
+            let file = Figment::from(Toml::file_exact(path));
+            file.extract()
+                .map_err(|e| anyhow::anyhow!(describe(e, &variables, &file)))?
+        }
         None => Value::from(Dict::new()),
     };
     settings.cluster_keys_set = cluster_keys_set(&file, &variables);
@@ -169,9 +172,11 @@ fn cluster_keys_set(file: &Value, variables: &[String]) -> Vec<String> {
     set
 }
 
-/// figment's errors, one line each, with the key path spelled out. An unknown key
-/// that one of `variables` set names that variable: it is probably misspelt.
-pub fn describe(error: figment::Error, variables: &[String]) -> String {
+/// figment's errors, one line each, with the key written as every message writes it
+/// (`request_rules[0] (local-echo).timeout`, the rule's name read from `data`). An
+/// unknown key that one of `variables` set names that variable: it is probably
+/// misspelt.
+pub fn describe(error: figment::Error, variables: &[String], data: &Figment) -> String {
     error
         .into_iter()
         .map(|e| {
@@ -185,7 +190,7 @@ pub fn describe(error: figment::Error, variables: &[String]) -> String {
                     return format!("{name} is not a configuration key ({key})");
                 }
             }
-            let key = e.path.join(".");
+            let key = key_path(&e.path, |element| element_name(data, element));
             let source = e
                 .metadata
                 .as_ref()
@@ -200,6 +205,22 @@ pub fn describe(error: figment::Error, variables: &[String]) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// The `name` of the array element at `path` (figment's segments, an index as digits)
+/// in `data`, when it has one.
+fn element_name(data: &Figment, path: &[&str]) -> Option<String> {
+    let (first, rest) = path.split_first()?;
+    let root = data.find_value(first).ok()?;
+    let mut value = &root;
+    for segment in rest {
+        value = match value {
+            Value::Dict(_, dict) => dict.get(*segment)?,
+            Value::Array(_, array) => array.get(segment.parse::<usize>().ok()?)?,
+            _ => return None,
+        };
+    }
+    value.find_ref("name")?.as_str().map(str::to_owned)
 }
 
 #[derive(Serialize)]
@@ -483,7 +504,18 @@ mod tests {
         let e = error_of(
             "[[request_rules]]\nname = \"r\"\nurl_pattern = \".\"\ntimeout = \"5 parsecs\"\n",
         );
-        assert!(e.contains("request_rules.0.timeout"), "{e}");
+        assert!(e.contains("request_rules[0] (r).timeout: "), "{e}");
+        // A response rule's key within its request rule, and an element with no name.
+        let e = error_of(
+            "[[request_rules]]\nname = \"r\"\nurl_pattern = \".\"\n[[request_rules]]\nname = \"api\"\nurl_pattern = \"^x\"\n[[request_rules.response_rules]]\nstatus = \"503\"\naction = \"retry\"\n[[request_rules.response_rules]]\nstatus = \"500\"\naction = \"nope\"\n",
+        );
+        assert!(
+            e.contains("request_rules[1] (api).response_rules[1].action: "),
+            "{e}"
+        );
+        let e = error_of("[[response_rules]]\nstatus = \"500\"\naction = \"nope\"\n");
+        assert!(e.contains("response_rules[0].action: "), "{e}");
+        assert!(!e.contains("response_rules.0"), "{e}");
     }
 
     #[test]

@@ -74,7 +74,10 @@ enum Command {
         command: Option<PoolsCommand>,
         #[command(flatten)]
         nats: NatsArgs,
-        /// Print JSON.
+        /// Print one JSON array, an object a pool: `pool`, `max_in_flight`, `waiting`,
+        /// `in_flight`, `parked`, `oldest_waiting_ms` (null when none waits),
+        /// `breaker` (closed, open or half_open), `adaptive_limit` (null without one)
+        /// and `pauses` (each with `cause`, `until` and `reason`).
         #[arg(long)]
         json: bool,
     },
@@ -144,13 +147,17 @@ enum PoolsCommand {
 
 #[derive(Debug, Subcommand)]
 enum DeadCommand {
-    /// List dead letters, oldest first, as they are read.
+    /// List dead letters, oldest first: a table, printed once every letter is read, or
+    /// with --json one array, printed as the letters are read.
     List {
         #[command(flatten)]
         nats: NatsArgs,
         #[command(flatten)]
         selection: dead::Selection,
-        /// Print JSON lines, one letter per line.
+        /// Print one JSON array, a letter a line, as the letters are read. Each letter
+        /// is the stored dead letter's fields (`pool`, `id`, `generation`, `origin`,
+        /// `error`, `attempts`, `envelope`, ...) with `stream`, `sequence` and
+        /// `stored_at` (RFC 3339).
         #[arg(long)]
         json: bool,
     },

@@ -452,20 +452,17 @@ fn describe(revision: &StoredRevision) -> String {
 /// `config history`'s table: a header, then one line a revision, oldest first, in
 /// aligned columns (the message last).
 fn history_table(history: &[StoredRevision]) -> String {
-    let header = ["REVISION", "TIME", "USER", "MESSAGE"].map(str::to_owned);
-    let rows: Vec<[String; 4]> = std::iter::once(header)
-        .chain(history.iter().map(columns))
-        .collect();
-    let width = |column: usize| {
-        rows.iter()
-            .map(|row| row[column].chars().count())
-            .max()
-            .unwrap_or(0)
-    };
-    let (revision, time, user) = (width(0), width(1), width(2));
-    rows.iter()
-        .map(|[r, t, u, m]| format!("{r:>revision$}  {t:<time$}  {u:<user$}  {m}\n"))
-        .collect()
+    use crate::table::{Align, render};
+    let rows: Vec<[String; 4]> = history.iter().map(columns).collect();
+    render(
+        [
+            ("REVISION", Align::Right),
+            ("TIME", Align::Left),
+            ("USER", Align::Left),
+            ("MESSAGE", Align::Left),
+        ],
+        &rows,
+    )
 }
 
 fn current_name(current: Option<&StoredRevision>) -> String {

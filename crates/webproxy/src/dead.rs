@@ -31,6 +31,7 @@ use webproxy_dispatcher::{Outlet, Replay, ReplayError};
 use webproxy_protocol::{DeadLetter, ErrorCode, Origin, header};
 
 use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
+use crate::table::{self, Align, Column};
 
 /// Which dead letters `dead list` and `dead replay` read. Letters match when they
 /// pass every filter given.
@@ -345,52 +346,85 @@ impl Superseded {
     }
 }
 
-/// Prints one line on stdout. A closed stdout (`dead list | head`) breaks, so the
+/// Prints `text` on stdout. A closed stdout (`dead list | head`) breaks, so the
 /// command stops reading and ends quietly.
-fn print_line(line: fmt::Arguments<'_>) -> anyhow::Result<ControlFlow<()>> {
-    match outln!("{line}") {
+fn print_text(text: fmt::Arguments<'_>) -> anyhow::Result<ControlFlow<()>> {
+    match out!("{text}") {
         Ok(()) => Ok(ControlFlow::Continue(())),
         Err(e) if e.is::<crate::stdout::Closed>() => Ok(ControlFlow::Break(())),
         Err(e) => Err(e),
     }
 }
 
-/// `dead list`: the selected letters, oldest first, as a table or as JSON lines (one
-/// letter per line), printed as they are read.
+/// Prints one line on stdout, as [`print_text`].
+fn print_line(line: fmt::Arguments<'_>) -> anyhow::Result<ControlFlow<()>> {
+    print_text(format_args!("{line}\n"))
+}
+
+/// `dead list`'s columns: where the letter is stored, its pool, its conversation's
+/// origin (what the letter is picked by, `<STREAM>:<seq>`), id and generation, and how
+/// it ended.
+const LIST_COLUMNS: [Column; 8] = [
+    ("SEQ", Align::Right),
+    ("STORED", Align::Left),
+    ("POOL", Align::Left),
+    ("ORIGIN", Align::Left),
+    ("ID", Align::Left),
+    ("GEN", Align::Right),
+    ("CODE", Align::Left),
+    ("MESSAGE", Align::Left),
+];
+
+/// One letter as a row of `dead list`'s table (`-` for what it lacks).
+fn list_row(stored: &StoredLetter) -> [String; 8] {
+    let letter = &stored.letter;
+    [
+        stored.sequence.to_string(),
+        stored.stored_at.clone(),
+        letter.pool.clone(),
+        letter.origin.clone().unwrap_or_else(|| "-".into()),
+        letter.id.clone().unwrap_or_else(|| "-".into()),
+        letter.generation.to_string(),
+        letter.error.code.as_str().to_owned(),
+        letter.error.message.clone(),
+    ]
+}
+
+/// `dead list`: the selected letters, oldest first. With `json`, one JSON array, a
+/// letter a line, printed as the letters are read. The table is printed once every
+/// letter is read, since its columns are as wide as their widest value: it holds one
+/// row of short fields a letter (not the letters' requests).
 pub async fn list(args: &NatsArgs, selection: &Selection, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let dead = DeadStreams::open(&client, selection).await?;
-    let mut header = !json;
-    let listed = dead
-        .for_each(selection, async |stored| {
-            if json {
-                return print_line(format_args!("{}", serde_json::to_string(&stored)?));
-            }
-            if std::mem::take(&mut header)
-                && print_line(format_args!(
-                    "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  message",
-                    "seq", "stored", "pool", "id", "gen", "code"
-                ))?
-                .is_break()
-            {
-                return Ok(ControlFlow::Break(()));
-            }
-            let letter = &stored.letter;
-            print_line(format_args!(
-                "{:>6}  {:<25}  {:<12}  {:<24}  {:<4}  {:<18}  {}",
-                stored.sequence,
-                stored.stored_at,
-                letter.pool,
-                letter.id.as_deref().unwrap_or("-"),
-                letter.generation,
-                letter.error.code.as_str(),
-                letter.error.message
+    if json {
+        if print_text(format_args!("["))?.is_break() {
+            return Ok(());
+        }
+        let mut separator = "";
+        dead.for_each(selection, async |stored| {
+            let letter = serde_json::to_string(&stored)?;
+            print_text(format_args!(
+                "{}\n{letter}",
+                std::mem::replace(&mut separator, ",")
             ))
         })
         .await?;
-    if listed == 0 && !json {
         // The last line: whether stdout is still open changes nothing.
+        let _ = print_line(format_args!("\n]"))?;
+        return Ok(());
+    }
+    let mut rows = Vec::new();
+    dead.for_each(selection, async |stored| {
+        rows.push(list_row(&stored));
+        Ok(ControlFlow::Continue(()))
+    })
+    .await?;
+    // The last lines: whether stdout is still open changes nothing.
+    if rows.is_empty() {
         let _ = print_line(format_args!("no dead letters"))?;
+    } else {
+        let _ = print_text(format_args!("{}", table::render(LIST_COLUMNS, &rows)))?;
     }
     Ok(())
 }

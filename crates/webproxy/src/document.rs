@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use figment::Figment;
 use figment::providers::{Format as _, Serialized, Toml};
 use figment::value::Value;
-use webproxy_dispatcher::{ConfigError, StreamsConfig};
+use webproxy_dispatcher::{ConfigError, StreamsConfig, element_key};
 
 use crate::config::ClusterDocument;
 
@@ -33,7 +33,7 @@ pub fn parse(text: &str) -> anyhow::Result<ClusterDocument> {
     }
     figment
         .extract()
-        .map_err(|e| anyhow::anyhow!(crate::cfg::describe(e, &[])))
+        .map_err(|e| anyhow::anyhow!(crate::cfg::describe(e, &[], &figment)))
 }
 
 /// Parses a document and validates it with the process's `[streams]`, exactly as
@@ -66,9 +66,10 @@ fn refuse_literal_secrets(rules: &Value) -> Result<(), ConfigError> {
         let Some(headers) = rule.get("inject_headers").and_then(Value::as_dict) else {
             continue;
         };
-        let name = rule.get("name").and_then(Value::as_str).unwrap_or("");
+        let name = rule.get("name").and_then(Value::as_str);
+        let rule_key = element_key("request_rules", index, name);
         for (header, source) in headers {
-            let key = format!("request_rules[{index}] ({name}).inject_headers.{header}");
+            let key = format!("{rule_key}.inject_headers.{header}");
             let Some(source) = source.as_dict() else {
                 return Err(ConfigError::new(
                     key,

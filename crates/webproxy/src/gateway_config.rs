@@ -9,7 +9,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use url::Url;
-use webproxy_dispatcher::{ConfigError, SecretSource};
+use webproxy_dispatcher::{ConfigError, SecretSource, element_key};
 
 /// The path prefix the gateway answers itself (`/_webproxy/replies/<id>`); no route
 /// may claim it.
@@ -158,7 +158,7 @@ impl GatewayConfig {
         };
         let mut routes: Vec<Route> = Vec::with_capacity(self.routes.len());
         for (index, config) in self.routes.iter().enumerate() {
-            let key = format!("gateway.routes[{index}]");
+            let key = element_key("gateway.routes", index, None);
             let route = config.check(&key)?;
             if routes.iter().any(|r| r.path == route.path) {
                 return Err(ConfigError::new(

@@ -21,6 +21,7 @@ mod pools;
 mod rotation;
 mod send;
 mod serve;
+mod table;
 mod telemetry;
 
 use std::process::ExitCode;

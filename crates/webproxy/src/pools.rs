@@ -17,6 +17,7 @@ use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 use crate::operator::{
     NatsArgs, connect, connect_with_settings, for_each_message, operator_outlet,
 };
+use crate::table::{self, Align, Column};
 use crate::{document, live};
 
 /// One pool as the server sees it.
@@ -132,6 +133,42 @@ async fn pool_state(
     })
 }
 
+/// `pools`' columns, one row a pool.
+const POOL_COLUMNS: [Column; 6] = [
+    ("POOL", Align::Left),
+    ("MAX_IN_FLIGHT", Align::Right),
+    ("WAITING", Align::Right),
+    ("IN_FLIGHT", Align::Right),
+    ("PARKED", Align::Right),
+    ("OLDEST_WAITING", Align::Right),
+];
+
+/// The table of the live instances under the pools' (from their heartbeats).
+const INSTANCE_COLUMNS: [Column; 4] = [
+    ("INSTANCE", Align::Left),
+    ("REVISION", Align::Right),
+    ("VERSION", Align::Left),
+    ("REPORTED", Align::Left),
+];
+
+/// One pool as a row of `pools`' table; the oldest wait in human units (`-` when none
+/// waits).
+fn pool_row(state: &PoolState) -> [String; 6] {
+    let oldest = state.oldest_waiting_ms.map_or("-".to_string(), |ms| {
+        humantime::format_duration(Duration::from_millis(ms)).to_string()
+    });
+    [
+        state.pool.clone(),
+        state.max_in_flight.to_string(),
+        state.waiting.to_string(),
+        state.in_flight.to_string(),
+        state.parked.to_string(),
+        oldest,
+    ]
+}
+
+/// `pools`: a table of the pools (or one JSON array of them), then their pauses,
+/// breakers and adaptive limits, the live instances, and who writes the consumers.
 pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let js = client.jetstream().clone();
@@ -148,29 +185,8 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
         outln!("{}", serde_json::to_string_pretty(&states)?)?;
         return Ok(());
     }
-    outln!(
-        "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
-        "pool",
-        "max_in_flight",
-        "waiting",
-        "in_flight",
-        "parked",
-        "oldest_waiting"
-    )?;
-    for s in &states {
-        let oldest = s.oldest_waiting_ms.map_or("-".to_string(), |ms| {
-            humantime::format_duration(Duration::from_millis(ms)).to_string()
-        });
-        outln!(
-            "{:<32}  {:>13}  {:>9}  {:>9}  {:>7}  {:>14}",
-            s.pool,
-            s.max_in_flight,
-            s.waiting,
-            s.in_flight,
-            s.parked,
-            oldest
-        )?;
-    }
+    let rows: Vec<[String; 6]> = states.iter().map(pool_row).collect();
+    out!("{}", table::render(POOL_COLUMNS, &rows))?;
     for s in &states {
         for pause in &s.pauses {
             outln!(
@@ -199,21 +215,18 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let instances = live::reports(&js, client.subjects()).await?;
     if !instances.is_empty() {
         outln!()?;
-        outln!(
-            "{:<40}  {:>8}  {:<10}  reported",
-            "instance",
-            "revision",
-            "version"
-        )?;
-        for i in &instances {
-            outln!(
-                "{:<40}  {:>8}  {:<10}  {}",
-                i.instance,
-                i.revision,
-                i.version,
-                i.time
-            )?;
-        }
+        let rows: Vec<[String; 4]> = instances
+            .iter()
+            .map(|i| {
+                [
+                    i.instance.clone(),
+                    i.revision.to_string(),
+                    i.version.clone(),
+                    i.time.clone(),
+                ]
+            })
+            .collect();
+        out!("{}", table::render(INSTANCE_COLUMNS, &rows))?;
     }
     if let Some(owner) = ConfigStore::pool_consumers_owner(&js, client.subjects()).await? {
         outln!()?;

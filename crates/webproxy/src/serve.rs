@@ -128,7 +128,14 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     } else {
         _file_running = Some(running);
     }
-    info!(pools = ?settings.dispatcher.cluster.pools.keys().collect::<Vec<_>>(), "serving");
+    let pools: Vec<&str> = settings
+        .dispatcher
+        .cluster
+        .pools
+        .keys()
+        .map(String::as_str)
+        .collect();
+    info!(pools = %pools.join(", "), "serving");
     dispatcher
         .run(shutdown, settings.config.service.shutdown_grace)
         .await;

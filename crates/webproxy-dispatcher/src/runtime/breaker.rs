@@ -15,6 +15,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::jetstream::kv;
 use futures::StreamExt as _;
+use time::format_description::well_known::Rfc3339;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -28,6 +29,7 @@ use crate::breaker::{
 };
 use crate::clock;
 use crate::config::PoolConfig;
+use crate::decision::human;
 use crate::instances;
 use crate::pool_state::PoolState;
 use crate::state::{Bucket, StateBucket};
@@ -299,7 +301,7 @@ pub(super) async fn judge(
                             .await;
                         match opened {
                             Ok(Some(_)) => {
-                                warn!(pool, reason, open_for = ?breaker.open_for, "circuit breaker opened");
+                                warn!(pool, reason, open_for = %human(breaker.open_for), "circuit breaker opened");
                                 shared.outlet.metrics.breaker_transition(pool, "open");
                             }
                             Ok(None) => {}
@@ -451,8 +453,11 @@ pub(super) async fn probed(shared: &super::Shared, pool: &str, config: &PoolConf
         .await;
     match written {
         Ok(Some(state)) if failed => {
-            let until = state.paused_until(clock::now_utc());
-            warn!(pool, ?until, "the probe failed: circuit breaker open again");
+            let until = state
+                .paused_until(clock::now_utc())
+                .and_then(|until| until.format(&Rfc3339).ok())
+                .unwrap_or_else(|| "-".into());
+            warn!(pool, %until, "the probe failed: circuit breaker open again");
             shared.outlet.metrics.breaker_transition(pool, "open");
         }
         Ok(Some(_)) => {

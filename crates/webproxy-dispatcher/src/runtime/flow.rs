@@ -123,7 +123,7 @@ impl Flow {
             });
         });
         if !forgotten.is_empty() {
-            warn!(pools = ?forgotten, "the pools' runtime state was lost with their pauses; the pauses end");
+            warn!(pools = %forgotten.join(", "), "the pools' runtime state was lost with their pauses; the pauses end");
             self.note_lifted_pauses(forgotten);
         }
     }

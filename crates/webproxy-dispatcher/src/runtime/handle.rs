@@ -429,7 +429,7 @@ async fn attempt_and_judge<'a>(
                 breaker::probed(shared, &rule.pool, config, failed).await;
             }
         } else if probe {
-            debug!(pool = rule.pool, rule = %rule.name, ?evidence, "the probe's outcome is not the upstream's: the breaker stays half-open");
+            debug!(pool = rule.pool, rule = %rule.name, evidence = evidence.as_str(), "the probe's outcome is not the upstream's: the breaker stays half-open");
         }
     }
     if let Some(pause) = pool_pause(rule, &outcome, clock::now()) {

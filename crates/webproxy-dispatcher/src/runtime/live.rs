@@ -91,7 +91,7 @@ impl Live {
         if !retained.is_empty() {
             warn!(
                 revision,
-                pools = ?retained,
+                pools = %retained.iter().map(String::as_str).collect::<Vec<_>>().join(", "),
                 "pools no longer in the document are still served until `webproxy pools remove` deletes them"
             );
         }

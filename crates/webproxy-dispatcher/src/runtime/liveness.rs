@@ -19,6 +19,7 @@ use tracing::debug;
 
 use super::delivery::Delivery;
 use super::pacing::Known;
+use crate::decision::human;
 
 /// The timings one pool consumer's deliveries are judged by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,7 +201,7 @@ impl Liveness {
                     else {
                         continue;
                     };
-                    debug!(?period, "progress acks paced anew");
+                    debug!(period = %human(period), "progress acks paced anew");
                     ticks = ticking(period);
                     if period > before {
                         continue;

@@ -56,6 +56,7 @@ use crate::Instruments;
 use crate::backoff::Backoff;
 use crate::clock;
 use crate::config::{Settings, jetstream_request_timeout};
+use crate::decision::human;
 use crate::gauges::Gauges;
 use crate::health::Health;
 use crate::provision::{PoolConsumers, Provisioned, Refusal};
@@ -274,7 +275,7 @@ impl Dispatcher {
         });
         attempts.close();
         let in_flight = attempts.len();
-        info!(in_flight, grace = ?grace, "draining");
+        info!(in_flight, grace = %human(grace), "draining");
         // Handlers hold their messages with progress acks while they retry a publish;
         // at the deadline they are dropped unacked and the server redelivers them.
         if tokio::time::timeout(grace, attempts.wait()).await.is_err() {

@@ -31,6 +31,7 @@ use tracing::{debug, info, warn};
 use super::Shared;
 use super::live::Live;
 use crate::config::PoolConfig;
+use crate::decision::human;
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
 use crate::pool_state::PoolState;
@@ -60,6 +61,16 @@ enum Purpose {
     Round,
     /// Just before a consumer write: confirm the lease is still this instance's.
     BeforeWrite,
+}
+
+impl Purpose {
+    /// How a log line names it.
+    fn as_str(self) -> &'static str {
+        match self {
+            Purpose::Round => "round",
+            Purpose::BeforeWrite => "before_write",
+        }
+    }
 }
 
 /// A write of the lease key.
@@ -171,7 +182,7 @@ impl Lease {
             // it would leave the key, still this instance's, to block every instance's
             // take until its TTL ends, and the pools ownerless that long.
             (Renewal::Lost, Err((false, e))) => {
-                warn!(error = %e, ?purpose, "could not renew the lease of the pool consumers' settings; renewing at its revision next round");
+                warn!(error = %e, purpose = purpose.as_str(), "could not renew the lease of the pool consumers' settings; renewing at its revision next round");
                 return false;
             }
             (_, Ok(revision)) => {
@@ -184,7 +195,7 @@ impl Lease {
                 self.revision = Some(revision);
             }
             (Renewal::Lost, Err((_, e))) => {
-                warn!(error = %e, ?purpose, "lost the lease of the pool consumers' settings");
+                warn!(error = %e, purpose = purpose.as_str(), "lost the lease of the pool consumers' settings");
                 self.revision = None;
             }
             (_, Err((_, e))) => {
@@ -380,8 +391,8 @@ async fn bring_in_line(
         if !lowered {
             info!(
                 pool,
-                ack_wait = ?wanted.ack_wait,
-                current = ?current.ack_wait,
+                ack_wait = %human(wanted.ack_wait),
+                current = %human(current.ack_wait),
                 "a lower ack_wait waits until every live instance paces from it"
             );
             wanted.ack_wait = current.ack_wait;
@@ -421,7 +432,7 @@ async fn bring_in_line(
         if !lease.hold(Purpose::BeforeWrite).await {
             warn!(
                 pool,
-                ?write,
+                %write,
                 "not writing the pool consumer: the lease is no longer this instance's"
             );
             return false;
@@ -442,14 +453,14 @@ async fn bring_in_line(
             Ok(()) => {
                 info!(
                     pool,
-                    ?write,
+                    %write,
                     max_ack_pending = wanted.max_ack_pending,
                     "pool consumer brought in line"
                 );
                 metrics.pool_consumer_written(pool, write.kind());
             }
             Err(e) => {
-                warn!(pool, ?write, error = %e, "cannot bring the pool consumer in line; trying again next round")
+                warn!(pool, %write, error = %e, "cannot bring the pool consumer in line; trying again next round")
             }
         }
     }

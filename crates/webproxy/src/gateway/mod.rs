@@ -22,7 +22,7 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use webproxy_dispatcher::{Bucket, Instruments, Redactor, follow_bucket_use};
+use webproxy_dispatcher::{Bucket, Instruments, Redactor, element_key, follow_bucket_use};
 
 use crate::config::Settings;
 use crate::gateway_config::RESERVED_PATH;
@@ -90,7 +90,8 @@ fn read_tokens(settings: &Settings) -> anyhow::Result<Vec<Option<String>>> {
                 .as_ref()
                 .map(|source| {
                     source.read().map_err(|message| {
-                        anyhow::anyhow!("gateway.routes[{index}].token: {message}")
+                        let route = element_key("gateway.routes", index, None);
+                        anyhow::anyhow!("{route}.token: {message}")
                     })
                 })
                 .transpose()
