@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use webproxy_testkit::{NATS_CLI_VARS, NatsServer, Service};
+use webproxy_testkit::{NATS_CLI_VARS, NatsServer, Service, ServiceOptions};
 
 /// A command that takes longer than this has hung (a `send` waits 30 s at most, and
 /// the transcripts never wait for one that long).
@@ -47,21 +47,33 @@ fn help() {
 }
 
 /// The docs' `console` blocks, as a reader would type them at the repository's root
-/// with `webproxy serve --config config/webproxy.toml` running and `NATS_URL` naming its
-/// nats-server. Blocks marked `sh` are not run.
+/// with `WEBPROXY_CONFIG__SOURCE=kv webproxy serve --config config/webproxy.toml`
+/// running and `NATS_URL` naming its nats-server. Blocks marked `sh` are not run.
 #[tokio::test(flavor = "multi_thread")]
 async fn docs_examples() {
     let root = repository_root();
     let nats = NatsServer::start();
-    let _service = Service::start(&nats, &example_config(&root)).await;
+    // The address guard as the file says (it opens 127.0.0.1 alone), so the document
+    // the service seeds is the file's.
+    let options = ServiceOptions::guarded().env("WEBPROXY_CONFIG__SOURCE", "kv");
+    let _service = Service::start_with(&nats.url(), &example_config(&root), options).await;
     // The cases' commands run in the test's directory: every case here runs from the
     // root, and `help` names its cases by absolute path, so this moves nothing of its.
     std::env::set_current_dir(&root).expect("enter the repository root");
-    let cases = test_cases(Some(&nats.url()));
-    cases.case(root.join("docs/*.md"));
-    // Blocking, and the service is a process of its own: nothing of this runtime's runs
-    // meanwhile.
-    tokio::task::block_in_place(|| cases.run());
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .expect("read docs/")
+        .map(|entry| entry.expect("a docs/ entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
+        .collect();
+    docs.sort();
+    // One file after another, never at once: a file's transcript changes the
+    // deployment (a push, a pause) that another's would read. Blocking, and the service
+    // is a process of its own, so nothing of this runtime's needs to run meanwhile.
+    tokio::task::block_in_place(|| {
+        for doc in &docs {
+            test_cases(Some(&nats.url())).case(doc).run();
+        }
+    });
 }
 
 /// `config/webproxy.toml` without its `[nats]` table, which the fixture writes with its
