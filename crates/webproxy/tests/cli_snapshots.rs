@@ -66,6 +66,8 @@ async fn docs_examples() {
         .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
         .collect();
     docs.sort();
+    let misplaced: Vec<String> = docs.iter().flat_map(|doc| unrun_fences(doc)).collect();
+    assert!(misplaced.is_empty(), "{}", misplaced.join("\n"));
     // One file after another, never at once: a file's transcript changes the
     // deployment (a push, a pause) that another's would read. Blocking, and the service
     // is a process of its own, so nothing of this runtime's needs to run meanwhile.
@@ -86,4 +88,33 @@ fn example_config(root: &Path) -> String {
         toml::from_str(&text).unwrap_or_else(|e| panic!("{} is not TOML: {e}", path.display()));
     config.remove("nats");
     toml::to_string(&config).expect("a TOML table serializes")
+}
+
+/// The code fences of `doc` that trycmd would misread: one without a language, which it
+/// runs as a transcript, and an indented `console` one, which it skips (its fence must
+/// start the line).
+fn unrun_fences(doc: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(doc)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", doc.display()));
+    let mut open = false;
+    let mut found = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        let Some(info) = trimmed.strip_prefix("```") else {
+            continue;
+        };
+        let place = format!("{}:{}", doc.display(), index + 1);
+        if !open && info.trim().is_empty() {
+            found.push(format!(
+                "{place}: a code block without a language is run as a transcript; name its language (```text, ```sh)"
+            ));
+        }
+        if !open && info.starts_with("console") && trimmed.len() != line.len() {
+            found.push(format!(
+                "{place}: an indented ```console block is not run; start its fence at the line's start, or make it ```sh"
+            ));
+        }
+        open = !open;
+    }
+    found
 }
