@@ -33,8 +33,9 @@ fn test_cases(nats_url: Option<&str>) -> trycmd::TestCases {
     if let Some(url) = nats_url {
         cases.env("NATS_URL", url);
     }
-    // Logs at the level a user sees them; a developer's RUST_LOG would add lines.
-    cases.env("RUST_LOG", "");
+    // Logs at the level a user sees them (the commands' default, `warn`); a developer's
+    // RUST_LOG would add lines.
+    cases.env("RUST_LOG", "warn");
     cases
 }
 
