@@ -1,7 +1,9 @@
-//! `config/default.toml`, "every key, commented", held to the code (issue 31, point 2):
-//! with its commented-out keys and sections uncommented, the loader accepts it, it
-//! names every key each section accepts, and the defaults it writes for pools and
-//! rules (which only the code applies) are the code's.
+//! `config/default.toml`, "every key, commented", held to the code and to the docs
+//! (issue 31, point 2): with its commented-out keys and sections uncommented, the
+//! loader accepts it, it names every key each section accepts, the defaults it writes
+//! for pools, rules and routes (which only the code applies) are the code's, and the
+//! configuration reference's table of keys and defaults (`docs/configuration.md`) says
+//! the same.
 
 use std::collections::BTreeSet;
 
@@ -293,4 +295,143 @@ fn only_toml_lines_are_uncommented() {
         commented_toml("#   OTEL_EXPORTER_OTLP_ENDPOINT   switches"),
         None
     );
+}
+
+/// The configuration reference's table of keys and defaults.
+const REFERENCE: &str = "docs/configuration.md";
+
+/// The reference's rows: each key (`section.key`, a row's later unqualified names taking
+/// the first one's section; `pools.NAME` as `pools.default`) with the default the row
+/// gives it, when it gives each key one (`15m, 256 MiB` for two keys, or one default
+/// for all of them). Routes' keys, in a row of their own, are left to the file.
+fn reference_rows(text: &str) -> Vec<(String, Option<String>)> {
+    let mut rows = Vec::new();
+    for line in text.lines().filter(|line| line.starts_with("| `")) {
+        let cells: Vec<&str> = line.split(" | ").collect();
+        let (Some(keys), Some(default)) = (cells.first(), cells.get(1)) else {
+            continue;
+        };
+        let names: Vec<&str> = keys
+            .trim_start_matches("| ")
+            .split([',', '+'])
+            .map(|name| name.trim().trim_matches('`'))
+            .collect();
+        let Some((section, _)) = names[0].rsplit_once('.') else {
+            continue;
+        };
+        if section.ends_with("[]") {
+            continue;
+        }
+        let section = section.replace("NAME", "default");
+        let parts: Vec<&str> = default.split(", ").collect();
+        for (index, name) in names.iter().enumerate() {
+            let name = name.rsplit('.').next().unwrap_or(name);
+            let default = match parts.len() {
+                1 => Some(parts[0].to_owned()),
+                n if n == names.len() => Some(parts[index].to_owned()),
+                _ => None,
+            };
+            rows.push((format!("{section}.{name}"), default));
+        }
+    }
+    rows
+}
+
+/// A default as the reference writes it, as the file's value would read: "unset" and
+/// the like are `None`; `256 MiB` is bytes; quotes, backticks and a remark in
+/// parentheses go.
+fn reference_value(written: &str) -> Option<String> {
+    let value = written.split(" (").next().unwrap_or(written).trim();
+    if ["unset", "none", "unlimited"].contains(&value) {
+        return None;
+    }
+    if value == "empty" {
+        return Some(String::new());
+    }
+    if let Some(mib) = value.strip_suffix(" MiB")
+        && let Ok(mib) = mib.parse::<u64>()
+    {
+        return Some((mib * 1024 * 1024).to_string());
+    }
+    Some(value.trim_matches('`').trim_matches('"').to_owned())
+}
+
+/// The file's value as the reference would write it.
+fn file_value(value: Option<&Value>) -> Option<String> {
+    value.map(|value| match value {
+        Value::String(text) => text.clone(),
+        Value::Array(items) if items.is_empty() => "[]".into(),
+        other => other.to_string(),
+    })
+}
+
+/// The reference's table names the keys of the file's fixed sections and of a pool, and
+/// gives each the file's default (the pools' from the code, as the loader applies them).
+#[test]
+fn the_reference_table_agrees_with_default_toml() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(REFERENCE);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    let rows = reference_rows(&text);
+    assert!(
+        rows.len() >= 50,
+        "only {} keys read from {REFERENCE}",
+        rows.len()
+    );
+    let mut defaults: Table = toml::from_str(DEFAULT_CONFIG).expect("the defaults are TOML");
+    // A pool's defaults are the code's: the file's [pools.default] is one pool's.
+    let pool = parsed::<PoolConfig>(&Table::new());
+    defaults.insert(
+        "pools".into(),
+        Value::Table(Table::from_iter([("default".into(), pool)])),
+    );
+    let documented: Table = toml::from_str(&uncommented()).expect("the uncommented file is TOML");
+
+    let mut wrong = Vec::new();
+    for (key, written) in &rows {
+        let path: Vec<String> = key.split('.').map(String::from).collect();
+        let (section, name) = path.split_at(path.len() - 1);
+        let mut copy = documented.clone();
+        if !table_at(&mut copy, section).contains_key(&name[0]) {
+            wrong.push(format!("{key}: in {REFERENCE}, not in config/default.toml"));
+            continue;
+        }
+        let Some(written) = written else { continue };
+        let mut copy = defaults.clone();
+        let actual = file_value(table_at(&mut copy, section).get(&name[0]));
+        if reference_value(written) != actual {
+            wrong.push(format!(
+                "{key}: {REFERENCE} says {written}, config/default.toml {}",
+                actual.unwrap_or_else(|| "leaves it unset".into())
+            ));
+        }
+    }
+    // The other way: each key of the sections the table covers is in it.
+    let named: BTreeSet<&str> = rows.iter().map(|(key, _)| key.as_str()).collect();
+    for (section, table) in &documented {
+        let Some(table) = table.as_table() else {
+            continue;
+        };
+        if matches!(section.as_str(), "request_rules" | "response_rules") {
+            continue;
+        }
+        let keys = match section.as_str() {
+            "pools" => table["default"].as_table().expect("[pools.default]"),
+            _ => table,
+        };
+        let prefix = if section == "pools" {
+            "pools.default"
+        } else {
+            section
+        };
+        for key in keys.keys() {
+            let key = format!("{prefix}.{key}");
+            if key != "gateway.routes" && !named.contains(key.as_str()) {
+                wrong.push(format!("{key}: in config/default.toml, not in {REFERENCE}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
 }
