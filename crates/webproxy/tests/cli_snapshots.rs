@@ -101,7 +101,12 @@ fn unrun_fences(doc: &Path) -> Vec<String> {
     let mut found = Vec::new();
     for (index, line) in text.lines().enumerate() {
         let trimmed = line.trim_start();
-        let Some(info) = trimmed.strip_prefix("```") else {
+        // A fence's info string has no backtick (CommonMark): "```` ```sh ````" in
+        // running text is inline code.
+        let Some(info) = trimmed
+            .strip_prefix("```")
+            .filter(|info| !info.trim_start_matches('`').contains('`'))
+        else {
             continue;
         };
         let place = format!("{}:{}", doc.display(), index + 1);
