@@ -432,6 +432,9 @@ fn print_gateway(
 }
 
 #[cfg(test)]
+mod default_toml;
+
+#[cfg(test)]
 // figment::Jail's closures must return figment's own (large) error type.
 #[allow(clippy::result_large_err)]
 mod tests {

@@ -51,6 +51,8 @@ enum Command {
     /// Validate a configuration as `serve` would before it starts (or `gateway`, with
     /// --gateway) and print the effective pools and rules.
     CheckConfig {
+        /// The configuration file (layered over the built-in defaults), as `serve` and
+        /// `gateway` take it.
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
         /// Validate this cluster document (what `config push` takes) in place of the
@@ -112,6 +114,7 @@ enum PoolsCommand {
     /// instance's heartbeat), unless --force; and while messages wait in it, unless
     /// --dead-letter, which answers and dead-letters them first.
     Remove {
+        /// The pool, as the configuration names it (`[pools.NAME]`).
         name: String,
         #[command(flatten)]
         nats: NatsArgs,
@@ -127,6 +130,7 @@ enum PoolsCommand {
     /// Stop a pool's deliveries on every instance, through consumer pause: requests keep
     /// waiting in its stream. Other pauses (an upstream's Retry-After) keep their own ends.
     Pause {
+        /// The pool, as the configuration names it (`[pools.NAME]`).
         name: String,
         #[command(flatten)]
         nats: NatsArgs,
@@ -139,6 +143,7 @@ enum PoolsCommand {
     },
     /// End a pool's pause by hand; a pause of another cause stays until its end.
     Resume {
+        /// The pool, as the configuration names it (`[pools.NAME]`).
         name: String,
         #[command(flatten)]
         nats: NatsArgs,
@@ -316,5 +321,35 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
         | Command::CheckConfig { .. } => {
             unreachable!("handled before the runtime starts")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::Cli;
+
+    /// Every argument of every command says what it is in `--help` (issue 31 found
+    /// `<NAME>` and `--config` with nothing beside them); the snapshots in
+    /// `tests/cmd/` show the texts.
+    #[test]
+    fn every_argument_has_help() {
+        fn walk(command: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in command.get_arguments() {
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} {}", arg.get_id()));
+                }
+            }
+            for sub in command.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut command = Cli::command();
+        // Builds the generated --help and --version arguments, which carry their texts.
+        command.build();
+        let mut missing = Vec::new();
+        walk(&command, "webproxy", &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
     }
 }

@@ -43,6 +43,7 @@ pub enum ConfigCommand {
     },
     /// Print the current document, or an older revision's.
     Show {
+        /// Show revision N (one `config history` lists); without it, the current one.
         #[arg(long, value_name = "N")]
         revision: Option<u64>,
         /// Print JSON: revision, time, user, message and document.
@@ -61,6 +62,7 @@ pub enum ConfigCommand {
     },
     /// Push revision N's document again, with compare-and-set on the current revision.
     Rollback {
+        /// The revision whose document to push again (`config history` lists them).
         revision: u64,
         #[command(flatten)]
         note: NoteArgs,
@@ -74,6 +76,7 @@ pub enum ConfigCommand {
     /// Validate a document and print its diff against the current revision; write
     /// nothing.
     Diff {
+        /// The document, as `config push` takes it.
         file: PathBuf,
         #[command(flatten)]
         nats: NatsArgs,

@@ -84,12 +84,20 @@ pub async fn run(command: KeyCommand) -> anyhow::Result<()> {
         KeyCommand::Restore { from, yes, nats } => {
             let key = read_saved(&from)?;
             let keys = key_bucket(&nats).await?;
-            report(&keys, keys.install(&key, yes).await?, "restored");
+            report(
+                &keys,
+                keys.install(&key, yes).await?,
+                "restored the gateway key",
+            );
         }
         KeyCommand::Rotate { yes, nats } => {
             let keys = key_bucket(&nats).await?;
             let fresh = store::fresh_key()?;
-            report(&keys, keys.install(&fresh, yes).await?, "made a new");
+            report(
+                &keys,
+                keys.install(&fresh, yes).await?,
+                "made a new gateway key",
+            );
         }
     }
     Ok(())
@@ -100,7 +108,7 @@ fn report(keys: &KeyBucket, installed: Installed, done: &str) {
     match installed {
         Installed::Unchanged => println!("{name} already holds this key; nothing changed"),
         Installed::Made | Installed::Replaced => println!(
-            "{done} the gateway key in {name}; gateways use it within 2 s (`webproxy gateway key export` saves it)"
+            "{done} in {name}; gateways use it within 2 s (`webproxy gateway key export` saves it)"
         ),
     }
 }
