@@ -32,7 +32,20 @@ pub(super) trait Delivery: Send + Sync {
     fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send;
     /// Sends a progress ack as a request and waits for the server's answer. The answer
     /// proves only that the connection was alive: see `liveness`.
-    fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send;
+    fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressError>> + Send;
+}
+
+/// Why a progress ack was not confirmed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum ProgressError {
+    /// "No responders": the consumer has no leader. The next one restores the message's
+    /// pending time from what its group committed, which can be older than every
+    /// progress ack this instance saw answered (a leader that lost its quorum answers
+    /// them for seconds before it steps down), and so may redeliver the message at once.
+    #[error("no consumer leader answered the progress ack")]
+    NoLeader,
+    #[error("{0}")]
+    Failed(String),
 }
 
 impl Delivery for jetstream::Message {
@@ -62,8 +75,26 @@ impl Delivery for jetstream::Message {
         self.ack_with(kind)
     }
 
-    fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
-        self.double_ack_with(AckKind::Progress)
+    /// A request of its own rather than async-nats' `double_ack_with`, which takes any
+    /// answer for a confirmation, the "no responders" status included.
+    async fn progress_confirmed(&self) -> Result<(), ProgressError> {
+        let Some(reply) = self.message.reply.clone() else {
+            return Err(ProgressError::Failed(
+                "no reply subject: not a JetStream delivery".into(),
+            ));
+        };
+        match self
+            .context
+            .client()
+            .request(reply, AckKind::Progress.into())
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                Err(ProgressError::NoLeader)
+            }
+            Err(e) => Err(ProgressError::Failed(e.to_string())),
+        }
     }
 }
 
@@ -82,6 +113,8 @@ pub(crate) mod fake {
         pub(crate) payload: Bytes,
         pub(crate) info: DeliveryInfo,
         pub(crate) acks: Mutex<Vec<AckKind>>,
+        /// What each progress ack is answered with; confirmed when `None`.
+        pub(crate) progress_error: Option<ProgressError>,
     }
 
     impl FakeDelivery {
@@ -92,6 +125,7 @@ pub(crate) mod fake {
                 payload: Bytes::from(payload.to_string()),
                 info,
                 acks: Mutex::new(Vec::new()),
+                progress_error: None,
             }
         }
 
@@ -134,8 +168,11 @@ pub(crate) mod fake {
             std::future::ready(Ok(()))
         }
 
-        fn progress_confirmed(&self) -> impl Future<Output = Result<(), async_nats::Error>> + Send {
-            self.ack(AckKind::Progress)
+        fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressError>> + Send {
+            if let Ok(mut acks) = self.acks.lock() {
+                acks.push(AckKind::Progress);
+            }
+            std::future::ready(self.progress_error.clone().map_or(Ok(()), Err))
         }
     }
 }

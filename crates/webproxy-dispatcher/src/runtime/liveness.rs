@@ -17,7 +17,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::delivery::Delivery;
+use super::delivery::{Delivery, ProgressError};
 use super::pacing::Known;
 use crate::decision::human;
 
@@ -66,7 +66,17 @@ pub(super) struct Liveness {
     /// Wakes [`Liveness::stale`] when a shorter `ack_wait` brings the limit forward;
     /// confirmations only ever move it later.
     repaced: Notify,
+    /// The pool's leadership epoch (see [`Leadership`]) and its value at delivery.
+    leadership: Option<(watch::Receiver<u64>, u64)>,
 }
+
+/// A pool's leadership epoch: the pull loop counts up each time its pull learns that
+/// the consumer's leader changed ("Leadership Change") or that it has none (no
+/// responders). Missed heartbeats do not count: a starved instance misses them too.
+/// A new leader restores each message's pending time from what its group committed,
+/// which can be older than the progress acks this instance saw answered, so every
+/// delivery held from before is stale from then on.
+pub(super) type Leadership = watch::Receiver<u64>;
 
 impl Liveness {
     /// A delivery that arrived at `delivered` under a revision whose `ack_wait` is
@@ -86,7 +96,21 @@ impl Liveness {
                 policy: LivenessPolicy::for_ack_wait(pacing),
             }),
             repaced: Notify::new(),
+            leadership: None,
         }
+    }
+
+    /// The same, stale once the pool's `leadership` epoch moves on from its value now.
+    pub(super) fn under(mut self, leadership: Leadership) -> Liveness {
+        let epoch = *leadership.borrow();
+        self.leadership = Some((leadership, epoch));
+        self
+    }
+
+    fn leader_changed(&self) -> bool {
+        self.leadership
+            .as_ref()
+            .is_some_and(|(leadership, epoch)| *leadership.borrow() != *epoch)
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -98,8 +122,11 @@ impl Liveness {
     /// Whether the delivery is still current at `now`: no interval has broken the
     /// limit, the open one included. Once it is not, it never is again.
     pub(super) fn is_current_at(&self, now: Instant) -> bool {
+        let leader_changed = self.leader_changed();
         let mut state = self.state();
-        if !state.stale && now.saturating_duration_since(state.last) >= state.policy.limit {
+        if !state.stale
+            && (leader_changed || now.saturating_duration_since(state.last) >= state.policy.limit)
+        {
             state.stale = true;
         }
         !state.stale
@@ -173,6 +200,14 @@ impl Liveness {
         Some(policy.period)
     }
 
+    /// The consumer lost its leader while this delivery was held: stale for good. What
+    /// the old leader answered may not have been committed, so the next leader may hand
+    /// the message to another handler at once, whatever this instance saw confirmed.
+    pub(super) fn leader_lost(&self) {
+        self.state().stale = true;
+        self.repaced.notify_waiters();
+    }
+
     fn policy(&self) -> LivenessPolicy {
         self.state().policy
     }
@@ -192,9 +227,15 @@ impl Liveness {
             ticks
         };
         let mut ticks = ticking(self.policy().period);
+        let mut leadership = self.leadership.as_ref().map(|(l, _)| l.clone());
         loop {
             tokio::select! {
                 _ = ticks.tick() => {}
+                () = leader_moved_on(&mut leadership) => {
+                    self.leader_lost();
+                    debug!("the pool consumer's leader changed; the delivery is stale");
+                    return;
+                }
                 known = next_known(&mut pacing) => {
                     let before = self.policy().period;
                     let Some(period) = self.repace(known.pacing(self.arrived_under), Instant::now())
@@ -216,10 +257,28 @@ impl Liveness {
             let confirm_within = self.policy().confirm_within;
             match tokio::time::timeout(confirm_within, delivery.progress_confirmed()).await {
                 Ok(Ok(())) => self.confirmed(sent),
+                Ok(Err(ProgressError::NoLeader)) => {
+                    self.leader_lost();
+                    debug!("no consumer leader answered a progress ack; the delivery is stale");
+                    return;
+                }
                 Ok(Err(e)) => debug!(error = %e, "progress ack not confirmed"),
                 Err(_) => debug!("progress ack not confirmed in time"),
             }
         }
+    }
+}
+
+/// Resolves once the pool's leadership epoch moves on; never, without one to follow
+/// or once its pull loop is gone.
+async fn leader_moved_on(leadership: &mut Option<watch::Receiver<u64>>) {
+    let moved = match leadership {
+        Some(epoch) => epoch.changed().await.is_ok(),
+        None => false,
+    };
+    if !moved {
+        *leadership = None;
+        std::future::pending::<()>().await;
     }
 }
 
@@ -242,6 +301,8 @@ async fn next_known(pacing: &mut Option<watch::Receiver<Known>>) -> Known {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::delivery::DeliveryInfo;
+    use crate::runtime::delivery::fake::FakeDelivery;
 
     const ACK_WAIT: Duration = Duration::from_secs(15);
 
@@ -336,6 +397,81 @@ mod tests {
         within: Duration,
     ) -> bool {
         tokio::time::timeout(within, stale.as_mut()).await.is_ok()
+    }
+
+    /// A delivery whose progress acks are answered with `answer`.
+    fn delivery_answering(answer: Option<ProgressError>) -> FakeDelivery {
+        let info = DeliveryInfo {
+            stream: "S".into(),
+            seq: 1,
+            delivered: 1,
+            published: std::time::SystemTime::now(),
+        };
+        let mut delivery = FakeDelivery::new("webproxy.request.default", "{}", info);
+        delivery.progress_error = answer;
+        delivery
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_progress_ack_no_leader_answers_makes_the_delivery_stale_at_once() {
+        let liveness = Liveness::new(ACK_WAIT, Instant::now());
+        let stale = liveness.stale();
+        tokio::pin!(stale);
+        let delivery = delivery_answering(Some(ProgressError::NoLeader));
+        // The first progress ack goes out a period (5 s) after the delivery, and its
+        // "no responders" ends the keeping, long before the 12 s limit.
+        let kept = tokio::time::timeout(Duration::from_secs(6), liveness.keep(&delivery, None));
+        assert!(kept.await.is_ok(), "the keeper stops");
+        assert!(!liveness.is_current());
+        assert!(stale_within(&mut stale, Duration::from_millis(1)).await);
+        // A confirmation after it (a new leader answering) does not revive it.
+        liveness.confirmed(Instant::now());
+        assert!(!liveness.is_current());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_delivery_held_when_the_leader_stops_serving_the_pull_is_stale() {
+        let (epoch, leadership) = watch::channel(0u64);
+        let liveness = Liveness::new(ACK_WAIT, Instant::now()).under(leadership);
+        let stale = liveness.stale();
+        tokio::pin!(stale);
+        let delivery = delivery_answering(None);
+        let keeper = liveness.keep(&delivery, None);
+        tokio::pin!(keeper);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(8), keeper.as_mut())
+                .await
+                .is_err(),
+            "kept while the leader serves"
+        );
+        assert!(liveness.is_current());
+        epoch.send_modify(|e| *e += 1);
+        assert!(
+            !liveness.is_current(),
+            "stale the moment the epoch moves on"
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1), keeper)
+                .await
+                .is_ok()
+        );
+        assert!(stale_within(&mut stale, Duration::from_millis(1)).await);
+        // A delivery that arrives under the new epoch is current.
+        let (_, leadership) = watch::channel(1u64);
+        assert!(
+            Liveness::new(ACK_WAIT, Instant::now())
+                .under(leadership)
+                .is_current()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_progress_ack_that_fails_otherwise_is_absorbed_until_the_limit() {
+        let liveness = Liveness::new(ACK_WAIT, Instant::now());
+        let delivery = delivery_answering(Some(ProgressError::Failed("request timed out".into())));
+        let kept = tokio::time::timeout(Duration::from_secs(11), liveness.keep(&delivery, None));
+        assert!(kept.await.is_err(), "still keeping after two failed acks");
+        assert!(liveness.is_current(), "within the 12 s limit");
     }
 
     #[tokio::test(start_paused = true)]

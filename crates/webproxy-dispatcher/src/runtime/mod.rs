@@ -406,6 +406,9 @@ async fn pull_loop(
     let mut connections = live.load().health.connections();
     let mut states = live.load().flow.states();
     let mut failures = 0u32;
+    // Counted up each time the consumer's leader stops serving the pull: every delivery
+    // held from before is stale from then on (`liveness::Leadership`).
+    let leadership = tokio::sync::watch::Sender::new(0u64);
     // The inbox is kept from one pull request to the next while they end cleanly: a
     // subscription per request cost the server a SUB and an UNSUB per batch, which at
     // low concurrency is one per message, and a message that arrived after its
@@ -453,7 +456,8 @@ async fn pull_loop(
                         }
                     };
                     delivered += 1;
-                    start(&live, &pool, message, &permits, &attempts, &shutdown, arrived_under).await;
+                    let held = Held { permits: &permits, attempts: &attempts, leadership: leadership.subscribe() };
+                    start(&live, &pool, message, held, &shutdown, arrived_under).await;
                 }
             } => end,
             _ = shutdown.cancelled() => return,
@@ -463,8 +467,13 @@ async fn pull_loop(
         }
         match end {
             PullEnd::Done if delivered > 0 || started.elapsed() >= PULL_EXPIRES / 2 => failures = 0,
-            PullEnd::Lost => {
-                debug!(pool = %pool, "pull lost; pulling again");
+            PullEnd::Lost | PullEnd::LeaderLost(_) => {
+                if let PullEnd::LeaderLost(why) = &end {
+                    info!(pool = %pool, reason = %why, "the pool consumer's leader changed; the deliveries held are stale");
+                    leadership.send_modify(|epoch| *epoch += 1);
+                } else {
+                    debug!(pool = %pool, "pull lost; pulling again");
+                }
                 failures = 0;
                 if !shared.health.nats_connected() {
                     // Pulls made now would queue up unsent; one is enough once back.
@@ -476,6 +485,8 @@ async fn pull_loop(
             }
             PullEnd::ConsumerGone(why) => {
                 warn!(pool = %pool, reason = %why, "the pool's consumer did not answer; recreating it if it is gone");
+                // No leader answered: whatever comes back restores what was committed.
+                leadership.send_modify(|epoch| *epoch += 1);
                 shared.health.set_pool_down(&pool, true);
                 match crate::provision::recreate_pool_consumer(
                     &shared.outlet.js,
@@ -524,6 +535,14 @@ async fn pull_loop(
     }
 }
 
+/// What a pull loop holds its deliveries with: the local permits, the task tracker
+/// their handlers run in, and the pool's leadership epoch.
+struct Held<'a> {
+    permits: &'a Arc<Semaphore>,
+    attempts: &'a TaskTracker,
+    leadership: liveness::Leadership,
+}
+
 /// Starts one delivered message: its progress task at once, its handler once a local
 /// permit is free. Returns when the handler holds its permit (or at shutdown), so the
 /// pull loop never has more messages waiting than the one in hand.
@@ -531,11 +550,15 @@ async fn start(
     live: &Arc<Live>,
     pool: &Arc<str>,
     message: async_nats::jetstream::Message,
-    permits: &Arc<Semaphore>,
-    attempts: &TaskTracker,
+    held: Held<'_>,
     shutdown: &CancellationToken,
     arrived_under: Duration,
 ) {
+    let Held {
+        permits,
+        attempts,
+        leadership,
+    } = held;
     let (started, has_started) = tokio::sync::oneshot::channel();
     let live = live.clone();
     let pool = pool.clone();
@@ -544,7 +567,8 @@ async fn start(
     attempts.spawn(async move {
         let known = live.load().pacing.known();
         let pacing = known.borrow().pacing(arrived_under);
-        let liveness = Liveness::paced(arrived_under, pacing, tokio::time::Instant::now());
+        let liveness =
+            Liveness::paced(arrived_under, pacing, tokio::time::Instant::now()).under(leadership);
         let work = async {
             let permit = tokio::select! {
                 permit = permits.acquire_owned() => match permit {

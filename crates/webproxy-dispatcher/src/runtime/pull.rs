@@ -23,8 +23,11 @@ const MISSED_HEARTBEATS: u32 = 2;
 pub(super) enum PullEnd {
     /// It expired, or delivered everything it asked for: pull again.
     Done,
-    /// No heartbeat or message for a few heartbeats: the request was lost.
+    /// No heartbeat or message for a few heartbeats, or the connection changed: the
+    /// request was lost.
     Lost,
+    /// The consumer's leader answered "Leadership Change": another node leads it now.
+    LeaderLost(String),
     /// The consumer is gone (deleted, or never answering): recreate it.
     ConsumerGone(String),
     /// Anything else the server said, or the connection failed.
@@ -47,7 +50,14 @@ pub(super) fn status_end(status: StatusCode, description: Option<&str>) -> Optio
         {
             Some(PullEnd::ConsumerGone(description.to_string()))
         }
-        // Leadership changes and limits end the request; pulling again is right.
+        StatusCode::REQUEST_TERMINATED
+            if description
+                .to_ascii_lowercase()
+                .contains("leadership change") =>
+        {
+            Some(PullEnd::LeaderLost(description.to_string()))
+        }
+        // Limits end the request; pulling again is right.
         StatusCode::REQUEST_TERMINATED => Some(PullEnd::Done),
         status => Some(PullEnd::Failed(format!("status {status}: {description}"))),
     }
@@ -129,6 +139,8 @@ impl Pull {
                     self.remaining = 0;
                     return Err(PullEnd::Done);
                 }
+                // Not `LeaderLost`: a starved or reconnecting instance misses
+                // heartbeats too, and its held deliveries would all be given up.
                 Err(_) => return Err(PullEnd::Lost),
                 Ok(None) => return Err(PullEnd::Failed("the subscription ended".into())),
                 Ok(Some(message)) => message,
@@ -177,8 +189,12 @@ mod tests {
             status_end(StatusCode::NO_RESPONDERS, None),
             Some(PullEnd::ConsumerGone(_))
         ));
-        assert_eq!(
+        assert!(matches!(
             status_end(StatusCode::REQUEST_TERMINATED, Some("Leadership Change")),
+            Some(PullEnd::LeaderLost(_))
+        ));
+        assert_eq!(
+            status_end(StatusCode::REQUEST_TERMINATED, Some("Exceeded MaxWaiting")),
             Some(PullEnd::Done)
         );
         assert!(matches!(
