@@ -14,6 +14,11 @@ use crate::NatsServer;
 /// Generous because the first start on a cold 2-core machine also creates
 /// streams and consumers.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How many times an instance is started again on another port when its health port
+/// was taken before it could bind it.
+const PORT_TRIES: usize = 3;
+
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Proxy settings would let the service route loopback upstream traffic off
@@ -166,9 +171,10 @@ impl Service {
 
     /// Like [`Service::start_with_url`] with explicit options.
     pub async fn start_with(nats_url: &str, config: &str, options: ServiceOptions) -> Service {
-        let service = Self::spawn(nats_url, config, options);
-        service.wait_ready(READY_TIMEOUT).await;
+        let service = Self::spawn(nats_url, config, options.clone());
         service
+            .ready_on_a_free_port(nats_url, config, options)
+            .await
     }
 
     /// `count` instances on one `config`, started together (so they race for what
@@ -184,14 +190,40 @@ impl Service {
         config: &str,
         options: Vec<ServiceOptions>,
     ) -> Vec<Service> {
-        let services: Vec<Service> = options
+        let spawned: Vec<(Service, ServiceOptions)> = options
             .into_iter()
-            .map(|options| Self::spawn(nats_url, config, options))
+            .map(|options| (Self::spawn(nats_url, config, options.clone()), options))
             .collect();
-        for service in &services {
-            service.wait_ready(READY_TIMEOUT).await;
+        let mut services = Vec::with_capacity(spawned.len());
+        for (service, options) in spawned {
+            services.push(
+                service
+                    .ready_on_a_free_port(nats_url, config, options)
+                    .await,
+            );
         }
         services
+    }
+
+    /// Waits until this instance is ready; when it exited because its health port was
+    /// taken between [`crate::free_port`]'s pick and its own bind (another process can
+    /// bind a port in between), starts it again on another, a few times at most.
+    async fn ready_on_a_free_port(
+        self,
+        nats_url: &str,
+        config: &str,
+        options: ServiceOptions,
+    ) -> Service {
+        let mut service = self;
+        for _ in 0..PORT_TRIES {
+            if service.wait_ready_unless_port_taken(READY_TIMEOUT).await {
+                return service;
+            }
+            eprintln!("webproxy's health port was taken before it bound it; another port");
+            service = Self::spawn(nats_url, config, options.clone());
+        }
+        service.wait_ready(READY_TIMEOUT).await;
+        service
     }
 
     /// Like [`Service::start_with`], without waiting for it to be ready (for an
@@ -429,15 +461,27 @@ impl Service {
     /// Polls `GET /readyz` until it answers 200; panics with the service's
     /// logs if `timeout` passes or the process exits first.
     pub async fn wait_ready(&self, timeout: Duration) {
+        assert!(
+            self.wait_ready_unless_port_taken(timeout).await,
+            "webproxy exited: its health port {} was taken\n{}",
+            self.port,
+            self.log_tail()
+        );
+    }
+
+    /// [`Service::wait_ready`], but `false` when the process exited because its health
+    /// port was in use.
+    async fn wait_ready_unless_port_taken(&self, timeout: Duration) -> bool {
         let client = crate::http_client();
         let url = format!("{}/readyz", self.health_url());
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.exit_status() {
-                panic!(
-                    "webproxy exited ({status}) before {url} returned 200\n{}",
-                    self.log_tail()
-                );
+                let log = self.log_tail();
+                if log.contains("cannot listen on") && log.contains("Address already in use") {
+                    return false;
+                }
+                panic!("webproxy exited ({status}) before {url} returned 200\n{log}");
             }
             let attempt = client
                 .get(&url)
@@ -445,7 +489,7 @@ impl Service {
                 .send()
                 .await;
             let last = match attempt {
-                Ok(response) if response.status() == reqwest::StatusCode::OK => return,
+                Ok(response) if response.status() == reqwest::StatusCode::OK => return true,
                 Ok(response) => format!("HTTP {}", response.status()),
                 Err(error) => error.to_string(),
             };
