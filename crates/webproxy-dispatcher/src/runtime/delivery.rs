@@ -32,12 +32,12 @@ pub(super) trait Delivery: Send + Sync {
     fn ack(&self, kind: AckKind) -> impl Future<Output = Result<(), async_nats::Error>> + Send;
     /// Sends a progress ack as a request and waits for the server's answer. The answer
     /// proves only that the connection was alive: see `liveness`.
-    fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressError>> + Send;
+    fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressAckError>> + Send;
 }
 
 /// Why a progress ack was not confirmed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(super) enum ProgressError {
+pub(super) enum ProgressAckError {
     /// "No responders": the consumer has no leader. The next one restores the message's
     /// pending time from what its group committed, which can be older than every
     /// progress ack this instance saw answered (a leader that lost its quorum answers
@@ -77,9 +77,9 @@ impl Delivery for jetstream::Message {
 
     /// A request of its own rather than async-nats' `double_ack_with`, which takes any
     /// answer for a confirmation, the "no responders" status included.
-    async fn progress_confirmed(&self) -> Result<(), ProgressError> {
+    async fn progress_confirmed(&self) -> Result<(), ProgressAckError> {
         let Some(reply) = self.message.reply.clone() else {
-            return Err(ProgressError::Failed(
+            return Err(ProgressAckError::Failed(
                 "no reply subject: not a JetStream delivery".into(),
             ));
         };
@@ -91,9 +91,9 @@ impl Delivery for jetstream::Message {
         {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-                Err(ProgressError::NoLeader)
+                Err(ProgressAckError::NoLeader)
             }
-            Err(e) => Err(ProgressError::Failed(e.to_string())),
+            Err(e) => Err(ProgressAckError::Failed(e.to_string())),
         }
     }
 }
@@ -114,7 +114,7 @@ pub(crate) mod fake {
         pub(crate) info: DeliveryInfo,
         pub(crate) acks: Mutex<Vec<AckKind>>,
         /// What each progress ack is answered with; confirmed when `None`.
-        pub(crate) progress_error: Option<ProgressError>,
+        pub(crate) progress_error: Option<ProgressAckError>,
     }
 
     impl FakeDelivery {
@@ -168,7 +168,7 @@ pub(crate) mod fake {
             std::future::ready(Ok(()))
         }
 
-        fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressError>> + Send {
+        fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressAckError>> + Send {
             if let Ok(mut acks) = self.acks.lock() {
                 acks.push(AckKind::Progress);
             }

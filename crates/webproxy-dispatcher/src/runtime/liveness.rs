@@ -17,7 +17,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::delivery::{Delivery, ProgressError};
+use super::delivery::{Delivery, ProgressAckError};
 use super::pacing::Known;
 use crate::decision::human;
 
@@ -257,7 +257,7 @@ impl Liveness {
             let confirm_within = self.policy().confirm_within;
             match tokio::time::timeout(confirm_within, delivery.progress_confirmed()).await {
                 Ok(Ok(())) => self.confirmed(sent),
-                Ok(Err(ProgressError::NoLeader)) => {
+                Ok(Err(ProgressAckError::NoLeader)) => {
                     self.leader_lost();
                     debug!("no consumer leader answered a progress ack; the delivery is stale");
                     return;
@@ -400,7 +400,7 @@ mod tests {
     }
 
     /// A delivery whose progress acks are answered with `answer`.
-    fn delivery_answering(answer: Option<ProgressError>) -> FakeDelivery {
+    fn delivery_answering(answer: Option<ProgressAckError>) -> FakeDelivery {
         let info = DeliveryInfo {
             stream: "S".into(),
             seq: 1,
@@ -417,7 +417,7 @@ mod tests {
         let liveness = Liveness::new(ACK_WAIT, Instant::now());
         let stale = liveness.stale();
         tokio::pin!(stale);
-        let delivery = delivery_answering(Some(ProgressError::NoLeader));
+        let delivery = delivery_answering(Some(ProgressAckError::NoLeader));
         // The first progress ack goes out a period (5 s) after the delivery, and its
         // "no responders" ends the keeping, long before the 12 s limit.
         let kept = tokio::time::timeout(Duration::from_secs(6), liveness.keep(&delivery, None));
@@ -468,7 +468,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_progress_ack_that_fails_otherwise_is_absorbed_until_the_limit() {
         let liveness = Liveness::new(ACK_WAIT, Instant::now());
-        let delivery = delivery_answering(Some(ProgressError::Failed("request timed out".into())));
+        let delivery =
+            delivery_answering(Some(ProgressAckError::Failed("request timed out".into())));
         let kept = tokio::time::timeout(Duration::from_secs(11), liveness.keep(&delivery, None));
         assert!(kept.await.is_err(), "still keeping after two failed acks");
         assert!(liveness.is_current(), "within the 12 s limit");

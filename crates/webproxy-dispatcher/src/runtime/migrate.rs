@@ -24,7 +24,7 @@ use webproxy_protocol::parse_request;
 
 use super::Dispatcher;
 use super::conversation::Conversation;
-use super::delivery::{Delivery, DeliveryInfo, ProgressError};
+use super::delivery::{Delivery, DeliveryInfo, ProgressAckError};
 use super::liveness::Liveness;
 use super::publish::Outlet;
 use super::settle::{Ending, Settled, internal, settle};
@@ -175,7 +175,7 @@ impl Delivery for StoredMessage<'_> {
         }
     }
 
-    fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressError>> + Send {
+    fn progress_confirmed(&self) -> impl Future<Output = Result<(), ProgressAckError>> + Send {
         std::future::ready(Ok(()))
     }
 }
