@@ -282,6 +282,39 @@ async fn leader_moved_on(leadership: &mut Option<watch::Receiver<u64>>) {
     }
 }
 
+/// The deliveries one pool's pull loop holds, by stream sequence. The server delivers a
+/// message again only once it counts the delivery before as timed out, so a second
+/// delivery of a sequence this instance still holds makes the first stale at once,
+/// even when every progress ack of the first looked confirmed (a consumer whose
+/// leadership changed twice after an outage redelivered one message twice in 234 ms).
+#[derive(Debug, Default)]
+pub(super) struct HeldDeliveries {
+    by_sequence: Mutex<std::collections::HashMap<u64, std::sync::Weak<Liveness>>>,
+}
+
+impl HeldDeliveries {
+    /// Records `liveness` as the delivery of `sequence` now held; an earlier delivery of
+    /// it still held is made stale. Whether there was one.
+    pub(super) fn hold(&self, sequence: u64, liveness: &std::sync::Arc<Liveness>) -> bool {
+        let mut held = self
+            .by_sequence
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.retain(|_, earlier| earlier.strong_count() > 0);
+        let earlier = held
+            .insert(sequence, std::sync::Arc::downgrade(liveness))
+            .and_then(|earlier| earlier.upgrade());
+        drop(held);
+        match earlier {
+            Some(earlier) => {
+                earlier.leader_lost();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// The next change of what this instance knows of `ack_wait`; never, without one to
 /// follow or once it is gone.
 async fn next_known(pacing: &mut Option<watch::Receiver<Known>>) -> Known {
@@ -463,6 +496,25 @@ mod tests {
                 .under(leadership)
                 .is_current()
         );
+    }
+
+    #[test]
+    fn a_second_delivery_of_a_held_sequence_makes_the_first_stale() {
+        use std::sync::Arc;
+        let held = HeldDeliveries::default();
+        let first = Arc::new(Liveness::new(ACK_WAIT, Instant::now()));
+        let other = Arc::new(Liveness::new(ACK_WAIT, Instant::now()));
+        assert!(!held.hold(7, &first));
+        assert!(!held.hold(8, &other));
+        let second = Arc::new(Liveness::new(ACK_WAIT, Instant::now()));
+        assert!(held.hold(7, &second));
+        assert!(!first.is_current(), "redelivered: the first is stale");
+        assert!(second.is_current());
+        assert!(other.is_current(), "another sequence is left alone");
+        // One that ended is forgotten: a later delivery of its sequence finds none.
+        drop(other);
+        let again = Arc::new(Liveness::new(ACK_WAIT, Instant::now()));
+        assert!(!held.hold(8, &again));
     }
 
     #[tokio::test(start_paused = true)]

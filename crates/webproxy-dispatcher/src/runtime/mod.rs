@@ -409,6 +409,7 @@ async fn pull_loop(
     // Counted up each time the consumer's leader stops serving the pull: every delivery
     // held from before is stale from then on (`liveness::Leadership`).
     let leadership = tokio::sync::watch::Sender::new(0u64);
+    let held_deliveries = Arc::new(liveness::HeldDeliveries::default());
     // The inbox is kept from one pull request to the next while they end cleanly: a
     // subscription per request cost the server a SUB and an UNSUB per batch, which at
     // low concurrency is one per message, and a message that arrived after its
@@ -456,7 +457,12 @@ async fn pull_loop(
                         }
                     };
                     delivered += 1;
-                    let held = Held { permits: &permits, attempts: &attempts, leadership: leadership.subscribe() };
+                    let held = Held {
+                        permits: &permits,
+                        attempts: &attempts,
+                        leadership: leadership.subscribe(),
+                        deliveries: &held_deliveries,
+                    };
                     start(&live, &pool, message, held, &shutdown, arrived_under).await;
                 }
             } => end,
@@ -541,6 +547,7 @@ struct Held<'a> {
     permits: &'a Arc<Semaphore>,
     attempts: &'a TaskTracker,
     leadership: liveness::Leadership,
+    deliveries: &'a Arc<liveness::HeldDeliveries>,
 }
 
 /// Starts one delivered message: its progress task at once, its handler once a local
@@ -558,7 +565,9 @@ async fn start(
         permits,
         attempts,
         leadership,
+        deliveries,
     } = held;
+    let deliveries = deliveries.clone();
     let (started, has_started) = tokio::sync::oneshot::channel();
     let live = live.clone();
     let pool = pool.clone();
@@ -567,8 +576,14 @@ async fn start(
     attempts.spawn(async move {
         let known = live.load().pacing.known();
         let pacing = known.borrow().pacing(arrived_under);
-        let liveness =
-            Liveness::paced(arrived_under, pacing, tokio::time::Instant::now()).under(leadership);
+        let liveness = Arc::new(
+            Liveness::paced(arrived_under, pacing, tokio::time::Instant::now()).under(leadership),
+        );
+        if let Ok(info) = message.info()
+            && deliveries.hold(info.stream_sequence, &liveness)
+        {
+            info!(pool = %pool, sequence = info.stream_sequence, "delivered again while this instance holds it; the earlier delivery is stale");
+        }
         let work = async {
             let permit = tokio::select! {
                 permit = permits.acquire_owned() => match permit {
