@@ -289,7 +289,16 @@ async fn leader_moved_on(leadership: &mut Option<watch::Receiver<u64>>) {
 /// leadership changed twice after an outage redelivered one message twice in 234 ms).
 #[derive(Debug, Default)]
 pub(super) struct HeldDeliveries {
-    by_sequence: Mutex<std::collections::HashMap<u64, std::sync::Weak<Liveness>>>,
+    held: Mutex<HeldBySequence>,
+}
+
+#[derive(Debug, Default)]
+struct HeldBySequence {
+    by_sequence: std::collections::HashMap<u64, std::sync::Weak<Liveness>>,
+    /// The size at which ended deliveries are next swept out: twice what was left at
+    /// the last sweep, so that a delivery costs amortized constant time however many a
+    /// pool holds.
+    sweep_at: usize,
 }
 
 impl HeldDeliveries {
@@ -297,11 +306,16 @@ impl HeldDeliveries {
     /// it still held is made stale. Whether there was one.
     pub(super) fn hold(&self, sequence: u64, liveness: &std::sync::Arc<Liveness>) -> bool {
         let mut held = self
-            .by_sequence
+            .held
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        held.retain(|_, earlier| earlier.strong_count() > 0);
+        if held.by_sequence.len() >= held.sweep_at {
+            held.by_sequence
+                .retain(|_, earlier| earlier.strong_count() > 0);
+            held.sweep_at = (held.by_sequence.len() * 2).max(64);
+        }
         let earlier = held
+            .by_sequence
             .insert(sequence, std::sync::Arc::downgrade(liveness))
             .and_then(|earlier| earlier.upgrade());
         drop(held);
@@ -515,6 +529,13 @@ mod tests {
         drop(other);
         let again = Arc::new(Liveness::new(ACK_WAIT, Instant::now()));
         assert!(!held.hold(8, &again));
+        // Ended ones are swept out as more are held.
+        for sequence in 100..300 {
+            let ended = Arc::new(Liveness::new(ACK_WAIT, Instant::now()));
+            assert!(!held.hold(sequence, &ended));
+        }
+        let left = held.held.lock().map(|h| h.by_sequence.len()).unwrap_or(0);
+        assert!(left < 150, "{left} entries kept for 3 held deliveries");
     }
 
     #[tokio::test(start_paused = true)]
