@@ -1054,10 +1054,17 @@ async fn existing_consumer(
     stream: &stream::Stream,
     name: &str,
 ) -> Result<Option<consumer::PullConsumer>, async_nats::Error> {
-    match stream.consumer_info(name).await {
-        Ok(_) => Ok(Some(stream.get_consumer(name).await?)),
-        Err(e) if e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e.into()),
+    match stream.get_consumer(name).await {
+        Ok(found) => Ok(Some(found)),
+        Err(e)
+            if e.downcast_ref::<jetstream::context::ConsumerInfoError>()
+                .is_some_and(|e| {
+                    e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound
+                }) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
 }
 

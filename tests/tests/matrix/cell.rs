@@ -34,9 +34,6 @@ const GATEWAY_ROUTE: &str = "/m";
 /// loaded machine (two cells at once, each with its servers and instances).
 const CLUSTER_READY: Duration = Duration::from_secs(60);
 
-/// The instances' heartbeat bucket.
-const INSTANCES_BUCKET: &str = "WEBPROXY_INSTANCES";
-
 /// How long every instance may take to report after a fault: its next heartbeat (every
 /// 5 s) once JetStream answers again, with a loaded machine's margin.
 const INSTANCES_REPORT: Duration = Duration::from_secs(30);
@@ -207,21 +204,13 @@ impl Cell {
         self.webproxy_ok(&["config", "push", &path, "--wait"]).await;
     }
 
-    /// How many instances' heartbeats `WEBPROXY_INSTANCES` holds now (its other keys
-    /// are leases); none while it cannot be read.
+    /// How many instances report in `WEBPROXY_INSTANCES` now (as `config push` reads
+    /// them); none while it cannot be read.
     async fn instances_reporting(&self) -> usize {
-        use futures::StreamExt as _;
-        let Ok(bucket) = self.js.get_key_value(INSTANCES_BUCKET).await else {
-            return 0;
-        };
-        let Ok(keys) = bucket.keys().await else {
-            return 0;
-        };
-        keys.filter(|key| {
-            std::future::ready(key.as_ref().is_ok_and(|key| !key.starts_with("lease.")))
-        })
-        .count()
-        .await
+        let subjects = webproxy_protocol::Subjects::new("webproxy").expect("the default prefix");
+        webproxy_dispatcher::ConfigStore::instance_reports(&self.js, &subjects)
+            .await
+            .map_or(0, |reports| reports.len())
     }
 
     /// A request through the gateway to `path` on the upstream with
