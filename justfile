@@ -125,6 +125,10 @@ test-faults:
     {{ _nats_path }}; bash scripts/matrix-run.sh
     python3 scripts/fault_matrix.py
 
+# cargo-deny's checks (deny.toml): licenses, banned and duplicate crates, sources. Installs cargo-deny into .tools/ the first time (minutes of compiling), so it stays out of `just test`. Advisories need GitHub's RustSec database: `cargo deny check advisories` where it is reachable.
+audit:
+    deny_dir="$(bash scripts/ensure-cargo-deny.sh | tail -n1)"; "$deny_dir/cargo-deny" --offline check licenses bans sources
+
 # Issue 20's adaptive-limit test: about 2 minutes, since the limit moves once per 5 s and needs tens of seconds to settle (ignored by `just test`; `.ci/run` runs it).
 test-adaptive:
     cargo build --workspace --bins
