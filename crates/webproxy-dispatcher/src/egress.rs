@@ -1,4 +1,4 @@
-//! The rules and the secrets as the worker's [`HopPolicy`]: a hop may go where
+//! The rules and the secrets as the worker's [`LegPolicy`]: a leg may go where
 //! [`target`] finds an accepting rule (its origin included), with the headers that rule
 //! drops and injects and the redirect budget it sets, and the outcome's messages are
 //! redacted with the injected secrets the conversation's caller did not name. The chain itself is the worker's.
@@ -7,14 +7,14 @@ use std::borrow::Cow;
 
 use url::Url;
 use webproxy_protocol::{ErrorCode, Method};
-use webproxy_worker::{Denial, Hop, HopPolicy};
+use webproxy_worker::{Denial, Leg, LegPolicy};
 
 use crate::decision::target;
 use crate::rules::{RequestRule, RequestRules};
 use crate::secrets::{Redaction, Secrets};
 use crate::security::Outbound;
 
-/// What a chain's hops are decided on.
+/// What a chain's legs are decided on.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RulePolicy<'a> {
     pub(crate) rules: &'a RequestRules,
@@ -25,11 +25,11 @@ pub(crate) struct RulePolicy<'a> {
 }
 
 impl RulePolicy<'_> {
-    /// The hop a request sends under `rule`: the caller's headers the outbound policy
+    /// The leg a request sends under `rule`: the caller's headers the outbound policy
     /// and the rule deny are dropped, the rule's secrets injected, its origin bound.
-    pub(crate) fn hop_for(&self, rule: &RequestRule) -> Hop {
+    pub(crate) fn leg_for(&self, rule: &RequestRule) -> Leg {
         let security = &rule.security;
-        Hop {
+        Leg {
             rule: rule.name.clone(),
             drop_headers: self
                 .outbound
@@ -50,10 +50,10 @@ impl RulePolicy<'_> {
     }
 }
 
-impl HopPolicy for RulePolicy<'_> {
-    fn hop(&self, method: Method, url: &Url) -> Result<Hop, Denial> {
+impl LegPolicy for RulePolicy<'_> {
+    fn leg(&self, method: Method, url: &Url) -> Result<Leg, Denial> {
         match target(self.rules, method, url) {
-            Ok(rule) => Ok(self.hop_for(rule)),
+            Ok(rule) => Ok(self.leg_for(rule)),
             Err(refusal) => Err(Denial {
                 message: refusal.message,
                 invalid: refusal.code == ErrorCode::InvalidRequest,
@@ -77,7 +77,7 @@ mod tests {
     use crate::rules::tests::rule_config;
 
     #[test]
-    fn a_hop_is_its_rules_headers_origin_and_budget_and_a_refusal_is_a_denial() {
+    fn a_leg_is_its_rules_headers_origin_and_budget_and_a_refusal_is_a_denial() {
         let mut partner = rule_config("partner", "*", "^https://a\\.test/", RuleAction::Accept);
         partner.follow_redirects = 2;
         partner.origin = Some("https://a.test".into());
@@ -108,18 +108,18 @@ mod tests {
             redaction: &secrets.redactor().for_envelope(b""),
         };
         let url = |text: &str| Url::parse(text).expect(text);
-        let hop = policy
-            .hop(Method::Get, &url("https://a.test/x"))
+        let leg = policy
+            .leg(Method::Get, &url("https://a.test/x"))
             .expect("accepted");
-        assert_eq!(hop.rule, "partner");
-        assert_eq!(hop.drop_headers, ["x-global", "x-rule"]);
-        assert!(hop.inject.is_empty());
-        assert_eq!(hop.origin, Some(url("https://a.test/").origin()));
-        assert_eq!(hop.follow_redirects, 2);
+        assert_eq!(leg.rule, "partner");
+        assert_eq!(leg.drop_headers, ["x-global", "x-rule"]);
+        assert!(leg.inject.is_empty());
+        assert_eq!(leg.origin, Some(url("https://a.test/").origin()));
+        assert_eq!(leg.follow_redirects, 2);
         let denial = policy
-            .hop(Method::Get, &url("https://b.test/x"))
+            .leg(Method::Get, &url("https://b.test/x"))
             .expect_err("denied");
         assert!(denial.message.contains("\"block\" denies"), "{denial}");
-        assert!(policy.hop(Method::Get, &url("https://c.test/")).is_err());
+        assert!(policy.leg(Method::Get, &url("https://c.test/")).is_err());
     }
 }

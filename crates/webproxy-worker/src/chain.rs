@@ -1,8 +1,8 @@
-//! One attempt as the caller sees it: the request sent with its hop's headers, and
-//! the redirects the first hop's budget allows followed hop by hop. Every redirect hop
-//! is asked of the [`HopPolicy`] again (the rules and the secrets, which the worker does
+//! One attempt as the caller sees it: the request sent with its leg's headers, and
+//! the redirects the first leg's budget allows followed leg by leg. Every redirect leg
+//! is asked of the [`LegPolicy`] again (the rules and the secrets, which the worker does
 //! not know), checked by the address guard again, and sends only the credentials its
-//! own hop injects, only to that hop's origin. The messages the chain writes about its
+//! own leg injects, only to that leg's origin. The messages the chain writes about its
 //! outcome are redacted by the policy. The decisions are pure (`redirect`,
 //! [`outgoing_headers`]); this module carries them out.
 
@@ -19,38 +19,38 @@ use webproxy_protocol::Method;
 use crate::redirect::{Redirect, is_content_header, redirect};
 use crate::{AttemptOutcome, AttemptRequest, FailureKind, TransportFailure, Worker};
 
-/// What the worker must not know, given by the dispatcher: which hops the rules allow
+/// What the worker must not know, given by the dispatcher: which legs the rules allow
 /// and with which headers, and which values are secret.
-pub trait HopPolicy {
-    /// The hop `method url` may make, or why it may not. Asked for every redirect hop;
+pub trait LegPolicy {
+    /// The leg `method url` may make, or why it may not. Asked for every redirect leg;
     /// `url` is canonical (see [`webproxy_protocol::canonical_url`]).
-    fn hop(&self, method: Method, url: &Url) -> Result<Hop, Denial>;
+    fn leg(&self, method: Method, url: &Url) -> Result<Leg, Denial>;
 
     /// `text` with every secret value removed: applied to every message the chain
     /// writes about its outcome.
     fn redact<'t>(&self, text: &'t str) -> Cow<'t, str>;
 }
 
-/// One hop a policy allows.
+/// One leg a policy allows.
 #[derive(Clone, Default)]
-pub struct Hop {
-    /// The rule the hop is sent under.
+pub struct Leg {
+    /// The rule the leg is sent under.
     pub rule: String,
     /// The caller's headers not sent (lower-case names).
     pub drop_headers: Vec<String>,
     /// Headers set from secrets, replacing the caller's of the same name.
     pub inject: Vec<(String, String)>,
-    /// The one origin this hop may go to; a hop that injects must have one.
+    /// The one origin this leg may go to; a leg that injects must have one.
     pub origin: Option<Origin>,
-    /// The redirect budget of a whole chain that starts with this hop.
+    /// The redirect budget of a whole chain that starts with this leg.
     pub follow_redirects: u32,
 }
 
-impl fmt::Debug for Hop {
+impl fmt::Debug for Leg {
     /// Names the injected headers, never their values.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let injected: Vec<&str> = self.inject.iter().map(|(name, _)| name.as_str()).collect();
-        f.debug_struct("Hop")
+        f.debug_struct("Leg")
             .field("rule", &self.rule)
             .field("drop_headers", &self.drop_headers)
             .field("inject", &injected)
@@ -60,7 +60,7 @@ impl fmt::Debug for Hop {
     }
 }
 
-/// Why a policy allows no hop to a URL; the message is the caller's.
+/// Why a policy allows no leg to a URL; the message is the caller's.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{message}")]
 pub struct Denial {
@@ -80,7 +80,7 @@ pub struct ChainRequest<'a> {
     pub headers: &'a [(String, String)],
     pub body: Bytes,
     /// Webproxy's own headers (an idempotency key, the trace context): they go on
-    /// every hop and replace the caller's of the same name.
+    /// every leg and replace the caller's of the same name.
     pub own_headers: &'a [(String, String)],
     /// For the whole chain.
     pub timeout: Duration,
@@ -89,10 +89,10 @@ pub struct ChainRequest<'a> {
 /// What the chain came to.
 #[derive(Debug)]
 pub struct Chain {
-    /// The last hop's outcome: its response (a 3xx when the budget ran out), or why
+    /// The last leg's outcome: its response (a 3xx when the budget ran out), or why
     /// the chain ended.
     pub outcome: AttemptOutcome,
-    /// Whether any connection was attempted: false when the first hop was refused by
+    /// Whether any connection was attempted: false when the first leg was refused by
     /// the guard, which then counts as no attempt.
     pub connected: bool,
     /// Redirects followed.
@@ -100,12 +100,12 @@ pub struct Chain {
 }
 
 impl Worker {
-    /// Sends `request` as the hop `first` and follows up to its `follow_redirects`, all
+    /// Sends `request` as the leg `first` and follows up to its `follow_redirects`, all
     /// within the request's timeout. Secret values are redacted from every message.
     pub async fn perform(
         &self,
-        policy: &impl HopPolicy,
-        first: Hop,
+        policy: &impl LegPolicy,
+        first: Leg,
         request: ChainRequest<'_>,
     ) -> Chain {
         let mut chain = self.run(policy, first, request).await;
@@ -117,11 +117,11 @@ impl Worker {
         chain
     }
 
-    async fn run(&self, policy: &impl HopPolicy, first: Hop, request: ChainRequest<'_>) -> Chain {
+    async fn run(&self, policy: &impl LegPolicy, first: Leg, request: ChainRequest<'_>) -> Chain {
         let timeout = request.timeout;
         let deadline = Instant::now() + timeout;
         let budget = first.follow_redirects;
-        let mut hop = first;
+        let mut leg = first;
         let mut method = request.method;
         let mut url = request.url.clone();
         let mut body = request.body.clone();
@@ -134,11 +134,11 @@ impl Worker {
             connected,
             redirects,
         };
-        if let Err(message) = bound(&hop, &url) {
+        if let Err(message) = bound(&leg, &url) {
             return end(AttemptOutcome::Denied { message }, connected, redirects);
         }
         loop {
-            let mut headers = outgoing_headers(request.headers, &hop, left_first_origin);
+            let mut headers = outgoing_headers(request.headers, &leg, left_first_origin);
             if !keep_content_headers {
                 headers.retain(|(name, _)| !is_content_header(name));
             }
@@ -183,15 +183,15 @@ impl Worker {
             let Some(next) = next else {
                 return end(outcome, connected, redirects);
             };
-            hop = match policy.hop(next.method, &next.url).and_then(|hop| {
-                bound(&hop, &next.url)
-                    .map(|()| hop)
+            leg = match policy.leg(next.method, &next.url).and_then(|leg| {
+                bound(&leg, &next.url)
+                    .map(|()| leg)
                     .map_err(|message| Denial {
                         message,
                         invalid: false,
                     })
             }) {
-                Ok(hop) => hop,
+                Ok(leg) => leg,
                 Err(denial) => {
                     let message = format!("redirect from {url}: {}", denial.message);
                     let outcome = if denial.invalid {
@@ -214,21 +214,21 @@ impl Worker {
     }
 }
 
-/// Whether `hop` may go to `url`: a hop bound to an origin goes only there, and a hop
-/// that injects credentials must be bound to one. The policy refuses such hops itself;
+/// Whether `leg` may go to `url`: a leg bound to an origin goes only there, and a leg
+/// that injects credentials must be bound to one. The policy refuses such legs itself;
 /// this is the worker's own check, so credentials never travel elsewhere whatever the
 /// policy returns.
-fn bound(hop: &Hop, url: &Url) -> Result<(), String> {
-    match &hop.origin {
+fn bound(leg: &Leg, url: &Url) -> Result<(), String> {
+    match &leg.origin {
         Some(origin) if url.origin() != *origin => Err(format!(
             "request rule {:?} is bound to origin {}, not {}",
-            hop.rule,
+            leg.rule,
             origin.ascii_serialization(),
             url.origin().ascii_serialization()
         )),
-        None if !hop.inject.is_empty() => Err(format!(
+        None if !leg.inject.is_empty() => Err(format!(
             "request rule {:?} injects headers but names no origin",
-            hop.rule
+            leg.rule
         )),
         _ => Ok(()),
     }
@@ -238,18 +238,18 @@ fn bound(hop: &Hop, url: &Url) -> Result<(), String> {
 /// redirect to another origin.
 const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "cookie", "cookie2", "proxy-authorization"];
 
-/// The headers one hop sends: the caller's, less the ones the hop drops, less any it
+/// The headers one leg sends: the caller's, less the ones the leg drops, less any it
 /// injects (an injected header replaces the caller's, never merges), less the caller's
-/// credentials once the chain has left its first origin; then the hop's injections.
+/// credentials once the chain has left its first origin; then the leg's injections.
 fn outgoing_headers(
     caller: &[(String, String)],
-    hop: &Hop,
+    leg: &Leg,
     left_first_origin: bool,
 ) -> Vec<(String, String)> {
     let dropped = |name: &str| {
         let lower = name.to_ascii_lowercase();
-        hop.drop_headers.contains(&lower)
-            || hop
+        leg.drop_headers.contains(&lower)
+            || leg
                 .inject
                 .iter()
                 .any(|(injected, _)| injected.eq_ignore_ascii_case(name))
@@ -259,7 +259,7 @@ fn outgoing_headers(
         .iter()
         .filter(|(name, _)| !dropped(name))
         .cloned()
-        .chain(hop.inject.iter().cloned())
+        .chain(leg.inject.iter().cloned())
         .collect()
 }
 
@@ -294,23 +294,23 @@ mod tests {
             ("X-Api-Key", "caller-key"),
             ("Accept", "text/plain"),
         ]);
-        let hop = Hop {
+        let leg = Leg {
             drop_headers: vec![
                 "proxy-authorization".into(),
                 "x-forwarded-host".into(),
                 "x-rule-denied".into(),
             ],
             inject: pairs(&[("X-API-KEY", "secret")]),
-            ..Hop::default()
+            ..Leg::default()
         };
-        let same = outgoing_headers(&caller, &hop, false);
+        let same = outgoing_headers(&caller, &leg, false);
         let names: Vec<&str> = same.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["authorization", "Cookie", "Accept", "X-API-KEY"]);
         assert_eq!(same[3].1, "secret");
 
-        let elsewhere = Hop {
+        let elsewhere = Leg {
             inject: Vec::new(),
-            ..hop
+            ..leg
         };
         let elsewhere = outgoing_headers(&caller, &elsewhere, true);
         let names: Vec<&str> = elsewhere.iter().map(|(n, _)| n.as_str()).collect();
@@ -318,12 +318,12 @@ mod tests {
     }
 
     #[test]
-    fn a_hop_goes_only_to_its_origin_and_an_injecting_hop_needs_one() {
+    fn a_leg_goes_only_to_its_origin_and_an_injecting_leg_needs_one() {
         let url = |text: &str| Url::parse(text).expect(text);
-        let bound_to = |origin: &str| Hop {
+        let bound_to = |origin: &str| Leg {
             rule: "partner".into(),
             origin: Some(url(origin).origin()),
-            ..Hop::default()
+            ..Leg::default()
         };
         let partner = bound_to("https://api.partner.com");
         assert_eq!(
@@ -341,21 +341,21 @@ mod tests {
                 "{why}"
             );
         }
-        assert_eq!(bound(&Hop::default(), &url("https://any.example/")), Ok(()));
-        let unbound = Hop {
+        assert_eq!(bound(&Leg::default(), &url("https://any.example/")), Ok(()));
+        let unbound = Leg {
             inject: pairs(&[("X-Api-Key", "k")]),
-            ..Hop::default()
+            ..Leg::default()
         };
         assert!(bound(&unbound, &url("https://any.example/")).is_err());
     }
 
     #[test]
-    fn debug_of_a_hop_shows_no_injected_value() {
-        let hop = Hop {
+    fn debug_of_a_leg_shows_no_injected_value() {
+        let leg = Leg {
             inject: pairs(&[("Authorization", "Bearer tok-91")]),
-            ..Hop::default()
+            ..Leg::default()
         };
-        let shown = format!("{hop:?} {hop:#?}");
+        let shown = format!("{leg:?} {leg:#?}");
         assert!(!shown.contains("tok-91"), "{shown}");
         assert!(shown.contains("Authorization"), "{shown}");
     }

@@ -1,7 +1,7 @@
 //! The HTTP call: one attempt as the caller sees it. A shared reqwest client, the
-//! address guard on every address it connects to, redirects followed hop by hop with
-//! each hop asked of the dispatcher's [`HopPolicy`] (rules and secrets) again, the
-//! headers and injected credentials of each hop, a timeout for the whole chain, caps on
+//! address guard on every address it connects to, redirects followed leg by leg with
+//! each leg asked of the dispatcher's [`LegPolicy`] (rules and secrets) again, the
+//! headers and injected credentials of each leg, a timeout for the whole chain, caps on
 //! the response's size and headers, and a typed, redacted outcome. No NATS, no retries:
 //! what to do with the outcome is the dispatcher's decision.
 
@@ -24,7 +24,7 @@ use thiserror::Error;
 use url::Url;
 use webproxy_protocol::AttemptRecord;
 
-pub use crate::chain::{Chain, ChainRequest, Denial, Hop, HopPolicy};
+pub use crate::chain::{Chain, ChainRequest, Denial, Leg, LegPolicy};
 use crate::dns::{Dns, DnsError};
 pub use crate::dns::{DnsConfig, DnsFailure};
 use crate::guard::Denied;
@@ -257,8 +257,8 @@ impl Worker {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let guard = Arc::new(config.guard.clone());
         let client = reqwest::Client::builder()
-            // Redirects are followed by `Worker::perform`, hop by hop, so that every
-            // hop is asked of the policy and guarded again.
+            // Redirects are followed by `Worker::perform`, leg by leg, so that every
+            // leg is asked of the policy and guarded again.
             .redirect(reqwest::redirect::Policy::none())
             // Environment proxy settings would send requests somewhere no rule names,
             // and past the guard: the proxy's address is not the destination's.

@@ -1,13 +1,13 @@
 //! Where a redirect leads, decided by pure code: which statuses are followed, the
-//! next hop's method, URL and body. Whether the hop may be taken (rules, budget,
+//! next leg's method, URL and body. Whether the leg may be taken (rules, budget,
 //! guard) is decided by the caller.
 
 use url::Url;
 use webproxy_protocol::Method;
 
-/// The next hop of a redirect.
+/// The next leg of a redirect.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NextHop {
+pub(crate) struct NextLeg {
     pub(crate) method: Method,
     pub(crate) url: Url,
     /// Whether the body (and its content headers) go along.
@@ -19,8 +19,8 @@ pub(crate) struct NextHop {
 pub(crate) enum Redirect {
     /// Not a redirect to follow: deliver the response.
     None,
-    /// Follow to this hop.
-    Follow(NextHop),
+    /// Follow to this leg.
+    Follow(NextLeg),
     /// A redirect to somewhere webproxy never goes (not http or https).
     Refused(String),
     /// A redirect to an http(s) URL webproxy does not send (user information, an
@@ -61,7 +61,7 @@ pub(crate) fn redirect(method: Method, url: &Url, status: u16, location: Option<
         _ if matches!(method, Method::Get | Method::Head) => (method, false),
         _ => (Method::Get, false),
     };
-    Redirect::Follow(NextHop {
+    Redirect::Follow(NextLeg {
         method,
         url: next,
         keep_body,
@@ -82,14 +82,14 @@ mod tests {
         Url::parse(text).expect("url")
     }
 
-    fn follow(method: Method, status: u16, location: &str) -> NextHop {
+    fn follow(method: Method, status: u16, location: &str) -> NextLeg {
         match redirect(
             method,
             &url("http://a.test/x/y?q=1"),
             status,
             Some(location),
         ) {
-            Redirect::Follow(hop) => hop,
+            Redirect::Follow(leg) => leg,
             other => panic!("{method} {status} {location}: {other:?}"),
         }
     }
@@ -114,20 +114,20 @@ mod tests {
     #[test]
     fn methods_and_bodies_per_status() {
         for status in [301, 302] {
-            let hop = follow(Method::Post, status, "/b");
-            assert_eq!((hop.method, hop.keep_body), (Method::Get, false));
-            let hop = follow(Method::Delete, status, "/b");
-            assert_eq!((hop.method, hop.keep_body), (Method::Get, false));
-            let hop = follow(Method::Head, status, "/b");
-            assert_eq!((hop.method, hop.keep_body), (Method::Head, false));
+            let leg = follow(Method::Post, status, "/b");
+            assert_eq!((leg.method, leg.keep_body), (Method::Get, false));
+            let leg = follow(Method::Delete, status, "/b");
+            assert_eq!((leg.method, leg.keep_body), (Method::Get, false));
+            let leg = follow(Method::Head, status, "/b");
+            assert_eq!((leg.method, leg.keep_body), (Method::Head, false));
         }
-        let hop = follow(Method::Put, 303, "/b");
-        assert_eq!((hop.method, hop.keep_body), (Method::Get, false));
-        let hop = follow(Method::Head, 303, "/b");
-        assert_eq!((hop.method, hop.keep_body), (Method::Head, false));
+        let leg = follow(Method::Put, 303, "/b");
+        assert_eq!((leg.method, leg.keep_body), (Method::Get, false));
+        let leg = follow(Method::Head, 303, "/b");
+        assert_eq!((leg.method, leg.keep_body), (Method::Head, false));
         for status in [307, 308] {
-            let hop = follow(Method::Post, status, "/b");
-            assert_eq!((hop.method, hop.keep_body), (Method::Post, true));
+            let leg = follow(Method::Post, status, "/b");
+            assert_eq!((leg.method, leg.keep_body), (Method::Post, true));
         }
     }
 
@@ -151,7 +151,7 @@ mod tests {
                 .as_str(),
             "https://b.test/z"
         );
-        // The URL parser normalises the hop as it did the first URL.
+        // The URL parser normalises the leg as it did the first URL.
         assert_eq!(
             follow(Method::Get, 302, "http://2130706433/").url.as_str(),
             "http://127.0.0.1/"
@@ -186,7 +186,7 @@ mod tests {
     }
 
     #[test]
-    fn hops_are_canonical_and_refused_like_a_callers_url() {
+    fn legs_are_canonical_and_refused_like_a_callers_url() {
         assert_eq!(
             follow(Method::Get, 302, "/%61dmin/").url.as_str(),
             "http://a.test/admin/"

@@ -1,6 +1,6 @@
 //! The whole chain in-process, without NATS: redirects followed within the budget with
-//! method and body per status, every hop asked of the policy and guarded again, hop
-//! URLs canonical, credentials only on their own hop and only at its origin, and the
+//! method and body per status, every leg asked of the policy and guarded again, leg
+//! URLs canonical, credentials only on their own leg and only at its origin, and the
 //! outcome's messages redacted. A test policy stands in for the dispatcher's rules and
 //! secrets. Upstreams listen on 127.0.0.1, 127.0.0.2 and 127.0.0.3 only.
 
@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use url::Url;
 use webproxy_protocol::Method;
 use webproxy_worker::{
-    AttemptOutcome, Chain, ChainRequest, Denial, GuardPolicy, Hop, HopPolicy, Worker, WorkerConfig,
+    AttemptOutcome, Chain, ChainRequest, Denial, GuardPolicy, Leg, LegPolicy, Worker, WorkerConfig,
 };
 
 /// One request an upstream saw: which upstream, method, path, headers (lower case),
@@ -109,25 +109,25 @@ fn to(base: SocketAddr, code: u16, target: &str) -> String {
     url_of(base, &format!("/to/{code}?url={encoded}"))
 }
 
-/// The rules and secrets of a test: the first hop whose URL prefix matches, or a
+/// The rules and secrets of a test: the first leg whose URL prefix matches, or a
 /// denial; every URL asked is kept.
 #[derive(Default)]
 struct Rules {
-    hops: Vec<(String, Hop)>,
+    legs: Vec<(String, Leg)>,
     secrets: Vec<String>,
     asked: Mutex<Vec<String>>,
 }
 
 impl Rules {
-    fn with(mut self, prefix: &str, hop: Hop) -> Rules {
-        self.hops.push((prefix.to_string(), hop));
+    fn with(mut self, prefix: &str, leg: Leg) -> Rules {
+        self.legs.push((prefix.to_string(), leg));
         self
     }
 
-    fn first(&self) -> Hop {
-        self.hops
+    fn first(&self) -> Leg {
+        self.legs
             .first()
-            .map(|(_, hop)| hop.clone())
+            .map(|(_, leg)| leg.clone())
             .unwrap_or_default()
     }
 
@@ -136,19 +136,19 @@ impl Rules {
     }
 }
 
-impl HopPolicy for Rules {
-    fn hop(&self, method: Method, url: &Url) -> Result<Hop, Denial> {
+impl LegPolicy for Rules {
+    fn leg(&self, method: Method, url: &Url) -> Result<Leg, Denial> {
         self.asked
             .lock()
             .expect("lock")
             .push(format!("{method} {url}"));
-        self.hops
+        self.legs
             .iter()
             .find(|(prefix, _)| url.as_str().starts_with(prefix.as_str()))
-            .map(|(_, hop)| hop.clone())
+            .map(|(_, leg)| leg.clone())
             .filter(|_| !url.path().contains(';'))
             .ok_or_else(|| Denial {
-                message: format!("no hop for {method} {url}"),
+                message: format!("no leg for {method} {url}"),
                 // As the dispatcher's rules refuse a ';' no rule allows.
                 invalid: url.path().contains(';'),
             })
@@ -165,11 +165,11 @@ impl HopPolicy for Rules {
     }
 }
 
-fn hop(rule: &str, follow_redirects: u32) -> Hop {
-    Hop {
+fn leg(rule: &str, follow_redirects: u32) -> Leg {
+    Leg {
         rule: rule.into(),
         follow_redirects,
-        ..Hop::default()
+        ..Leg::default()
     }
 }
 
@@ -195,7 +195,7 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
 }
 
 /// Runs a chain of `method url` with `headers` and `body` under `rules`, starting with
-/// its first hop.
+/// its first leg.
 async fn perform(
     rules: &Rules,
     method: Method,
@@ -238,7 +238,7 @@ fn denied(chain: &Chain) -> &str {
 async fn methods_bodies_and_the_budget() {
     let log = Log::default();
     let up = upstream("up", "127.0.0.2", 0, &log).await;
-    let rules = Rules::default().with(&url_of(up, "/"), hop("local", 2));
+    let rules = Rules::default().with(&url_of(up, "/"), leg("local", 2));
     let echo = url_of(up, "/echo");
     let content = pairs(&[
         ("Content-Type", "text/plain"),
@@ -272,7 +272,7 @@ async fn methods_bodies_and_the_budget() {
             !body.is_empty(),
             "{code}: {last:?}"
         );
-        // Webproxy's own header replaces the caller's on every hop.
+        // Webproxy's own header replaces the caller's on every leg.
         assert_eq!(last.header("idempotency-key"), Some("own"));
     }
 
@@ -289,24 +289,24 @@ async fn methods_bodies_and_the_budget() {
     );
 
     // No budget: the redirect itself is the answer, and the policy is never asked.
-    let rules = Rules::default().with(&url_of(up, "/"), hop("local", 0));
+    let rules = Rules::default().with(&url_of(up, "/"), leg("local", 0));
     let chain = perform(&rules, Method::Get, &to(up, 302, &echo), &[], "").await;
     assert_eq!((status(&chain), chain.redirects), (Some(302), 0));
     assert!(rules.asked().is_empty(), "{:?}", rules.asked());
 }
 
 #[tokio::test]
-async fn every_hop_is_asked_of_the_policy_and_guarded_again() {
+async fn every_leg_is_asked_of_the_policy_and_guarded_again() {
     let log = Log::default();
     let allowed = upstream("allowed", "127.0.0.2", 0, &log).await;
     let port = allowed.port();
     let loopback = upstream("loopback", "127.0.0.1", port, &log).await;
     let unruled = upstream("unruled", "127.0.0.3", port, &log).await;
     let rules = Rules::default()
-        .with(&url_of(allowed, "/"), hop("allowed", 5))
-        .with(&url_of(loopback, "/"), hop("to-loopback", 0));
+        .with(&url_of(allowed, "/"), leg("allowed", 5))
+        .with(&url_of(loopback, "/"), leg("to-loopback", 0));
 
-    // The policy accepts the loopback hop; the guard does not, and the caller is told
+    // The policy accepts the loopback leg; the guard does not, and the caller is told
     // the kind of range, never the address.
     let chain = perform(
         &rules,
@@ -317,7 +317,7 @@ async fn every_hop_is_asked_of_the_policy_and_guarded_again() {
     )
     .await;
     assert_eq!(denied(&chain), "destination not allowed (loopback)");
-    assert!(chain.connected, "the first hop was an attempt");
+    assert!(chain.connected, "the first leg was an attempt");
     // The same through the decimal spelling of 127.0.0.1, canonical before it is asked.
     let decimal = format!("http://2130706433:{port}/echo");
     let chain = perform(&rules, Method::Get, &to(allowed, 307, &decimal), &[], "").await;
@@ -342,7 +342,7 @@ async fn every_hop_is_asked_of_the_policy_and_guarded_again() {
     let message = denied(&chain);
     assert!(
         message.starts_with(&format!("redirect from http://{allowed}/to/302"))
-            && message.ends_with(&format!("no hop for GET http://127.0.0.3:{port}/echo")),
+            && message.ends_with(&format!("no leg for GET http://127.0.0.3:{port}/echo")),
         "{message}"
     );
 
@@ -360,8 +360,8 @@ async fn every_hop_is_asked_of_the_policy_and_guarded_again() {
         "{chain:?}"
     );
 
-    // A first hop the guard refuses is no attempt at all.
-    let rules = Rules::default().with(&url_of(loopback, "/"), hop("to-loopback", 0));
+    // A first leg the guard refuses is no attempt at all.
+    let rules = Rules::default().with(&url_of(loopback, "/"), leg("to-loopback", 0));
     let chain = perform(&rules, Method::Get, &url_of(loopback, "/echo"), &[], "").await;
     assert_eq!(denied(&chain), "destination not allowed (loopback)");
     assert!(!chain.connected);
@@ -371,14 +371,14 @@ async fn every_hop_is_asked_of_the_policy_and_guarded_again() {
         .map(|s| s.upstream)
         .filter(|u| *u != "allowed")
         .collect();
-    assert!(reached.is_empty(), "a hop reached {reached:?}");
+    assert!(reached.is_empty(), "a leg reached {reached:?}");
 }
 
 #[tokio::test]
-async fn redirect_hops_are_canonical_and_refused_like_a_callers_url() {
+async fn redirect_legs_are_canonical_and_refused_like_a_callers_url() {
     let log = Log::default();
     let up = upstream("up", "127.0.0.2", 0, &log).await;
-    let rules = Rules::default().with(&url_of(up, "/"), hop("local", 2));
+    let rules = Rules::default().with(&url_of(up, "/"), leg("local", 2));
 
     let chain = perform(
         &rules,
@@ -407,7 +407,7 @@ async fn redirect_hops_are_canonical_and_refused_like_a_callers_url() {
         (url_of(up, "/x/..;/echo"), "';' parameter"),
         (url_of(up, "/x/%2e%2e%3b/echo"), "';' parameter"),
         // Refused by the policy, which knows whether the rule allows a ';'.
-        (url_of(up, "/echo;jsessionid=x"), "no hop for"),
+        (url_of(up, "/echo;jsessionid=x"), "no leg for"),
     ] {
         let chain = perform(&rules, Method::Get, &to(up, 302, &target), &[], "").await;
         match &chain.outcome {
@@ -417,7 +417,7 @@ async fn redirect_hops_are_canonical_and_refused_like_a_callers_url() {
             }
             other => panic!("{target}: {other:?}"),
         }
-        assert!(chain.connected, "the first hop was an attempt");
+        assert!(chain.connected, "the first leg was an attempt");
     }
     assert!(
         seen(&log).iter().all(|s| s.path == "/admin/"),
@@ -434,8 +434,8 @@ async fn two_origins_on_one_port(log: &Log) -> (SocketAddr, SocketAddr) {
     (first, other)
 }
 
-fn injecting(origin: SocketAddr, follow_redirects: u32) -> Hop {
-    Hop {
+fn injecting(origin: SocketAddr, follow_redirects: u32) -> Leg {
+    Leg {
         rule: "partner".into(),
         drop_headers: vec!["x-dropped".into()],
         inject: pairs(&[("X-Api-Key", "k-123")]),
@@ -457,12 +457,12 @@ fn credentials(seen: &Seen) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn injected_credentials_stay_with_their_hop_and_origin() {
+async fn injected_credentials_stay_with_their_leg_and_origin() {
     let log = Log::default();
     let (first, other) = two_origins_on_one_port(&log).await;
     let rules = Rules::default()
         .with(&url_of(first, "/"), injecting(first, 3))
-        .with(&url_of(other, "/"), hop("other", 0));
+        .with(&url_of(other, "/"), leg("other", 0));
     let caller = pairs(&[
         ("Authorization", "Bearer caller"),
         ("Cookie", "session=caller"),
@@ -470,7 +470,7 @@ async fn injected_credentials_stay_with_their_hop_and_origin() {
         ("X-Dropped", "no"),
     ]);
 
-    // Same origin, same hop: the key replaces the caller's, and the caller's
+    // Same origin, same leg: the key replaces the caller's, and the caller's
     // credentials go along.
     let chain = perform(
         &rules,
@@ -481,7 +481,7 @@ async fn injected_credentials_stay_with_their_hop_and_origin() {
     )
     .await;
     assert_eq!(status(&chain), Some(200), "{chain:?}");
-    // Another origin, a hop that injects nothing: neither goes along.
+    // Another origin, a leg that injects nothing: neither goes along.
     let chain = perform(
         &rules,
         Method::Get,
@@ -507,7 +507,7 @@ async fn injected_credentials_stay_with_their_hop_and_origin() {
                     "x-api-key: k-123".to_string(),
                 ]
             ),
-            // The other hop drops and injects nothing: the caller's own key goes.
+            // The other leg drops and injects nothing: the caller's own key goes.
             (
                 "other",
                 vec![
@@ -519,10 +519,10 @@ async fn injected_credentials_stay_with_their_hop_and_origin() {
     );
 }
 
-/// A policy that hands out the injecting hop for any URL: the worker still sends it
+/// A policy that hands out the injecting leg for any URL: the worker still sends it
 /// only to its origin, neither with the credential nor without it elsewhere.
 #[tokio::test]
-async fn an_injecting_hop_goes_only_to_its_origin_whatever_the_policy_says() {
+async fn an_injecting_leg_goes_only_to_its_origin_whatever_the_policy_says() {
     let log = Log::default();
     let (first, other) = two_origins_on_one_port(&log).await;
     let rules = Rules::default().with("http://127.0.0.", injecting(first, 2));
@@ -543,11 +543,11 @@ async fn an_injecting_hop_goes_only_to_its_origin_whatever_the_policy_says() {
     );
     assert!(chain.connected);
 
-    // As a first hop too, and an injecting hop without an origin goes nowhere.
+    // As a first leg too, and an injecting leg without an origin goes nowhere.
     let chain = perform(&rules, Method::Get, &url_of(other, "/who"), &[], "").await;
     assert!(denied(&chain).contains("bound to origin"), "{chain:?}");
     assert!(!chain.connected);
-    let unbound = Hop {
+    let unbound = Leg {
         origin: None,
         ..injecting(first, 0)
     };
@@ -565,7 +565,7 @@ async fn the_outcomes_messages_are_redacted() {
         secrets: vec!["tok-55".into()],
         ..Rules::default()
     }
-    .with(&url_of(up, "/"), hop("local", 1));
+    .with(&url_of(up, "/"), leg("local", 1));
     // The denial quotes the URL, and the URL holds the secret.
     let chain = perform(
         &rules,

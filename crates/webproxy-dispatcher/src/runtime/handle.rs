@@ -558,7 +558,7 @@ async fn attempt(
         let chain = Box::pin(
             shared
                 .worker
-                .perform(&policy, policy.hop_for(rule), chain_request),
+                .perform(&policy, policy.leg_for(rule), chain_request),
         )
         .await;
         // A destination refused before any connection was never attempted.
