@@ -288,6 +288,51 @@ impl StateBucket {
         &self.0.spec
     }
 
+    /// Puts `value` under `key` in `store` (this bucket's handle) only if the key's last
+    /// message is at `expected` (0: it has none), expiring after `ttl` (whole seconds,
+    /// at least one). async-nats has no update with a TTL. Returns the new revision.
+    /// `Ok(None)`: the key had moved on (err_code 10071).
+    pub(crate) async fn put_expecting(
+        &self,
+        store: &kv::Store,
+        key: &str,
+        value: bytes::Bytes,
+        expected: u64,
+        ttl: Duration,
+    ) -> Result<Option<u64>, async_nats::Error> {
+        use async_nats::header::{self, HeaderValue};
+        use async_nats::jetstream::context::PublishErrorKind;
+        if store.use_jetstream_prefix {
+            // Only `serve` holds the service's handle, and it uses its account's own
+            // $JS.API (config.rs warns of nats.js_api_prefix for it).
+            return Err("a checked put with a TTL needs the account's own $JS.API".into());
+        }
+        let subject = format!(
+            "{}{key}",
+            store.put_prefix.as_deref().unwrap_or(&store.prefix)
+        );
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            HeaderValue::from(expected),
+        );
+        headers.insert(
+            header::NATS_MESSAGE_TTL,
+            HeaderValue::from(ttl.as_secs().max(1)),
+        );
+        let acked = self
+            .0
+            .js
+            .publish_with_headers(subject, headers, value)
+            .await?
+            .await;
+        match acked {
+            Ok(ack) => Ok(Some(ack.sequence)),
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The bucket's handle: the one opened before, or opened now, and made when the
     /// server confirms it missing (for a bucket that may be made again).
     pub async fn store(&self) -> Result<kv::Store, BucketError> {

@@ -14,14 +14,16 @@ use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Shared;
 use super::admission::Admission;
+use super::attempt_claim;
 use super::breaker;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
+use super::ending::{Ending, Settled};
 use super::flow::Pass;
 use super::liveness::Liveness;
-use super::progress::{Claim, ProgressError, claim};
+use super::progress::{Claim, Progress, ProgressError, RETRY, Record, claim};
 use super::publish::Outlet;
-use super::settle::{Ending, Settled, internal, settle};
+use super::settle::{internal, settle};
 use super::stored_reply::{self, StoredReply};
 use crate::breaker::evidence;
 use crate::clock;
@@ -94,6 +96,8 @@ pub(super) async fn handle_delivery<'a>(
     span.record("origin", conversation.origin().to_string().as_str());
     span.record("generation", as_i64(conversation.generation()));
     span.record("delivered", as_i64(info.delivered));
+    // Held by a delivery made again while it works, and released once it is settled.
+    let mut claim = None;
     let ending = match hop_error {
         Some(e) => {
             // Only the service writes hop state: a malformed one is a bug, answered and
@@ -110,9 +114,32 @@ pub(super) async fn handle_delivery<'a>(
                 format!("webproxy could not read its own hop state: {e}"),
             )
         }
+        // Delivered again: one delivery of the message at work at a time.
+        None if info.delivered > 1 => {
+            match attempt_claim::take(&shared.outlet.progress, &info, liveness).await {
+                Some(mut held) => {
+                    let ending = super::while_keeping(
+                        Box::pin(decide(shared, delivery, &info, &mut conversation)),
+                        held.keep(liveness),
+                    )
+                    .await;
+                    claim = Some(held);
+                    ending
+                }
+                None => Ending::Leave {
+                    reason: STALE_BEFORE_CLAIM.into(),
+                },
+            }
+        }
         None => Box::pin(decide(shared, delivery, &info, &mut conversation)).await,
     };
-    settle(&shared.outlet, delivery, &mut conversation, ending).await
+    let settled = settle(&shared.outlet, delivery, &mut conversation, ending).await;
+    if settled == Settled::Done
+        && let Some(claim) = claim
+    {
+        claim.release().await;
+    }
+    settled
 }
 
 /// Everything between the conversation and its ending.
@@ -144,8 +171,7 @@ async fn decide<'a>(
                 };
             }
             Ok(None) => {}
-            // Unknown: attempting again is the at-least-once side of the trade-off.
-            Err(e) => warn!(error = %e, "cannot look up the stored reply; going on"),
+            Err(reason) => return Ending::Leave { reason },
         }
     }
     let settings = &shared.settings;
@@ -284,7 +310,7 @@ async fn claim_step(
     let loaded = progress
         .load(conversation.origin(), conversation.generation())
         .await;
-    let (record, revision) = match loaded {
+    let found = match loaded {
         Ok(Some(found)) => found,
         // No record: the conversation never forked, or it settled (the stored-reply
         // check finds that), or the record aged out. Either way this delivery goes on.
@@ -295,43 +321,103 @@ async fn claim_step(
             });
         }
     };
-    match claim(&record, conversation.state.step, info.seq) {
-        Claim::Current { take: false } => conversation.record = Some(revision),
-        Claim::Current { take: true } => {
-            let mut taken = record;
-            taken.taken_by = Some(info.seq);
-            match progress.write(&taken, Some(revision)).await {
-                Ok(revision) => conversation.record = Some(revision),
-                Err(ProgressError::Conflict { .. }) => return Some(Ending::Stale),
-                Err(e) => {
-                    return Some(Ending::Leave {
-                        reason: e.to_string(),
-                    });
-                }
-            }
+    match take_step(progress, found, conversation.state.step, info.seq).await {
+        Ok(revision) => {
+            conversation.record = Some(revision);
+            None
         }
-        Claim::Republish => return Some(Ending::Republish(record)),
-        Claim::Stale => return Some(Ending::Stale),
+        Err(ending) => Some(ending),
     }
-    None
 }
 
-/// The conversation's stored reply, when it answers this generation or a later one.
+/// Claims step `step` for the hop message at stream sequence `seq`, given its
+/// conversation's record as loaded at a revision: the record's revision once this
+/// delivery holds the step, or how the delivery ends. A step taken meanwhile is looked
+/// at again, once: taken by another hop message, this delivery is stale and acks; taken
+/// by another delivery of this same message (the server handed it out again, and both
+/// copies raced), this one carries on as that step, as a redelivery after a crash
+/// would. Acking then would end the message while the copy that won may be stale and
+/// leave it, and the conversation would stop there.
+pub(super) async fn take_step(
+    progress: &Progress,
+    (record, revision): (Record, u64),
+    step: u32,
+    seq: u64,
+) -> Result<u64, Ending> {
+    let (mut record, mut revision) = (record, revision);
+    let mut looked_again = false;
+    loop {
+        match claim(&record, step, seq) {
+            Claim::Current { take: false } => return Ok(revision),
+            Claim::Current { take: true } => {
+                let mut taken = record.clone();
+                taken.taken_by = Some(seq);
+                match progress.write(&taken, Some(revision)).await {
+                    Ok(revision) => return Ok(revision),
+                    Err(ProgressError::Conflict { .. }) if !looked_again => {}
+                    Err(ProgressError::Conflict { .. }) => return Err(Ending::Stale),
+                    Err(e) => {
+                        return Err(Ending::Leave {
+                            reason: e.to_string(),
+                        });
+                    }
+                }
+            }
+            Claim::Republish => return Err(Ending::Republish(record)),
+            Claim::Stale => return Err(Ending::Stale),
+        }
+        looked_again = true;
+        match progress
+            .load(&record.hop.origin, record.hop.generation)
+            .await
+        {
+            Ok(Some(found)) => (record, revision) = found,
+            // Settled meanwhile: its stored reply answers this delivery.
+            Ok(None) => return Err(Ending::Stale),
+            Err(e) => {
+                return Err(Ending::Leave {
+                    reason: e.to_string(),
+                });
+            }
+        }
+    }
+}
+
+/// The conversation's stored reply, when it answers this generation or a later one. A
+/// lookup that fails is tried again while progress acks hold the message: attempting
+/// without knowing could answer the conversation a second time, and leaving the message
+/// would count a delivery against it for the service's own wait. `Err`: the delivery
+/// went stale first, and is left.
 async fn stored_reply(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
-) -> Result<Option<StoredReply>, async_nats::Error> {
+) -> Result<Option<StoredReply>, String> {
     let Some(id) = conversation.id.as_deref() else {
         return Ok(None);
     };
     let subject = outlet.subjects.stored_reply(id, conversation.origin());
-    stored_reply::answering(
-        outlet,
-        &subject,
-        conversation.origin(),
-        conversation.generation(),
-    )
-    .await
+    let mut failures = 0u32;
+    loop {
+        let error = match stored_reply::answering(
+            outlet,
+            &subject,
+            conversation.origin(),
+            conversation.generation(),
+        )
+        .await
+        {
+            Ok(found) => return Ok(found),
+            Err(e) => e,
+        };
+        failures = failures.saturating_add(1);
+        warn!(error = %error, failures, "cannot look up the stored reply; trying again while the message is held");
+        tokio::select! {
+            () = tokio::time::sleep(RETRY.after(failures).unwrap_or(Duration::from_secs(2))) => {}
+            () = conversation.liveness.stale() => {
+                return Err(format!("the stored reply could not be looked up before the delivery went stale: {error}"));
+            }
+        }
+    }
 }
 
 /// A move refused because its pool holds `max_waiting` requests already.
@@ -377,6 +463,7 @@ fn with_last_failure(mut error: ErrorBody, last: Option<&AttemptRecord>) -> Erro
     error
 }
 
+const STALE_BEFORE_CLAIM: &str = "no confirmed progress within the ack wait while another delivery held the attempt claim: not attempted";
 const STALE_BEFORE_ATTEMPT: &str =
     "no confirmed progress within the ack wait before the attempt: not attempted";
 const STALE_DURING_ATTEMPT: &str =

@@ -200,15 +200,16 @@ impl Liveness {
         Some(policy.period)
     }
 
-    /// The consumer lost its leader while this delivery was held: stale for good. What
-    /// the old leader answered may not have been committed, so the next leader may hand
-    /// the message to another handler at once, whatever this instance saw confirmed.
-    pub(super) fn leader_lost(&self) {
+    /// Stale for good, whatever the confirmations said: the consumer lost its leader
+    /// while this delivery was held (what the old leader answered may not have been
+    /// committed, so the next leader may hand the message to another handler at once),
+    /// another delivery of the message arrived, or its attempt claim was lost.
+    pub(super) fn make_stale(&self) {
         self.state().stale = true;
         self.repaced.notify_waiters();
     }
 
-    fn policy(&self) -> LivenessPolicy {
+    pub(super) fn policy(&self) -> LivenessPolicy {
         self.state().policy
     }
 
@@ -232,7 +233,7 @@ impl Liveness {
             tokio::select! {
                 _ = ticks.tick() => {}
                 () = leader_moved_on(&mut leadership) => {
-                    self.leader_lost();
+                    self.make_stale();
                     debug!("the pool consumer's leader changed; the delivery is stale");
                     return;
                 }
@@ -258,7 +259,7 @@ impl Liveness {
             match tokio::time::timeout(confirm_within, delivery.progress_confirmed()).await {
                 Ok(Ok(())) => self.confirmed(sent),
                 Ok(Err(ProgressAckError::NoLeader)) => {
-                    self.leader_lost();
+                    self.make_stale();
                     debug!("no consumer leader answered a progress ack; the delivery is stale");
                     return;
                 }
@@ -321,7 +322,7 @@ impl HeldDeliveries {
         drop(held);
         match earlier {
             Some(earlier) => {
-                earlier.leader_lost();
+                earlier.make_stale();
                 true
             }
             None => false,

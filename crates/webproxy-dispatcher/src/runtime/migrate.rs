@@ -25,9 +25,10 @@ use webproxy_protocol::parse_request;
 use super::Dispatcher;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo, ProgressAckError};
+use super::ending::{Ending, Settled};
 use super::liveness::Liveness;
 use super::publish::Outlet;
-use super::settle::{Ending, Settled, internal, settle};
+use super::settle::{internal, settle};
 use crate::hop::HopState;
 
 /// Some parked retries of layout 1 were not moved; they are still there, and the next

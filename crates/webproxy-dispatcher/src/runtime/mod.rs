@@ -5,11 +5,13 @@
 //! redelivery; it is never acked before what it produced is stored.
 
 mod admission;
+mod attempt_claim;
 mod breaker;
 mod bucket_use;
 pub use bucket_use::{BucketUseSink, follow_bucket_use};
 mod conversation;
 mod delivery;
+mod ending;
 mod flow;
 mod handle;
 mod hooks;
@@ -30,11 +32,11 @@ mod stored_reply;
 #[cfg(test)]
 mod tests;
 
+pub use ending::Settled;
 pub use hooks::test_hook;
 pub use pacing::AckWaitPacing;
 pub use publish::Outlet;
 pub use replay::{Replay, ReplayError};
-pub use settle::Settled;
 pub(crate) use start::retry_until_done;
 pub use start::{StartError, check_server};
 

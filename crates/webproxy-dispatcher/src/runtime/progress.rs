@@ -82,6 +82,29 @@ pub(crate) fn replayed_key(origin: &Origin, generation: u64) -> String {
     format!("replayed.{}", origin.record_key(generation))
 }
 
+/// The attempt claim's key of the message stored at `seq` in `stream`:
+/// `attempt.<STREAM>.<seq>` (see `attempt_claim`). Never a record's key, whose second
+/// token is a number, nor a replay marker's, which has four tokens.
+pub(crate) fn attempt_key(stream: &str, seq: u64) -> String {
+    format!("attempt.{stream}.{seq}")
+}
+
+/// What an attempt claim holds: the server's delivery count of the delivery holding it.
+#[derive(Debug, Serialize, Deserialize)]
+struct AttemptHolder {
+    delivered: u64,
+}
+
+/// Who holds a message's attempt claim after [`Progress::take_attempt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Taken {
+    /// This delivery, at the claim's revision.
+    Held { revision: u64 },
+    /// Another delivery of the message, delivered that many times (`None`: it took the
+    /// claim between this delivery's read and its write).
+    Busy { delivered: Option<u64> },
+}
+
 /// What a replay marker holds: which hop started the generation, and when. Nothing
 /// reads it back but an operator looking into the bucket; the key's existence is the
 /// marker.
@@ -132,8 +155,10 @@ enum Handle {
     Operator(Box<kv::Store>),
 }
 
-/// Retries of a progress operation: 100 ms more per failure, at most 2 s apart.
-const RETRY: Backoff = Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
+/// Retries of a progress operation, or of another lookup of the service's own state
+/// that a held delivery waits on: 100 ms more per failure, at most 2 s apart.
+pub(super) const RETRY: Backoff =
+    Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
 
 /// How long progress operations may keep failing before `/readyz` turns 503: longer
 /// than a leader election, and with [`RETRY`] well within 10 s.
@@ -320,6 +345,96 @@ impl Progress {
             }
         })
         .await
+    }
+
+    /// Takes the attempt claim `key` for a delivery delivered `delivered` times, for
+    /// `ttl`, unless another delivery holds it. Retried like the other operations.
+    pub(super) async fn take_attempt(
+        &self,
+        key: &str,
+        delivered: u64,
+        ttl: Duration,
+    ) -> Result<Taken, ProgressError> {
+        let bucket = self.service_bucket(key)?;
+        let value = encode(&AttemptHolder { delivered });
+        self.run(key, |store| {
+            let (key, value) = (key.to_string(), value.clone());
+            async move {
+                let entry = store.entry(&key).await.map_err(|e| nats_error(&key, e))?;
+                let expected = match entry {
+                    Some(entry) if entry.operation == Operation::Put => {
+                        let holder = serde_json::from_slice::<AttemptHolder>(&entry.value);
+                        return Ok(Taken::Busy {
+                            delivered: holder.ok().map(|holder| holder.delivered),
+                        });
+                    }
+                    // Released: written on top of the purge's marker.
+                    Some(entry) => entry.revision,
+                    None => 0,
+                };
+                match bucket
+                    .put_expecting(&store, &key, value, expected, ttl)
+                    .await
+                {
+                    Ok(Some(revision)) => Ok(Taken::Held { revision }),
+                    Ok(None) => Ok(Taken::Busy { delivered: None }),
+                    Err(e) => Err(nats_error(&key, e)),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Renews the attempt claim `key`, held at `revision`, for another `ttl`: its new
+    /// revision, or `None` when it is no longer at `revision` (it lapsed, and maybe
+    /// another delivery took it). One try: the claim's keeper decides what a failure
+    /// means.
+    pub(super) async fn renew_attempt(
+        &self,
+        key: &str,
+        delivered: u64,
+        revision: u64,
+        ttl: Duration,
+    ) -> Result<Option<u64>, ProgressError> {
+        let (bucket, store) = self.service_store(key).await?;
+        let value = encode(&AttemptHolder { delivered });
+        bucket
+            .put_expecting(&store, key, value, revision, ttl)
+            .await
+            .map_err(|e| nats_error(key, e))
+    }
+
+    /// Releases the attempt claim `key` held at `revision`, once its delivery is
+    /// settled: a purge whose marker expires like a settled record's. One try; a claim
+    /// left behind lapses after its TTL.
+    pub(super) async fn release_attempt(
+        &self,
+        key: &str,
+        revision: u64,
+    ) -> Result<(), ProgressError> {
+        let (_, store) = self.service_store(key).await?;
+        store
+            .purge_expect_revision_with_ttl(key, revision, PROGRESS_MARKER_TTL)
+            .await
+            .map_err(|e| nats_error(key, e))
+    }
+
+    /// The service's bucket and its handle now, for the one-try claim operations.
+    async fn service_store(&self, key: &str) -> Result<(&StateBucket, kv::Store), ProgressError> {
+        let bucket = self.service_bucket(key)?;
+        let store = bucket.store().await.map_err(|e| nats_error(key, e))?;
+        Ok((bucket, store))
+    }
+
+    /// The service's bucket; attempt claims are the service's alone.
+    fn service_bucket(&self, key: &str) -> Result<&StateBucket, ProgressError> {
+        match &self.handle {
+            Handle::Service { bucket, .. } => Ok(bucket),
+            Handle::Operator(_) => Err(nats_error(
+                key,
+                "an operator command holds no attempt claims",
+            )),
+        }
     }
 
     /// Whether `origin`'s `generation` carries a replay marker. A lookup that fails is

@@ -1,0 +1,61 @@
+//! How a delivery ends: the [`Ending`] a handler decides, which `settle` carries out,
+//! and what became of the delivery once it has ([`Settled`]).
+
+use async_nats::jetstream::AckKind;
+
+use super::admission::Admitted;
+use super::progress::Record;
+use crate::hop::{HopKind, HopState};
+use crate::outbox::EncodedReply;
+
+/// How a handler ends.
+#[derive(Debug)]
+pub(super) enum Ending {
+    /// The final reply, then `ack`; an error reply is dead-lettered first.
+    Reply { reply: EncodedReply, ack: AckKind },
+    /// Hand the request on as `next`: record the hop, publish it, ack. A park goes to
+    /// the conversation's own pool's retry subject, a move to `pool`'s moved subject
+    /// (held `admitted` until published: `admission.rs`), a replay to its hop subject.
+    Hop {
+        kind: HopKind,
+        next: HopState,
+        pool: String,
+        admitted: Option<Admitted>,
+    },
+    /// The final reply of this generation or a later one (`generation`, the stored
+    /// reply's own) is stored already: copy it to the live subject and to the
+    /// `reply_to` stored with it, then ack.
+    Answered {
+        reply: async_nats::Message,
+        generation: u64,
+    },
+    /// The conversation went on without this delivery and its recorded hop may be
+    /// unpublished: publish it again under its own message id, then ack.
+    Republish(Record),
+    /// Another delivery holds the conversation: ack, nothing else.
+    Stale,
+    /// Leave the message unacked, for the server to redeliver after `ack_wait`.
+    Leave { reason: String },
+}
+
+impl Ending {
+    /// Park the request in `pool` as `next`, until it is due.
+    pub(super) fn park(next: HopState, pool: &str) -> Ending {
+        Ending::Hop {
+            kind: HopKind::Park,
+            next,
+            pool: pool.to_string(),
+            admitted: None,
+        }
+    }
+}
+
+/// What became of the delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Everything it produced is stored and it was acked (or, being possibly stale,
+    /// deliberately not).
+    Done,
+    /// Left for redelivery: something could not be stored.
+    Left,
+}
