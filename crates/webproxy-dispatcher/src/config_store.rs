@@ -10,9 +10,9 @@ use futures::{StreamExt as _, TryStreamExt as _};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
+use webproxy_config::settings::Settings;
 use webproxy_protocol::Subjects;
 
-use crate::config::Settings;
 use crate::instances;
 use crate::runtime::retry_until_done;
 
@@ -457,7 +457,7 @@ async fn revision_in_use(
 
 fn start_context(client: &async_nats::Client, settings: &Settings) -> jetstream::Context {
     let mut js = jetstream::new(client.clone());
-    js.set_timeout(crate::config::jetstream_request_timeout(
+    js.set_timeout(webproxy_config::settings::jetstream_request_timeout(
         settings.cluster.ack_wait,
     ));
     js

@@ -7,9 +7,10 @@ use std::time::{Duration, SystemTime};
 use webproxy_protocol::{ErrorBody, ErrorCode, Method, Request, excerpt};
 use webproxy_worker::{AttemptOutcome, FailureKind, HttpResponse, TransportFailure};
 
-use crate::response_rules::{ResponseAction, classify};
-use crate::retry::parse_retry_after;
-use crate::rules::{RequestRule, RequestRules, RuleAction};
+use webproxy_config::human;
+use webproxy_config::response_rules::{ResponseAction, classify};
+use webproxy_config::retry::parse_retry_after;
+use webproxy_config::rules::{RequestRule, RequestRules, RuleAction};
 
 /// Whether a parsed request may be attempted.
 #[derive(Debug)]
@@ -130,13 +131,6 @@ pub(crate) fn expiry(
         }),
         _ => None,
     }
-}
-
-/// A duration as people read it, to the millisecond: `1s 500ms`, `6years 11months`
-/// (a deadline set decades ago), never a bare count of milliseconds.
-pub(crate) fn human(duration: Duration) -> String {
-    let millis = Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX));
-    humantime::format_duration(millis).to_string()
 }
 
 /// What an attempt's outcome means for the conversation; the retry decision as a type,
@@ -352,11 +346,11 @@ pub(crate) fn upstream_error(response: &HttpResponse) -> ErrorBody {
 mod tests {
     use std::sync::Arc;
 
+    use webproxy_config::response_rules::{ResponseRule, ResponseRuleConfig};
+    use webproxy_config::testing::rule_config;
     use webproxy_protocol::{Subjects, parse_request};
 
     use super::*;
-    use crate::response_rules::{ResponseRule, ResponseRuleConfig};
-    use crate::rules::tests::rule_config;
 
     fn rules(specs: &[(&str, &str, &str, RuleAction)]) -> RequestRules {
         RequestRules::new(

@@ -6,13 +6,13 @@
 use std::borrow::Cow;
 
 use url::Url;
+use webproxy_config::rules::{RequestRule, RequestRules};
+use webproxy_config::secrets::{Redaction, Secrets};
+use webproxy_config::security::{AddressGuard, Outbound};
 use webproxy_protocol::{ErrorCode, Method};
-use webproxy_worker::{Denial, Leg, LegPolicy};
+use webproxy_worker::{Denial, GuardPolicy, Leg, LegPolicy};
 
 use crate::decision::target;
-use crate::rules::{RequestRule, RequestRules};
-use crate::secrets::{Redaction, Secrets};
-use crate::security::Outbound;
 
 /// What a chain's legs are decided on.
 #[derive(Debug, Clone, Copy)]
@@ -66,15 +66,22 @@ impl LegPolicy for RulePolicy<'_> {
     }
 }
 
+/// `[outbound]`'s address guard as the worker applies it.
+pub(crate) fn guard_policy(guard: &AddressGuard) -> GuardPolicy {
+    GuardPolicy {
+        allow_private_networks: guard.allow_private_networks,
+        allow: guard.allow.clone(),
+        deny: guard.deny.clone(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-
-    use webproxy_worker::GuardPolicy;
+    use webproxy_config::rules::RuleAction;
+    use webproxy_config::testing::rule_config;
 
     use super::*;
-    use crate::rules::RuleAction;
-    use crate::rules::tests::rule_config;
 
     #[test]
     fn a_leg_is_its_rules_headers_origin_and_budget_and_a_refusal_is_a_denial() {
@@ -92,13 +99,13 @@ mod tests {
             .collect(),
         );
         let outbound = Outbound {
-            max_response_bytes: crate::security::ByteLimit::Auto,
-            guard: GuardPolicy::default(),
+            max_response_bytes: webproxy_config::security::ByteLimit::Auto,
+            guard: Default::default(),
             max_request_bytes: 1,
             max_headers: 1,
             max_header_bytes: 1,
             deny_request_headers: vec!["x-global".into()],
-            dns: crate::security::DnsBounds::default(),
+            dns: webproxy_config::security::DnsBounds::default(),
         };
         let secrets = Secrets::empty();
         let policy = RulePolicy {

@@ -10,8 +10,8 @@ use async_nats::jetstream::kv;
 use futures::TryStreamExt as _;
 use serde::{Deserialize, Serialize};
 use tracing::debug;
+use webproxy_config::settings::Settings;
 
-use crate::config::Settings;
 use crate::state::Bucket;
 
 pub(crate) use crate::state::INSTANCES_TTL as TTL;

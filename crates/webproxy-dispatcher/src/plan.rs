@@ -4,13 +4,14 @@
 
 use std::time::{Duration, SystemTime};
 
+use webproxy_config::rules::RequestRule;
+use webproxy_config::security::Outbound;
+use webproxy_config::settings::Settings;
 use webproxy_protocol::{ErrorBody, ErrorCode, ParseError, Request};
 
-use crate::config::Settings;
 use crate::decision::{Admission, admit, expiry};
 use crate::hop::MAX_HOP_HEADER_BYTES;
 use crate::outbox::{HEADER_ALLOWANCE, invalid_request};
-use crate::rules::RequestRule;
 
 /// Everything the plan depends on: the settings (whose rules the plan names, for
 /// `'r`) and the delivery (for `'d`).
@@ -112,7 +113,7 @@ pub(crate) fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
         Admission::Reject { error, rule } => return Plan::Reject { error, rule },
         Admission::Attempt(rule) => rule,
     };
-    if let Err(error) = crate::security::check_request(request, &settings.cluster.outbound) {
+    if let Err(error) = check_request(request, &settings.cluster.outbound) {
         return Plan::Reject {
             error,
             rule: Some(rule),
@@ -158,8 +159,49 @@ pub(crate) fn expired(
     expiry(now, deadline, queued)
 }
 
+/// Whether a request is within the request limits; the error is `invalid_request`
+/// naming the limit. Counted on the caller's headers as received.
+pub(crate) fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
+    if request.body.len() as u64 > outbound.max_request_bytes {
+        return Err(invalid_request(
+            "body",
+            &format!(
+                "is {} bytes, more than [outbound] max_request_bytes = {}",
+                request.body.len(),
+                outbound.max_request_bytes
+            ),
+        ));
+    }
+    if request.headers.len() > outbound.max_headers {
+        return Err(invalid_request(
+            "headers",
+            &format!(
+                "has {} headers, more than [outbound] max_headers = {}",
+                request.headers.len(),
+                outbound.max_headers
+            ),
+        ));
+    }
+    let bytes: usize = request
+        .headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len())
+        .sum();
+    if bytes > outbound.max_header_bytes {
+        return Err(invalid_request(
+            "headers",
+            &format!(
+                "has {bytes} bytes of names and values, more than [outbound] max_header_bytes = {}",
+                outbound.max_header_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+    use webproxy_config::testing::settings_from;
     use webproxy_protocol::{Subjects, parse_request};
 
     use super::*;
@@ -189,7 +231,7 @@ mod tests {
             url_pattern = '^https://a\.test/'
             action = "accept"
         "#;
-        crate::config::tests::settings_from(toml).expect("valid config")
+        webproxy_config::testing::settings_from(toml).expect("valid config")
     }
 
     fn parsed(json: &str) -> Result<Request, ParseError> {
@@ -333,5 +375,52 @@ mod tests {
             rejected(plan(&input(&settings, &parsed, "default"))).code,
             ErrorCode::Expired
         );
+    }
+
+    fn request(headers: &[(&str, &str)], body: &str) -> Request {
+        let headers: serde_json::Map<String, serde_json::Value> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), serde_json::Value::String(v.to_string())))
+            .collect();
+        let json = serde_json::json!({
+            "id": "a", "method": "POST", "url": "http://h/", "headers": headers, "body": body
+        });
+        webproxy_protocol::parse_request(
+            json.to_string().as_bytes(),
+            &webproxy_protocol::Subjects::new("webproxy").expect("prefix"),
+            None,
+        )
+        .expect("valid")
+    }
+
+    fn compiled() -> Outbound {
+        let limits = "[outbound]\nmax_request_bytes = 10\nmax_headers = 2\nmax_header_bytes = 20";
+        settings_from(limits)
+            .expect("valid config")
+            .cluster
+            .outbound
+    }
+
+    #[test]
+    fn request_limits_name_the_limit() {
+        assert!(check_request(&request(&[("A", "1")], "0123456789"), &compiled()).is_ok());
+        let e = check_request(&request(&[], "0123456789x"), &compiled()).expect_err("body");
+        assert_eq!(e.code, webproxy_protocol::ErrorCode::InvalidRequest);
+        assert!(
+            e.message.contains("max_request_bytes = 10"),
+            "{}",
+            e.message
+        );
+        let e = check_request(
+            &request(&[("A", "1"), ("B", "2"), ("C", "3")], ""),
+            &compiled(),
+        )
+        .expect_err("count");
+        assert!(e.message.contains("max_headers = 2"), "{}", e.message);
+        // 9 + 12 = 21 bytes of names and values.
+        let e = check_request(&request(&[("X-Long-Na", "123456789012")], ""), &compiled())
+            .expect_err("bytes");
+        assert!(e.message.contains("max_header_bytes = 20"), "{}", e.message);
+        assert!(check_request(&request(&[("X-Long-Na", "12345678901")], ""), &compiled()).is_ok());
     }
 }

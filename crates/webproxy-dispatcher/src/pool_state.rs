@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
+use webproxy_config::cluster::PoolConfig;
 
 use crate::breaker::{BREAKER, Open, Phase};
-use crate::cluster::PoolConfig;
 
 /// One pause of a pool: until when, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

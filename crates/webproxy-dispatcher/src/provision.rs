@@ -16,8 +16,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, kv, stream};
 use thiserror::Error;
 use tracing::{error, info, warn};
+use webproxy_config::settings::{PoolConfig, Settings};
 
-use crate::config::{PoolConfig, Settings};
 use crate::pool_state::PoolState;
 use crate::state::{Bucket, StateBucket};
 use time::OffsetDateTime;
@@ -1070,8 +1070,9 @@ async fn existing_consumer(
 
 #[cfg(test)]
 mod tests {
+    use webproxy_config::testing::settings_from;
+
     use super::*;
-    use crate::config::tests::settings_from;
 
     #[test]
     fn a_limit_change_names_each_limit_with_its_old_value() {

@@ -17,7 +17,7 @@ use thiserror::Error;
 use tokio::sync::Mutex;
 use webproxy_protocol::Subjects;
 
-use crate::config::StreamsConfig;
+use webproxy_config::settings::StreamsConfig;
 
 /// A KV bucket of the service's (or its gateway's) state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -490,7 +490,7 @@ mod tests {
     use super::*;
 
     fn specs() -> Vec<BucketSpec> {
-        let settings = crate::config::tests::settings_from("").expect("the defaults");
+        let settings = webproxy_config::testing::settings_from("").expect("the defaults");
         Bucket::ALL
             .iter()
             .map(|b| b.spec(&settings.subjects, &settings.streams))

@@ -12,7 +12,7 @@ use figment::providers::{Env, Format as _, Serialized, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
-use webproxy_dispatcher::{ResponseRulesSource, RuleAction, key_path};
+use webproxy_config::{ResponseRulesSource, RuleAction, key_path};
 
 /// Every key with its default, commented.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
@@ -231,14 +231,14 @@ struct EffectiveRule<'a> {
     action: RuleAction,
     pool: &'a str,
     timeout: String,
-    retry: &'a webproxy_dispatcher::RetryPolicy,
+    retry: &'a webproxy_config::RetryPolicy,
     follow_redirects: u32,
     /// The one origin the rule's requests may go to.
     #[serde(skip_serializing_if = "Option::is_none")]
     origin: Option<String>,
     /// Where each injected header comes from; never its value.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    inject_headers: std::collections::BTreeMap<&'a str, &'a webproxy_dispatcher::SecretSource>,
+    inject_headers: std::collections::BTreeMap<&'a str, &'a webproxy_config::SecretSource>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     deny_request_headers: &'a [String],
     /// Whether a `;` in the path may be sent.
@@ -246,15 +246,15 @@ struct EffectiveRule<'a> {
     allow_path_parameters: bool,
     /// What the rule's responses mean, and whether that is its own list, the global
     /// one or the defaults.
-    response_rules: webproxy_dispatcher::AppliedResponseRules,
+    response_rules: webproxy_config::AppliedResponseRules,
 }
 
 #[derive(Serialize)]
 struct Effective<'a> {
     nats: &'a crate::nats_auth::NatsConfig,
-    streams: &'a webproxy_dispatcher::StreamsConfig,
-    outbound: &'a webproxy_dispatcher::OutboundConfig,
-    pools: &'a std::collections::BTreeMap<String, webproxy_dispatcher::PoolConfig>,
+    streams: &'a webproxy_config::StreamsConfig,
+    outbound: &'a webproxy_config::OutboundConfig,
+    pools: &'a std::collections::BTreeMap<String, webproxy_config::PoolConfig>,
     request_rules: Vec<EffectiveRule<'a>>,
     /// `webproxy gateway`'s part; tokens and key by their source, never their values.
     gateway: &'a crate::gateway_config::GatewayConfig,

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use webproxy_dispatcher::Redactor;
+use webproxy_config::Redactor;
 
 use crate::config::Settings;
 use crate::config_commands::{self, ConfigCommand};

@@ -1,7 +1,7 @@
 //! The configuration file's schema, parsed once (unknown keys rejected) and split in
 //! two: the process part (`[nats]`, `[streams]`, `[http]`, `[log]`, `[telemetry]`,
 //! `[service] shutdown_grace` and `secret_poll_interval`, and `[gateway]` for `webproxy gateway`), which is this process's, and the cluster part
-//! ([`webproxy_dispatcher::ClusterConfig`]), which the dispatcher takes whole.
+//! ([`webproxy_config::ClusterConfig`]), which the dispatcher takes whole.
 //! The checks across the two parts are here.
 //!
 //! Top-level defaults live in `config/default.toml`, which `cfg` loads as figment's
@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use webproxy_dispatcher::{
+use webproxy_config::{
     ClusterConfig, ConfigError, OutboundConfig, PoolConfig, RequestRuleConfig, ResponseRuleConfig,
     StreamsConfig,
 };
@@ -117,7 +117,7 @@ pub struct TelemetryConfig {
 pub struct Settings {
     pub config: Config,
     /// The streams and the compiled cluster part, which the dispatcher runs on.
-    pub dispatcher: std::sync::Arc<webproxy_dispatcher::Settings>,
+    pub dispatcher: std::sync::Arc<webproxy_config::Settings>,
     /// `[gateway]`, checked: what `webproxy gateway` serves.
     pub gateway: crate::gateway_config::Gateway,
     /// `WEBPROXY_` variables that are not configuration and were ignored, each named.
@@ -133,7 +133,7 @@ impl Settings {
     pub fn with_document(
         mut self,
         document: ClusterDocument,
-        dispatcher: webproxy_dispatcher::Settings,
+        dispatcher: webproxy_config::Settings,
     ) -> Settings {
         let config = &mut self.config;
         config.outbound = document.outbound;
@@ -211,7 +211,7 @@ impl Config {
         }
         crate::nats_auth::check(&self.nats)?;
         let gateway = self.gateway.check()?;
-        let dispatcher = webproxy_dispatcher::Settings::new(self.streams.clone(), self.cluster())?;
+        let dispatcher = webproxy_config::Settings::new(self.streams.clone(), self.cluster())?;
         let endpoint = self.telemetry.otlp_endpoint.trim();
         let is_http = endpoint.starts_with("http://") || endpoint.starts_with("https://");
         if !endpoint.is_empty() && !is_http {

@@ -3,7 +3,7 @@
 //! `[pools.*]`, `[[request_rules]]`, `[[response_rules]]`), as `webproxy config push`
 //! writes it into the bucket and `serve` reads it with `[config] source = "kv"`.
 //! Parsed over the compiled-in defaults of those sections, unknown keys refused, and
-//! validated by `webproxy_dispatcher::Settings::new`, as the file's part is. A document
+//! validated by `webproxy_config::Settings::new`, as the file's part is. A document
 //! names its secrets' sources, never a secret.
 
 use std::collections::BTreeSet;
@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use figment::Figment;
 use figment::providers::{Format as _, Serialized, Toml};
 use figment::value::Value;
-use webproxy_dispatcher::{ConfigError, StreamsConfig, element_key};
+use webproxy_config::{ConfigError, StreamsConfig, element_key};
 
 use crate::config::ClusterDocument;
 
@@ -42,9 +42,9 @@ pub fn parse(text: &str) -> anyhow::Result<ClusterDocument> {
 pub fn validate(
     text: &str,
     streams: &StreamsConfig,
-) -> anyhow::Result<(ClusterDocument, webproxy_dispatcher::Settings)> {
+) -> anyhow::Result<(ClusterDocument, webproxy_config::Settings)> {
     let document = parse(text)?;
-    let settings = webproxy_dispatcher::Settings::new(streams.clone(), document.clone().into())?;
+    let settings = webproxy_config::Settings::new(streams.clone(), document.clone().into())?;
     Ok((document, settings))
 }
 
@@ -129,7 +129,7 @@ pub fn unified_diff(old: &str, new: &str, old_name: &str, new_name: &str) -> Str
 mod tests {
     use super::*;
     use std::time::Duration;
-    use webproxy_dispatcher::ClusterConfig;
+    use webproxy_config::ClusterConfig;
 
     fn error_of(text: &str) -> String {
         format!("{:#}", parse(text).expect_err("refused"))

@@ -9,7 +9,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use url::Url;
-use webproxy_dispatcher::{ConfigError, SecretSource, element_key};
+use webproxy_config::{ConfigError, SecretSource, element_key};
 
 /// The path prefix the gateway answers itself (`/_webproxy/replies/<id>`); no route
 /// may claim it.
@@ -139,7 +139,7 @@ impl GatewayConfig {
             ));
         }
         let allow_sources =
-            webproxy_dispatcher::parse_cidrs("gateway.allow_sources", &self.allow_sources)?;
+            webproxy_config::parse_cidrs("gateway.allow_sources", &self.allow_sources)?;
         if let Some(key) = &self.key {
             key.check("gateway.key")?;
             no_prefix(key, "gateway.key")?;

@@ -13,9 +13,8 @@ use futures::StreamExt as _;
 use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
-use webproxy_dispatcher::{
-    AckWaitPacing, ConfigStore, Instruments, Redactor, Secrets, StartError, StoredRevision,
-};
+use webproxy_config::{Redactor, Secrets};
+use webproxy_dispatcher::{AckWaitPacing, ConfigStore, Instruments, StartError, StoredRevision};
 
 use crate::config::{ClusterSource, Settings};
 use crate::document;
@@ -59,7 +58,7 @@ pub async fn reports(
 /// this instance. `reported` is told once the first report was tried, written or not.
 pub async fn heartbeat(
     client: async_nats::Client,
-    settings: Arc<webproxy_dispatcher::Settings>,
+    settings: Arc<webproxy_config::Settings>,
     source: ClusterSource,
     mut running: watch::Receiver<Running>,
     mut pacing: AckWaitPacing,
@@ -147,7 +146,7 @@ pub async fn follow(
     running: watch::Sender<Running>,
     redactor: Redactor,
     instruments: Instruments,
-    apply: impl Fn(u64, Arc<webproxy_dispatcher::Settings>, Arc<Secrets>) -> Result<(), StartError>,
+    apply: impl Fn(u64, Arc<webproxy_config::Settings>, Arc<Secrets>) -> Result<(), StartError>,
     shutdown: CancellationToken,
 ) {
     let js = jetstream::new(client);
@@ -286,7 +285,7 @@ fn take(
     running: &watch::Sender<Running>,
     redactor: &Redactor,
     instruments: &Instruments,
-    apply: &impl Fn(u64, Arc<webproxy_dispatcher::Settings>, Arc<Secrets>) -> Result<(), StartError>,
+    apply: &impl Fn(u64, Arc<webproxy_config::Settings>, Arc<Secrets>) -> Result<(), StartError>,
 ) {
     let revision = stored.revision;
     let current = running.borrow().clone();

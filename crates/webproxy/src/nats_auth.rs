@@ -10,7 +10,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use webproxy_protocol::SERVICE_INBOX;
 
-use webproxy_dispatcher::{ConfigError, Redactor};
+use webproxy_config::ConfigError;
+use webproxy_config::Redactor;
 
 /// The `[nats]` settings. `Debug` and `Serialize` (what `check-config` prints) show the
 /// URL without its credentials and the token and password as `[REDACTED]`.

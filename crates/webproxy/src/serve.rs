@@ -10,9 +10,10 @@ use anyhow::{Context as _, bail};
 use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+use webproxy_config::{Redactor, Secrets};
 use webproxy_dispatcher::{
-    Bucket, ConfigStore, Dispatcher, Instruments, PushNote, Redactor, Secrets, Seeded,
-    StoredRevision, check_server, connect,
+    Bucket, ConfigStore, Dispatcher, Instruments, PushNote, Seeded, StoredRevision, check_server,
+    connect,
 };
 
 use crate::config::{ClusterDocument, ClusterSource, Settings};
@@ -215,7 +216,7 @@ fn found_in_bucket(settings: &Settings, found: StoredRevision) -> anyhow::Result
 }
 
 /// A revision of the bucket and its document, parsed and compiled.
-type Validated = (u64, (ClusterDocument, webproxy_dispatcher::Settings));
+type Validated = (u64, (ClusterDocument, webproxy_config::Settings));
 
 /// `source = "kv"`: the settings with the bucket's document as the cluster part, and
 /// its revision. An empty bucket is seeded from the file's cluster part first

@@ -35,7 +35,7 @@ use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter}
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt as _;
-use webproxy_dispatcher::Redactor;
+use webproxy_config::Redactor;
 
 /// Keeps telemetry alive; dropping it exports the spans still buffered.
 #[derive(Debug)]

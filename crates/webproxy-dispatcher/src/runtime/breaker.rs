@@ -19,17 +19,18 @@ use time::format_description::well_known::Rfc3339;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+use webproxy_config::breaker::default_statuses;
+use webproxy_config::human;
+use webproxy_config::settings::PoolConfig;
 use webproxy_worker::AttemptOutcome;
 
 use super::live::Live;
 use crate::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
 use crate::breaker::{
-    self, ClusterReports, Phase, Report, STATS, counted_from, default_statuses, is_failure,
-    open_reason, reopen_for, should_open, stats_key,
+    self, ClusterReports, Phase, Report, STATS, counted_from, is_failure, open_reason, reopen_for,
+    should_open, stats_key,
 };
 use crate::clock;
-use crate::config::PoolConfig;
-use crate::decision::human;
 use crate::instances;
 use crate::pool_state::PoolState;
 use crate::state::{Bucket, StateBucket};

@@ -9,10 +9,10 @@ use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use webproxy_config::settings::StreamsConfig;
 use webproxy_protocol::Subjects;
 
 use super::GAUGE_REFRESH;
-use crate::config::StreamsConfig;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::state::{Bucket, BucketUse, StateBucket};

@@ -17,15 +17,16 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+use webproxy_config::rate::Rate;
+use webproxy_config::settings::{PoolConfig, Settings};
 
 use crate::breaker::Phase;
 use crate::clock;
-use crate::config::{PoolConfig, Settings};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pool_state::{Extend, PoolState};
 use crate::provision::{pool_state_bucket_config, stored_pool_state};
-use crate::rate::{Claim, Rate, Schedule};
+use crate::rate::{Claim, Schedule};
 use crate::state::{Bucket, StateBucket};
 
 /// Every pool's runtime state as last seen.

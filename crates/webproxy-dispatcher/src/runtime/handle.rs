@@ -9,6 +9,7 @@ use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, Span, debug, field, info_span, warn};
+use webproxy_config::rules::{IDEMPOTENCY_KEY, RequestRule};
 use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, parse_request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
@@ -33,7 +34,6 @@ use crate::hop::{HopKind, millis};
 use crate::outbox::{error_reply, response_reply};
 use crate::plan::{Plan, PlanInput, expired, plan};
 use crate::pool_state::RETRY_AFTER;
-use crate::rules::{IDEMPOTENCY_KEY, RequestRule};
 use crate::trace;
 
 /// Span fields as i64: OpenTelemetry has no unsigned integers, and u64 fields would be

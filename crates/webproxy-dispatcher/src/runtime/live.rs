@@ -10,12 +10,12 @@ use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
+use webproxy_config::secrets::Secrets;
+use webproxy_config::settings::{Settings, jetstream_request_timeout};
 
 use super::start::{StartError, worker_for};
 use super::{Shared, parked, pull_loop, refresh_gauges};
-use crate::config::{Settings, jetstream_request_timeout};
 use crate::provision::{PoolConsumers, PoolSpec, provision_pool, update_pool_stream};
-use crate::secrets::Secrets;
 
 /// The revision every new message is handled under, and the pools the running document
 /// no longer names but this instance still serves (until `pools remove`).
@@ -320,8 +320,9 @@ impl Pools {
 
 #[cfg(test)]
 mod tests {
+    use webproxy_config::testing::settings_from;
+
     use super::*;
-    use crate::config::tests::settings_from;
 
     #[test]
     fn a_pool_the_document_drops_is_kept_with_its_last_limits() {

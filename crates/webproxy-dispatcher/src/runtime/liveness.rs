@@ -16,10 +16,10 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
+use webproxy_config::human;
 
 use super::delivery::{Delivery, ProgressAckError};
 use super::pacing::Known;
-use crate::decision::human;
 
 /// The timings one pool consumer's deliveries are judged by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,11 +27,11 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+use webproxy_config::human;
+use webproxy_config::settings::PoolConfig;
 
 use super::Shared;
 use super::live::Live;
-use crate::config::PoolConfig;
-use crate::decision::human;
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
 use crate::pool_state::PoolState;

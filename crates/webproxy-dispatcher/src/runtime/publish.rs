@@ -14,12 +14,12 @@ use async_nats::jetstream::message::PublishMessage;
 use bytes::Bytes;
 use thiserror::Error;
 use tracing::{debug, warn};
+use webproxy_config::secrets::Redactor;
 use webproxy_protocol::Subjects;
 
 use super::progress::Progress;
 use crate::backoff::Backoff;
 use crate::metrics::Metrics;
-use crate::secrets::Redactor;
 
 /// Where a conversation's products go: the NATS connection, the progress records, and
 /// the names and limits that shape what is published.

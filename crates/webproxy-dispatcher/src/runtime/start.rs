@@ -9,18 +9,18 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+use webproxy_config::cluster::jetstream_request_timeout;
+use webproxy_config::secrets::Secrets;
+use webproxy_config::security::{ByteLimit, Outbound};
+use webproxy_config::settings::Settings;
 use webproxy_worker::{BuildError, DnsConfig, Worker, WorkerConfig};
 
 use super::Dispatcher;
 use crate::Instruments;
 use crate::backoff::Backoff;
-use crate::cluster::jetstream_request_timeout;
-use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::outbox::max_response_bytes_for;
 use crate::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
-use crate::secrets::Secrets;
-use crate::security::{ByteLimit, Outbound};
 
 /// Why this instance cannot consume from the server it connected to; retrying does
 /// not mend any of these.
@@ -130,7 +130,7 @@ pub(super) fn worker_for(
     let metrics = metrics.clone();
     Ok(Worker::new(&WorkerConfig {
         max_response_bytes,
-        guard: outbound.guard.clone(),
+        guard: crate::egress::guard_policy(&outbound.guard),
         max_response_headers: outbound.max_headers,
         max_response_header_bytes: outbound.max_header_bytes,
         dns: DnsConfig {

@@ -8,6 +8,8 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream;
+use webproxy_config::secrets::Secrets;
+use webproxy_config::testing::settings_from;
 use webproxy_protocol::{DeadLetter, Origin, header};
 use webproxy_testkit::NatsServer;
 use webproxy_worker::{Worker, WorkerConfig};
@@ -20,10 +22,8 @@ use super::liveness::Liveness;
 use super::progress::{Progress, Record};
 use super::publish::Outlet;
 use super::{Gauges, Health, Shared};
-use crate::config::tests::settings_from;
 use crate::hop::{HopState, subject_token};
 use crate::metrics::Metrics;
-use crate::secrets::Secrets;
 
 pub(super) const STREAM: &str = "WEBPROXY_POOL_DEFAULT";
 
@@ -68,7 +68,7 @@ impl Fixture {
             .expect("provisioned");
         let worker = Worker::new(&WorkerConfig {
             max_response_bytes: 64 * 1024,
-            guard: settings.cluster.outbound.guard.clone(),
+            guard: crate::egress::guard_policy(&settings.cluster.outbound.guard),
             max_response_headers: settings.cluster.outbound.max_headers,
             max_response_header_bytes: settings.cluster.outbound.max_header_bytes,
             dns: webproxy_worker::DnsConfig::default(),

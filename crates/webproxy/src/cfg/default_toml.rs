@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use figment::Figment;
 use figment::providers::{Format as _, Toml};
 use toml::{Table, Value};
-use webproxy_dispatcher::{PoolConfig, RequestRuleConfig};
+use webproxy_config::{PoolConfig, RequestRuleConfig};
 
 use super::DEFAULT_CONFIG;
 use crate::config::Config;

@@ -22,7 +22,9 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use webproxy_dispatcher::{Bucket, Instruments, Redactor, element_key, follow_bucket_use};
+use webproxy_config::Redactor;
+use webproxy_config::element_key;
+use webproxy_dispatcher::{Bucket, Instruments, follow_bucket_use};
 
 use crate::config::Settings;
 use crate::gateway_config::RESERVED_PATH;

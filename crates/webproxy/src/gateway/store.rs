@@ -11,7 +11,8 @@
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv};
 use serde::{Deserialize, Serialize};
-use webproxy_dispatcher::{Bucket, BucketError, StateBucket, StreamsConfig};
+use webproxy_config::StreamsConfig;
+use webproxy_dispatcher::{Bucket, BucketError, StateBucket};
 use webproxy_protocol::{Origin, Subjects};
 
 use super::ids::{self, Fingerprint, Key};

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use webproxy_protocol::validate_pool_name;
 
 use crate::breaker::BreakerConfig;
-use crate::config_error::{ConfigError, element_key};
+use crate::error::{ConfigError, element_key};
 use crate::rate::Rate;
 use crate::response_rules::{ResponseRule, ResponseRuleConfig};
 use crate::rules::{RequestRule, RequestRuleConfig, RequestRules, RuleAction};
@@ -66,24 +66,24 @@ pub struct PoolConfig {
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
-    pub(crate) queue_timeout: Option<Duration>,
+    pub queue_timeout: Option<Duration>,
     /// Attempts per second (or minute, or hour) across all instances; absent means
     /// unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) rate: Option<Rate>,
+    pub rate: Option<Rate>,
     /// Attempts an idle pool may make at once under `rate`.
     #[serde(default = "default_burst")]
-    pub(crate) burst: u32,
+    pub burst: u32,
     /// `[pools.NAME.breaker]`: the circuit breaker, off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) breaker: Option<BreakerConfig>,
+    pub breaker: Option<BreakerConfig>,
     /// Whether the limit adapts, between `min_in_flight` and `max_in_flight`, to the
     /// upstream's latency and failures.
     #[serde(default)]
-    pub(crate) adaptive: bool,
+    pub adaptive: bool,
     /// The lowest the adaptive limit goes.
     #[serde(default = "default_min_in_flight")]
-    pub(crate) min_in_flight: u64,
+    pub min_in_flight: u64,
 }
 
 fn default_min_in_flight() -> u64 {
@@ -113,13 +113,13 @@ impl Default for PoolConfig {
 /// progress ack) is waited for: async-nats' 5 s, shortened to a third of `ack_wait`, so
 /// that a request that times out still leaves time for another before the server
 /// would redeliver the message it concerns.
-pub(crate) fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
+pub fn jetstream_request_timeout(ack_wait: Duration) -> Duration {
     (ack_wait / 3).min(Duration::from_secs(5))
 }
 
 impl ClusterConfig {
     /// Checks the cluster part and compiles its rules; an error names the file's key.
-    pub(crate) fn validate(self) -> Result<Cluster, ConfigError> {
+    pub fn validate(self) -> Result<Cluster, ConfigError> {
         if self.ack_wait < Duration::from_millis(300) {
             return Err(ConfigError::new(
                 "service.ack_wait",
@@ -258,7 +258,7 @@ mod tests {
     #[test]
     fn a_judged_pool_without_a_rule_naming_an_origin_is_warned_about() {
         let warnings = |pool: &str, rules: &str| {
-            crate::config::tests::settings_from(&format!("[pools.p]\n{pool}\n\n{rules}"))
+            crate::testing::settings_from(&format!("[pools.p]\n{pool}\n\n{rules}"))
                 .expect("valid")
                 .cluster
                 .warnings()
@@ -309,9 +309,8 @@ mod tests {
             Duration::from_secs(2) / 3
         );
         for ack_wait in ["300ms", "2s", "15s", "1m"] {
-            let settings = crate::config::tests::settings_from(&format!(
-                "[service]\nack_wait = \"{ack_wait}\""
-            ));
+            let settings =
+                crate::testing::settings_from(&format!("[service]\nack_wait = \"{ack_wait}\""));
             assert!(settings.is_ok(), "{ack_wait}");
         }
     }

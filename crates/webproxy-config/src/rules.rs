@@ -9,7 +9,7 @@ use regex::Regex;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Method;
 
-use crate::config_error::element_key;
+use crate::error::element_key;
 use crate::response_rules::{AppliedResponseRules, ResponseRule, ResponseRuleConfig};
 use crate::retry::RetryPolicy;
 use crate::secret_source::SecretSource;
@@ -48,7 +48,7 @@ fn default_max_pause() -> Duration {
 /// `true` for `Idempotency-Key`, or a header name.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(untagged)]
-pub(crate) enum IdempotencyHeader {
+pub enum IdempotencyHeader {
     Enabled(bool),
     Name(String),
 }
@@ -56,65 +56,65 @@ pub(crate) enum IdempotencyHeader {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RequestRuleConfig {
-    pub(crate) name: String,
+    pub name: String,
     #[serde(default = "default_method")]
-    pub(crate) method: String,
-    pub(crate) url_pattern: String,
+    pub method: String,
+    pub url_pattern: String,
     #[serde(default = "default_action")]
-    pub(crate) action: RuleAction,
+    pub action: RuleAction,
     #[serde(default = "default_pool")]
-    pub(crate) pool: String,
+    pub pool: String,
     #[serde(default = "default_timeout", with = "humantime_serde")]
-    pub(crate) timeout: Duration,
+    pub timeout: Duration,
     #[serde(default = "default_max_retries")]
-    pub(crate) max_retries: u32,
+    pub max_retries: u32,
     #[serde(default = "default_retry_delay", with = "humantime_serde")]
-    pub(crate) retry_delay: Duration,
+    pub retry_delay: Duration,
     #[serde(default = "default_backoff_factor")]
-    pub(crate) backoff_factor: f64,
+    pub backoff_factor: f64,
     #[serde(default = "default_max_retry_delay", with = "humantime_serde")]
-    pub(crate) max_retry_delay: Duration,
+    pub max_retry_delay: Duration,
     #[serde(default)]
-    pub(crate) jitter: f64,
+    pub jitter: f64,
     #[serde(default)]
-    pub(crate) retry_non_idempotent: bool,
+    pub retry_non_idempotent: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) idempotency_header: Option<IdempotencyHeader>,
+    pub idempotency_header: Option<IdempotencyHeader>,
     /// Replaces the global response rules for requests this rule matches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) response_rules: Option<Vec<ResponseRuleConfig>>,
+    pub response_rules: Option<Vec<ResponseRuleConfig>>,
     /// How many redirects the whole chain may follow; 0 returns the 3xx.
     #[serde(default)]
-    pub(crate) follow_redirects: u32,
+    pub follow_redirects: u32,
     /// A 429 or 503 with `Retry-After` under this rule pauses its whole pool until then
     /// (capped by `max_pause`), on every instance.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub(crate) pause_on_retry_after: bool,
+    pub pause_on_retry_after: bool,
     #[serde(default = "default_max_pause", with = "humantime_serde")]
-    pub(crate) max_pause: Duration,
+    pub max_pause: Duration,
     /// Headers set from secrets, replacing any the caller sends.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub(crate) inject_headers: BTreeMap<String, SecretSource>,
+    pub inject_headers: BTreeMap<String, SecretSource>,
     /// The one origin (`https://host[:port]`) this rule's requests may go to, compared
     /// exactly with every hop sent under it; required with `inject_headers`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) origin: Option<String>,
+    pub origin: Option<String>,
     /// Allows an `http://` origin (a loopback or test upstream): injected credentials
     /// would travel in clear.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub(crate) allow_http: bool,
+    pub allow_http: bool,
     /// Headers dropped from this rule's requests, on top of the global list.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) deny_request_headers: Vec<String>,
+    pub deny_request_headers: Vec<String>,
     /// Sends a `;` in the path (raw or `%3B`, a path parameter such as
     /// `;jsessionid=x`), which is otherwise `invalid_request`: upstreams such as
     /// Tomcat drop what follows it, so they read another path than the one matched.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub(crate) allow_path_parameters: bool,
+    pub allow_path_parameters: bool,
 }
 
 /// The header name upstreams that support idempotency keys commonly honour.
-pub(crate) const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
 /// What a matching rule does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -138,16 +138,16 @@ pub struct RequestRule {
     pub retry: RetryPolicy,
     /// Whether POST and PATCH may be repeated after a failure that may have reached
     /// the upstream.
-    pub(crate) retry_non_idempotent: bool,
+    pub retry_non_idempotent: bool,
     /// A header sent on every attempt with `<id>:<generation>`.
-    pub(crate) idempotency_header: Option<String>,
+    pub idempotency_header: Option<String>,
     /// The rule's own response rules, or the global ones.
-    pub(crate) response_rules: Arc<[ResponseRule]>,
+    pub response_rules: Arc<[ResponseRule]>,
     /// Whether `response_rules` are the rule's own.
     own_response_rules: bool,
     /// The longest pause of the pool a `Retry-After` under this rule makes; `None`
     /// when `pause_on_retry_after` is off.
-    pub(crate) max_pause: Option<Duration>,
+    pub max_pause: Option<Duration>,
     /// Redirects, injected credentials and dropped headers.
     pub security: RuleSecurity,
 }
@@ -161,7 +161,7 @@ impl RequestRule {
 
     /// Compiles a rule; an error names the field. `global_response_rules` apply unless
     /// the rule has a list of its own.
-    pub(crate) fn compile(
+    pub fn compile(
         config: &RequestRuleConfig,
         global_response_rules: &Arc<[ResponseRule]>,
     ) -> Result<RequestRule, (String, String)> {
@@ -267,7 +267,7 @@ pub struct RequestRules {
 }
 
 impl RequestRules {
-    pub(crate) fn new(mut rules: Vec<RequestRule>) -> Self {
+    pub fn new(mut rules: Vec<RequestRule>) -> Self {
         for (index, rule) in rules.iter_mut().enumerate() {
             rule.security.index = index;
         }
@@ -282,7 +282,7 @@ impl RequestRules {
     /// `*`) and pattern both match, deny or accept. Exceptions are written by order: an
     /// accept for `/admin/health` before a deny for `/admin/`. `url` is the canonical
     /// URL, which is also what is sent.
-    pub(crate) fn find(&self, method: Method, url: &str) -> Option<&RequestRule> {
+    pub fn find(&self, method: Method, url: &str) -> Option<&RequestRule> {
         self.rules
             .iter()
             .find(|rule| rule.method.is_none_or(|m| m == method) && rule.pattern.is_match(url))
@@ -291,7 +291,7 @@ impl RequestRules {
     /// What `check-config` warns about in the rules: a rule an earlier one shadows
     /// completely (where that can be decided), an unanchored pattern, and an unescaped
     /// dot in a pattern's host part. Each names the rule.
-    pub(crate) fn warnings(&self) -> Vec<String> {
+    pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         for (index, rule) in self.rules.iter().enumerate() {
             let key = element_key("request_rules", index, Some(&rule.name));
@@ -422,9 +422,7 @@ fn unescaped_dot_in_host(pattern: &str) -> Option<&str> {
 /// `security` needs nothing of the rules' schema.
 impl RuleSecurity {
     /// Compiles a rule's security keys; an error names the field.
-    pub(crate) fn compile(
-        config: &RequestRuleConfig,
-    ) -> Result<RuleSecurity, (&'static str, String)> {
+    pub fn compile(config: &RequestRuleConfig) -> Result<RuleSecurity, (&'static str, String)> {
         let deny_request_headers = security::header_names(&config.deny_request_headers)
             .map_err(|(i, m)| ("deny_request_headers", format!("item {i}: {m}")))?;
         let mut inject = Vec::with_capacity(config.inject_headers.len());
@@ -489,22 +487,9 @@ impl RuleSecurity {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    pub(crate) fn rule_config(
-        name: &str,
-        method: &str,
-        pattern: &str,
-        action: RuleAction,
-    ) -> RequestRuleConfig {
-        let mut config: RequestRuleConfig = toml::from_str(&format!(
-            "name = {name:?}\nmethod = {method:?}\nurl_pattern = {pattern:?}"
-        ))
-        .expect("rule toml");
-        config.action = action;
-        config
-    }
+    use crate::testing::rule_config;
 
     fn rule(name: &str, method: &str, pattern: &str, action: RuleAction) -> RequestRule {
         RequestRule::compile(&rule_config(name, method, pattern, action), &Arc::from([]))

@@ -7,24 +7,24 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use webproxy_protocol::Subjects;
 
-use crate::config_error::element_key;
-use crate::decision::human;
+use crate::error::element_key;
+use crate::human;
 
-pub(crate) use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
-pub(crate) use crate::config_error::ConfigError;
+pub use crate::cluster::{Cluster, ClusterConfig, PoolConfig, jetstream_request_timeout};
+pub use crate::error::ConfigError;
 
 /// The `[streams]` settings.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamsConfig {
-    pub(crate) prefix: String,
-    pub(crate) replicas: usize,
+    pub prefix: String,
+    pub replicas: usize,
     #[serde(with = "humantime_serde")]
-    pub(crate) reply_max_age: Duration,
-    pub(crate) reply_max_bytes: i64,
+    pub reply_max_age: Duration,
+    pub reply_max_bytes: i64,
     #[serde(with = "humantime_serde")]
-    pub(crate) dead_max_age: Duration,
-    pub(crate) dead_max_bytes: i64,
+    pub dead_max_age: Duration,
+    pub dead_max_bytes: i64,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
     /// The pool streams' duplicate window: a caller's publish retried with the same
@@ -48,7 +48,7 @@ impl StreamsConfig {
 /// What the dispatcher runs on: the streams, their subjects and the cluster part.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub(crate) streams: StreamsConfig,
+    pub streams: StreamsConfig,
     pub subjects: Subjects,
     /// The cluster part, compiled.
     pub cluster: Cluster,
@@ -89,68 +89,5 @@ impl Settings {
             cluster,
             streams,
         })
-    }
-}
-
-#[cfg(test)]
-pub(crate) mod tests {
-    use std::collections::BTreeMap;
-    use std::time::Duration;
-
-    use serde::Deserialize;
-
-    use super::*;
-    use crate::{OutboundConfig, RequestRuleConfig, ResponseRuleConfig};
-
-    fn merge(base: &mut toml::Table, over: toml::Table) {
-        for (key, value) in over {
-            match (base.get_mut(&key), value) {
-                (Some(toml::Value::Table(base)), toml::Value::Table(over)) => merge(base, over),
-                (_, value) => {
-                    base.insert(key, value);
-                }
-            }
-        }
-    }
-
-    /// The keys of the file the dispatcher reads; the process keys are left out.
-    #[derive(Deserialize)]
-    struct File {
-        streams: StreamsConfig,
-        outbound: OutboundConfig,
-        service: Service,
-        #[serde(default)]
-        pools: BTreeMap<String, PoolConfig>,
-        #[serde(default)]
-        request_rules: Vec<RequestRuleConfig>,
-        #[serde(default)]
-        response_rules: Vec<ResponseRuleConfig>,
-    }
-
-    #[derive(Deserialize)]
-    struct Service {
-        #[serde(with = "humantime_serde")]
-        ack_wait: Duration,
-        max_deliver: u32,
-    }
-
-    /// The compiled-in defaults with `extra` (TOML) laid over them, as the binary's
-    /// configuration layers do, as the dispatcher's settings.
-    pub(crate) fn settings_from(extra: &str) -> Result<Settings, ConfigError> {
-        let mut base: toml::Table =
-            toml::from_str(include_str!("../../../config/default.toml")).expect("defaults");
-        merge(&mut base, toml::from_str(extra).expect("test TOML"));
-        let file: File = toml::Value::Table(base).try_into().expect("a config");
-        Settings::new(
-            file.streams,
-            ClusterConfig {
-                outbound: file.outbound,
-                pools: file.pools,
-                request_rules: file.request_rules,
-                response_rules: file.response_rules,
-                ack_wait: file.service.ack_wait,
-                max_deliver: file.service.max_deliver,
-            },
-        )
     }
 }

@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct SecretSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) env: Option<String>,
+    pub env: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) file: Option<PathBuf>,
+    pub file: Option<PathBuf>,
     /// Put before the secret, e.g. `"Bearer "`; not itself secret.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub prefix: String,
@@ -21,7 +21,7 @@ pub struct SecretSource {
 
 impl SecretSource {
     /// Exactly one of `env` and `file`.
-    pub(crate) fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), String> {
         match (&self.env, &self.file) {
             (Some(env), None) if !env.is_empty() => Ok(()),
             (None, Some(file)) if !file.as_os_str().is_empty() => Ok(()),
@@ -30,7 +30,7 @@ impl SecretSource {
         }
     }
 
-    pub(crate) fn is_file(&self) -> bool {
+    pub fn is_file(&self) -> bool {
         self.file.is_some()
     }
 
@@ -62,7 +62,7 @@ impl fmt::Display for SecretSource {
 
 /// Reads one secret with `env` and `read_file` (injected so the rules are tested without
 /// touching the process environment). A file's trailing newline is dropped.
-pub(crate) fn read_secret(
+pub fn read_secret(
     source: &SecretSource,
     env: &dyn Fn(&str) -> Option<String>,
     read_file: &dyn Fn(&std::path::Path) -> std::io::Result<Vec<u8>>,

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 /// What a matching response rule does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum ResponseAction {
+pub enum ResponseAction {
     /// Deliver the response.
     Respond,
     /// Attempt again on the retry schedule.
@@ -23,26 +23,24 @@ pub(crate) enum ResponseAction {
 #[serde(deny_unknown_fields)]
 pub struct ResponseRuleConfig {
     /// One code (`"429"`) or an inclusive range (`"500-599"`).
-    pub(crate) status: String,
-    pub(crate) action: ResponseAction,
+    pub status: String,
+    pub action: ResponseAction,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) body_pattern: Option<String>,
+    pub body_pattern: Option<String>,
 }
 
 /// A compiled response rule.
 #[derive(Debug, Clone)]
-pub(crate) struct ResponseRule {
-    pub(crate) status: RangeInclusive<u16>,
-    pub(crate) action: ResponseAction,
+pub struct ResponseRule {
+    pub status: RangeInclusive<u16>,
+    pub action: ResponseAction,
     /// Searched in the raw body; the rule matches only when it matches too.
-    pub(crate) body_pattern: Option<Regex>,
+    pub body_pattern: Option<Regex>,
 }
 
 impl ResponseRule {
     /// Compiles a rule; an error names the field.
-    pub(crate) fn compile(
-        config: &ResponseRuleConfig,
-    ) -> Result<ResponseRule, (&'static str, String)> {
+    pub fn compile(config: &ResponseRuleConfig) -> Result<ResponseRule, (&'static str, String)> {
         let status = parse_status_range(&config.status).ok_or((
             "status",
             format!(
@@ -86,7 +84,7 @@ impl ResponseRule {
     }
 }
 
-pub(crate) fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
+pub fn parse_status_range(text: &str) -> Option<RangeInclusive<u16>> {
     let (low, high) = match text.split_once('-') {
         Some((low, high)) => (low.trim().parse().ok()?, high.trim().parse().ok()?),
         None => {
@@ -119,7 +117,7 @@ pub struct AppliedResponseRules {
 }
 
 impl AppliedResponseRules {
-    pub(crate) fn of(rules: &[ResponseRule], own: bool) -> AppliedResponseRules {
+    pub fn of(rules: &[ResponseRule], own: bool) -> AppliedResponseRules {
         let source = match (rules.is_empty(), own) {
             (true, _) => ResponseRulesSource::Default,
             (false, true) => ResponseRulesSource::Own,
@@ -161,7 +159,7 @@ impl AppliedResponseRules {
 
 /// What a response means when no response rule is configured: 408, 429 and 5xx are
 /// transient, everything else is the upstream's answer.
-pub(crate) fn default_action(status: u16) -> ResponseAction {
+pub fn default_action(status: u16) -> ResponseAction {
     match status {
         408 | 429 | 500..=599 => ResponseAction::Retry,
         _ => ResponseAction::Respond,
@@ -170,7 +168,7 @@ pub(crate) fn default_action(status: u16) -> ResponseAction {
 
 /// Classifies a response: the first rule in order that matches decides; no match is
 /// `Respond`. An empty list means the defaults of [`default_action`].
-pub(crate) fn classify(rules: &[ResponseRule], status: u16, body: &[u8]) -> ResponseAction {
+pub fn classify(rules: &[ResponseRule], status: u16, body: &[u8]) -> ResponseAction {
     if rules.is_empty() {
         return default_action(status);
     }

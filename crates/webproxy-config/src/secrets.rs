@@ -10,28 +10,28 @@ use std::sync::{Arc, PoisonError, RwLock};
 use serde_json::Value;
 use thiserror::Error;
 
-use crate::config_error::element_key;
+use crate::error::element_key;
 use crate::rules::RequestRules;
 use crate::secret_source::read_secret;
 
 /// What replaces a secret value in text webproxy writes.
-pub(crate) const REDACTED: &str = Redactor::REDACTED;
+pub const REDACTED: &str = Redactor::REDACTED;
 
 /// A secret that cannot be read; the message names the rule, the header and the
 /// variable or path.
 #[derive(Debug, Clone, Error)]
 #[error("{key}: {message}")]
 pub struct SecretError {
-    pub(crate) key: String,
-    pub(crate) message: String,
+    pub key: String,
+    pub message: String,
 }
 
 /// One header a rule injects, with its value read.
 #[derive(Clone)]
-pub(crate) struct Injection {
-    pub(crate) header: String,
+pub struct Injection {
+    pub header: String,
     /// The prefix and the secret.
-    pub(crate) value: String,
+    pub value: String,
     secret: String,
 }
 
@@ -69,8 +69,8 @@ pub struct Secrets {
 
 impl Secrets {
     /// No rule injects anything.
-    #[cfg(test)]
-    pub(crate) fn empty() -> Secrets {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn empty() -> Secrets {
         Secrets {
             loaded: RwLock::new(Arc::new(Loaded::default())),
             redactor: Redactor::default(),
@@ -117,7 +117,7 @@ impl Secrets {
     }
 
     /// The headers the rule at `index` injects.
-    pub(crate) fn for_rule(&self, index: usize) -> Arc<[Injection]> {
+    pub fn for_rule(&self, index: usize) -> Arc<[Injection]> {
         self.current()
             .per_rule
             .get(index)
@@ -125,7 +125,7 @@ impl Secrets {
             .unwrap_or_else(|| Arc::from(Vec::new()))
     }
 
-    pub(crate) fn redactor(&self) -> &Redactor {
+    pub fn redactor(&self) -> &Redactor {
         &self.redactor
     }
 
@@ -249,7 +249,7 @@ impl Redactor {
 
     /// How the outputs of the conversation whose envelope is `payload` are redacted:
     /// every secret value but those the envelope itself holds.
-    pub(crate) fn for_envelope(&self, payload: &[u8]) -> Redaction {
+    pub fn for_envelope(&self, payload: &[u8]) -> Redaction {
         let state = self.state.read().unwrap_or_else(PoisonError::into_inner);
         let secrets = || {
             state
@@ -283,7 +283,7 @@ impl Redactor {
 /// what the caller wrote would answer a guess, since the text would change exactly
 /// when the guess is right; a caller that names a secret learns nothing from seeing it.
 #[derive(Clone)]
-pub(crate) struct Redaction {
+pub struct Redaction {
     needles: Arc<Vec<String>>,
 }
 
@@ -297,7 +297,7 @@ impl fmt::Debug for Redaction {
 
 impl Redaction {
     /// `text` with every secret value this conversation's caller did not name replaced.
-    pub(crate) fn redact<'a>(&self, text: &'a str) -> Cow<'a, str> {
+    pub fn redact<'a>(&self, text: &'a str) -> Cow<'a, str> {
         replace_needles(&self.needles, text)
     }
 }
@@ -390,11 +390,11 @@ fn replace_bytes(haystack: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use crate::secret_source::SecretSource;
     use std::collections::HashMap;
     use std::path::Path;
 
     use super::*;
-    use crate::secret_source::SecretSource;
 
     fn env_source(var: &str, prefix: &str) -> SecretSource {
         SecretSource {

@@ -20,7 +20,7 @@ pub struct RetryPolicy {
 
 impl RetryPolicy {
     /// The most attempts a conversation gets.
-    pub(crate) fn max_attempts(&self) -> u32 {
+    pub fn max_attempts(&self) -> u32 {
         self.max_retries.saturating_add(1)
     }
 
@@ -28,7 +28,7 @@ impl RetryPolicy {
     /// `retry_delay * backoff_factor^(attempt-1)`, capped by `max_retry_delay`, then
     /// spread by `jitter` with `unit` drawn uniformly from [-1, 1]. The spread never
     /// lifts a wait above the cap.
-    pub(crate) fn delay_after(&self, attempt: u32, unit: f64) -> Duration {
+    pub fn delay_after(&self, attempt: u32, unit: f64) -> Duration {
         let exponent = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
         let cap = self.max_retry_delay.as_secs_f64();
         let base = (self.retry_delay.as_secs_f64() * self.backoff_factor.powi(exponent)).min(cap);
@@ -39,11 +39,7 @@ impl RetryPolicy {
     /// The wait when the upstream asked for `retry_after`: the longer of the two, but
     /// never more than `max_retry_delay` (the next attempt then meets the upstream's
     /// verdict again).
-    pub(crate) fn with_retry_after(
-        &self,
-        scheduled: Duration,
-        retry_after: Option<Duration>,
-    ) -> Duration {
+    pub fn with_retry_after(&self, scheduled: Duration, retry_after: Option<Duration>) -> Duration {
         scheduled
             .max(retry_after.unwrap_or_default())
             .min(self.max_retry_delay)
@@ -51,7 +47,7 @@ impl RetryPolicy {
 }
 
 /// Parses a `Retry-After` value: delay seconds or an HTTP date, relative to `now`.
-pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds));

@@ -1,7 +1,7 @@
-//! The security settings compiled into the form the service runs on (the address
-//! guard's policy, request and header limits, dropped headers, a rule's redirect
-//! budget, injections and origin), and the pure decision on them whether a request is
-//! within the limits. Which headers a hop sends is the worker's (`egress` tells it).
+//! The security settings compiled into the form the service runs on: the address
+//! guard, request and header limits, dropped headers, a rule's redirect budget,
+//! injections and origin. Whether a request is within the limits is the dispatcher's
+//! plan; which headers a leg sends is the worker's.
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -11,35 +11,32 @@ use ipnet::IpNet;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
 use url::{Origin, Url};
-use webproxy_protocol::{ErrorBody, Request};
-use webproxy_worker::GuardPolicy;
 
-use crate::config_error::{ConfigError, element_key};
-use crate::outbox::invalid_request;
+use crate::error::{ConfigError, element_key};
 use crate::secret_source::SecretSource;
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct OutboundConfig {
-    pub(crate) max_response_bytes: ByteLimit,
+    pub max_response_bytes: ByteLimit,
     /// The address guard; see `crate::security`.
-    pub(crate) allow_private_networks: bool,
-    pub(crate) allow_cidrs: Vec<String>,
-    pub(crate) deny_cidrs: Vec<String>,
+    pub allow_private_networks: bool,
+    pub allow_cidrs: Vec<String>,
+    pub deny_cidrs: Vec<String>,
     /// Request limits: larger requests get `invalid_request`.
-    pub(crate) max_request_bytes: u64,
+    pub max_request_bytes: u64,
     /// Header count and size limits, for requests and responses alike.
-    pub(crate) max_headers: usize,
-    pub(crate) max_header_bytes: usize,
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
     /// Headers dropped from every request, whatever the caller sends.
-    pub(crate) deny_request_headers: Vec<String>,
+    pub deny_request_headers: Vec<String>,
     /// The longest one host name lookup may take, a wait for a free slot included.
     #[serde(with = "humantime_serde")]
-    pub(crate) dns_timeout: Duration,
+    pub dns_timeout: Duration,
     /// The most lookups under way at once on this instance.
-    pub(crate) dns_max_concurrent: usize,
+    pub dns_max_concurrent: usize,
     /// DNS servers (`IP` or `IP:port`) asked instead of /etc/resolv.conf's.
-    pub(crate) dns_servers: Vec<String>,
+    pub dns_servers: Vec<String>,
 }
 
 impl OutboundConfig {
@@ -53,7 +50,7 @@ impl OutboundConfig {
 /// `"auto"` (derived from the server's `max_payload`) or a number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
-pub(crate) enum ByteLimit {
+pub enum ByteLimit {
     #[serde(serialize_with = "serialize_auto")]
     Auto,
     Bytes(u64),
@@ -95,24 +92,33 @@ impl<'de> Deserialize<'de> for ByteLimit {
 #[derive(Debug, Clone)]
 pub struct Outbound {
     /// Resolved against the server's `max_payload` at start.
-    pub(crate) max_response_bytes: ByteLimit,
-    pub guard: GuardPolicy,
-    pub(crate) max_request_bytes: u64,
-    pub(crate) max_headers: usize,
-    pub(crate) max_header_bytes: usize,
+    pub max_response_bytes: ByteLimit,
+    pub guard: AddressGuard,
+    pub max_request_bytes: u64,
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
     /// Lower case.
-    pub(crate) deny_request_headers: Vec<String>,
+    pub deny_request_headers: Vec<String>,
     /// Host name lookups: `dns_timeout`, `dns_max_concurrent`, `dns_servers`.
-    pub(crate) dns: DnsBounds,
+    pub dns: DnsBounds,
+}
+
+/// `[outbound]`'s address guard keys, checked: which addresses may be connected to.
+/// The worker's `GuardPolicy` is made from it; its doc says what each field opens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddressGuard {
+    pub allow_private_networks: bool,
+    pub allow: Vec<IpNet>,
+    pub deny: Vec<IpNet>,
 }
 
 /// `[outbound]`'s DNS keys, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DnsBounds {
-    pub(crate) timeout: Duration,
-    pub(crate) max_concurrent: usize,
+pub struct DnsBounds {
+    pub timeout: Duration,
+    pub max_concurrent: usize,
     /// Empty: /etc/resolv.conf's.
-    pub(crate) servers: Vec<SocketAddr>,
+    pub servers: Vec<SocketAddr>,
 }
 
 impl Default for DnsBounds {
@@ -127,7 +133,7 @@ impl Default for DnsBounds {
 }
 
 impl Outbound {
-    pub(crate) fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
+    pub fn compile(config: &OutboundConfig) -> Result<Outbound, ConfigError> {
         if config.max_headers == 0 {
             return Err(ConfigError::new(
                 "outbound.max_headers",
@@ -163,7 +169,7 @@ impl Outbound {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Outbound {
             max_response_bytes: config.max_response_bytes,
-            guard: GuardPolicy {
+            guard: AddressGuard {
                 allow_private_networks: config.allow_private_networks,
                 allow: parse_cidrs("outbound.allow_cidrs", &config.allow_cidrs)?,
                 deny: parse_cidrs("outbound.deny_cidrs", &config.deny_cidrs)?,
@@ -197,7 +203,7 @@ fn dns_server(text: &str) -> Result<SocketAddr, String> {
 #[derive(Debug, Clone, Default)]
 pub struct RuleSecurity {
     /// The rule's position in the file, which keys its secrets.
-    pub(crate) index: usize,
+    pub index: usize,
     /// The redirect budget of a whole chain that starts under this rule.
     pub follow_redirects: u32,
     /// Header name (as configured) and where its value comes from.
@@ -215,7 +221,7 @@ impl RuleSecurity {
     /// Whether a hop to `url` may be sent under this rule: with an origin, only to
     /// exactly that scheme, host and port. A request the rule's pattern matches but
     /// whose origin differs is refused, never sent without the injected headers.
-    pub(crate) fn check_origin(&self, url: &Url) -> Result<(), String> {
+    pub fn check_origin(&self, url: &Url) -> Result<(), String> {
         match &self.origin {
             Some(origin) if url.origin() != *origin => Err(format!(
                 "is bound to origin {}, not {}",
@@ -230,7 +236,7 @@ impl RuleSecurity {
     /// only with `allow_path_parameters`, since Tomcat, Jetty and Spring drop what
     /// follows it and would read another path than the rules matched. `.;` and `..;`
     /// segments never reach here: the canonical URL refuses them.
-    pub(crate) fn check_path(&self, url: &Url) -> Result<(), String> {
+    pub fn check_path(&self, url: &Url) -> Result<(), String> {
         match webproxy_protocol::path_parameter(url) {
             Some(segment) if !self.allow_path_parameters => Err(format!(
                 "does not allow a ';' in the path (raw or %3B, in segment {segment}), which \
@@ -245,7 +251,7 @@ impl RuleSecurity {
 
 /// A rule's `origin`: scheme, host and port and nothing else; https unless
 /// `allow_http`. The error names the field.
-pub(crate) fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'static str, String)> {
+pub fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'static str, String)> {
     let example = "like \"https://api.partner.com\" or \"https://api.partner.com:8443\"";
     let url = Url::parse(text).map_err(|e| {
         (
@@ -294,7 +300,7 @@ pub(crate) fn parse_origin(text: &str, allow_http: bool) -> Result<Origin, (&'st
 
 /// The origin a pattern such as `^https://api\.partner\.com/` names literally, for
 /// the error that asks for one.
-pub(crate) fn suggested_origin(pattern: &str) -> Option<String> {
+pub fn suggested_origin(pattern: &str) -> Option<String> {
     let rest = pattern.strip_prefix('^').unwrap_or(pattern);
     let (scheme, after) = rest.split_once("://")?;
     let authority = after.split('/').next()?.replace("\\.", ".");
@@ -305,47 +311,7 @@ pub(crate) fn suggested_origin(pattern: &str) -> Option<String> {
     Some(url.origin().ascii_serialization())
 }
 
-/// Whether a request is within the request limits; the error is `invalid_request`
-/// naming the limit. Counted on the caller's headers as received.
-pub(crate) fn check_request(request: &Request, outbound: &Outbound) -> Result<(), ErrorBody> {
-    if request.body.len() as u64 > outbound.max_request_bytes {
-        return Err(invalid_request(
-            "body",
-            &format!(
-                "is {} bytes, more than [outbound] max_request_bytes = {}",
-                request.body.len(),
-                outbound.max_request_bytes
-            ),
-        ));
-    }
-    if request.headers.len() > outbound.max_headers {
-        return Err(invalid_request(
-            "headers",
-            &format!(
-                "has {} headers, more than [outbound] max_headers = {}",
-                request.headers.len(),
-                outbound.max_headers
-            ),
-        ));
-    }
-    let bytes: usize = request
-        .headers
-        .iter()
-        .map(|(name, value)| name.len() + value.len())
-        .sum();
-    if bytes > outbound.max_header_bytes {
-        return Err(invalid_request(
-            "headers",
-            &format!(
-                "has {bytes} bytes of names and values, more than [outbound] max_header_bytes = {}",
-                outbound.max_header_bytes
-            ),
-        ));
-    }
-    Ok(())
-}
-
-pub(crate) fn is_token(name: &str) -> bool {
+pub fn is_token(name: &str) -> bool {
     !name.is_empty()
         && name
             .bytes()
@@ -353,7 +319,7 @@ pub(crate) fn is_token(name: &str) -> bool {
 }
 
 /// Header names, lower-cased; an error gives the index.
-pub(crate) fn header_names(names: &[String]) -> Result<Vec<String>, (usize, String)> {
+pub fn header_names(names: &[String]) -> Result<Vec<String>, (usize, String)> {
     names
         .iter()
         .enumerate()
@@ -434,49 +400,6 @@ mod tests {
         config.dns_timeout = Duration::ZERO;
         let e = Outbound::compile(&config).expect_err("no time");
         assert!(e.to_string().contains("outbound.dns_timeout"), "{e}");
-    }
-
-    fn request(headers: &[(&str, &str)], body: &str) -> Request {
-        let headers: serde_json::Map<String, serde_json::Value> = headers
-            .iter()
-            .map(|(n, v)| (n.to_string(), serde_json::Value::String(v.to_string())))
-            .collect();
-        let json = serde_json::json!({
-            "id": "a", "method": "POST", "url": "http://h/", "headers": headers, "body": body
-        });
-        webproxy_protocol::parse_request(
-            json.to_string().as_bytes(),
-            &webproxy_protocol::Subjects::new("webproxy").expect("prefix"),
-            None,
-        )
-        .expect("valid")
-    }
-
-    fn compiled() -> Outbound {
-        Outbound::compile(&outbound(&[], &[])).expect("valid")
-    }
-
-    #[test]
-    fn request_limits_name_the_limit() {
-        assert!(check_request(&request(&[("A", "1")], "0123456789"), &compiled()).is_ok());
-        let e = check_request(&request(&[], "0123456789x"), &compiled()).expect_err("body");
-        assert_eq!(e.code, webproxy_protocol::ErrorCode::InvalidRequest);
-        assert!(
-            e.message.contains("max_request_bytes = 10"),
-            "{}",
-            e.message
-        );
-        let e = check_request(
-            &request(&[("A", "1"), ("B", "2"), ("C", "3")], ""),
-            &compiled(),
-        )
-        .expect_err("count");
-        assert!(e.message.contains("max_headers = 2"), "{}", e.message);
-        // 9 + 12 = 21 bytes of names and values.
-        let e = check_request(&request(&[("X-Long-Na", "123456789012")], ""), &compiled())
-            .expect_err("bytes");
-        assert!(e.message.contains("max_header_bytes = 20"), "{}", e.message);
-        assert!(check_request(&request(&[("X-Long-Na", "12345678901")], ""), &compiled()).is_ok());
     }
 
     #[test]
