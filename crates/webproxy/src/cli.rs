@@ -8,12 +8,19 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use webproxy_config::Redactor;
 
-use crate::config::Settings;
-use crate::config_commands::{self, ConfigCommand};
-use crate::connection::{self, ConnectionArgs};
-use crate::operator::NatsArgs;
-use crate::send::SendArgs;
-use crate::{cfg, dead, gateway, nats_auth, pools, send, serve, telemetry};
+use crate::commands::config::ConfigCommand;
+use crate::commands::dead;
+use crate::commands::gateway;
+use crate::commands::operator::NatsArgs;
+use crate::commands::pools;
+use crate::commands::send;
+use crate::commands::send::SendArgs;
+use crate::commands::serve;
+use crate::config::connection::{self, ConnectionArgs};
+use crate::config::load;
+use crate::config::nats_auth;
+use crate::config::schema::Settings;
+use crate::telemetry;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -21,7 +28,7 @@ use crate::{cfg, dead, gateway, nats_auth, pools, send, serve, telemetry};
     version,
     about = "Reliable outbound HTTP on behalf of other services, over NATS JetStream"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }
@@ -192,7 +199,7 @@ fn run_service<F>(
 where
     F: Future<Output = anyhow::Result<()>>,
 {
-    let settings = cfg::load(config.as_deref(), &connection::overrides(flags)?)?;
+    let settings = load::load(config.as_deref(), &connection::overrides(flags)?)?;
     // Shared with the logger, which redacts the secrets the command loads.
     let redactor = Redactor::default();
     let runtime = runtime()?;
@@ -212,7 +219,7 @@ where
 impl Cli {
     /// Runs the command. The service's telemetry is set up inside the async runtime
     /// (the gRPC exporter needs it) and flushed before the runtime ends.
-    pub fn run(self) -> anyhow::Result<ExitCode> {
+    pub(crate) fn run(self) -> anyhow::Result<ExitCode> {
         match self.command {
             Command::Serve {
                 config,
@@ -232,12 +239,12 @@ impl Cli {
                 // What serve would run on in this environment: NATS_URL and the
                 // other nats CLI variables apply, as they do to serve.
                 let overrides = connection::overrides(&ConnectionArgs::default())?;
-                let mut settings = cfg::load(config.as_deref(), &overrides)?;
+                let mut settings = load::load(config.as_deref(), &overrides)?;
                 if let Some(path) = document {
                     let text = std::fs::read_to_string(&path)
                         .with_context(|| format!("cannot read {}", path.display()))?;
                     let (document, dispatcher) =
-                        crate::document::validate(&text, &settings.config.streams)
+                        crate::config::document::validate(&text, &settings.config.streams)
                             .with_context(|| format!("invalid document {}", path.display()))?;
                     settings = settings.with_document(document, dispatcher);
                 }
@@ -246,7 +253,7 @@ impl Cli {
                 // never printed.
                 // The [nats] files as both read them before connecting (a
                 // credentials file that is readable but no credentials passes
-                // `cfg::load`).
+                // `load::load`).
                 runtime()?
                     .block_on(nats_auth::connect_options(&settings.config.nats))
                     .context("invalid configuration: the [nats] settings cannot connect")?;
@@ -257,7 +264,7 @@ impl Cli {
                     serve::load_secrets(&settings, &Redactor::default())
                         .context("invalid configuration: `webproxy serve` would not start")?;
                 }
-                cfg::print_effective(&settings, &settings.warnings(), json)?;
+                load::print_effective(&settings, &settings.warnings(), json)?;
                 Ok(ExitCode::SUCCESS)
             }
             command => {
@@ -306,7 +313,7 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Config { command } => {
-            config_commands::run(command).await?;
+            crate::commands::config::run(command).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Gateway {

@@ -1,26 +1,16 @@
 //! The webproxy binary: parse the command line and run the chosen command until it
 //! ends or a signal stops it.
 
+#![warn(unreachable_pub)]
+
 #[macro_use]
 mod stdout;
 
-mod cfg;
 mod cli;
+mod commands;
 mod config;
-mod config_commands;
-mod connection;
-mod dead;
-mod document;
-mod gateway;
-mod gateway_config;
-mod health;
-mod live;
-mod nats_auth;
-mod operator;
-mod pools;
+mod health_listener;
 mod rotation;
-mod send;
-mod serve;
 mod table;
 mod telemetry;
 

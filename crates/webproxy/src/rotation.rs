@@ -14,7 +14,7 @@ use tracing::{error, info, warn};
 
 /// What one reading of the files found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reading {
+pub(crate) enum Reading {
     /// The same contents as those in force: nothing was replaced.
     Unchanged,
     /// New contents, now in force.
@@ -30,7 +30,7 @@ enum Cause {
 
 /// SIGHUP, listened for as soon as the process starts (its default action ends the
 /// process); `None`, logged, when it cannot be.
-pub fn hangups(what: &str) -> Option<Signal> {
+pub(crate) fn hangups(what: &str) -> Option<Signal> {
     match tokio::signal::unix::signal(SignalKind::hangup()) {
         Ok(signal) => Some(signal),
         Err(e) => {
@@ -45,7 +45,7 @@ pub fn hangups(what: &str) -> Option<Signal> {
 /// replaces those, all or nothing; an error keeps the old values. A change is logged
 /// once, and so is an error until it changes or the files can be read again: a poll
 /// every few seconds must not repeat the same line.
-pub async fn follow<F>(
+pub(crate) async fn follow<F>(
     what: &'static str,
     interval: Duration,
     mut hangups: Option<Signal>,
@@ -106,7 +106,7 @@ async fn next_hangup(hangups: &mut Option<Signal>) -> Option<()> {
 /// `candidate` put in force through `apply` when it differs from `current`, which then
 /// holds it: how the gateway's token follower compares (injected secrets compare
 /// inside `Secrets::reload_files`).
-pub fn replace_if_changed<T: PartialEq>(
+pub(crate) fn replace_if_changed<T: PartialEq>(
     current: &mut T,
     candidate: T,
     apply: impl FnOnce(&T),

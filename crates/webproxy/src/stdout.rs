@@ -7,7 +7,7 @@ use std::io::Write as _;
 /// Standard output was closed by its reader: the command stops, and `main` exits 0
 /// without a message, as a filter's upstream does in a pipeline.
 #[derive(Debug)]
-pub struct Closed;
+pub(crate) struct Closed;
 
 impl fmt::Display for Closed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -18,7 +18,7 @@ impl fmt::Display for Closed {
 impl std::error::Error for Closed {}
 
 /// Writes `text` to standard output; [`Closed`] when its reader has gone.
-pub fn print(text: fmt::Arguments<'_>) -> anyhow::Result<()> {
+pub(crate) fn print(text: fmt::Arguments<'_>) -> anyhow::Result<()> {
     match std::io::stdout().lock().write_fmt(text) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(Closed.into()),
@@ -28,7 +28,7 @@ pub fn print(text: fmt::Arguments<'_>) -> anyhow::Result<()> {
 
 /// Writes `bytes` to standard output as they are (a reply's body need not be text);
 /// [`Closed`] when its reader has gone.
-pub fn write_bytes(bytes: &[u8]) -> anyhow::Result<()> {
+pub(crate) fn write_bytes(bytes: &[u8]) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     match stdout.write_all(bytes).and_then(|()| stdout.flush()) {
         Ok(()) => Ok(()),

@@ -3,18 +3,18 @@
 
 /// How a column's values sit in its width: numbers right, text left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Align {
+pub(crate) enum Align {
     Left,
     Right,
 }
 
 /// One column: its header and how its values sit.
-pub type Column = (&'static str, Align);
+pub(crate) type Column = (&'static str, Align);
 
 /// The table (pure): `columns`' headers, then `rows`, each column as wide as its widest
 /// value, two spaces between columns. The last column is not padded, so no line ends in
 /// spaces; a line break in a value becomes a space, so a row stays one line.
-pub fn render<const N: usize>(columns: [Column; N], rows: &[[String; N]]) -> String {
+pub(crate) fn render<const N: usize>(columns: [Column; N], rows: &[[String; N]]) -> String {
     let header = columns.map(|(name, _)| name.to_owned());
     let rows: Vec<[String; N]> = std::iter::once(header)
         .chain(

@@ -14,7 +14,7 @@ use std::io::{IsTerminal as _, Write};
 
 use std::borrow::Cow;
 
-use crate::config::{LogConfig, LogFormat, TelemetryConfig};
+use crate::config::schema::{LogConfig, LogFormat, TelemetryConfig};
 use anyhow::Context as _;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::trace::{SpanId, Status, TraceId};
@@ -39,7 +39,7 @@ use webproxy_config::Redactor;
 
 /// Keeps telemetry alive; dropping it exports the spans still buffered.
 #[derive(Debug)]
-pub struct TelemetryGuard {
+pub(crate) struct TelemetryGuard {
     provider: Option<SdkTracerProvider>,
 }
 
@@ -197,7 +197,7 @@ fn exporter(export: &Export) -> anyhow::Result<opentelemetry_otlp::SpanExporter>
 /// spans with the caller's trace as parent, exported when the environment or the
 /// configuration names an endpoint. Secret values `redactor` knows (now or later) are
 /// replaced in every log line. Call with the async runtime entered.
-pub fn init_service(
+pub(crate) fn init_service(
     log: &LogConfig,
     telemetry: &TelemetryConfig,
     redactor: Redactor,
@@ -410,7 +410,7 @@ fn redact_attributes(attributes: &mut [KeyValue], redactor: &Redactor) {
 }
 
 /// The command-line tools' telemetry: warnings and errors as text on stderr.
-pub fn init_cli() -> TelemetryGuard {
+pub(crate) fn init_cli() -> TelemetryGuard {
     tracing_subscriber::fmt()
         .with_env_filter(filter("warn"))
         .with_writer(std::io::stderr)

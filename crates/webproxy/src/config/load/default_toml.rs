@@ -13,8 +13,8 @@ use toml::{Table, Value};
 use webproxy_config::{PoolConfig, RequestRuleConfig};
 
 use super::DEFAULT_CONFIG;
-use crate::config::Config;
-use crate::gateway_config::RouteConfig;
+use crate::config::gateway::RouteConfig;
+use crate::config::schema::Config;
 
 /// A commented-out line that is TOML rather than prose: `# key = value` or
 /// `# [section]` / `# [[section]]` (a comment may follow).

@@ -22,8 +22,8 @@ use super::mapping::{self, Answer};
 use super::metrics::{NO_ROUTE, Telemetry};
 use super::store::{Record, Records};
 use super::{REPLIES_PATH, route};
-use crate::config::Settings;
-use crate::gateway_config::Route;
+use crate::config::gateway::Route;
+use crate::config::schema::Settings;
 
 /// What a 503, and a poll for a reply not ready yet, ask the client to wait before it
 /// tries again, in seconds: a reply usually comes within one.
@@ -45,7 +45,7 @@ const KEY_LOST_CODE: &str = "key_lost";
 const HEADER_ROOM: usize = 1024;
 
 /// Everything a request needs, shared by all of them.
-pub struct Gateway {
+pub(crate) struct Gateway {
     routes: Vec<Route>,
     /// Each route's token, read at start and (files) again on SIGHUP.
     tokens: std::sync::RwLock<Arc<Vec<Option<String>>>>,
@@ -68,7 +68,7 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(
+    pub(crate) fn new(
         settings: &Settings,
         tokens: Vec<Option<String>>,
         key: Result<Key, String>,
@@ -101,12 +101,12 @@ impl Gateway {
     }
 
     /// Cancelling it ends every wait for a reply now, as if `wait` had run out.
-    pub fn give_up(&self) -> CancellationToken {
+    pub(crate) fn give_up(&self) -> CancellationToken {
         self.give_up.clone()
     }
 }
 
-pub fn router(gateway: Arc<Gateway>) -> Router {
+pub(crate) fn router(gateway: Arc<Gateway>) -> Router {
     Router::new().fallback(handle).with_state(gateway)
 }
 
@@ -170,7 +170,7 @@ impl Gateway {
     }
 
     /// Puts re-read tokens in force, all at once (their files changed, or SIGHUP).
-    pub fn replace_tokens(&self, tokens: Vec<Option<String>>) {
+    pub(crate) fn replace_tokens(&self, tokens: Vec<Option<String>>) {
         *self
             .tokens
             .write()
@@ -189,7 +189,7 @@ impl Gateway {
 
     /// Puts the key read from its bucket in force, or its loss, and says so when
     /// either changes.
-    pub fn set_key(&self, next: Result<Key, String>) {
+    pub(crate) fn set_key(&self, next: Result<Key, String>) {
         let mut key = self
             .key
             .write()
@@ -687,7 +687,7 @@ fn unauthorized(proxy_credential: bool, message: &str) -> Answer {
 
 /// The answer on a connection over a connection cap (`listener.rs`): 503 naming the
 /// cap, and the connection closes.
-pub fn over_limit(limit: Limit) -> Response {
+pub(crate) fn over_limit(limit: Limit) -> Response {
     let whose = match limit {
         Limit::MaxConnectionsPerSource => "this client's address has",
         _ => "the gateway has",

@@ -26,15 +26,16 @@ use webproxy_config::Redactor;
 use webproxy_config::element_key;
 use webproxy_dispatcher::{Bucket, Instruments, follow_bucket_use};
 
-use crate::config::Settings;
-use crate::gateway_config::RESERVED_PATH;
-use crate::{health, rotation};
+use crate::config::gateway::RESERVED_PATH;
+use crate::config::schema::Settings;
+use crate::health_listener;
+use crate::rotation;
 
-pub use key_commands::{KeyCommand, run as run_key_command};
-pub use metrics::Telemetry;
+pub(crate) use key_commands::{KeyCommand, run as run_key_command};
+pub(crate) use metrics::Telemetry;
 
 /// Where the reply of a conversation that goes on is read: `<REPLIES_PATH><id>`.
-pub const REPLIES_PATH: &str = "/_webproxy/replies/";
+pub(crate) const REPLIES_PATH: &str = "/_webproxy/replies/";
 
 const _: () = assert!(REPLIES_PATH.len() > RESERVED_PATH.len());
 
@@ -50,14 +51,14 @@ const KEY_POLL: Duration = Duration::from_secs(2);
 /// What the gateway needs before it serves, read from files and the environment:
 /// each route's token, the configured key, the TLS acceptor. `check-config` reads
 /// them too, so a token that cannot be read fails there as at start.
-pub struct Secrets {
-    pub tokens: Vec<Option<String>>,
-    pub key: Option<String>,
-    pub tls: Option<tokio_rustls::TlsAcceptor>,
+pub(crate) struct Secrets {
+    pub(crate) tokens: Vec<Option<String>>,
+    pub(crate) key: Option<String>,
+    pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 /// Reads the tokens, the key and the TLS files; errors name the key.
-pub fn load_secrets(settings: &Settings) -> anyhow::Result<Secrets> {
+pub(crate) fn load_secrets(settings: &Settings) -> anyhow::Result<Secrets> {
     let gateway = &settings.gateway;
     let tokens = read_tokens(settings)?;
     let key = settings
@@ -103,8 +104,10 @@ fn read_tokens(settings: &Settings) -> anyhow::Result<Vec<Option<String>>> {
 
 /// Runs the gateway until SIGTERM or SIGINT.
 /// The logger's `redactor` learns the NATS credentials, the tokens and the key.
-pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
-    redactor.add_fixed(crate::nats_auth::secret_values(&settings.config.nats));
+pub(crate) async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
+    redactor.add_fixed(crate::config::nats_auth::secret_values(
+        &settings.config.nats,
+    ));
     for warning in &settings.environment_warnings {
         warn!("configuration: {warning}");
     }
@@ -121,10 +124,10 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     let config = &settings.config.gateway;
     let telemetry = Telemetry::new();
     let health_listen = config.health_listen;
-    let health_listener = tokio::net::TcpListener::bind(health_listen)
+    let health_socket = tokio::net::TcpListener::bind(health_listen)
         .await
         .with_context(|| format!("cannot listen on gateway.health_listen = {health_listen}"))?;
-    health::spawn(health_listener, telemetry.clone());
+    health_listener::spawn(health_socket, telemetry.clone());
     let listen = config.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -132,11 +135,11 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     info!(%listen, %health_listen, tls = secrets.tls.is_some(), "gateway listening");
 
     let shutdown = CancellationToken::new();
-    tokio::spawn(crate::serve::stop_on_signal(shutdown.clone()));
+    tokio::spawn(crate::commands::serve::stop_on_signal(shutdown.clone()));
     // The dispatcher's connection conventions (reconnect backoff, pings); its
     // instruments are not the gateway's, which follows the connection below.
     let Some((nats, server)) =
-        crate::serve::connect_until_up(&settings, &Instruments::new(), &shutdown).await?
+        crate::commands::serve::connect_until_up(&settings, &Instruments::new(), &shutdown).await?
     else {
         return Ok(());
     };

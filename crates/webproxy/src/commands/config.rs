@@ -14,14 +14,14 @@ use serde::Serialize;
 use webproxy_dispatcher::{ConfigStore, PushNote, StoredRevision};
 use webproxy_protocol::Subjects;
 
-use crate::config::ClusterDocument;
-use crate::config::Settings;
-use crate::document;
-use crate::live;
-use crate::operator::{NatsArgs, connect_with_settings};
+use crate::commands::operator::{NatsArgs, connect_with_settings};
+use crate::commands::serve_follow;
+use crate::config::document;
+use crate::config::schema::ClusterDocument;
+use crate::config::schema::Settings;
 
 #[derive(Debug, Subcommand)]
-pub enum ConfigCommand {
+pub(crate) enum ConfigCommand {
     /// Validate a cluster document and write it as the new revision, with
     /// compare-and-set; print the revision and the diff against the current one.
     Push {
@@ -86,7 +86,7 @@ pub enum ConfigCommand {
 /// What `history` shows of a push. Self-reported: the bucket records what the pushing
 /// process says.
 #[derive(Debug, Args)]
-pub struct NoteArgs {
+pub(crate) struct NoteArgs {
     /// Why: shown by `config history`.
     #[arg(long, value_name = "TEXT", default_value = "")]
     message: String,
@@ -97,7 +97,7 @@ pub struct NoteArgs {
 
 /// Waiting for the instances to run what was pushed.
 #[derive(Debug, Args)]
-pub struct WaitArgs {
+pub(crate) struct WaitArgs {
     /// Return once every live instance reports the new revision (in the bucket
     /// <PREFIX>_INSTANCES); after --wait-timeout, name those that do not and fail.
     #[arg(long)]
@@ -122,8 +122,8 @@ impl WaitArgs {
         let started = Instant::now();
         // Polled: a CLI waiting a few seconds at most, on reports that expire silently.
         loop {
-            let reports = live::reports(js, subjects).await?;
-            let lagging = live::lagging(&reports, revision);
+            let reports = serve_follow::reports(js, subjects).await?;
+            let lagging = serve_follow::lagging(&reports, revision);
             if lagging.is_empty() {
                 if reports.is_empty() {
                     eprintln!(
@@ -159,7 +159,7 @@ impl WaitArgs {
 
 /// Whether anything follows what is written.
 #[derive(Debug, Args)]
-pub struct FollowerArgs {
+pub(crate) struct FollowerArgs {
     /// Write even when no live instance runs `[config] source = "kv"` (in the bucket
     /// <PREFIX>_INSTANCES): for instance to write the document before the first
     /// instance in kv mode starts. Instances in file mode refuse to start while the
@@ -174,7 +174,7 @@ impl FollowerArgs {
     /// would refuse its next start beside a document; with kv followers as well,
     /// they are named in a warning.
     async fn check(&self, js: &jetstream::Context, subjects: &Subjects) -> anyhow::Result<()> {
-        let reports = live::reports(js, subjects).await?;
+        let reports = serve_follow::reports(js, subjects).await?;
         let (file, kv): (Vec<_>, Vec<_>) = reports.iter().partition(|r| r.runs_file_mode());
         let file: Vec<&str> = file.iter().map(|r| r.instance.as_str()).collect();
         let restart = "each refuses its next start while the bucket holds a document";
@@ -221,7 +221,7 @@ impl NoteArgs {
     }
 }
 
-pub async fn run(command: ConfigCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(command: ConfigCommand) -> anyhow::Result<()> {
     match command {
         ConfigCommand::Push {
             file,

@@ -17,46 +17,49 @@ use webproxy_config::Redactor;
 /// URL without its credentials and the token and password as `[REDACTED]`.
 #[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct NatsConfig {
+pub(crate) struct NatsConfig {
     /// One server URL, or several separated by commas; a URL may carry credentials
     /// (`nats://user:password@host`, `nats://token@host`).
     #[serde(serialize_with = "serialize_redacted_urls")]
-    pub url: String,
-    /// Authentication and TLS; see `crate::nats_auth`.
+    pub(crate) url: String,
+    /// Authentication and TLS; see `crate::config::nats_auth`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub credentials_file: Option<std::path::PathBuf>,
+    pub(crate) credentials_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nkey_seed_file: Option<std::path::PathBuf>,
+    pub(crate) nkey_seed_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token: Option<crate::nats_auth::Secret>,
+    pub(crate) token: Option<crate::config::nats_auth::Secret>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub password: Option<crate::nats_auth::Secret>,
+    pub(crate) password: Option<crate::config::nats_auth::Secret>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_ca_file: Option<std::path::PathBuf>,
+    pub(crate) tls_ca_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_cert_file: Option<std::path::PathBuf>,
+    pub(crate) tls_cert_file: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_key_file: Option<std::path::PathBuf>,
+    pub(crate) tls_key_file: Option<std::path::PathBuf>,
     /// The connection's inbox prefix instead of webproxy's private one: for a caller
     /// whose permissions allow subscribing only under its own subjects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inbox_prefix: Option<String>,
+    pub(crate) inbox_prefix: Option<String>,
     /// The JetStream API prefix of an imported JetStream, instead of `$JS.API`; used by
     /// `send` and the operator commands.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub js_api_prefix: Option<String>,
+    pub(crate) js_api_prefix: Option<String>,
 }
 
 fn serialize_redacted_urls<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&crate::nats_auth::redact_url_credentials(url))
+    s.serialize_str(&crate::config::nats_auth::redact_url_credentials(url))
 }
 
 impl fmt::Debug for NatsConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsConfig")
-            .field("url", &crate::nats_auth::redact_url_credentials(&self.url))
+            .field(
+                "url",
+                &crate::config::nats_auth::redact_url_credentials(&self.url),
+            )
             .field("credentials_file", &self.credentials_file)
             .field("nkey_seed_file", &self.nkey_seed_file)
             .field("token", &self.token)
@@ -73,7 +76,7 @@ impl fmt::Debug for NatsConfig {
 
 impl NatsConfig {
     /// The server URLs, trimmed.
-    pub fn urls(&self) -> Vec<String> {
+    pub(crate) fn urls(&self) -> Vec<String> {
         self.url
             .split(',')
             .map(str::trim)
@@ -86,14 +89,14 @@ impl NatsConfig {
 /// A configured secret (a token or password): shown as [`Redactor::REDACTED`] when printed or
 /// serialized, so `check-config` and debug output never carry it.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+pub(crate) struct Secret(String);
 
 impl Secret {
-    pub fn new(value: impl Into<String>) -> Secret {
+    pub(crate) fn new(value: impl Into<String>) -> Secret {
         Secret(value.into())
     }
 
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         &self.0
     }
 }
@@ -117,7 +120,7 @@ impl<'de> Deserialize<'de> for Secret {
 }
 
 /// Checks the combination of keys and that every named file can be read.
-pub fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
+pub(crate) fn check(nats: &NatsConfig) -> Result<(), ConfigError> {
     let methods = [
         ("nats.credentials_file", nats.credentials_file.is_some()),
         ("nats.nkey_seed_file", nats.nkey_seed_file.is_some()),
@@ -222,7 +225,7 @@ fn readable(key: &str, path: &Path) -> Result<(), ConfigError> {
 /// The secret values of the NATS settings, for the redactor: the token, the
 /// password, the NKey seed, the seed inside a `.creds` file, and the credentials in
 /// the server URLs.
-pub fn secret_values(nats: &NatsConfig) -> Vec<String> {
+pub(crate) fn secret_values(nats: &NatsConfig) -> Vec<String> {
     let mut values: Vec<String> = [&nats.token, &nats.password]
         .into_iter()
         .flatten()
@@ -245,7 +248,7 @@ pub fn secret_values(nats: &NatsConfig) -> Vec<String> {
 
 /// The NKey seed in the text of a `.creds` file: the line inside its
 /// `-----BEGIN USER NKEY SEED-----` block (the JWT beside it is signed, not secret).
-pub fn creds_seed(text: &str) -> Option<String> {
+pub(crate) fn creds_seed(text: &str) -> Option<String> {
     let mut lines = text.lines().map(str::trim);
     lines
         .find(|line| line.starts_with("---") && line.contains("BEGIN") && line.contains("SEED"))?;
@@ -258,7 +261,7 @@ pub fn creds_seed(text: &str) -> Option<String> {
 /// The secrets in NATS server URLs (`nats://user:password@host`, or
 /// `nats://token@host` where the user part is the token), raw and percent-decoded.
 /// A user name beside a password is not secret and is kept.
-pub fn url_credentials(urls: &str) -> Vec<String> {
+pub(crate) fn url_credentials(urls: &str) -> Vec<String> {
     let mut values = Vec::new();
     for url in urls.split(',') {
         let Some((userinfo, _)) = authority(url.trim()).and_then(|a| a.rsplit_once('@')) else {
@@ -284,7 +287,7 @@ pub fn url_credentials(urls: &str) -> Vec<String> {
 }
 
 /// The URLs with their user information replaced by [`Redactor::REDACTED`], for display.
-pub fn redact_url_credentials(urls: &str) -> String {
+pub(crate) fn redact_url_credentials(urls: &str) -> String {
     urls.split(',')
         .map(str::trim)
         .map(
@@ -319,7 +322,7 @@ fn read_seed(path: &Path) -> Option<String> {
 /// [`SERVICE_INBOX`] is refused as a caller's `reply_to`, so no caller can inject
 /// messages there, and NATS permissions can give the service exactly this prefix
 /// instead of the `_INBOX.>` every caller shares.
-pub fn service_inbox_prefix() -> String {
+pub(crate) fn service_inbox_prefix() -> String {
     let token: String = std::iter::repeat_with(fastrand::alphanumeric)
         .take(16)
         .collect();
@@ -329,7 +332,9 @@ pub fn service_inbox_prefix() -> String {
 /// Connect options carrying the authentication and TLS settings, and the inbox prefix:
 /// `nats.inbox_prefix` where set, else webproxy's private one (every connection made
 /// with the service's own `[nats]` settings: `serve` and the operator commands).
-pub async fn connect_options(nats: &NatsConfig) -> std::io::Result<async_nats::ConnectOptions> {
+pub(crate) async fn connect_options(
+    nats: &NatsConfig,
+) -> std::io::Result<async_nats::ConnectOptions> {
     let inbox = nats
         .inbox_prefix
         .clone()

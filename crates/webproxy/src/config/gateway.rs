@@ -13,75 +13,75 @@ use webproxy_config::{ConfigError, SecretSource, element_key};
 
 /// The path prefix the gateway answers itself (`/_webproxy/replies/<id>`); no route
 /// may claim it.
-pub const RESERVED_PATH: &str = "/_webproxy";
+pub(crate) const RESERVED_PATH: &str = "/_webproxy";
 
 /// The header callers send a route's token in unless the route names another.
-pub const PROXY_AUTHORIZATION: &str = "proxy-authorization";
+pub(crate) const PROXY_AUTHORIZATION: &str = "proxy-authorization";
 
 /// `[gateway]`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct GatewayConfig {
+pub(crate) struct GatewayConfig {
     /// Where the gateway serves HTTP (loopback by default).
-    pub listen: SocketAddr,
+    pub(crate) listen: SocketAddr,
     /// `/healthz`, `/readyz` and `/metrics`.
-    pub health_listen: SocketAddr,
+    pub(crate) health_listen: SocketAddr,
     /// How long a request waits for its reply before the answer is 202.
     #[serde(with = "humantime_serde")]
-    pub wait: Duration,
+    pub(crate) wait: Duration,
     /// Requests waiting in this gateway at once; more get 503.
-    pub max_concurrent: usize,
+    pub(crate) max_concurrent: usize,
     /// Connections open at once; more are answered 503 and closed.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// Connections open at once from one source address (an IPv6 /64); 0 is no cap.
-    pub max_connections_per_source: usize,
+    pub(crate) max_connections_per_source: usize,
     /// How long a request's head may take to arrive, counted from when the gateway
     /// starts waiting for it (hyper's `header_read_timeout`).
     #[serde(with = "humantime_serde")]
-    pub header_read_timeout: Duration,
+    pub(crate) header_read_timeout: Duration,
     /// How long a request's body may send nothing before it is answered 408.
     #[serde(with = "humantime_serde")]
-    pub body_idle_timeout: Duration,
+    pub(crate) body_idle_timeout: Duration,
     /// How long a connection may stay open with no request on it; 0 turns keep-alive
     /// off.
     #[serde(with = "humantime_serde")]
-    pub keep_alive_timeout: Duration,
+    pub(crate) keep_alive_timeout: Duration,
     /// CIDRs (or addresses) that may connect at all; empty allows every address.
     #[serde(default)]
-    pub allow_sources: Vec<String>,
+    pub(crate) allow_sources: Vec<String>,
     /// The HMAC key of minted ids; unset, the gateways share a random one in the
     /// bucket `<PREFIX>_GATEWAY_KEY`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key: Option<SecretSource>,
+    pub(crate) key: Option<SecretSource>,
     /// The header whose value is a client's idempotency key.
-    pub idempotency_header: String,
+    pub(crate) idempotency_header: String,
     /// TLS for the listener, from PEM files: the certificate chain and its key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_cert_file: Option<PathBuf>,
+    pub(crate) tls_cert_file: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls_key_file: Option<PathBuf>,
+    pub(crate) tls_key_file: Option<PathBuf>,
     #[serde(default)]
-    pub routes: Vec<RouteConfig>,
+    pub(crate) routes: Vec<RouteConfig>,
 }
 
 /// `[[gateway.routes]]`: `<path><rest>` goes to `<upstream><rest>` through `pool`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RouteConfig {
-    pub path: String,
-    pub upstream: String,
+pub(crate) struct RouteConfig {
+    pub(crate) path: String,
+    pub(crate) upstream: String,
     #[serde(default = "default_pool")]
-    pub pool: String,
+    pub(crate) pool: String,
     /// The token callers must send; `{ env = "NAME" }` or `{ file = "PATH" }`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token: Option<SecretSource>,
+    pub(crate) token: Option<SecretSource>,
     /// The header the token comes in; `Proxy-Authorization` (as `Bearer <token>`)
     /// by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_header: Option<String>,
+    pub(crate) token_header: Option<String>,
     /// Open to anyone who can connect, on purpose.
     #[serde(default)]
-    pub anonymous: bool,
+    pub(crate) anonymous: bool,
 }
 
 fn default_pool() -> String {
@@ -90,41 +90,41 @@ fn default_pool() -> String {
 
 /// A route, checked.
 #[derive(Debug, Clone)]
-pub struct Route {
+pub(crate) struct Route {
     /// The path prefix, as configured; also the route's label in metrics and ids.
-    pub path: String,
+    pub(crate) path: String,
     /// The upstream, canonical (the form the service matches rules against).
-    pub upstream: Url,
-    pub pool: String,
-    pub token: Option<SecretSource>,
+    pub(crate) upstream: Url,
+    pub(crate) pool: String,
+    pub(crate) token: Option<SecretSource>,
     /// The token's header, lower case.
-    pub token_header: String,
+    pub(crate) token_header: String,
 }
 
 impl Route {
     /// Whether the token comes in `Proxy-Authorization` (a missing or wrong one is
     /// 407) rather than a header of the route's own (401).
-    pub fn proxy_credential(&self) -> bool {
+    pub(crate) fn proxy_credential(&self) -> bool {
         self.token_header == PROXY_AUTHORIZATION
     }
 }
 
 /// `[gateway]`, checked.
 #[derive(Debug, Clone)]
-pub struct Gateway {
-    pub allow_sources: Vec<IpNet>,
-    pub routes: Vec<Route>,
+pub(crate) struct Gateway {
+    pub(crate) allow_sources: Vec<IpNet>,
+    pub(crate) routes: Vec<Route>,
     /// The idempotency header's name, lower case.
-    pub idempotency_header: String,
+    pub(crate) idempotency_header: String,
     /// Both TLS files, when TLS is on.
-    pub tls: Option<(PathBuf, PathBuf)>,
+    pub(crate) tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl GatewayConfig {
     /// Checks `[gateway]`; errors name the key. A gateway that listens beyond loopback
     /// with a route open to anyone (no token, no `allow_sources`) is refused unless
     /// that route says `anonymous = true`.
-    pub fn check(&self) -> Result<Gateway, ConfigError> {
+    pub(crate) fn check(&self) -> Result<Gateway, ConfigError> {
         if self.max_concurrent == 0 {
             return Err(ConfigError::new(
                 "gateway.max_concurrent",

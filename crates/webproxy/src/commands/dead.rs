@@ -30,31 +30,31 @@ use webproxy_client::Client;
 use webproxy_dispatcher::{Outlet, Replay, ReplayError};
 use webproxy_protocol::{DeadLetter, ErrorCode, Origin, header};
 
-use crate::operator::{NatsArgs, connect, for_each_message, operator_outlet};
+use crate::commands::operator::{NatsArgs, connect, for_each_message, operator_outlet};
 use crate::table::{self, Align, Column};
 
 /// Which dead letters `dead list` and `dead replay` read. Letters match when they
 /// pass every filter given.
 #[derive(Debug, Clone, Default, Args)]
-pub struct Selection {
+pub(crate) struct Selection {
     /// Only this pool's.
     #[arg(long)]
-    pub pool: Option<String>,
+    pub(crate) pool: Option<String>,
     /// Only letters stored at or after TIME: an RFC 3339 time (2026-05-01T12:00:00Z)
     /// or a duration ago (90m, 1h, 2days).
     #[arg(long, value_name = "TIME", value_parser = since_now)]
-    pub since: Option<OffsetDateTime>,
+    pub(crate) since: Option<OffsetDateTime>,
     /// Only letters with this error code (invalid_request, denied, expired,
     /// upstream_error, retries_exhausted, transport_error, response_too_large,
     /// internal). Repeat it, or separate codes with commas, for several.
     #[arg(long, value_name = "CODE", value_delimiter = ',', value_parser = parse_code)]
-    pub code: Vec<ErrorCode>,
+    pub(crate) code: Vec<ErrorCode>,
     /// Only this conversation's: the request's `id`.
     #[arg(long)]
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// Stop after N matching letters.
     #[arg(long, value_name = "N")]
-    pub limit: Option<NonZeroU64>,
+    pub(crate) limit: Option<NonZeroU64>,
 }
 
 impl Selection {
@@ -70,7 +70,7 @@ impl Selection {
 }
 
 /// `--since`: an RFC 3339 time, or a duration (humantime's syntax) before `now`.
-pub fn parse_since(value: &str, now: OffsetDateTime) -> Result<OffsetDateTime, String> {
+pub(crate) fn parse_since(value: &str, now: OffsetDateTime) -> Result<OffsetDateTime, String> {
     if let Ok(at) = OffsetDateTime::parse(value, &Rfc3339) {
         return Ok(at);
     }
@@ -98,15 +98,15 @@ fn parse_code(value: &str) -> Result<ErrorCode, String> {
 
 /// One stored dead letter.
 #[derive(Debug, Serialize)]
-pub struct StoredLetter {
+pub(crate) struct StoredLetter {
     /// The stream that holds it: its pool's, or the retired shared one.
-    pub stream: String,
+    pub(crate) stream: String,
     /// Its sequence in that stream.
-    pub sequence: u64,
+    pub(crate) sequence: u64,
     /// RFC 3339, when it was stored.
-    pub stored_at: String,
+    pub(crate) stored_at: String,
     #[serde(flatten)]
-    pub letter: DeadLetter,
+    pub(crate) letter: DeadLetter,
 }
 
 /// One dead-letter stream as it was when the command opened it.
@@ -394,7 +394,7 @@ fn list_row(stored: &StoredLetter) -> [String; 8] {
 /// letter a line, printed as the letters are read. The table is printed once every
 /// letter is read, since its columns are as wide as their widest value: it holds one
 /// row of short fields a letter (not the letters' requests).
-pub async fn list(args: &NatsArgs, selection: &Selection, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn list(args: &NatsArgs, selection: &Selection, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let dead = DeadStreams::open(&client, selection).await?;
     if json {
@@ -431,28 +431,28 @@ pub async fn list(args: &NatsArgs, selection: &Selection, json: bool) -> anyhow:
 
 /// `dead replay`'s options beyond the NATS ones.
 #[derive(Debug, Args)]
-pub struct ReplayArgs {
+pub(crate) struct ReplayArgs {
     #[command(flatten)]
-    pub selection: Selection,
+    pub(crate) selection: Selection,
     /// Replay `denied` and `invalid_request` letters too. They are skipped otherwise:
     /// the same request would most likely fail the same way again.
     #[arg(long)]
-    pub include_denied: bool,
+    pub(crate) include_denied: bool,
     /// Print what would be replayed, and replay nothing. Needs no confirmation.
     #[arg(long)]
-    pub dry_run: bool,
+    pub(crate) dry_run: bool,
     /// Replay without asking. Without --id, replay asks on a terminal, and without a
     /// terminal it replays nothing unless --yes is given.
     #[arg(long)]
-    pub yes: bool,
+    pub(crate) yes: bool,
     /// Print JSON lines, one per conversation replayed or letter skipped.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
     /// Replay conversations that were replayed already, as a new generation (the next
     /// after the newest replayed one). Without it, a letter is replayed once: a second
     /// replay says "already replayed as generation N" and publishes nothing.
     #[arg(long)]
-    pub again: bool,
+    pub(crate) again: bool,
 }
 
 impl ReplayArgs {
@@ -705,7 +705,7 @@ impl fmt::Display for Reported<'_> {
 /// `dead replay`: a first pass finds each selected conversation's newest letter and
 /// counts what would be replayed; after consent, a second pass over the same letters
 /// replays (or, with --dry-run, prints) each, as it is read.
-pub async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
+pub(crate) async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
     let selection = &args.selection;
     check_codes(&selection.code, args.include_denied)?;
     let client = connect(nats).await?;

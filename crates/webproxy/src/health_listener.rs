@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 use webproxy_dispatcher::Instruments;
 
 /// What the listener reads: in-memory state only.
-pub trait Probes: Clone + Send + Sync + 'static {
+pub(crate) trait Probes: Clone + Send + Sync + 'static {
     fn is_alive(&self) -> bool;
     fn is_ready(&self) -> bool;
     /// What keeps the process from being ready, one line each, for `/readyz`'s body.
@@ -48,7 +48,7 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 /// `GET /readyz`: for `serve`, connected to NATS, consumers provisioned and present,
 /// and not draining; for `gateway`, connected with its key and bucket. `GET /metrics`:
 /// the OpenMetrics text format, labelled as such.
-pub fn router<P: Probes>(instruments: P) -> Router {
+pub(crate) fn router<P: Probes>(instruments: P) -> Router {
     Router::new()
         .route(
             "/healthz",
@@ -89,7 +89,7 @@ pub fn router<P: Probes>(instruments: P) -> Router {
 
 /// Serves the health endpoints on `listener` until the process ends; they must keep
 /// answering (503) while the service drains.
-pub fn spawn<P: Probes>(listener: TcpListener, instruments: P) {
+pub(crate) fn spawn<P: Probes>(listener: TcpListener, instruments: P) {
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router(instruments)).await {
             tracing::error!(error = %e, "health listener failed");

@@ -22,21 +22,21 @@ const KEY: &str = "hmac";
 
 /// What the gateway keeps of an id it minted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
+pub(crate) struct Record {
     /// The route's path.
-    pub route: String,
+    pub(crate) route: String,
     /// The caller's token identity ([`Key::identity`]).
-    pub identity: String,
+    pub(crate) identity: String,
     /// The conversation: `<STREAM>:<seq>`.
-    pub origin: String,
+    pub(crate) origin: String,
     /// A keyed id's request, which a retry with the key must repeat. Absent for a
     /// random id, and in records written before gateways kept it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub request: Option<Fingerprint>,
+    pub(crate) request: Option<Fingerprint>,
 }
 
 impl Record {
-    pub fn new(
+    pub(crate) fn new(
         route: &str,
         identity: &str,
         origin: &Origin,
@@ -52,7 +52,7 @@ impl Record {
 
     /// The conversation's origin; only gateways write records, so one that does not
     /// parse is an error, not someone else's.
-    pub fn origin(&self) -> anyhow::Result<Origin> {
+    pub(crate) fn origin(&self) -> anyhow::Result<Origin> {
         self.origin
             .parse()
             .map_err(|e| anyhow::anyhow!("a gateway record's origin {:?}: {e}", self.origin))
@@ -85,7 +85,7 @@ where
 
 /// What `<PREFIX>_GATEWAY_KEY` holds, as read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyEntry {
+pub(crate) enum KeyEntry {
     /// The server confirmed the bucket gone (10059).
     BucketGone,
     /// The bucket holds no key and never did: no value and no delete marker.
@@ -98,7 +98,7 @@ pub enum KeyEntry {
 
 /// Why a gateway has no key: what `/readyz` and refused requests say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyLoss {
+pub(crate) enum KeyLoss {
     BucketGone,
     Removed,
     /// An empty key bucket beside an existing records bucket: not a first start.
@@ -107,7 +107,7 @@ pub enum KeyLoss {
 
 impl KeyLoss {
     /// One line naming the bucket and the commands that end the loss.
-    pub fn describe(self, bucket: &str) -> String {
+    pub(crate) fn describe(self, bucket: &str) -> String {
         let what = match self {
             KeyLoss::BucketGone => format!("the gateway key's bucket {bucket} is gone"),
             KeyLoss::Removed => format!("the gateway key in the bucket {bucket} was deleted"),
@@ -131,13 +131,13 @@ impl KeyLoss {
 /// both lost look like a first start, and a new key is made then: the records it would
 /// serve are gone with their bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AtStart {
+pub(crate) enum AtStart {
     Use(Vec<u8>),
     Create,
     Lost(KeyLoss),
 }
 
-pub fn at_start(entry: KeyEntry, records_exist: bool) -> AtStart {
+pub(crate) fn at_start(entry: KeyEntry, records_exist: bool) -> AtStart {
     if !records_exist && matches!(entry, KeyEntry::BucketGone | KeyEntry::Never) {
         return AtStart::Create;
     }
@@ -149,7 +149,7 @@ pub fn at_start(entry: KeyEntry, records_exist: bool) -> AtStart {
 
 /// The key a running gateway uses (pure): the one in the bucket, or why there is none.
 /// A gateway that has had a key never makes one.
-pub fn running(entry: KeyEntry) -> Result<Vec<u8>, KeyLoss> {
+pub(crate) fn running(entry: KeyEntry) -> Result<Vec<u8>, KeyLoss> {
     match entry {
         KeyEntry::Value { key, .. } => Ok(key),
         KeyEntry::BucketGone => Err(KeyLoss::BucketGone),
@@ -160,13 +160,13 @@ pub fn running(entry: KeyEntry) -> Result<Vec<u8>, KeyLoss> {
 
 /// `<PREFIX>_GATEWAY_KEY`.
 #[derive(Debug, Clone)]
-pub struct KeyBucket {
+pub(crate) struct KeyBucket {
     bucket: StateBucket,
 }
 
 /// What installing a key did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Installed {
+pub(crate) enum Installed {
     /// There was none: the bucket (made if missing) holds it now.
     Made,
     /// The bucket held this very key.
@@ -176,20 +176,24 @@ pub enum Installed {
 }
 
 impl KeyBucket {
-    pub fn new(js: &jetstream::Context, subjects: &Subjects, streams: &StreamsConfig) -> KeyBucket {
+    pub(crate) fn new(
+        js: &jetstream::Context,
+        subjects: &Subjects,
+        streams: &StreamsConfig,
+    ) -> KeyBucket {
         KeyBucket {
             bucket: StateBucket::new(js.clone(), Bucket::GatewayKey.spec(subjects, streams)),
         }
     }
 
     /// The bucket's name.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.bucket.spec().name
     }
 
     /// What the bucket holds; an error when it cannot be read (the API down), which
     /// says nothing about the key.
-    pub async fn read(&self) -> anyhow::Result<KeyEntry> {
+    pub(crate) async fn read(&self) -> anyhow::Result<KeyEntry> {
         let entry = match on_bucket(&self.bucket, "reading the gateway key", |kv| async move {
             kv.entry(KEY).await
         })
@@ -212,7 +216,7 @@ impl KeyBucket {
     }
 
     /// The key a starting gateway uses, or why it has none (see [`at_start`]).
-    pub async fn at_start(&self, records: &Records) -> anyhow::Result<Result<Key, KeyLoss>> {
+    pub(crate) async fn at_start(&self, records: &Records) -> anyhow::Result<Result<Key, KeyLoss>> {
         // The records first: a gateway making the key on a first start makes them
         // after it, so one starting beside it sees either no records or the key.
         let records_exist = records.exists().await?;
@@ -248,7 +252,7 @@ impl KeyBucket {
 
     /// Writes `key`: made (with the bucket, if missing) when there is none; another
     /// key is replaced only when `replace`, with compare-and-set on the one read.
-    pub async fn install(&self, key: &[u8], replace: bool) -> anyhow::Result<Installed> {
+    pub(crate) async fn install(&self, key: &[u8], replace: bool) -> anyhow::Result<Installed> {
         let name = self.name();
         // A key written between the read and the write is read again, twice at most.
         for _ in 0..3 {
@@ -281,27 +285,31 @@ impl KeyBucket {
 }
 
 /// A new random key: 256 bits from the operating system's CSPRNG, in hex.
-pub fn fresh_key() -> anyhow::Result<Vec<u8>> {
+pub(crate) fn fresh_key() -> anyhow::Result<Vec<u8>> {
     Ok(format!("{}{}", ids::random_hex()?, ids::random_hex()?).into_bytes())
 }
 
 /// The records bucket: made again when the server confirms it gone, and brought to
 /// its declared bound (`StateBucket`).
 #[derive(Debug, Clone)]
-pub struct Records {
+pub(crate) struct Records {
     bucket: StateBucket,
 }
 
 impl Records {
     /// The bucket's handle, opened on first use.
-    pub fn new(js: &jetstream::Context, subjects: &Subjects, streams: &StreamsConfig) -> Records {
+    pub(crate) fn new(
+        js: &jetstream::Context,
+        subjects: &Subjects,
+        streams: &StreamsConfig,
+    ) -> Records {
         Records {
             bucket: StateBucket::new(js.clone(), Bucket::Gateway.spec(subjects, streams)),
         }
     }
 
     /// Opens the bucket now: made when missing, brought to its bound.
-    pub async fn open(&self) -> anyhow::Result<()> {
+    pub(crate) async fn open(&self) -> anyhow::Result<()> {
         self.bucket.store().await?;
         Ok(())
     }
@@ -312,7 +320,7 @@ impl Records {
     }
 
     /// The record of `id`, if the gateway minted it (and it has not aged out).
-    pub async fn get(&self, id: &str) -> anyhow::Result<Option<Record>> {
+    pub(crate) async fn get(&self, id: &str) -> anyhow::Result<Option<Record>> {
         let Some(value) = on_bucket(&self.bucket, "reading a record", |kv| {
             let id = id.to_string();
             async move { kv.get(id).await }
@@ -330,7 +338,7 @@ impl Records {
     /// Stores `record` for `id` unless one is there; returns the record that holds
     /// (a concurrent twin's, when it was first). A failed write drops the handle, so
     /// the caller's next try finds a deleted bucket gone and makes it again.
-    pub async fn create(&self, id: &str, record: &Record) -> anyhow::Result<Record> {
+    pub(crate) async fn create(&self, id: &str, record: &Record) -> anyhow::Result<Record> {
         // `fail-gateway-record`: the bucket refuses every write, as an unwritable
         // one would.
         if webproxy_dispatcher::test_hook("fail-gateway-record") {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::nats_auth;
+use crate::config::nats_auth;
 use anyhow::{Context as _, bail};
 use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
@@ -16,16 +16,18 @@ use webproxy_dispatcher::{
     connect,
 };
 
-use crate::config::{ClusterDocument, ClusterSource, Settings};
-use crate::live::{self, Running};
-use crate::{document, health, rotation};
+use crate::commands::serve_follow::{self, Running};
+use crate::config::document;
+use crate::config::schema::{ClusterDocument, ClusterSource, Settings};
+use crate::health_listener;
+use crate::rotation;
 use tokio::sync::{oneshot, watch};
 
 /// How long the start waits for the first heartbeat to be written before serving
 /// anyway (the heartbeat keeps trying).
 const FIRST_REPORT: std::time::Duration = std::time::Duration::from_secs(5);
 
-pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
+pub(crate) async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     redactor.add_fixed(nats_auth::secret_values(&settings.config.nats));
     let source = settings.config.config.source;
     // In file mode the rules are known now, and an unreadable secret stops the start
@@ -42,7 +44,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on http.listen = {listen}"))?;
-    health::spawn(listener, instruments.clone());
+    health_listener::spawn(listener, instruments.clone());
     info!(%listen, "health listener up");
 
     let shutdown = CancellationToken::new();
@@ -99,7 +101,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
     // runs: `config push` refuses a push no instance would follow, and `pools remove`
     // a pool a file-mode instance still has.
     let (reported, first_report) = oneshot::channel();
-    let reporting = tokio::spawn(live::heartbeat(
+    let reporting = tokio::spawn(serve_follow::heartbeat(
         client.clone(),
         settings.dispatcher.clone(),
         source,
@@ -118,7 +120,7 @@ pub async fn run(settings: Settings, redactor: Redactor) -> anyhow::Result<()> {
         // `config push` writes to it: a full bucket refuses the next revision.
         dispatcher.gauge_bucket(Bucket::Config);
         instruments.set_config_revision(revision);
-        tokio::spawn(live::follow(
+        tokio::spawn(serve_follow::follow(
             client.clone(),
             running,
             redactor,
@@ -165,7 +167,10 @@ fn log_warnings(settings: &Settings) {
 /// that start would). The gateway's tokens and key are `webproxy gateway`'s
 /// (`gateway::load_secrets`, which `check-config --gateway` runs), not serve's: a pod
 /// of one need not hold the other's secrets.
-pub fn load_secrets(settings: &Settings, redactor: &Redactor) -> anyhow::Result<Arc<Secrets>> {
+pub(crate) fn load_secrets(
+    settings: &Settings,
+    redactor: &Redactor,
+) -> anyhow::Result<Arc<Secrets>> {
     let secrets = Secrets::load(&settings.dispatcher.cluster.rules, redactor.clone())
         .context("cannot read an injected secret")?;
     Ok(Arc::new(secrets))
@@ -294,7 +299,7 @@ async fn server_info(client: &async_nats::Client) -> anyhow::Result<async_nats::
 /// background, and the wait for it ends at a signal. What `connect` itself returns is
 /// not worth retrying: an address that does not parse, or an unreadable credentials
 /// file.
-pub async fn connect_until_up(
+pub(crate) async fn connect_until_up(
     settings: &Settings,
     instruments: &Instruments,
     shutdown: &CancellationToken,
@@ -347,7 +352,7 @@ async fn follow_secret_files(
 }
 
 /// The one signal handler: SIGTERM or SIGINT starts the drain.
-pub async fn stop_on_signal(shutdown: CancellationToken) {
+pub(crate) async fn stop_on_signal(shutdown: CancellationToken) {
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

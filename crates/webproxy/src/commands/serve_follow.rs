@@ -16,15 +16,15 @@ use tracing::{debug, error, warn};
 use webproxy_config::{Redactor, Secrets};
 use webproxy_dispatcher::{AckWaitPacing, ConfigStore, Instruments, StartError, StoredRevision};
 
-use crate::config::{ClusterSource, Settings};
-use crate::document;
+use crate::config::document;
+use crate::config::schema::{ClusterSource, Settings};
 
 /// What this instance runs: the settings of one revision and its rules' secrets.
 #[derive(Clone)]
-pub struct Running {
-    pub revision: u64,
-    pub settings: Arc<Settings>,
-    pub secrets: Arc<Secrets>,
+pub(crate) struct Running {
+    pub(crate) revision: u64,
+    pub(crate) settings: Arc<Settings>,
+    pub(crate) secrets: Arc<Secrets>,
 }
 
 /// How often an instance reports; the bucket keeps a report for 20 s, so an instance
@@ -33,11 +33,11 @@ pub struct Running {
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// One instance's report in `<PREFIX>_INSTANCES`, under its id.
-pub use webproxy_dispatcher::InstanceReport as Report;
+pub(crate) use webproxy_dispatcher::InstanceReport as Report;
 
 /// The instances in `reports` that do not run `revision` or a later one (pure); an
 /// instance in file mode never runs a pushed revision, so it is not waited for.
-pub fn lagging(reports: &[Report], revision: u64) -> Vec<&Report> {
+pub(crate) fn lagging(reports: &[Report], revision: u64) -> Vec<&Report> {
     reports
         .iter()
         .filter(|r| !r.runs_file_mode() && r.revision < revision)
@@ -45,7 +45,7 @@ pub fn lagging(reports: &[Report], revision: u64) -> Vec<&Report> {
 }
 
 /// The live instances' reports, by id; none when the bucket does not exist.
-pub async fn reports(
+pub(crate) async fn reports(
     js: &jetstream::Context,
     subjects: &webproxy_protocol::Subjects,
 ) -> anyhow::Result<Vec<Report>> {
@@ -56,7 +56,7 @@ pub async fn reports(
 /// `ack_wait` this instance paces from, every [`HEARTBEAT`] and at once when any
 /// changes, until `shutdown`; then deletes the report, so `--wait` does not wait for
 /// this instance. `reported` is told once the first report was tried, written or not.
-pub async fn heartbeat(
+pub(crate) async fn heartbeat(
     client: async_nats::Client,
     settings: Arc<webproxy_config::Settings>,
     source: ClusterSource,
@@ -141,7 +141,7 @@ async fn write_report(
 /// logged with its number and counted, and the running one stays. A watch that is lost
 /// (NATS reconnects, the bucket is briefly unavailable) is made again after the last
 /// revision seen.
-pub async fn follow(
+pub(crate) async fn follow(
     client: async_nats::Client,
     running: watch::Sender<Running>,
     redactor: Redactor,

@@ -11,44 +11,44 @@ use clap::Args;
 use serde_json::{Value, json};
 use webproxy_client::{Answer, Client, Error as ClientError, Origin, Outcome, Reply, Request};
 
-use crate::operator::{NatsArgs, connect};
+use crate::commands::operator::{NatsArgs, connect};
 
 #[derive(Debug, Args)]
-pub struct SendArgs {
+pub(crate) struct SendArgs {
     #[command(flatten)]
-    pub nats: NatsArgs,
+    pub(crate) nats: NatsArgs,
     /// The pool to send to.
     #[arg(long, default_value = "default")]
-    pub pool: String,
+    pub(crate) pool: String,
     /// How long to wait for the reply; past it `send` exits 4 and prints the origin, by
     /// which the stored reply can be read later.
     #[arg(long, visible_alias = "wait", default_value = "30s", value_parser = humantime::parse_duration)]
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// A request header, `Name: value`; repeat for more.
     #[arg(short = 'H', long = "header", value_name = "HEADER")]
-    pub headers: Vec<String>,
+    pub(crate) headers: Vec<String>,
     /// The request body.
     #[arg(short = 'd', long = "data", conflicts_with = "data_file")]
-    pub data: Option<String>,
+    pub(crate) data: Option<String>,
     /// Read the request body from a file.
     #[arg(long, value_name = "PATH")]
-    pub data_file: Option<PathBuf>,
+    pub(crate) data_file: Option<PathBuf>,
     /// The caller name: the request goes on `<prefix>.request.<pool>.<caller>`, the
     /// subject NATS permissions let an isolated caller publish on.
     #[arg(long, value_name = "NAME")]
-    pub caller: Option<String>,
+    pub(crate) caller: Option<String>,
     /// Have the reply copied to this subject and listen there only (an isolated
     /// caller may read neither `<prefix>.reply.>` nor the stored replies).
     #[arg(long, value_name = "SUBJECT")]
-    pub reply_to: Option<String>,
+    pub(crate) reply_to: Option<String>,
     /// Print exactly one JSON object: the reply with its `origin`, or a failure
     /// (`failure`, `exit_code`, `message`, and `id` and `origin` after a timeout).
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
     /// The HTTP method, e.g. GET.
-    pub method: String,
+    pub(crate) method: String,
     /// The absolute http or https URL to request.
-    pub url: String,
+    pub(crate) url: String,
 }
 
 /// Why `send` ended without a reply to print, each with its exit code. 0 is a
@@ -116,7 +116,7 @@ impl Failure {
     }
 }
 
-pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
     match send(&args).await {
         Ok(answer) => print_answer(&answer, args.json),
         Err(failure) => print_failure(&failure, args.json),

@@ -9,33 +9,33 @@ use serde_json::json;
 use webproxy_protocol::{ErrorCode, Headers, Outcome, Reply, collect_headers, is_hop_by_hop};
 
 /// The caller's deadline, an RFC 3339 date-time; it becomes the envelope's `deadline`.
-pub const DEADLINE: &str = "webproxy-deadline";
+pub(crate) const DEADLINE: &str = "webproxy-deadline";
 /// The answer's conversation id, attempts and outcome, on every answer.
-pub const ID: &str = "webproxy-id";
-pub const ATTEMPTS: &str = "webproxy-attempts";
-pub const OUTCOME: &str = "webproxy-outcome";
+pub(crate) const ID: &str = "webproxy-id";
+pub(crate) const ATTEMPTS: &str = "webproxy-attempts";
+pub(crate) const OUTCOME: &str = "webproxy-outcome";
 /// `Webproxy-Outcome` of a 202: the conversation goes on.
-pub const PENDING: &str = "pending";
+pub(crate) const PENDING: &str = "pending";
 /// W3C trace context: it travels on the NATS message, where the service reads it.
 const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 /// An HTTP request's headers, split: those for the envelope and what the gateway
 /// reads itself.
 #[derive(Debug, Default, PartialEq)]
-pub struct Split {
-    pub headers: Headers,
-    pub deadline: Option<String>,
+pub(crate) struct Split {
+    pub(crate) headers: Headers,
+    pub(crate) deadline: Option<String>,
     /// `traceparent` and `tracestate`, for the NATS message.
-    pub trace: Vec<(String, String)>,
+    pub(crate) trace: Vec<(String, String)>,
     /// `Prefer: respond-async`: answer 202 at once.
-    pub respond_async: bool,
+    pub(crate) respond_async: bool,
 }
 
 /// Splits `headers`. Not forwarded: hop-by-hop headers (and those `Connection`
 /// names), `Host`, `Proxy-Authorization`, the route's token header, the deadline,
 /// the trace context (it goes on the NATS message) and a `Prefer` asking for
 /// `respond-async`. A value that is not text is refused (400).
-pub fn split(headers: &HeaderMap, token_header: &str) -> Result<Split, String> {
+pub(crate) fn split(headers: &HeaderMap, token_header: &str) -> Result<Split, String> {
     let connection: Vec<String> = headers
         .get_all("connection")
         .iter()
@@ -90,19 +90,19 @@ fn prefers_async(value: &str) -> bool {
 
 /// An HTTP answer, before it is written.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Answer {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) body: Vec<u8>,
     /// `Webproxy-Outcome`: `response`, `error` or `pending`.
-    pub outcome: &'static str,
+    pub(crate) outcome: &'static str,
     /// The metrics label: `response`, the error code, or the gateway's own code.
-    pub label: &'static str,
-    pub attempts: u32,
+    pub(crate) label: &'static str,
+    pub(crate) attempts: u32,
 }
 
 /// The status an error outcome is answered with.
-pub fn error_status(code: ErrorCode, status: Option<u16>) -> u16 {
+pub(crate) fn error_status(code: ErrorCode, status: Option<u16>) -> u16 {
     match code {
         ErrorCode::Denied => 403,
         ErrorCode::InvalidRequest => 400,
@@ -117,7 +117,7 @@ pub fn error_status(code: ErrorCode, status: Option<u16>) -> u16 {
 /// A reply, answered as the original request is: a response with the upstream's
 /// status, headers (less hop-by-hop ones) and body; an error with its status and
 /// `{"error": {"code", "message"}}`.
-pub fn from_reply(reply: &Reply) -> Answer {
+pub(crate) fn from_reply(reply: &Reply) -> Answer {
     match (reply.outcome, &reply.error) {
         (Outcome::Response, _) => {
             let headers = reply
@@ -168,7 +168,7 @@ pub fn from_reply(reply: &Reply) -> Answer {
 
 /// An answer the gateway makes itself, before or instead of a reply: `code` names
 /// what went wrong (and is its metrics label).
-pub fn gateway_error(status: u16, code: &'static str, message: &str) -> Answer {
+pub(crate) fn gateway_error(status: u16, code: &'static str, message: &str) -> Answer {
     Answer {
         status,
         headers: json_content(),
@@ -180,7 +180,7 @@ pub fn gateway_error(status: u16, code: &'static str, message: &str) -> Answer {
 }
 
 /// The 202 of a conversation that goes on: `Location` is where its reply will be.
-pub fn pending(id: &str) -> Answer {
+pub(crate) fn pending(id: &str) -> Answer {
     let location = format!("{}{id}", super::REPLIES_PATH);
     let mut headers = json_content();
     headers.push(("location".into(), location.clone()));
@@ -199,7 +199,7 @@ pub fn pending(id: &str) -> Answer {
 /// The answer once the wait is over: the reply when there is one; without one, the
 /// 202 when the id is recorded, and `unrecorded` (500) when its record could not be
 /// written, since `/_webproxy/replies/<id>` would never serve that id.
-pub fn settled(id: &str, recorded: bool, reply: Option<&Reply>) -> Answer {
+pub(crate) fn settled(id: &str, recorded: bool, reply: Option<&Reply>) -> Answer {
     match (reply, recorded) {
         (Some(reply), _) => from_reply(reply),
         (None, true) => pending(id),
@@ -225,7 +225,7 @@ fn error_body(code: &str, message: &str) -> Vec<u8> {
 
 /// The envelope body: always base64, so its size is known before publishing
 /// (`4 * ceil(n / 3)` bytes, never a JSON escape's six per byte).
-pub fn body_base64(body: &[u8]) -> Option<String> {
+pub(crate) fn body_base64(body: &[u8]) -> Option<String> {
     (!body.is_empty()).then(|| BASE64.encode(body))
 }
 

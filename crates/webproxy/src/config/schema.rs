@@ -17,68 +17,68 @@ use webproxy_config::{
     StreamsConfig,
 };
 
-use crate::nats_auth::NatsConfig;
+use crate::config::nats_auth::NatsConfig;
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct Config {
-    pub nats: NatsConfig,
-    pub streams: StreamsConfig,
-    pub http: HttpConfig,
-    pub gateway: crate::gateway_config::GatewayConfig,
-    pub outbound: OutboundConfig,
-    pub service: ServiceConfig,
-    pub log: LogConfig,
-    pub telemetry: TelemetryConfig,
-    pub config: SourceConfig,
+pub(crate) struct Config {
+    pub(crate) nats: NatsConfig,
+    pub(crate) streams: StreamsConfig,
+    pub(crate) http: HttpConfig,
+    pub(crate) gateway: crate::config::gateway::GatewayConfig,
+    pub(crate) outbound: OutboundConfig,
+    pub(crate) service: ServiceConfig,
+    pub(crate) log: LogConfig,
+    pub(crate) telemetry: TelemetryConfig,
+    pub(crate) config: SourceConfig,
     #[serde(default)]
-    pub pools: BTreeMap<String, PoolConfig>,
+    pub(crate) pools: BTreeMap<String, PoolConfig>,
     #[serde(default)]
-    pub request_rules: Vec<RequestRuleConfig>,
+    pub(crate) request_rules: Vec<RequestRuleConfig>,
     /// Global response rules; first match in file order wins.
     #[serde(default)]
-    pub response_rules: Vec<ResponseRuleConfig>,
+    pub(crate) response_rules: Vec<ResponseRuleConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct HttpConfig {
-    pub listen: SocketAddr,
+pub(crate) struct HttpConfig {
+    pub(crate) listen: SocketAddr,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct ServiceConfig {
+pub(crate) struct ServiceConfig {
     /// How long the server waits for an ack before it redelivers; attempts send
     /// progress acks every third of it.
     #[serde(with = "humantime_serde")]
-    pub ack_wait: Duration,
+    pub(crate) ack_wait: Duration,
     /// How long a stopping instance waits for its attempts in flight.
     #[serde(with = "humantime_serde")]
-    pub shutdown_grace: Duration,
+    pub(crate) shutdown_grace: Duration,
     /// How often the secret files this process reads (injected headers, gateway
     /// tokens) are read again and compared with the values in force; zero: on SIGHUP
     /// only. This process's, like `shutdown_grace`.
     #[serde(with = "humantime_serde")]
-    pub secret_poll_interval: Duration,
+    pub(crate) secret_poll_interval: Duration,
     /// A pool message delivered more often than this crashed or stalled an instance
     /// that many times: it is answered `internal` and dead-lettered, not attempted.
-    pub max_deliver: u32,
+    pub(crate) max_deliver: u32,
 }
 
 /// `[config]`: where the cluster part comes from.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct SourceConfig {
-    pub source: ClusterSource,
+pub(crate) struct SourceConfig {
+    pub(crate) source: ClusterSource,
 }
 
 /// `file`: the cluster sections of this configuration. `kv`: the bucket
 /// `<PREFIX>_CONFIG`, seeded from this configuration when it is empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ClusterSource {
+pub(crate) enum ClusterSource {
     File,
     Kv,
 }
@@ -86,16 +86,16 @@ pub enum ClusterSource {
 /// How logs are written.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct LogConfig {
-    pub format: LogFormat,
+pub(crate) struct LogConfig {
+    pub(crate) format: LogFormat,
     /// A tracing filter (`info`, `webproxy=debug,info`); `RUST_LOG` overrides it.
-    pub level: String,
+    pub(crate) level: String,
 }
 
 /// `auto` is text on a terminal and JSON otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     Auto,
     Json,
     Text,
@@ -104,33 +104,33 @@ pub enum LogFormat {
 /// Trace export.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct TelemetryConfig {
+pub(crate) struct TelemetryConfig {
     /// The OTLP base URL (`http://collector:4318`, or `:4317` with gRPC); empty leaves
     /// export to the `OTEL_EXPORTER_OTLP_*` environment, which wins over it. Spans and
     /// context propagation exist either way.
-    pub otlp_endpoint: String,
-    pub service_name: String,
+    pub(crate) otlp_endpoint: String,
+    pub(crate) service_name: String,
 }
 
 /// A validated configuration: what `serve` runs on and `check-config` prints.
 #[derive(Debug, Clone)]
-pub struct Settings {
-    pub config: Config,
+pub(crate) struct Settings {
+    pub(crate) config: Config,
     /// The streams and the compiled cluster part, which the dispatcher runs on.
-    pub dispatcher: std::sync::Arc<webproxy_config::Settings>,
+    pub(crate) dispatcher: std::sync::Arc<webproxy_config::Settings>,
     /// `[gateway]`, checked: what `webproxy gateway` serves.
-    pub gateway: crate::gateway_config::Gateway,
+    pub(crate) gateway: crate::config::gateway::Gateway,
     /// `WEBPROXY_` variables that are not configuration and were ignored, each named.
-    pub environment_warnings: Vec<String>,
+    pub(crate) environment_warnings: Vec<String>,
     /// The cluster sections and variables the `--config` file and the environment
     /// set, which `source = "kv"` ignores once the bucket holds a document.
-    pub cluster_keys_set: Vec<String>,
+    pub(crate) cluster_keys_set: Vec<String>,
 }
 
 impl Settings {
     /// These settings with a cluster document (parsed and validated by `document`) in
     /// place of the file's cluster part.
-    pub fn with_document(
+    pub(crate) fn with_document(
         mut self,
         document: ClusterDocument,
         dispatcher: webproxy_config::Settings,
@@ -148,7 +148,7 @@ impl Settings {
 
     /// What `check-config` (and `serve`, at start) warns about: a configuration that
     /// runs, but probably not as meant. Each names the key.
-    pub fn warnings(&self) -> Vec<String> {
+    pub(crate) fn warnings(&self) -> Vec<String> {
         let mut warnings = self.environment_warnings.clone();
         warnings.extend(self.dispatcher.cluster.warnings());
         let nats = &self.config.nats;
@@ -186,7 +186,7 @@ impl Settings {
 
 impl Config {
     /// The cluster part of the file, as the document a bucket would hold.
-    pub fn document(&self) -> ClusterDocument {
+    pub(crate) fn document(&self) -> ClusterDocument {
         ClusterDocument {
             outbound: self.outbound.clone(),
             service: ClusterService {
@@ -200,16 +200,16 @@ impl Config {
     }
 
     /// The cluster part of the file: the document the dispatcher takes whole.
-    pub fn cluster(&self) -> ClusterConfig {
+    pub(crate) fn cluster(&self) -> ClusterConfig {
         self.document().into()
     }
 
     /// Checks everything that can be checked without a server and compiles the rules.
-    pub fn validate(self) -> Result<Settings, ConfigError> {
+    pub(crate) fn validate(self) -> Result<Settings, ConfigError> {
         if self.nats.urls().is_empty() {
             return Err(ConfigError::new("nats.url", "names no server"));
         }
-        crate::nats_auth::check(&self.nats)?;
+        crate::config::nats_auth::check(&self.nats)?;
         let gateway = self.gateway.check()?;
         let dispatcher = webproxy_config::Settings::new(self.streams.clone(), self.cluster())?;
         let endpoint = self.telemetry.otlp_endpoint.trim();
@@ -233,25 +233,25 @@ impl Config {
 /// The cluster part, with the file's shape.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClusterDocument {
-    pub outbound: OutboundConfig,
-    pub service: ClusterService,
+pub(crate) struct ClusterDocument {
+    pub(crate) outbound: OutboundConfig,
+    pub(crate) service: ClusterService,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub pools: BTreeMap<String, PoolConfig>,
+    pub(crate) pools: BTreeMap<String, PoolConfig>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub request_rules: Vec<RequestRuleConfig>,
+    pub(crate) request_rules: Vec<RequestRuleConfig>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub response_rules: Vec<ResponseRuleConfig>,
+    pub(crate) response_rules: Vec<ResponseRuleConfig>,
 }
 
 /// The document's `[service]`: the consumer timings. `shutdown_grace` and
 /// `secret_poll_interval` are the process's and have no place here.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClusterService {
+pub(crate) struct ClusterService {
     #[serde(with = "humantime_serde")]
-    pub ack_wait: Duration,
-    pub max_deliver: u32,
+    pub(crate) ack_wait: Duration,
+    pub(crate) max_deliver: u32,
 }
 
 impl From<ClusterDocument> for ClusterConfig {
@@ -270,7 +270,7 @@ impl From<ClusterDocument> for ClusterConfig {
 /// The sections and keys a document holds: how the start-up warning names each, and
 /// its key path in the configuration (`kv` mode ignores the file's and the
 /// environment's values under these paths).
-pub const SECTIONS: [(&str, &str); 6] = [
+pub(crate) const SECTIONS: [(&str, &str); 6] = [
     ("[outbound]", "outbound"),
     ("[service] ack_wait", "service.ack_wait"),
     ("[service] max_deliver", "service.max_deliver"),
@@ -289,7 +289,7 @@ mod tests {
     /// The compiled-in defaults with `extra` (TOML) laid over them, as the
     /// configuration layers do.
     fn config_from(extra: &str) -> Config {
-        Figment::from(Toml::string(crate::cfg::DEFAULT_CONFIG))
+        Figment::from(Toml::string(crate::config::load::DEFAULT_CONFIG))
             .merge(Toml::string(extra))
             .extract()
             .expect("a config")

@@ -14,11 +14,11 @@ use figment::providers::{Format as _, Serialized, Toml};
 use figment::value::Value;
 use webproxy_config::{ConfigError, StreamsConfig, element_key};
 
-use crate::config::ClusterDocument;
+use crate::config::schema::ClusterDocument;
 
 /// The compiled-in defaults of the document's sections: what a document leaves out.
 fn defaults() -> anyhow::Result<ClusterDocument> {
-    let defaults: crate::config::Config = crate::cfg::figment(None)?
+    let defaults: crate::config::schema::Config = crate::config::load::figment(None)?
         .extract()
         .context("the compiled-in defaults do not parse")?;
     Ok(defaults.document())
@@ -26,20 +26,20 @@ fn defaults() -> anyhow::Result<ClusterDocument> {
 
 /// Parses a document over the defaults; an error names the key. Literal secrets are
 /// refused before anything else, so that no error message repeats one.
-pub fn parse(text: &str) -> anyhow::Result<ClusterDocument> {
+pub(crate) fn parse(text: &str) -> anyhow::Result<ClusterDocument> {
     let figment = Figment::from(Serialized::defaults(defaults()?)).merge(Toml::string(text));
     if let Ok(rules) = Figment::from(Toml::string(text)).find_value("request_rules") {
         refuse_literal_secrets(&rules)?;
     }
     figment
         .extract()
-        .map_err(|e| anyhow::anyhow!(crate::cfg::describe(e, &[], &figment)))
+        .map_err(|e| anyhow::anyhow!(crate::config::load::describe(e, &[], &figment)))
 }
 
 /// Parses a document and validates it with the process's `[streams]`, exactly as
 /// `serve` validates the file's cluster part (the checks across the two parts
 /// included).
-pub fn validate(
+pub(crate) fn validate(
     text: &str,
     streams: &StreamsConfig,
 ) -> anyhow::Result<(ClusterDocument, webproxy_config::Settings)> {
@@ -49,7 +49,7 @@ pub fn validate(
 }
 
 /// A document's text: what `serve` seeds an empty bucket with.
-pub fn to_text(document: &ClusterDocument) -> anyhow::Result<String> {
+pub(crate) fn to_text(document: &ClusterDocument) -> anyhow::Result<String> {
     toml::to_string(document).context("cannot write the cluster part as TOML")
 }
 
@@ -103,7 +103,7 @@ fn is_scheme_prefix(prefix: &str) -> bool {
 
 /// The pools `current` has and `pushed` leaves out: they keep being served until
 /// `webproxy pools remove` deletes them.
-pub fn removed_pools(current: &ClusterDocument, pushed: &ClusterDocument) -> Vec<String> {
+pub(crate) fn removed_pools(current: &ClusterDocument, pushed: &ClusterDocument) -> Vec<String> {
     let kept: BTreeSet<&String> = pushed.pools.keys().collect();
     current
         .pools
@@ -114,7 +114,7 @@ pub fn removed_pools(current: &ClusterDocument, pushed: &ClusterDocument) -> Vec
 }
 
 /// A unified diff, `old` to `new`, with three lines of context; empty when equal.
-pub fn unified_diff(old: &str, new: &str, old_name: &str, new_name: &str) -> String {
+pub(crate) fn unified_diff(old: &str, new: &str, old_name: &str, new_name: &str) -> String {
     if old == new {
         return String::new();
     }
@@ -173,7 +173,7 @@ mod tests {
     #[test]
     fn a_document_is_checked_with_the_process_streams() {
         let streams = |duplicate_window: &str| -> StreamsConfig {
-            let config: crate::config::Config = crate::cfg::figment(None)
+            let config: crate::config::schema::Config = crate::config::load::figment(None)
                 .expect("defaults")
                 .merge(Toml::string(&format!(
                     "[streams]\nduplicate_window = \"{duplicate_window}\""

@@ -4,11 +4,11 @@
 
 use url::Url;
 
-use crate::gateway_config::Route;
+use crate::config::gateway::Route;
 
 /// The route whose `path` is the longest prefix of `path` on a segment boundary (the
 /// rest is empty, starts with `/`, or the route's path ends with `/`), and the rest.
-pub fn find<'a, 'p>(routes: &'a [Route], path: &'p str) -> Option<(&'a Route, &'p str)> {
+pub(crate) fn find<'a, 'p>(routes: &'a [Route], path: &'p str) -> Option<(&'a Route, &'p str)> {
     routes
         .iter()
         .filter_map(|route| {
@@ -28,7 +28,7 @@ pub fn find<'a, 'p>(routes: &'a [Route], path: &'p str) -> Option<(&'a Route, &'
 /// or path. A `;` elsewhere in the path stays: whether it may be sent is the request
 /// rule's (`allow_path_parameters`), which the service applies (400 from its
 /// `invalid_request`).
-pub fn target(route: &Route, rest: &str, query: Option<&str>) -> Result<Url, String> {
+pub(crate) fn target(route: &Route, rest: &str, query: Option<&str>) -> Result<Url, String> {
     let lower = rest.to_ascii_lowercase();
     if lower.contains("%2f") || lower.contains("%5c") || rest.contains('\\') {
         return Err("the path holds an encoded separator (%2F or %5C) or a backslash".into());

@@ -13,15 +13,15 @@ use webproxy_protocol::Headers;
 type HmacSha256 = Hmac<Sha256>;
 
 /// Every minted id starts with this.
-pub const PREFIX: &str = "gw-";
+pub(crate) const PREFIX: &str = "gw-";
 
 /// The token identity of a route without a token.
-pub const ANONYMOUS: &str = "anonymous";
+pub(crate) const ANONYMOUS: &str = "anonymous";
 
 /// The gateway's HMAC key. Compared only with other keys the gateway read (a rotation
 /// is told from a re-read), never with anything a caller sends.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Key(Vec<u8>);
+pub(crate) struct Key(Vec<u8>);
 
 impl std::fmt::Debug for Key {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -30,7 +30,7 @@ impl std::fmt::Debug for Key {
 }
 
 impl Key {
-    pub fn new(bytes: impl Into<Vec<u8>>) -> Key {
+    pub(crate) fn new(bytes: impl Into<Vec<u8>>) -> Key {
         Key(bytes.into())
     }
 
@@ -47,7 +47,7 @@ impl Key {
     }
 
     /// The id of the conversation a client key names on a route for a token identity.
-    pub fn id_for(&self, route: &str, identity: &str, client_key: &str) -> String {
+    pub(crate) fn id_for(&self, route: &str, identity: &str, client_key: &str) -> String {
         let mac = self.mac(&[
             b"id",
             route.as_bytes(),
@@ -62,7 +62,7 @@ impl Key {
     /// itself, which the HTTP client and reply subscribers see, so no one can publish
     /// first under it. Another request under the same id is another message, so it
     /// is never taken for the first one's duplicate.
-    pub fn msg_id_for(&self, id: &str, request: &Fingerprint) -> String {
+    pub(crate) fn msg_id_for(&self, id: &str, request: &Fingerprint) -> String {
         let fields = [
             b"msg-id".as_slice(),
             id.as_bytes(),
@@ -79,7 +79,7 @@ impl Key {
     /// body or URL. `headers` are the ones the envelope carries (no hop-by-hop or
     /// trace headers, no token, no deadline), less `key_header`, whose value is
     /// already in the id.
-    pub fn fingerprint(
+    pub(crate) fn fingerprint(
         &self,
         method: &str,
         url: &str,
@@ -104,7 +104,7 @@ impl Key {
 
     /// The identity of a route's token: an HMAC of its value, so a token's
     /// identity is stable across gateways and never shows the token.
-    pub fn identity(&self, token: Option<&str>) -> String {
+    pub(crate) fn identity(&self, token: Option<&str>) -> String {
         match token {
             Some(token) => format!("t{}", hex(&self.mac(&[b"token", token.as_bytes()])[..12])),
             None => ANONYMOUS.into(),
@@ -115,16 +115,16 @@ impl Key {
 /// The parts of a keyed request, each an HMAC-SHA256 in hex ([`Key::fingerprint`]),
 /// kept in the id's record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Fingerprint {
-    pub method: String,
-    pub url: String,
-    pub headers: String,
-    pub body: String,
+pub(crate) struct Fingerprint {
+    pub(crate) method: String,
+    pub(crate) url: String,
+    pub(crate) headers: String,
+    pub(crate) body: String,
 }
 
 /// How a request stands to the record of its keyed id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Binding {
+pub(crate) enum Binding {
     /// The request the id was first used with: its answer is this one's.
     Same,
     /// Another request: the first part that differs, in the order method, URL,
@@ -137,7 +137,7 @@ pub enum Binding {
 }
 
 /// How `request` stands to `recorded`, the fingerprint in its id's record.
-pub fn binding(recorded: Option<&Fingerprint>, request: &Fingerprint) -> Binding {
+pub(crate) fn binding(recorded: Option<&Fingerprint>, request: &Fingerprint) -> Binding {
     let Some(recorded) = recorded else {
         return Binding::Unbound;
     };
@@ -154,12 +154,12 @@ pub fn binding(recorded: Option<&Fingerprint>, request: &Fingerprint) -> Binding
 }
 
 /// A random id, for a request without a client key.
-pub fn random_id() -> Result<String, getrandom::Error> {
+pub(crate) fn random_id() -> Result<String, getrandom::Error> {
     Ok(format!("{PREFIX}{}", random_hex()?))
 }
 
 /// 32 hex characters, 128 bits from the operating system's CSPRNG.
-pub fn random_hex() -> Result<String, getrandom::Error> {
+pub(crate) fn random_hex() -> Result<String, getrandom::Error> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes)?;
     Ok(hex(&bytes))
@@ -171,7 +171,7 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Whether `given` is `expected`, in time that depends on neither (both hashed
 /// first, so not even the length shows).
-pub fn token_matches(given: &str, expected: &str) -> bool {
+pub(crate) fn token_matches(given: &str, expected: &str) -> bool {
     let given = Sha256::digest(given.as_bytes());
     let expected = Sha256::digest(expected.as_bytes());
     given.ct_eq(&expected).into()
@@ -179,7 +179,7 @@ pub fn token_matches(given: &str, expected: &str) -> bool {
 
 /// The token in a header's value: `Bearer <token>` (scheme in any case), or for a
 /// header of the route's own, the whole value too.
-pub fn presented(value: &str, proxy_credential: bool) -> Option<&str> {
+pub(crate) fn presented(value: &str, proxy_credential: bool) -> Option<&str> {
     let value = value.trim();
     match value.split_once(' ') {
         Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => Some(token.trim()),

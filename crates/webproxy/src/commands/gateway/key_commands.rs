@@ -10,10 +10,10 @@ use anyhow::Context as _;
 use clap::Subcommand;
 
 use super::store::{self, Installed, KeyBucket};
-use crate::operator::{NatsArgs, connect_with_settings};
+use crate::commands::operator::{NatsArgs, connect_with_settings};
 
 #[derive(Debug, Subcommand)]
-pub enum KeyCommand {
+pub(crate) enum KeyCommand {
     /// Print the shared key, or write it to a new file only its owner may read, so
     /// that `restore` can put it back if its bucket is lost.
     Export {
@@ -64,7 +64,7 @@ async fn key_bucket(nats: &NatsArgs) -> anyhow::Result<KeyBucket> {
     ))
 }
 
-pub async fn run(command: KeyCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(command: KeyCommand) -> anyhow::Result<()> {
     match command {
         KeyCommand::Export { to, nats } => {
             let keys = key_bucket(&nats).await?;

@@ -17,11 +17,11 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use serde::Deserialize;
 
-use crate::nats_auth::{NatsConfig, Secret};
+use crate::config::nats_auth::{NatsConfig, Secret};
 
 /// The nats CLI's connection flags, on every command that talks to NATS.
 #[derive(Debug, Clone, Default, Args)]
-pub struct ConnectionArgs {
+pub(crate) struct ConnectionArgs {
     /// NATS server URL(s), comma-separated [env: NATS_URL].
     #[arg(
         short = 's',
@@ -29,55 +29,55 @@ pub struct ConnectionArgs {
         visible_alias = "nats",
         value_name = "URL"
     )]
-    pub server: Option<String>,
+    pub(crate) server: Option<String>,
     /// NATS user credentials file [env: NATS_CREDS].
     #[arg(long, value_name = "FILE", conflicts_with = "user")]
-    pub creds: Option<PathBuf>,
+    pub(crate) creds: Option<PathBuf>,
     /// NATS NKey seed file [env: NATS_NKEY].
     #[arg(long, value_name = "FILE", conflicts_with_all = ["user", "creds"])]
-    pub nkey: Option<PathBuf>,
+    pub(crate) nkey: Option<PathBuf>,
     /// NATS user name; without --password, a token (as the nats CLI reads it).
     #[arg(long, value_name = "USER")]
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     /// NATS password, with --user.
     #[arg(long, value_name = "PASSWORD", requires = "user")]
-    pub password: Option<String>,
+    pub(crate) password: Option<String>,
     /// The CA that signs the NATS server's certificate; turns TLS on.
     #[arg(long, value_name = "FILE")]
-    pub tlsca: Option<PathBuf>,
+    pub(crate) tlsca: Option<PathBuf>,
     /// Client certificate for TLS, with --tlskey [env: NATS_CERT].
     #[arg(long, value_name = "FILE", requires = "tlskey")]
-    pub tlscert: Option<PathBuf>,
+    pub(crate) tlscert: Option<PathBuf>,
     /// Private key of --tlscert [env: NATS_KEY].
     #[arg(long, value_name = "FILE", requires = "tlscert")]
-    pub tlskey: Option<PathBuf>,
+    pub(crate) tlskey: Option<PathBuf>,
     /// The connection's inbox prefix, for a user whose NATS permissions allow
     /// subscribing only under its own subjects (`callers.a._INBOX`).
     #[arg(long, value_name = "PREFIX")]
-    pub inbox_prefix: Option<String>,
+    pub(crate) inbox_prefix: Option<String>,
     /// The JetStream API prefix of a JetStream imported from another account, instead
     /// of `$JS.API`.
     #[arg(long, value_name = "PREFIX")]
-    pub js_api_prefix: Option<String>,
+    pub(crate) js_api_prefix: Option<String>,
     /// A nats CLI context, read from $XDG_CONFIG_HOME/nats/context/NAME.json
     /// [env: NATS_CONTEXT].
     #[arg(long, value_name = "NAME")]
-    pub context: Option<String>,
+    pub(crate) context: Option<String>,
 }
 
 /// The nats CLI's environment variables; an empty one counts as unset.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct NatsEnvironment {
-    pub url: Option<String>,
-    pub creds: Option<PathBuf>,
-    pub nkey: Option<PathBuf>,
-    pub cert: Option<PathBuf>,
-    pub key: Option<PathBuf>,
-    pub context: Option<String>,
+pub(crate) struct NatsEnvironment {
+    pub(crate) url: Option<String>,
+    pub(crate) creds: Option<PathBuf>,
+    pub(crate) nkey: Option<PathBuf>,
+    pub(crate) cert: Option<PathBuf>,
+    pub(crate) key: Option<PathBuf>,
+    pub(crate) context: Option<String>,
 }
 
 impl NatsEnvironment {
-    pub fn from_process() -> NatsEnvironment {
+    pub(crate) fn from_process() -> NatsEnvironment {
         let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
         NatsEnvironment {
             url: var("NATS_URL"),
@@ -93,7 +93,7 @@ impl NatsEnvironment {
 /// How to authenticate: one way at a time, so a higher layer's choice replaces a
 /// lower layer's whole.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Auth {
+pub(crate) enum Auth {
     Creds(PathBuf),
     NkeySeed(PathBuf),
     Token(Secret),
@@ -102,14 +102,14 @@ pub enum Auth {
 
 /// Connection settings from one source; `None` leaves the setting to the sources below.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Layer {
-    pub url: Option<String>,
-    pub auth: Option<Auth>,
-    pub tls_ca_file: Option<PathBuf>,
+pub(crate) struct Layer {
+    pub(crate) url: Option<String>,
+    pub(crate) auth: Option<Auth>,
+    pub(crate) tls_ca_file: Option<PathBuf>,
     /// The client certificate and its key.
-    pub client_cert: Option<(PathBuf, PathBuf)>,
-    pub inbox_prefix: Option<String>,
-    pub js_api_prefix: Option<String>,
+    pub(crate) client_cert: Option<(PathBuf, PathBuf)>,
+    pub(crate) inbox_prefix: Option<String>,
+    pub(crate) js_api_prefix: Option<String>,
 }
 
 impl Layer {
@@ -127,7 +127,7 @@ impl Layer {
 
     /// Lays these settings over the configuration's `[nats]`: an authentication
     /// replaces whichever the configuration names.
-    pub fn apply(&self, nats: &mut NatsConfig) {
+    pub(crate) fn apply(&self, nats: &mut NatsConfig) {
         if let Some(url) = &self.url {
             nats.url.clone_from(url);
         }
@@ -164,13 +164,20 @@ impl Layer {
 }
 
 /// The context to read: `--context`, else `NATS_CONTEXT`.
-pub fn context_name<'a>(flags: &'a ConnectionArgs, env: &'a NatsEnvironment) -> Option<&'a str> {
+pub(crate) fn context_name<'a>(
+    flags: &'a ConnectionArgs,
+    env: &'a NatsEnvironment,
+) -> Option<&'a str> {
     flags.context.as_deref().or(env.context.as_deref())
 }
 
 /// The one precedence: `NATS_URL`, `NATS_CREDS` (before `NATS_NKEY`, the nats CLI's
 /// order) and `NATS_CERT`/`NATS_KEY`, under the context's settings, under the flags.
-pub fn resolve(flags: &ConnectionArgs, env: &NatsEnvironment, context: Option<Layer>) -> Layer {
+pub(crate) fn resolve(
+    flags: &ConnectionArgs,
+    env: &NatsEnvironment,
+    context: Option<Layer>,
+) -> Layer {
     let environment = Layer {
         url: env.url.clone(),
         auth: env
@@ -205,7 +212,7 @@ pub fn resolve(flags: &ConnectionArgs, env: &NatsEnvironment, context: Option<La
 }
 
 /// Resolves the flags with the process's environment, reading the chosen context.
-pub fn overrides(flags: &ConnectionArgs) -> anyhow::Result<Layer> {
+pub(crate) fn overrides(flags: &ConnectionArgs) -> anyhow::Result<Layer> {
     let env = NatsEnvironment::from_process();
     let home = std::env::home_dir();
     let context = match context_name(flags, &env) {
@@ -220,7 +227,7 @@ pub fn overrides(flags: &ConnectionArgs) -> anyhow::Result<Layer> {
 
 /// `$XDG_CONFIG_HOME/nats/context`, with `~/.config` when the variable is unset or
 /// empty, as the nats CLI has it.
-pub fn context_dir(
+pub(crate) fn context_dir(
     xdg_config_home: Option<OsString>,
     home: Option<&Path>,
 ) -> anyhow::Result<PathBuf> {
@@ -397,7 +404,7 @@ mod tests {
             Some(Auth::Token(Secret::new("alice")))
         );
 
-        let mut nats = crate::nats_auth::tests::nats();
+        let mut nats = crate::config::nats_auth::tests::nats();
         nats.token = Some(Secret::new("config-token"));
         nats.tls_ca_file = Some("/config-ca.pem".into());
         let layer = Layer {
@@ -409,7 +416,7 @@ mod tests {
         assert_eq!(nats.credentials_file, Some("/flag.creds".into()));
         assert_eq!(nats.tls_ca_file, Some("/config-ca.pem".into()));
         assert!(
-            crate::nats_auth::check(&nats).is_err(),
+            crate::config::nats_auth::check(&nats).is_err(),
             "the file is absent"
         );
     }
@@ -438,7 +445,7 @@ mod tests {
         assert_eq!(auth(&flags, &env, Some(ctx.clone())), token);
         flags.nkey = Some("/flag.nk".into());
         assert_eq!(auth(&flags, &env, Some(ctx)), seed("/flag.nk"));
-        let mut nats = crate::nats_auth::tests::nats();
+        let mut nats = crate::config::nats_auth::tests::nats();
         nats.credentials_file = Some("/config.creds".into());
         resolve(&flags, &env, None).apply(&mut nats);
         assert_eq!(nats.credentials_file, None);
@@ -474,7 +481,7 @@ mod tests {
             resolve(&flags, &env, Some(ctx)).client_cert,
             pair("/flag.pem", "/flag-key.pem")
         );
-        let mut nats = crate::nats_auth::tests::nats();
+        let mut nats = crate::config::nats_auth::tests::nats();
         nats.tls_cert_file = Some("/config.pem".into());
         nats.tls_key_file = Some("/config-key.pem".into());
         resolve(&flags, &env, None).apply(&mut nats);
@@ -511,7 +518,7 @@ mod tests {
             let mut flags = ConnectionArgs::default();
             let ctx = context_layer(&format!(r#"{{"{context_key}": "ctx.X"}}"#), None)
                 .expect("a context");
-            let mut nats = crate::nats_auth::tests::nats();
+            let mut nats = crate::config::nats_auth::tests::nats();
             *config(&mut nats) = Some("config.X".into());
             // Nothing set: the configuration's stays.
             resolve(&flags, &env, None).apply(&mut nats);
@@ -525,10 +532,13 @@ mod tests {
             *flag(&mut flags) = Some("callers.a.X".into());
             resolve(&flags, &env, Some(ctx)).apply(&mut nats);
             assert_eq!(config(&mut nats).as_deref(), Some("callers.a.X"));
-            assert!(crate::nats_auth::check(&nats).is_ok(), "{config_key}");
+            assert!(
+                crate::config::nats_auth::check(&nats).is_ok(),
+                "{config_key}"
+            );
             for bad in ["", "callers.*.X", "callers..x", "a >", "callers.>"] {
                 *config(&mut nats) = Some(bad.into());
-                let e = crate::nats_auth::check(&nats).expect_err(bad);
+                let e = crate::config::nats_auth::check(&nats).expect_err(bad);
                 assert_eq!(e.key, config_key);
             }
         }

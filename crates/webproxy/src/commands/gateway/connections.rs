@@ -15,7 +15,7 @@ use webproxy_dispatcher::Backoff;
 /// A `[gateway]` limit that acted, by its key: the `limit` label of
 /// `webproxy_gateway_limits_total` and the code of the answer, when there is one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Limit {
+pub(crate) enum Limit {
     MaxConnections,
     MaxConnectionsPerSource,
     HeaderReadTimeout,
@@ -25,7 +25,7 @@ pub enum Limit {
 }
 
 impl Limit {
-    pub const ALL: [Limit; 6] = [
+    pub(crate) const ALL: [Limit; 6] = [
         Limit::MaxConnections,
         Limit::MaxConnectionsPerSource,
         Limit::HeaderReadTimeout,
@@ -34,7 +34,7 @@ impl Limit {
         Limit::MaxConcurrent,
     ];
 
-    pub fn key(self) -> &'static str {
+    pub(crate) fn key(self) -> &'static str {
         match self {
             Limit::MaxConnections => "max_connections",
             Limit::MaxConnectionsPerSource => "max_connections_per_source",
@@ -48,17 +48,17 @@ impl Limit {
 
 /// The caps on open connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Caps {
+pub(crate) struct Caps {
     /// `max_connections`.
-    pub total: usize,
+    pub(crate) total: usize,
     /// `max_connections_per_source`; 0 is no cap.
-    pub per_source: usize,
+    pub(crate) per_source: usize,
 }
 
 impl Caps {
     /// Whether one more connection may open while `total` are open, `from_source` of
     /// them from its source; the cap it would pass, if any.
-    pub fn admit(self, total: usize, from_source: usize) -> Result<(), Limit> {
+    pub(crate) fn admit(self, total: usize, from_source: usize) -> Result<(), Limit> {
         if total >= self.total {
             return Err(Limit::MaxConnections);
         }
@@ -73,10 +73,10 @@ impl Caps {
 /// IPv4-mapped IPv6 one too), or the /64 of an IPv6 address, since a client that has
 /// one IPv6 address usually has its whole /64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Source(IpAddr);
+pub(crate) struct Source(IpAddr);
 
 impl Source {
-    pub fn of(ip: IpAddr) -> Source {
+    pub(crate) fn of(ip: IpAddr) -> Source {
         match ip.to_canonical() {
             IpAddr::V4(v4) => Source(IpAddr::V4(v4)),
             IpAddr::V6(v6) => {
@@ -89,7 +89,7 @@ impl Source {
 
 /// The connections open now, overall and by source, within [`Caps`].
 #[derive(Debug)]
-pub struct Connections {
+pub(crate) struct Connections {
     caps: Caps,
     open: Mutex<Open>,
 }
@@ -101,7 +101,7 @@ struct Open {
 }
 
 impl Connections {
-    pub fn new(caps: Caps) -> Arc<Connections> {
+    pub(crate) fn new(caps: Caps) -> Arc<Connections> {
         Arc::new(Connections {
             caps,
             open: Mutex::new(Open::default()),
@@ -110,7 +110,7 @@ impl Connections {
 
     /// A place for a connection from `peer`, held until the [`Ticket`] is dropped,
     /// or the cap it would pass.
-    pub fn open(self: &Arc<Self>, peer: IpAddr) -> Result<Ticket, Limit> {
+    pub(crate) fn open(self: &Arc<Self>, peer: IpAddr) -> Result<Ticket, Limit> {
         let source = Source::of(peer);
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         let from_source = open.by_source.get(&source).copied().unwrap_or_default();
@@ -135,7 +135,7 @@ impl Connections {
 
 /// One open connection's place; dropping it frees the place.
 #[derive(Debug)]
-pub struct Ticket {
+pub(crate) struct Ticket {
     connections: Arc<Connections>,
     source: Source,
 }
@@ -161,7 +161,7 @@ impl Drop for Ticket {
 /// reads that brought bytes, and when and after which read it last went idle.
 /// Written by the connection's reads and requests, read by its watch.
 #[derive(Debug)]
-pub struct Activity {
+pub(crate) struct Activity {
     start: Instant,
     busy: AtomicUsize,
     reads: AtomicU64,
@@ -172,7 +172,7 @@ pub struct Activity {
 }
 
 impl Activity {
-    pub fn new() -> Arc<Activity> {
+    pub(crate) fn new() -> Arc<Activity> {
         Arc::new(Activity {
             start: Instant::now(),
             busy: AtomicUsize::new(0),
@@ -183,13 +183,13 @@ impl Activity {
     }
 
     /// Bytes arrived.
-    pub fn read(&self) {
+    pub(crate) fn read(&self) {
         self.reads.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A request is being answered until the returned guard is dropped (its answer
     /// is ready): the connection is idle from then on, until bytes arrive.
-    pub fn request(self: &Arc<Self>) -> impl Drop + Send + use<> {
+    pub(crate) fn request(self: &Arc<Self>) -> impl Drop + Send + use<> {
         self.busy.fetch_add(1, Ordering::SeqCst);
         scopeguard::guard(self.clone(), |activity| {
             let since = activity.start.elapsed().as_millis();
@@ -204,7 +204,7 @@ impl Activity {
     }
 
     /// What the connection looks like now, for [`idle`].
-    pub fn now(&self) -> Seen {
+    pub(crate) fn now(&self) -> Seen {
         let busy = self.busy.load(Ordering::SeqCst) > 0;
         let since = Duration::from_millis(self.idle_since_ms.load(Ordering::SeqCst));
         let reading =
@@ -218,16 +218,16 @@ impl Activity {
 
 /// A connection as its idle watch sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Seen {
+pub(crate) struct Seen {
     /// No request is being answered and no byte of a next one has arrived.
-    pub waiting: bool,
+    pub(crate) waiting: bool,
     /// When it started waiting: its start, or the last answer's.
-    pub idle_since: Instant,
+    pub(crate) idle_since: Instant,
 }
 
 /// What a connection's idle watch does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Idle {
+pub(crate) enum Idle {
     /// It has waited `keep_alive_timeout` for a request: close it.
     Close,
     /// Look again then.
@@ -238,7 +238,7 @@ pub enum Idle {
 /// request. A connection answering a request, or receiving one's head (which
 /// `header_read_timeout` bounds), is looked at again a `timeout` later: an idle time
 /// that starts meanwhile ends no earlier than that.
-pub fn idle(seen: Seen, now: Instant, timeout: Duration) -> Idle {
+pub(crate) fn idle(seen: Seen, now: Instant, timeout: Duration) -> Idle {
     if !seen.waiting {
         return Idle::CheckAt(now + timeout);
     }
@@ -253,15 +253,15 @@ pub fn idle(seen: Seen, now: Instant, timeout: Duration) -> Idle {
 /// The accept loop's wait after failures in a row (out of file descriptors, say):
 /// 10 ms doubling to 1 s, so a loop that cannot accept neither spins nor stays
 /// deaf long after descriptors free up.
-pub const ACCEPT_BACKOFF: Backoff =
+pub(crate) const ACCEPT_BACKOFF: Backoff =
     Backoff::doubling(Duration::from_millis(10), Duration::from_secs(1));
 
 /// The longest a run of accept failures goes without a log line.
-pub const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// A run of accept failures: how many, and when one was last logged.
 #[derive(Debug, Default)]
-pub struct AcceptFailures {
+pub(crate) struct AcceptFailures {
     run: u32,
     unlogged: u64,
     logged_at: Option<Instant>,
@@ -269,16 +269,16 @@ pub struct AcceptFailures {
 
 /// What the accept loop does about one failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AcceptFailure {
+pub(crate) struct AcceptFailure {
     /// How long to wait before accepting again.
-    pub pause: Duration,
+    pub(crate) pause: Duration,
     /// `Some(n)`: log it, with the `n` failures not logged since the last line.
-    pub log: Option<u64>,
+    pub(crate) log: Option<u64>,
 }
 
 impl AcceptFailures {
     /// One more failure at `now`.
-    pub fn failed(&mut self, now: Instant) -> AcceptFailure {
+    pub(crate) fn failed(&mut self, now: Instant) -> AcceptFailure {
         self.run = self.run.saturating_add(1);
         let due = self
             .logged_at
@@ -297,7 +297,7 @@ impl AcceptFailures {
     }
 
     /// A connection was accepted: the failures in the run that ended, if any.
-    pub fn accepted(&mut self) -> Option<u32> {
+    pub(crate) fn accepted(&mut self) -> Option<u32> {
         let run = std::mem::take(&mut self.run);
         self.unlogged = 0;
         self.logged_at = None;

@@ -34,7 +34,7 @@ use tracing::{debug, info, warn};
 use super::Telemetry;
 use super::connections::{self, AcceptFailures, Activity, Caps, Connections, Idle, Limit};
 use super::handler;
-use crate::gateway_config::GatewayConfig;
+use crate::config::gateway::GatewayConfig;
 
 /// A TLS handshake that takes longer than this is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -50,15 +50,15 @@ const REFUSAL_HEAD_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The limits each connection is served within (`[gateway]`).
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub caps: Caps,
-    pub header_read_timeout: Duration,
+pub(crate) struct Limits {
+    pub(crate) caps: Caps,
+    pub(crate) header_read_timeout: Duration,
     /// `keep_alive_timeout`; `None` when it is 0: keep-alive off.
-    pub keep_alive: Option<Duration>,
+    pub(crate) keep_alive: Option<Duration>,
 }
 
 impl Limits {
-    pub fn of(config: &GatewayConfig) -> Limits {
+    pub(crate) fn of(config: &GatewayConfig) -> Limits {
         Limits {
             caps: Caps {
                 total: config.max_connections,
@@ -71,7 +71,7 @@ impl Limits {
 }
 
 /// The acceptor for the certificate chain in `cert` and the private key in `key`.
-pub fn tls_acceptor(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
+pub(crate) fn tls_acceptor(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
     let chain = CertificateDer::pem_file_iter(cert)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .with_context(|| {
@@ -112,14 +112,14 @@ fn allowed(allow: &[IpNet], peer: std::net::IpAddr) -> bool {
 }
 
 /// When the listener stops and how long it drains.
-pub struct Drain {
+pub(crate) struct Drain {
     /// Cancelled on SIGTERM or SIGINT: stop accepting and drain.
-    pub shutdown: CancellationToken,
+    pub(crate) shutdown: CancellationToken,
     /// `[service] shutdown_grace`: the longest drain.
-    pub grace: Duration,
+    pub(crate) grace: Duration,
     /// Cancelled by the drain when `grace` is about to run out ([`give_up_after`]),
     /// so requests still waiting for replies are answered (202) before they are cut.
-    pub give_up: CancellationToken,
+    pub(crate) give_up: CancellationToken,
 }
 
 /// How long into a drain of `grace` the waits for replies are given up: a quarter of
@@ -133,7 +133,7 @@ fn give_up_after(grace: Duration) -> Duration {
 /// answering and close (an idle keep-alive connection closes at once, a busy one
 /// answers with `Connection: close`), and this returns when they all have, or when
 /// `grace` has passed since `shutdown`.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     tls: Option<TlsAcceptor>,

@@ -1,12 +1,12 @@
 //! Loads the configuration in figment layers, lowest first: the compiled-in
 //! `config/default.toml`, the `--config` file, then `WEBPROXY_` environment variables
 //! with `__` between levels; then lays the NATS connection settings of the flags and
-//! the nats CLI's variables (`crate::connection`) over `[nats]`.
+//! the nats CLI's variables (`crate::config::connection`) over `[nats]`.
 
 use std::path::Path;
 
-use crate::config::{Config, Settings};
-use crate::connection::Layer;
+use crate::config::connection::Layer;
+use crate::config::schema::{Config, Settings};
 use anyhow::{Context as _, bail};
 use figment::providers::{Env, Format as _, Serialized, Toml};
 use figment::value::{Dict, Map, Value};
@@ -15,7 +15,7 @@ use serde::Serialize;
 use webproxy_config::{ResponseRulesSource, RuleAction, key_path};
 
 /// Every key with its default, commented.
-pub const DEFAULT_CONFIG: &str = include_str!("../../../config/default.toml");
+pub(crate) const DEFAULT_CONFIG: &str = include_str!("../../../../config/default.toml");
 
 /// The prefix of the configuration's environment variables.
 const PREFIX: &str = "WEBPROXY_";
@@ -66,7 +66,7 @@ impl Provider for RawVariables {
 }
 
 /// The layers, unvalidated.
-pub fn figment(path: Option<&Path>) -> anyhow::Result<Figment> {
+pub(crate) fn figment(path: Option<&Path>) -> anyhow::Result<Figment> {
     let mut figment = Figment::from(Toml::string(DEFAULT_CONFIG));
     if let Some(path) = path {
         if !path.is_file() {
@@ -125,7 +125,7 @@ fn stray_variables(names: &[String]) -> Vec<String> {
 
 /// Loads and validates the configuration, with `connection` laid over `[nats]`;
 /// errors name the key, and the variable when one set it.
-pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings> {
+pub(crate) fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings> {
     let variables = prefixed_variables();
     let figment = figment(path)?;
     let mut config: Config = figment
@@ -152,12 +152,12 @@ pub fn load(path: Option<&Path>, connection: &Layer) -> anyhow::Result<Settings>
 /// ignores once the bucket holds a document.
 fn cluster_keys_set(file: &Value, variables: &[String]) -> Vec<String> {
     let is_cluster_key = |key: &str| {
-        crate::config::SECTIONS.iter().any(|(_, path)| {
+        crate::config::schema::SECTIONS.iter().any(|(_, path)| {
             key.strip_prefix(path)
                 .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
         })
     };
-    let mut set: Vec<String> = crate::config::SECTIONS
+    let mut set: Vec<String> = crate::config::schema::SECTIONS
         .iter()
         .filter(|(_, path)| file.find_ref(path).is_some())
         .map(|(name, _)| name.to_string())
@@ -176,7 +176,7 @@ fn cluster_keys_set(file: &Value, variables: &[String]) -> Vec<String> {
 /// (`request_rules[0] (local-echo).timeout`, the rule's name read from `data`). An
 /// unknown key that one of `variables` set names that variable: it is probably
 /// misspelt.
-pub fn describe(error: figment::Error, variables: &[String], data: &Figment) -> String {
+pub(crate) fn describe(error: figment::Error, variables: &[String], data: &Figment) -> String {
     error
         .into_iter()
         .map(|e| {
@@ -251,19 +251,23 @@ struct EffectiveRule<'a> {
 
 #[derive(Serialize)]
 struct Effective<'a> {
-    nats: &'a crate::nats_auth::NatsConfig,
+    nats: &'a crate::config::nats_auth::NatsConfig,
     streams: &'a webproxy_config::StreamsConfig,
     outbound: &'a webproxy_config::OutboundConfig,
     pools: &'a std::collections::BTreeMap<String, webproxy_config::PoolConfig>,
     request_rules: Vec<EffectiveRule<'a>>,
     /// `webproxy gateway`'s part; tokens and key by their source, never their values.
-    gateway: &'a crate::gateway_config::GatewayConfig,
+    gateway: &'a crate::config::gateway::GatewayConfig,
     warnings: &'a [String],
 }
 
 /// Prints the effective pools and rules, as `check-config` does, with `warnings` (from
 /// [`Settings::warnings`]) on stderr and, with `json`, in the output too.
-pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> anyhow::Result<()> {
+pub(crate) fn print_effective(
+    settings: &Settings,
+    warnings: &[String],
+    json: bool,
+) -> anyhow::Result<()> {
     for warning in warnings {
         eprintln!("warning: {warning}");
     }
@@ -404,8 +408,8 @@ pub fn print_effective(settings: &Settings, warnings: &[String], json: bool) -> 
 
 /// The gateway's routes, as `webproxy gateway` would serve them.
 fn print_gateway(
-    config: &crate::gateway_config::GatewayConfig,
-    gateway: &crate::gateway_config::Gateway,
+    config: &crate::config::gateway::GatewayConfig,
+    gateway: &crate::config::gateway::Gateway,
 ) -> anyhow::Result<()> {
     if gateway.routes.is_empty() {
         return outln!("gateway routes: none");

@@ -13,30 +13,30 @@ use webproxy_client::Client;
 use webproxy_dispatcher::Outlet;
 use webproxy_protocol::Subjects;
 
-use crate::cfg;
-use crate::config::Settings;
-use crate::connection::{self, ConnectionArgs};
+use crate::config::connection::{self, ConnectionArgs};
+use crate::config::load;
+use crate::config::schema::Settings;
 
 /// Options of every subcommand that talks to NATS.
 #[derive(Debug, Args)]
-pub struct NatsArgs {
+pub(crate) struct NatsArgs {
     /// The configuration file, for the NATS settings and the subject prefix.
     #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     #[command(flatten)]
-    pub connection: ConnectionArgs,
+    pub(crate) connection: ConnectionArgs,
 }
 
 /// Connects as the flags, the nats CLI's variables and the configuration say (see
 /// `connection` for the precedence); returns the client, which knows the prefix.
-pub async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
+pub(crate) async fn connect(args: &NatsArgs) -> anyhow::Result<Client> {
     Ok(connect_with_settings(args).await?.0)
 }
 
 /// [`connect`], and the configuration it read (`config push` validates documents
 /// with its `[streams]`).
-pub async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, Settings)> {
-    let settings = cfg::load(
+pub(crate) async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, Settings)> {
+    let settings = load::load(
         args.config.as_deref(),
         &connection::overrides(&args.connection)?,
     )?;
@@ -44,7 +44,7 @@ pub async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, S
         tracing::warn!("{warning}");
     }
     let nats_config = &settings.config.nats;
-    let nats = crate::nats_auth::connect_options(nats_config)
+    let nats = crate::config::nats_auth::connect_options(nats_config)
         .await
         .context("cannot read the NATS credentials")?
         .connect(nats_config.urls())
@@ -52,7 +52,7 @@ pub async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, S
         .with_context(|| {
             format!(
                 "cannot connect to NATS at {}",
-                crate::nats_auth::redact_url_credentials(&nats_config.url)
+                crate::config::nats_auth::redact_url_credentials(&nats_config.url)
             )
         })?;
     let mut client = Client::new(nats, settings.dispatcher.subjects.prefix())?;
@@ -68,7 +68,7 @@ pub async fn connect_with_settings(args: &NatsArgs) -> anyhow::Result<(Client, S
 /// messages and twice `max_payload` bytes (at least 4 MiB), which bounds the memory a
 /// reader of a large stream needs: a message is at most `max_payload`, so one always
 /// fits.
-pub async fn for_each_message(
+pub(crate) async fn for_each_message(
     reader: &consumer::PullConsumer,
     max_payload: usize,
     mut each: impl AsyncFnMut(jetstream::Message) -> anyhow::Result<ControlFlow<()>>,
@@ -121,7 +121,10 @@ fn batch_bytes(max_payload: usize) -> usize {
 /// callers sent. `subjects` are the configuration's (`--config`): its `reply_to_allow`
 /// decides which `reply_to` of a request the CLI ends gets a copy, as the service's
 /// would; without a configuration only `_INBOX.` subjects do.
-pub async fn operator_outlet(client: &Client, subjects: &Subjects) -> anyhow::Result<Outlet> {
+pub(crate) async fn operator_outlet(
+    client: &Client,
+    subjects: &Subjects,
+) -> anyhow::Result<Outlet> {
     let js = client.jetstream().clone();
     let bucket = client.subjects().progress_bucket();
     let progress = js.get_key_value(&bucket).await.with_context(|| {

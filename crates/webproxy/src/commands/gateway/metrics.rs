@@ -47,7 +47,7 @@ fn wait_histogram() -> Histogram {
 
 /// The gateway's observable state: what its listener reads, with no I/O.
 #[derive(Debug, Clone)]
-pub struct Telemetry {
+pub(crate) struct Telemetry {
     inner: Arc<Inner>,
 }
 
@@ -73,10 +73,10 @@ struct Inner {
 }
 
 /// The route label of requests that match no route (and of the replies endpoint).
-pub const NO_ROUTE: &str = "none";
+pub(crate) const NO_ROUTE: &str = "none";
 
 impl Telemetry {
-    pub fn new() -> Telemetry {
+    pub(crate) fn new() -> Telemetry {
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -171,7 +171,7 @@ impl Telemetry {
         }
     }
 
-    pub fn count(&self, route: &str, outcome: &'static str) {
+    pub(crate) fn count(&self, route: &str, outcome: &'static str) {
         self.inner
             .requests
             .get_or_create(&RequestLabels {
@@ -181,7 +181,7 @@ impl Telemetry {
             .inc();
     }
 
-    pub fn waited(&self, route: &str, wait: Duration) {
+    pub(crate) fn waited(&self, route: &str, wait: Duration) {
         self.inner
             .wait
             .get_or_create(&RouteLabels {
@@ -191,17 +191,17 @@ impl Telemetry {
     }
 
     /// The gauge of requests waiting now.
-    pub fn waiting(&self) -> &Gauge {
+    pub(crate) fn waiting(&self) -> &Gauge {
         &self.inner.waiting
     }
 
-    pub fn refused_connection(&self) {
+    pub(crate) fn refused_connection(&self) {
         self.inner.refused_connections.inc();
     }
 
     /// A connection was taken on: counted, and in the gauge of open connections
     /// until the returned guard is dropped.
-    pub fn connection_opened(&self) -> impl Drop + Send + use<> {
+    pub(crate) fn connection_opened(&self) -> impl Drop + Send + use<> {
         self.inner.connections_opened.inc();
         self.inner.connections.inc();
         scopeguard::guard(self.clone(), |telemetry| {
@@ -210,28 +210,28 @@ impl Telemetry {
     }
 
     /// `limit` refused or closed a connection or a request.
-    pub fn limited(&self, limit: Limit) {
+    pub(crate) fn limited(&self, limit: Limit) {
         self.inner
             .limits
             .get_or_create(&LimitLabels { limit: limit.key() })
             .inc();
     }
 
-    pub fn accept_failed(&self) {
+    pub(crate) fn accept_failed(&self) {
         self.inner.accept_errors.inc();
     }
 
-    pub fn set_nats_connected(&self, connected: bool) {
+    pub(crate) fn set_nats_connected(&self, connected: bool) {
         self.inner.nats_connected.set(i64::from(connected));
     }
 
-    pub fn set_ready(&self, ready: bool) {
+    pub(crate) fn set_ready(&self, ready: bool) {
         self.inner.ready.store(ready, Ordering::SeqCst);
     }
 
     /// Keeps the gateway not ready, saying `reason` on `/readyz`, while `what` is
     /// stuck; `None` ends it.
-    pub fn set_stuck(&self, what: &'static str, reason: Option<String>) {
+    pub(crate) fn set_stuck(&self, what: &'static str, reason: Option<String>) {
         let mut stuck = self
             .inner
             .stuck
@@ -265,7 +265,7 @@ impl BucketUseSink for Telemetry {
     }
 }
 
-impl crate::health::Probes for Telemetry {
+impl crate::health_listener::Probes for Telemetry {
     fn is_alive(&self) -> bool {
         true
     }

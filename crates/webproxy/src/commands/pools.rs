@@ -14,11 +14,12 @@ use webproxy_client::Client;
 use webproxy_dispatcher::{ConfigStore, Outlet, Settled, is_stream_not_found, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
-use crate::operator::{
+use crate::commands::operator::{
     NatsArgs, connect, connect_with_settings, for_each_message, operator_outlet,
 };
+use crate::commands::serve_follow;
+use crate::config::document;
 use crate::table::{self, Align, Column};
-use crate::{document, live};
 
 /// One pool as the server sees it.
 #[derive(Debug, Serialize)]
@@ -169,7 +170,7 @@ fn pool_row(state: &PoolState) -> [String; 6] {
 
 /// `pools`: a table of the pools (or one JSON array of them), then their pauses,
 /// breakers and adaptive limits, the live instances, and who writes the consumers.
-pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let js = client.jetstream().clone();
     let names = pool_names(&client, &js).await?;
@@ -212,7 +213,7 @@ pub async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
             outln!("{} adaptive limit {limit}", s.pool)?;
         }
     }
-    let instances = live::reports(&js, client.subjects()).await?;
+    let instances = serve_follow::reports(&js, client.subjects()).await?;
     if !instances.is_empty() {
         outln!()?;
         let rows: Vec<[String; 4]> = instances
@@ -265,7 +266,7 @@ impl Paused {
 }
 
 /// `pools pause`: a pause by hand of an existing pool, for `duration` or until resumed.
-pub async fn pause(
+pub(crate) async fn pause(
     args: &NatsArgs,
     pool: &str,
     duration: Option<Duration>,
@@ -285,7 +286,7 @@ pub async fn pause(
 }
 
 /// `pools resume`: ends the pause by hand; says which pauses are still in force.
-pub async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
+pub(crate) async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
     let client = connect(args).await?;
     let outlet = existing_pool(&client, pool).await?;
     let left = outlet.resume_pool(pool).await?;
@@ -336,7 +337,7 @@ async fn pool_stream(
 /// `pools remove`: refused for a pool that does not exist, that the running
 /// configuration still has (unless `force`), or that holds messages (unless
 /// `dead_letter`).
-pub async fn remove(
+pub(crate) async fn remove(
     args: &NatsArgs,
     pool: &str,
     dead_letter: bool,
@@ -441,7 +442,7 @@ async fn still_routed(
             ),
         }
     }
-    let instances: Vec<String> = live::reports(js, subjects)
+    let instances: Vec<String> = serve_follow::reports(js, subjects)
         .await?
         .into_iter()
         .filter(|r| {
