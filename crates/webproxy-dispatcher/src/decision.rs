@@ -44,7 +44,7 @@ pub(crate) fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission
 
 /// Why nothing may be sent to a URL.
 #[derive(Debug)]
-pub(crate) struct Refusal<'r> {
+pub(crate) struct TargetRefusal<'r> {
     /// `denied` (the rules refuse the destination) or `invalid_request` (the URL is
     /// one webproxy does not send under the rule that accepts it).
     pub(crate) code: ErrorCode,
@@ -63,9 +63,9 @@ pub(crate) fn target<'r>(
     rules: &'r RequestRules,
     method: Method,
     url: &url::Url,
-) -> Result<&'r RequestRule, Refusal<'r>> {
+) -> Result<&'r RequestRule, TargetRefusal<'r>> {
     let refused = |message: String, rule| {
-        Err(Refusal {
+        Err(TargetRefusal {
             code: ErrorCode::Denied,
             message,
             rule,
@@ -88,7 +88,7 @@ pub(crate) fn target<'r>(
             // The URL is not repeated: a path parameter may carry a session id.
             Ok(()) => match rule.security.check_path(url) {
                 Ok(()) => Ok(rule),
-                Err(why) => Err(Refusal {
+                Err(why) => Err(TargetRefusal {
                     code: ErrorCode::InvalidRequest,
                     message: format!("request rule {:?} {why}", rule.name),
                     rule: Some(rule),
@@ -197,7 +197,7 @@ pub(crate) fn pool_pause(
 }
 
 /// Judges one attempt's outcome under the rule's response rules and retry policy.
-pub(crate) fn judge(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
+pub(crate) fn verdict_for(outcome: AttemptOutcome, context: &AttemptContext<'_>) -> Verdict {
     match outcome {
         AttemptOutcome::Response(response) => {
             match classify(
@@ -562,18 +562,18 @@ mod tests {
     #[test]
     fn default_rules_retry_5xx_on_schedule_then_give_up() {
         let rule = rule_with(3, &[]);
-        match judge(response(503, &[], "busy"), &context(&rule, Method::Get, 1)) {
+        match verdict_for(response(503, &[], "busy"), &context(&rule, Method::Get, 1)) {
             Verdict::Retry { after, last } => {
                 assert_eq!(after, Duration::from_millis(300));
                 assert_eq!(last.status, Some(503));
             }
             other => panic!("{other:?}"),
         }
-        match judge(response(503, &[], "busy"), &context(&rule, Method::Get, 2)) {
+        match verdict_for(response(503, &[], "busy"), &context(&rule, Method::Get, 2)) {
             Verdict::Retry { after, .. } => assert_eq!(after, Duration::from_millis(600)),
             other => panic!("{other:?}"),
         }
-        match judge(response(503, &[], "busy"), &context(&rule, Method::Get, 4)) {
+        match verdict_for(response(503, &[], "busy"), &context(&rule, Method::Get, 4)) {
             Verdict::Fail(e) => {
                 assert_eq!(e.code, ErrorCode::RetriesExhausted);
                 assert_eq!(e.status, Some(503));
@@ -582,7 +582,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            judge(response(404, &[], ""), &context(&rule, Method::Get, 1)),
+            verdict_for(response(404, &[], ""), &context(&rule, Method::Get, 1)),
             Verdict::Respond(_)
         ));
     }
@@ -591,7 +591,7 @@ mod tests {
     fn retry_after_stretches_the_wait_for_429_and_503_only() {
         let rule = rule_with(3, &[]);
         for status in [429, 503] {
-            match judge(
+            match verdict_for(
                 response(status, &[("retry-after", "1")], ""),
                 &context(&rule, Method::Get, 1),
             ) {
@@ -599,7 +599,7 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        match judge(
+        match verdict_for(
             response(500, &[("retry-after", "1")], ""),
             &context(&rule, Method::Get, 1),
         ) {
@@ -644,13 +644,13 @@ mod tests {
             ],
         );
         assert!(matches!(
-            judge(
+            verdict_for(
                 response(500, &[], "ExceededConcurrentRequestLimitFault"),
                 &context(&rule, Method::Post, 1)
             ),
             Verdict::Retry { .. }
         ));
-        match judge(
+        match verdict_for(
             response(500, &[], "InvalidLogin"),
             &context(&rule, Method::Post, 1),
         ) {
@@ -669,7 +669,7 @@ mod tests {
         let retries = |outcome, method, key| {
             let mut c = context(&rule, method, 1);
             c.has_idempotency_key = key;
-            matches!(judge(outcome, &c), Verdict::Retry { .. })
+            matches!(verdict_for(outcome, &c), Verdict::Retry { .. })
         };
         // nothing reached the upstream: every method
         assert!(retries(
@@ -728,7 +728,7 @@ mod tests {
             Method::Get,
             false
         ));
-        match judge(
+        match verdict_for(
             failure(FailureKind::Timeout, true),
             &context(&rule, Method::Post, 1),
         ) {
@@ -745,7 +745,7 @@ mod tests {
         let mut lenient = rule_with(3, &[]);
         lenient.retry_non_idempotent = true;
         assert!(matches!(
-            judge(
+            verdict_for(
                 failure(FailureKind::Timeout, true),
                 &context(&lenient, Method::Post, 1)
             ),
@@ -758,7 +758,7 @@ mod tests {
         let rule = rule_with(3, &[]);
         let mut c = context(&rule, Method::Get, 1);
         c.deadline = Some(at(200));
-        match judge(response(503, &[], "busy"), &c) {
+        match verdict_for(response(503, &[], "busy"), &c) {
             Verdict::Fail(e) => {
                 assert_eq!(e.code, ErrorCode::Expired);
                 assert_eq!(e.status, Some(503));
@@ -767,7 +767,7 @@ mod tests {
         }
         c.deadline = Some(at(1000));
         assert!(matches!(
-            judge(response(503, &[], "busy"), &c),
+            verdict_for(response(503, &[], "busy"), &c),
             Verdict::Retry { .. }
         ));
     }
@@ -775,7 +775,7 @@ mod tests {
     #[test]
     fn too_large_keeps_the_status() {
         let rule = rule_with(3, &[]);
-        match judge(
+        match verdict_for(
             AttemptOutcome::TooLarge {
                 status: 200,
                 limit: 10,

@@ -34,7 +34,7 @@ pub(crate) struct ProvisionError {
 impl ProvisionError {
     /// Why provisioning declined to touch the stream, when it did: retrying is then
     /// pointless until an operator (or a newer instance) changes the stream.
-    pub(crate) fn refusal(&self) -> Option<&Refusal> {
+    pub(crate) fn refusal(&self) -> Option<&LayoutRefusal> {
         self.source.downcast_ref()
     }
 }
@@ -125,7 +125,7 @@ pub(crate) fn with_layout(existing: &HashMap<String, String>) -> HashMap<String,
 
 /// Why an instance leaves a stream alone.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub(crate) enum Refusal {
+pub(crate) enum LayoutRefusal {
     /// A newer webproxy made it (or its layout cannot be read): migrating it back
     /// would break that version's instances.
     #[error(
@@ -145,10 +145,10 @@ pub(crate) enum Refusal {
     Missing,
 }
 
-impl Refusal {
+impl LayoutRefusal {
     /// The stream is gone or going: `pools remove` took the pool away.
     pub(crate) fn is_removal(&self) -> bool {
-        matches!(self, Refusal::Removing | Refusal::Missing)
+        matches!(self, LayoutRefusal::Removing | LayoutRefusal::Missing)
     }
 }
 
@@ -160,25 +160,25 @@ pub(crate) enum Examined {
     /// An older layout: fence its instances out, then update it.
     Migrate { from: u32 },
     /// Leave it alone.
-    Refuse(Refusal),
+    Refuse(LayoutRefusal),
 }
 
 /// Decides what to do with an existing stream from its metadata (pure).
 pub(crate) fn examine(metadata: &HashMap<String, String>) -> Examined {
     if marked_removing(metadata) {
-        return Examined::Refuse(Refusal::Removing);
+        return Examined::Refuse(LayoutRefusal::Removing);
     }
     match layout(metadata) {
         Some(found) if found == LAYOUT => Examined::Current,
         Some(found) if found < LAYOUT => Examined::Migrate { from: found },
-        _ => Examined::Refuse(Refusal::NewerLayout {
+        _ => Examined::Refuse(LayoutRefusal::NewerLayout {
             found: metadata.get(LAYOUT_KEY).cloned().unwrap_or_default(),
             own: LAYOUT,
         }),
     }
 }
 
-fn refused(what: String, refusal: Refusal) -> ProvisionError {
+fn refused(what: String, refusal: LayoutRefusal) -> ProvisionError {
     ProvisionError {
         what,
         source: Box::new(refusal),
@@ -712,7 +712,7 @@ pub(crate) enum Retirement {
     /// Take its subjects away: they become `retired`, and its layout this one's.
     Retire,
     /// A newer layout made it what it is, or it is being removed: leave it alone.
-    Refuse(Refusal),
+    Refuse(LayoutRefusal),
 }
 
 pub(crate) fn retirement(
@@ -988,7 +988,7 @@ pub(crate) enum Recreated {
 /// Recreates `pool`'s work consumer, exactly as provisioning makes it, and nothing
 /// else: the pull loop calls it when a pull finds no consumer to answer it. It does so
 /// only while the pool's stream exists, is not marked for removal and has this
-/// instance's layout; otherwise the error (a [`Refusal`]) says why not.
+/// instance's layout; otherwise the error (a [`LayoutRefusal`]) says why not.
 ///
 /// A pull answered "no responders" says as little as a KV call does: the consumer is
 /// gone, or it has no leader, or the JetStream API is down. So it is made only after
@@ -1011,14 +1011,14 @@ pub(crate) async fn recreate_pool_consumer(
         ));
     };
     let Some((stream, info)) = existing_stream(js, &stream_name).await? else {
-        return Err(refused(what, Refusal::Missing));
+        return Err(refused(what, LayoutRefusal::Missing));
     };
     match examine(&info.config.metadata) {
         Examined::Current => {}
         Examined::Migrate { from } => {
             return Err(refused(
                 what,
-                Refusal::OlderLayout {
+                LayoutRefusal::OlderLayout {
                     found: from,
                     own: LAYOUT,
                 },
@@ -1142,7 +1142,7 @@ mod tests {
         );
         assert!(matches!(
             retirement(&shared, &metadata(&[(LAYOUT_KEY, "4")]), retired),
-            Retirement::Refuse(Refusal::NewerLayout { .. })
+            Retirement::Refuse(LayoutRefusal::NewerLayout { .. })
         ));
     }
 
@@ -1226,7 +1226,7 @@ mod tests {
         assert_eq!(examine(&metadata(&[(LAYOUT_KEY, "3")])), Examined::Current);
         assert_eq!(
             examine(&metadata(&[(LAYOUT_KEY, "4")])),
-            Examined::Refuse(Refusal::NewerLayout {
+            Examined::Refuse(LayoutRefusal::NewerLayout {
                 found: "4".into(),
                 own: LAYOUT
             })
@@ -1234,21 +1234,21 @@ mod tests {
         // A layout that cannot be read is no reason to rewrite the stream either.
         assert!(matches!(
             examine(&metadata(&[(LAYOUT_KEY, "x")])),
-            Examined::Refuse(Refusal::NewerLayout { .. })
+            Examined::Refuse(LayoutRefusal::NewerLayout { .. })
         ));
         // A removal in progress wins over any layout.
         for layout in ["1", "2", "3", "4"] {
             assert_eq!(
                 examine(&metadata(&[(LAYOUT_KEY, layout), (REMOVING_KEY, "true")])),
-                Examined::Refuse(Refusal::Removing)
+                Examined::Refuse(LayoutRefusal::Removing)
             );
         }
     }
 
     #[test]
     fn refusals_are_found_in_provision_errors() {
-        let error = refused("stream S".into(), Refusal::Removing);
-        assert_eq!(error.refusal(), Some(&Refusal::Removing));
+        let error = refused("stream S".into(), LayoutRefusal::Removing);
+        assert_eq!(error.refusal(), Some(&LayoutRefusal::Removing));
         assert!(error.to_string().contains("stream S"), "{error}");
         let other = provision_error("stream S", "timed out");
         assert_eq!(other.refusal(), None);

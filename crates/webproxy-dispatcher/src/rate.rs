@@ -31,17 +31,17 @@ pub(crate) struct Schedule {
 /// Slots claimed at once: `count` of them, the first at `first_us`, one every
 /// `interval_us`; `next_us` is what the stored value becomes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Claim {
+pub(crate) struct SlotClaim {
     pub(crate) first_us: u64,
     pub(crate) count: u64,
     pub(crate) interval_us: u64,
     pub(crate) next_us: u64,
 }
 
-impl Claim {
+impl SlotClaim {
     /// The claimed slots' times.
     pub(crate) fn slots(&self) -> impl Iterator<Item = u64> + use<> {
-        let Claim {
+        let SlotClaim {
             first_us,
             interval_us,
             count,
@@ -70,14 +70,14 @@ impl Schedule {
     /// Claims up to `wanted` slots at `now_us`, after `stored_next_us` (none: the
     /// schedule is new). Slots an idle pool has saved up, at most `burst`, start in the
     /// past; the rest follow those others claimed, however far ahead that is.
-    pub(crate) fn claim(&self, stored_next_us: Option<u64>, now_us: u64, wanted: u64) -> Claim {
+    pub(crate) fn claim(&self, stored_next_us: Option<u64>, now_us: u64, wanted: u64) -> SlotClaim {
         let saved = (self.burst - 1).saturating_mul(self.interval_us);
         let earliest = now_us.saturating_sub(saved);
         let first_us = stored_next_us.map_or(earliest, |next| next.max(earliest));
         // A burst may be claimed whole; otherwise no more than the batch.
         let in_burst = now_us.saturating_sub(first_us) / self.interval_us + 1;
         let count = wanted.clamp(1, self.batch().max(in_burst.min(self.burst)));
-        Claim {
+        SlotClaim {
             first_us,
             count,
             interval_us: self.interval_us,

@@ -24,7 +24,7 @@ use webproxy_config::human;
 use webproxy_config::settings::PoolConfig;
 use webproxy_worker::AttemptOutcome;
 
-use super::live::Live;
+use super::revisions::Revisions;
 use crate::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
 use crate::breaker::{
     self, ClusterReports, Phase, Report, STATS, counted_from, is_failure, open_reason, reopen_for,
@@ -63,11 +63,11 @@ fn counted(config: &PoolConfig) -> bool {
 
 /// This instance's attempts per pool, per second, for its reports.
 #[derive(Default)]
-pub(super) struct Counts {
+pub(super) struct AttemptCounts {
     pools: Mutex<BTreeMap<String, Report>>,
 }
 
-impl Counts {
+impl AttemptCounts {
     /// Counts an attempt of `pool` that connected to the upstream, when the pool has a
     /// breaker or an adaptive limit; whether it was a failure.
     pub(super) fn attempted(
@@ -107,7 +107,7 @@ impl Counts {
 
 /// Writes this instance's counts of every counted pool every [`REPORT_EVERY`], while
 /// they hold a second recent enough to matter, until `shutdown`.
-pub(super) async fn report(live: Arc<Live>, shutdown: CancellationToken) {
+pub(super) async fn report(live: Arc<Revisions>, shutdown: CancellationToken) {
     let instance = instances::instance_id();
     let bucket = {
         let shared = live.load();
@@ -129,7 +129,11 @@ pub(super) async fn report(live: Arc<Live>, shutdown: CancellationToken) {
             if !counted(config) {
                 continue;
             }
-            let Some(report) = shared.flow.counts.report(pool, now - kept_seconds(config)) else {
+            let Some(report) = shared
+                .pool_control
+                .counts
+                .report(pool, now - kept_seconds(config))
+            else {
                 written.remove(pool);
                 continue;
             };
@@ -172,7 +176,7 @@ type Reports = Arc<Mutex<ClusterReports>>;
 
 /// Follows every report in the instances' bucket into `reports` until `stop`; a lost
 /// watch is made again.
-async fn follow_reports(live: Arc<Live>, reports: Reports, stop: CancellationToken) {
+async fn follow_reports(live: Arc<Revisions>, reports: Reports, stop: CancellationToken) {
     let mut failures = 0u32;
     loop {
         if failures > 0 && !super::PULL_BACKOFF.wait(failures, &stop).await {
@@ -244,8 +248,8 @@ struct Seen {
 /// each [`REPORT_EVERY`]: opens a breaker on the cluster's counts, and steps an
 /// adaptive limit every [`ADAPT_EVERY`]. Its writes go
 /// to the pools' state, which the owner's loop then writes to the consumers.
-pub(super) async fn judge(
-    live: Arc<Live>,
+pub(super) async fn oversee(
+    live: Arc<Revisions>,
     mut holding: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) {
@@ -281,7 +285,7 @@ pub(super) async fn judge(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .drop_expired(std::time::Instant::now(), instances::TTL);
-        let states = shared.flow.states().borrow().clone();
+        let states = shared.pool_control.states().borrow().clone();
         let now = clock::now_utc();
         let second = now_s();
         for (pool, config) in &shared.settings.cluster.pools {
@@ -295,7 +299,7 @@ pub(super) async fn judge(
                     if should_open(counts, breaker) {
                         let reason = open_reason(counts, breaker);
                         let opened = shared
-                            .flow
+                            .pool_control
                             .change_state(pool, |state| {
                                 state.open_breaker(clock::now_utc(), breaker.open_for, &reason)
                             })
@@ -314,7 +318,7 @@ pub(super) async fn judge(
                 // go of the pool at once, not at the end of its pause.
                 (None, Phase::Open | Phase::HalfOpen) => {
                     let closed = shared
-                        .flow
+                        .pool_control
                         .change_state(pool, PoolState::forget_breaker)
                         .await;
                     match closed {
@@ -340,7 +344,7 @@ pub(super) async fn judge(
             } else if !config.adaptive && state.adaptive_limit.is_some() {
                 // Switched off: the stored limit no longer applies, nor shows.
                 let cleared = shared
-                    .flow
+                    .pool_control
                     .change_state(pool, |state| {
                         state.baseline_us = None;
                         state.adaptive_limit.take().is_some()
@@ -360,7 +364,7 @@ pub(super) async fn judge(
 /// One step of `pool`'s adaptive limit, when [`ADAPT_EVERY`] has passed since the last,
 /// from the cluster's counts since then (the second still being reported left out).
 async fn adapt(
-    shared: &super::Shared,
+    shared: &super::Revision,
     reports: &Reports,
     pool: &str,
     config: &PoolConfig,
@@ -399,7 +403,7 @@ async fn adapt(
         return;
     }
     let written = shared
-        .flow
+        .pool_control
         .change_state(pool, |stored| {
             // Computed from the state as read; another writer's limit since wins.
             if stored.adaptive_limit != state.adaptive_limit {
@@ -428,7 +432,7 @@ async fn adapt(
 }
 
 /// A message passed `pool`'s half-open breaker: its attempt is the probe.
-pub(super) fn probing(shared: &super::Shared, pool: &str) {
+pub(super) fn probe_started(shared: &super::Revision, pool: &str) {
     info!(
         pool,
         "circuit breaker half-open: this attempt is its one probe"
@@ -438,12 +442,17 @@ pub(super) fn probing(shared: &super::Shared, pool: &str) {
 
 /// A probe's outcome: closes `pool`'s breaker, or reopens it with its pause doubled
 /// (at most `max_open_for`). Another instance's outcome written first wins.
-pub(super) async fn probed(shared: &super::Shared, pool: &str, config: &PoolConfig, failed: bool) {
+pub(super) async fn probe_ended(
+    shared: &super::Revision,
+    pool: &str,
+    config: &PoolConfig,
+    failed: bool,
+) {
     let Some(breaker) = &config.breaker else {
         return;
     };
     let written = shared
-        .flow
+        .pool_control
         .change_state(pool, |state| {
             let again = state
                 .breaker

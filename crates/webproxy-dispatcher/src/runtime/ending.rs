@@ -35,7 +35,7 @@ pub(super) enum Ending {
     /// Another delivery holds the conversation: ack, nothing else.
     Stale,
     /// Leave the message unacked, for the server to redeliver after `ack_wait`.
-    Leave { reason: String },
+    AwaitRedelivery { reason: String },
 }
 
 impl Ending {
@@ -57,5 +57,5 @@ pub enum Settled {
     /// deliberately not).
     Done,
     /// Left for redelivery: something could not be stored.
-    Left,
+    AwaitingRedelivery,
 }

@@ -13,22 +13,22 @@ use webproxy_config::rules::{IDEMPOTENCY_KEY, RequestRule};
 use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, parse_request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
-use super::Shared;
+use super::Revision;
 use super::admission::Admission;
 use super::attempt_claim;
 use super::breaker;
 use super::conversation::Conversation;
 use super::delivery::{Delivery, DeliveryInfo};
 use super::ending::{Ending, Settled};
-use super::flow::Pass;
 use super::liveness::Liveness;
-use super::progress::{Claim, Progress, ProgressError, RETRY, Record, claim};
+use super::pool_control::Pass;
+use super::progress::{Progress, ProgressError, RETRY, Record, StepClaim, claim};
 use super::publish::Outlet;
 use super::settle::{internal, settle};
 use super::stored_reply::{self, StoredReply};
 use crate::breaker::evidence;
 use crate::clock;
-use crate::decision::{AttemptContext, Verdict, judge, pool_pause};
+use crate::decision::{AttemptContext, Verdict, pool_pause, verdict_for};
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
 use crate::outbox::{error_reply, response_reply};
@@ -46,7 +46,7 @@ fn as_i64(n: u64) -> i64 {
 /// that the caller's trace continues through webproxy (a request without one starts a
 /// new trace).
 pub(super) async fn handle(
-    shared: &Shared,
+    shared: &Revision,
     pool: &str,
     message: &jetstream::Message,
     liveness: &Liveness,
@@ -75,7 +75,7 @@ pub(super) async fn handle(
 
 /// Decides how the delivery ends and settles it.
 pub(super) async fn handle_delivery<'a>(
-    shared: &'a Shared,
+    shared: &'a Revision,
     pool: &'a str,
     delivery: &impl Delivery,
     liveness: &'a Liveness,
@@ -126,7 +126,7 @@ pub(super) async fn handle_delivery<'a>(
                     claim = Some(held);
                     ending
                 }
-                None => Ending::Leave {
+                None => Ending::AwaitRedelivery {
                     reason: STALE_BEFORE_CLAIM.into(),
                 },
             }
@@ -144,7 +144,7 @@ pub(super) async fn handle_delivery<'a>(
 
 /// Everything between the conversation and its ending.
 async fn decide<'a>(
-    shared: &'a Shared,
+    shared: &'a Revision,
     delivery: &impl Delivery,
     info: &DeliveryInfo,
     conversation: &mut Conversation<'a>,
@@ -171,7 +171,7 @@ async fn decide<'a>(
                 };
             }
             Ok(None) => {}
-            Err(reason) => return Ending::Leave { reason },
+            Err(reason) => return Ending::AwaitRedelivery { reason },
         }
     }
     let settings = &shared.settings;
@@ -226,7 +226,7 @@ async fn decide<'a>(
                         return reply_error(conversation, error, AckKind::Ack, max_payload);
                     }
                     Err(e) => {
-                        return Ending::Leave {
+                        return Ending::AwaitRedelivery {
                             reason: format!(
                                 "cannot count the requests waiting in pool {}: {e}",
                                 rule.pool
@@ -264,7 +264,7 @@ async fn decide<'a>(
             // the wait may have made too late is not attempted.
             let mut pass = Pass::Go;
             if let Some(config) = settings.cluster.pools.get(&rule.pool) {
-                pass = shared.flow.pass(&rule.pool, config).await;
+                pass = shared.pool_control.pass(&rule.pool, config).await;
                 if let Some(error) = expired(&input, request, rule, clock::now()) {
                     let error = with_last_failure(error, conversation.state.attempts.last());
                     return reply_error(conversation, error, AckKind::Ack, max_payload);
@@ -283,7 +283,7 @@ async fn decide<'a>(
                 );
             }
             if pass == Pass::Probe {
-                breaker::probing(shared, conversation.pool);
+                breaker::probe_started(shared, conversation.pool);
             }
             Box::pin(attempt_and_judge(
                 shared,
@@ -316,7 +316,7 @@ async fn claim_step(
         // check finds that), or the record aged out. Either way this delivery goes on.
         Ok(None) => return None,
         Err(e) => {
-            return Some(Ending::Leave {
+            return Some(Ending::AwaitRedelivery {
                 reason: e.to_string(),
             });
         }
@@ -348,8 +348,8 @@ pub(super) async fn take_step(
     let mut looked_again = false;
     loop {
         match claim(&record, step, seq) {
-            Claim::Current { take: false } => return Ok(revision),
-            Claim::Current { take: true } => {
+            StepClaim::Current { take: false } => return Ok(revision),
+            StepClaim::Current { take: true } => {
                 let mut taken = record.clone();
                 taken.taken_by = Some(seq);
                 match progress.write(&taken, Some(revision)).await {
@@ -357,14 +357,14 @@ pub(super) async fn take_step(
                     Err(ProgressError::Conflict { .. }) if !looked_again => {}
                     Err(ProgressError::Conflict { .. }) => return Err(Ending::Stale),
                     Err(e) => {
-                        return Err(Ending::Leave {
+                        return Err(Ending::AwaitRedelivery {
                             reason: e.to_string(),
                         });
                     }
                 }
             }
-            Claim::Republish => return Err(Ending::Republish(record)),
-            Claim::Stale => return Err(Ending::Stale),
+            StepClaim::Republish => return Err(Ending::Republish(record)),
+            StepClaim::Stale => return Err(Ending::Stale),
         }
         looked_again = true;
         match progress
@@ -375,7 +375,7 @@ pub(super) async fn take_step(
             // Settled meanwhile: its stored reply answers this delivery.
             Ok(None) => return Err(Ending::Stale),
             Err(e) => {
-                return Err(Ending::Leave {
+                return Err(Ending::AwaitRedelivery {
                     reason: e.to_string(),
                 });
             }
@@ -471,7 +471,7 @@ const STALE_DURING_ATTEMPT: &str =
 
 /// Makes the attempt and turns its verdict into an ending: the reply, or a park.
 async fn attempt_and_judge<'a>(
-    shared: &'a Shared,
+    shared: &'a Revision,
     request: &Request,
     rule: &'a RequestRule,
     conversation: &mut Conversation<'a>,
@@ -482,7 +482,7 @@ async fn attempt_and_judge<'a>(
     // stale and the server's redelivery is what lets a call given up here end first.
     let liveness = conversation.liveness;
     if !liveness.is_current() {
-        return Ending::Leave {
+        return Ending::AwaitRedelivery {
             reason: STALE_BEFORE_ATTEMPT.into(),
         };
     }
@@ -492,7 +492,7 @@ async fn attempt_and_judge<'a>(
         () = liveness.stale() => None,
     };
     let Some((outcome, record)) = attempted else {
-        return Ending::Leave {
+        return Ending::AwaitRedelivery {
             reason: STALE_DURING_ATTEMPT.into(),
         };
     };
@@ -507,13 +507,14 @@ async fn attempt_and_judge<'a>(
             &outcome,
         );
         if evidence.counts() {
-            let failed =
-                shared
-                    .flow
-                    .counts
-                    .attempted(&rule.pool, config, &outcome, record.duration_ms);
+            let failed = shared.pool_control.counts.attempted(
+                &rule.pool,
+                config,
+                &outcome,
+                record.duration_ms,
+            );
             if probe {
-                breaker::probed(shared, &rule.pool, config, failed).await;
+                breaker::probe_ended(shared, &rule.pool, config, failed).await;
             }
         } else if probe {
             debug!(pool = rule.pool, rule = %rule.name, evidence = evidence.as_str(), "the probe's outcome is not the upstream's: the breaker stays half-open");
@@ -527,7 +528,7 @@ async fn attempt_and_judge<'a>(
         );
         let until = clock::now_utc() + pause;
         if let Err(e) = shared
-            .flow
+            .pool_control
             .pause(&rule.pool, RETRY_AFTER, until, reason)
             .await
         {
@@ -552,7 +553,7 @@ async fn attempt_and_judge<'a>(
         jitter_unit: fastrand::f64() * 2.0 - 1.0,
     };
     let max_payload = shared.outlet.max_payload;
-    let reply = match judge(outcome, &context) {
+    let reply = match verdict_for(outcome, &context) {
         Verdict::Respond(response) => response_reply(&conversation.context(max_payload), &response),
         Verdict::Fail(error) => error_reply(&conversation.context(max_payload), error),
         Verdict::Retry { after, last } => {
@@ -583,7 +584,7 @@ fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
 
 /// Runs one attempt (the delivery's progress task keeps the message meanwhile).
 async fn attempt(
-    shared: &Shared,
+    shared: &Revision,
     request: &Request,
     rule: &RequestRule,
     conversation: &Conversation<'_>,
@@ -690,7 +691,7 @@ impl Outlet {
         error: ErrorBody,
     ) -> Settled {
         let Ok(info) = Delivery::info(message) else {
-            return Settled::Left;
+            return Settled::AwaitingRedelivery;
         };
         // A one-off reader acks at once, long before its delivery could go stale.
         let liveness = Liveness::new(Duration::from_secs(3600), tokio::time::Instant::now());

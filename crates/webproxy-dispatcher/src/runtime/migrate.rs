@@ -84,7 +84,7 @@ async fn migrate_pool(outlet: &Outlet, pool: &str) -> Result<u64, MigrationError
         };
         match migrate_one(outlet, pool, &parked).await {
             Settled::Done => moved += 1,
-            Settled::Left => left += 1,
+            Settled::AwaitingRedelivery => left += 1,
         }
     }
     if moved > 0 {
@@ -105,7 +105,7 @@ async fn migrate_pool(outlet: &Outlet, pool: &str) -> Result<u64, MigrationError
 /// headers cannot be read, as an `internal` error.
 async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) -> Settled {
     let Ok(info) = parked.info() else {
-        return Settled::Left;
+        return Settled::AwaitingRedelivery;
     };
     // Read by sequence, not delivered: nothing redelivers it meanwhile, so it never
     // goes stale (as in `end_unattempted`).
@@ -195,7 +195,7 @@ mod tests {
     use super::super::tests::{Fixture, STREAM};
     use super::*;
     use crate::hop::{from_unix_ms, unix_ms};
-    use crate::provision::{self, Examined, Refusal, examine, provision};
+    use crate::provision::{self, Examined, LayoutRefusal, examine, provision};
 
     const OLD_RETRY: &str = "webproxy.retry.default";
 
@@ -392,7 +392,7 @@ mod tests {
             panic!("a newer layout is refused");
         };
         assert!(
-            matches!(error.refusal(), Some(Refusal::NewerLayout { found, own: 3 }) if found == "4"),
+            matches!(error.refusal(), Some(LayoutRefusal::NewerLayout { found, own: 3 }) if found == "4"),
             "{error}"
         );
         let after = pool.info().await.expect("info").config.clone();
@@ -400,7 +400,10 @@ mod tests {
         let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
-        assert!(matches!(error.refusal(), Some(Refusal::NewerLayout { .. })));
+        assert!(matches!(
+            error.refusal(),
+            Some(LayoutRefusal::NewerLayout { .. })
+        ));
 
         // Back to this layout: the work consumer is recreated, and only while the
         // stream is not marked for removal.
@@ -445,12 +448,12 @@ mod tests {
         let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
-        assert_eq!(error.refusal(), Some(&Refusal::Removing));
+        assert_eq!(error.refusal(), Some(&LayoutRefusal::Removing));
         assert!(pool.consumer_info("webproxy-default-l3").await.is_err());
         js.delete_stream(STREAM).await.expect("removed");
         let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
-        assert_eq!(error.refusal(), Some(&Refusal::Missing));
+        assert_eq!(error.refusal(), Some(&LayoutRefusal::Missing));
     }
 }

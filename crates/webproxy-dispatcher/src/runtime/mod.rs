@@ -12,20 +12,20 @@ pub use bucket_use::{BucketUseSink, follow_bucket_use};
 mod conversation;
 mod delivery;
 mod ending;
-mod flow;
 mod handle;
 mod hooks;
-mod live;
 mod liveness;
 mod migrate;
 mod owner;
 mod pacing;
 mod parked;
 mod pauses;
+mod pool_control;
 mod progress;
 mod publish;
 mod pull;
 mod replay;
+mod revisions;
 mod settle;
 mod start;
 mod stored_reply;
@@ -62,11 +62,11 @@ use crate::backoff::Backoff;
 use crate::clock;
 use crate::gauges::Gauges;
 use crate::health::Health;
-use crate::provision::{PoolConsumers, Provisioned, Refusal};
+use crate::provision::{LayoutRefusal, PoolConsumers, Provisioned};
 use crate::state::Bucket;
-use live::{Live, Pools};
 use liveness::Liveness;
 use pull::{PULL_EXPIRES, Pull, PullEnd};
+use revisions::{Pools, Revisions};
 
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
@@ -130,9 +130,9 @@ fn reconnect_delay(attempts: usize) -> Duration {
 }
 
 /// Everything a message handler needs, shared by all of them: one revision of the
-/// cluster part, swapped whole by [`live::Live`].
+/// cluster part, swapped whole by [`revisions::Revisions`].
 #[derive(Clone)]
-struct Shared {
+struct Revision {
     settings: Arc<Settings>,
     health: Arc<Health>,
     gauges: Arc<Gauges>,
@@ -141,14 +141,14 @@ struct Shared {
     /// Injected credentials, per rule.
     secrets: Arc<Secrets>,
     /// Pauses and rate limits: the same for every revision.
-    flow: Arc<flow::Flow>,
+    pool_control: Arc<pool_control::PoolControl>,
     /// The `ack_wait` progress acks are paced from: the same for every revision.
     pacing: Arc<pacing::Pacing>,
 }
 
 /// Consumes every pool of this instance until told to stop.
 pub struct Dispatcher {
-    live: Arc<Live>,
+    live: Arc<Revisions>,
     /// The provisioned pools, which [`Dispatcher::run`] consumes.
     pools: Vec<PoolConsumers>,
     /// The state buckets whose use [`Dispatcher::run`] exports and watches.
@@ -177,15 +177,15 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
-        let flow = Arc::new(flow::Flow::new(
+        let pool_control = Arc::new(pool_control::PoolControl::new(
             outlet.js.clone(),
             outlet.metrics.clone(),
             instruments.health.clone(),
             &settings,
         ));
         Dispatcher {
-            live: Arc::new(Live::new(Shared {
-                flow,
+            live: Arc::new(Revisions::new(Revision {
+                pool_control,
                 pacing: Arc::new(pacing::Pacing::new(settings.cluster.ack_wait)),
                 gauges: instruments.gauges,
                 outlet,
@@ -241,7 +241,7 @@ impl Dispatcher {
         let owner = owner::own_pool_consumers(self.live.clone(), shutdown.clone());
         let running = self.live.load();
         let states = running
-            .flow
+            .pool_control
             .follow_states(&running.settings, shutdown.clone());
         // One reading of the server's clock before the first message is judged, so a
         // pod whose clock is off judges none by it; the gauges' refresh reads it after.
@@ -295,7 +295,7 @@ const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 /// Reads a pool's waiting and parked counts and its limit from its consumers on a fixed
 /// interval.
 async fn refresh_gauges(
-    shared: Arc<Shared>,
+    shared: Arc<Revision>,
     pool: String,
     work: PullConsumer,
     parked: PullConsumer,
@@ -323,11 +323,11 @@ async fn refresh_gauges(
                 shared
                     .outlet
                     .metrics
-                    .set_pool_paused(&pool, shared.flow.is_paused(&pool));
+                    .set_pool_paused(&pool, shared.pool_control.is_paused(&pool));
                 if let Some(config) = shared.settings.cluster.pools.get(&pool) {
                     shared.outlet.metrics.set_pool_effective_limit(
                         &pool,
-                        shared.flow.effective_limit(&pool, config),
+                        shared.pool_control.effective_limit(&pool, config),
                     );
                 }
                 // Negative means unlimited, which webproxy never provisions.
@@ -398,7 +398,7 @@ async fn next_or_stop<S: futures::Stream + Unpin>(
 /// made again the moment the connection is back; a missing consumer is recreated (the
 /// pool is not ready meanwhile); failures and quick empty pulls back off.
 async fn pull_loop(
-    live: Arc<Live>,
+    live: Arc<Revisions>,
     pool: Arc<str>,
     mut consumer: PullConsumer,
     permits: Arc<Semaphore>,
@@ -406,7 +406,7 @@ async fn pull_loop(
     shutdown: CancellationToken,
 ) {
     let mut connections = live.load().health.connections();
-    let mut states = live.load().flow.states();
+    let mut states = live.load().pool_control.states();
     let mut failures = 0u32;
     // Counted up each time the consumer's leader stops serving the pull: every delivery
     // held from before is stale from then on (`liveness::Leadership`).
@@ -451,7 +451,7 @@ async fn pull_loop(
                         _ = connections.changed() => return PullEnd::Lost,
                         // A pause lifted by hand: the server would serve this pull only
                         // at its next heartbeat.
-                        _ = flow::pool_state_changed(&mut states, &pool) => {
+                        _ = pool_control::pool_state_changed(&mut states, &pool) => {
                             if let Err(end) = pull.nudge(&consumer).await {
                                 return end;
                             }
@@ -518,7 +518,7 @@ async fn pull_loop(
                     }
                     Err(e)
                         if live.is_retained(&pool)
-                            && e.refusal().is_some_and(Refusal::is_removal) =>
+                            && e.refusal().is_some_and(LayoutRefusal::is_removal) =>
                     {
                         info!(pool = %pool, reason = %e, "the pool is removed and no longer in the document; no longer serving it");
                         shared.health.set_pool_down(&pool, false);
@@ -556,7 +556,7 @@ struct Held<'a> {
 /// permit is free. Returns when the handler holds its permit (or at shutdown), so the
 /// pull loop never has more messages waiting than the one in hand.
 async fn start(
-    live: &Arc<Live>,
+    live: &Arc<Revisions>,
     pool: &Arc<str>,
     message: async_nats::jetstream::Message,
     held: Held<'_>,

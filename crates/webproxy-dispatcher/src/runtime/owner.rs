@@ -30,8 +30,8 @@ use tracing::{debug, info, warn};
 use webproxy_config::human;
 use webproxy_config::settings::PoolConfig;
 
-use super::Shared;
-use super::live::Live;
+use super::Revision;
+use super::revisions::Revisions;
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::metrics::Metrics;
 use crate::pool_state::PoolState;
@@ -229,11 +229,11 @@ impl Lease {
 /// Holds or tries to take the lease every [`ROUND`] until `shutdown`; while held, brings
 /// every pool's consumer in line each round, at once when a revision is swapped in or
 /// a pool's state changes. Ends the lease on the way out.
-pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationToken) {
+pub(super) async fn own_pool_consumers(live: Arc<Revisions>, shutdown: CancellationToken) {
     let (holding, held) = tokio::sync::watch::channel(false);
     tokio::join!(
         hold_and_write(live.clone(), holding, shutdown.clone()),
-        super::breaker::judge(live.clone(), held, shutdown.clone()),
+        super::breaker::oversee(live.clone(), held, shutdown.clone()),
         super::breaker::report(live, shutdown),
     );
 }
@@ -241,12 +241,12 @@ pub(super) async fn own_pool_consumers(live: Arc<Live>, shutdown: CancellationTo
 /// The owner's loop: the lease, and the consumers' settings while it is held;
 /// `holding` tells the breaker's judge whether it is.
 async fn hold_and_write(
-    live: Arc<Live>,
+    live: Arc<Revisions>,
     holding_now: tokio::sync::watch::Sender<bool>,
     shutdown: CancellationToken,
 ) {
     let mut revisions = live.changes();
-    let mut states = live.load().flow.states();
+    let mut states = live.load().pool_control.states();
     let mut interval = tokio::time::interval(ROUND);
     let mut lease: Option<Lease> = None;
     loop {
@@ -269,7 +269,7 @@ async fn hold_and_write(
         let holding = lease.hold(Purpose::Round).await;
         report_holding(metrics, &holding_now, holding);
         // Writes computed before the pools' state is read could undo it.
-        if !holding || !shared.flow.loaded() {
+        if !holding || !shared.pool_control.loaded() {
             continue;
         }
         let current = states.borrow_and_update().clone();
@@ -356,7 +356,7 @@ impl LivePacing {
 /// consumer that is not there is left to provisioning and the pull loop, which create
 /// it (and know when not to: a pool being removed).
 async fn bring_in_line(
-    shared: &Shared,
+    shared: &Revision,
     lease: &mut Lease,
     pool: &str,
     config: &PoolConfig,
@@ -407,10 +407,10 @@ async fn bring_in_line(
     // a lift that cannot be made is noted again for the next round.
     if paused_until.is_none()
         && current.pause_until.is_some()
-        && shared.flow.take_forgotten_pause(pool)
+        && shared.pool_control.take_forgotten_pause(pool)
     {
         if !lease.hold(Purpose::BeforeWrite).await {
-            shared.flow.note_lifted_pauses([pool.to_string()]);
+            shared.pool_control.note_lifted_pauses([pool.to_string()]);
             return false;
         }
         match shared.outlet.lift_pause(pool).await {
@@ -419,7 +419,7 @@ async fn bring_in_line(
                 "lifted the consumer pause that the pool state no longer holds"
             ),
             Err(e) => {
-                shared.flow.note_lifted_pauses([pool.to_string()]);
+                shared.pool_control.note_lifted_pauses([pool.to_string()]);
                 warn!(pool, error = %e, "cannot lift the consumer pause that the pool state no longer holds")
             }
         }

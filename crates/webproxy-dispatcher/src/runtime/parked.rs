@@ -15,7 +15,7 @@ use tracing::{debug, warn};
 use webproxy_protocol::header;
 
 use super::publish::{Stored, publish_stored};
-use super::{PULL_BACKOFF, Shared, next_or_stop};
+use super::{PULL_BACKOFF, Revision, next_or_stop};
 use crate::hop::{HopState, due_msg_id, subject_token};
 
 /// A parked retry that is due within this much is released at once rather than NAKed
@@ -23,7 +23,7 @@ use crate::hop::{HopState, due_msg_id, subject_token};
 const DUE_SLACK: Duration = Duration::from_millis(5);
 
 pub(super) async fn park_loop(
-    shared: Arc<Shared>,
+    shared: Arc<Revision>,
     pool: Arc<str>,
     consumer: PullConsumer,
     tasks: TaskTracker,
@@ -67,7 +67,7 @@ pub(super) async fn park_loop(
 /// pool's hop subject of the same token, under `due:<token>`, and acks it. The hop
 /// state goes along unread beyond its due time: the pool's handler reads it, and
 /// answers a malformed one.
-async fn release_when_due(shared: &Shared, pool: &str, message: jetstream::Message) {
+async fn release_when_due(shared: &Revision, pool: &str, message: jetstream::Message) {
     let headers = message.headers.as_ref();
     let due = HopState::parse(headers.and_then(|h| h.get(header::HOP)).map(|v| v.as_str()))
         .ok()

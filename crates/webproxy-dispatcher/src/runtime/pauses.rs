@@ -4,7 +4,7 @@
 
 use time::OffsetDateTime;
 
-use super::flow::{StateError, update_pool_state};
+use super::pool_control::{StateError, update_pool_state};
 use super::publish::Outlet;
 use crate::breaker::Phase;
 use crate::pool_state::{Extend, MANUAL, PoolState};

@@ -47,7 +47,7 @@ impl Record {
 /// What a delivery at `step`, stored at stream sequence `seq`, may do given the
 /// conversation's record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Claim {
+pub(super) enum StepClaim {
     /// This delivery is the recorded step: it carries on (taking the step first when
     /// no delivery has yet).
     Current { take: bool },
@@ -60,18 +60,18 @@ pub(super) enum Claim {
 }
 
 /// Decides a delivery's claim on its conversation's record (pure).
-pub(super) fn claim(record: &Record, step: u32, seq: u64) -> Claim {
+pub(super) fn claim(record: &Record, step: u32, seq: u64) -> StepClaim {
     match record.taken_by {
         _ if record.step() != step => {
             if record.taken_by.is_none() {
-                Claim::Republish
+                StepClaim::Republish
             } else {
-                Claim::Stale
+                StepClaim::Stale
             }
         }
-        None => Claim::Current { take: true },
-        Some(taker) if taker == seq => Claim::Current { take: false },
-        Some(_) => Claim::Stale,
+        None => StepClaim::Current { take: true },
+        Some(taker) if taker == seq => StepClaim::Current { take: false },
+        Some(_) => StepClaim::Stale,
     }
 }
 
@@ -507,25 +507,25 @@ mod tests {
     fn the_current_untaken_step_is_taken_once() {
         assert_eq!(
             claim(&record(1, None), 1, 10),
-            Claim::Current { take: true }
+            StepClaim::Current { take: true }
         );
         // the same hop message redelivered after a crash carries on
         assert_eq!(
             claim(&record(1, Some(10)), 1, 10),
-            Claim::Current { take: false }
+            StepClaim::Current { take: false }
         );
         // a second copy of the hop (another stream sequence) does not
-        assert_eq!(claim(&record(1, Some(10)), 1, 11), Claim::Stale);
+        assert_eq!(claim(&record(1, Some(10)), 1, 11), StepClaim::Stale);
     }
 
     #[test]
     fn an_earlier_step_republishes_an_untaken_hop_or_does_nothing() {
         // the caller's message redelivered after its park's ack was lost
-        assert_eq!(claim(&record(1, None), 0, 1), Claim::Republish);
-        assert_eq!(claim(&record(1, Some(10)), 0, 1), Claim::Stale);
+        assert_eq!(claim(&record(1, None), 0, 1), StepClaim::Republish);
+        assert_eq!(claim(&record(1, Some(10)), 0, 1), StepClaim::Stale);
         // a hop of step 1 redelivered once step 2 is recorded
-        assert_eq!(claim(&record(2, None), 1, 10), Claim::Republish);
-        assert_eq!(claim(&record(2, Some(12)), 1, 10), Claim::Stale);
+        assert_eq!(claim(&record(2, None), 1, 10), StepClaim::Republish);
+        assert_eq!(claim(&record(2, Some(12)), 1, 10), StepClaim::Stale);
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub(super) async fn settle(
                         };
                         continue;
                     }
-                    Err(e) => return leave(conversation, &e.to_string()),
+                    Err(e) => return await_redelivery(conversation, &e.to_string()),
                 }
             }
             Ending::Hop {
@@ -105,13 +105,13 @@ pub(super) async fn settle(
                                 Ending::Republish(record)
                             }
                             Ok(_) => Ending::Stale,
-                            Err(e) => Ending::Leave {
+                            Err(e) => Ending::AwaitRedelivery {
                                 reason: e.to_string(),
                             },
                         };
                         continue;
                     }
-                    Err(e) => return leave(conversation, &e.to_string()),
+                    Err(e) => return await_redelivery(conversation, &e.to_string()),
                 }
                 match publish_hop(outlet, delivery, conversation, &record).await {
                     Ok(()) => {}
@@ -127,7 +127,7 @@ pub(super) async fn settle(
                         );
                         continue;
                     }
-                    Err(e) => return leave(conversation, &e.to_string()),
+                    Err(e) => return await_redelivery(conversation, &e.to_string()),
                 }
                 if kind == HopKind::Park && hooks::lose_park_ack() {
                     return Settled::Done;
@@ -148,7 +148,7 @@ pub(super) async fn settle(
             }
             Ending::Republish(record) => {
                 if let Err(e) = publish_hop(outlet, delivery, conversation, &record).await {
-                    return leave(conversation, &e.to_string());
+                    return await_redelivery(conversation, &e.to_string());
                 }
                 debug!(origin = %conversation.origin(), step = record.step(), "republished the recorded hop");
                 AckKind::Ack
@@ -157,14 +157,14 @@ pub(super) async fn settle(
                 debug!(origin = %conversation.origin(), step = conversation.state.step, "not the conversation's current step; acking without attempting");
                 AckKind::Ack
             }
-            Ending::Leave { reason } => return leave(conversation, &reason),
+            Ending::AwaitRedelivery { reason } => return await_redelivery(conversation, &reason),
         };
         ack_current(delivery, conversation, ack).await;
         return Settled::Done;
     }
 }
 
-fn leave(conversation: &Conversation<'_>, reason: &str) -> Settled {
+fn await_redelivery(conversation: &Conversation<'_>, reason: &str) -> Settled {
     warn!(
         id = %conversation.raw_id,
         pool = conversation.pool,
@@ -172,7 +172,7 @@ fn leave(conversation: &Conversation<'_>, reason: &str) -> Settled {
         reason,
         "leaving the message for redelivery"
     );
-    Settled::Left
+    Settled::AwaitingRedelivery
 }
 
 /// An `internal` error ending.

@@ -21,7 +21,7 @@ use super::handle::handle_delivery;
 use super::liveness::Liveness;
 use super::progress::{Progress, Record};
 use super::publish::Outlet;
-use super::{Gauges, Health, Shared};
+use super::{Gauges, Health, Revision};
 use crate::hop::{HopState, subject_token};
 use crate::metrics::Metrics;
 
@@ -35,7 +35,7 @@ fn closed_port() -> u16 {
 
 pub(super) struct Fixture {
     _nats: NatsServer,
-    pub(super) shared: Shared,
+    pub(super) shared: Revision,
     pub(super) js: jetstream::Context,
     url: String,
 }
@@ -84,8 +84,8 @@ impl Fixture {
             Progress::new(provisioned.progress, Arc::new(Health::new())),
         );
         let health = Arc::new(Health::new());
-        let shared = Shared {
-            flow: Arc::new(super::flow::Flow::new(
+        let shared = Revision {
+            pool_control: Arc::new(super::pool_control::PoolControl::new(
                 outlet.js.clone(),
                 outlet.metrics.clone(),
                 health.clone(),
@@ -382,7 +382,7 @@ async fn a_delivery_stale_before_its_attempt_makes_none() {
     let long_ago = tokio::time::Instant::now() - Duration::from_secs(60);
     assert_eq!(
         f.handle_delivered_at(&delivery, long_ago).await,
-        Settled::Left
+        Settled::AwaitingRedelivery
     );
     assert!(delivery.final_acks().is_empty());
     // An attempt (to the closed port) would have failed and parked a retry.
@@ -408,7 +408,7 @@ async fn an_attempt_is_given_up_when_its_delivery_goes_stale() {
     )
     .await
     .expect("the call was given up when the delivery went stale");
-    assert_eq!(settled, Settled::Left);
+    assert_eq!(settled, Settled::AwaitingRedelivery);
     assert!(delivery.final_acks().is_empty());
     assert_eq!(f.messages_in_pool_stream().await, 0, "no retry parked");
 }

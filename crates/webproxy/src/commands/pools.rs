@@ -495,7 +495,7 @@ async fn dead_letter_all(
         };
         match outlet.end_unattempted(pool, &message, error).await {
             Settled::Done => Ok(ControlFlow::Continue(())),
-            Settled::Left => {
+            Settled::AwaitingRedelivery => {
                 bail!("could not store the ending of a waiting request; the pool is left as it is")
             }
         }

@@ -1,4 +1,4 @@
-//! Flow control per pool, cluster-wide: the gate a message passes between its plan and
+//! PoolControl control per pool, cluster-wide: the gate a message passes between its plan and
 //! its attempt. A pool paused in its runtime state (`<PREFIX>_POOL_STATE`, watched by
 //! every instance) makes no attempt until the pause ends; a pool with a `rate` makes
 //! each attempt at a slot of its shared schedule (`<PREFIX>_RATE`, one key per pool:
@@ -26,26 +26,26 @@ use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pool_state::{Extend, PoolState};
 use crate::provision::{pool_state_bucket_config, stored_pool_state};
-use crate::rate::{Claim, Schedule};
+use crate::rate::{Schedule, SlotClaim};
 use crate::state::{Bucket, StateBucket};
 
 /// Every pool's runtime state as last seen.
 pub(super) type PoolStates = Arc<BTreeMap<String, PoolState>>;
 
 /// The pools' runtime state and rate schedules, for every handler of this instance.
-pub(super) struct Flow {
+pub(super) struct PoolControl {
     js: jetstream::Context,
     metrics: Arc<Metrics>,
     state_bucket: String,
     rate_bucket: StateBucket,
     health: Arc<Health>,
     states: watch::Sender<PoolStates>,
-    /// Whether [`Flow::states`] holds every pool's state the bucket held when it was
+    /// Whether [`PoolControl::states`] holds every pool's state the bucket held when it was
     /// first watched; until then, no pool's state is known.
     loaded: std::sync::atomic::AtomicBool,
     limiters: Mutex<HashMap<String, Arc<Limiter>>>,
     /// This instance's attempts per pool, for the breaker and the adaptive limit.
-    pub(super) counts: super::breaker::Counts,
+    pub(super) counts: super::breaker::AttemptCounts,
     /// Pools whose pause in force left their state before its end (a bucket lost and
     /// made again, a resume): the lease holder lifts the pause their consumer still has.
     forgotten_pauses: Mutex<HashSet<String>>,
@@ -76,14 +76,14 @@ async fn sleep_until_us(at_us: u64) {
     }
 }
 
-impl Flow {
+impl PoolControl {
     pub(super) fn new(
         js: jetstream::Context,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
         settings: &Settings,
-    ) -> Flow {
-        Flow {
+    ) -> PoolControl {
+        PoolControl {
             rate_bucket: StateBucket::new(
                 js.clone(),
                 Bucket::Rate.spec(&settings.subjects, &settings.streams),
@@ -95,13 +95,13 @@ impl Flow {
             states: watch::Sender::new(Arc::new(BTreeMap::new())),
             loaded: std::sync::atomic::AtomicBool::new(false),
             limiters: Mutex::new(HashMap::new()),
-            counts: super::breaker::Counts::default(),
+            counts: super::breaker::AttemptCounts::default(),
             forgotten_pauses: Mutex::new(HashSet::new()),
         }
     }
 
     /// Whether `pool`'s pause left its state before its end since this was last asked
-    /// ([`Flow::follow_states`]); asking forgets it.
+    /// ([`PoolControl::follow_states`]); asking forgets it.
     pub(super) fn take_forgotten_pause(&self, pool: &str) -> bool {
         self.forgotten_pauses
             .lock()
@@ -109,7 +109,7 @@ impl Flow {
             .remove(pool)
     }
 
-    /// Keeps in [`Flow::states`] only the pools `kept` says, noting each pool forgotten
+    /// Keeps in [`PoolControl::states`] only the pools `kept` says, noting each pool forgotten
     /// with a pause in force.
     fn forget_states(&self, kept: impl Fn(&str) -> bool) {
         let now = crate::clock::now_utc();
@@ -158,7 +158,7 @@ impl Flow {
         }
     }
 
-    /// Keeps [`Flow::states`] in step with the bucket until `shutdown`; a watch that is
+    /// Keeps [`PoolControl::states`] in step with the bucket until `shutdown`; a watch that is
     /// lost is made again (it starts with every key's latest value).
     pub(super) async fn follow_states(&self, settings: &Settings, shutdown: CancellationToken) {
         let mut failures = 0u32;
@@ -642,7 +642,7 @@ impl Limiter {
     }
 
     /// Claims up to `wanted` slots with a compare-and-set on the stored schedule.
-    async fn claim(&self, claiming: &mut Claiming, wanted: u64) -> Result<Claim, String> {
+    async fn claim(&self, claiming: &mut Claiming, wanted: u64) -> Result<SlotClaim, String> {
         let store = self.bucket.store().await.map_err(|e| e.to_string())?;
         for _ in 0..CAS_TRIES {
             let (stored, revision) = match claiming.last.take() {

@@ -14,30 +14,30 @@ use webproxy_config::secrets::Secrets;
 use webproxy_config::settings::{Settings, jetstream_request_timeout};
 
 use super::start::{StartError, worker_for};
-use super::{Shared, parked, pull_loop, refresh_gauges};
+use super::{Revision, parked, pull_loop, refresh_gauges};
 use crate::provision::{PoolConsumers, PoolSpec, provision_pool, update_pool_stream};
 
 /// The revision every new message is handled under, and the pools the running document
 /// no longer names but this instance still serves (until `pools remove`).
-pub(super) struct Live {
-    current: watch::Sender<Arc<Shared>>,
+pub(super) struct Revisions {
+    current: watch::Sender<Arc<Revision>>,
     retained: Mutex<BTreeSet<String>>,
 }
 
-impl Live {
-    pub(super) fn new(shared: Shared) -> Live {
-        Live {
+impl Revisions {
+    pub(super) fn new(shared: Revision) -> Revisions {
+        Revisions {
             current: watch::Sender::new(Arc::new(shared)),
             retained: Mutex::new(BTreeSet::new()),
         }
     }
 
     /// The revision a message starting now is handled under.
-    pub(super) fn load(&self) -> Arc<Shared> {
+    pub(super) fn load(&self) -> Arc<Revision> {
         self.current.borrow().clone()
     }
 
-    pub(super) fn changes(&self) -> watch::Receiver<Arc<Shared>> {
+    pub(super) fn changes(&self) -> watch::Receiver<Arc<Revision>> {
         self.current.subscribe()
     }
 
@@ -60,9 +60,9 @@ impl Live {
         self.current.send_modify(|shared| {
             let mut settings = (*shared.settings).clone();
             settings.cluster.pools.remove(pool);
-            *shared = Arc::new(Shared {
+            *shared = Arc::new(Revision {
                 settings: Arc::new(settings),
-                ..Shared::clone(shared)
+                ..Revision::clone(shared)
             });
         });
     }
@@ -99,14 +99,14 @@ impl Live {
         outlet.metrics.set_config_revision(revision);
         // Deliveries in flight pace from a shorter ack_wait at once.
         running.pacing.learned(settings.cluster.ack_wait);
-        self.current.send_replace(Arc::new(Shared {
+        self.current.send_replace(Arc::new(Revision {
             settings: Arc::new(settings),
             health: running.health.clone(),
             gauges: running.gauges.clone(),
             outlet,
             worker,
             secrets,
-            flow: running.flow.clone(),
+            pool_control: running.pool_control.clone(),
             pacing: running.pacing.clone(),
         }));
         info!(revision, "running the configuration bucket's revision");
@@ -166,7 +166,7 @@ struct Served {
 
 /// The pools this instance serves, and the tasks that serve them.
 pub(super) struct Pools {
-    live: Arc<Live>,
+    live: Arc<Revisions>,
     served: BTreeMap<String, Served>,
     attempts: TaskTracker,
     loops: TaskTracker,
@@ -175,7 +175,7 @@ pub(super) struct Pools {
 
 impl Pools {
     pub(super) fn new(
-        live: Arc<Live>,
+        live: Arc<Revisions>,
         attempts: TaskTracker,
         shutdown: CancellationToken,
     ) -> Pools {
