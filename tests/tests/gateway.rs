@@ -1310,7 +1310,7 @@ async fn a_request_still_waiting_as_the_grace_runs_out_is_answered_202() {
 }
 
 /// An id whose record cannot be written (`WEBPROXY_TEST_HOOK=fail-gateway-record`,
-/// tried three times) is never answered 202, since `/_webproxy/replies/<id>` could
+/// tried for 4.7 s) is never answered 202, since `/_webproxy/replies/<id>` could
 /// not serve it: `Prefer: respond-async` is 500 `unrecorded`, and its conversation
 /// goes on (the upstream is called). A reply that comes within `wait` is answered
 /// as usual.

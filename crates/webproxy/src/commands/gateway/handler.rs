@@ -29,10 +29,12 @@ use crate::config::schema::Settings;
 /// tries again, in seconds: a reply usually comes within one.
 const RETRY_AFTER: &str = "1";
 
-/// An id's record is written 3 times, 100 ms then 200 ms apart, before the id is
-/// given up as unrecorded.
+/// An id's record is written up to 7 times, 100 ms doubling to 1.6 s apart (4.7 s in
+/// all), before the id is given up as unrecorded: after a JetStream outage the
+/// bucket's stream answers "no stream found" for a few seconds while the server loads
+/// it (`matrix::api_down_gateway` gave up after 0.3 s, under load).
 const RECORD_BACKOFF: Backoff =
-    Backoff::doubling(Duration::from_millis(100), Duration::from_millis(200)).tries(3);
+    Backoff::doubling(Duration::from_millis(100), Duration::from_millis(1600)).tries(7);
 
 /// What keeps the gateway not ready while its key is lost (`Telemetry::set_stuck`).
 const KEY_LOST: &str = "key";
@@ -819,17 +821,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_record_is_tried_three_times_100_then_200_ms_apart() {
-        let waits: Vec<_> = (1..=3)
+    fn a_record_is_tried_seven_times_100_ms_doubling_to_1600_ms_apart() {
+        let waits: Vec<_> = (1..=7)
             .map(|failures| RECORD_BACKOFF.after(failures))
             .collect();
+        let ms = |n| Some(Duration::from_millis(n));
         assert_eq!(
             waits,
-            [
-                Some(Duration::from_millis(100)),
-                Some(Duration::from_millis(200)),
-                None
-            ]
+            [ms(100), ms(200), ms(400), ms(800), ms(1600), ms(1600), None]
         );
     }
 }
