@@ -74,7 +74,7 @@ SCALING_GAUGES = {"webproxy_pool_waiting", "webproxy_in_flight", "webproxy_pool_
 # Where the code registers its metrics (the dispatcher's under the prefix webproxy_).
 METRICS_SOURCES = [
     REPO / "crates" / "webproxy-dispatcher" / "src" / "metrics.rs",
-    REPO / "crates" / "webproxy" / "src" / "gateway" / "metrics.rs",
+    REPO / "crates" / "webproxy" / "src" / "commands" / "gateway" / "metrics.rs",
 ]
 # Paths .dockerignore must keep out of the build context.
 DOCKER_IGNORED = [

@@ -13,7 +13,6 @@ mod backoff;
 mod breaker;
 mod clock;
 mod config_store;
-mod decision;
 mod egress;
 mod gauges;
 mod health;
@@ -27,7 +26,9 @@ mod provision;
 mod rate;
 mod runtime;
 mod state;
+mod target;
 mod trace;
+mod verdict;
 
 // The public surface, listed in ARCHITECTURE.md: what the binary uses, and nothing
 // else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).

@@ -9,7 +9,7 @@ use webproxy_config::security::Outbound;
 use webproxy_config::settings::Settings;
 use webproxy_protocol::{ErrorBody, ErrorCode, ParseError, Request};
 
-use crate::decision::{Admission, admit, expiry};
+use crate::target::{Admission, admit};
 use crate::hop::MAX_HOP_HEADER_BYTES;
 use crate::outbox::{HEADER_ALLOWANCE, invalid_request};
 
@@ -197,6 +197,41 @@ pub(crate) fn check_request(request: &Request, outbound: &Outbound) -> Result<()
         ));
     }
     Ok(())
+}
+
+/// Why a request may not start its next attempt, if it may not: the deadline has
+/// passed, or it waited in the queue longer than the pool's `queue_timeout` before its
+/// first attempt (`queued` is how long it waited and the limit).
+pub(crate) fn expiry(
+    now: SystemTime,
+    deadline: Option<SystemTime>,
+    queued: Option<(Duration, Duration)>,
+) -> Option<ErrorBody> {
+    if let Some(deadline) = deadline
+        && now > deadline
+    {
+        let late = now.duration_since(deadline).unwrap_or_default();
+        return Some(ErrorBody {
+            code: ErrorCode::Expired,
+            message: format!(
+                "the deadline passed {} before the attempt could start",
+                human(late)
+            ),
+            status: None,
+        });
+    }
+    match queued {
+        Some((waited, limit)) if waited > limit => Some(ErrorBody {
+            code: ErrorCode::Expired,
+            message: format!(
+                "waited {} in the pool's queue, longer than its queue_timeout of {}",
+                human(waited),
+                human(limit)
+            ),
+            status: None,
+        }),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -422,5 +457,41 @@ mod tests {
             .expect_err("bytes");
         assert!(e.message.contains("max_header_bytes = 20"), "{}", e.message);
         assert!(check_request(&request(&[("X-Long-Na", "12345678901")], ""), &compiled()).is_ok());
+    }
+
+    const T0: Duration = Duration::from_secs(1_800_000_000);
+
+    fn at(ms: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + T0 + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn expiry_by_deadline_and_queue_timeout() {
+        assert!(expiry(at(0), None, None).is_none());
+        assert!(expiry(at(0), Some(at(1)), None).is_none());
+        let late = expiry(at(2), Some(at(1)), None).expect("expired");
+        assert_eq!(late.code, ErrorCode::Expired);
+        assert!(
+            late.message.contains("passed 1ms before"),
+            "{}",
+            late.message
+        );
+        // Decades late reads in years, not in milliseconds.
+        let ancient = expiry(at(0), Some(SystemTime::UNIX_EPOCH), None).expect("expired");
+        assert!(
+            ancient.message.contains("passed 57years"),
+            "{}",
+            ancient.message
+        );
+        let secs = Duration::from_secs;
+        assert!(expiry(at(0), None, Some((secs(29), secs(30)))).is_none());
+        let waited = expiry(at(0), None, Some((secs(31), secs(30)))).expect("expired");
+        assert!(
+            waited
+                .message
+                .contains("waited 31s in the pool's queue, longer than its queue_timeout of 30s"),
+            "{}",
+            waited.message
+        );
     }
 }

@@ -28,7 +28,7 @@ use super::settle::{internal, settle};
 use super::stored_reply::{self, StoredReply};
 use crate::breaker::evidence;
 use crate::clock;
-use crate::decision::{AttemptContext, Verdict, pool_pause, verdict_for};
+use crate::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
 use crate::outbox::{error_reply, response_reply};
