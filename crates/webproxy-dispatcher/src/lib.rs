@@ -3,7 +3,7 @@
 //! publishes replies and dead letters, and acks. It runs on the settings
 //! `webproxy-config` checks and compiles.
 //!
-//! Decisions (`decision`, `plan`, `outbox`) are pure; effects live in `runtime` and
+//! Decisions (`target`, `plan`, `verdict`, `outbox`) are pure; effects live in `runtime` and
 //! `provision`.
 
 #![warn(unreachable_pub)]

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use sha2::{Digest as _, Sha256};
 use webproxy_protocol::{
-    DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers,
+    DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers, excerpt,
 };
 use webproxy_worker::HttpResponse;
 
@@ -234,6 +234,33 @@ pub(crate) fn invalid_request(field: &str, message: &str) -> ErrorBody {
         code: ErrorCode::InvalidRequest,
         message: format!("invalid field `{field}`: {message}"),
         status: None,
+    }
+}
+
+/// How much of an upstream body an error message quotes.
+pub(crate) const BODY_EXCERPT_BYTES: usize = 256;
+
+/// The error for a response whose body exceeds `limit` bytes.
+pub(crate) fn too_large(status: u16, limit: usize) -> ErrorBody {
+    ErrorBody {
+        code: ErrorCode::ResponseTooLarge,
+        message: format!(
+            "the upstream answered {status} with a body larger than {limit} bytes ([outbound] max_response_bytes)"
+        ),
+        status: Some(status),
+    }
+}
+
+/// The error for a response that a response rule classifies as an error.
+pub(crate) fn upstream_error(response: &HttpResponse) -> ErrorBody {
+    ErrorBody {
+        code: ErrorCode::UpstreamError,
+        message: format!(
+            "the upstream answered {}: {}",
+            response.status,
+            excerpt(&response.body, BODY_EXCERPT_BYTES)
+        ),
+        status: Some(response.status),
     }
 }
 

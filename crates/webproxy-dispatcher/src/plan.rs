@@ -4,14 +4,15 @@
 
 use std::time::{Duration, SystemTime};
 
+use webproxy_config::human;
 use webproxy_config::rules::RequestRule;
 use webproxy_config::security::Outbound;
 use webproxy_config::settings::Settings;
 use webproxy_protocol::{ErrorBody, ErrorCode, ParseError, Request};
 
-use crate::target::{Admission, admit};
 use crate::hop::MAX_HOP_HEADER_BYTES;
 use crate::outbox::{HEADER_ALLOWANCE, invalid_request};
+use crate::target::{Admission, admit};
 
 /// Everything the plan depends on: the settings (whose rules the plan names, for
 /// `'r`) and the delivery (for `'d`).

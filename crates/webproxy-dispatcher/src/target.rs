@@ -3,7 +3,7 @@
 //! origin and path parameters included). Unit-tested without a server.
 
 use webproxy_config::rules::{RequestRule, RequestRules, RuleAction};
-use webproxy_protocol::{ErrorCode, Method, Request};
+use webproxy_protocol::{ErrorBody, ErrorCode, Method, Request};
 
 /// Whether a parsed request may be attempted.
 #[derive(Debug)]

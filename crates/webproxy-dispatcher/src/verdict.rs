@@ -10,6 +10,8 @@ use webproxy_config::rules::RequestRule;
 use webproxy_protocol::{ErrorBody, ErrorCode, Method, excerpt};
 use webproxy_worker::{AttemptOutcome, FailureKind, HttpResponse, TransportFailure};
 
+use crate::outbox::{BODY_EXCERPT_BYTES, too_large, upstream_error};
+
 /// What an attempt's outcome means for the conversation; the retry decision as a type,
 /// apart from the code that acts on it.
 #[derive(Debug)]
@@ -45,9 +47,6 @@ pub(crate) struct AttemptContext<'a> {
     /// Uniform in [-1, 1], for the rule's jitter.
     pub(crate) jitter_unit: f64,
 }
-
-/// How much of an upstream body an error message quotes.
-pub(crate) const BODY_EXCERPT_BYTES: usize = 256;
 
 /// The wait a 429 or 503 asks for with `Retry-After`.
 fn retry_after(response: &HttpResponse, now: SystemTime) -> Option<Duration> {
@@ -195,35 +194,12 @@ fn retry_or_give_up(
     Verdict::Retry { after, last }
 }
 
-/// The error for a response whose body exceeds `limit` bytes.
-pub(crate) fn too_large(status: u16, limit: usize) -> ErrorBody {
-    ErrorBody {
-        code: ErrorCode::ResponseTooLarge,
-        message: format!(
-            "the upstream answered {status} with a body larger than {limit} bytes ([outbound] max_response_bytes)"
-        ),
-        status: Some(status),
-    }
-}
-
-/// The error for a response that a response rule classifies as an error.
-pub(crate) fn upstream_error(response: &HttpResponse) -> ErrorBody {
-    ErrorBody {
-        code: ErrorCode::UpstreamError,
-        message: format!(
-            "the upstream answered {}: {}",
-            response.status,
-            excerpt(&response.body, BODY_EXCERPT_BYTES)
-        ),
-        status: Some(response.status),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
     use webproxy_config::response_rules::{ResponseRule, ResponseRuleConfig};
+    use webproxy_config::rules::RuleAction;
     use webproxy_config::testing::rule_config;
 
     use super::*;

@@ -1,4 +1,4 @@
-//! The effects: pulls each pool's messages, runs the decisions of `decision`, performs
+//! The effects: pulls each pool's messages, runs the pure plan and verdict, performs
 //! attempts with the worker, parks retries, publishes replies and dead letters, and acks.
 //!
 //! A message is always answered, dead-lettered, parked, or left unacked for
