@@ -9,43 +9,31 @@ use webproxy_protocol::{Origin, ParseError, Request, Subjects, header};
 
 use super::delivery::{Delivery, DeliveryInfo};
 use super::liveness::Liveness;
-use crate::hop::{HopError, HopState};
+use crate::hop::{AttemptHistory, HopError, HopState};
 use crate::outbox::ReplyContext;
 
-/// One conversation's state while its message is handled.
+/// Where a delivery stands in its conversation, read from the delivery alone, before
+/// its payload is parsed: its pool, its hop state and whether it came on a service
+/// subject. What the progress record and the parse need first.
 #[derive(Debug)]
-pub(super) struct Conversation<'a> {
+pub(super) struct Arrival<'a> {
     pub(crate) pool: &'a str,
     /// Origin, generation, step, attempts and the caller's publish time.
     pub(crate) state: HopState,
     /// It arrived on a service-only subject (a hop), not the caller's request subject.
     pub(crate) hop: bool,
-    /// A valid id: the reply goes to `<prefix>.reply.<id>`.
-    pub(crate) id: Option<String>,
-    /// The id as given, for the reply body even when it is invalid.
-    pub(crate) raw_id: String,
-    pub(crate) reply_to: Option<String>,
-    pub(crate) metadata: Option<Box<RawValue>>,
-    pub(crate) payload: Bytes,
-    /// The rule that decided, `none` until one did: a metrics label.
-    pub(crate) rule: &'a str,
-    /// The revision of the conversation's progress record, once one is known to exist.
-    pub(crate) record: Option<u64>,
-    /// Whether the delivery is still the server's current one: see `liveness`.
-    pub(crate) liveness: &'a Liveness,
 }
 
-impl<'a> Conversation<'a> {
-    /// The conversation of a delivery, and the error of a hop header that is not what
-    /// the service writes (the conversation then falls back to the delivery's own
-    /// origin, so it can still be answered and dead-lettered).
+impl<'a> Arrival<'a> {
+    /// The arrival of a delivery, and the error of a hop header that is not what the
+    /// service writes (the arrival then falls back to the delivery's own origin, so the
+    /// conversation can still be answered and dead-lettered).
     pub(super) fn new(
         pool: &'a str,
         delivery: &impl Delivery,
         info: &DeliveryInfo,
         subjects: &Subjects,
-        liveness: &'a Liveness,
-    ) -> (Conversation<'a>, Option<HopError>) {
+    ) -> (Arrival<'a>, Option<HopError>) {
         // The caller's name comes from the subject it published on, which NATS
         // permissions confine; never from anything it wrote.
         let request_caller = subjects.request_caller(pool, delivery.subject());
@@ -67,39 +55,88 @@ impl<'a> Conversation<'a> {
         } else {
             (own, None)
         };
-        let conversation = Conversation {
-            pool,
-            state,
-            hop,
-            id: None,
-            raw_id: String::new(),
-            reply_to: None,
-            metadata: None,
-            payload: delivery.payload().clone(),
+        (Arrival { pool, state, hop }, error)
+    }
+}
+
+/// One conversation as its delivery presents it: built once, after the payload is
+/// parsed, and never changed. What the delivery does to it meanwhile is [`Underway`].
+#[derive(Debug)]
+pub(super) struct Conversation<'a> {
+    pub(crate) pool: &'a str,
+    /// Origin, generation, step, the attempts before this delivery and the caller's
+    /// publish time, as the delivery arrived with them.
+    pub(crate) state: HopState,
+    /// It arrived on a service-only subject (a hop), not the caller's request subject.
+    pub(crate) hop: bool,
+    /// A valid id: the reply goes to `<prefix>.reply.<id>`.
+    pub(crate) id: Option<String>,
+    /// The id as given, for the reply body even when it is invalid.
+    pub(crate) raw_id: String,
+    pub(crate) reply_to: Option<String>,
+    pub(crate) metadata: Option<Box<RawValue>>,
+    pub(crate) payload: Bytes,
+    /// Whether the delivery is still the server's current one: see `liveness`.
+    pub(crate) liveness: &'a Liveness,
+}
+
+/// What one delivery has done to its conversation so far, passed from step to step:
+/// the rule that decided it, the progress record's revision it holds, and the attempts
+/// (those it arrived with, and its own).
+#[derive(Debug)]
+pub(super) struct Underway<'a> {
+    /// The rule that decided, `none` until one did: a metrics label.
+    pub(crate) rule: &'a str,
+    /// The revision of the conversation's progress record, once one is known to exist.
+    pub(crate) record: Option<u64>,
+    pub(crate) attempts: AttemptHistory,
+}
+
+impl<'r> Underway<'r> {
+    /// Nothing done yet: no rule, no record, the attempts `arrival` came with.
+    pub(super) fn new(arrival: &Arrival<'_>) -> Underway<'r> {
+        Underway {
             rule: "none",
             record: None,
-            liveness,
-        };
-        (conversation, error)
+            attempts: arrival.state.attempts.clone(),
+        }
     }
+}
 
-    /// Takes the id, `reply_to` and metadata from the parsed payload: as far as they
-    /// are valid even when the envelope is not, so the caller can be answered.
-    pub(super) fn absorb(&mut self, parsed: &Result<Request, ParseError>) {
-        match parsed {
-            Ok(request) => {
-                self.id = Some(request.id.clone());
-                self.raw_id = request.id.clone();
-                self.reply_to = request.reply_to.clone();
-                self.metadata = request.metadata.clone();
-            }
-            Err(ParseError::Invalid(invalid)) => {
-                self.id = invalid.id.clone();
-                self.raw_id = invalid.raw_id.clone().unwrap_or_default();
-                self.reply_to = invalid.reply_to.clone();
-                self.metadata = invalid.metadata.clone();
-            }
-            Err(ParseError::Undecodable { .. }) => {}
+impl<'a> Conversation<'a> {
+    /// The conversation `arrival` belongs to, with what its parsed payload says of it
+    /// (an undecodable payload says nothing).
+    pub(super) fn new(
+        arrival: Arrival<'a>,
+        payload: Bytes,
+        parsed: &Result<Request, ParseError>,
+        liveness: &'a Liveness,
+    ) -> Conversation<'a> {
+        let (id, raw_id, reply_to, metadata) = match parsed {
+            Ok(request) => (
+                Some(request.id.clone()),
+                request.id.clone(),
+                request.reply_to.clone(),
+                request.metadata.clone(),
+            ),
+            Err(ParseError::Invalid(invalid)) => (
+                invalid.id.clone(),
+                invalid.raw_id.clone().unwrap_or_default(),
+                invalid.reply_to.clone(),
+                invalid.metadata.clone(),
+            ),
+            Err(ParseError::Undecodable { .. }) => (None, String::new(), None, None),
+        };
+        Conversation {
+            pool: arrival.pool,
+            state: arrival.state,
+            hop: arrival.hop,
+            id,
+            raw_id,
+            reply_to,
+            metadata,
+            payload,
+            liveness,
         }
     }
 
@@ -116,11 +153,11 @@ impl<'a> Conversation<'a> {
         self.state.generation
     }
 
-    /// What the reply says besides its outcome.
-    pub(super) fn context(&self, max_payload: usize) -> ReplyContext<'_> {
+    /// What the reply says besides its outcome, after `underway`'s attempts.
+    pub(super) fn context(&self, underway: &Underway<'_>, max_payload: usize) -> ReplyContext<'_> {
         ReplyContext {
             id: &self.raw_id,
-            attempts: self.state.attempts.count(),
+            attempts: underway.attempts.count(),
             duration_ms: self.elapsed_ms(),
             metadata: self.metadata.as_deref(),
             max_payload,

@@ -10,14 +10,14 @@ use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, Span, debug, field, info_span, warn};
 use webproxy_config::rules::{IDEMPOTENCY_KEY, RequestRule};
-use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, Request, parse_request};
+use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, ParseError, Request, parse_request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Revision;
 use super::admission::Admission;
 use super::attempt_claim;
 use super::breaker;
-use super::conversation::Conversation;
+use super::conversation::{Arrival, Conversation, Underway};
 use super::delivery::{Delivery, DeliveryInfo};
 use super::ending::{Ending, Settled};
 use super::liveness::Liveness;
@@ -90,12 +90,22 @@ pub(super) async fn handle_delivery<'a>(
             return Settled::Done;
         }
     };
-    let (mut conversation, hop_error) =
-        Conversation::new(pool, delivery, &info, &shared.outlet.subjects, liveness);
+    let subjects = &shared.outlet.subjects;
+    let (arrival, hop_error) = Arrival::new(pool, delivery, &info, subjects);
+    let parsed = parse_request(
+        delivery.payload(),
+        subjects,
+        arrival.state.caller.as_deref(),
+    );
+    let mut underway = Underway::new(&arrival);
+    let conversation = Conversation::new(arrival, delivery.payload().clone(), &parsed, liveness);
     let span = Span::current();
     span.record("origin", conversation.origin().to_string().as_str());
     span.record("generation", as_i64(conversation.generation()));
     span.record("delivered", as_i64(info.delivered));
+    if let Some(id) = conversation.id.as_deref() {
+        span.record("id", id);
+    }
     // Held by a delivery made again while it works, and released once it is settled.
     let mut claim = None;
     let ending = match hop_error {
@@ -103,14 +113,10 @@ pub(super) async fn handle_delivery<'a>(
             // Only the service writes hop state: a malformed one is a bug, answered and
             // dead-lettered rather than read as defaults.
             warn!(pool, error = %e, "malformed hop state on a service subject");
-            conversation.absorb(&parse_request(
-                delivery.payload(),
-                &shared.outlet.subjects,
-                conversation.caller(),
-            ));
             internal(
                 &shared.outlet,
                 &conversation,
+                &underway,
                 format!("webproxy could not read its own hop state: {e}"),
             )
         }
@@ -119,7 +125,7 @@ pub(super) async fn handle_delivery<'a>(
             match attempt_claim::take(&shared.outlet.progress, &info, liveness).await {
                 Some(mut held) => {
                     let ending = super::while_keeping(
-                        Box::pin(decide(shared, delivery, &info, &mut conversation)),
+                        Box::pin(decide(shared, &info, &conversation, &parsed, &mut underway)),
                         held.keep(liveness),
                     )
                     .await;
@@ -131,9 +137,16 @@ pub(super) async fn handle_delivery<'a>(
                 },
             }
         }
-        None => Box::pin(decide(shared, delivery, &info, &mut conversation)).await,
+        None => Box::pin(decide(shared, &info, &conversation, &parsed, &mut underway)).await,
     };
-    let settled = settle(&shared.outlet, delivery, &mut conversation, ending).await;
+    let settled = settle(
+        &shared.outlet,
+        delivery,
+        &conversation,
+        &mut underway,
+        ending,
+    )
+    .await;
     if settled == Settled::Done
         && let Some(claim) = claim
     {
@@ -145,22 +158,18 @@ pub(super) async fn handle_delivery<'a>(
 /// Everything between the conversation and its ending.
 async fn decide<'a>(
     shared: &'a Revision,
-    delivery: &impl Delivery,
     info: &DeliveryInfo,
-    conversation: &mut Conversation<'a>,
+    conversation: &Conversation<'_>,
+    parsed: &Result<Request, ParseError>,
+    underway: &mut Underway<'a>,
 ) -> Ending {
     let outlet = &shared.outlet;
     // A hop, or the caller's message delivered again, may belong to a conversation that
     // went on or ended without it. A first delivery of a caller's message cannot: it
     // costs no lookup.
     let revisited = conversation.hop || info.delivered > 1;
-    if revisited && let Some(ending) = claim_step(outlet, info, conversation).await {
+    if revisited && let Some(ending) = claim_step(outlet, info, conversation, underway).await {
         return ending;
-    }
-    let parsed = parse_request(delivery.payload(), &outlet.subjects, conversation.caller());
-    conversation.absorb(&parsed);
-    if let Some(id) = conversation.id.as_deref() {
-        Span::current().record("id", id);
     }
     if revisited {
         match stored_reply(outlet, conversation).await {
@@ -179,29 +188,31 @@ async fn decide<'a>(
         settings,
         pool: conversation.pool,
         delivered: info.delivered,
-        parsed: &parsed,
-        payload_len: delivery.payload().len(),
+        parsed,
+        payload_len: conversation.payload.len(),
         max_payload: outlet.max_payload,
         now: clock::now(),
         since: conversation.state.first_published(),
-        first_attempt: conversation.state.attempts.is_empty(),
+        first_attempt: underway.attempts.is_empty(),
     };
     let max_payload = outlet.max_payload;
     match plan(&input) {
         Plan::Poison(error) => {
             warn!(id = %conversation.raw_id, pool = conversation.pool, delivered = info.delivered, "poison message: answering internal and dead-lettering it");
-            reply_error(conversation, error, AckKind::Term, max_payload)
+            reply_error(conversation, underway, error, AckKind::Term, max_payload)
         }
-        Plan::Undecodable(error) => reply_error(conversation, error, AckKind::Term, max_payload),
+        Plan::Undecodable(error) => {
+            reply_error(conversation, underway, error, AckKind::Term, max_payload)
+        }
         Plan::Reject { error, rule } => {
             if let Some(rule) = rule {
-                conversation.rule = &rule.name;
+                underway.rule = &rule.name;
             }
-            let error = with_last_failure(error, conversation.state.attempts.last());
-            reply_error(conversation, error, AckKind::Ack, max_payload)
+            let error = with_last_failure(error, underway.attempts.last());
+            reply_error(conversation, underway, error, AckKind::Ack, max_payload)
         }
         Plan::Move(rule) => {
-            conversation.rule = &rule.name;
+            underway.rule = &rule.name;
             let max_waiting = settings
                 .cluster
                 .pools
@@ -223,7 +234,13 @@ async fn decide<'a>(
                     Ok(Admission::Room(lock)) => admitted = Some(lock),
                     Ok(Admission::Full { waiting }) => {
                         let error = queue_full(&rule.name, &rule.pool, waiting, max_waiting);
-                        return reply_error(conversation, error, AckKind::Ack, max_payload);
+                        return reply_error(
+                            conversation,
+                            underway,
+                            error,
+                            AckKind::Ack,
+                            max_payload,
+                        );
                     }
                     Err(e) => {
                         return Ending::AwaitRedelivery {
@@ -238,25 +255,24 @@ async fn decide<'a>(
             debug!(id = %conversation.raw_id, from = conversation.pool, to = %rule.pool, "moving to the rule's pool");
             Ending::Hop {
                 kind: HopKind::Move,
-                next: conversation
-                    .state
-                    .next(conversation.state.attempts.clone(), None),
+                next: conversation.state.next(underway.attempts.clone(), None),
                 pool: rule.pool.clone(),
                 admitted,
             }
         }
         Plan::Attempt { rule, queue_wait } => {
-            conversation.rule = &rule.name;
+            underway.rule = &rule.name;
             Span::current().record("rule", rule.name.as_str());
             if let Some(waited) = queue_wait {
                 outlet.metrics.queue_wait(conversation.pool, waited);
                 Span::current().record("queue_wait_ms", as_i64(millis(waited)));
             }
-            let Ok(request) = &parsed else {
+            let Ok(request) = parsed else {
                 // The plan attempts only parsed requests.
                 return internal(
                     outlet,
                     conversation,
+                    underway,
                     "attempt planned without a request".into(),
                 );
             };
@@ -266,8 +282,8 @@ async fn decide<'a>(
             if let Some(config) = settings.cluster.pools.get(&rule.pool) {
                 pass = shared.pool_control.pass(&rule.pool, config).await;
                 if let Some(error) = expired(&input, request, rule, clock::now()) {
-                    let error = with_last_failure(error, conversation.state.attempts.last());
-                    return reply_error(conversation, error, AckKind::Ack, max_payload);
+                    let error = with_last_failure(error, underway.attempts.last());
+                    return reply_error(conversation, underway, error, AckKind::Ack, max_payload);
                 }
             }
             if let Pass::Park(until) = pass {
@@ -278,7 +294,7 @@ async fn decide<'a>(
                 return Ending::park(
                     conversation
                         .state
-                        .next(conversation.state.attempts.clone(), Some(until.into())),
+                        .next(underway.attempts.clone(), Some(until.into())),
                     conversation.pool,
                 );
             }
@@ -290,6 +306,7 @@ async fn decide<'a>(
                 request,
                 rule,
                 conversation,
+                underway,
                 pass == Pass::Probe,
             ))
             .await
@@ -304,7 +321,8 @@ async fn decide<'a>(
 async fn claim_step(
     outlet: &Outlet,
     info: &DeliveryInfo,
-    conversation: &mut Conversation<'_>,
+    conversation: &Conversation<'_>,
+    underway: &mut Underway<'_>,
 ) -> Option<Ending> {
     let progress = &outlet.progress;
     let loaded = progress
@@ -323,7 +341,7 @@ async fn claim_step(
     };
     match take_step(progress, found, conversation.state.step, info.seq).await {
         Ok(revision) => {
-            conversation.record = Some(revision);
+            underway.record = Some(revision);
             None
         }
         Err(ending) => Some(ending),
@@ -433,12 +451,13 @@ fn queue_full(rule: &str, pool: &str, waiting: u64, max_waiting: u64) -> ErrorBo
 
 fn reply_error(
     conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
     error: ErrorBody,
     ack: AckKind,
     max_payload: usize,
 ) -> Ending {
     Ending::Reply {
-        reply: error_reply(&conversation.context(max_payload), error),
+        reply: error_reply(&conversation.context(underway, max_payload), error),
         ack,
     }
 }
@@ -474,7 +493,8 @@ async fn attempt_and_judge<'a>(
     shared: &'a Revision,
     request: &Request,
     rule: &'a RequestRule,
-    conversation: &mut Conversation<'a>,
+    conversation: &Conversation<'_>,
+    underway: &mut Underway<'a>,
     probe: bool,
 ) -> Ending {
     // Only the server's current delivery calls the upstream: a stale one's message may
@@ -488,7 +508,7 @@ async fn attempt_and_judge<'a>(
     }
     debug!(id = %conversation.raw_id, pool = conversation.pool, origin = %conversation.state.origin, "attempting");
     let attempted = tokio::select! {
-        attempted = Box::pin(attempt(shared, request, rule, conversation)) => Some(attempted),
+        attempted = Box::pin(attempt(shared, request, rule, conversation, underway.attempts.count() + 1)) => Some(attempted),
         () = liveness.stale() => None,
     };
     let Some((outcome, record)) = attempted else {
@@ -536,7 +556,7 @@ async fn attempt_and_judge<'a>(
         }
     }
     if let Some(record) = record {
-        conversation.state.attempts.push(record);
+        underway.attempts.push(record);
     }
     let deadline = request.deadline.map(SystemTime::from);
     let context = AttemptContext {
@@ -547,23 +567,24 @@ async fn attempt_and_judge<'a>(
                 .headers
                 .iter()
                 .any(|(name, _)| name.eq_ignore_ascii_case(IDEMPOTENCY_KEY)),
-        attempt: conversation.state.attempts.count(),
+        attempt: underway.attempts.count(),
         now: clock::now(),
         deadline,
         jitter_unit: fastrand::f64() * 2.0 - 1.0,
     };
     let max_payload = shared.outlet.max_payload;
     let reply = match verdict_for(outcome, &context) {
-        Verdict::Respond(response) => response_reply(&conversation.context(max_payload), &response),
-        Verdict::Fail(error) => error_reply(&conversation.context(max_payload), error),
+        Verdict::Respond(response) => {
+            response_reply(&conversation.context(underway, max_payload), &response)
+        }
+        Verdict::Fail(error) => error_reply(&conversation.context(underway, max_payload), error),
         Verdict::Retry { after, last } => {
             debug!(id = %conversation.raw_id, pool = conversation.pool, after_ms = millis(after), last = %last.description, "parking for a retry");
             Span::current().record("backoff_ms", as_i64(millis(after)));
             return Ending::park(
-                conversation.state.next(
-                    conversation.state.attempts.clone(),
-                    Some(clock::now() + after),
-                ),
+                conversation
+                    .state
+                    .next(underway.attempts.clone(), Some(clock::now() + after)),
                 conversation.pool,
             );
         }
@@ -588,8 +609,8 @@ async fn attempt(
     request: &Request,
     rule: &RequestRule,
     conversation: &Conversation<'_>,
+    number: u32,
 ) -> (AttemptOutcome, Option<AttemptRecord>) {
-    let number = conversation.state.attempts.count() + 1;
     let span = info_span!(
         "attempt",
         otel.name = %format_args!("{} {}", request.method, request.url.host_str().unwrap_or("")),
@@ -695,21 +716,28 @@ impl Outlet {
         };
         // A one-off reader acks at once, long before its delivery could go stale.
         let liveness = Liveness::new(Duration::from_secs(3600), tokio::time::Instant::now());
-        let (mut conversation, _) =
-            Conversation::new(pool, message, &info, &self.subjects, &liveness);
-        conversation.absorb(&parse_request(
+        let (arrival, _) = Arrival::new(pool, message, &info, &self.subjects);
+        let parsed = parse_request(
             &message.payload,
             &self.subjects,
-            conversation.caller(),
-        ));
-        conversation.record = self
+            arrival.state.caller.as_deref(),
+        );
+        let mut underway = Underway::new(&arrival);
+        underway.record = self
             .progress
-            .load(conversation.origin(), conversation.generation())
+            .load(&arrival.state.origin, arrival.state.generation)
             .await
             .ok()
             .flatten()
             .map(|(_, revision)| revision);
-        let ending = reply_error(&conversation, error, AckKind::Ack, self.max_payload);
-        settle(self, message, &mut conversation, ending).await
+        let conversation = Conversation::new(arrival, message.payload.clone(), &parsed, &liveness);
+        let ending = reply_error(
+            &conversation,
+            &underway,
+            error,
+            AckKind::Ack,
+            self.max_payload,
+        );
+        settle(self, message, &conversation, &mut underway, ending).await
     }
 }

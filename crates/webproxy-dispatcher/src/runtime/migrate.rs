@@ -23,7 +23,7 @@ use tracing::{info, warn};
 use webproxy_protocol::parse_request;
 
 use super::Dispatcher;
-use super::conversation::Conversation;
+use super::conversation::{Arrival, Conversation, Underway};
 use super::delivery::{Delivery, DeliveryInfo, ProgressAckError};
 use super::ending::{Ending, Settled};
 use super::liveness::Liveness;
@@ -112,28 +112,32 @@ async fn migrate_one(outlet: &Outlet, pool: &str, parked: &StoredMessage<'_>) ->
     let liveness = Liveness::new(Duration::from_secs(3600), tokio::time::Instant::now());
     // Not a hop of this layout: the conversation's own state comes from the layout 1
     // headers below, so the constructor's complaint about a missing hop header is moot.
-    let (mut conversation, _) = Conversation::new(pool, parked, &info, &outlet.subjects, &liveness);
-    conversation.absorb(&parse_request(parked.payload(), &outlet.subjects, None));
+    let (mut arrival, _) = Arrival::new(pool, parked, &info, &outlet.subjects);
+    let parsed = parse_request(parked.payload(), &outlet.subjects, None);
     let headers = &parked.message.headers;
-    let read = HopState::from_layout1(conversation.origin().clone(), |name| {
+    let read = HopState::from_layout1(arrival.state.origin.clone(), |name| {
         headers.get(name).map(|value| value.as_str())
     });
-    let ending = match read {
-        Ok((state, due)) => {
-            let next = state.next(state.attempts.clone(), Some(due));
-            conversation.state = state;
-            Ending::park(next, pool)
-        }
+    let next = read.map(|(state, due)| {
+        let next = state.next(state.attempts.clone(), Some(due));
+        arrival.state = state;
+        next
+    });
+    let mut underway = Underway::new(&arrival);
+    let conversation = Conversation::new(arrival, parked.payload().clone(), &parsed, &liveness);
+    let ending = match next {
+        Ok(next) => Ending::park(next, pool),
         Err(e) => {
             warn!(pool, seq = info.seq, error = %e, "a retry parked by layout 1 has unreadable headers; answering internal and dead-lettering it");
             internal(
                 outlet,
                 &conversation,
+                &underway,
                 format!("webproxy could not read a retry parked by its previous version: {e}"),
             )
         }
     };
-    settle(outlet, parked, &mut conversation, ending).await
+    settle(outlet, parked, &conversation, &mut underway, ending).await
 }
 
 /// A message read from a stream by sequence, as a delivery: acking or terminating it

@@ -12,7 +12,7 @@ use async_nats::jetstream::AckKind;
 use tracing::{debug, error, info, warn};
 use webproxy_protocol::{ErrorBody, ErrorCode, Origin, header};
 
-use super::conversation::Conversation;
+use super::conversation::{Conversation, Underway};
 use super::delivery::Delivery;
 use super::ending::{Ending, Settled};
 use super::hooks;
@@ -27,7 +27,8 @@ use crate::trace;
 pub(super) async fn settle(
     outlet: &Outlet,
     delivery: &impl Delivery,
-    conversation: &mut Conversation<'_>,
+    conversation: &Conversation<'_>,
+    underway: &mut Underway<'_>,
     ending: Ending,
 ) -> Settled {
     let mut ending = ending;
@@ -37,13 +38,13 @@ pub(super) async fn settle(
     loop {
         let ack = match ending {
             Ending::Reply { reply, ack } => {
-                match store_ending(outlet, conversation, &reply).await {
+                match store_ending(outlet, conversation, underway, &reply).await {
                     Ok(Kept::Ours) => {
-                        finished(outlet, conversation, &reply).await;
+                        finished(outlet, conversation, underway, &reply).await;
                         ack
                     }
                     Ok(Kept::Theirs(theirs)) => {
-                        forget_record(outlet, conversation).await;
+                        forget_record(outlet, conversation, underway).await;
                         info!(
                             id = %conversation.raw_id,
                             pool = conversation.pool,
@@ -59,7 +60,7 @@ pub(super) async fn settle(
                             subject,
                             "a reply or dead letter did not fit max_payload; answering with a minimal reply"
                         );
-                        let context = conversation.context(outlet.max_payload);
+                        let context = conversation.context(underway, outlet.max_payload);
                         let code = reply.error.map_or(ErrorCode::Internal, |e| e.code);
                         ending = Ending::Reply {
                             reply: minimal_reply(&context, code),
@@ -91,8 +92,8 @@ pub(super) async fn settle(
                     hop: next,
                     taken_by: None,
                 };
-                match outlet.progress.write(&record, conversation.record).await {
-                    Ok(revision) => conversation.record = Some(revision),
+                match outlet.progress.write(&record, underway.record).await {
+                    Ok(revision) => underway.record = Some(revision),
                     Err(ProgressError::Conflict { key }) => {
                         // Another delivery recorded the next hop first: that line goes on.
                         debug!(key, "the next hop is recorded already");
@@ -123,6 +124,7 @@ pub(super) async fn settle(
                         ending = internal(
                             outlet,
                             conversation,
+                            underway,
                             format!("the request could not be handed on: {e}"),
                         );
                         continue;
@@ -136,7 +138,7 @@ pub(super) async fn settle(
             }
             Ending::Answered { reply, generation } => {
                 recopy(outlet, conversation, &reply, generation).await;
-                forget_record(outlet, conversation).await;
+                forget_record(outlet, conversation, underway).await;
                 info!(
                     id = %conversation.raw_id,
                     pool = conversation.pool,
@@ -179,6 +181,7 @@ fn await_redelivery(conversation: &Conversation<'_>, reason: &str) -> Settled {
 pub(super) fn internal(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
     message: String,
 ) -> Ending {
     let error = ErrorBody {
@@ -187,7 +190,7 @@ pub(super) fn internal(
         status: None,
     };
     Ending::Reply {
-        reply: error_reply(&conversation.context(outlet.max_payload), error),
+        reply: error_reply(&conversation.context(underway, outlet.max_payload), error),
         ack: AckKind::Term,
     }
 }
@@ -265,11 +268,12 @@ fn reply_headers(conversation: &Conversation<'_>, reply: &EncodedReply) -> Heade
 async fn store_ending(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
     reply: &EncodedReply,
 ) -> Result<Kept, PublishFailure> {
     let headers = reply_headers(conversation, reply);
     if let Some(error) = &reply.error {
-        store_dead_letter(outlet, conversation, error).await?;
+        store_dead_letter(outlet, conversation, underway, error).await?;
         hooks::exit_after_dead_letter();
     }
     if let Some(id) = conversation.id.as_deref() {
@@ -372,6 +376,7 @@ fn tolerate_missing_stream<T: Default>(
 async fn store_dead_letter(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
     error: &ErrorBody,
 ) -> Result<(), PublishFailure> {
     // What webproxy composed is redacted; the caller's envelope is kept as sent, for
@@ -380,7 +385,7 @@ async fn store_dead_letter(
     let redaction = outlet.redactor.for_envelope(&conversation.payload);
     let mut redacted = error.clone();
     redacted.message = redaction.redact(&error.message).into_owned();
-    let mut attempts = conversation.state.attempts.clone();
+    let mut attempts = underway.attempts.clone();
     for attempt in &mut attempts.kept {
         if let Some(failure) = &mut attempt.failure {
             *failure = redaction.redact(failure).into_owned();
@@ -449,27 +454,32 @@ async fn publish_hop(
 
 /// The bookkeeping of a conversation that ended: its record goes, its metrics and the
 /// one log line per finished conversation are written.
-async fn finished(outlet: &Outlet, conversation: &Conversation<'_>, reply: &EncodedReply) {
-    forget_record(outlet, conversation).await;
+async fn finished(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
+    reply: &EncodedReply,
+) {
+    forget_record(outlet, conversation, underway).await;
     let code = reply.error.as_ref().map(|e| e.code.as_str());
     outlet
         .metrics
-        .request_finished(conversation.pool, conversation.rule, code);
+        .request_finished(conversation.pool, underway.rule, code);
     info!(
         id = %conversation.raw_id,
         pool = conversation.pool,
-        rule = conversation.rule,
+        rule = underway.rule,
         outcome = if reply.error.is_some() { "error" } else { "response" },
         code = code.unwrap_or("none"),
-        attempts = conversation.state.attempts.count(),
+        attempts = underway.attempts.count(),
         duration_ms = conversation.elapsed_ms(),
         "conversation finished"
     );
 }
 
 /// Deletes the progress record of a conversation that settled, if it has one.
-async fn forget_record(outlet: &Outlet, conversation: &Conversation<'_>) {
-    if conversation.record.is_some()
+async fn forget_record(outlet: &Outlet, conversation: &Conversation<'_>, underway: &Underway<'_>) {
+    if underway.record.is_some()
         && let Err(e) = outlet
             .progress
             .delete(conversation.origin(), conversation.generation())
