@@ -10,6 +10,7 @@ mod breaker;
 mod bucket_use;
 pub use bucket_use::{BucketUseSink, follow_bucket_use};
 mod conversation;
+mod dead_letter;
 mod delivery;
 mod ending;
 mod handle;

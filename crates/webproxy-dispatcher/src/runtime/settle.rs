@@ -13,14 +13,15 @@ use tracing::{debug, error, info, warn};
 use webproxy_protocol::{ErrorBody, ErrorCode, Origin, header};
 
 use super::conversation::{Conversation, Underway};
+use super::dead_letter::{store_dead_letter, supersede_dead_letter, tolerate_missing_stream};
 use super::delivery::Delivery;
 use super::ending::{Ending, Settled};
 use super::hooks;
 use super::progress::{ProgressError, Record};
 use super::publish::{Outlet, PublishFailure, Stored, publish_live, publish_stored};
 use super::stored_reply::{Kept, store_once};
-use crate::hop::{HopKind, dead_msg_id, hop_msg_id, new_token, reply_msg_id, superseded_msg_id};
-use crate::outbox::{EncodedReply, LetterParts, dead_letter, error_reply, minimal_reply};
+use crate::hop::{HopKind, HopState, hop_msg_id, new_token, reply_msg_id};
+use crate::outbox::{EncodedReply, error_reply, minimal_reply};
 use crate::trace;
 
 /// Stores what `ending` produced, then acks `delivery`.
@@ -31,139 +32,189 @@ pub(super) async fn settle(
     underway: &mut Underway<'_>,
     ending: Ending,
 ) -> Settled {
-    let mut ending = ending;
-    // A permanent publish failure turns the ending into an `internal` reply once; a
-    // minimal reply cannot fail that way, so this ends after at most two turns.
-    let mut degraded = false;
-    loop {
-        let ack = match ending {
-            Ending::Reply { reply, ack } => {
-                match store_ending(outlet, conversation, underway, &reply).await {
-                    Ok(Kept::Ours) => {
-                        finished(outlet, conversation, underway, &reply).await;
-                        ack
-                    }
-                    Ok(Kept::Theirs(theirs)) => {
-                        forget_record(outlet, conversation, underway).await;
-                        info!(
-                            id = %conversation.raw_id,
-                            pool = conversation.pool,
-                            origin = %conversation.origin(),
-                            generation = theirs.generation,
-                            "another delivery stored this conversation's reply first; sent that one, not this delivery's"
-                        );
-                        ack
-                    }
-                    Err(PublishFailure::TooLarge { subject }) if !degraded => {
-                        degraded = true;
-                        error!(
-                            subject,
-                            "a reply or dead letter did not fit max_payload; answering with a minimal reply"
-                        );
-                        let context = conversation.context(underway, outlet.max_payload);
-                        let code = reply.error.map_or(ErrorCode::Internal, |e| e.code);
-                        ending = Ending::Reply {
-                            reply: minimal_reply(&context, code),
-                            ack,
-                        };
-                        continue;
-                    }
-                    Err(e) => return await_redelivery(conversation, &e.to_string()),
-                }
-            }
-            Ending::Hop {
-                kind,
-                next,
-                pool,
-                admitted,
-            } => {
-                // Held to the end of this turn: the move is published (or not) by then.
-                let _admitted = admitted;
-                let token = new_token();
-                let subject = match kind {
-                    HopKind::Park => outlet.subjects.retry(conversation.pool, &token),
-                    HopKind::Move => outlet.subjects.moved(&pool, next.caller.as_deref(), &token),
-                    HopKind::Replay => outlet.subjects.hop(&pool, &token),
-                };
-                let record = Record {
-                    kind,
-                    subject,
-                    msg_id: hop_msg_id(kind, &token),
-                    hop: next,
-                    taken_by: None,
-                };
-                match outlet.progress.write(&record, underway.record).await {
-                    Ok(revision) => underway.record = Some(revision),
-                    Err(ProgressError::Conflict { key }) => {
-                        // Another delivery recorded the next hop first: that line goes on.
-                        debug!(key, "the next hop is recorded already");
-                        ending = match outlet
-                            .progress
-                            .load(conversation.origin(), conversation.generation())
-                            .await
-                        {
-                            Ok(Some((record, _))) if record.taken_by.is_none() => {
-                                Ending::Republish(record)
-                            }
-                            Ok(_) => Ending::Stale,
-                            Err(e) => Ending::AwaitRedelivery {
-                                reason: e.to_string(),
-                            },
-                        };
-                        continue;
-                    }
-                    Err(e) => return await_redelivery(conversation, &e.to_string()),
-                }
-                match publish_hop(outlet, delivery, conversation, &record).await {
-                    Ok(()) => {}
-                    Err(
-                        e @ (PublishFailure::TooLarge { .. } | PublishFailure::NoStream { .. }),
-                    ) if !degraded => {
-                        degraded = true;
-                        error!(error = %e, "cannot hand the request on; answering internal");
-                        ending = internal(
-                            outlet,
-                            conversation,
-                            underway,
-                            format!("the request could not be handed on: {e}"),
-                        );
-                        continue;
-                    }
-                    Err(e) => return await_redelivery(conversation, &e.to_string()),
-                }
-                if kind == HopKind::Park && hooks::lose_park_ack() {
-                    return Settled::Done;
-                }
-                AckKind::Ack
-            }
-            Ending::Answered { reply, generation } => {
-                recopy(outlet, conversation, &reply, generation).await;
-                forget_record(outlet, conversation, underway).await;
-                info!(
-                    id = %conversation.raw_id,
-                    pool = conversation.pool,
-                    origin = %conversation.origin(),
-                    generation = conversation.generation(),
-                    "final reply already stored; acking without another attempt"
-                );
-                AckKind::Ack
-            }
-            Ending::Republish(record) => {
-                if let Err(e) = publish_hop(outlet, delivery, conversation, &record).await {
-                    return await_redelivery(conversation, &e.to_string());
-                }
-                debug!(origin = %conversation.origin(), step = record.step(), "republished the recorded hop");
-                AckKind::Ack
-            }
-            Ending::Stale => {
-                debug!(origin = %conversation.origin(), step = conversation.state.step, "not the conversation's current step; acking without attempting");
-                AckKind::Ack
-            }
-            Ending::AwaitRedelivery { reason } => return await_redelivery(conversation, &reason),
-        };
-        ack_current(delivery, conversation, ack).await;
-        return Settled::Done;
+    let stored = match ending {
+        Ending::Reply { reply, ack } => {
+            reply_or_minimal(outlet, conversation, underway, &reply, ack).await
+        }
+        Ending::Hop {
+            kind,
+            next,
+            pool,
+            admitted,
+        } => {
+            // Held to the end of the hop: the move is published (or not) by then.
+            let _admitted = admitted;
+            hop(outlet, delivery, conversation, underway, kind, next, &pool).await
+        }
+        Ending::Answered { reply, generation } => {
+            recopy(outlet, conversation, &reply, generation).await;
+            forget_record(outlet, conversation, underway).await;
+            info!(
+                id = %conversation.raw_id,
+                pool = conversation.pool,
+                origin = %conversation.origin(),
+                generation = conversation.generation(),
+                "final reply already stored; acking without another attempt"
+            );
+            Ok(Some(AckKind::Ack))
+        }
+        Ending::Republish(record) => republish(outlet, delivery, conversation, &record).await,
+        Ending::Stale => Ok(Some(stale(conversation))),
+        Ending::AwaitRedelivery { reason } => Err(reason),
+    };
+    match stored {
+        Ok(Some(ack)) => {
+            ack_current(delivery, conversation, ack).await;
+            Settled::Done
+        }
+        Ok(None) => Settled::Done,
+        Err(reason) => await_redelivery(conversation, &reason),
     }
+}
+
+/// What an ending stored leaves to do: `Ok(Some(ack))` acks the delivery so,
+/// `Ok(None)` leaves it unacked though its ending is stored (a test hook's lost ack),
+/// and `Err` leaves it for redelivery, saying why.
+type Outcome = Result<Option<AckKind>, String>;
+
+/// A reply ending: the reply stored and sent, or, when it or its dead letter does not
+/// fit `max_payload`, a minimal reply in its place, which always fits.
+async fn reply_or_minimal(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
+    reply: &EncodedReply,
+    ack: AckKind,
+) -> Outcome {
+    match store_reply(outlet, conversation, underway, reply).await {
+        Ok(()) => Ok(Some(ack)),
+        Err(PublishFailure::TooLarge { subject }) => {
+            error!(
+                subject,
+                "a reply or dead letter did not fit max_payload; answering with a minimal reply"
+            );
+            let context = conversation.context(underway, outlet.max_payload);
+            let code = reply.error.as_ref().map_or(ErrorCode::Internal, |e| e.code);
+            let minimal = minimal_reply(&context, code);
+            store_reply(outlet, conversation, underway, &minimal)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(Some(ack))
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Stores a reply (its dead letter first) and sends its live copies: this delivery's,
+/// or the one another delivery stored for this generation first.
+async fn store_reply(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
+    reply: &EncodedReply,
+) -> Result<(), PublishFailure> {
+    match store_ending(outlet, conversation, underway, reply).await? {
+        Kept::Ours => finished(outlet, conversation, underway, reply).await,
+        Kept::Theirs(theirs) => {
+            forget_record(outlet, conversation, underway).await;
+            info!(
+                id = %conversation.raw_id,
+                pool = conversation.pool,
+                origin = %conversation.origin(),
+                generation = theirs.generation,
+                "another delivery stored this conversation's reply first; sent that one, not this delivery's"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A hop ending: the next hop recorded in the progress record, then published. Another
+/// delivery that recorded it first goes on instead (its hop republished, or this
+/// delivery stale); a hop that cannot be handed on at all is answered `internal`.
+async fn hop(
+    outlet: &Outlet,
+    delivery: &impl Delivery,
+    conversation: &Conversation<'_>,
+    underway: &mut Underway<'_>,
+    kind: HopKind,
+    next: HopState,
+    pool: &str,
+) -> Outcome {
+    let token = new_token();
+    let subject = match kind {
+        HopKind::Park => outlet.subjects.retry(conversation.pool, &token),
+        HopKind::Move => outlet.subjects.moved(pool, next.caller.as_deref(), &token),
+        HopKind::Replay => outlet.subjects.hop(pool, &token),
+    };
+    let record = Record {
+        kind,
+        subject,
+        msg_id: hop_msg_id(kind, &token),
+        hop: next,
+        taken_by: None,
+    };
+    match outlet.progress.write(&record, underway.record).await {
+        Ok(revision) => underway.record = Some(revision),
+        Err(ProgressError::Conflict { key }) => {
+            debug!(key, "the next hop is recorded already");
+            return match outlet
+                .progress
+                .load(conversation.origin(), conversation.generation())
+                .await
+            {
+                Ok(Some((recorded, _))) if recorded.taken_by.is_none() => {
+                    republish(outlet, delivery, conversation, &recorded).await
+                }
+                Ok(_) => Ok(Some(stale(conversation))),
+                Err(e) => Err(e.to_string()),
+            };
+        }
+        Err(e) => return Err(e.to_string()),
+    }
+    match publish_hop(outlet, delivery, conversation, &record).await {
+        Ok(()) => {}
+        Err(e @ (PublishFailure::TooLarge { .. } | PublishFailure::NoStream { .. })) => {
+            error!(error = %e, "cannot hand the request on; answering internal");
+            let reply = internal_reply(
+                outlet,
+                conversation,
+                underway,
+                format!("the request could not be handed on: {e}"),
+            );
+            // No minimal reply after this one: a second failure leaves the message.
+            store_reply(outlet, conversation, underway, &reply)
+                .await
+                .map_err(|e| e.to_string())?;
+            return Ok(Some(AckKind::Term));
+        }
+        Err(e) => return Err(e.to_string()),
+    }
+    if kind == HopKind::Park && hooks::lose_park_ack() {
+        return Ok(None);
+    }
+    Ok(Some(AckKind::Ack))
+}
+
+/// A recorded hop published again: the delivery that recorded it may have stopped
+/// before publishing it.
+async fn republish(
+    outlet: &Outlet,
+    delivery: &impl Delivery,
+    conversation: &Conversation<'_>,
+    record: &Record,
+) -> Outcome {
+    publish_hop(outlet, delivery, conversation, record)
+        .await
+        .map_err(|e| e.to_string())?;
+    debug!(origin = %conversation.origin(), step = record.step(), "republished the recorded hop");
+    Ok(Some(AckKind::Ack))
+}
+
+/// Not the conversation's current step: acked without attempting.
+fn stale(conversation: &Conversation<'_>) -> AckKind {
+    debug!(origin = %conversation.origin(), step = conversation.state.step, "not the conversation's current step; acking without attempting");
+    AckKind::Ack
 }
 
 fn await_redelivery(conversation: &Conversation<'_>, reason: &str) -> Settled {
@@ -184,15 +235,25 @@ pub(super) fn internal(
     underway: &Underway<'_>,
     message: String,
 ) -> Ending {
+    Ending::Reply {
+        reply: internal_reply(outlet, conversation, underway, message),
+        ack: AckKind::Term,
+    }
+}
+
+/// An `internal` error reply saying `message`.
+fn internal_reply(
+    outlet: &Outlet,
+    conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
+    message: String,
+) -> EncodedReply {
     let error = ErrorBody {
         code: ErrorCode::Internal,
         message,
         status: None,
     };
-    Ending::Reply {
-        reply: error_reply(&conversation.context(underway, outlet.max_payload), error),
-        ack: AckKind::Term,
-    }
+    error_reply(&conversation.context(underway, outlet.max_payload), error)
 }
 
 /// Publishes a stored reply's live copies again, when this delivery is the step that
@@ -328,106 +389,6 @@ fn outcome(stored: &async_nats::Message) -> Option<&str> {
         .as_ref()
         .and_then(|h| h.get(header::OUTCOME))
         .map(|v| v.as_str())
-}
-
-/// Marks this generation's dead letter superseded: this delivery stored it, but
-/// another delivery of the conversation answered with a response first. `dead list`
-/// and `dead replay` skip a letter so marked.
-async fn supersede_dead_letter(
-    outlet: &Outlet,
-    conversation: &Conversation<'_>,
-) -> Result<(), PublishFailure> {
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        header::GENERATION,
-        conversation.generation().to_string().as_str(),
-    );
-    headers.insert(header::ORIGIN, conversation.origin().to_string().as_str());
-    let subject = outlet.subjects.dead_superseded(conversation.pool);
-    let msg_id = superseded_msg_id(conversation.origin(), conversation.generation());
-    let stored = Stored {
-        subject: &subject,
-        msg_id: &msg_id,
-        headers: &headers,
-        payload: &bytes::Bytes::new(),
-    };
-    tolerate_missing_stream(publish_stored(outlet, stored).await)?;
-    info!(pool = conversation.pool, origin = %conversation.origin(), generation = conversation.generation(), "another delivery answered with a response first; marked this delivery's dead letter superseded");
-    Ok(())
-}
-
-/// A deleted replies or dead-letter stream is an operator's doing that no retry
-/// repairs: the conversation still ends, and the loss is logged loudly.
-fn tolerate_missing_stream<T: Default>(
-    result: Result<T, PublishFailure>,
-) -> Result<T, PublishFailure> {
-    match result {
-        Err(PublishFailure::NoStream { subject }) => {
-            error!(
-                subject,
-                "no stream stores this subject; the conversation ends without storing it"
-            );
-            Ok(T::default())
-        }
-        other => other,
-    }
-}
-
-async fn store_dead_letter(
-    outlet: &Outlet,
-    conversation: &Conversation<'_>,
-    underway: &Underway<'_>,
-    error: &ErrorBody,
-) -> Result<(), PublishFailure> {
-    // What webproxy composed is redacted; the caller's envelope is kept as sent, for
-    // replay. Redacting a secret the caller itself wrote would tell it that its guess
-    // was right, so those are left as they are everywhere (`Redactor::for_envelope`).
-    let redaction = outlet.redactor.for_envelope(&conversation.payload);
-    let mut redacted = error.clone();
-    redacted.message = redaction.redact(&error.message).into_owned();
-    let mut attempts = underway.attempts.clone();
-    for attempt in &mut attempts.kept {
-        if let Some(failure) = &mut attempt.failure {
-            *failure = redaction.redact(failure).into_owned();
-        }
-    }
-    let payload = dead_letter(
-        LetterParts {
-            pool: conversation.pool,
-            id: conversation.id.as_deref(),
-            origin: Some(conversation.origin()),
-            caller: conversation.caller(),
-            generation: conversation.generation(),
-            error: redacted,
-            payload: &conversation.payload,
-            attempts: &attempts,
-        },
-        outlet.max_payload,
-    );
-    let mut headers = HeaderMap::new();
-    headers.insert(header::ERROR_CODE, error.code.as_str());
-    headers.insert(
-        header::GENERATION,
-        conversation.generation().to_string().as_str(),
-    );
-    headers.insert(header::ORIGIN, conversation.origin().to_string().as_str());
-    if let Some(id) = conversation.id.as_deref() {
-        headers.insert(header::ID, id);
-    }
-    let subject = outlet.subjects.dead(conversation.pool);
-    let msg_id = dead_msg_id(conversation.origin(), conversation.generation());
-    let stored = Stored {
-        subject: &subject,
-        msg_id: &msg_id,
-        headers: &headers,
-        payload: &payload,
-    };
-    tolerate_missing_stream(publish_stored(outlet, stored).await)?;
-    outlet
-        .metrics
-        .dead_letter(conversation.pool, error.code.as_str());
-    debug!(pool = conversation.pool, origin = %conversation.origin(), code = error.code.as_str(), "dead-lettered");
-    Ok(())
 }
 
 /// Publishes a recorded hop, with the conversation's request as its payload.
