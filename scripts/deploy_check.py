@@ -73,7 +73,7 @@ CLUSTER_SCOPED = {"Namespace"}
 SCALING_GAUGES = {"webproxy_pool_waiting", "webproxy_in_flight", "webproxy_pool_effective_limit", "webproxy_pool_paused"}
 # Where the code registers its metrics (the dispatcher's under the prefix webproxy_).
 METRICS_SOURCES = [
-    REPO / "crates" / "webproxy-dispatcher" / "src" / "metrics.rs",
+    REPO / "crates" / "webproxy-dispatcher" / "src" / "observability" / "metrics.rs",
     REPO / "crates" / "webproxy" / "src" / "commands" / "gateway" / "metrics.rs",
 ]
 # Paths .dockerignore must keep out of the build context.

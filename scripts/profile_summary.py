@@ -17,7 +17,7 @@ WORK = [
     ("fmt layer: log events", r"format_event|FormatEvent"),
     ("envelope parsing", r"parse_request"),
     ("reply encoding", r"outbox::"),
-    ("trace context in and out", r"webproxy_dispatcher::trace::|TraceContextPropagator"),
+    ("trace context in and out", r"webproxy_dispatcher::observability::trace::|TraceContextPropagator"),
     ("metrics", r"prometheus_client|metrics::Metrics"),
     ("URL parsing", r"url::parser|Url::parse"),
     ("reqwest", r"reqwest::"),

@@ -14,11 +14,9 @@ mod breaker;
 mod clock;
 mod config_store;
 mod egress;
-mod gauges;
-mod health;
 mod hop;
 mod instances;
-mod metrics;
+mod observability;
 mod outbox;
 mod plan;
 mod pool_state;
@@ -27,7 +25,6 @@ mod rate;
 mod runtime;
 mod state;
 mod target;
-mod trace;
 mod verdict;
 
 // The public surface, listed in ARCHITECTURE.md: what the binary uses, and nothing
@@ -37,16 +34,17 @@ pub use config_store::{ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRe
 pub use instances::InstanceReport;
 pub use provision::mark_removing;
 pub use runtime::{
-    AckWaitPacing, BucketUseSink, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError,
-    check_server, connect, follow_bucket_use, test_hook,
+    AckWaitPacing, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, check_server,
+    connect, test_hook,
 };
 
+pub use observability::bucket_use::{BucketUseSink, follow_bucket_use};
+pub use observability::trace::request_ids;
 pub use state::{Bucket, BucketError, BucketUse, StateBucket, is_stream_not_found};
-pub use trace::request_ids;
 
-use gauges::Gauges;
-use health::Health;
-use metrics::Metrics;
+use observability::gauges::Gauges;
+use observability::health::Health;
+use observability::metrics::Metrics;
 use std::sync::Arc;
 
 /// The service's observable state, shared by the dispatcher (which updates it) and the

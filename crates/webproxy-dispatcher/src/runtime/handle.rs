@@ -30,10 +30,10 @@ use crate::breaker::evidence;
 use crate::clock;
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
+use crate::observability::trace;
 use crate::outbox::{error_reply, response_reply};
 use crate::plan::{Plan, PlanInput, expired, plan};
 use crate::pool_state::RETRY_AFTER;
-use crate::trace;
 use crate::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 
 /// Span fields as i64: OpenTelemetry has no unsigned integers, and u64 fields would be

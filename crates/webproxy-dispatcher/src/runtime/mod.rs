@@ -7,8 +7,6 @@
 mod admission;
 mod attempt_claim;
 mod breaker;
-mod bucket_use;
-pub use bucket_use::{BucketUseSink, follow_bucket_use};
 mod conversation;
 mod dead_letter;
 mod delivery;
@@ -61,8 +59,10 @@ use webproxy_worker::Worker;
 use crate::Instruments;
 use crate::backoff::Backoff;
 use crate::clock;
-use crate::gauges::Gauges;
-use crate::health::Health;
+use crate::observability::bucket_use;
+use crate::observability::gauges::GAUGE_REFRESH;
+use crate::observability::gauges::Gauges;
+use crate::observability::health::Health;
 use crate::provision::{LayoutRefusal, PoolConsumers, Provisioned};
 use crate::state::Bucket;
 use liveness::Liveness;
@@ -289,9 +289,6 @@ impl Dispatcher {
         }
     }
 }
-
-/// How often the cluster-wide gauges of a pool are read from its consumers.
-const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 
 /// Reads a pool's waiting and parked counts and its limit from its consumers on a fixed
 /// interval.

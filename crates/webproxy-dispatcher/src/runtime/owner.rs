@@ -33,7 +33,7 @@ use webproxy_config::settings::PoolConfig;
 use super::Revision;
 use super::revisions::Revisions;
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
 use crate::pool_state::PoolState;
 use crate::provision::{ConsumerWrite, consumer_writes, pool_consumer_config};
 use crate::state::{Bucket, StateBucket};

@@ -22,8 +22,8 @@ use webproxy_config::settings::{PoolConfig, Settings};
 
 use crate::breaker::Phase;
 use crate::clock;
-use crate::health::Health;
-use crate::metrics::Metrics;
+use crate::observability::health::Health;
+use crate::observability::metrics::Metrics;
 use crate::pool_state::{Extend, PoolState};
 use crate::provision::{pool_state_bucket_config, stored_pool_state};
 use crate::rate::{Schedule, SlotClaim};

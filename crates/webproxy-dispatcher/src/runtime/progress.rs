@@ -19,8 +19,8 @@ use tracing::{info, warn};
 use webproxy_protocol::Origin;
 
 use crate::backoff::Backoff;
-use crate::health::Health;
 use crate::hop::{HopKind, HopState};
+use crate::observability::health::Health;
 use crate::state::{PROGRESS_MARKER_TTL, StateBucket};
 
 /// The next hop of a conversation, as recorded before it is published.

@@ -19,7 +19,7 @@ use webproxy_protocol::Subjects;
 
 use super::progress::Progress;
 use crate::backoff::Backoff;
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
 
 /// Where a conversation's products go: the NATS connection, the progress records, and
 /// the names and limits that shape what is published.

@@ -21,8 +21,8 @@ use super::progress::{ProgressError, Record};
 use super::publish::{Outlet, PublishFailure, Stored, publish_live, publish_stored};
 use super::stored_reply::{Kept, store_once};
 use crate::hop::{HopKind, HopState, hop_msg_id, new_token, reply_msg_id};
+use crate::observability::trace;
 use crate::outbox::{EncodedReply, error_reply, minimal_reply};
-use crate::trace;
 
 /// Stores what `ending` produced, then acks `delivery`.
 pub(super) async fn settle(

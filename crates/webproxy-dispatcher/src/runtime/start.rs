@@ -18,7 +18,7 @@ use webproxy_worker::{BuildError, DnsConfig, Worker, WorkerConfig};
 use super::Dispatcher;
 use crate::Instruments;
 use crate::backoff::Backoff;
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
 use crate::outbox::max_response_bytes_for;
 use crate::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
 

@@ -23,7 +23,7 @@ use super::progress::{Progress, Record};
 use super::publish::Outlet;
 use super::{Gauges, Health, Revision};
 use crate::hop::{HopState, subject_token};
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
 
 pub(super) const STREAM: &str = "WEBPROXY_POOL_DEFAULT";
 

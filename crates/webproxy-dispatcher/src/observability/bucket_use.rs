@@ -12,15 +12,15 @@ use tracing::{debug, info, warn};
 use webproxy_config::settings::StreamsConfig;
 use webproxy_protocol::Subjects;
 
-use super::GAUGE_REFRESH;
-use crate::health::Health;
-use crate::metrics::Metrics;
+use super::gauges::GAUGE_REFRESH;
+use crate::observability::health::Health;
+use crate::observability::metrics::Metrics;
 use crate::state::{Bucket, BucketUse, StateBucket};
 
 /// The buckets `serve` uses whatever its configuration source. The configuration
 /// bucket is added in kv mode (`Dispatcher::gauge_bucket`); the gateway's buckets are
 /// its own process's.
-pub(super) const SERVED: [Bucket; 4] = [
+pub(crate) const SERVED: [Bucket; 4] = [
     Bucket::Progress,
     Bucket::Instances,
     Bucket::PoolState,
@@ -51,9 +51,9 @@ pub trait BucketUseSink: Send + Sync {
 }
 
 /// `serve`'s sink: the dispatcher's gauges and `/readyz`.
-pub(super) struct Served {
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) health: Arc<Health>,
+pub(crate) struct Served {
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) health: Arc<Health>,
 }
 
 impl BucketUseSink for Served {

@@ -6,6 +6,10 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+/// How often the cluster-wide gauges of a pool are read from its consumers.
+pub(crate) const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 
 /// One pool's gauges.
 #[derive(Debug, Default)]

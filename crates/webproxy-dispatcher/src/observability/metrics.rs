@@ -15,8 +15,8 @@ use prometheus_client::registry::Registry;
 
 use webproxy_worker::DnsFailure;
 
-use crate::gauges::Gauges;
-use crate::health::Health;
+use crate::observability::gauges::Gauges;
+use crate::observability::health::Health;
 use crate::state::BucketUse;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
