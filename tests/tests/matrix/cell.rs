@@ -38,6 +38,13 @@ const CLUSTER_READY: Duration = Duration::from_secs(60);
 /// 5 s) once JetStream answers again, with a loaded machine's margin.
 const INSTANCES_REPORT: Duration = Duration::from_secs(30);
 
+/// How long a failing `config push` is made again after a fault (see [`Cell::push`]):
+/// generous, against a JetStream that elects its stream leaders again.
+const PUSH_WORKS_AGAIN: Duration = Duration::from_secs(30);
+
+/// The pause between two tries of a failed `config push`.
+const PUSH_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
 /// The gateway's records bucket: each keyed id's route, token identity and origin.
 const GATEWAY_RECORDS: &str = "WEBPROXY_GATEWAY";
 
@@ -192,6 +199,14 @@ impl Cell {
     /// instance reports every 5 s, so after a fault (or a slow start) a push may come
     /// before any report, and `config push` then refuses, rightly, to write a document
     /// no live instance would follow.
+    ///
+    /// A push that fails is made again, as an operator would, until
+    /// [`PUSH_WORKS_AGAIN`] has passed: right after the JetStream API returns, the
+    /// configuration bucket's stream may still answer "no stream found" while its
+    /// leader is elected, and a replica still catching up may answer a direct get with
+    /// no document, so the push's compare-and-set fails (`matrix::api_down_config`
+    /// failed so once in CI). `config push` refuses then and writes nothing; pushing
+    /// the same document again is harmless (`unchanged` once it is in).
     pub async fn push(&self, document: &str) {
         wait_until(INSTANCES_REPORT, "every instance's heartbeat", || async {
             self.instances_reporting().await >= self.services.len()
@@ -201,7 +216,21 @@ impl Cell {
         let path = dir.path().join("cluster.toml");
         std::fs::write(&path, document).expect("write the document");
         let path = path.display().to_string();
-        self.webproxy_ok(&["config", "push", &path, "--wait"]).await;
+        let deadline = tokio::time::Instant::now() + PUSH_WORKS_AGAIN;
+        let mut failures = Vec::new();
+        loop {
+            match self.webproxy(&["config", "push", &path, "--wait"]).await {
+                Ok(_) => return,
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    failures.push(e);
+                    tokio::time::sleep(PUSH_RETRY_PAUSE).await;
+                }
+                Err(e) => panic!(
+                    "config push failed for {PUSH_WORKS_AGAIN:?}; earlier tries: {failures:#?}\nthe last: {e}\n{}",
+                    self.logs()
+                ),
+            }
+        }
     }
 
     /// How many instances report in `WEBPROXY_INSTANCES` now (as `config push` reads
