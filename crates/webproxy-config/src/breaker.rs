@@ -96,17 +96,13 @@ impl BreakerConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::testing::breaker_config;
 
-    fn config(text: &str) -> BreakerConfig {
-        let mut config: BreakerConfig = toml::from_str(text).expect("toml");
-        config.compile().expect("valid");
-        config
-    }
+    use super::*;
 
     #[test]
     fn defaults_are_the_issues() {
-        let config = config("");
+        let config = breaker_config("");
         assert_eq!(config.failure_ratio, 0.5);
         assert_eq!(config.min_attempts, 20);
         assert_eq!(config.window, Duration::from_secs(30));

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::breaker::BreakerConfig;
 use crate::cluster::{ClusterConfig, PoolConfig};
 use crate::error::ConfigError;
 use crate::response_rules::ResponseRuleConfig;
@@ -77,5 +78,12 @@ pub fn rule_config(
     ))
     .expect("rule toml");
     config.action = action;
+    config
+}
+
+/// A pool's `[pools.NAME.breaker]` section from TOML text, checked and compiled.
+pub fn breaker_config(text: &str) -> BreakerConfig {
+    let mut config: BreakerConfig = toml::from_str(text).expect("breaker toml");
+    config.compile().expect("a valid breaker section");
     config
 }

@@ -278,17 +278,13 @@ pub(crate) fn open_reason(counts: Counts, config: &BreakerConfig) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use webproxy_config::testing::breaker_config;
 
-    fn config(text: &str) -> BreakerConfig {
-        let mut config: BreakerConfig = toml::from_str(text).expect("toml");
-        config.compile().expect("valid");
-        config
-    }
+    use super::*;
 
     #[test]
     fn only_the_upstreams_failures_count() {
-        let statuses = config("").statuses;
+        let statuses = breaker_config("").statuses;
         let response = |status| {
             AttemptOutcome::Response(webproxy_worker::HttpResponse {
                 status,
@@ -417,7 +413,7 @@ mod tests {
 
     #[test]
     fn it_opens_on_enough_failures_of_enough_attempts() {
-        let config = config("min_attempts = 20\nfailure_ratio = 0.5");
+        let config = breaker_config("min_attempts = 20\nfailure_ratio = 0.5");
         let counts = |attempts, failures| Counts {
             attempts,
             failures,
@@ -430,7 +426,8 @@ mod tests {
 
     #[test]
     fn counting_restarts_after_a_close_and_reopening_doubles_to_the_cap() {
-        let config = config("window = \"30s\"\nopen_for = \"30s\"\nmax_open_for = \"100s\"");
+        let config =
+            breaker_config("window = \"30s\"\nopen_for = \"30s\"\nmax_open_for = \"100s\"");
         assert_eq!(counted_from(1000, &config, None), 970);
         let closed = OffsetDateTime::from_unix_timestamp(990).expect("time");
         assert_eq!(counted_from(1000, &config, Some(closed)), 991);
