@@ -13,6 +13,9 @@ use tempfile::TempDir;
 /// Covers a cold start on a loaded 2-core CI machine with room to spare.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// Room for every stream a test provisions (each pool reserves its reply and
+/// dead-letter budgets, 512 MiB by default), whatever the disk has free.
+const MAX_FILE_STORE: &str = "1TB";
 
 /// A running `nats-server` (the first one on PATH; `just test` puts a recent
 /// enough one there) with its config, log and JetStream store in a tempdir.
@@ -260,9 +263,14 @@ impl NatsServer {
             Some(port) => format!("127.0.0.1:{port}"),
             None => "127.0.0.1:-1".to_owned(),
         };
+        // JetStream reserves each stream's max_bytes against max_file_store,
+        // which by default is 75% of the disk free when the server starts: on
+        // a CI machine with little disk left, provisioning then fails with
+        // "insufficient storage resources" though tests write only kilobytes.
+        // A fixed limit makes the reservations the same on every machine.
         let jetstream = if self.jetstream {
             format!(
-                "jetstream {{\n  store_dir: {}\n}}\n",
+                "jetstream {{\n  store_dir: {}\n  max_file_store: {MAX_FILE_STORE}\n}}\n",
                 quote_path(&self.store_dir)
             )
         } else {

@@ -40,9 +40,10 @@ pub use layout::mark_removing;
 pub(crate) use layout::*;
 pub(crate) use streams::*;
 
-/// Provisioning failed; the message names the stream or consumer.
+/// Provisioning failed; the message names the stream or consumer, and what to change
+/// when the server has no room for it.
 #[derive(Debug, Error)]
-#[error("cannot provision {what}: {source}")]
+#[error("cannot provision {what}: {source}{}", no_room_hint(source))]
 pub(crate) struct ProvisionError {
     pub(crate) what: String,
     #[source]
@@ -54,6 +55,25 @@ impl ProvisionError {
     /// pointless until an operator (or a newer instance) changes the stream.
     pub(crate) fn refusal(&self) -> Option<&LayoutRefusal> {
         self.source.downcast_ref()
+    }
+}
+
+/// The server reserves a stream's whole `max_bytes` when it makes the stream, against
+/// its `max_file_store` (by default 75% of the disk free when it started): a small disk
+/// refuses the default budgets though nothing has been stored yet.
+fn no_room_hint(source: &async_nats::Error) -> &'static str {
+    let code = source
+        .downcast_ref::<jetstream::context::CreateStreamError>()
+        .and_then(|e| match e.kind() {
+            jetstream::context::CreateStreamErrorKind::JetStream(e) => Some(e.error_code()),
+            _ => None,
+        });
+    if code == Some(jetstream::ErrorCode::STORAGE_RESOURCES_EXCEEDED) {
+        "; JetStream reserves each stream's max_bytes on disk when it makes it: give \
+         nats-server more disk or a larger jetstream max_file_store, or lower [streams] \
+         reply_max_bytes and dead_max_bytes"
+    } else {
+        ""
     }
 }
 

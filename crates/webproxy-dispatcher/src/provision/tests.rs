@@ -183,6 +183,30 @@ fn refusals_are_found_in_provision_errors() {
     assert_eq!(other.refusal(), None);
 }
 
+#[test]
+fn a_server_without_room_for_a_stream_is_told_what_to_change() {
+    let no_room: jetstream::Error = serde_json::from_value(serde_json::json!({
+        "code": 500,
+        "err_code": 10047,
+        "description": "insufficient storage resources available",
+    }))
+    .expect("a JetStream API error");
+    let error = provision_error(
+        "stream S",
+        jetstream::context::CreateStreamError::new(
+            jetstream::context::CreateStreamErrorKind::JetStream(no_room),
+        ),
+    );
+    let text = error.to_string();
+    assert!(text.contains("max_file_store"), "{text}");
+    assert!(
+        text.contains("reply_max_bytes and dead_max_bytes"),
+        "{text}"
+    );
+    let timed_out = provision_error("stream S", "timed out").to_string();
+    assert!(!timed_out.contains("max_file_store"), "{timed_out}");
+}
+
 fn at(seconds: i64) -> time::OffsetDateTime {
     time::OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(seconds)
 }
