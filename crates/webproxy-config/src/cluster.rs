@@ -220,7 +220,7 @@ impl Cluster {
 
 /// The warning for pool `name` when it has a breaker or an adaptive limit but none of
 /// its accepting `rules` names an origin: only attempts under such a rule feed them
-/// (`crate::breaker::evidence`), so they would never move.
+/// (the dispatcher's `pool::breaker::evidence`), so they would never move.
 fn unjudged_pool<'a>(
     name: &str,
     pool: &PoolConfig,

@@ -87,6 +87,12 @@ impl Backoff {
     }
 }
 
+/// Pulling (the pull loop, the parked retries' consumer) and following a bucket (a lost
+/// watch made again): after failures or quick empty pulls in a row, 100 ms more per
+/// failure, at most 2 s, forever; until shutdown.
+pub(crate) const PULL_BACKOFF: Backoff =
+    Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,5 +182,13 @@ mod tests {
         assert_eq!(stopped, Ok(false));
         let spent = tokio::time::timeout(ms(5000), b.wait(2, &CancellationToken::new())).await;
         assert_eq!(spent, Ok(false));
+    }
+
+    #[test]
+    fn pulling_waits_100_ms_more_per_failure_up_to_two_seconds() {
+        assert_eq!(PULL_BACKOFF.after(1), Some(ms(100)));
+        assert_eq!(PULL_BACKOFF.after(7), Some(ms(700)));
+        assert_eq!(PULL_BACKOFF.after(20), Some(ms(2000)));
+        assert_eq!(PULL_BACKOFF.after(u32::MAX), Some(ms(2000)));
     }
 }

@@ -8,20 +8,18 @@
 
 #![warn(unreachable_pub)]
 
-mod adaptive;
 mod backoff;
-mod breaker;
 mod clock;
 mod config_store;
 mod egress;
+mod hooks;
 mod hop;
 mod instances;
 mod observability;
 mod outbox;
 mod plan;
-mod pool_state;
+mod pool;
 mod provision;
-mod rate;
 mod runtime;
 mod state;
 mod target;
@@ -32,6 +30,7 @@ mod verdict;
 pub use backoff::Backoff;
 pub use config_store::{ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision};
 pub use instances::InstanceReport;
+pub use pool::pauses::PoolPauses;
 pub use provision::mark_removing;
 pub use runtime::{
     AckWaitPacing, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, check_server,

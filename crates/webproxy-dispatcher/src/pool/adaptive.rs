@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::breaker::Counts;
+use crate::pool::breaker::Counts;
 
 /// How often the limit moves: consumer updates go through the server's metadata
 /// layer, so no more than one per 5 s.

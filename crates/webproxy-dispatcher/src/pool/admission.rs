@@ -26,7 +26,7 @@ pub(crate) type Admitted = OwnedMutexGuard<()>;
 
 /// What the count allows.
 #[derive(Debug)]
-pub(super) enum Admission {
+pub(crate) enum Admission {
     /// Room: publish the move while holding this.
     Room(Admitted),
     /// The pool holds `waiting` requests, `max_waiting` or more.
@@ -34,7 +34,7 @@ pub(super) enum Admission {
 }
 
 /// Whether `waiting` requests leave room for one more under `max_waiting`.
-pub(super) fn has_room(waiting: u64, max_waiting: u64) -> bool {
+pub(crate) fn has_room(waiting: u64, max_waiting: u64) -> bool {
     waiting < max_waiting
 }
 
@@ -47,7 +47,7 @@ pub(crate) struct Admissions {
 impl Admissions {
     /// Counts `caller`'s requests waiting in `pool` (published and moved) and says
     /// whether one more moved request fits under `max_waiting`.
-    pub(super) async fn admit(
+    pub(crate) async fn admit(
         &self,
         js: &jetstream::Context,
         subjects: &Subjects,

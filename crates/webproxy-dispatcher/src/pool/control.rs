@@ -1,5 +1,5 @@
-//! PoolControl control per pool, cluster-wide: the gate a message passes between its plan and
-//! its attempt. A pool paused in its runtime state (`<PREFIX>_POOL_STATE`, watched by
+//! The gate a message passes between its plan and its attempt, per pool and
+//! cluster-wide. A pool paused in its runtime state (`<PREFIX>_POOL_STATE`, watched by
 //! every instance) makes no attempt until the pause ends; a pool with a `rate` makes
 //! each attempt at a slot of its shared schedule (`<PREFIX>_RATE`, one key per pool:
 //! the next unclaimed slot's time), claimed a few at a time with compare-and-set.
@@ -20,20 +20,21 @@ use tracing::{debug, info, warn};
 use webproxy_config::rate::Rate;
 use webproxy_config::settings::{PoolConfig, Settings};
 
-use crate::breaker::Phase;
+use super::stored::stored_pool_state;
 use crate::clock;
 use crate::observability::health::Health;
 use crate::observability::metrics::Metrics;
-use crate::pool_state::{Extend, PoolState};
-use crate::provision::{pool_state_bucket_config, stored_pool_state};
-use crate::rate::{Schedule, SlotClaim};
+use crate::pool::breaker::Phase;
+use crate::pool::rate::{Schedule, SlotClaim};
+use crate::pool::state::{Extend, PoolState};
+use crate::provision::pool_state_bucket_config;
 use crate::state::{Bucket, StateBucket};
 
 /// Every pool's runtime state as last seen.
-pub(super) type PoolStates = Arc<BTreeMap<String, PoolState>>;
+pub(crate) type PoolStates = Arc<BTreeMap<String, PoolState>>;
 
 /// The pools' runtime state and rate schedules, for every handler of this instance.
-pub(super) struct PoolControl {
+pub(crate) struct PoolControl {
     js: jetstream::Context,
     metrics: Arc<Metrics>,
     state_bucket: String,
@@ -45,7 +46,7 @@ pub(super) struct PoolControl {
     loaded: std::sync::atomic::AtomicBool,
     limiters: Mutex<HashMap<String, Arc<Limiter>>>,
     /// This instance's attempts per pool, for the breaker and the adaptive limit.
-    pub(super) counts: super::breaker::AttemptCounts,
+    pub(crate) counts: super::counts::AttemptCounts,
     /// Pools whose pause in force left their state before its end (a bucket lost and
     /// made again, a resume): the lease holder lifts the pause their consumer still has.
     forgotten_pauses: Mutex<HashSet<String>>,
@@ -53,7 +54,7 @@ pub(super) struct PoolControl {
 
 /// How a message leaves the gate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Pass {
+pub(crate) enum Pass {
     /// Attempt it.
     Go,
     /// Attempt it as the probe of a half-open breaker: its outcome closes or reopens it.
@@ -77,7 +78,7 @@ async fn sleep_until_us(at_us: u64) {
 }
 
 impl PoolControl {
-    pub(super) fn new(
+    pub(crate) fn new(
         js: jetstream::Context,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
@@ -95,14 +96,19 @@ impl PoolControl {
             states: watch::Sender::new(Arc::new(BTreeMap::new())),
             loaded: std::sync::atomic::AtomicBool::new(false),
             limiters: Mutex::new(HashMap::new()),
-            counts: super::breaker::AttemptCounts::default(),
+            counts: super::counts::AttemptCounts::default(),
             forgotten_pauses: Mutex::new(HashSet::new()),
         }
     }
 
+    /// The metrics the gate and the breaker's transitions are counted in.
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     /// Whether `pool`'s pause left its state before its end since this was last asked
     /// ([`PoolControl::follow_states`]); asking forgets it.
-    pub(super) fn take_forgotten_pause(&self, pool: &str) -> bool {
+    pub(crate) fn take_forgotten_pause(&self, pool: &str) -> bool {
         self.forgotten_pauses
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -133,7 +139,7 @@ impl PoolControl {
     /// lease holder to lift from their consumers: a pause ended by a writer that may
     /// not have lifted it (a bucket lost and made again, a `pools resume` the owner's
     /// round overtook with the state it had before).
-    pub(super) fn note_lifted_pauses(&self, pools: impl IntoIterator<Item = String>) {
+    pub(crate) fn note_lifted_pauses(&self, pools: impl IntoIterator<Item = String>) {
         self.forgotten_pauses
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -141,13 +147,13 @@ impl PoolControl {
     }
 
     /// The pools' runtime state, as it changes.
-    pub(super) fn states(&self) -> watch::Receiver<PoolStates> {
+    pub(crate) fn states(&self) -> watch::Receiver<PoolStates> {
         self.states.subscribe()
     }
 
     /// Whether the pools' state has been read: a write computed from the state before
     /// then could undo it.
-    pub(super) fn loaded(&self) -> bool {
+    pub(crate) fn loaded(&self) -> bool {
         self.loaded.load(std::sync::atomic::Ordering::Acquire)
     }
 
@@ -160,10 +166,10 @@ impl PoolControl {
 
     /// Keeps [`PoolControl::states`] in step with the bucket until `shutdown`; a watch that is
     /// lost is made again (it starts with every key's latest value).
-    pub(super) async fn follow_states(&self, settings: &Settings, shutdown: CancellationToken) {
+    pub(crate) async fn follow_states(&self, settings: &Settings, shutdown: CancellationToken) {
         let mut failures = 0u32;
         loop {
-            if failures > 0 && !super::PULL_BACKOFF.wait(failures, &shutdown).await {
+            if failures > 0 && !crate::backoff::PULL_BACKOFF.wait(failures, &shutdown).await {
                 return;
             }
             let watched = async {
@@ -293,7 +299,7 @@ impl PoolControl {
     /// message is to be parked until the pause ends (a message waiting out another
     /// pause that the breaker's joins is parked then too). Past a half-open breaker,
     /// the attempt is its probe.
-    pub(super) async fn pass(&self, pool: &str, config: &PoolConfig) -> Pass {
+    pub(crate) async fn pass(&self, pool: &str, config: &PoolConfig) -> Pass {
         let started = std::time::Instant::now();
         let paused = match self.wait_out_pauses(pool).await {
             Ok(paused) => paused,
@@ -320,7 +326,7 @@ impl PoolControl {
 
     /// Changes `pool`'s state with `change` (which says whether it changed anything),
     /// by compare-and-set: the state written, or `None` when nothing changed.
-    pub(super) async fn change_state(
+    pub(crate) async fn change_state(
         &self,
         pool: &str,
         change: impl FnMut(&mut PoolState) -> bool,
@@ -329,7 +335,7 @@ impl PoolControl {
     }
 
     /// `pool`'s limit as its state sets it now (what the owner writes to its consumer).
-    pub(super) fn effective_limit(&self, pool: &str, config: &PoolConfig) -> u64 {
+    pub(crate) fn effective_limit(&self, pool: &str, config: &PoolConfig) -> u64 {
         self.states
             .borrow()
             .get(pool)
@@ -337,7 +343,7 @@ impl PoolControl {
     }
 
     /// Whether `pool`'s state holds a pause in force now.
-    pub(super) fn is_paused(&self, pool: &str) -> bool {
+    pub(crate) fn is_paused(&self, pool: &str) -> bool {
         self.states
             .borrow()
             .get(pool)
@@ -399,7 +405,7 @@ impl PoolControl {
     /// Pauses `pool` until `until` for `reason`, under `cause`, keeping a later end of
     /// the same cause: a compare-and-set on the pool's state, which every instance
     /// sees and the owner of the consumers' settings applies.
-    pub(super) async fn pause(
+    pub(crate) async fn pause(
         &self,
         pool: &str,
         cause: &str,
@@ -427,7 +433,7 @@ pub struct StateError {
 }
 
 impl StateError {
-    pub(super) fn new(pool: &str, bucket: &str, message: String) -> StateError {
+    pub(crate) fn new(pool: &str, bucket: &str, message: String) -> StateError {
         StateError {
             pool: pool.to_string(),
             bucket: bucket.to_string(),
@@ -439,7 +445,7 @@ impl StateError {
 /// Changes `pool`'s state in `bucket` with `change` (which says whether it changed
 /// anything), by compare-and-set, again while other writers win. The state written,
 /// or `None` when `change` left it as it was.
-pub(super) async fn update_pool_state(
+pub(crate) async fn update_pool_state(
     js: &jetstream::Context,
     bucket: &str,
     pool: &str,
@@ -471,7 +477,7 @@ pub(super) async fn update_pool_state(
 
 /// Returns when `pool`'s state changes: its pull then nudges the server, which serves
 /// a pull that waited through a pause lifted by hand only at its next heartbeat.
-pub(super) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>, pool: &str) {
+pub(crate) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>, pool: &str) {
     let before = states.borrow_and_update().get(pool).cloned();
     loop {
         if states.changed().await.is_err() {
@@ -585,7 +591,7 @@ impl Limiter {
                             )),
                         );
                     }
-                    let wait = super::PULL_BACKOFF
+                    let wait = crate::backoff::PULL_BACKOFF
                         .after(failures)
                         .unwrap_or(Duration::from_secs(1));
                     tokio::time::sleep(wait).await;

@@ -1,17 +1,17 @@
 //! The circuit breaker and the adaptive limit, cluster-wide, as effects. Every
-//! instance counts its attempts per pool ([`Counts`]) and reports them each second
+//! instance counts its attempts per pool (`super::counts`) and reports them each second
 //! under `stats.<pool>.<instance>` in `<PREFIX>_INSTANCES` ([`report`]); the holder of
-//! the lease of the pool consumers' settings sums the reports ([`judge`]), opens a
+//! the lease of the pool consumers' settings sums the reports ([`oversee`]), opens a
 //! pool's breaker (a pause of cause `breaker` and a probe limit of 1 in the pool's
-//! state) and moves its adaptive limit, and `owner.rs` writes what the state then
+//! state) and moves its adaptive limit, and `owner` writes what the state then
 //! says to the consumer. The instance that makes the probe closes or reopens the
-//! breaker ([`probed`]).
+//! breaker ([`probe_ended`]).
 //!
-//! The decisions are pure, in `crate::breaker` and `crate::adaptive`.
+//! The decisions are pure, in `crate::pool::breaker` and `crate::pool::adaptive`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt as _;
@@ -19,20 +19,20 @@ use time::format_description::well_known::Rfc3339;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use webproxy_config::breaker::default_statuses;
 use webproxy_config::human;
 use webproxy_config::settings::PoolConfig;
-use webproxy_worker::AttemptOutcome;
 
-use super::revisions::Revisions;
-use crate::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
-use crate::breaker::{
-    self, ClusterReports, Phase, Report, STATS, counted_from, is_failure, open_reason, reopen_for,
-    should_open, stats_key,
-};
+use super::PoolTasks;
+use super::control::PoolControl;
+use super::counts::{counted, now_s};
 use crate::clock;
 use crate::instances;
-use crate::pool_state::PoolState;
+use crate::pool::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
+use crate::pool::breaker::{
+    self, ClusterReports, Phase, Report, STATS, counted_from, open_reason, reopen_for, should_open,
+    stats_key,
+};
+use crate::pool::state::PoolState;
 use crate::state::{Bucket, StateBucket};
 
 /// How often an instance reports its counts, and the owner looks at them.
@@ -42,13 +42,6 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// only the reports of instances that stopped.
 const REWRITE_AFTER: Duration = Duration::from_secs(10);
 
-/// Unix seconds now.
-fn now_s() -> u64 {
-    clock::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// How many seconds of counts a pool's reports keep: its breaker's window, and two
 /// steps of the adaptive limit.
 fn kept_seconds(config: &PoolConfig) -> u64 {
@@ -56,63 +49,14 @@ fn kept_seconds(config: &PoolConfig) -> u64 {
     window.max(2 * ADAPT_EVERY.as_secs()) + 1
 }
 
-/// Whether `pool`'s attempts are counted at all.
-fn counted(config: &PoolConfig) -> bool {
-    config.breaker.is_some() || config.adaptive
-}
-
-/// This instance's attempts per pool, per second, for its reports.
-#[derive(Default)]
-pub(super) struct AttemptCounts {
-    pools: Mutex<BTreeMap<String, Report>>,
-}
-
-impl AttemptCounts {
-    /// Counts an attempt of `pool` that connected to the upstream, when the pool has a
-    /// breaker or an adaptive limit; whether it was a failure.
-    pub(super) fn attempted(
-        &self,
-        pool: &str,
-        config: &PoolConfig,
-        outcome: &AttemptOutcome,
-        latency_ms: u64,
-    ) -> bool {
-        if !counted(config) {
-            return false;
-        }
-        let failed = match &config.breaker {
-            Some(breaker) => is_failure(outcome, &breaker.statuses),
-            None => is_failure(outcome, &default_statuses()),
-        };
-        let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
-        pools
-            .entry(pool.to_string())
-            .or_default()
-            .record(now_s(), failed, latency_ms);
-        failed
-    }
-
-    /// `pool`'s report, its seconds before `oldest` dropped; none when it is empty.
-    fn report(&self, pool: &str, oldest: u64) -> Option<Report> {
-        let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
-        let report = pools.get_mut(pool)?;
-        if report.keep_from(oldest) {
-            Some(report.clone())
-        } else {
-            pools.remove(pool);
-            None
-        }
-    }
-}
-
 /// Writes this instance's counts of every counted pool every [`REPORT_EVERY`], while
 /// they hold a second recent enough to matter, until `shutdown`.
-pub(super) async fn report(live: Arc<Revisions>, shutdown: CancellationToken) {
+pub(crate) async fn report(tasks: PoolTasks, shutdown: CancellationToken) {
     let instance = instances::instance_id();
     let bucket = {
-        let shared = live.load();
+        let shared = tasks.current();
         StateBucket::new(
-            shared.outlet.js.clone(),
+            shared.js.clone(),
             Bucket::Instances.spec(&shared.settings.subjects, &shared.settings.streams),
         )
     };
@@ -123,14 +67,14 @@ pub(super) async fn report(live: Arc<Revisions>, shutdown: CancellationToken) {
             _ = interval.tick() => {}
             _ = shutdown.cancelled() => return,
         }
-        let shared = live.load();
+        let shared = tasks.current();
         let now = now_s();
         for (pool, config) in &shared.settings.cluster.pools {
             if !counted(config) {
                 continue;
             }
-            let Some(report) = shared
-                .pool_control
+            let Some(report) = tasks
+                .control
                 .counts
                 .report(pool, now - kept_seconds(config))
             else {
@@ -176,16 +120,15 @@ type Reports = Arc<Mutex<ClusterReports>>;
 
 /// Follows every report in the instances' bucket into `reports` until `stop`; a lost
 /// watch is made again.
-async fn follow_reports(live: Arc<Revisions>, reports: Reports, stop: CancellationToken) {
+async fn follow_reports(tasks: PoolTasks, reports: Reports, stop: CancellationToken) {
     let mut failures = 0u32;
     loop {
-        if failures > 0 && !super::PULL_BACKOFF.wait(failures, &stop).await {
+        if failures > 0 && !crate::backoff::PULL_BACKOFF.wait(failures, &stop).await {
             return;
         }
-        let shared = live.load();
+        let shared = tasks.current();
         let watched = async {
             let store = shared
-                .outlet
                 .js
                 .create_or_update_key_value(instances::bucket_config(&shared.settings))
                 .await
@@ -248,8 +191,8 @@ struct Seen {
 /// each [`REPORT_EVERY`]: opens a breaker on the cluster's counts, and steps an
 /// adaptive limit every [`ADAPT_EVERY`]. Its writes go
 /// to the pools' state, which the owner's loop then writes to the consumers.
-pub(super) async fn oversee(
-    live: Arc<Revisions>,
+pub(crate) async fn oversee(
+    tasks: PoolTasks,
     mut holding: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) {
@@ -274,10 +217,10 @@ pub(super) async fn oversee(
             }
             continue;
         }
-        let shared = live.load();
+        let shared = tasks.current();
         if following.is_none() {
             let stop = shutdown.child_token();
-            tokio::spawn(follow_reports(live.clone(), reports.clone(), stop.clone()));
+            tokio::spawn(follow_reports(tasks.clone(), reports.clone(), stop.clone()));
             following = Some(stop);
         }
         // The bucket removed the keys of instances that stopped reporting; so does the map.
@@ -285,7 +228,7 @@ pub(super) async fn oversee(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .drop_expired(std::time::Instant::now(), instances::TTL);
-        let states = shared.pool_control.states().borrow().clone();
+        let states = tasks.control.states().borrow().clone();
         let now = clock::now_utc();
         let second = now_s();
         for (pool, config) in &shared.settings.cluster.pools {
@@ -298,8 +241,8 @@ pub(super) async fn oversee(
                     let counts = cluster_counts(&reports, pool, from, second + 1);
                     if should_open(counts, breaker) {
                         let reason = open_reason(counts, breaker);
-                        let opened = shared
-                            .pool_control
+                        let opened = tasks
+                            .control
                             .change_state(pool, |state| {
                                 state.open_breaker(clock::now_utc(), breaker.open_for, &reason)
                             })
@@ -307,7 +250,7 @@ pub(super) async fn oversee(
                         match opened {
                             Ok(Some(_)) => {
                                 warn!(pool, reason, open_for = %human(breaker.open_for), "circuit breaker opened");
-                                shared.outlet.metrics.breaker_transition(pool, "open");
+                                tasks.metrics.breaker_transition(pool, "open");
                             }
                             Ok(None) => {}
                             Err(e) => warn!(pool, error = %e, "cannot open the circuit breaker"),
@@ -317,16 +260,16 @@ pub(super) async fn oversee(
                 // A breaker taken out of the configuration while open closes, and lets
                 // go of the pool at once, not at the end of its pause.
                 (None, Phase::Open | Phase::HalfOpen) => {
-                    let closed = shared
-                        .pool_control
+                    let closed = tasks
+                        .control
                         .change_state(pool, PoolState::forget_breaker)
                         .await;
                     match closed {
                         Ok(Some(closed)) => {
                             info!(pool, "circuit breaker closed: it is no longer configured");
-                            shared.outlet.metrics.breaker_transition(pool, "closed");
+                            tasks.metrics.breaker_transition(pool, "closed");
                             if state.lifts_pause(&closed, clock::now_utc())
-                                && let Err(e) = shared.outlet.lift_pause(pool).await
+                                && let Err(e) = shared.pauses().lift_pause(pool).await
                             {
                                 warn!(pool, error = %e, "cannot lift the pause of a breaker no longer configured");
                             }
@@ -340,11 +283,11 @@ pub(super) async fn oversee(
                 _ => {}
             }
             if config.adaptive && phase == Phase::Closed {
-                adapt(&shared, &reports, pool, config, &state, seen, second).await;
+                adapt(&tasks.control, &reports, pool, config, &state, seen, second).await;
             } else if !config.adaptive && state.adaptive_limit.is_some() {
                 // Switched off: the stored limit no longer applies, nor shows.
-                let cleared = shared
-                    .pool_control
+                let cleared = tasks
+                    .control
                     .change_state(pool, |state| {
                         state.baseline_us = None;
                         state.adaptive_limit.take().is_some()
@@ -364,7 +307,7 @@ pub(super) async fn oversee(
 /// One step of `pool`'s adaptive limit, when [`ADAPT_EVERY`] has passed since the last,
 /// from the cluster's counts since then (the second still being reported left out).
 async fn adapt(
-    shared: &super::Revision,
+    control: &PoolControl,
     reports: &Reports,
     pool: &str,
     config: &PoolConfig,
@@ -402,8 +345,7 @@ async fn adapt(
     if state.adaptive_limit == Some(next.limit) && state.baseline_us == next.baseline_us {
         return;
     }
-    let written = shared
-        .pool_control
+    let written = control
         .change_state(pool, |stored| {
             // Computed from the state as read; another writer's limit since wins.
             if stored.adaptive_limit != state.adaptive_limit {
@@ -432,18 +374,18 @@ async fn adapt(
 }
 
 /// A message passed `pool`'s half-open breaker: its attempt is the probe.
-pub(super) fn probe_started(shared: &super::Revision, pool: &str) {
+pub(crate) fn probe_started(control: &PoolControl, pool: &str) {
     info!(
         pool,
         "circuit breaker half-open: this attempt is its one probe"
     );
-    shared.outlet.metrics.breaker_transition(pool, "half_open");
+    control.metrics().breaker_transition(pool, "half_open");
 }
 
 /// A probe's outcome: closes `pool`'s breaker, or reopens it with its pause doubled
 /// (at most `max_open_for`). Another instance's outcome written first wins.
-pub(super) async fn probe_ended(
-    shared: &super::Revision,
+pub(crate) async fn probe_ended(
+    control: &PoolControl,
     pool: &str,
     config: &PoolConfig,
     failed: bool,
@@ -451,8 +393,7 @@ pub(super) async fn probe_ended(
     let Some(breaker) = &config.breaker else {
         return;
     };
-    let written = shared
-        .pool_control
+    let written = control
         .change_state(pool, |state| {
             let again = state
                 .breaker
@@ -468,11 +409,11 @@ pub(super) async fn probe_ended(
                 .and_then(|until| until.format(&Rfc3339).ok())
                 .unwrap_or_else(|| "-".into());
             warn!(pool, %until, "the probe failed: circuit breaker open again");
-            shared.outlet.metrics.breaker_transition(pool, "open");
+            control.metrics().breaker_transition(pool, "open");
         }
         Ok(Some(_)) => {
             info!(pool, "the probe succeeded: circuit breaker closed");
-            shared.outlet.metrics.breaker_transition(pool, "closed");
+            control.metrics().breaker_transition(pool, "closed");
         }
         Ok(None) => {}
         Err(e) => warn!(pool, error = %e, "cannot write the probe's outcome"),

@@ -1,8 +1,8 @@
 //! The one writer of the pool consumers' settings. One instance at a time holds a
 //! lease in `<PREFIX>_INSTANCES` and brings every pool's work consumer in line with
 //! the running revision's limits and the pool's runtime state in
-//! `<PREFIX>_POOL_STATE` (as `flow` follows it), writing only what differs
-//! (`provision::consumer_writes`).
+//! `<PREFIX>_POOL_STATE` (as `control` follows it), writing only what differs
+//! (`consumers::consumer_writes`).
 //!
 //! A lower `ack_wait` is written only once every live instance (by its heartbeat)
 //! paces its progress acks from it (`may_apply`): the server redelivers a message
@@ -21,7 +21,6 @@
 //! owner paused between its confirmation and its write can still write once; the next
 //! owner's round, within [`ROUND`], brings the consumer back in line.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
@@ -30,12 +29,11 @@ use tracing::{debug, info, warn};
 use webproxy_config::human;
 use webproxy_config::settings::PoolConfig;
 
-use super::Revision;
-use super::revisions::Revisions;
+use super::consumers::{ConsumerWrite, consumer_writes, pool_consumer_config};
+use super::{PoolRevision, PoolTasks};
 use crate::instances::{self, POOL_CONSUMERS_LEASE};
 use crate::observability::metrics::Metrics;
-use crate::pool_state::PoolState;
-use crate::provision::{ConsumerWrite, consumer_writes, pool_consumer_config};
+use crate::pool::state::PoolState;
 use crate::state::{Bucket, StateBucket};
 
 /// How often the holder renews its lease and checks every pool's consumer, and how
@@ -229,24 +227,24 @@ impl Lease {
 /// Holds or tries to take the lease every [`ROUND`] until `shutdown`; while held, brings
 /// every pool's consumer in line each round, at once when a revision is swapped in or
 /// a pool's state changes. Ends the lease on the way out.
-pub(super) async fn own_pool_consumers(live: Arc<Revisions>, shutdown: CancellationToken) {
+pub(crate) async fn own_pool_consumers(tasks: PoolTasks, shutdown: CancellationToken) {
     let (holding, held) = tokio::sync::watch::channel(false);
     tokio::join!(
-        hold_and_write(live.clone(), holding, shutdown.clone()),
-        super::breaker::oversee(live.clone(), held, shutdown.clone()),
-        super::breaker::report(live, shutdown),
+        hold_and_write(tasks.clone(), holding, shutdown.clone()),
+        super::oversight::oversee(tasks.clone(), held, shutdown.clone()),
+        super::oversight::report(tasks, shutdown),
     );
 }
 
 /// The owner's loop: the lease, and the consumers' settings while it is held;
 /// `holding` tells the breaker's judge whether it is.
 async fn hold_and_write(
-    live: Arc<Revisions>,
+    tasks: PoolTasks,
     holding_now: tokio::sync::watch::Sender<bool>,
     shutdown: CancellationToken,
 ) {
-    let mut revisions = live.changes();
-    let mut states = live.load().pool_control.states();
+    let mut revisions = tasks.revisions.clone();
+    let mut states = tasks.control.states();
     let mut interval = tokio::time::interval(ROUND);
     let mut lease: Option<Lease> = None;
     loop {
@@ -256,8 +254,8 @@ async fn hold_and_write(
             changed = states.changed() => if changed.is_err() { break },
             _ = shutdown.cancelled() => break,
         }
-        let shared = live.load();
-        let (js, settings, metrics) = (&shared.outlet.js, &shared.settings, &shared.outlet.metrics);
+        let shared = tasks.current();
+        let (js, settings, metrics) = (&shared.js, &shared.settings, &tasks.metrics);
         let lease = lease.get_or_insert_with(|| Lease {
             bucket: StateBucket::new(
                 js.clone(),
@@ -269,7 +267,7 @@ async fn hold_and_write(
         let holding = lease.hold(Purpose::Round).await;
         report_holding(metrics, &holding_now, holding);
         // Writes computed before the pools' state is read could undo it.
-        if !holding || !shared.pool_control.loaded() {
+        if !holding || !tasks.control.loaded() {
             continue;
         }
         let current = states.borrow_and_update().clone();
@@ -279,13 +277,13 @@ async fn hold_and_write(
         let mut pacing = LivePacing { store, read: None };
         for (pool, config) in &settings.cluster.pools {
             let state = current.get(pool).cloned().unwrap_or_default();
-            if !bring_in_line(&shared, lease, pool, config, &state, &mut pacing).await {
+            if !bring_in_line(&tasks, &shared, lease, pool, config, &state, &mut pacing).await {
                 report_holding(metrics, &holding_now, false);
                 break;
             }
         }
     }
-    live.load().outlet.metrics.set_pool_consumers_owner(false);
+    tasks.metrics.set_pool_consumers_owner(false);
     holding_now.send_replace(false);
     if let Some(lease) = lease {
         lease.release().await;
@@ -306,7 +304,7 @@ fn report_holding(
 /// increase at once; a decrease once every live instance paces its progress acks from
 /// `new` or less. `live_instances_pacing` is what each live instance reports; one
 /// that does not say (older than the report) is waited for.
-pub(super) fn may_apply(
+pub(crate) fn may_apply(
     new: Duration,
     current: Duration,
     live_instances_pacing: &[Option<Duration>],
@@ -356,14 +354,15 @@ impl LivePacing {
 /// consumer that is not there is left to provisioning and the pull loop, which create
 /// it (and know when not to: a pool being removed).
 async fn bring_in_line(
-    shared: &Revision,
+    tasks: &PoolTasks,
+    shared: &PoolRevision,
     lease: &mut Lease,
     pool: &str,
     config: &PoolConfig,
     state: &PoolState,
     pacing: &mut LivePacing,
 ) -> bool {
-    let (js, settings, metrics) = (&shared.outlet.js, &shared.settings, &shared.outlet.metrics);
+    let (js, settings, metrics) = (&shared.js, &shared.settings, &tasks.metrics);
     let name = settings.subjects.pool_consumer(pool);
     let stream = match js
         .get_stream_no_info(settings.subjects.pool_stream(pool))
@@ -407,25 +406,25 @@ async fn bring_in_line(
     // a lift that cannot be made is noted again for the next round.
     if paused_until.is_none()
         && current.pause_until.is_some()
-        && shared.pool_control.take_forgotten_pause(pool)
+        && tasks.control.take_forgotten_pause(pool)
     {
         if !lease.hold(Purpose::BeforeWrite).await {
-            shared.pool_control.note_lifted_pauses([pool.to_string()]);
+            tasks.control.note_lifted_pauses([pool.to_string()]);
             return false;
         }
-        match shared.outlet.lift_pause(pool).await {
+        match shared.pauses().lift_pause(pool).await {
             Ok(()) => info!(
                 pool,
                 "lifted the consumer pause that the pool state no longer holds"
             ),
             Err(e) => {
-                shared.pool_control.note_lifted_pauses([pool.to_string()]);
+                tasks.control.note_lifted_pauses([pool.to_string()]);
                 warn!(pool, error = %e, "cannot lift the consumer pause that the pool state no longer holds")
             }
         }
     }
     for write in consumer_writes(&current, &wanted, paused_until) {
-        super::hooks::owner_waits_before_write().await;
+        crate::hooks::owner_waits_before_write().await;
         // The round's check may be seconds old (a slow server, a paused process): a
         // write is made only while this instance's last lease write is still the
         // key's latest.

@@ -2,13 +2,14 @@
 //! written to the pools' runtime state like every other pause: the owner of the pool
 //! consumers' settings applies them, every instance's gate honours them.
 
+use async_nats::jetstream;
 use time::OffsetDateTime;
+use webproxy_protocol::Subjects;
 
-use super::pool_control::{StateError, update_pool_state};
-use super::publish::Outlet;
-use crate::breaker::Phase;
-use crate::pool_state::{Extend, MANUAL, PoolState};
-use crate::provision::stored_pool_state;
+use super::control::{StateError, update_pool_state};
+use super::stored::stored_pool_state;
+use crate::pool::breaker::Phase;
+use crate::pool::state::{Extend, MANUAL, PoolState};
 
 /// One pause of a pool in force: its cause (`manual`, `retry_after`, ...), its end
 /// and its reason.
@@ -43,7 +44,20 @@ fn in_force(state: &PoolState) -> Vec<PoolPause> {
         .collect()
 }
 
-impl Outlet {
+/// The pools' pauses as the operator commands and the owner of the consumers' settings
+/// write them: the pool-state bucket and the pool consumers, through `js`.
+#[derive(Debug, Clone)]
+pub struct PoolPauses {
+    js: jetstream::Context,
+    subjects: Subjects,
+}
+
+impl PoolPauses {
+    /// Pauses of the deployment whose names `subjects` gives.
+    pub fn new(js: jetstream::Context, subjects: Subjects) -> PoolPauses {
+        PoolPauses { js, subjects }
+    }
+
     /// Pauses `pool` by hand until `until`, cluster-wide, for `reason`: requests keep
     /// waiting in its stream. A later `resume_pool` ends it; other pauses keep their
     /// own ends.

@@ -1,5 +1,5 @@
 //! A pool's runtime state, kept in `<PREFIX>_POOL_STATE` (one key per pool), which
-//! `provision::pool_consumer_config` lays over the configured limits. Pure.
+//! `consumers::pool_consumer_config` lays over the configured limits. Pure.
 //!
 //! The state is what changes while a pool runs, set by operators and by the service
 //! itself, never by a configuration push: a push or a restart keeps it, and no write
@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use webproxy_config::cluster::PoolConfig;
 
-use crate::breaker::{BREAKER, Open, Phase};
+use crate::pool::breaker::{BREAKER, Open, Phase};
 
 /// One pause of a pool: until when, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -71,7 +71,7 @@ pub(crate) fn fence_step(
 /// adds the fence's subject to that stream, so the fence's creation then fails (10065),
 /// provisioning fails and its retry migrates the stream again and makes the fence: the
 /// gap cannot undo a migration for longer than that retry.
-pub(super) async fn make_fence(
+pub(crate) async fn make_fence(
     js: &jetstream::Context,
     fence: stream::Config,
 ) -> Result<(), ProvisionError> {

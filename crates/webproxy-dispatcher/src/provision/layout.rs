@@ -194,7 +194,7 @@ pub(crate) fn retirement(
 /// subjects that now overlap the pools' streams and fails with err_code 10065: either
 /// way it stays not ready. A missing stream is fine: a deployment that began at
 /// layout 3 never had one.
-pub(super) async fn retire_shared_stream(
+pub(crate) async fn retire_shared_stream(
     js: &jetstream::Context,
     name: &str,
     retired: String,

@@ -18,9 +18,7 @@ use thiserror::Error;
 use tracing::{error, info, warn};
 use webproxy_config::settings::{PoolConfig, Settings};
 
-use crate::pool_state::PoolState;
-use crate::state::{Bucket, StateBucket};
-use time::OffsetDateTime;
+use crate::state::Bucket;
 
 // One file per thing provisioned. They share this module's imports and one another's
 // items through `use super::*`, and what the rest of the crate names is re-exported here,
@@ -77,14 +75,14 @@ fn no_room_hint(source: &async_nats::Error) -> &'static str {
     }
 }
 
-fn refused(what: String, refusal: LayoutRefusal) -> ProvisionError {
+pub(crate) fn refused(what: String, refusal: LayoutRefusal) -> ProvisionError {
     ProvisionError {
         what,
         source: Box::new(refusal),
     }
 }
 
-fn provision_error(
+pub(crate) fn provision_error(
     what: impl Into<String>,
     source: impl Into<async_nats::Error>,
 ) -> ProvisionError {
@@ -94,120 +92,8 @@ fn provision_error(
     }
 }
 
-/// What provisioning made: the pools' consumers and the progress bucket.
-pub(crate) struct Provisioned {
-    pub(crate) pools: Vec<PoolConsumers>,
-    pub(crate) progress: StateBucket,
-}
-
-/// Creates or updates every stream, bucket and consumer of this instance's config.
-pub(crate) async fn provision(
-    js: &jetstream::Context,
-    settings: &Settings,
-) -> Result<Provisioned, ProvisionError> {
-    // Layout 2's shared streams first: their subjects overlap every pool's own
-    // replies and dead-letter streams, which the server would refuse to create.
-    let subjects = &settings.subjects;
-    retire_shared_stream(
-        js,
-        &subjects.replies_stream(),
-        subjects.retired_replies_subject(),
-    )
-    .await?;
-    retire_shared_stream(js, &subjects.dead_stream(), subjects.retired_dead_subject()).await?;
-    // At once: until a pool's own streams exist, what an instance of layout 2 still
-    // running stores for that pool has no stream (it logs that and answers live only).
-    for pool in settings.cluster.pools.keys() {
-        provision_endings(js, settings, pool).await?;
-    }
-    make_fence(js, replies_fence_config(settings)).await?;
-    let progress = StateBucket::new(
-        js.clone(),
-        Bucket::Progress.spec(&settings.subjects, &settings.streams),
-    );
-    progress
-        .store()
-        .await
-        .map_err(|e| provision_error(format!("bucket {}", progress.spec().name), e))?;
-    let bucket = pool_state_bucket_config(settings);
-    let bucket_name = bucket.bucket.clone();
-    js.create_or_update_key_value(bucket)
-        .await
-        .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
-    let mut consumers = Vec::new();
-    for (pool, pool_config) in &settings.cluster.pools {
-        consumers.push(provision_pool(js, settings, pool, pool_config).await?);
-    }
-    Ok(Provisioned {
-        pools: consumers,
-        progress,
-    })
-}
-
-/// Provisions one pool: its replies and dead-letter streams, its stream (migrated
-/// from an older layout if need be), its fence and its two consumers. A work consumer that exists is bound as it is: its
-/// settings are written only by their owner (`runtime::owner`), under a lease, from
-/// the configured limits and the pool's runtime state; one that does not is created
-/// from them.
-pub(crate) async fn provision_pool(
-    js: &jetstream::Context,
-    settings: &Settings,
-    pool: &str,
-    pool_config: &PoolConfig,
-) -> Result<PoolConsumers, ProvisionError> {
-    let subjects = &settings.subjects;
-    // Where the pool's conversations end go first, so that none ends before its
-    // reply or letter can be stored (a pool added live has none yet).
-    provision_endings(js, settings, pool).await?;
-    let stream_config = pool_stream_config(settings, pool, pool_config);
-    let stream_name = stream_config.name.clone();
-    provision_stream(
-        js,
-        StreamPlan {
-            config: stream_config,
-            fresh_first_sequence: true,
-            old_consumers: vec![
-                subjects.layout1_pool_consumer(pool),
-                subjects.layout1_retry_consumer(pool),
-                subjects.layout2_pool_consumer(pool),
-                subjects.layout2_retry_consumer(pool),
-            ],
-            fence: Some(pool_fence_config(settings, pool)),
-        },
-    )
-    .await?;
-    let name = subjects.pool_consumer(pool);
-    let what = format!("consumer {name} on {stream_name}");
-    let stream = js
-        .get_stream_no_info(&stream_name)
-        .await
-        .map_err(|e| provision_error(what.clone(), e))?;
-    let state = read_pool_state(js, settings, pool).await;
-    let work: consumer::PullConsumer = stream
-        .get_or_create_consumer(
-            &name,
-            pool_consumer_config(settings, pool, pool_config, &state),
-        )
-        .await
-        .map_err(|e| provision_error(what, e))?;
-    let retry = retry_consumer_config(settings, pool);
-    let what = format!(
-        "consumer {} on {stream_name}",
-        retry.durable_name.as_deref().unwrap_or_default()
-    );
-    let parked: consumer::PullConsumer = stream
-        .create_consumer(retry)
-        .await
-        .map_err(|e| provision_error(what, e))?;
-    Ok(PoolConsumers {
-        pool: pool.to_string(),
-        work,
-        parked,
-    })
-}
-
 /// Creates or updates `pool`'s own replies and dead-letter streams.
-async fn provision_endings(
+pub(crate) async fn provision_endings(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,

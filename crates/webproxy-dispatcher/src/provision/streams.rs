@@ -43,7 +43,7 @@ pub(crate) fn pool_stream_config(
 /// What provisioning writes to the server for one pool, from the configuration: a
 /// revision that changes any of it has the pool's stream updated by every instance
 /// ([`update_pool_stream`]: `max_waiting`), its consumers by their owner
-/// (`runtime::owner`: `max_in_flight`, `ack_wait`), and the local permits resized to
+/// (`pool::owner`: `max_in_flight`, `ack_wait`), and the local permits resized to
 /// `max_in_flight`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PoolSpec {
@@ -110,7 +110,7 @@ pub(crate) async fn update_pool_stream(
     provision_stream(js, plan).await.map(|_| ())
 }
 
-pub(super) fn limits_stream(
+pub(crate) fn limits_stream(
     name: String,
     subjects: Vec<String>,
     description: &str,
@@ -168,14 +168,14 @@ pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream
 /// A first sequence no earlier incarnation of a pool stream can have used: the current
 /// Unix time in microseconds, so origins never repeat across a `pools remove` and a
 /// re-add. ([`crate::clock::now`]: at start, before any skew is measured, this pod's.)
-pub(super) fn fresh_first_sequence() -> u64 {
+pub(crate) fn fresh_first_sequence() -> u64 {
     crate::clock::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// The stream `name`, with its info, or `None` when it does not exist.
-pub(super) async fn existing_stream(
+pub(crate) async fn existing_stream(
     js: &jetstream::Context,
     name: &str,
 ) -> Result<Option<(stream::Stream, stream::Info)>, ProvisionError> {
@@ -203,21 +203,21 @@ pub(super) async fn existing_stream(
 }
 
 /// How a stream of this instance is made.
-pub(super) struct StreamPlan {
-    pub(super) config: stream::Config,
+pub(crate) struct StreamPlan {
+    pub(crate) config: stream::Config,
     /// A new stream starts at [`fresh_first_sequence`] (pool streams: origins).
-    pub(super) fresh_first_sequence: bool,
+    pub(crate) fresh_first_sequence: bool,
     /// Older layouts' consumers on it, deleted before it is migrated.
-    pub(super) old_consumers: Vec<String>,
+    pub(crate) old_consumers: Vec<String>,
     /// The fence created once it has this instance's layout, if it has one.
-    pub(super) fence: Option<stream::Config>,
+    pub(crate) fence: Option<stream::Config>,
 }
 
 /// Creates a stream with this instance's layout, or updates an existing one in place:
 /// an older layout is migrated (its consumers deleted first, so that their instances
 /// take nothing more), a newer one, or one marked for removal, is left alone with an
 /// error. Then its fence is made. Returns the layout it had, `None` when it was created.
-pub(super) async fn provision_stream(
+pub(crate) async fn provision_stream(
     js: &jetstream::Context,
     plan: StreamPlan,
 ) -> Result<Option<u32>, ProvisionError> {
@@ -279,7 +279,7 @@ pub(super) async fn provision_stream(
 }
 
 /// A stream's storage as its configuration spells it.
-pub(super) fn storage_name(storage: stream::StorageType) -> &'static str {
+pub(crate) fn storage_name(storage: stream::StorageType) -> &'static str {
     match storage {
         stream::StorageType::File => "file",
         stream::StorageType::Memory => "memory",

@@ -3,10 +3,10 @@
 
 use async_nats::jetstream::AckKind;
 
-use super::admission::Admitted;
 use super::progress::Record;
 use crate::hop::{HopKind, HopState};
 use crate::outbox::EncodedReply;
+use crate::pool::admission::Admitted;
 
 /// How a handler ends.
 #[derive(Debug)]

@@ -14,26 +14,26 @@ use webproxy_protocol::{AttemptRecord, ErrorBody, ErrorCode, ParseError, Request
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
 use super::Revision;
-use super::admission::Admission;
 use super::attempt_claim;
-use super::breaker;
 use super::conversation::{Arrival, Conversation, Underway};
 use super::delivery::{Delivery, DeliveryInfo};
 use super::ending::{Ending, Settled};
 use super::liveness::Liveness;
-use super::pool_control::Pass;
 use super::progress::{Progress, ProgressError, RETRY, Record, StepClaim, claim};
 use super::publish::Outlet;
 use super::settle::{internal, settle};
 use super::stored_reply::{self, StoredReply};
-use crate::breaker::evidence;
 use crate::clock;
 use crate::egress::RulePolicy;
 use crate::hop::{HopKind, millis};
 use crate::observability::trace;
 use crate::outbox::{error_reply, response_reply};
 use crate::plan::{Plan, PlanInput, expired, plan};
-use crate::pool_state::RETRY_AFTER;
+use crate::pool::admission::Admission;
+use crate::pool::breaker::evidence;
+use crate::pool::control::Pass;
+use crate::pool::oversight;
+use crate::pool::state::RETRY_AFTER;
 use crate::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 
 /// Span fields as i64: OpenTelemetry has no unsigned integers, and u64 fields would be
@@ -299,7 +299,7 @@ async fn decide<'a>(
                 );
             }
             if pass == Pass::Probe {
-                breaker::probe_started(shared, conversation.pool);
+                oversight::probe_started(&shared.pool_control, conversation.pool);
             }
             Box::pin(attempt_and_judge(
                 shared,
@@ -517,7 +517,7 @@ async fn attempt_and_judge<'a>(
         };
     };
     // Counted only when it reached the upstream, and only when its outcome is the
-    // upstream's (`crate::breaker::evidence`). A probe that was not leaves the breaker
+    // upstream's (`crate::pool::breaker::evidence`). A probe that was not leaves the breaker
     // half-open for the next attempt: one under a rule with an origin then decides.
     if let (Some(record), Some(config)) = (&record, shared.settings.cluster.pools.get(&rule.pool)) {
         let evidence = evidence(
@@ -534,7 +534,7 @@ async fn attempt_and_judge<'a>(
                 record.duration_ms,
             );
             if probe {
-                breaker::probe_ended(shared, &rule.pool, config, failed).await;
+                oversight::probe_ended(&shared.pool_control, &rule.pool, config, failed).await;
             }
         } else if probe {
             debug!(pool = rule.pool, rule = %rule.name, evidence = evidence.as_str(), "the probe's outcome is not the upstream's: the breaker stays half-open");
@@ -641,7 +641,7 @@ async fn attempt(
             ));
         }
         trace::inject_http(&trace::attempt_context(&span), &mut own_headers);
-        own_headers.extend(super::hooks::attempt_stamp());
+        own_headers.extend(crate::hooks::attempt_stamp());
         let redaction = shared
             .secrets
             .redactor()

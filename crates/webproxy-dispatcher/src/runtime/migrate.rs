@@ -199,7 +199,9 @@ mod tests {
     use super::super::tests::{Fixture, STREAM};
     use super::*;
     use crate::hop::{from_unix_ms, unix_ms};
-    use crate::provision::{self, Examined, LayoutRefusal, examine, provision};
+    use crate::pool::consumers::{Recreated, recreate_pool_consumer};
+    use crate::provision::{self, Examined, LayoutRefusal, examine};
+    use crate::runtime::start::provision;
 
     const OLD_RETRY: &str = "webproxy.retry.default";
 
@@ -401,7 +403,7 @@ mod tests {
         );
         let after = pool.info().await.expect("info").config.clone();
         assert_eq!(after.max_messages, 12345, "the stream was rewritten");
-        let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
+        let Err(error) = recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
         assert!(matches!(
@@ -418,10 +420,9 @@ mod tests {
         pool.delete_consumer("webproxy-default-l3")
             .await
             .expect("delete");
-        let provision::Recreated::Made(consumer) =
-            provision::recreate_pool_consumer(js, settings, "default")
-                .await
-                .expect("recreated")
+        let Recreated::Made(consumer) = recreate_pool_consumer(js, settings, "default")
+            .await
+            .expect("recreated")
         else {
             panic!("the deleted consumer was found");
         };
@@ -436,8 +437,7 @@ mod tests {
         pool.update_consumer(owned)
             .await
             .expect("the owner's write");
-        let Ok(provision::Recreated::Found(found)) =
-            provision::recreate_pool_consumer(js, settings, "default").await
+        let Ok(Recreated::Found(found)) = recreate_pool_consumer(js, settings, "default").await
         else {
             panic!("the consumer that exists was not found");
         };
@@ -449,13 +449,13 @@ mod tests {
         pool.delete_consumer("webproxy-default-l3")
             .await
             .expect("delete");
-        let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
+        let Err(error) = recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
         assert_eq!(error.refusal(), Some(&LayoutRefusal::Removing));
         assert!(pool.consumer_info("webproxy-default-l3").await.is_err());
         js.delete_stream(STREAM).await.expect("removed");
-        let Err(error) = provision::recreate_pool_consumer(js, settings, "default").await else {
+        let Err(error) = recreate_pool_consumer(js, settings, "default").await else {
             panic!("refused");
         };
         assert_eq!(error.refusal(), Some(&LayoutRefusal::Missing));

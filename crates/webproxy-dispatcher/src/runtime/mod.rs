@@ -4,22 +4,16 @@
 //! A message is always answered, dead-lettered, parked, or left unacked for
 //! redelivery; it is never acked before what it produced is stored.
 
-mod admission;
 mod attempt_claim;
-mod breaker;
 mod conversation;
 mod dead_letter;
 mod delivery;
 mod ending;
 mod handle;
-mod hooks;
 mod liveness;
 mod migrate;
-mod owner;
 mod pacing;
 mod parked;
-mod pauses;
-mod pool_control;
 mod progress;
 mod publish;
 mod pull;
@@ -31,8 +25,8 @@ mod stored_reply;
 #[cfg(test)]
 mod tests;
 
+pub use crate::hooks::test_hook;
 pub use ending::Settled;
-pub use hooks::test_hook;
 pub use pacing::AckWaitPacing;
 pub use publish::Outlet;
 pub use replay::{Replay, ReplayError};
@@ -57,17 +51,18 @@ use webproxy_config::settings::{Settings, jetstream_request_timeout};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
-use crate::backoff::Backoff;
+use crate::backoff::{Backoff, PULL_BACKOFF};
 use crate::clock;
 use crate::observability::bucket_use;
 use crate::observability::gauges::GAUGE_REFRESH;
 use crate::observability::gauges::Gauges;
 use crate::observability::health::Health;
-use crate::provision::{LayoutRefusal, PoolConsumers, Provisioned};
+use crate::provision::{LayoutRefusal, PoolConsumers};
 use crate::state::Bucket;
 use liveness::Liveness;
 use pull::{PULL_EXPIRES, Pull, PullEnd};
 use revisions::{Pools, Revisions};
+use start::Provisioned;
 
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;
@@ -142,7 +137,7 @@ struct Revision {
     /// Injected credentials, per rule.
     secrets: Arc<Secrets>,
     /// Pauses and rate limits: the same for every revision.
-    pool_control: Arc<pool_control::PoolControl>,
+    pool_control: Arc<crate::pool::control::PoolControl>,
     /// The `ack_wait` progress acks are paced from: the same for every revision.
     pacing: Arc<pacing::Pacing>,
 }
@@ -178,7 +173,7 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
-        let pool_control = Arc::new(pool_control::PoolControl::new(
+        let pool_control = Arc::new(crate::pool::control::PoolControl::new(
             outlet.js.clone(),
             outlet.metrics.clone(),
             instruments.health.clone(),
@@ -239,7 +234,8 @@ impl Dispatcher {
     pub async fn run(self, shutdown: CancellationToken, grace: Duration) {
         let attempts = TaskTracker::new();
         let health = self.live.load().health.clone();
-        let owner = owner::own_pool_consumers(self.live.clone(), shutdown.clone());
+        let owner =
+            crate::pool::owner::own_pool_consumers(self.live.pool_tasks(), shutdown.clone());
         let running = self.live.load();
         let states = running
             .pool_control
@@ -374,10 +370,6 @@ async fn timed_info(
     serde_json::from_value(info).map_err(|e| e.to_string())
 }
 
-/// Pulling (the pull loop, and the parked retries' consumer): after failures or quick
-/// empty pulls in a row, 100 ms more per failure, at most 2 s, forever; until shutdown.
-const PULL_BACKOFF: Backoff = Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
-
 /// The stream's next item, or `None` once `shutdown` is cancelled; an ended stream is
 /// `Some(None)`.
 async fn next_or_stop<S: futures::Stream + Unpin>(
@@ -449,7 +441,7 @@ async fn pull_loop(
                         _ = connections.changed() => return PullEnd::Lost,
                         // A pause lifted by hand: the server would serve this pull only
                         // at its next heartbeat.
-                        _ = pool_control::pool_state_changed(&mut states, &pool) => {
+                        _ = crate::pool::control::pool_state_changed(&mut states, &pool) => {
                             if let Err(end) = pull.nudge(&consumer).await {
                                 return end;
                             }
@@ -494,21 +486,21 @@ async fn pull_loop(
                 // No leader answered: whatever comes back restores what was committed.
                 leadership.send_modify(|epoch| *epoch += 1);
                 shared.health.set_pool_down(&pool, true);
-                match crate::provision::recreate_pool_consumer(
+                match crate::pool::consumers::recreate_pool_consumer(
                     &shared.outlet.js,
                     &shared.settings,
                     &pool,
                 )
                 .await
                 {
-                    Ok(crate::provision::Recreated::Made(made)) => {
+                    Ok(crate::pool::consumers::Recreated::Made(made)) => {
                         consumer = made;
                         shared.outlet.metrics.consumer_recreated(&pool);
                         shared.health.set_pool_down(&pool, false);
                         info!(pool = %pool, "recreated the pool's consumer");
                         failures = 0;
                     }
-                    Ok(crate::provision::Recreated::Found(found)) => {
+                    Ok(crate::pool::consumers::Recreated::Found(found)) => {
                         consumer = found;
                         shared.health.set_pool_down(&pool, false);
                         info!(pool = %pool, "the pool's consumer answers again; nothing recreated");
@@ -637,13 +629,5 @@ mod backoff_tests {
         assert_eq!(reconnect_delay(10), ms(1000));
         assert_eq!(reconnect_delay(11), ms(1000));
         assert_eq!(reconnect_delay(usize::MAX), ms(1000));
-    }
-
-    #[test]
-    fn pulling_waits_100_ms_more_per_failure_up_to_two_seconds() {
-        assert_eq!(PULL_BACKOFF.after(1), Some(ms(100)));
-        assert_eq!(PULL_BACKOFF.after(7), Some(ms(700)));
-        assert_eq!(PULL_BACKOFF.after(20), Some(ms(2000)));
-        assert_eq!(PULL_BACKOFF.after(u32::MAX), Some(ms(2000)));
     }
 }

@@ -15,7 +15,8 @@ use tracing::{debug, warn};
 use webproxy_protocol::header;
 
 use super::publish::{Stored, publish_stored};
-use super::{PULL_BACKOFF, Revision, next_or_stop};
+use super::{Revision, next_or_stop};
+use crate::backoff::PULL_BACKOFF;
 use crate::hop::{HopState, due_msg_id, subject_token};
 
 /// A parked retry that is due within this much is released at once rather than NAKed

@@ -224,7 +224,7 @@ impl Progress {
         let mut failing_since = None;
         loop {
             let result = match bucket.store().await {
-                _ if super::hooks::progress_outage() => {
+                _ if crate::hooks::progress_outage() => {
                     Err(nats_error(key, "test hook: the progress bucket is out"))
                 }
                 Ok(store) => operation(store).await,

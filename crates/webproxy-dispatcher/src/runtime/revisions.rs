@@ -15,21 +15,50 @@ use webproxy_config::settings::{Settings, jetstream_request_timeout};
 
 use super::start::{StartError, worker_for};
 use super::{Revision, parked, pull_loop, refresh_gauges};
-use crate::provision::{PoolConsumers, PoolSpec, provision_pool, update_pool_stream};
+use crate::pool::consumers::provision_pool;
+use crate::pool::{PoolRevision, PoolTasks};
+use crate::provision::{PoolConsumers, PoolSpec, update_pool_stream};
 
 /// The revision every new message is handled under, and the pools the running document
 /// no longer names but this instance still serves (until `pools remove`).
 pub(super) struct Revisions {
     current: watch::Sender<Arc<Revision>>,
+    /// The same revisions as pool control's tasks read them.
+    for_pools: watch::Sender<PoolRevision>,
     retained: Mutex<BTreeSet<String>>,
+}
+
+fn pool_revision(shared: &Revision) -> PoolRevision {
+    PoolRevision {
+        settings: shared.settings.clone(),
+        js: shared.outlet.js.clone(),
+    }
 }
 
 impl Revisions {
     pub(super) fn new(shared: Revision) -> Revisions {
         Revisions {
+            for_pools: watch::Sender::new(pool_revision(&shared)),
             current: watch::Sender::new(Arc::new(shared)),
             retained: Mutex::new(BTreeSet::new()),
         }
+    }
+
+    /// What pool control's cluster tasks are given: they follow every revision
+    /// swapped in here.
+    pub(super) fn pool_tasks(&self) -> PoolTasks {
+        let shared = self.load();
+        PoolTasks {
+            control: shared.pool_control.clone(),
+            metrics: shared.outlet.metrics.clone(),
+            revisions: self.for_pools.subscribe(),
+        }
+    }
+
+    /// Swaps in `next` for every message handled from now on, and for pool control.
+    fn swap_in(&self, next: Revision) {
+        self.for_pools.send_replace(pool_revision(&next));
+        self.current.send_replace(Arc::new(next));
     }
 
     /// The revision a message starting now is handled under.
@@ -57,13 +86,12 @@ impl Revisions {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(pool);
-        self.current.send_modify(|shared| {
-            let mut settings = (*shared.settings).clone();
-            settings.cluster.pools.remove(pool);
-            *shared = Arc::new(Revision {
-                settings: Arc::new(settings),
-                ..Revision::clone(shared)
-            });
+        let running = self.load();
+        let mut settings = (*running.settings).clone();
+        settings.cluster.pools.remove(pool);
+        self.swap_in(Revision {
+            settings: Arc::new(settings),
+            ..Revision::clone(&running)
         });
     }
 
@@ -99,7 +127,7 @@ impl Revisions {
         outlet.metrics.set_config_revision(revision);
         // Deliveries in flight pace from a shorter ack_wait at once.
         running.pacing.learned(settings.cluster.ack_wait);
-        self.current.send_replace(Arc::new(Revision {
+        self.swap_in(Revision {
             settings: Arc::new(settings),
             health: running.health.clone(),
             gauges: running.gauges.clone(),
@@ -108,7 +136,7 @@ impl Revisions {
             secrets,
             pool_control: running.pool_control.clone(),
             pacing: running.pacing.clone(),
-        }));
+        });
         info!(revision, "running the configuration bucket's revision");
         Ok(())
     }
@@ -303,7 +331,7 @@ impl Pools {
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { break },
                 _ = self.shutdown.cancelled() => break,
-                _ = super::PULL_BACKOFF.wait(failures, &self.shutdown), if failures > 0 => {}
+                _ = crate::backoff::PULL_BACKOFF.wait(failures, &self.shutdown), if failures > 0 => {}
             }
             changes.mark_unchanged();
             let shutdown = self.shutdown.clone();

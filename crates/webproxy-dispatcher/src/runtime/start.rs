@@ -6,6 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -20,7 +21,13 @@ use crate::Instruments;
 use crate::backoff::Backoff;
 use crate::observability::metrics::Metrics;
 use crate::outbox::max_response_bytes_for;
-use crate::provision::{MIN_SERVER_VERSION, provision, server_version_supported};
+use crate::pool::consumers::provision_pool;
+use crate::provision::{
+    MIN_SERVER_VERSION, PoolConsumers, ProvisionError, make_fence, pool_state_bucket_config,
+    provision_endings, provision_error, replies_fence_config, retire_shared_stream,
+    server_version_supported,
+};
+use crate::state::{Bucket, StateBucket};
 
 /// Why this instance cannot consume from the server it connected to; retrying does
 /// not mend any of these.
@@ -204,6 +211,56 @@ fn next_failures(failures: u32, last: &str, now: &str) -> u32 {
     } else {
         1
     }
+}
+
+/// What provisioning made: the pools' consumers and the progress bucket.
+pub(crate) struct Provisioned {
+    pub(crate) pools: Vec<PoolConsumers>,
+    pub(crate) progress: StateBucket,
+}
+
+/// Creates or updates every stream, bucket and consumer of this instance's config.
+pub(crate) async fn provision(
+    js: &jetstream::Context,
+    settings: &Settings,
+) -> Result<Provisioned, ProvisionError> {
+    // Layout 2's shared streams first: their subjects overlap every pool's own
+    // replies and dead-letter streams, which the server would refuse to create.
+    let subjects = &settings.subjects;
+    retire_shared_stream(
+        js,
+        &subjects.replies_stream(),
+        subjects.retired_replies_subject(),
+    )
+    .await?;
+    retire_shared_stream(js, &subjects.dead_stream(), subjects.retired_dead_subject()).await?;
+    // At once: until a pool's own streams exist, what an instance of layout 2 still
+    // running stores for that pool has no stream (it logs that and answers live only).
+    for pool in settings.cluster.pools.keys() {
+        provision_endings(js, settings, pool).await?;
+    }
+    make_fence(js, replies_fence_config(settings)).await?;
+    let progress = StateBucket::new(
+        js.clone(),
+        Bucket::Progress.spec(&settings.subjects, &settings.streams),
+    );
+    progress
+        .store()
+        .await
+        .map_err(|e| provision_error(format!("bucket {}", progress.spec().name), e))?;
+    let bucket = pool_state_bucket_config(settings);
+    let bucket_name = bucket.bucket.clone();
+    js.create_or_update_key_value(bucket)
+        .await
+        .map_err(|e| provision_error(format!("bucket {bucket_name}"), e))?;
+    let mut consumers = Vec::new();
+    for (pool, pool_config) in &settings.cluster.pools {
+        consumers.push(provision_pool(js, settings, pool, pool_config).await?);
+    }
+    Ok(Provisioned {
+        pools: consumers,
+        progress,
+    })
 }
 
 #[cfg(test)]

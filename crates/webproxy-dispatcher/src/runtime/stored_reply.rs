@@ -185,7 +185,7 @@ mod tests {
 
     use super::super::tests::{Fixture, STREAM};
     use super::*;
-    use crate::provision::provision;
+    use crate::runtime::start::provision;
 
     #[tokio::test]
     async fn a_reply_stored_before_the_upgrade_is_found_and_a_replay_is_stored_in_the_pools_stream()

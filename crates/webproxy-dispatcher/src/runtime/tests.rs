@@ -63,7 +63,7 @@ impl Fixture {
         .expect("valid config");
         let client = nats.client().await;
         let js = jetstream::new(client.clone());
-        let provisioned = crate::provision::provision(&js, &settings)
+        let provisioned = crate::runtime::start::provision(&js, &settings)
             .await
             .expect("provisioned");
         let worker = Worker::new(&WorkerConfig {
@@ -85,7 +85,7 @@ impl Fixture {
         );
         let health = Arc::new(Health::new());
         let shared = Revision {
-            pool_control: Arc::new(super::pool_control::PoolControl::new(
+            pool_control: Arc::new(crate::pool::control::PoolControl::new(
                 outlet.js.clone(),
                 outlet.metrics.clone(),
                 health.clone(),

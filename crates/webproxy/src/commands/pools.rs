@@ -11,7 +11,7 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{ConfigStore, Outlet, Settled, is_stream_not_found, mark_removing};
+use webproxy_dispatcher::{ConfigStore, PoolPauses, Settled, is_stream_not_found, mark_removing};
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
 use crate::commands::operator::{
@@ -63,10 +63,10 @@ async fn pool_names(client: &Client, js: &jetstream::Context) -> anyhow::Result<
 async fn pool_state(
     client: &Client,
     js: &jetstream::Context,
-    outlet: &Outlet,
+    pauses: &PoolPauses,
     pool: &str,
 ) -> anyhow::Result<PoolState> {
-    let runtime = outlet.pool_runtime(pool).await?;
+    let runtime = pauses.pool_runtime(pool).await?;
     let subjects = client.subjects();
     let stream = js
         .get_stream_no_info(subjects.pool_stream(pool))
@@ -177,9 +177,9 @@ pub(crate) async fn list(args: &NatsArgs, json: bool) -> anyhow::Result<()> {
     let mut states = Vec::new();
     // No pool, no service run yet: nothing to read pauses from.
     if !names.is_empty() {
-        let outlet = operator_outlet(&client, client.subjects()).await?;
+        let pauses = PoolPauses::new(js.clone(), client.subjects().clone());
         for pool in names {
-            states.push(pool_state(&client, &js, &outlet, &pool).await?);
+            states.push(pool_state(&client, &js, &pauses, &pool).await?);
         }
     }
     if json {
@@ -273,10 +273,10 @@ pub(crate) async fn pause(
     reason: Option<String>,
 ) -> anyhow::Result<()> {
     let client = connect(args).await?;
-    let outlet = existing_pool(&client, pool).await?;
+    let pauses = existing_pool(&client, pool).await?;
     let until = OffsetDateTime::now_utc() + duration.unwrap_or(UNTIL_RESUMED);
     let reason = reason.unwrap_or_else(|| "paused by hand".into());
-    outlet.pause_pool(pool, until, reason).await?;
+    pauses.pause_pool(pool, until, reason).await?;
     let shown = Paused::new("manual", until, "");
     outln!(
         "pool {pool} paused until {}; requests wait in its stream",
@@ -288,8 +288,8 @@ pub(crate) async fn pause(
 /// `pools resume`: ends the pause by hand; says which pauses are still in force.
 pub(crate) async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
     let client = connect(args).await?;
-    let outlet = existing_pool(&client, pool).await?;
-    let left = outlet.resume_pool(pool).await?;
+    let pauses = existing_pool(&client, pool).await?;
+    let left = pauses.resume_pool(pool).await?;
     if left.is_empty() {
         outln!("pool {pool} resumed")?;
     }
@@ -305,11 +305,11 @@ pub(crate) async fn resume(args: &NatsArgs, pool: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The operator's outlet, once `pool`'s stream is known to exist.
-async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<Outlet> {
+/// The pools' pauses, once `pool`'s stream is known to exist.
+async fn existing_pool(client: &Client, pool: &str) -> anyhow::Result<PoolPauses> {
     let js = client.jetstream().clone();
     pool_stream(&js, client.subjects(), pool).await?;
-    operator_outlet(client, client.subjects()).await
+    Ok(PoolPauses::new(js, client.subjects().clone()))
 }
 
 /// `pool`'s stream, read from the server (an info request: a stream handle made
