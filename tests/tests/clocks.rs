@@ -2,7 +2,7 @@
 //! (1 s). A pod whose clock runs 5 s ahead (`WEBPROXY_TEST_CLOCK_OFFSET`, honoured only
 //! with the dispatcher's `test-hooks`) measures its skew against the NATS server's,
 //! exports it, logs it once, and judges `queue_timeout` by the server's time. The rate
-//! limit under the same fault is `pool_control.rs`'s
+//! limit under the same fault is `flow.rs`'s
 //! `a_rate_holds_when_one_pods_clock_runs_5_s_ahead`.
 
 use std::time::Duration;

@@ -128,7 +128,7 @@ async fn every_waiting_conversation_is_answered_within_seconds_of_a_nats_restart
 /// outage, and 90 conversations are left), and with the load flowing after 40 calls
 /// (a publish or an ack may be on the wire when the connection drops).
 ///
-/// What the figure is made of: the reconnect backoff (`runtime/mod.rs`, at most 1 s,
+/// What the figure is made of: the reconnect backoff (the dispatcher's `consuming/connect.rs`, at most 1 s,
 /// so 0 to 1 s depending on where the server's return falls in it), then the work left
 /// (90 or 60 conversations, 10 at a time, 100 ms each: 0.9 or 0.6 s). Measured on the
 /// shared 2-core machine over 9 runs, alone and 5 in a row with `--test faults`

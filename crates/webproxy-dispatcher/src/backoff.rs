@@ -1,6 +1,8 @@
 //! The one backoff: how long every retry loop waits after a run of failures
-//! (publishing, pulling, reconnecting, provisioning; the gateway's id records too). Each loop keeps its own numbers,
-//! written next to it as a `const`; this is only the mechanism.
+//! (publishing, pulling, reconnecting, provisioning; the gateway's id records too). A
+//! loop keeps its own numbers next to it as a `const`; the two schedules loops in
+//! several folders share ([`PULL_BACKOFF`], [`START_BACKOFF`]) and the loop that
+//! retries a step at start until it is done ([`retry_until_done`]) are here.
 //!
 //! The delays are pure functions of the number of failures in a row, so a loop keeps
 //! a counter, resets it on success, and asks for the wait.
@@ -8,6 +10,7 @@
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 /// A retry policy: the wait after `n` failures in a row grows linearly or doubles,
 /// up to a cap, optionally within a budget of tries.
@@ -92,6 +95,58 @@ impl Backoff {
 /// failure, at most 2 s, forever; until shutdown.
 pub(crate) const PULL_BACKOFF: Backoff =
     Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
+
+/// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
+/// doubling to at most 5 s, forever; until a signal.
+pub(crate) const START_BACKOFF: Backoff =
+    Backoff::doubling(Duration::from_millis(200), Duration::from_secs(5));
+
+/// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (provisioning and migrating
+/// at start, the configuration bucket's reads at start, `crate::jetstream::config_store`); `None` when
+/// `shutdown` is cancelled first.
+///
+/// A failure unlike the one before is progress, and the backoff starts again: two
+/// instances that start together create the same replicated streams, and of two
+/// equal creates in flight one was seen answered late or not at all (10 s did not
+/// do), so each step of provisioning can time out once and then find its stream made. A backoff that grew over those
+/// steps took a start past 30 s.
+pub(crate) async fn retry_until_done<T, E, F, Fut>(
+    what: &str,
+    shutdown: &CancellationToken,
+    mut step: F,
+) -> Option<T>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut failures = 0u32;
+    let mut last_failure = String::new();
+    loop {
+        match step().await {
+            Ok(done) => return Some(done),
+            Err(e) => {
+                warn!(error = %e, "{what} failed; retrying");
+                let failure = e.to_string();
+                failures = next_failures(failures, &last_failure, &failure);
+                last_failure = failure;
+            }
+        }
+        if !START_BACKOFF.wait(failures, shutdown).await {
+            return None;
+        }
+    }
+}
+
+/// The count of failures in a row to back off by (pure): one more after the same
+/// failure again, and one (the shortest wait) after a failure unlike the last.
+fn next_failures(failures: u32, last: &str, now: &str) -> u32 {
+    if last == now {
+        failures.saturating_add(1)
+    } else {
+        1
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -190,5 +245,29 @@ mod tests {
         assert_eq!(PULL_BACKOFF.after(7), Some(ms(700)));
         assert_eq!(PULL_BACKOFF.after(20), Some(ms(2000)));
         assert_eq!(PULL_BACKOFF.after(u32::MAX), Some(ms(2000)));
+    }
+
+    #[test]
+    fn a_failure_unlike_the_last_starts_the_backoff_again() {
+        assert_eq!(next_failures(0, "", "stream A timed out"), 1);
+        assert_eq!(
+            next_failures(1, "stream A timed out", "stream A timed out"),
+            2
+        );
+        assert_eq!(
+            next_failures(2, "stream A timed out", "stream B timed out"),
+            1
+        );
+        assert_eq!(next_failures(u32::MAX, "x", "x"), u32::MAX);
+    }
+
+    #[test]
+    fn starting_waits_200_ms_doubling_to_5_s() {
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(START_BACKOFF.after(1), ms(200));
+        assert_eq!(START_BACKOFF.after(2), ms(400));
+        assert_eq!(START_BACKOFF.after(5), ms(3200));
+        assert_eq!(START_BACKOFF.after(6), ms(5000));
+        assert_eq!(START_BACKOFF.after(u32::MAX), ms(5000));
     }
 }

@@ -3,43 +3,39 @@
 //! publishes replies and dead letters, and acks. It runs on the settings
 //! `webproxy-config` checks and compiles.
 //!
-//! Decisions (`target`, `plan`, `verdict`, `outbox`) are pure; effects live in `runtime` and
-//! `provision`.
+//! One folder per concept (ARCHITECTURE.md's code map): `conversation` (the path one
+//! message takes), `pool` (pool control), `consuming` (pulling into that path),
+//! `jetstream` (state buckets and provisioning) and `observability`.
 
 #![warn(unreachable_pub)]
 
 mod backoff;
 mod clock;
-mod config_store;
-mod egress;
+mod consuming;
+mod conversation;
 mod hooks;
-mod hop;
-mod instances;
+mod jetstream;
 mod observability;
-mod outbox;
-mod plan;
 mod pool;
-mod provision;
-mod runtime;
-mod state;
-mod target;
-mod verdict;
 
-// The public surface, listed in ARCHITECTURE.md: what the binary uses, and nothing
-// else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
+// The public surface: what the binary uses, and nothing else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
 pub use backoff::Backoff;
-pub use config_store::{ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision};
-pub use instances::InstanceReport;
-pub use pool::pauses::PoolPauses;
-pub use provision::mark_removing;
-pub use runtime::{
-    AckWaitPacing, Dispatcher, Outlet, Replay, ReplayError, Settled, StartError, check_server,
-    connect, test_hook,
+pub use consuming::{Dispatcher, StartError, check_server, connect};
+pub use conversation::ending::Settled;
+pub use conversation::pacing::AckWaitPacing;
+pub use conversation::publish::Outlet;
+pub use conversation::replay::{Replay, ReplayError};
+pub use hooks::test_hook;
+pub use jetstream::config_store::{
+    ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision,
 };
+pub use jetstream::instances::InstanceReport;
+pub use jetstream::provision::mark_removing;
+pub use jetstream::state::{Bucket, BucketError, BucketUse, StateBucket, is_stream_not_found};
+pub use pool::pauses::PoolPauses;
 
 pub use observability::bucket_use::{BucketUseSink, follow_bucket_use};
 pub use observability::trace::request_ids;
-pub use state::{Bucket, BucketError, BucketUse, StateBucket, is_stream_not_found};
 
 use observability::gauges::Gauges;
 use observability::health::Health;

@@ -335,7 +335,7 @@ impl Feature {
 
     /// The pool's limits over the whole cell: never more than `max_in_flight` calls at
     /// once, and for [`Feature::Rate`] never more than its rate (with the 10% and the
-    /// burst `pool_control.rs` allows, and what a lost schedule allows) in any 1 s window.
+    /// burst the dispatcher's `pool/limiter.rs` allows, and what a lost schedule allows) in any 1 s window.
     pub fn assert_limits(self, cell: &Cell) {
         let at_once = cell.upstream.max_concurrent();
         assert!(

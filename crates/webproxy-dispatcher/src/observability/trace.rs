@@ -158,6 +158,12 @@ pub(crate) fn forward(from: Option<&HeaderMap>, to: &mut HeaderMap) {
     }
 }
 
+/// Span fields as i64: OpenTelemetry has no unsigned integers, and u64 fields would be
+/// exported as strings.
+pub(crate) fn as_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use opentelemetry_sdk::propagation::TraceContextPropagator;

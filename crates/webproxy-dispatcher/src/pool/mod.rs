@@ -14,6 +14,7 @@ pub(crate) mod breaker;
 pub(crate) mod consumers;
 pub(crate) mod control;
 pub(crate) mod counts;
+pub(crate) mod limiter;
 pub(crate) mod oversight;
 pub(crate) mod owner;
 pub(crate) mod pauses;

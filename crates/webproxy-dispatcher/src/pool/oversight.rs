@@ -26,14 +26,14 @@ use super::PoolTasks;
 use super::control::PoolControl;
 use super::counts::{counted, now_s};
 use crate::clock;
-use crate::instances;
+use crate::jetstream::instances;
+use crate::jetstream::state::{Bucket, StateBucket};
 use crate::pool::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
 use crate::pool::breaker::{
     self, ClusterReports, Phase, Report, STATS, counted_from, open_reason, reopen_for, should_open,
     stats_key,
 };
 use crate::pool::state::PoolState;
-use crate::state::{Bucket, StateBucket};
 
 /// How often an instance reports its counts, and the owner looks at them.
 const REPORT_EVERY: Duration = Duration::from_secs(1);

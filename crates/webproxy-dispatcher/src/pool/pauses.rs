@@ -6,8 +6,8 @@ use async_nats::jetstream;
 use time::OffsetDateTime;
 use webproxy_protocol::Subjects;
 
-use super::control::{StateError, update_pool_state};
 use super::stored::stored_pool_state;
+use super::stored::{StateError, update_pool_state};
 use crate::pool::breaker::Phase;
 use crate::pool::state::{Extend, MANUAL, PoolState};
 

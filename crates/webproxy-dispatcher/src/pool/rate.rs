@@ -1,5 +1,5 @@
 //! The pure arithmetic of a pool's cluster-wide rate schedule (`[pools.NAME] rate =
-//! "10/s"`, `burst`; the [`Rate`] is `webproxy-config`'s). Pure: `runtime::gate`
+//! "10/s"`, `burst`; the [`Rate`] is `webproxy-config`'s). Pure: `super::limiter`
 //! stores the schedule in KV and waits for the slots it claims.
 //!
 //! The schedule is a sequence of slots, one every `1 / rate` seconds; the one value

@@ -1,0 +1,96 @@
+//! Each pool's gauges, refreshed from its consumers' info on a fixed interval, and the
+//! server's time in that info as a reading of this pod's clock skew.
+
+use std::sync::Arc;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::clock;
+use crate::conversation::Revision;
+use crate::observability::gauges::GAUGE_REFRESH;
+
+/// Reads a pool's waiting and parked counts and its limit from its consumers on a fixed
+/// interval.
+pub(crate) async fn refresh_gauges(
+    shared: Arc<Revision>,
+    pool: String,
+    work: PullConsumer,
+    parked: PullConsumer,
+    shutdown: CancellationToken,
+) {
+    let Some(gauge) = shared.gauges.pool(&pool) else {
+        return;
+    };
+    let mut interval = tokio::time::interval(GAUGE_REFRESH);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match (
+            timed_info(&shared.outlet.js, &work).await,
+            parked.get_info().await.map_err(|e| e.to_string()),
+        ) {
+            (Ok(work), Ok(parked)) => {
+                shared.pacing.server_has(&pool, work.config.ack_wait);
+                gauge.set_queued(
+                    work.num_pending,
+                    parked.num_pending + parked.num_ack_pending as u64,
+                );
+                shared
+                    .outlet
+                    .metrics
+                    .set_pool_paused(&pool, shared.pool_control.is_paused(&pool));
+                if let Some(config) = shared.settings.cluster.pools.get(&pool) {
+                    shared.outlet.metrics.set_pool_effective_limit(
+                        &pool,
+                        shared.pool_control.effective_limit(&pool, config),
+                    );
+                }
+                // Negative means unlimited, which webproxy never provisions.
+                if let Ok(limit) = u64::try_from(work.config.max_ack_pending) {
+                    gauge.set_max_in_flight(limit);
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => debug!(pool, error = %e, "cannot refresh pool gauges"),
+        }
+    }
+}
+
+/// A consumer's info, as `get_info` reads it, and the server's time in it (`ts`) as a
+/// reading of this pod's clock skew (`clock::observe`): the gauges' own round trip,
+/// with none added.
+pub(crate) async fn timed_info(
+    js: &async_nats::jetstream::Context,
+    consumer: &PullConsumer,
+) -> Result<async_nats::jetstream::consumer::Info, String> {
+    use async_nats::jetstream::response::Response;
+    let cached = consumer.cached_info();
+    let subject = format!("CONSUMER.INFO.{}.{}", cached.stream_name, cached.name);
+    let sent = clock::local();
+    let response: Response<serde_json::Value> = js
+        .request(subject, &serde_json::json!({}))
+        .await
+        .map_err(|e| e.to_string())?;
+    let received = clock::local();
+    let info = match response {
+        Response::Err { error } => return Err(error.to_string()),
+        Response::Ok(info) => info,
+    };
+    let server = info
+        .get("ts")
+        .and_then(serde_json::Value::as_str)
+        .and_then(|ts| {
+            time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339).ok()
+        });
+    if let Some(server) = server {
+        clock::observe(clock::Sample {
+            sent_us: clock::unix_us(sent),
+            received_us: clock::unix_us(received),
+            server_us: clock::unix_us(server.into()),
+        });
+    }
+    serde_json::from_value(info).map_err(|e| e.to_string())
+}
