@@ -6,7 +6,7 @@ use std::time::{Duration, Instant, SystemTime};
 use async_nats::jetstream::AckKind;
 use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
-use tracing::{Instrument as _, Span, debug, field, info_span, warn};
+use tracing::{Instrument as _, Span, debug, field, info_span};
 use webproxy_config::rules::{IDEMPOTENCY_KEY, RequestRule};
 use webproxy_protocol::{AttemptRecord, Request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
@@ -20,9 +20,7 @@ use crate::conversation::hop::millis;
 use crate::conversation::outbox::{error_reply, response_reply};
 use crate::conversation::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 use crate::observability::trace;
-use crate::pool::breaker::evidence;
-use crate::pool::oversight;
-use crate::pool::state::RETRY_AFTER;
+use crate::pool::outcome::AttemptEnded;
 
 const STALE_BEFORE_ATTEMPT: &str =
     "no confirmed progress within the ack wait before the attempt: not attempted";
@@ -57,45 +55,20 @@ pub(crate) async fn attempt_and_judge<'a>(
             reason: STALE_DURING_ATTEMPT.into(),
         };
     };
-    // Counted only when it reached the upstream, and only when its outcome is the
-    // upstream's (`crate::pool::breaker::evidence`). A probe that was not leaves the breaker
-    // half-open for the next attempt: one under a rule with an origin then decides.
-    if let (Some(record), Some(config)) = (&record, shared.settings.cluster.pools.get(&rule.pool)) {
-        let evidence = evidence(
-            rule.security.origin.is_some(),
-            attempt_timeout(request, rule),
-            rule.timeout,
-            &outcome,
-        );
-        if evidence.counts() {
-            let failed = shared.pool_control.counts.attempted(
-                &rule.pool,
-                config,
-                &outcome,
-                record.duration_ms,
-            );
-            if probe {
-                oversight::probe_ended(&shared.pool_control, &rule.pool, config, failed).await;
-            }
-        } else if probe {
-            debug!(pool = rule.pool, rule = %rule.name, evidence = evidence.as_str(), "the probe's outcome is not the upstream's: the breaker stays half-open");
-        }
-    }
-    if let Some(pause) = pool_pause(rule, &outcome, clock::now()) {
-        let reason = format!(
-            "rule {}: the upstream asked to retry after {}",
-            rule.name,
-            humantime::format_duration(pause)
-        );
-        let until = clock::now_utc() + pause;
-        if let Err(e) = shared
-            .pool_control
-            .pause(&rule.pool, RETRY_AFTER, until, reason)
-            .await
-        {
-            warn!(pool = rule.pool, error = %e, "cannot pause the pool on the upstream's Retry-After");
-        }
-    }
+    shared
+        .pool_control
+        .attempt_ended(
+            shared.settings.cluster.pools.get(&rule.pool),
+            AttemptEnded {
+                rule,
+                timeout: attempt_timeout(request, rule),
+                outcome: &outcome,
+                duration_ms: record.as_ref().map(|record| record.duration_ms),
+                probe,
+                pause: pool_pause(rule, &outcome, clock::now()),
+            },
+        )
+        .await;
     if let Some(record) = record {
         underway.attempts.push(record);
     }

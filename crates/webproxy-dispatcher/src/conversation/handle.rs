@@ -26,7 +26,6 @@ use crate::conversation::plan::{Plan, PlanInput, expired, plan};
 use crate::observability::trace;
 use crate::pool::admission::Admission;
 use crate::pool::control::Pass;
-use crate::pool::oversight;
 
 /// Handles one message inside a span whose parent is the caller's trace context, so
 /// that the caller's trace continues through webproxy (a request without one starts a
@@ -285,7 +284,7 @@ async fn decide<'a>(
                 );
             }
             if pass == Pass::Probe {
-                oversight::probe_started(&shared.pool_control, conversation.pool);
+                shared.pool_control.probe_started(conversation.pool);
             }
             Box::pin(attempt::attempt_and_judge(
                 shared,

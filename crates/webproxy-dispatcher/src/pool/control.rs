@@ -311,6 +311,16 @@ impl PoolControl {
         }
     }
 
+    /// A message passed `pool`'s half-open breaker and is attempted: its attempt is the
+    /// probe (said once the wait at the gate did not make it too late).
+    pub(crate) fn probe_started(&self, pool: &str) {
+        info!(
+            pool,
+            "circuit breaker half-open: this attempt is its one probe"
+        );
+        self.metrics.breaker_transition(pool, "half_open");
+    }
+
     /// Changes `pool`'s state with `change` (which says whether it changed anything),
     /// by compare-and-set: the state written, or `None` when nothing changed.
     pub(crate) async fn change_state(

@@ -5,8 +5,10 @@
 //! ([`admission`]), the operator's pauses, the cluster-wide breaker and its reports
 //! ([`oversight`]), and the one writer of the pool consumers' settings ([`owner`]).
 //!
-//! The conversation path calls in here and nothing here calls it: the cluster tasks
-//! are given a [`PoolTasks`], not the service's revisions.
+//! The conversation path calls in here twice per attempt: before it, the gate
+//! ([`control::PoolControl::pass`]: go, probe, or park until a time); after it, what the
+//! outcome means for the pool ([`outcome`]). Nothing here calls the conversation path:
+//! the cluster tasks are given a [`PoolTasks`], not the service's revisions.
 
 pub(crate) mod adaptive;
 pub(crate) mod admission;
@@ -15,6 +17,7 @@ pub(crate) mod consumers;
 pub(crate) mod control;
 pub(crate) mod counts;
 pub(crate) mod limiter;
+pub(crate) mod outcome;
 pub(crate) mod oversight;
 pub(crate) mod owner;
 pub(crate) mod pauses;

@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt as _;
-use time::format_description::well_known::Rfc3339;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -30,8 +29,7 @@ use crate::jetstream::instances;
 use crate::jetstream::state::{Bucket, StateBucket};
 use crate::pool::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
 use crate::pool::breaker::{
-    self, ClusterReports, Phase, Report, STATS, counted_from, open_reason, reopen_for, should_open,
-    stats_key,
+    self, ClusterReports, Phase, Report, STATS, counted_from, open_reason, should_open, stats_key,
 };
 use crate::pool::state::PoolState;
 
@@ -370,52 +368,5 @@ async fn adapt(
             "adaptive limit"
         ),
         Err(e) => warn!(pool, error = %e, "cannot write the adaptive limit"),
-    }
-}
-
-/// A message passed `pool`'s half-open breaker: its attempt is the probe.
-pub(crate) fn probe_started(control: &PoolControl, pool: &str) {
-    info!(
-        pool,
-        "circuit breaker half-open: this attempt is its one probe"
-    );
-    control.metrics().breaker_transition(pool, "half_open");
-}
-
-/// A probe's outcome: closes `pool`'s breaker, or reopens it with its pause doubled
-/// (at most `max_open_for`). Another instance's outcome written first wins.
-pub(crate) async fn probe_ended(
-    control: &PoolControl,
-    pool: &str,
-    config: &PoolConfig,
-    failed: bool,
-) {
-    let Some(breaker) = &config.breaker else {
-        return;
-    };
-    let written = control
-        .change_state(pool, |state| {
-            let again = state
-                .breaker
-                .as_ref()
-                .map_or(breaker.open_for, |open| reopen_for(open, breaker));
-            state.probed(clock::now_utc(), failed, again)
-        })
-        .await;
-    match written {
-        Ok(Some(state)) if failed => {
-            let until = state
-                .paused_until(clock::now_utc())
-                .and_then(|until| until.format(&Rfc3339).ok())
-                .unwrap_or_else(|| "-".into());
-            warn!(pool, %until, "the probe failed: circuit breaker open again");
-            control.metrics().breaker_transition(pool, "open");
-        }
-        Ok(Some(_)) => {
-            info!(pool, "the probe succeeded: circuit breaker closed");
-            control.metrics().breaker_transition(pool, "closed");
-        }
-        Ok(None) => {}
-        Err(e) => warn!(pool, error = %e, "cannot write the probe's outcome"),
     }
 }
