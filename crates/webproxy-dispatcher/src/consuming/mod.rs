@@ -225,8 +225,16 @@ impl Revisions {
 
     /// Swaps in `next` for every message handled from now on, and for pool control.
     fn swap_in(&self, next: Revision) {
-        self.for_pools.send_replace(pool_revision(&next));
         self.current.send_replace(Arc::new(next));
+        self.pools_follow();
+    }
+
+    /// Gives pool control the revision running now. Read under `for_pools`' lock after
+    /// each change of `current`, so that of two changes at once the last write is of
+    /// the latest revision.
+    fn pools_follow(&self) {
+        self.for_pools
+            .send_modify(|pools| *pools = pool_revision(&self.current.borrow()));
     }
 
     /// The revision a message starting now is handled under.
@@ -254,13 +262,15 @@ impl Revisions {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(pool);
-        let running = self.load();
-        let mut settings = (*running.settings).clone();
-        settings.cluster.pools.remove(pool);
-        self.swap_in(Revision {
-            settings: Arc::new(settings),
-            ..Revision::clone(&running)
+        self.current.send_modify(|shared| {
+            let mut settings = (*shared.settings).clone();
+            settings.cluster.pools.remove(pool);
+            *shared = Arc::new(Revision {
+                settings: Arc::new(settings),
+                ..Revision::clone(shared)
+            });
         });
+        self.pools_follow();
     }
 
     /// Swaps in `settings` (a validated revision) with its `secrets`: the next message

@@ -116,10 +116,10 @@ pub(crate) fn consumer_writes(
 }
 
 /// Provisions one pool: its replies and dead-letter streams, its stream (migrated
-/// from an older layout if need be), its fence and its two consumers. A work consumer that exists is bound as it is: its
-/// settings are written only by their owner (`super::owner`), under a lease, from
-/// the configured limits and the pool's runtime state; one that does not is created
-/// from them.
+/// from an older layout if need be), its fence and its two consumers. A work consumer
+/// that exists is bound as it is: its settings are written only by their owner
+/// (`super::owner`), under a lease, from the configured limits and the pool's runtime
+/// state; one that does not is created from them.
 pub(crate) async fn provision_pool(
     js: &jetstream::Context,
     settings: &Settings,
