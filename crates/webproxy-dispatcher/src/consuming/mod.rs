@@ -1,9 +1,6 @@
 //! Consuming: connects, provisions, and pulls each pool's messages into the
 //! conversation path (`crate::conversation`), under the revision running now; follows
 //! new revisions and serves the parked retries' consumer.
-//!
-//! A message is always answered, dead-lettered, parked, or left unacked for
-//! redelivery; it is never acked before what it produced is stored.
 
 mod connect;
 mod gauges;
@@ -218,7 +215,6 @@ impl Revisions {
         let shared = self.load();
         PoolTasks {
             control: shared.pool_control.clone(),
-            metrics: shared.outlet.metrics.clone(),
             revisions: self.for_pools.subscribe(),
         }
     }

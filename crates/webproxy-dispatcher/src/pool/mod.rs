@@ -31,7 +31,6 @@ use async_nats::jetstream;
 use tokio::sync::watch;
 use webproxy_config::settings::Settings;
 
-use crate::observability::metrics::Metrics;
 use control::PoolControl;
 
 /// One revision of the cluster part as pool control's tasks read it: its settings, and
@@ -50,12 +49,11 @@ impl PoolRevision {
 }
 
 /// What the service gives pool control's cluster tasks (the owner, the breaker's
-/// oversight, the attempt reports): the gate every handler passes, the metrics, and
-/// each revision as it is swapped in.
+/// oversight, the attempt reports): the gate every handler passes (and its metrics),
+/// and each revision as it is swapped in.
 #[derive(Clone)]
 pub(crate) struct PoolTasks {
     pub(crate) control: Arc<PoolControl>,
-    pub(crate) metrics: Arc<Metrics>,
     pub(crate) revisions: watch::Receiver<PoolRevision>,
 }
 

@@ -248,7 +248,7 @@ pub(crate) async fn oversee(
                         match opened {
                             Ok(Some(_)) => {
                                 warn!(pool, reason, open_for = %human(breaker.open_for), "circuit breaker opened");
-                                tasks.metrics.breaker_transition(pool, "open");
+                                tasks.control.metrics().breaker_transition(pool, "open");
                             }
                             Ok(None) => {}
                             Err(e) => warn!(pool, error = %e, "cannot open the circuit breaker"),
@@ -265,7 +265,7 @@ pub(crate) async fn oversee(
                     match closed {
                         Ok(Some(closed)) => {
                             info!(pool, "circuit breaker closed: it is no longer configured");
-                            tasks.metrics.breaker_transition(pool, "closed");
+                            tasks.control.metrics().breaker_transition(pool, "closed");
                             if state.lifts_pause(&closed, clock::now_utc())
                                 && let Err(e) = shared.pauses().lift_pause(pool).await
                             {

@@ -255,7 +255,7 @@ async fn hold_and_write(
             _ = shutdown.cancelled() => break,
         }
         let shared = tasks.current();
-        let (js, settings, metrics) = (&shared.js, &shared.settings, &tasks.metrics);
+        let (js, settings, metrics) = (&shared.js, &shared.settings, tasks.control.metrics());
         let lease = lease.get_or_insert_with(|| Lease {
             bucket: StateBucket::new(
                 js.clone(),
@@ -283,7 +283,7 @@ async fn hold_and_write(
             }
         }
     }
-    tasks.metrics.set_pool_consumers_owner(false);
+    tasks.control.metrics().set_pool_consumers_owner(false);
     holding_now.send_replace(false);
     if let Some(lease) = lease {
         lease.release().await;
@@ -362,7 +362,7 @@ async fn bring_in_line(
     state: &PoolState,
     pacing: &mut LivePacing,
 ) -> bool {
-    let (js, settings, metrics) = (&shared.js, &shared.settings, &tasks.metrics);
+    let (js, settings, metrics) = (&shared.js, &shared.settings, tasks.control.metrics());
     let name = settings.subjects.pool_consumer(pool);
     let stream = match js
         .get_stream_no_info(settings.subjects.pool_stream(pool))
