@@ -87,7 +87,7 @@ test: && test-python test-node demo-target-dir readme
     # dispatcher's test-hooks in whatever is built with it, and `just bench` builds the
     # release binary beside the bench. The output is captured first so that a failing
     # `cargo tree` fails the recipe instead of passing the check.
-    tree="$(cargo tree -p webproxy -p webproxy-bench -e normal,build,features --prefix none)"; if grep -E '^webproxy-tests |^webproxy-dispatcher feature "test-hooks"' <<<"$tree"; then echo 'webproxy-bench (or webproxy beside it) pulls in webproxy-tests or test-hooks; use webproxy-testkit (issue 15)' >&2; exit 1; fi
+    tree="$(cargo tree -p webproxy -p webproxy-bench -e normal,build,features --prefix none)"; if grep -E '^webproxy-tests |^webproxy-(dispatcher|jetstream) feature "test-hooks"' <<<"$tree"; then echo 'webproxy-bench (or webproxy beside it) pulls in webproxy-tests or test-hooks; use webproxy-testkit (issue 15)' >&2; exit 1; fi
     cargo build --workspace --bins
     # With the binary just built: `just deploy-check`'s own build would compile another feature set.
     bash scripts/deploy-check.sh

@@ -4,34 +4,24 @@
 //! `webproxy-config` checks and compiles.
 //!
 //! One folder per concept (ARCHITECTURE.md's code map): `conversation` (the path one
-//! message takes), `pool` (pool control), `consuming` (pulling into that path),
-//! `jetstream` (state buckets and provisioning) and `observability`.
+//! message takes), `pool` (pool control), `consuming` (pulling into that path)
+//! and `observability`; what it keeps in JetStream is `webproxy-jetstream`'s.
 
 #![warn(unreachable_pub)]
 
-mod backoff;
-mod clock;
 mod consuming;
 mod conversation;
 mod hooks;
-mod jetstream;
 mod observability;
 mod pool;
 
 // The public surface: what the binary uses, and nothing else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
-pub use backoff::Backoff;
 pub use consuming::{Dispatcher, StartError, check_server, connect};
 pub use conversation::ending::Settled;
 pub use conversation::pacing::AckWaitPacing;
 pub use conversation::publish::Outlet;
 pub use conversation::replay::{Replay, ReplayError};
 pub use hooks::test_hook;
-pub use jetstream::config_store::{
-    ConfigStore, ConfigStoreError, PushNote, Seeded, StoredRevision,
-};
-pub use jetstream::instances::InstanceReport;
-pub use jetstream::provision::mark_removing;
-pub use jetstream::state::{Bucket, BucketError, BucketUse, StateBucket, is_stream_not_found};
 pub use pool::pauses::PoolPauses;
 
 pub use observability::bucket_use::{BucketUseSink, follow_bucket_use};

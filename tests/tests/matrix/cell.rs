@@ -237,7 +237,7 @@ impl Cell {
     /// them); none while it cannot be read.
     async fn instances_reporting(&self) -> usize {
         let subjects = webproxy_protocol::Subjects::new("webproxy").expect("the default prefix");
-        webproxy_dispatcher::ConfigStore::instance_reports(&self.js, &subjects)
+        webproxy_jetstream::config_store::ConfigStore::instance_reports(&self.js, &subjects)
             .await
             .map_or(0, |reports| reports.len())
     }

@@ -6,7 +6,7 @@ use async_nats::connection;
 use tracing::debug;
 
 use crate::Instruments;
-use crate::backoff::Backoff;
+use webproxy_jetstream::backoff::Backoff;
 
 /// Connects to NATS, keeping `health` in step with the connection state. Returns at
 /// once: an unreachable server is retried in the background (`client.flush()` waits

@@ -7,9 +7,9 @@ use async_nats::jetstream::consumer::PullConsumer;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::clock;
 use crate::conversation::Revision;
 use crate::observability::gauges::GAUGE_REFRESH;
+use webproxy_jetstream::clock;
 
 /// Reads a pool's waiting and parked counts and its limit from its consumers on a fixed
 /// interval.

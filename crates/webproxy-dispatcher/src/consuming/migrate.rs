@@ -200,8 +200,8 @@ mod tests {
     use crate::consuming::start::provision;
     use crate::conversation::hop::{from_unix_ms, unix_ms};
     use crate::conversation::tests::{Fixture, STREAM};
-    use crate::jetstream::provision::{self, Examined, LayoutRefusal, examine};
     use crate::pool::consumers::{Recreated, recreate_pool_consumer};
+    use webproxy_jetstream::provision::{self, Examined, LayoutRefusal, examine};
 
     const OLD_RETRY: &str = "webproxy.retry.default";
 

@@ -32,13 +32,13 @@ use crate::conversation::pacing::AckWaitPacing;
 use crate::conversation::progress::Progress;
 use crate::conversation::publish::Outlet;
 use crate::conversation::{Revision, pacing};
-use crate::jetstream::provision::PoolConsumers;
-use crate::jetstream::state::Bucket;
 use crate::observability::bucket_use;
 use crate::pool::{PoolRevision, PoolTasks};
 use gauges::timed_info;
 use revisions::{Pools, keep_dropped_pools};
 use start::{Provisioned, worker_for};
+use webproxy_jetstream::provision::PoolConsumers;
+use webproxy_jetstream::state::Bucket;
 
 /// Consumes every pool of this instance until told to stop.
 pub struct Dispatcher {

@@ -15,10 +15,10 @@ use tracing::{debug, warn};
 use webproxy_protocol::header;
 
 use super::pull_loop::next_or_stop;
-use crate::backoff::PULL_BACKOFF;
 use crate::conversation::Revision;
 use crate::conversation::hop::{HopState, due_msg_id, subject_token};
 use crate::conversation::publish::{Stored, publish_stored};
+use webproxy_jetstream::backoff::PULL_BACKOFF;
 
 /// A parked retry that is due within this much is released at once rather than NAKed
 /// for a few milliseconds more.
@@ -74,7 +74,8 @@ async fn release_when_due(shared: &Revision, pool: &str, message: jetstream::Mes
     let due = HopState::parse(headers.and_then(|h| h.get(header::HOP)).map(|v| v.as_str()))
         .ok()
         .and_then(|state| state.due());
-    if let Some(wait) = due.and_then(|due| due.duration_since(crate::clock::now()).ok())
+    if let Some(wait) =
+        due.and_then(|due| due.duration_since(webproxy_jetstream::clock::now()).ok())
         && wait > DUE_SLACK
     {
         if let Err(e) = message.ack_with(AckKind::Nak(Some(wait))).await {

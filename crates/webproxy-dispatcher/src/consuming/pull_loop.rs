@@ -13,10 +13,10 @@ use tracing::{debug, info, warn};
 
 use super::Revisions;
 use super::pull::{PULL_EXPIRES, Pull, PullEnd};
-use crate::backoff::PULL_BACKOFF;
 use crate::conversation::handle;
 use crate::conversation::liveness::{self, Liveness, while_keeping};
-use crate::jetstream::provision::LayoutRefusal;
+use webproxy_jetstream::backoff::PULL_BACKOFF;
+use webproxy_jetstream::provision::LayoutRefusal;
 
 /// The most messages one pull asks for.
 const MAX_PULL: usize = 256;

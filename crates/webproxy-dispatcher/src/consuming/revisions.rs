@@ -15,8 +15,8 @@ use webproxy_config::settings::Settings;
 use super::gauges::refresh_gauges;
 use super::pull_loop::pull_loop;
 use super::{Revisions, parked};
-use crate::jetstream::provision::{PoolConsumers, PoolSpec, update_pool_stream};
 use crate::pool::consumers::provision_pool;
+use webproxy_jetstream::provision::{PoolConsumers, PoolSpec, update_pool_stream};
 
 /// `next` with the pools that `running` serves and `next` leaves out, which keep being
 /// served until `pools remove` deletes them, and their names (pure).
@@ -210,7 +210,7 @@ impl Pools {
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { break },
                 _ = self.shutdown.cancelled() => break,
-                _ = crate::backoff::PULL_BACKOFF.wait(failures, &self.shutdown), if failures > 0 => {}
+                _ = webproxy_jetstream::backoff::PULL_BACKOFF.wait(failures, &self.shutdown), if failures > 0 => {}
             }
             changes.mark_unchanged();
             let shutdown = self.shutdown.clone();

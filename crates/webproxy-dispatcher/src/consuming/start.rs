@@ -17,14 +17,14 @@ use webproxy_worker::{BuildError, DnsConfig, Worker, WorkerConfig};
 use super::Dispatcher;
 use crate::Instruments;
 use crate::conversation::outbox::max_response_bytes_for;
-use crate::jetstream::provision::{
+use crate::observability::metrics::Metrics;
+use crate::pool::consumers::provision_pool;
+use webproxy_jetstream::provision::{
     MIN_SERVER_VERSION, PoolConsumers, ProvisionError, make_fence, pool_state_bucket_config,
     provision_endings, provision_error, replies_fence_config, retire_shared_stream,
     server_version_supported,
 };
-use crate::jetstream::state::{Bucket, StateBucket};
-use crate::observability::metrics::Metrics;
-use crate::pool::consumers::provision_pool;
+use webproxy_jetstream::state::{Bucket, StateBucket};
 
 /// Why this instance cannot consume from the server it connected to; retrying does
 /// not mend any of these.
@@ -77,10 +77,11 @@ impl Dispatcher {
         )?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
-        let Some(provisioned) = crate::backoff::retry_until_done("provisioning", shutdown, || {
-            provision(&js, &settings)
-        })
-        .await
+        let Some(provisioned) =
+            webproxy_jetstream::backoff::retry_until_done("provisioning", shutdown, || {
+                provision(&js, &settings)
+            })
+            .await
         else {
             return Ok(None);
         };
@@ -93,11 +94,12 @@ impl Dispatcher {
             secrets,
             provisioned,
         );
-        let migrated =
-            crate::backoff::retry_until_done("migrating parked retries", shutdown, || {
-                dispatcher.migrate_layout1_parked()
-            })
-            .await;
+        let migrated = webproxy_jetstream::backoff::retry_until_done(
+            "migrating parked retries",
+            shutdown,
+            || dispatcher.migrate_layout1_parked(),
+        )
+        .await;
         Ok(migrated.map(|_| dispatcher))
     }
 }

@@ -14,13 +14,13 @@ use webproxy_worker::{AttemptOutcome, ChainRequest};
 use super::Revision;
 use super::ending::Ending;
 use super::{Conversation, Underway};
-use crate::clock;
 use crate::conversation::egress::RulePolicy;
 use crate::conversation::hop::millis;
 use crate::conversation::outbox::{error_reply, response_reply};
 use crate::conversation::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 use crate::observability::trace;
 use crate::pool::outcome::AttemptEnded;
+use webproxy_jetstream::clock;
 
 const STALE_BEFORE_ATTEMPT: &str =
     "no confirmed progress within the ack wait before the attempt: not attempted";

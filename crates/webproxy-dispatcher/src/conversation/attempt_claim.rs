@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 use super::delivery::DeliveryInfo;
 use super::liveness::{Liveness, LivenessPolicy};
 use super::progress::{Progress, Taken, attempt_key};
-use crate::backoff::Backoff;
+use webproxy_jetstream::backoff::Backoff;
 
 /// A message's attempt claim, held by this delivery.
 #[derive(Debug)]

@@ -20,12 +20,12 @@ use super::publish::Outlet;
 use super::settle::{internal, settle};
 use super::stored_reply::{self, StoredReply};
 use super::{Arrival, Conversation, Underway};
-use crate::clock;
 use crate::conversation::hop::{HopKind, millis};
 use crate::conversation::plan::{Plan, PlanInput, expired, plan};
 use crate::observability::trace;
 use crate::pool::admission::Admission;
 use crate::pool::control::Pass;
+use webproxy_jetstream::clock;
 
 /// Handles one message inside a span whose parent is the caller's trace context, so
 /// that the caller's trace continues through webproxy (a request without one starts a

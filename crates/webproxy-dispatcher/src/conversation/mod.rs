@@ -206,7 +206,7 @@ impl<'a> Conversation<'a> {
 
     /// Since the caller's publish: queue wait and backoff included.
     pub(crate) fn elapsed_ms(&self) -> u64 {
-        let elapsed = crate::clock::now()
+        let elapsed = webproxy_jetstream::clock::now()
             .duration_since(self.state.first_published())
             .unwrap_or_default();
         crate::conversation::hop::millis(elapsed)

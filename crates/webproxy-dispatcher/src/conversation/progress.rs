@@ -18,10 +18,10 @@ use thiserror::Error;
 use tracing::{info, warn};
 use webproxy_protocol::Origin;
 
-use crate::backoff::Backoff;
 use crate::conversation::hop::{HopKind, HopState};
-use crate::jetstream::state::{PROGRESS_MARKER_TTL, StateBucket};
 use crate::observability::health::Health;
+use webproxy_jetstream::backoff::Backoff;
+use webproxy_jetstream::state::{PROGRESS_MARKER_TTL, StateBucket};
 
 /// The next hop of a conversation, as recorded before it is published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -18,8 +18,8 @@ use webproxy_config::secrets::Redactor;
 use webproxy_protocol::Subjects;
 
 use super::progress::Progress;
-use crate::backoff::Backoff;
 use crate::observability::metrics::Metrics;
+use webproxy_jetstream::backoff::Backoff;
 
 /// Where a conversation's products go: the NATS connection, the progress records, and
 /// the names and limits that shape what is published.

@@ -91,7 +91,7 @@ impl Outlet {
                     origin: origin.clone(),
                     generation,
                     step: 1,
-                    first_published_ms: unix_ms(crate::clock::now()),
+                    first_published_ms: unix_ms(webproxy_jetstream::clock::now()),
                     due_ms: None,
                     attempts: AttemptHistory::default(),
                     caller: letter.caller.clone(),

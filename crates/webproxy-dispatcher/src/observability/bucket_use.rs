@@ -13,9 +13,9 @@ use webproxy_config::settings::StreamsConfig;
 use webproxy_protocol::Subjects;
 
 use super::gauges::GAUGE_REFRESH;
-use crate::jetstream::state::{Bucket, BucketUse, StateBucket};
 use crate::observability::health::Health;
 use crate::observability::metrics::Metrics;
+use webproxy_jetstream::state::{Bucket, BucketUse, StateBucket};
 
 /// The buckets `serve` uses whatever its configuration source. The configuration
 /// bucket is added in kv mode (`Dispatcher::gauge_bucket`); the gateway's buckets are

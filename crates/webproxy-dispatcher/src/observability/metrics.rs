@@ -15,9 +15,9 @@ use prometheus_client::registry::Registry;
 
 use webproxy_worker::DnsFailure;
 
-use crate::jetstream::state::BucketUse;
 use crate::observability::gauges::Gauges;
 use crate::observability::health::Health;
+use webproxy_jetstream::state::BucketUse;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -488,7 +488,7 @@ impl Metrics {
         }
         self.nats_connected.set(i64::from(health.nats_connected()));
         self.clock_skew
-            .set(crate::clock::skew_seconds().unwrap_or(0.0));
+            .set(webproxy_jetstream::clock::skew_seconds().unwrap_or(0.0));
         let mut text = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut text, &self.registry);

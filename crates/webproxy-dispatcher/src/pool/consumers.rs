@@ -1,7 +1,7 @@
 //! A pool's consumers as pool control makes them: the work consumer's configuration
 //! (its configured limits with the pool's runtime state on top) and the writes that
 //! bring it in line, provisioning one pool, and recreating its work consumer when it
-//! is gone. The streams, fences and layouts under them are `crate::jetstream::provision`'s.
+//! is gone. The streams, fences and layouts under them are `webproxy_jetstream::provision`'s.
 
 use std::collections::HashMap;
 
@@ -11,7 +11,7 @@ use webproxy_config::settings::{PoolConfig, Settings};
 
 use super::state::PoolState;
 use super::stored::read_pool_state;
-use crate::jetstream::provision::{
+use webproxy_jetstream::provision::{
     Examined, LAYOUT, LayoutRefusal, PoolConsumers, ProvisionError, StreamPlan, examine,
     existing_consumer, existing_stream, layout, pool_fence_config, pool_stream_config,
     provision_endings, provision_error, provision_stream, refused, retry_consumer_config,

@@ -22,14 +22,14 @@ use webproxy_config::settings::{PoolConfig, Settings};
 
 use super::limiter::Limiter;
 use super::stored::{StateError, update_pool_state};
-use crate::clock;
-use crate::jetstream::provision::pool_state_bucket_config;
-use crate::jetstream::state::{Bucket, StateBucket};
 use crate::observability::health::Health;
 use crate::observability::metrics::Metrics;
 use crate::pool::breaker::Phase;
 use crate::pool::rate::Schedule;
 use crate::pool::state::{Extend, PoolState};
+use webproxy_jetstream::clock;
+use webproxy_jetstream::provision::pool_state_bucket_config;
+use webproxy_jetstream::state::{Bucket, StateBucket};
 
 /// Every pool's runtime state as last seen.
 pub(crate) type PoolStates = Arc<BTreeMap<String, PoolState>>;
@@ -105,7 +105,7 @@ impl PoolControl {
     /// Keeps in [`PoolControl::states`] only the pools `kept` says, noting each pool forgotten
     /// with a pause in force.
     fn forget_states(&self, kept: impl Fn(&str) -> bool) {
-        let now = crate::clock::now_utc();
+        let now = webproxy_jetstream::clock::now_utc();
         let mut forgotten = Vec::new();
         self.states.send_modify(|states| {
             Arc::make_mut(states).retain(|pool, state| {
@@ -156,7 +156,11 @@ impl PoolControl {
     pub(crate) async fn follow_states(&self, settings: &Settings, shutdown: CancellationToken) {
         let mut failures = 0u32;
         loop {
-            if failures > 0 && !crate::backoff::PULL_BACKOFF.wait(failures, &shutdown).await {
+            if failures > 0
+                && !webproxy_jetstream::backoff::PULL_BACKOFF
+                    .wait(failures, &shutdown)
+                    .await
+            {
                 return;
             }
             let watched = async {
@@ -252,7 +256,7 @@ impl PoolControl {
                 } else {
                     None
                 };
-                let now = crate::clock::now_utc();
+                let now = webproxy_jetstream::clock::now_utc();
                 let mut lifted = false;
                 self.states.send_modify(|states| {
                     let states = Arc::make_mut(states);

@@ -10,7 +10,7 @@ use webproxy_config::settings::PoolConfig;
 use webproxy_worker::AttemptOutcome;
 
 use super::breaker::{Report, is_failure};
-use crate::clock;
+use webproxy_jetstream::clock;
 
 /// Unix seconds now.
 pub(crate) fn now_s() -> u64 {

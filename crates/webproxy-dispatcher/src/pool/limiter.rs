@@ -12,10 +12,10 @@ use tracing::{debug, info, warn};
 
 use super::rate::{Schedule, SlotClaim};
 use super::stored::CAS_TRIES;
-use crate::clock;
-use crate::jetstream::state::StateBucket;
 use crate::observability::health::Health;
 use crate::observability::metrics::Metrics;
+use webproxy_jetstream::clock;
+use webproxy_jetstream::state::StateBucket;
 
 /// Microseconds since the Unix epoch: the schedule's clock, shared by every instance,
 /// so each reads [`clock::now`], within its tolerance of the server's time.
@@ -150,7 +150,7 @@ impl Limiter {
                             )),
                         );
                     }
-                    let wait = crate::backoff::PULL_BACKOFF
+                    let wait = webproxy_jetstream::backoff::PULL_BACKOFF
                         .after(failures)
                         .unwrap_or(Duration::from_secs(1));
                     tokio::time::sleep(wait).await;

@@ -13,7 +13,7 @@ use webproxy_worker::AttemptOutcome;
 use super::breaker::{evidence, reopen_for};
 use super::control::PoolControl;
 use super::state::RETRY_AFTER;
-use crate::clock;
+use webproxy_jetstream::clock;
 
 /// One attempt of a pool's message, as it ended.
 pub(crate) struct AttemptEnded<'a> {

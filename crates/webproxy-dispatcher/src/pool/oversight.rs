@@ -24,14 +24,14 @@ use webproxy_config::settings::PoolConfig;
 use super::PoolTasks;
 use super::control::PoolControl;
 use super::counts::{counted, now_s};
-use crate::clock;
-use crate::jetstream::instances;
-use crate::jetstream::state::{Bucket, StateBucket};
 use crate::pool::adaptive::{ADAPT_EVERY, Adaptive, Bounds, next_limit, start};
 use crate::pool::breaker::{
     self, ClusterReports, Phase, Report, STATS, counted_from, open_reason, should_open, stats_key,
 };
 use crate::pool::state::PoolState;
+use webproxy_jetstream::clock;
+use webproxy_jetstream::instances;
+use webproxy_jetstream::state::{Bucket, StateBucket};
 
 /// How often an instance reports its counts, and the owner looks at them.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
@@ -121,7 +121,11 @@ type Reports = Arc<Mutex<ClusterReports>>;
 async fn follow_reports(tasks: PoolTasks, reports: Reports, stop: CancellationToken) {
     let mut failures = 0u32;
     loop {
-        if failures > 0 && !crate::backoff::PULL_BACKOFF.wait(failures, &stop).await {
+        if failures > 0
+            && !webproxy_jetstream::backoff::PULL_BACKOFF
+                .wait(failures, &stop)
+                .await
+        {
             return;
         }
         let shared = tasks.current();

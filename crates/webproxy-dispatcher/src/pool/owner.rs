@@ -31,10 +31,10 @@ use webproxy_config::settings::PoolConfig;
 
 use super::consumers::{ConsumerWrite, consumer_writes, pool_consumer_config};
 use super::{PoolRevision, PoolTasks};
-use crate::jetstream::instances::{self, POOL_CONSUMERS_LEASE};
-use crate::jetstream::state::{Bucket, StateBucket};
 use crate::observability::metrics::Metrics;
 use crate::pool::state::PoolState;
+use webproxy_jetstream::instances::{self, POOL_CONSUMERS_LEASE};
+use webproxy_jetstream::state::{Bucket, StateBucket};
 
 /// How often the holder renews its lease and checks every pool's consumer, and how
 /// often the others try to take the lease: a quarter of how long the bucket keeps
@@ -397,7 +397,7 @@ async fn bring_in_line(
             wanted.ack_wait = current.ack_wait;
         }
     }
-    let paused_until = state.paused_until(crate::clock::now_utc());
+    let paused_until = state.paused_until(webproxy_jetstream::clock::now_utc());
     // The owner lifts no pause that was never in the pool's state (one made through
     // the API by hand stays); one that left the state before its end it lifts, since
     // the writer that ended it may not have (a lost bucket) or its own round may have

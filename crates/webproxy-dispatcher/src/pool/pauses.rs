@@ -35,7 +35,7 @@ pub struct PoolRuntime {
 
 fn in_force(state: &PoolState) -> Vec<PoolPause> {
     state
-        .in_force(crate::clock::now_utc())
+        .in_force(webproxy_jetstream::clock::now_utc())
         .map(|(cause, pause)| PoolPause {
             cause: cause.to_string(),
             until: pause.until,
@@ -115,7 +115,7 @@ impl PoolPauses {
             .await
             .map_err(|e| error(&e))?;
         update_pool_state(&self.js, &bucket, pool, |state| {
-            state.resumed = Some(crate::clock::now_utc());
+            state.resumed = Some(webproxy_jetstream::clock::now_utc());
             true
         })
         .await?;
@@ -139,7 +139,7 @@ impl PoolPauses {
             }
             Err(_) => PoolState::default(),
         };
-        let breaker = match state.phase(crate::clock::now_utc()) {
+        let breaker = match state.phase(webproxy_jetstream::clock::now_utc()) {
             Phase::Closed => "closed",
             Phase::Open => "open",
             Phase::HalfOpen => "half_open",

@@ -11,7 +11,7 @@ use anyhow::{Context as _, bail};
 use async_nats::jetstream;
 use clap::{Args, Subcommand};
 use serde::Serialize;
-use webproxy_dispatcher::{ConfigStore, PushNote, StoredRevision};
+use webproxy_jetstream::config_store::{ConfigStore, PushNote, StoredRevision};
 use webproxy_protocol::Subjects;
 
 use crate::commands::operator::{NatsArgs, connect_with_settings};

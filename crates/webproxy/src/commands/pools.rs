@@ -11,7 +11,10 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{ConfigStore, PoolPauses, Settled, is_stream_not_found, mark_removing};
+use webproxy_dispatcher::{PoolPauses, Settled};
+use webproxy_jetstream::config_store::ConfigStore;
+use webproxy_jetstream::provision::mark_removing;
+use webproxy_jetstream::state::is_stream_not_found;
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
 use crate::commands::operator::{

@@ -11,10 +11,9 @@ use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use webproxy_config::{Redactor, Secrets};
-use webproxy_dispatcher::{
-    Bucket, ConfigStore, Dispatcher, Instruments, PushNote, Seeded, StoredRevision, check_server,
-    connect,
-};
+use webproxy_dispatcher::{Dispatcher, Instruments, check_server, connect};
+use webproxy_jetstream::config_store::{ConfigStore, PushNote, Seeded, StoredRevision};
+use webproxy_jetstream::state::Bucket;
 
 use crate::commands::serve_follow::{self, Running};
 use crate::config::document;

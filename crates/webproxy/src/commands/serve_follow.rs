@@ -14,7 +14,8 @@ use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 use webproxy_config::{Redactor, Secrets};
-use webproxy_dispatcher::{AckWaitPacing, ConfigStore, Instruments, StartError, StoredRevision};
+use webproxy_dispatcher::{AckWaitPacing, Instruments, StartError};
+use webproxy_jetstream::config_store::{ConfigStore, StoredRevision};
 
 use crate::config::document;
 use crate::config::schema::{ClusterSource, Settings};
@@ -33,7 +34,7 @@ pub(crate) struct Running {
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// One instance's report in `<PREFIX>_INSTANCES`, under its id.
-pub(crate) use webproxy_dispatcher::InstanceReport as Report;
+pub(crate) use webproxy_jetstream::instances::InstanceReport as Report;
 
 /// The instances in `reports` that do not run `revision` or a later one (pure); an
 /// instance in file mode never runs a pushed revision, so it is not waited for.
@@ -172,7 +173,9 @@ pub(crate) async fn follow(
             match ConfigStore::open(&js, &settings.dispatcher.subjects).await? {
                 Some(store) => {
                     let revisions = store.watch_after(after).await?;
-                    Ok::<_, webproxy_dispatcher::ConfigStoreError>(Some((store, revisions)))
+                    Ok::<_, webproxy_jetstream::config_store::ConfigStoreError>(Some((
+                        store, revisions,
+                    )))
                 }
                 None => Ok(None),
             }

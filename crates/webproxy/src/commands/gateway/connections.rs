@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use webproxy_dispatcher::Backoff;
+use webproxy_jetstream::backoff::Backoff;
 
 /// A `[gateway]` limit that acted, by its key: the `limit` label of
 /// `webproxy_gateway_limits_total` and the code of the answer, when there is one.

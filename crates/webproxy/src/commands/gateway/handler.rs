@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
-use webproxy_dispatcher::Backoff;
+use webproxy_jetstream::backoff::Backoff;
 
 use super::connections::Limit;
 use super::ids::{self, Binding, Fingerprint, Key};

@@ -15,7 +15,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use webproxy_dispatcher::{Bucket, BucketUse, BucketUseSink};
+use webproxy_dispatcher::BucketUseSink;
+use webproxy_jetstream::state::{Bucket, BucketUse};
 
 use super::connections::Limit;
 

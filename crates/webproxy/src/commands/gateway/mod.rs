@@ -24,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use webproxy_config::Redactor;
 use webproxy_config::element_key;
-use webproxy_dispatcher::{Bucket, Instruments, follow_bucket_use};
+use webproxy_dispatcher::{Instruments, follow_bucket_use};
+use webproxy_jetstream::state::Bucket;
 
 use crate::config::gateway::RESERVED_PATH;
 use crate::config::schema::Settings;

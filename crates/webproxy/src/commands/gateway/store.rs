@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::{self, kv};
 use serde::{Deserialize, Serialize};
 use webproxy_config::StreamsConfig;
-use webproxy_dispatcher::{Bucket, BucketError, StateBucket};
+use webproxy_jetstream::state::{Bucket, BucketError, StateBucket};
 use webproxy_protocol::{Origin, Subjects};
 
 use super::ids::{self, Fingerprint, Key};

@@ -5,11 +5,7 @@ use super::*;
 
 /// The work stream of one pool, as a work queue: the callers' request subject, and the
 /// service's own per-conversation hop and retry subjects.
-pub(crate) fn pool_stream_config(
-    settings: &Settings,
-    pool: &str,
-    config: &PoolConfig,
-) -> stream::Config {
+pub fn pool_stream_config(settings: &Settings, pool: &str, config: &PoolConfig) -> stream::Config {
     let subjects = &settings.subjects;
     let max_waiting = config
         .max_waiting
@@ -46,14 +42,14 @@ pub(crate) fn pool_stream_config(
 /// (`pool::owner`: `max_in_flight`, `ack_wait`), and the local permits resized to
 /// `max_in_flight`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PoolSpec {
-    pub(crate) max_in_flight: u64,
-    pub(crate) max_waiting: Option<u64>,
-    pub(crate) ack_wait: Duration,
+pub struct PoolSpec {
+    pub max_in_flight: u64,
+    pub max_waiting: Option<u64>,
+    pub ack_wait: Duration,
 }
 
 impl PoolSpec {
-    pub(crate) fn of(settings: &Settings, config: &PoolConfig) -> PoolSpec {
+    pub fn of(settings: &Settings, config: &PoolConfig) -> PoolSpec {
         PoolSpec {
             max_in_flight: config.max_in_flight,
             max_waiting: config.max_waiting,
@@ -63,7 +59,7 @@ impl PoolSpec {
 
     /// The limits that differ from `from`, each with its old value, for the log line
     /// that says a revision's limits are applied: `max_waiting 1 (was unlimited)`.
-    pub(crate) fn changes_from(&self, from: &PoolSpec) -> String {
+    pub fn changes_from(&self, from: &PoolSpec) -> String {
         let waiting = |limit: Option<u64>| limit.map_or("unlimited".to_owned(), |n| n.to_string());
         let wait = |d: Duration| humantime::format_duration(d).to_string();
         let mut changes = Vec::new();
@@ -95,7 +91,7 @@ impl PoolSpec {
 /// `max_waiting`, the request subjects' per-subject limit): provisioning a pool runs
 /// only when the pool is new, so a revision that changes them needs this. Idempotent;
 /// every instance that runs the revision writes the same settings.
-pub(crate) async fn update_pool_stream(
+pub async fn update_pool_stream(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,
@@ -110,7 +106,7 @@ pub(crate) async fn update_pool_stream(
     provision_stream(js, plan).await.map(|_| ())
 }
 
-pub(crate) fn limits_stream(
+pub fn limits_stream(
     name: String,
     subjects: Vec<String>,
     description: &str,
@@ -136,7 +132,7 @@ pub(crate) fn limits_stream(
 /// `pool`'s stream: one subject per conversation, never the live copies on
 /// `<prefix>.reply.<id>`. `reply_max_bytes` is its own budget, so a flood through
 /// another pool cannot evict these replies.
-pub(crate) fn pool_replies_stream_config(settings: &Settings, pool: &str) -> stream::Config {
+pub fn pool_replies_stream_config(settings: &Settings, pool: &str) -> stream::Config {
     let streams = &settings.streams;
     let subjects = &settings.subjects;
     let pool_stream = subjects.pool_stream(pool);
@@ -152,7 +148,7 @@ pub(crate) fn pool_replies_stream_config(settings: &Settings, pool: &str) -> str
 
 /// The stream that stores `pool`'s dead letters and the marks of superseded ones,
 /// with its own `dead_max_bytes`.
-pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream::Config {
+pub fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream::Config {
     let streams = &settings.streams;
     let subjects = &settings.subjects;
     limits_stream(
@@ -168,14 +164,14 @@ pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream
 /// A first sequence no earlier incarnation of a pool stream can have used: the current
 /// Unix time in microseconds, so origins never repeat across a `pools remove` and a
 /// re-add. ([`crate::clock::now`]: at start, before any skew is measured, this pod's.)
-pub(crate) fn fresh_first_sequence() -> u64 {
+pub fn fresh_first_sequence() -> u64 {
     crate::clock::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// The stream `name`, with its info, or `None` when it does not exist.
-pub(crate) async fn existing_stream(
+pub async fn existing_stream(
     js: &jetstream::Context,
     name: &str,
 ) -> Result<Option<(stream::Stream, stream::Info)>, ProvisionError> {
@@ -203,21 +199,21 @@ pub(crate) async fn existing_stream(
 }
 
 /// How a stream of this instance is made.
-pub(crate) struct StreamPlan {
-    pub(crate) config: stream::Config,
+pub struct StreamPlan {
+    pub config: stream::Config,
     /// A new stream starts at [`fresh_first_sequence`] (pool streams: origins).
-    pub(crate) fresh_first_sequence: bool,
+    pub fresh_first_sequence: bool,
     /// Older layouts' consumers on it, deleted before it is migrated.
-    pub(crate) old_consumers: Vec<String>,
+    pub old_consumers: Vec<String>,
     /// The fence created once it has this instance's layout, if it has one.
-    pub(crate) fence: Option<stream::Config>,
+    pub fence: Option<stream::Config>,
 }
 
 /// Creates a stream with this instance's layout, or updates an existing one in place:
 /// an older layout is migrated (its consumers deleted first, so that their instances
 /// take nothing more), a newer one, or one marked for removal, is left alone with an
 /// error. Then its fence is made. Returns the layout it had, `None` when it was created.
-pub(crate) async fn provision_stream(
+pub async fn provision_stream(
     js: &jetstream::Context,
     plan: StreamPlan,
 ) -> Result<Option<u32>, ProvisionError> {
@@ -279,7 +275,7 @@ pub(crate) async fn provision_stream(
 }
 
 /// A stream's storage as its configuration spells it.
-pub(crate) fn storage_name(storage: stream::StorageType) -> &'static str {
+pub fn storage_name(storage: stream::StorageType) -> &'static str {
     match storage {
         stream::StorageType::File => "file",
         stream::StorageType::Memory => "memory",

@@ -9,7 +9,7 @@ use super::*;
 /// undoing the migration. It keeps at most one message (an old instance's last stray
 /// publish, which nothing reads), on file: a memory fence is gone after a restart of
 /// the server, and with it the fence, until a pod of this layout starts again.
-pub(crate) fn fence_config(name: String, subject: String) -> stream::Config {
+pub fn fence_config(name: String, subject: String) -> stream::Config {
     stream::Config {
         name,
         description: Some(
@@ -27,7 +27,7 @@ pub(crate) fn fence_config(name: String, subject: String) -> stream::Config {
 }
 
 /// The fence of a pool stream: it captures layout 1's `<prefix>.retry.<pool>`.
-pub(crate) fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Config {
+pub fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Config {
     let subjects = &settings.subjects;
     fence_config(
         subjects.pool_fence_stream(pool),
@@ -37,7 +37,7 @@ pub(crate) fn pool_fence_config(settings: &Settings, pool: &str) -> stream::Conf
 
 /// The fence of the replies stream: it captures `<prefix>.reply.*.*`, which layout 1's
 /// `<prefix>.reply.>` overlaps.
-pub(crate) fn replies_fence_config(settings: &Settings) -> stream::Config {
+pub fn replies_fence_config(settings: &Settings) -> stream::Config {
     let subjects = &settings.subjects;
     fence_config(
         subjects.replies_fence_stream(),
@@ -47,7 +47,7 @@ pub(crate) fn replies_fence_config(settings: &Settings) -> stream::Config {
 
 /// How a fence is brought to its config, given the storage of the one there (pure).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FenceStep {
+pub enum FenceStep {
     /// None there, or one on the wanted storage: create it, or update it in place.
     CreateOrUpdate,
     /// One on other storage (a memory fence of an earlier release), which an update
@@ -55,10 +55,7 @@ pub(crate) enum FenceStep {
     Move,
 }
 
-pub(crate) fn fence_step(
-    found: Option<stream::StorageType>,
-    wanted: stream::StorageType,
-) -> FenceStep {
+pub fn fence_step(found: Option<stream::StorageType>, wanted: stream::StorageType) -> FenceStep {
     match found {
         Some(storage) if storage != wanted => FenceStep::Move,
         _ => FenceStep::CreateOrUpdate,
@@ -71,7 +68,7 @@ pub(crate) fn fence_step(
 /// adds the fence's subject to that stream, so the fence's creation then fails (10065),
 /// provisioning fails and its retry migrates the stream again and makes the fence: the
 /// gap cannot undo a migration for longer than that retry.
-pub(crate) async fn make_fence(
+pub async fn make_fence(
     js: &jetstream::Context,
     fence: stream::Config,
 ) -> Result<(), ProvisionError> {
@@ -85,7 +82,7 @@ pub(crate) async fn make_fence(
         match js.delete_stream(&name).await {
             Ok(_) => {}
             // Another instance moved it first.
-            Err(e) if crate::jetstream::state::is_stream_not_found(&e.kind()) => {}
+            Err(e) if crate::state::is_stream_not_found(&e.kind()) => {}
             Err(e) => return Err(provision_error(what(), e)),
         }
     }

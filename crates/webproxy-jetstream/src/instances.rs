@@ -12,16 +12,16 @@ use serde::{Deserialize, Serialize};
 use tracing::debug;
 use webproxy_config::settings::Settings;
 
-use crate::jetstream::state::Bucket;
+use crate::state::Bucket;
 
-pub(crate) use crate::jetstream::state::INSTANCES_TTL as TTL;
+pub use crate::state::INSTANCES_TTL as TTL;
 
 /// The key of the lease of the pool consumers' settings; its value is the holder's
 /// instance id. Instance ids have no dot, so it is never one.
-pub(crate) const POOL_CONSUMERS_LEASE: &str = "lease.pool-consumers";
+pub const POOL_CONSUMERS_LEASE: &str = "lease.pool-consumers";
 
 /// The bucket, as `state.rs` declares it: history 1, every value kept [`TTL`].
-pub(crate) fn bucket_config(settings: &Settings) -> kv::Config {
+pub fn bucket_config(settings: &Settings) -> kv::Config {
     Bucket::Instances
         .spec(&settings.subjects, &settings.streams)
         .kv_config()
@@ -65,14 +65,14 @@ impl InstanceReport {
     }
 
     /// The `ack_wait` it paces from, when it says.
-    pub(crate) fn pacing_ack_wait(&self) -> Option<Duration> {
+    pub fn pacing_ack_wait(&self) -> Option<Duration> {
         self.pacing_ack_wait_ms.map(Duration::from_millis)
     }
 }
 
 /// The live instances' reports in `store`, by id: an instance whose heartbeat expired
 /// is gone from the bucket, and so from here.
-pub(crate) async fn reports(store: &kv::Store) -> Result<Vec<InstanceReport>, String> {
+pub async fn reports(store: &kv::Store) -> Result<Vec<InstanceReport>, String> {
     let keys: Vec<String> = store
         .keys()
         .await
@@ -105,7 +105,7 @@ pub(crate) async fn reports(store: &kv::Store) -> Result<Vec<InstanceReport>, St
 
 /// This process's id in the bucket: the host name (a pod's name) and the process id,
 /// in the characters a KV key allows, and never a dot.
-pub(crate) fn instance_id() -> String {
+pub fn instance_id() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
     let host: String = host
         .chars()

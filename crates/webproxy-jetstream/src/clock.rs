@@ -26,11 +26,11 @@ use tracing::{info, warn};
 /// How far this pod's clock may stray from the server's before decisions stop
 /// trusting it: a second, far beyond what NTP leaves and far below any `queue_timeout`,
 /// rate window or breaker window the decisions measure.
-pub(crate) const TOLERANCE: Duration = Duration::from_secs(1);
+pub const TOLERANCE: Duration = Duration::from_secs(1);
 
 /// A skew beyond the tolerance is logged when found, then at most this often while it
 /// lasts, not once per message.
-pub(crate) const WARN_EVERY: Duration = Duration::from_secs(600);
+pub const WARN_EVERY: Duration = Duration::from_secs(600);
 
 /// How many recent samples the estimate chooses from: with the gauges read every 5 s,
 /// about 40 s of one pool's, so a stepped clock is followed within that.
@@ -39,10 +39,10 @@ const KEPT_SAMPLES: usize = 8;
 /// One reading of the server's clock: this pod's clock when the request was sent and
 /// when its answer came, and the server's time in the answer, all Unix microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Sample {
-    pub(crate) sent_us: i64,
-    pub(crate) received_us: i64,
-    pub(crate) server_us: i64,
+pub struct Sample {
+    pub sent_us: i64,
+    pub received_us: i64,
+    pub server_us: i64,
 }
 
 impl Sample {
@@ -61,14 +61,14 @@ impl Sample {
 /// How far this pod's clock runs ahead of the server's (negative: behind), and how
 /// wrong that may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Skew {
-    pub(crate) ahead_us: i64,
-    pub(crate) error_us: i64,
+pub struct Skew {
+    pub ahead_us: i64,
+    pub error_us: i64,
 }
 
 impl Skew {
     /// Whether the skew is beyond `tolerance` even at its smallest.
-    pub(crate) fn beyond(&self, tolerance: Duration) -> bool {
+    pub fn beyond(&self, tolerance: Duration) -> bool {
         let tolerance = i64::try_from(tolerance.as_micros()).unwrap_or(i64::MAX);
         self.ahead_us.saturating_abs().saturating_sub(self.error_us) > tolerance
     }
@@ -77,19 +77,19 @@ impl Skew {
 /// The skew from the recent samples: the one with the shortest round trip, the least
 /// disturbed by a slow server or network (as NTP's clock filter chooses).
 #[derive(Debug, Default)]
-pub(crate) struct SkewEstimator {
+pub struct SkewEstimator {
     recent: VecDeque<Sample>,
 }
 
 impl SkewEstimator {
-    pub(crate) const fn new() -> SkewEstimator {
+    pub const fn new() -> SkewEstimator {
         SkewEstimator {
             recent: VecDeque::new(),
         }
     }
 
     /// Adds `sample`, forgetting the oldest beyond [`KEPT_SAMPLES`]; the estimate now.
-    pub(crate) fn add(&mut self, sample: Sample) -> Skew {
+    pub fn add(&mut self, sample: Sample) -> Skew {
         if self.recent.len() == KEPT_SAMPLES {
             self.recent.pop_front();
         }
@@ -98,7 +98,7 @@ impl SkewEstimator {
     }
 
     /// The estimate, if any sample was taken.
-    pub(crate) fn estimate(&self) -> Option<Skew> {
+    pub fn estimate(&self) -> Option<Skew> {
         self.recent
             .iter()
             .map(Sample::skew)
@@ -108,7 +108,7 @@ impl SkewEstimator {
 
 /// What decisions subtract from this pod's clock to read the server's: the skew when it
 /// is beyond `tolerance`, else nothing (within it, this pod's clock is trusted).
-pub(crate) fn correction(skew: Skew, tolerance: Duration) -> i64 {
+pub fn correction(skew: Skew, tolerance: Duration) -> i64 {
     if skew.beyond(tolerance) {
         skew.ahead_us
     } else {
@@ -138,18 +138,18 @@ static CLOCK: Clock = Clock {
 
 /// "Now" for every decision: this pod's clock, or the server's time as estimated when
 /// this pod's clock strays beyond [`TOLERANCE`].
-pub(crate) fn now() -> SystemTime {
+pub fn now() -> SystemTime {
     shift(local(), -CLOCK.correction_us.load(Ordering::Relaxed))
 }
 
 /// [`now`] as an `OffsetDateTime`, for the pools' state.
-pub(crate) fn now_utc() -> OffsetDateTime {
+pub fn now_utc() -> OffsetDateTime {
     OffsetDateTime::from(now())
 }
 
 /// This pod's own clock: the system's, moved by `WEBPROXY_TEST_CLOCK_OFFSET` in test
 /// builds (`test-hooks`). Only the skew's samples read it.
-pub(crate) fn local() -> SystemTime {
+pub fn local() -> SystemTime {
     shift(SystemTime::now(), test_clock_offset_us())
 }
 
@@ -186,7 +186,7 @@ fn test_clock_offset_us() -> i64 {
 }
 
 /// Microseconds since the Unix epoch (negative before it).
-pub(crate) fn unix_us(time: SystemTime) -> i64 {
+pub fn unix_us(time: SystemTime) -> i64 {
     match time.duration_since(UNIX_EPOCH) {
         Ok(after) => i64::try_from(after.as_micros()).unwrap_or(i64::MAX),
         Err(before) => -i64::try_from(before.duration().as_micros()).unwrap_or(i64::MAX),
@@ -207,7 +207,7 @@ fn shift(time: SystemTime, us: i64) -> SystemTime {
 /// Takes one reading of the server's clock into the estimate: the gauge follows it,
 /// decisions switch to the server's time while the skew is beyond the tolerance, and a
 /// change across the tolerance is logged.
-pub(crate) fn observe(sample: Sample) {
+pub fn observe(sample: Sample) {
     let skew = CLOCK
         .estimator
         .lock()
@@ -240,7 +240,7 @@ pub(crate) fn observe(sample: Sample) {
 }
 
 /// The latest skew in seconds (this pod's clock ahead of the server's), once measured.
-pub(crate) fn skew_seconds() -> Option<f64> {
+pub fn skew_seconds() -> Option<f64> {
     CLOCK
         .measured
         .load(Ordering::Relaxed)

@@ -93,16 +93,16 @@ impl Backoff {
 /// Pulling (the pull loop, the parked retries' consumer) and following a bucket (a lost
 /// watch made again): after failures or quick empty pulls in a row, 100 ms more per
 /// failure, at most 2 s, forever; until shutdown.
-pub(crate) const PULL_BACKOFF: Backoff =
+pub const PULL_BACKOFF: Backoff =
     Backoff::linear(Duration::from_millis(100), Duration::from_secs(2));
 
 /// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
 /// doubling to at most 5 s, forever; until a signal.
-pub(crate) const START_BACKOFF: Backoff =
+pub const START_BACKOFF: Backoff =
     Backoff::doubling(Duration::from_millis(200), Duration::from_secs(5));
 
 /// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (provisioning and migrating
-/// at start, the configuration bucket's reads at start, `crate::jetstream::config_store`); `None` when
+/// at start, the configuration bucket's reads at start, `crate::config_store`); `None` when
 /// `shutdown` is cancelled first.
 ///
 /// A failure unlike the one before is progress, and the backoff starts again: two
@@ -110,7 +110,7 @@ pub(crate) const START_BACKOFF: Backoff =
 /// equal creates in flight one was seen answered late or not at all (10 s did not
 /// do), so each step of provisioning can time out once and then find its stream made. A backoff that grew over those
 /// steps took a start past 30 s.
-pub(crate) async fn retry_until_done<T, E, F, Fut>(
+pub async fn retry_until_done<T, E, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
     mut step: F,

@@ -5,10 +5,10 @@ use super::*;
 
 /// The most parked retries a pool holds at once; a parked retry waiting out its delay
 /// holds one of these, never a slot of the pool's concurrency limit.
-pub(crate) const MAX_PARKED: i64 = 100_000;
+pub const MAX_PARKED: i64 = 100_000;
 
 /// The durable pull consumer of one pool's retry subject.
-pub(crate) fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull::Config {
+pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull::Config {
     let subjects = &settings.subjects;
     consumer::pull::Config {
         durable_name: Some(subjects.retry_consumer(pool)),
@@ -26,19 +26,16 @@ pub(crate) fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer
 }
 
 /// A pool's two consumers.
-pub(crate) struct PoolConsumers {
-    pub(crate) pool: String,
+pub struct PoolConsumers {
+    pub pool: String,
     /// The request subject: `max_ack_pending` is the concurrency limit.
-    pub(crate) work: consumer::PullConsumer,
+    pub work: consumer::PullConsumer,
     /// The retry subject: parked retries waiting to be due.
-    pub(crate) parked: consumer::PullConsumer,
+    pub parked: consumer::PullConsumer,
 }
 
 /// Deletes a consumer; one that is gone already is fine.
-pub(crate) async fn delete_consumer(
-    stream: &stream::Stream,
-    name: &str,
-) -> Result<(), ProvisionError> {
+pub async fn delete_consumer(stream: &stream::Stream, name: &str) -> Result<(), ProvisionError> {
     match stream.delete_consumer(name).await {
         Ok(_) => {
             info!(consumer = name, "deleted a consumer of the older layout");
@@ -50,7 +47,7 @@ pub(crate) async fn delete_consumer(
 }
 
 /// The consumer asked for does not exist.
-pub(crate) fn consumer_missing(e: &stream::ConsumerError) -> bool {
+pub fn consumer_missing(e: &stream::ConsumerError) -> bool {
     matches!(
         e.kind(),
         stream::ConsumerErrorKind::JetStream(ref js)
@@ -60,7 +57,7 @@ pub(crate) fn consumer_missing(e: &stream::ConsumerError) -> bool {
 
 /// The consumer `name` on `stream`, or `None` when the API answers that it does not
 /// exist (10014); any other failure (a timeout, no responders) is an error.
-pub(crate) async fn existing_consumer(
+pub async fn existing_consumer(
     stream: &stream::Stream,
     name: &str,
 ) -> Result<Option<consumer::PullConsumer>, async_nats::Error> {

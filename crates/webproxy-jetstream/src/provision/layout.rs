@@ -12,18 +12,18 @@ use super::*;
 /// and one dead-letter stream shared by every pool (and consumers named `-l2`); layout
 /// 1 (webproxy before the conversation core) had one retry subject per pool and stored
 /// every reply.
-pub(crate) const LAYOUT: u32 = 3;
+pub const LAYOUT: u32 = 3;
 
 /// The metadata key holding a stream's or consumer's layout; absent means layout 1.
-pub(crate) const LAYOUT_KEY: &str = "webproxy.layout";
+pub const LAYOUT_KEY: &str = "webproxy.layout";
 
 /// The metadata key `webproxy pools remove` sets to `"true"` before it deletes a pool,
 /// so that no instance recreates what it is taking away.
-pub(crate) const REMOVING_KEY: &str = "removing";
+pub const REMOVING_KEY: &str = "removing";
 
 /// The layout recorded in `metadata`: absent is layout 1, the one before layouts were
 /// recorded; `None` when the value is no layout number.
-pub(crate) fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
+pub fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
     match metadata.get(LAYOUT_KEY) {
         None => Some(1),
         Some(value) => value.trim().parse().ok(),
@@ -31,7 +31,7 @@ pub(crate) fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
 }
 
 /// Whether `webproxy pools remove` has marked the stream for removal.
-pub(crate) fn marked_removing(metadata: &HashMap<String, String>) -> bool {
+pub fn marked_removing(metadata: &HashMap<String, String>) -> bool {
     metadata.get(REMOVING_KEY).is_some_and(|v| v == "true")
 }
 
@@ -82,7 +82,7 @@ pub async fn mark_removing(
 
 /// `existing` metadata with this instance's layout recorded; every other key (the
 /// server's own `_nats.*`, an operator's) is kept.
-pub(crate) fn with_layout(existing: &HashMap<String, String>) -> HashMap<String, String> {
+pub fn with_layout(existing: &HashMap<String, String>) -> HashMap<String, String> {
     let mut metadata = existing.clone();
     metadata.insert(LAYOUT_KEY.to_string(), LAYOUT.to_string());
     metadata
@@ -90,7 +90,7 @@ pub(crate) fn with_layout(existing: &HashMap<String, String>) -> HashMap<String,
 
 /// Why an instance leaves a stream alone.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub(crate) enum LayoutRefusal {
+pub enum LayoutRefusal {
     /// A newer webproxy made it (or its layout cannot be read): migrating it back
     /// would break that version's instances.
     #[error(
@@ -112,14 +112,14 @@ pub(crate) enum LayoutRefusal {
 
 impl LayoutRefusal {
     /// The stream is gone or going: `pools remove` took the pool away.
-    pub(crate) fn is_removal(&self) -> bool {
+    pub fn is_removal(&self) -> bool {
         matches!(self, LayoutRefusal::Removing | LayoutRefusal::Missing)
     }
 }
 
 /// What provisioning does with an existing stream, given its metadata (pure).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Examined {
+pub enum Examined {
     /// This instance's layout: update it in place.
     Current,
     /// An older layout: fence its instances out, then update it.
@@ -129,7 +129,7 @@ pub(crate) enum Examined {
 }
 
 /// Decides what to do with an existing stream from its metadata (pure).
-pub(crate) fn examine(metadata: &HashMap<String, String>) -> Examined {
+pub fn examine(metadata: &HashMap<String, String>) -> Examined {
     if marked_removing(metadata) {
         return Examined::Refuse(LayoutRefusal::Removing);
     }
@@ -146,10 +146,10 @@ pub(crate) fn examine(metadata: &HashMap<String, String>) -> Examined {
 /// The oldest server webproxy runs against: it needs multi-filter consumers, create
 /// actions and TERM with a reason (2.10), and consumer pause (2.11), which the pool
 /// consumers' owner keeps across updates.
-pub(crate) const MIN_SERVER_VERSION: (u64, u64) = (2, 11);
+pub const MIN_SERVER_VERSION: (u64, u64) = (2, 11);
 
 /// Whether a server version string (`"2.11.4"`, `"v2.15.1"`) is new enough.
-pub(crate) fn server_version_supported(version: &str) -> bool {
+pub fn server_version_supported(version: &str) -> bool {
     let mut parts = version
         .trim_start_matches('v')
         .split(['.', '-'])
@@ -163,7 +163,7 @@ pub(crate) fn server_version_supported(version: &str) -> bool {
 /// What becomes of layout 2's shared replies or dead-letter stream (pure), given its
 /// subjects and metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Retirement {
+pub enum Retirement {
     /// Retired already (it captures only `retired`): nothing to do.
     Done,
     /// Take its subjects away: they become `retired`, and its layout this one's.
@@ -172,7 +172,7 @@ pub(crate) enum Retirement {
     Refuse(LayoutRefusal),
 }
 
-pub(crate) fn retirement(
+pub fn retirement(
     subjects: &[String],
     metadata: &HashMap<String, String>,
     retired: &str,
@@ -194,7 +194,7 @@ pub(crate) fn retirement(
 /// subjects that now overlap the pools' streams and fails with err_code 10065: either
 /// way it stays not ready. A missing stream is fine: a deployment that began at
 /// layout 3 never had one.
-pub(crate) async fn retire_shared_stream(
+pub async fn retire_shared_stream(
     js: &jetstream::Context,
     name: &str,
     retired: String,

@@ -18,11 +18,11 @@ use thiserror::Error;
 use tracing::{error, info, warn};
 use webproxy_config::settings::{PoolConfig, Settings};
 
-use crate::jetstream::state::Bucket;
+use crate::state::Bucket;
 
 // One file per thing provisioned. They share this module's imports and one another's
 // items through `use super::*`, and what the rest of the crate names is re-exported here,
-// so `crate::jetstream::provision::X` stays the one path.
+// so `crate::provision::X` stays the one path.
 mod buckets;
 mod consumers;
 mod fences;
@@ -31,27 +31,27 @@ mod streams;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use buckets::*;
-pub(crate) use consumers::*;
-pub(crate) use fences::*;
+pub use buckets::*;
+pub use consumers::*;
+pub use fences::*;
 pub use layout::mark_removing;
-pub(crate) use layout::*;
-pub(crate) use streams::*;
+pub use layout::*;
+pub use streams::*;
 
 /// Provisioning failed; the message names the stream or consumer, and what to change
 /// when the server has no room for it.
 #[derive(Debug, Error)]
 #[error("cannot provision {what}: {source}{}", no_room_hint(source))]
-pub(crate) struct ProvisionError {
-    pub(crate) what: String,
+pub struct ProvisionError {
+    pub what: String,
     #[source]
-    pub(crate) source: async_nats::Error,
+    pub source: async_nats::Error,
 }
 
 impl ProvisionError {
     /// Why provisioning declined to touch the stream, when it did: retrying is then
     /// pointless until an operator (or a newer instance) changes the stream.
-    pub(crate) fn refusal(&self) -> Option<&LayoutRefusal> {
+    pub fn refusal(&self) -> Option<&LayoutRefusal> {
         self.source.downcast_ref()
     }
 }
@@ -75,14 +75,14 @@ fn no_room_hint(source: &async_nats::Error) -> &'static str {
     }
 }
 
-pub(crate) fn refused(what: String, refusal: LayoutRefusal) -> ProvisionError {
+pub fn refused(what: String, refusal: LayoutRefusal) -> ProvisionError {
     ProvisionError {
         what,
         source: Box::new(refusal),
     }
 }
 
-pub(crate) fn provision_error(
+pub fn provision_error(
     what: impl Into<String>,
     source: impl Into<async_nats::Error>,
 ) -> ProvisionError {
@@ -93,7 +93,7 @@ pub(crate) fn provision_error(
 }
 
 /// Creates or updates `pool`'s own replies and dead-letter streams.
-pub(crate) async fn provision_endings(
+pub async fn provision_endings(
     js: &jetstream::Context,
     settings: &Settings,
     pool: &str,

@@ -66,16 +66,16 @@ const MIB: i64 = 1024 * 1024;
 /// How long `<PREFIX>_INSTANCES` keeps a value: an instance's heartbeat (every 5 s)
 /// and the lease holder's renewals are written well within it, so one late write does
 /// not make a live instance vanish or lose its lease.
-pub(crate) const INSTANCES_TTL: Duration = Duration::from_secs(20);
+pub const INSTANCES_TTL: Duration = Duration::from_secs(20);
 
 /// Revisions the configuration bucket keeps: what `config history`, `show
 /// --revision` and `rollback` can reach (JetStream's most).
-pub(crate) const CONFIG_HISTORY: i64 = 64;
+pub const CONFIG_HISTORY: i64 = 64;
 
 /// How long a settled progress record's purge marker stays: long enough for a
 /// redelivery racing the settle to read "deleted", short enough that markers do not
 /// pile up (at 100 settles a second, a minute's worth is 6000 small markers).
-pub(crate) const PROGRESS_MARKER_TTL: Duration = Duration::from_secs(60);
+pub const PROGRESS_MARKER_TTL: Duration = Duration::from_secs(60);
 
 impl Bucket {
     /// Every bucket, for the gauges and the docs' table.
@@ -255,7 +255,7 @@ pub fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
 
 /// Whether opening a bucket failed because its stream does not exist (10059): the
 /// stream lookup is the error's source.
-pub(crate) fn is_bucket_not_found(e: &KeyValueError) -> bool {
+pub fn is_bucket_not_found(e: &KeyValueError) -> bool {
     use std::error::Error as _;
     e.source()
         .and_then(|source| source.downcast_ref::<GetStreamError>())
@@ -292,7 +292,7 @@ impl StateBucket {
     /// message is at `expected` (0: it has none), expiring after `ttl` (whole seconds,
     /// at least one). async-nats has no update with a TTL. Returns the new revision.
     /// `Ok(None)`: the key had moved on (err_code 10071).
-    pub(crate) async fn put_expecting(
+    pub async fn put_expecting(
         &self,
         store: &kv::Store,
         key: &str,
@@ -444,11 +444,11 @@ pub struct BucketUse {
 /// From this share of its bound a bucket is nearly full: the service is not ready
 /// until it falls below [`NO_LONGER_FULL`]. A discard-new bucket refuses writes at its
 /// bound, so the operator is told while the last tenth still takes writes.
-pub(crate) const NEARLY_FULL: f64 = 0.90;
+pub const NEARLY_FULL: f64 = 0.90;
 
 /// Below this share a nearly full bucket is no longer so: the gap keeps a bucket that
 /// hovers at the threshold from flapping the service's readiness at every refresh.
-pub(crate) const NO_LONGER_FULL: f64 = 0.85;
+pub const NO_LONGER_FULL: f64 = 0.85;
 
 impl BucketUse {
     /// The share of its bound the bucket holds: 0 for a bucket without a bound, which

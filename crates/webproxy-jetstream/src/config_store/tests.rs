@@ -50,7 +50,7 @@ mod seeding {
             let kv = js
                 .create_key_value(kv::Config {
                     bucket: format!("SEED{round}"),
-                    history: crate::jetstream::state::CONFIG_HISTORY,
+                    history: crate::state::CONFIG_HISTORY,
                     ..Default::default()
                 })
                 .await
