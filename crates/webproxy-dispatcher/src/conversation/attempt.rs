@@ -1,130 +1,79 @@
-//! The attempt: one call of the upstream through the worker, made only by the server's
-//! current delivery, and its verdict turned into an ending (the reply, or a park).
+//! The attempt: one call of the upstream through the worker, lent the rules and the
+//! secrets (`egress`), made only by the server's current delivery.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use async_nats::jetstream::AckKind;
 use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
-use tracing::{Instrument as _, Span, debug, field, info_span};
-use webproxy_config::rules::{IDEMPOTENCY_KEY, RequestRule};
+use tracing::{Instrument as _, debug, field, info_span};
+use webproxy_config::rules::RequestRule;
+use webproxy_jetstream::clock;
 use webproxy_protocol::{AttemptRecord, Request};
 use webproxy_worker::{AttemptOutcome, ChainRequest};
 
-use super::Revision;
+use super::before::Go;
 use super::ending::Ending;
-use super::{Conversation, Underway};
+use super::{Conversation, Revision, Underway};
 use crate::conversation::egress::RulePolicy;
 use crate::conversation::hop::millis;
-use crate::conversation::outbox::{error_reply, response_reply};
-use crate::conversation::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 use crate::observability::trace;
-use crate::pool::outcome::AttemptEnded;
-use webproxy_jetstream::clock;
 
 const STALE_BEFORE_ATTEMPT: &str =
     "no confirmed progress within the ack wait before the attempt: not attempted";
 const STALE_DURING_ATTEMPT: &str =
     "no confirmed progress within the ack wait during the attempt: the call was given up";
 
-/// Makes the attempt and turns its verdict into an ending: the reply, or a park.
-pub(crate) async fn attempt_and_judge<'a>(
-    shared: &'a Revision,
-    request: &Request,
-    rule: &'a RequestRule,
+/// Calls the upstream as `go` says, if this delivery is still the server's current one:
+/// what the call came to, or the ending of a delivery that went stale before or during
+/// it.
+pub(crate) async fn attempt(
+    shared: &Revision,
+    go: &Go<'_>,
     conversation: &Conversation<'_>,
-    underway: &mut Underway<'a>,
-    probe: bool,
-) -> Ending {
+    underway: &Underway<'_>,
+) -> Result<Attempted, Ending> {
     // Only the server's current delivery calls the upstream: a stale one's message may
     // already run in another handler, in the slot this one held. The margin between
     // stale and the server's redelivery is what lets a call given up here end first.
     let liveness = conversation.liveness;
     if !liveness.is_current() {
-        return Ending::AwaitRedelivery {
+        return Err(Ending::AwaitRedelivery {
             reason: STALE_BEFORE_ATTEMPT.into(),
-        };
+        });
     }
     debug!(id = %conversation.raw_id, pool = conversation.pool, origin = %conversation.state.origin, "attempting");
-    let attempted = tokio::select! {
-        attempted = Box::pin(attempt(shared, request, rule, conversation, underway.attempts.count() + 1)) => Some(attempted),
-        () = liveness.stale() => None,
-    };
-    let Some((outcome, record)) = attempted else {
-        return Ending::AwaitRedelivery {
+    tokio::select! {
+        attempted = Box::pin(call(shared, go.request, go.rule, conversation, underway.attempts.count() + 1)) => Ok(attempted),
+        () = liveness.stale() => Err(Ending::AwaitRedelivery {
             reason: STALE_DURING_ATTEMPT.into(),
-        };
-    };
-    shared
-        .pool_control
-        .attempt_ended(
-            shared.settings.cluster.pools.get(&rule.pool),
-            AttemptEnded {
-                rule,
-                timeout: attempt_timeout(request, rule),
-                outcome: &outcome,
-                duration_ms: record.as_ref().map(|record| record.duration_ms),
-                probe,
-                pause: pool_pause(rule, &outcome, clock::now()),
-            },
-        )
-        .await;
-    if let Some(record) = record {
-        underway.attempts.push(record);
+        }),
     }
-    let deadline = request.deadline.map(SystemTime::from);
-    let context = AttemptContext {
-        rule,
-        method: request.method,
-        has_idempotency_key: rule.idempotency_header.is_some()
-            || request
-                .headers
-                .iter()
-                .any(|(name, _)| name.eq_ignore_ascii_case(IDEMPOTENCY_KEY)),
-        attempt: underway.attempts.count(),
-        now: clock::now(),
-        deadline,
-        jitter_unit: fastrand::f64() * 2.0 - 1.0,
-    };
-    let max_payload = shared.outlet.max_payload;
-    let reply = match verdict_for(outcome, &context) {
-        Verdict::Respond(response) => {
-            response_reply(&conversation.context(underway, max_payload), &response)
-        }
-        Verdict::Fail(error) => error_reply(&conversation.context(underway, max_payload), error),
-        Verdict::Retry { after, last } => {
-            debug!(id = %conversation.raw_id, pool = conversation.pool, after_ms = millis(after), last = %last.description, "parking for a retry");
-            Span::current().record("backoff_ms", trace::as_i64(millis(after)));
-            return Ending::park(
-                conversation
-                    .state
-                    .next(underway.attempts.clone(), Some(clock::now() + after)),
-                conversation.pool,
-            );
-        }
-    };
-    Ending::Reply {
-        reply,
-        ack: AckKind::Ack,
-    }
+}
+
+/// What one call of the upstream came to: its outcome, and its record when a
+/// connection was made (a destination refused before any was never attempted).
+#[derive(Debug)]
+pub(crate) struct Attempted {
+    pub(crate) outcome: AttemptOutcome,
+    pub(crate) record: Option<AttemptRecord>,
 }
 
 /// How long an attempt of `request` under `rule` may take: the rule's timeout, or the
 /// caller's `timeout_ms` when that is shorter.
-fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
+pub(crate) fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
     request
         .timeout
         .map_or(rule.timeout, |t| t.min(rule.timeout))
 }
 
 /// Runs one attempt (the delivery's progress task keeps the message meanwhile).
-async fn attempt(
+async fn call(
     shared: &Revision,
     request: &Request,
     rule: &RequestRule,
     conversation: &Conversation<'_>,
     number: u32,
-) -> (AttemptOutcome, Option<AttemptRecord>) {
+) -> Attempted {
     let span = info_span!(
         "attempt",
         otel.name = %format_args!("{} {}", request.method, request.url.host_str().unwrap_or("")),
@@ -196,7 +145,10 @@ async fn attempt(
         if let Some(failure) = outcome.failure() {
             span.record("failure", failure.as_str());
         }
-        return (outcome, None);
+        return Attempted {
+            outcome,
+            record: None,
+        };
     };
     match (record.status, &record.failure) {
         (Some(status), _) => span.record("http.response.status_code", i64::from(status)),
@@ -210,5 +162,8 @@ async fn attempt(
         outcome.class(),
         Duration::from_millis(record.duration_ms),
     );
-    (outcome, Some(record))
+    Attempted {
+        outcome,
+        record: Some(record),
+    }
 }

@@ -12,7 +12,7 @@ use webproxy_config::security::{AddressGuard, Outbound};
 use webproxy_protocol::{ErrorCode, Method};
 use webproxy_worker::{Denial, GuardPolicy, Leg, LegPolicy};
 
-use crate::conversation::target::target;
+use crate::conversation::plan::target;
 
 /// What a chain's legs are decided on.
 #[derive(Debug, Clone, Copy)]

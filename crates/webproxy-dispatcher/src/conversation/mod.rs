@@ -10,8 +10,10 @@
 //! conversation whose origin is its own stream sequence, whatever `Webproxy-*` headers
 //! it carries; only the service's own hop and retry subjects carry hop state.
 
+pub(crate) mod after;
 pub(crate) mod attempt;
 pub(crate) mod attempt_claim;
+pub(crate) mod before;
 pub(crate) mod dead_letter;
 pub(crate) mod delivery;
 pub(crate) mod egress;
@@ -27,7 +29,6 @@ pub(crate) mod publish;
 pub(crate) mod replay;
 pub(crate) mod settle;
 pub(crate) mod stored_reply;
-pub(crate) mod target;
 #[cfg(test)]
 pub(crate) mod tests;
 pub(crate) mod unattempted;

@@ -1,18 +1,21 @@
-//! The plan for one delivery, decided by pure code before anything is attempted:
-//! poison, a payload that is no request, admission by the rules, the request limits,
-//! expiry, and a move to the rule's pool, in that order. The handler carries it out.
+//! Every decision before an attempt, made by pure code: the plan for one delivery
+//! (poison, a payload that is no request, admission by the rules, the request limits,
+//! expiry, and a move to the rule's pool, in that order), which `before` carries out;
+//! and which rule a request goes under, `admit` for the request as the caller sent it,
+//! `target` for it and every redirect leg (an accepting rule's origin and path
+//! parameters included), which `egress` asks for each leg. Unit-tested without a
+//! server.
 
 use std::time::{Duration, SystemTime};
 
 use webproxy_config::human;
-use webproxy_config::rules::RequestRule;
+use webproxy_config::rules::{RequestRule, RequestRules, RuleAction};
 use webproxy_config::security::Outbound;
 use webproxy_config::settings::Settings;
-use webproxy_protocol::{ErrorBody, ErrorCode, ParseError, Request};
+use webproxy_protocol::{ErrorBody, ErrorCode, Method, ParseError, Request};
 
 use crate::conversation::hop::MAX_HOP_HEADER_BYTES;
 use crate::conversation::outbox::{HEADER_ALLOWANCE, invalid_request};
-use crate::conversation::target::{Admission, admit};
 
 /// Everything the plan depends on: the settings (whose rules the plan names, for
 /// `'r`) and the delivery (for `'d`).
@@ -235,264 +238,91 @@ pub(crate) fn expiry(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use webproxy_config::testing::settings_from;
-    use webproxy_protocol::{Subjects, parse_request};
+/// Whether a parsed request may be attempted.
+#[derive(Debug)]
+pub(crate) enum Admission<'r> {
+    /// Answer with this error at once; no attempt is made.
+    Reject {
+        error: ErrorBody,
+        /// The rule that matched, if one did.
+        rule: Option<&'r RequestRule>,
+    },
+    /// Attempt under this rule.
+    Attempt(&'r RequestRule),
+}
 
-    use super::*;
-
-    fn settings() -> Settings {
-        let toml = r#"
-            [pools.slow]
-            max_in_flight = 1
-            queue_timeout = "10s"
-
-            [[request_rules]]
-            name = "denied"
-            method = "*"
-            url_pattern = '^https://a\.test/admin/'
-            action = "deny"
-
-            [[request_rules]]
-            name = "slow"
-            method = "*"
-            url_pattern = '^https://slow\.test/'
-            action = "accept"
-            pool = "slow"
-
-            [[request_rules]]
-            name = "a"
-            method = "*"
-            url_pattern = '^https://a\.test/'
-            action = "accept"
-        "#;
-        webproxy_config::testing::settings_from(toml).expect("valid config")
-    }
-
-    fn parsed(json: &str) -> Result<Request, ParseError> {
-        parse_request(
-            json.as_bytes(),
-            &Subjects::new("webproxy").expect("prefix"),
-            None,
-        )
-    }
-
-    fn input<'a>(
-        settings: &'a Settings,
-        parsed: &'a Result<Request, ParseError>,
-        pool: &'a str,
-    ) -> PlanInput<'a, 'a> {
-        let now = SystemTime::now();
-        PlanInput {
-            settings,
-            pool,
-            delivered: 1,
-            parsed,
-            payload_len: 100,
-            max_payload: 1024 * 1024,
-            now,
-            since: now - Duration::from_secs(1),
-            first_attempt: true,
-        }
-    }
-
-    fn rejected(plan: Plan<'_>) -> ErrorBody {
-        match plan {
-            Plan::Reject { error, .. } => error,
-            other => panic!("expected a rejection, got {other:?}"),
-        }
-    }
-
-    const GET_A: &str = r#"{"id":"x","method":"GET","url":"https://a.test/x"}"#;
-
-    #[test]
-    fn an_accepted_request_in_its_pool_is_attempted() {
-        let settings = settings();
-        let parsed = parsed(GET_A);
-        match plan(&input(&settings, &parsed, "default")) {
-            Plan::Attempt { rule, queue_wait } => {
-                assert_eq!(rule.name, "a");
-                assert!(queue_wait.is_some_and(|w| w >= Duration::from_secs(1)));
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn poison_comes_before_everything_else() {
-        let settings = settings();
-        let parsed = parsed("not json");
-        let mut input = input(&settings, &parsed, "default");
-        input.delivered = 6;
-        match plan(&input) {
-            Plan::Poison(error) => {
-                assert_eq!(error.code, ErrorCode::Internal);
-                assert!(
-                    error.message.contains("max_deliver = 5"),
-                    "{}",
-                    error.message
-                );
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn undecodable_and_invalid_payloads() {
-        let settings = settings();
-        let garbage = parsed("[1]");
-        assert!(matches!(
-            plan(&input(&settings, &garbage, "default")),
-            Plan::Undecodable(_)
-        ));
-        let invalid = parsed(r#"{"id":"x","method":"BREW","url":"https://a.test/"}"#);
-        let error = rejected(plan(&input(&settings, &invalid, "default")));
-        assert_eq!(error.code, ErrorCode::InvalidRequest);
-        assert!(error.message.contains("`method`"), "{}", error.message);
-    }
-
-    #[test]
-    fn an_envelope_too_large_for_its_hops_is_invalid() {
-        let settings = settings();
-        let parsed = parsed(GET_A);
-        let mut input = input(&settings, &parsed, "default");
-        input.payload_len = max_envelope_bytes(input.max_payload) + 1;
-        let error = rejected(plan(&input));
-        assert_eq!(error.code, ErrorCode::InvalidRequest);
-        assert!(error.message.contains("max_payload"), "{}", error.message);
-    }
-
-    #[test]
-    fn denial_names_the_rule() {
-        let settings = settings();
-        let parsed = parsed(r#"{"id":"x","method":"GET","url":"https://a.test/admin/"}"#);
-        match plan(&input(&settings, &parsed, "default")) {
-            Plan::Reject { error, rule } => {
-                assert_eq!(error.code, ErrorCode::Denied);
-                assert_eq!(rule.map(|r| r.name.as_str()), Some("denied"));
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn a_request_in_the_wrong_pool_moves() {
-        let settings = settings();
-        let parsed = parsed(r#"{"id":"x","method":"GET","url":"https://slow.test/"}"#);
-        match plan(&input(&settings, &parsed, "default")) {
-            Plan::Move(rule) => assert_eq!(rule.pool, "slow"),
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(
-            plan(&input(&settings, &parsed, "slow")),
-            Plan::Attempt { .. }
-        ));
-    }
-
-    #[test]
-    fn the_queue_timeout_of_the_rules_pool_applies_to_first_attempts_only() {
-        let settings = settings();
-        let parsed = parsed(r#"{"id":"x","method":"GET","url":"https://slow.test/"}"#);
-        let mut late = input(&settings, &parsed, "default");
-        late.since = late.now - Duration::from_secs(11);
-        assert_eq!(rejected(plan(&late)).code, ErrorCode::Expired);
-        late.first_attempt = false;
-        assert!(matches!(plan(&late), Plan::Move(_)));
-    }
-
-    #[test]
-    fn a_passed_deadline_expires() {
-        let settings = settings();
-        let parsed = parsed(
-            r#"{"id":"x","method":"GET","url":"https://a.test/","deadline":"2000-01-01T00:00:00Z"}"#,
-        );
-        assert_eq!(
-            rejected(plan(&input(&settings, &parsed, "default"))).code,
-            ErrorCode::Expired
-        );
-    }
-
-    fn request(headers: &[(&str, &str)], body: &str) -> Request {
-        let headers: serde_json::Map<String, serde_json::Value> = headers
-            .iter()
-            .map(|(n, v)| (n.to_string(), serde_json::Value::String(v.to_string())))
-            .collect();
-        let json = serde_json::json!({
-            "id": "a", "method": "POST", "url": "http://h/", "headers": headers, "body": body
-        });
-        webproxy_protocol::parse_request(
-            json.to_string().as_bytes(),
-            &webproxy_protocol::Subjects::new("webproxy").expect("prefix"),
-            None,
-        )
-        .expect("valid")
-    }
-
-    fn compiled() -> Outbound {
-        let limits = "[outbound]\nmax_request_bytes = 10\nmax_headers = 2\nmax_header_bytes = 20";
-        settings_from(limits)
-            .expect("valid config")
-            .cluster
-            .outbound
-    }
-
-    #[test]
-    fn request_limits_name_the_limit() {
-        assert!(check_request(&request(&[("A", "1")], "0123456789"), &compiled()).is_ok());
-        let e = check_request(&request(&[], "0123456789x"), &compiled()).expect_err("body");
-        assert_eq!(e.code, webproxy_protocol::ErrorCode::InvalidRequest);
-        assert!(
-            e.message.contains("max_request_bytes = 10"),
-            "{}",
-            e.message
-        );
-        let e = check_request(
-            &request(&[("A", "1"), ("B", "2"), ("C", "3")], ""),
-            &compiled(),
-        )
-        .expect_err("count");
-        assert!(e.message.contains("max_headers = 2"), "{}", e.message);
-        // 9 + 12 = 21 bytes of names and values.
-        let e = check_request(&request(&[("X-Long-Na", "123456789012")], ""), &compiled())
-            .expect_err("bytes");
-        assert!(e.message.contains("max_header_bytes = 20"), "{}", e.message);
-        assert!(check_request(&request(&[("X-Long-Na", "12345678901")], ""), &compiled()).is_ok());
-    }
-
-    const T0: Duration = Duration::from_secs(1_800_000_000);
-
-    fn at(ms: u64) -> SystemTime {
-        SystemTime::UNIX_EPOCH + T0 + Duration::from_millis(ms)
-    }
-
-    #[test]
-    fn expiry_by_deadline_and_queue_timeout() {
-        assert!(expiry(at(0), None, None).is_none());
-        assert!(expiry(at(0), Some(at(1)), None).is_none());
-        let late = expiry(at(2), Some(at(1)), None).expect("expired");
-        assert_eq!(late.code, ErrorCode::Expired);
-        assert!(
-            late.message.contains("passed 1ms before"),
-            "{}",
-            late.message
-        );
-        // Decades late reads in years, not in milliseconds.
-        let ancient = expiry(at(0), Some(SystemTime::UNIX_EPOCH), None).expect("expired");
-        assert!(
-            ancient.message.contains("passed 57years"),
-            "{}",
-            ancient.message
-        );
-        let secs = Duration::from_secs;
-        assert!(expiry(at(0), None, Some((secs(29), secs(30)))).is_none());
-        let waited = expiry(at(0), None, Some((secs(31), secs(30)))).expect("expired");
-        assert!(
-            waited
-                .message
-                .contains("waited 31s in the pool's queue, longer than its queue_timeout of 30s"),
-            "{}",
-            waited.message
-        );
+/// Matches a request against the rules: no match, a deny rule, or an accept rule
+/// bound to another origin is `denied`; a path parameter the accepting rule does not
+/// allow is `invalid_request`.
+pub(crate) fn admit<'r>(request: &Request, rules: &'r RequestRules) -> Admission<'r> {
+    match target(rules, request.method, &request.url) {
+        Ok(rule) => Admission::Attempt(rule),
+        Err(refusal) => Admission::Reject {
+            error: ErrorBody {
+                code: refusal.code,
+                message: refusal.message,
+                status: None,
+            },
+            rule: refusal.rule,
+        },
     }
 }
+
+/// Why nothing may be sent to a URL.
+#[derive(Debug)]
+pub(crate) struct TargetRefusal<'r> {
+    /// `denied` (the rules refuse the destination) or `invalid_request` (the URL is
+    /// one webproxy does not send under the rule that accepts it).
+    pub(crate) code: ErrorCode,
+    pub(crate) message: String,
+    /// The rule that matched (a deny rule, an accept rule bound to another origin,
+    /// or one that does not allow the URL's path parameter), if one did.
+    pub(crate) rule: Option<&'r RequestRule>,
+}
+
+/// The rule under which `method url` may be sent, for the first hop and every
+/// redirect hop alike: the first matching rule must accept, an accept rule with
+/// an origin must name exactly the URL's scheme, host and port, and a `;` in the path
+/// needs the rule's `allow_path_parameters` (else `invalid_request`, as for a URL
+/// the envelope's parser refuses: the rule is known only here).
+pub(crate) fn target<'r>(
+    rules: &'r RequestRules,
+    method: Method,
+    url: &url::Url,
+) -> Result<&'r RequestRule, TargetRefusal<'r>> {
+    let refused = |message: String, rule| {
+        Err(TargetRefusal {
+            code: ErrorCode::Denied,
+            message,
+            rule,
+        })
+    };
+    match rules.find(method, url.as_str()) {
+        None => refused(format!("no request rule accepts {method} {url}"), None),
+        Some(rule) if rule.action == RuleAction::Deny => refused(
+            format!("request rule {:?} denies {method} {url}", rule.name),
+            Some(rule),
+        ),
+        Some(rule) => match rule.security.check_origin(url) {
+            Err(why) => refused(
+                format!(
+                    "request rule {:?} matches {method} {url} but {why}",
+                    rule.name
+                ),
+                Some(rule),
+            ),
+            // The URL is not repeated: a path parameter may carry a session id.
+            Ok(()) => match rule.security.check_path(url) {
+                Ok(()) => Ok(rule),
+                Err(why) => Err(TargetRefusal {
+                    code: ErrorCode::InvalidRequest,
+                    message: format!("request rule {:?} {why}", rule.name),
+                    rule: Some(rule),
+                }),
+            },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests;

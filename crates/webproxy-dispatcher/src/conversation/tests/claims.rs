@@ -169,12 +169,12 @@ async fn a_copy_of_the_hop_that_took_the_step_carries_on_and_another_hop_is_stal
     let now = progress.write(&taken, Some(before)).await.expect("taken");
 
     let carried =
-        crate::conversation::handle::take_step(progress, (untaken.clone(), before), step, 80).await;
+        crate::conversation::before::take_step(progress, (untaken.clone(), before), step, 80).await;
     assert!(
         matches!(carried, Ok(revision) if revision == now),
         "{carried:?}"
     );
-    let other = crate::conversation::handle::take_step(progress, (untaken, before), step, 81).await;
+    let other = crate::conversation::before::take_step(progress, (untaken, before), step, 81).await;
     assert!(
         matches!(other, Err(crate::conversation::ending::Ending::Stale)),
         "{other:?}"
