@@ -122,8 +122,8 @@ test-faults:
     cargo build --workspace --bins
     python3 scripts/fault_matrix.py --check
     {{ _nats_path }}; python3 scripts/fault_matrix.py --pairs | while read -r file test; do cargo test -p webproxy-tests --test "$file" -- --exact "$test"; done
-    # The services log each delivery's steps (webproxy_dispatcher at debug), so that a failed cell's logs show where a conversation stopped.
-    {{ _nats_path }}; RUST_LOG="${RUST_LOG:-info,webproxy_dispatcher=debug}" cargo test -p webproxy-tests --test matrix -- --ignored --exact --test-threads 2 $(python3 scripts/fault_matrix.py --matrix)
+    # The services log each delivery's steps (webproxy_dispatcher and webproxy_jetstream at debug), so that a failed cell's logs show where a conversation stopped.
+    {{ _nats_path }}; RUST_LOG="${RUST_LOG:-info,webproxy_dispatcher=debug,webproxy_jetstream=debug}" cargo test -p webproxy-tests --test matrix -- --ignored --exact --test-threads 2 $(python3 scripts/fault_matrix.py --matrix)
     python3 scripts/fault_matrix.py
 
 # cargo-deny's checks (deny.toml): licenses, banned and duplicate crates, sources. Installs cargo-deny into .tools/ the first time (minutes of compiling), so it stays out of `just test`. Advisories need GitHub's RustSec database: `cargo deny check advisories` where it is reachable.
