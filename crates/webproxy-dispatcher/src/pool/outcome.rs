@@ -81,7 +81,7 @@ async fn probe_ended(control: &PoolControl, pool: &str, config: &PoolConfig, fai
                 .breaker
                 .as_ref()
                 .map_or(breaker.open_for, |open| reopen_for(open, breaker));
-            state.probed(clock::now_utc(), failed, again)
+            state.end_probe(clock::now_utc(), failed, again)
         })
         .await;
     match written {

@@ -158,7 +158,7 @@ impl PoolState {
     /// The probe's outcome: a failure reopens the breaker for `reopen_for` from `now`,
     /// a success closes it. False when the breaker is not half-open (another probe's
     /// outcome came first).
-    pub(crate) fn probed(
+    pub(crate) fn end_probe(
         &mut self,
         now: OffsetDateTime,
         failed: bool,
@@ -285,13 +285,13 @@ mod tests {
         assert_eq!(state.paused_until(at(10)), Some(at(30)));
         assert_eq!(state.max_ack_pending(&config), 1);
         // No probe's outcome counts while it is open.
-        assert!(!state.probed(at(10), false, std::time::Duration::from_secs(60)));
+        assert!(!state.end_probe(at(10), false, std::time::Duration::from_secs(60)));
         assert_eq!(state.phase(at(30)), Phase::HalfOpen);
-        assert!(state.probed(at(31), true, std::time::Duration::from_secs(60)));
+        assert!(state.end_probe(at(31), true, std::time::Duration::from_secs(60)));
         assert_eq!(state.phase(at(40)), Phase::Open);
         assert_eq!(state.paused_until(at(40)), Some(at(91)));
         assert_eq!(state.breaker.as_ref().map(|b| b.open_for_ms), Some(60_000));
-        assert!(state.probed(at(92), false, std::time::Duration::from_secs(60)));
+        assert!(state.end_probe(at(92), false, std::time::Duration::from_secs(60)));
         assert_eq!(state.phase(at(92)), Phase::Closed);
         assert_eq!(state.breaker_closed, Some(at(92)));
         assert_eq!(state.max_ack_pending(&config), 8);
