@@ -9,7 +9,7 @@ use tracing::{Span, debug};
 use webproxy_config::rules::IDEMPOTENCY_KEY;
 use webproxy_jetstream::clock;
 
-use super::attempt::{Attempted, attempt_timeout};
+use super::attempt::Attempted;
 use super::before::Go;
 use super::ending::Ending;
 use super::{Conversation, Revision, Underway};
@@ -32,14 +32,18 @@ pub(crate) async fn after_attempt(
         rule,
         probe,
     } = *go;
-    let Attempted { outcome, record } = attempted;
+    let Attempted {
+        outcome,
+        record,
+        timeout,
+    } = attempted;
     shared
         .pool_control
         .attempt_ended(
             shared.settings.cluster.pools.get(&rule.pool),
             AttemptEnded {
                 rule,
-                timeout: attempt_timeout(request, rule),
+                timeout,
                 outcome: &outcome,
                 duration_ms: record.as_ref().map(|record| record.duration_ms),
                 probe,

@@ -42,25 +42,29 @@ pub(crate) async fn attempt(
         });
     }
     debug!(id = %conversation.raw_id, pool = conversation.pool, origin = %conversation.state.origin, "attempting");
+    let timeout = attempt_timeout(go.request, go.rule);
+    let number = underway.attempts.count() + 1;
     tokio::select! {
-        attempted = Box::pin(call(shared, go.request, go.rule, conversation, underway.attempts.count() + 1)) => Ok(attempted),
+        (outcome, record) = Box::pin(call(shared, go, timeout, conversation, number)) => Ok(Attempted { outcome, record, timeout }),
         () = liveness.stale() => Err(Ending::AwaitRedelivery {
             reason: STALE_DURING_ATTEMPT.into(),
         }),
     }
 }
 
-/// What one call of the upstream came to: its outcome, and its record when a
-/// connection was made (a destination refused before any was never attempted).
+/// What one call of the upstream came to: its outcome, its record when a connection
+/// was made (a destination refused before any was never attempted), and the timeout it
+/// was given.
 #[derive(Debug)]
 pub(crate) struct Attempted {
     pub(crate) outcome: AttemptOutcome,
     pub(crate) record: Option<AttemptRecord>,
+    pub(crate) timeout: Duration,
 }
 
 /// How long an attempt of `request` under `rule` may take: the rule's timeout, or the
 /// caller's `timeout_ms` when that is shorter.
-pub(crate) fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
+fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
     request
         .timeout
         .map_or(rule.timeout, |t| t.min(rule.timeout))
@@ -69,11 +73,12 @@ pub(crate) fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration
 /// Runs one attempt (the delivery's progress task keeps the message meanwhile).
 async fn call(
     shared: &Revision,
-    request: &Request,
-    rule: &RequestRule,
+    go: &Go<'_>,
+    timeout: Duration,
     conversation: &Conversation<'_>,
     number: u32,
-) -> Attempted {
+) -> (AttemptOutcome, Option<AttemptRecord>) {
+    let Go { request, rule, .. } = *go;
     let span = info_span!(
         "attempt",
         otel.name = %format_args!("{} {}", request.method, request.url.host_str().unwrap_or("")),
@@ -115,7 +120,6 @@ async fn call(
             secrets: &shared.secrets,
             redaction: &redaction,
         };
-        let timeout = attempt_timeout(request, rule);
         let chain_request = ChainRequest {
             method: request.method,
             url: &request.url,
@@ -145,10 +149,7 @@ async fn call(
         if let Some(failure) = outcome.failure() {
             span.record("failure", failure.as_str());
         }
-        return Attempted {
-            outcome,
-            record: None,
-        };
+        return (outcome, None);
     };
     match (record.status, &record.failure) {
         (Some(status), _) => span.record("http.response.status_code", i64::from(status)),
@@ -162,8 +163,5 @@ async fn call(
         outcome.class(),
         Duration::from_millis(record.duration_ms),
     );
-    Attempted {
-        outcome,
-        record: Some(record),
-    }
+    (outcome, Some(record))
 }
