@@ -1,6 +1,7 @@
 //! The conversation path: what one delivered message passes, envelope → plan →
-//! attempt → verdict → settle. [`handle`] is the entry, per delivery; the pure steps
-//! (`target`, `plan`, `verdict`, `outbox`, `hop`) decide; `settle` alone acks.
+//! attempt → verdict → settle. [`handle`] is the entry, per delivery, and runs
+//! `before`, `attempt` and `after` in turn; the pure modules (`plan` before the attempt,
+//! `verdict` after it, `outbox`, `hop`) decide; `settle` alone acks.
 //!
 //! A message is always answered, dead-lettered, parked, or left unacked for
 //! redelivery; it is never acked before what it produced is stored.

@@ -67,7 +67,7 @@ impl BucketUseSink for Served {
 }
 
 /// Reads the use of each of `buckets` (declared under `subjects` and `streams`) every
-/// [`GAUGE_REFRESH`] until `shutdown`, into `sink`. A bucket the server confirms gone
+/// 5 s (the gauges' refresh) until `shutdown`, into `sink`. A bucket the server confirms gone
 /// holds nothing: its gauges read 0 and it is not full, and one that was there before
 /// and may be made again is made again then, so that a bucket lost while nothing uses
 /// it (a progress bucket between parks, which `dead replay` and `pools` need) is back

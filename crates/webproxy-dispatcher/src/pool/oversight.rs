@@ -5,7 +5,7 @@
 //! pool's breaker (a pause of cause `breaker` and a probe limit of 1 in the pool's
 //! state) and moves its adaptive limit, and `owner` writes what the state then
 //! says to the consumer. The instance that makes the probe closes or reopens the
-//! breaker ([`probe_ended`]).
+//! breaker (`outcome.rs`, when pool control takes the probe's outcome).
 //!
 //! The decisions are pure, in `crate::pool::breaker` and `crate::pool::adaptive`.
 
