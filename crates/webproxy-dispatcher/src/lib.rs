@@ -18,8 +18,8 @@ mod pool;
 // The public surface: what the binary uses, and nothing else. Every other item is `pub(crate)` or private (`unreachable_pub` says so).
 pub use consuming::{Dispatcher, StartError, check_server, connect};
 pub use conversation::ending::Settled;
+pub use conversation::operator::Operator;
 pub use conversation::pacing::AckWaitPacing;
-pub use conversation::publish::Outlet;
 pub use conversation::replay::{Replay, ReplayError};
 pub use hooks::test_hook;
 pub use pool::pauses::PoolPauses;

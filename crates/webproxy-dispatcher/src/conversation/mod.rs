@@ -22,6 +22,7 @@ pub(crate) mod ending;
 pub(crate) mod handle;
 pub(crate) mod hop;
 pub(crate) mod liveness;
+pub(crate) mod operator;
 pub(crate) mod outbox;
 pub(crate) mod pacing;
 pub(crate) mod plan;

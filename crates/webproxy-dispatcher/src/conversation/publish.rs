@@ -22,9 +22,10 @@ use crate::observability::metrics::Metrics;
 use webproxy_jetstream::backoff::Backoff;
 
 /// Where a conversation's products go: the NATS connection, the progress records, and
-/// the names and limits that shape what is published.
+/// the names and limits that shape what is published. Inside the crate only; operators
+/// reach it through `Operator`.
 #[derive(Debug, Clone)]
-pub struct Outlet {
+pub(crate) struct Outlet {
     pub(crate) client: async_nats::Client,
     pub(crate) js: jetstream::Context,
     pub(crate) subjects: Subjects,
@@ -41,11 +42,8 @@ pub struct Outlet {
 }
 
 impl Outlet {
-    /// An outlet for the operator commands (`pools remove --dead-letter`, `dead
-    /// replay`), which end or replay conversations through the service's own code on
-    /// their own connection, with the deployment's `subjects` and progress bucket. It
-    /// loads no secrets: what it publishes is what the callers sent.
-    pub fn operator(
+    /// The outlet of an `Operator`.
+    pub(crate) fn operator(
         client: async_nats::Client,
         subjects: Subjects,
         progress: jetstream::kv::Store,

@@ -69,10 +69,14 @@ fn when_taken(mode: Replay, recorded: Option<Record>) -> Taken {
     }
 }
 
-/// Publishes the letter's request as the first hop of a new generation of its
-/// conversation, into the letter's pool; returns that generation.
 impl Outlet {
-    pub async fn replay(&self, letter: &DeadLetter, mode: Replay) -> Result<u64, ReplayError> {
+    /// Publishes the letter's request as the first hop of a new generation of its
+    /// conversation, into the letter's pool; returns that generation.
+    pub(crate) async fn replay(
+        &self,
+        letter: &DeadLetter,
+        mode: Replay,
+    ) -> Result<u64, ReplayError> {
         let origin: Origin = letter
             .origin
             .as_deref()

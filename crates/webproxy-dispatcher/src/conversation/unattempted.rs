@@ -13,13 +13,10 @@ use super::publish::Outlet;
 use super::settle::settle;
 use super::{Arrival, Conversation, Underway};
 
-/// Ends a conversation that was never attempted with `error`, through the same settle
-/// code as the service: the caller is answered when the payload names a valid id or
-/// `reply_to`, and the request is dead-lettered. Used where a message must leave the
-/// stream unattempted (`pools remove --dead-letter`). `Left` means it could not be
-/// stored, and the message is still there.
 impl Outlet {
-    pub async fn end_unattempted(
+    /// `Operator::end_unattempted`: used where a message must leave the stream
+    /// unattempted (`pools remove --dead-letter`).
+    pub(crate) async fn end_unattempted(
         &self,
         pool: &str,
         message: &jetstream::Message,

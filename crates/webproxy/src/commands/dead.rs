@@ -27,10 +27,10 @@ use serde::{Deserialize as _, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use webproxy_client::Client;
-use webproxy_dispatcher::{Outlet, Replay, ReplayError};
+use webproxy_dispatcher::{Operator, Replay, ReplayError};
 use webproxy_protocol::{DeadLetter, ErrorCode, Origin, header};
 
-use crate::commands::operator::{NatsArgs, connect, for_each_message, operator_outlet};
+use crate::commands::operator::{NatsArgs, connect, for_each_message, operator};
 use crate::table::{self, Align, Column};
 
 /// Which dead letters `dead list` and `dead replay` read. Letters match when they
@@ -745,10 +745,10 @@ pub(crate) async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result
             ),
         }
     }
-    let outlet = if args.dry_run || count == 0 {
+    let operator = if args.dry_run || count == 0 {
         None
     } else {
-        Some(operator_outlet(&client, client.subjects()).await?)
+        Some(operator(&client, client.subjects()).await?)
     };
     let (mut replayed, mut skipped) = (0_u64, 0_u64);
     dead.for_each(selection, async |stored| {
@@ -767,12 +767,12 @@ pub(crate) async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result
         match action {
             Action::Superseded => return Ok(ControlFlow::Continue(())),
             Action::Skip(skip) => line.reason = Some(skip.to_string()),
-            Action::Replay { origin, generation } => match &outlet {
+            Action::Replay { origin, generation } => match &operator {
                 None => {
                     line.action = "would_replay";
                     line.generation = Some(generation);
                 }
-                Some(outlet) => match replay_one(outlet, letter, &origin, args.mode()).await? {
+                Some(operator) => match replay_one(operator, letter, &origin, args.mode()).await? {
                     Ok(generation) => {
                         line.action = "replayed";
                         line.generation = Some(generation);
@@ -808,12 +808,12 @@ pub(crate) async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result
 /// only skips this letter (it was replayed already, say: that letter is where the
 /// operator wants it, so the command still succeeds).
 async fn replay_one(
-    outlet: &Outlet,
+    operator: &Operator,
     letter: &DeadLetter,
     origin: &Origin,
     mode: Replay,
 ) -> anyhow::Result<Result<u64, ReplayError>> {
-    match outlet.replay(letter, mode).await {
+    match operator.replay(letter, mode).await {
         Err(e @ (ReplayError::Progress(_) | ReplayError::Publish(_))) => {
             Err(e).with_context(|| format!("cannot replay {origin}"))
         }

@@ -10,7 +10,7 @@ use async_nats::jetstream::{self, consumer};
 use clap::Args;
 use futures::StreamExt as _;
 use webproxy_client::Client;
-use webproxy_dispatcher::Outlet;
+use webproxy_dispatcher::Operator;
 use webproxy_protocol::Subjects;
 
 use crate::config::connection::{self, ConnectionArgs};
@@ -116,21 +116,18 @@ fn batch_bytes(max_payload: usize) -> usize {
     max_payload.saturating_mul(2).max(AT_LEAST)
 }
 
-/// An outlet for the operator commands, which end or replay conversations through
-/// the service's own code. The CLI loads no secrets: what it publishes is what the
-/// callers sent. `subjects` are the configuration's (`--config`): its `reply_to_allow`
-/// decides which `reply_to` of a request the CLI ends gets a copy, as the service's
-/// would; without a configuration only `_INBOX.` subjects do.
-pub(crate) async fn operator_outlet(
-    client: &Client,
-    subjects: &Subjects,
-) -> anyhow::Result<Outlet> {
+/// The operator API for the commands, which end or replay conversations through the
+/// service's own code. The CLI loads no secrets: what it publishes is what the callers
+/// sent. `subjects` are the configuration's (`--config`): its `reply_to_allow` decides
+/// which `reply_to` of a request the CLI ends gets a copy, as the service's would;
+/// without a configuration only `_INBOX.` subjects do.
+pub(crate) async fn operator(client: &Client, subjects: &Subjects) -> anyhow::Result<Operator> {
     let js = client.jetstream().clone();
     let bucket = client.subjects().progress_bucket();
     let progress = js.get_key_value(&bucket).await.with_context(|| {
         format!("cannot open the progress bucket {bucket} (has `webproxy serve` run?)")
     })?;
-    Ok(Outlet::operator(
+    Ok(Operator::new(
         client.nats().clone(),
         subjects.clone(),
         progress,

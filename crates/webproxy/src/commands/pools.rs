@@ -18,7 +18,7 @@ use webproxy_jetstream::state::is_stream_not_found;
 use webproxy_protocol::{ErrorBody, ErrorCode, Subjects};
 
 use crate::commands::operator::{
-    NatsArgs, connect, connect_with_settings, for_each_message, operator_outlet,
+    NatsArgs, connect, connect_with_settings, for_each_message, operator,
 };
 use crate::commands::serve_follow;
 use crate::config::document;
@@ -480,7 +480,7 @@ async fn dead_letter_all(
     stream: &stream::Stream,
     pool: &str,
 ) -> anyhow::Result<u64> {
-    let outlet = operator_outlet(client, subjects).await?;
+    let operator = operator(client, subjects).await?;
     let reader: consumer::PullConsumer = stream
         .create_consumer(consumer::pull::Config {
             ack_policy: consumer::AckPolicy::Explicit,
@@ -496,7 +496,7 @@ async fn dead_letter_all(
             message: format!("pool {pool} was removed before this request was attempted"),
             status: None,
         };
-        match outlet.end_unattempted(pool, &message, error).await {
+        match operator.end_unattempted(pool, &message, error).await {
             Settled::Done => Ok(ControlFlow::Continue(())),
             Settled::AwaitingRedelivery => {
                 bail!("could not store the ending of a waiting request; the pool is left as it is")
