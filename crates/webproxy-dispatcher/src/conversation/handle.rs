@@ -105,7 +105,7 @@ pub(crate) async fn handle_delivery<'a>(
                 &parsed,
                 &mut underway,
             ));
-            if info.delivered == 1 {
+            if info.delivered <= 1 {
                 concluded.await
             } else {
                 // Delivered again: one delivery of the message at work at a time.
