@@ -255,24 +255,24 @@ mod tests {
         resize(&permits, 6, 1);
         assert_eq!(permits.available_permits(), 0);
         drop(held);
-        tokio::time::timeout(std::time::Duration::from_secs(5), async {
-            while permits.available_permits() != 1 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("shrunk to one permit");
+        available_within_5s(&permits, 1, "shrunk to one permit").await;
         // A raise while a shrink waits gives the shrink its permits first.
         let held = permits.clone().acquire_owned().await.expect("one");
         resize(&permits, 1, 0);
         resize(&permits, 0, 2);
         drop(held);
+        available_within_5s(&permits, 2, "two permits").await;
+    }
+
+    /// Waits, at most 5 s, until `permits` has `n` available; the resizes give their
+    /// permits back as the holders finish, not at once.
+    async fn available_within_5s(permits: &Semaphore, n: usize, what: &str) {
         tokio::time::timeout(std::time::Duration::from_secs(5), async {
-            while permits.available_permits() != 2 {
+            while permits.available_permits() != n {
                 tokio::task::yield_now().await;
             }
         })
         .await
-        .expect("two permits");
+        .expect(what);
     }
 }
