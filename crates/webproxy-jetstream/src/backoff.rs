@@ -98,7 +98,7 @@ pub const PULL_BACKOFF: Backoff =
 
 /// Provisioning and migrating parked retries, at start: 200 ms after the first failure,
 /// doubling to at most 5 s, forever; until a signal.
-pub const START_BACKOFF: Backoff =
+pub(crate) const START_BACKOFF: Backoff =
     Backoff::doubling(Duration::from_millis(200), Duration::from_secs(5));
 
 /// Runs `step` until it succeeds, waiting [`START_BACKOFF`] between tries (provisioning and migrating

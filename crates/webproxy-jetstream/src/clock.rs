@@ -30,7 +30,7 @@ pub const TOLERANCE: Duration = Duration::from_secs(1);
 
 /// A skew beyond the tolerance is logged when found, then at most this often while it
 /// lasts, not once per message.
-pub const WARN_EVERY: Duration = Duration::from_secs(600);
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(600);
 
 /// How many recent samples the estimate chooses from: with the gauges read every 5 s,
 /// about 40 s of one pool's, so a stepped clock is followed within that.
@@ -61,14 +61,14 @@ impl Sample {
 /// How far this pod's clock runs ahead of the server's (negative: behind), and how
 /// wrong that may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Skew {
+pub(crate) struct Skew {
     pub ahead_us: i64,
     pub error_us: i64,
 }
 
 impl Skew {
     /// Whether the skew is beyond `tolerance` even at its smallest.
-    pub fn beyond(&self, tolerance: Duration) -> bool {
+    pub(crate) fn beyond(&self, tolerance: Duration) -> bool {
         let tolerance = i64::try_from(tolerance.as_micros()).unwrap_or(i64::MAX);
         self.ahead_us.saturating_abs().saturating_sub(self.error_us) > tolerance
     }
@@ -77,19 +77,19 @@ impl Skew {
 /// The skew from the recent samples: the one with the shortest round trip, the least
 /// disturbed by a slow server or network (as NTP's clock filter chooses).
 #[derive(Debug, Default)]
-pub struct SkewEstimator {
+pub(crate) struct SkewEstimator {
     recent: VecDeque<Sample>,
 }
 
 impl SkewEstimator {
-    pub const fn new() -> SkewEstimator {
+    pub(crate) const fn new() -> SkewEstimator {
         SkewEstimator {
             recent: VecDeque::new(),
         }
     }
 
     /// Adds `sample`, forgetting the oldest beyond [`KEPT_SAMPLES`]; the estimate now.
-    pub fn add(&mut self, sample: Sample) -> Skew {
+    pub(crate) fn add(&mut self, sample: Sample) -> Skew {
         if self.recent.len() == KEPT_SAMPLES {
             self.recent.pop_front();
         }
@@ -98,7 +98,7 @@ impl SkewEstimator {
     }
 
     /// The estimate, if any sample was taken.
-    pub fn estimate(&self) -> Option<Skew> {
+    pub(crate) fn estimate(&self) -> Option<Skew> {
         self.recent
             .iter()
             .map(Sample::skew)
@@ -108,7 +108,7 @@ impl SkewEstimator {
 
 /// What decisions subtract from this pod's clock to read the server's: the skew when it
 /// is beyond `tolerance`, else nothing (within it, this pod's clock is trusted).
-pub fn correction(skew: Skew, tolerance: Duration) -> i64 {
+pub(crate) fn correction(skew: Skew, tolerance: Duration) -> i64 {
     if skew.beyond(tolerance) {
         skew.ahead_us
     } else {

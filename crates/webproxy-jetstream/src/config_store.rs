@@ -17,7 +17,7 @@ use crate::backoff::retry_until_done;
 use crate::instances;
 
 /// The key of the cluster document.
-pub const DOCUMENT_KEY: &str = "cluster";
+pub(crate) const DOCUMENT_KEY: &str = "cluster";
 
 use crate::state::{Bucket, is_bucket_not_found};
 
@@ -82,14 +82,14 @@ pub enum ConfigStoreError {
 }
 
 /// The stored value: the note line, then the document.
-pub fn stored_text(note: &PushNote, document: &str) -> String {
+pub(crate) fn stored_text(note: &PushNote, document: &str) -> String {
     // serde_json writes a string's newlines as `\n`, so the note stays on one line.
     let note = serde_json::to_string(note).unwrap_or_default();
     format!("{NOTE_LINE}{note}\n{}", strip_note(document).1)
 }
 
 /// A stored value's note (when its first line is one) and its document.
-pub fn strip_note(text: &str) -> (Option<PushNote>, &str) {
+pub(crate) fn strip_note(text: &str) -> (Option<PushNote>, &str) {
     let (first, rest) = text.split_once('\n').unwrap_or((text, ""));
     match first
         .strip_prefix(NOTE_LINE)
@@ -113,7 +113,7 @@ fn stored_revision(entry: kv::Entry) -> StoredRevision {
 }
 
 /// The bucket, as `state.rs` declares it: file storage, `CONFIG_HISTORY` revisions.
-pub fn config_bucket_config(settings: &Settings) -> kv::Config {
+pub(crate) fn config_bucket_config(settings: &Settings) -> kv::Config {
     Bucket::Config
         .spec(&settings.subjects, &settings.streams)
         .kv_config()

@@ -70,7 +70,7 @@ pub const INSTANCES_TTL: Duration = Duration::from_secs(20);
 
 /// Revisions the configuration bucket keeps: what `config history`, `show
 /// --revision` and `rollback` can reach (JetStream's most).
-pub const CONFIG_HISTORY: i64 = 64;
+pub(crate) const CONFIG_HISTORY: i64 = 64;
 
 /// How long a settled progress record's purge marker stays: long enough for a
 /// redelivery racing the settle to read "deleted", short enough that markers do not
@@ -255,7 +255,7 @@ pub fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {
 
 /// Whether opening a bucket failed because its stream does not exist (10059): the
 /// stream lookup is the error's source.
-pub fn is_bucket_not_found(e: &KeyValueError) -> bool {
+pub(crate) fn is_bucket_not_found(e: &KeyValueError) -> bool {
     use std::error::Error as _;
     e.source()
         .and_then(|source| source.downcast_ref::<GetStreamError>())
@@ -444,11 +444,11 @@ pub struct BucketUse {
 /// From this share of its bound a bucket is nearly full: the service is not ready
 /// until it falls below [`NO_LONGER_FULL`]. A discard-new bucket refuses writes at its
 /// bound, so the operator is told while the last tenth still takes writes.
-pub const NEARLY_FULL: f64 = 0.90;
+pub(crate) const NEARLY_FULL: f64 = 0.90;
 
 /// Below this share a nearly full bucket is no longer so: the gap keeps a bucket that
 /// hovers at the threshold from flapping the service's readiness at every refresh.
-pub const NO_LONGER_FULL: f64 = 0.85;
+pub(crate) const NO_LONGER_FULL: f64 = 0.85;
 
 impl BucketUse {
     /// The share of its bound the bucket holds: 0 for a bucket without a bound, which

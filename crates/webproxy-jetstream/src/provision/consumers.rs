@@ -5,7 +5,7 @@ use super::*;
 
 /// The most parked retries a pool holds at once; a parked retry waiting out its delay
 /// holds one of these, never a slot of the pool's concurrency limit.
-pub const MAX_PARKED: i64 = 100_000;
+pub(crate) const MAX_PARKED: i64 = 100_000;
 
 /// The durable pull consumer of one pool's retry subject.
 pub fn retry_consumer_config(settings: &Settings, pool: &str) -> consumer::pull::Config {
@@ -47,7 +47,7 @@ pub async fn delete_consumer(stream: &stream::Stream, name: &str) -> Result<(), 
 }
 
 /// The consumer asked for does not exist.
-pub fn consumer_missing(e: &stream::ConsumerError) -> bool {
+pub(crate) fn consumer_missing(e: &stream::ConsumerError) -> bool {
     matches!(
         e.kind(),
         stream::ConsumerErrorKind::JetStream(ref js)

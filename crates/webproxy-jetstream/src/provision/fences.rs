@@ -9,7 +9,7 @@ use super::*;
 /// undoing the migration. It keeps at most one message (an old instance's last stray
 /// publish, which nothing reads), on file: a memory fence is gone after a restart of
 /// the server, and with it the fence, until a pod of this layout starts again.
-pub fn fence_config(name: String, subject: String) -> stream::Config {
+pub(crate) fn fence_config(name: String, subject: String) -> stream::Config {
     stream::Config {
         name,
         description: Some(
@@ -47,7 +47,7 @@ pub fn replies_fence_config(settings: &Settings) -> stream::Config {
 
 /// How a fence is brought to its config, given the storage of the one there (pure).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FenceStep {
+pub(crate) enum FenceStep {
     /// None there, or one on the wanted storage: create it, or update it in place.
     CreateOrUpdate,
     /// One on other storage (a memory fence of an earlier release), which an update
@@ -55,7 +55,10 @@ pub enum FenceStep {
     Move,
 }
 
-pub fn fence_step(found: Option<stream::StorageType>, wanted: stream::StorageType) -> FenceStep {
+pub(crate) fn fence_step(
+    found: Option<stream::StorageType>,
+    wanted: stream::StorageType,
+) -> FenceStep {
     match found {
         Some(storage) if storage != wanted => FenceStep::Move,
         _ => FenceStep::CreateOrUpdate,

@@ -31,7 +31,7 @@ pub fn layout(metadata: &HashMap<String, String>) -> Option<u32> {
 }
 
 /// Whether `webproxy pools remove` has marked the stream for removal.
-pub fn marked_removing(metadata: &HashMap<String, String>) -> bool {
+pub(crate) fn marked_removing(metadata: &HashMap<String, String>) -> bool {
     metadata.get(REMOVING_KEY).is_some_and(|v| v == "true")
 }
 
@@ -163,7 +163,7 @@ pub fn server_version_supported(version: &str) -> bool {
 /// What becomes of layout 2's shared replies or dead-letter stream (pure), given its
 /// subjects and metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Retirement {
+pub(crate) enum Retirement {
     /// Retired already (it captures only `retired`): nothing to do.
     Done,
     /// Take its subjects away: they become `retired`, and its layout this one's.
@@ -172,7 +172,7 @@ pub enum Retirement {
     Refuse(LayoutRefusal),
 }
 
-pub fn retirement(
+pub(crate) fn retirement(
     subjects: &[String],
     metadata: &HashMap<String, String>,
     retired: &str,

@@ -106,7 +106,7 @@ pub async fn update_pool_stream(
     provision_stream(js, plan).await.map(|_| ())
 }
 
-pub fn limits_stream(
+pub(crate) fn limits_stream(
     name: String,
     subjects: Vec<String>,
     description: &str,
@@ -132,7 +132,7 @@ pub fn limits_stream(
 /// `pool`'s stream: one subject per conversation, never the live copies on
 /// `<prefix>.reply.<id>`. `reply_max_bytes` is its own budget, so a flood through
 /// another pool cannot evict these replies.
-pub fn pool_replies_stream_config(settings: &Settings, pool: &str) -> stream::Config {
+pub(crate) fn pool_replies_stream_config(settings: &Settings, pool: &str) -> stream::Config {
     let streams = &settings.streams;
     let subjects = &settings.subjects;
     let pool_stream = subjects.pool_stream(pool);
@@ -148,7 +148,7 @@ pub fn pool_replies_stream_config(settings: &Settings, pool: &str) -> stream::Co
 
 /// The stream that stores `pool`'s dead letters and the marks of superseded ones,
 /// with its own `dead_max_bytes`.
-pub fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream::Config {
+pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream::Config {
     let streams = &settings.streams;
     let subjects = &settings.subjects;
     limits_stream(
@@ -275,7 +275,7 @@ pub async fn provision_stream(
 }
 
 /// A stream's storage as its configuration spells it.
-pub fn storage_name(storage: stream::StorageType) -> &'static str {
+pub(crate) fn storage_name(storage: stream::StorageType) -> &'static str {
     match storage {
         stream::StorageType::File => "file",
         stream::StorageType::Memory => "memory",
