@@ -1,7 +1,9 @@
 //! `just bench`: webproxy's cost per conversation, measured in one run on one machine as
 //! ratios against two references: the same HTTP calls made directly, and a
 //! broker-only loop (JetStream publish → pull consumer → reply stored through
-//! JetStream → ack, no HTTP, no rules), which is webproxy's ceiling. With
+//! JetStream → ack, no HTTP, no rules), which is webproxy's ceiling; and beside it, in
+//! the same rounds, the minimal pipeline of the same contract (`webproxy-pipeline`,
+//! issue 33), against which [`gates`] holds webproxy's throughput, CPU and RSS. With
 //! `--reference NAME=PATH` (`just bench-reference`), other webproxy binaries are measured
 //! in the same run, interleaved round by round, and compared by the median of the rounds.
 //!
@@ -19,8 +21,10 @@
 
 mod adaptive;
 mod cost;
+mod gates;
 mod gateway;
 mod load;
+mod pipeline;
 mod progress_bound;
 
 use std::path::{Path, PathBuf};
@@ -39,9 +43,12 @@ use webproxy_testkit::{Gate, NatsServer, Service, ServiceOptions, Upstream, defa
 use cost::{Cost, Counters, median};
 use gateway::{GatewayFigures, gateway_figures};
 use load::{Figures, Replies, broker, broker_echo, closed_loop, direct, proxied};
+use pipeline::Pipeline;
 
 #[derive(Debug, Parser)]
-#[command(about = "Benchmark webproxy against direct calls, a broker-only loop and other builds")]
+#[command(
+    about = "Benchmark webproxy against direct calls, a broker-only loop, a minimal pipeline and other builds"
+)]
 struct Args {
     /// How long each measurement runs.
     #[arg(long, default_value = "6s", value_parser = humantime::parse_duration)]
@@ -103,27 +110,58 @@ const CURRENT: &str = "webproxy";
 /// A bench nats-server's extra configuration: a monitoring port, for `/varz`.
 const MONITORED: &str = "http: \"127.0.0.1:-1\"";
 
-/// One webproxy binary under test, with a nats-server of its own.
+/// The minimal pipeline's name in the tables.
+const PIPELINE: &str = "pipeline";
+
+/// What serves a candidate's conversations.
+enum Server {
+    Webproxy(Service),
+    Pipeline(Pipeline),
+}
+
+/// How to start a candidate's server.
+enum Launch {
+    /// `webproxy serve`: this build's, or the binary at the path.
+    Webproxy(Option<PathBuf>),
+    Pipeline,
+}
+
+impl Server {
+    fn pid(&self) -> u32 {
+        match self {
+            Server::Webproxy(service) => service.pid(),
+            Server::Pipeline(pipeline) => pipeline.pid(),
+        }
+    }
+}
+
+/// One server under test (a webproxy binary or the minimal pipeline), with a
+/// nats-server of its own.
 struct Candidate {
     name: String,
     nats: NatsServer,
     monitoring: String,
-    service: Service,
+    server: Server,
     client: Client,
     replies: Replies,
 }
 
 impl Candidate {
-    async fn start(name: &str, binary: Option<PathBuf>, config: &str) -> anyhow::Result<Self> {
+    async fn start(name: &str, launch: Launch, config: &str) -> anyhow::Result<Self> {
         let nats = NatsServer::start_with(MONITORED);
         let monitoring = nats
             .monitoring_url()
             .context("the bench's nats-server reports no monitoring port")?;
-        let mut options = ServiceOptions::default();
-        if let Some(binary) = binary {
-            options = options.binary(binary);
-        }
-        let service = Service::start_with(&nats.url(), config, options).await;
+        let server = match launch {
+            Launch::Webproxy(binary) => {
+                let mut options = ServiceOptions::default();
+                if let Some(binary) = binary {
+                    options = options.binary(binary);
+                }
+                Server::Webproxy(Service::start_with(&nats.url(), config, options).await)
+            }
+            Launch::Pipeline => Server::Pipeline(Pipeline::start(&nats.url()).await?),
+        };
         let nats_client = nats.client().await;
         let client = Client::new(nats_client.clone(), "webproxy")?;
         // The live copies only: the stored ones, on webproxy.reply.<id>.<STREAM>.<seq>,
@@ -138,10 +176,18 @@ impl Candidate {
             name: name.to_string(),
             nats,
             monitoring,
-            service,
+            server,
             client,
             replies,
         })
+    }
+
+    /// The webproxy service, for the measurements only it takes part in.
+    fn service(&self) -> anyhow::Result<&Service> {
+        match &self.server {
+            Server::Webproxy(service) => Ok(service),
+            Server::Pipeline(_) => anyhow::bail!("{} is not a webproxy service", self.name),
+        }
     }
 
     fn nats_pid(&self) -> anyhow::Result<u32> {
@@ -163,7 +209,7 @@ impl Candidate {
         // `just profile` starts recording when it reads this.
         eprintln!("measuring {} at {concurrency} on pool {pool}", self.name);
         let pid = self.nats_pid()?;
-        let service = Some(self.service.pid());
+        let service = Some(self.server.pid());
         let before = Counters::read(http, service, pid, &self.monitoring).await?;
         let figures = closed_loop(concurrency, duration, {
             let (client, replies, url) = (self.client.clone(), self.replies.clone(), url.clone());
@@ -185,7 +231,7 @@ struct Sample {
 
 /// One round of one binary.
 #[derive(Debug, Default, Serialize)]
-struct Round {
+pub(crate) struct Round {
     /// By concurrency level, in the order of `--levels`.
     levels: Vec<Sample>,
     slot: Option<Sample>,
@@ -195,22 +241,22 @@ struct Round {
 
 /// A binary's figures: every round, and the median of each figure across them.
 #[derive(Debug, Serialize)]
-struct Measured {
-    name: String,
-    rounds: Vec<Round>,
-    medians: Vec<LevelMedian>,
+pub(crate) struct Measured {
+    pub(crate) name: String,
+    pub(crate) rounds: Vec<Round>,
+    pub(crate) medians: Vec<LevelMedian>,
     /// Through a pool of one slot with 8 outstanding, ÷ direct req/s at concurrency 1,
     /// against an upstream that holds each request 10 ms (the median of the rounds).
-    slot_utilization: f64,
-    peak_rss_mib: f64,
+    pub(crate) slot_utilization: f64,
+    pub(crate) peak_rss_mib: f64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
-struct LevelMedian {
-    concurrency: usize,
-    rps: f64,
-    p50_ms: f64,
-    cost: Cost,
+pub(crate) struct LevelMedian {
+    pub(crate) concurrency: usize,
+    pub(crate) rps: f64,
+    pub(crate) p50_ms: f64,
+    pub(crate) cost: Cost,
 }
 
 impl Measured {
@@ -274,7 +320,7 @@ struct Report {
     duration_s: f64,
     levels: Vec<usize>,
     baselines: Vec<Baselines>,
-    /// This build first, then the references.
+    /// This build first, the minimal pipeline second, then the references.
     binaries: Vec<Measured>,
     /// From the nats-server's return after a 3 s outage until the last of 100
     /// conversations (pool of 16, upstream 50 ms) was answered, in seconds.
@@ -285,6 +331,10 @@ struct Report {
     rates: Vec<RateFigures>,
     /// The HTTP gateway beside the NATS-client path (issue 21).
     gateway: Vec<GatewayFigures>,
+    /// webproxy against the minimal pipeline (issue 33).
+    gates: Vec<gates::Gate>,
+    /// The pipeline's req/s at 256 outstanding ÷ the broker-only loop's.
+    pipeline_vs_broker: Option<f64>,
 }
 
 /// A rate-limited pool under 64 outstanding conversations for the run's duration.
@@ -480,9 +530,14 @@ async fn main_section(args: &Args) -> anyhow::Result<()> {
     let gate = Gate::new();
     let upstream = Upstream::start_with(default_routes().merge(gate.routes())).await;
     let config = config(&upstream);
-    let mut candidates = vec![Candidate::start(CURRENT, None, &config).await?];
+    let mut candidates = vec![
+        Candidate::start(CURRENT, Launch::Webproxy(None), &config).await?,
+        Candidate::start(PIPELINE, Launch::Pipeline, &config)
+            .await
+            .context("cannot start the minimal pipeline")?,
+    ];
     for (name, binary) in &args.references {
-        let candidate = Candidate::start(name, Some(binary.clone()), &config)
+        let candidate = Candidate::start(name, Launch::Webproxy(Some(binary.clone())), &config)
             .await
             .with_context(|| format!("cannot start the reference {name}"))?;
         candidates.push(candidate);
@@ -562,7 +617,7 @@ async fn main_section(args: &Args) -> anyhow::Result<()> {
                 );
                 if concurrency == 256 {
                     measured[i].peak_rss_mib =
-                        webproxy_testkit::process::peak_rss(candidate.service.pid()).unwrap_or(0)
+                        webproxy_testkit::process::peak_rss(candidate.server.pid()).unwrap_or(0)
                             as f64
                             / (1024.0 * 1024.0);
                 }
@@ -606,7 +661,7 @@ async fn main_section(args: &Args) -> anyhow::Result<()> {
     for measured in RATES {
         rates.push(
             rate_figures(
-                &current.service,
+                current.service()?,
                 &current.client,
                 &current.replies,
                 &upstream,
@@ -678,6 +733,15 @@ async fn main_section(args: &Args) -> anyhow::Result<()> {
     for reference in &binaries[1..] {
         compare(&binaries[0], reference);
     }
+    // The pipeline is the second candidate.
+    let gates = gates::gates(&binaries[0], &binaries[1]);
+    let high = args.levels.iter().position(|&level| level == 256);
+    let pipeline_vs_broker = high.and_then(|i| {
+        let broker = median(baselines.iter().map(|b| b.broker[i].figures.rps).collect());
+        let pipeline = binaries[1].medians.get(i)?.rps;
+        (broker > 0.0).then(|| pipeline / broker)
+    });
+    gates::print(&gates, pipeline_vs_broker);
     println!();
     println!(
         "recovery after NATS restart: {:.2} s (last of 100 conversations answered after a {OUTAGE:?} outage; pool of 16, upstream 50 ms; {} failed)",
@@ -712,6 +776,8 @@ async fn main_section(args: &Args) -> anyhow::Result<()> {
         nats_restart_failed: recovery.failed.len(),
         rates,
         gateway,
+        gates,
+        pipeline_vs_broker,
     };
     std::fs::write(&args.json, serde_json::to_string_pretty(&report)?)?;
     println!("figures written to {}", args.json.display());
