@@ -231,7 +231,7 @@ bench-reference *args:
     cargo build --release -p webproxy -p webproxy-bench
     "$(bash scripts/target-dir.sh)/release/webproxy-bench" --rounds 3 --reference "{{ bench_reference }}=$reference" {{ args }}
 
-# Where `webproxy serve` (release) spends its CPU at 256 outstanding: perf samples for `seconds`, summarized by crate and by kind of work (data in <target>/profile/).
+# The differential profile (issue 33): perf samples of `webproxy serve` and of the minimal pipeline (both release) at 256 outstanding for `seconds` each, as CPU per conversation by crate and by kind of work, each beside the other and the difference (data in <target>/profile/).
 profile seconds="10":
     cargo build --release -p webproxy -p webproxy-bench
     {{ _nats_path }}; bash scripts/profile.sh {{ seconds }}

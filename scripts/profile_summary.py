@@ -1,10 +1,19 @@
 #!/usr/bin/env python3
-"""Summarizes `perf script -F comm,tid,ip,sym` output of `webproxy serve`.
+"""Summarizes two `perf script -F comm,tid,ip,sym` recordings of the same work:
+webproxy's and the minimal pipeline's (issue 33's differential profile).
 
-Two tables: self time by crate (the sample's innermost frame), and the inclusive
-share of the kinds of work the performance issue tracks (a sample counts for every
-kind one of its frames belongs to, so the shares overlap). Stacks are often cut
-short in deep async code, so inclusive shares are lower bounds.
+    profile_summary.py WEBPROXY.script WEBPROXY_US PIPELINE.script PIPELINE_US
+
+Each *_US is the process's CPU per conversation (the bench row's `svc µs`), which a
+group's share of the samples turns into µs per conversation. Two tables, each with
+webproxy's µs, the pipeline's, and the difference, largest first:
+- self time by crate (the sample's innermost frame): these add up to the total;
+- by the code that asked for it: the innermost frame outside the generic crates
+  (allocator, memcpy, core, alloc, std, hashbrown, bytes, tokio, the kernel), webproxy's
+  own crates by module; these add up to the total too;
+- inclusive, by kind of work (a sample counts for every kind one of its frames belongs
+  to, so the rows overlap). Stacks are often cut short in deep async code, so
+  inclusive figures are lower bounds.
 """
 
 import re
@@ -12,20 +21,25 @@ import sys
 from collections import Counter
 
 WORK = [
-    ("OpenTelemetry layer and SDK", r"tracing_opentelemetry|opentelemetry_sdk::trace"),
-    ("fmt layer: span fields", r"on_record|on_new_span|JsonFields|FormattedFields"),
     ("fmt layer: log events", r"format_event|FormatEvent"),
-    ("envelope parsing", r"parse_request"),
-    ("reply encoding", r"outbox::"),
-    ("trace context in and out", r"webproxy_dispatcher::observability::trace::|TraceContextPropagator"),
+    ("envelope parsing", r"parse_request|Envelope.*Deserialize"),
+    ("reply encoding", r"outbox::|Reply.*Serialize"),
+    ("trace context in and out", r"webproxy_dispatcher::observability::trace::"),
     ("metrics", r"prometheus_client|metrics::Metrics"),
     ("URL parsing", r"url::parser|Url::parse"),
-    ("reqwest", r"reqwest::"),
-    ("hyper", r"hyper::|hyper_util"),
-    ("async-nats", r"async_nats"),
+    ("HTTP call: reqwest", r"reqwest::"),
+    ("HTTP call: hyper", r"hyper::|hyper_util"),
+    ("async-nats: publish", r"async_nats::client::Client::publish|async_nats::jetstream::context::Context::(send_)?publish"),
+    ("async-nats: connection", r"async_nats::connection|async_nats::ConnectionHandler"),
+    ("async-nats: acks", r"async_nats::jetstream::message::.*ack"),
+    ("async-nats: pull consumer", r"async_nats::jetstream::consumer"),
+    ("async-nats: header maps", r"async_nats::header"),
     ("serde_json", r"serde_json"),
-    ("tokio scheduler", r"tokio::runtime::scheduler"),
-    ("kernel", r"entry_SYSCALL|do_syscall|irqentry"),
+    ("allocator", r"^_?mi_|\n_?mi_|malloc|free\b"),
+    # The timer machinery itself: not `Timeout`'s poll, which wraps the work it times,
+    # nor the time driver's park, which wraps the IO driver's.
+    ("tokio timers", r"tokio::runtime::time::(?!Driver::park)|tokio::time::(sleep|interval)"),
+    ("kernel: syscalls", r"entry_SYSCALL|do_syscall"),
 ]
 
 
@@ -55,26 +69,101 @@ def crate(frame):
     return found.group(1) if found else "kernel, libc, unknown"
 
 
-def main():
+GENERIC = {"allocator", "memcpy/memmove", "core", "alloc", "std", "hashbrown", "bytes", "tokio", "kernel, libc, unknown"}
+
+
+def asker(stack):
+    """The innermost frame's owner outside GENERIC: a webproxy crate's module, another
+    crate, or, when every frame is generic, the runtime itself (polling, parking,
+    waking)."""
+    for frame in stack:
+        owner = crate(frame)
+        if owner in GENERIC:
+            continue
+        if owner.startswith("webproxy"):
+            found = re.match(r"^<?(?:&(?:mut )?)?(webproxy[a-z_]*::[a-z_]+)", frame)
+            return found.group(1) if found else owner
+        return owner
+    return "(runtime: polls, parks, wake-ups)"
+
+
+def summarize(path):
+    """(samples, self samples by crate, by the code that asked, inclusive by kind of work)."""
     total = 0
     by_crate = Counter()
+    by_asker = Counter()
     by_work = Counter()
-    for stack in samples(sys.argv[1]):
+    for stack in samples(path):
         total += 1
         if stack:
             by_crate[crate(stack[0])] += 1
+            by_asker[asker(stack)] += 1
         joined = "\n".join(stack)
         for name, pattern in WORK:
             if re.search(pattern, joined):
                 by_work[name] += 1
     if not total:
-        sys.exit("no samples")
-    print(f"{total} samples\n\nself time by crate:")
-    for name, count in by_crate.most_common(16):
-        print(f"  {100 * count / total:5.1f}%  {name}")
-    print("\ninclusive, by work:")
-    for name, _ in WORK:
-        print(f"  {100 * by_work[name] / total:5.1f}%  {name}")
+        sys.exit(f"{path}: no samples")
+    return total, by_crate, by_asker, by_work
+
+
+def table(title, names, mine, theirs):
+    """Rows of (name, webproxy µs, pipeline µs), printed with their difference."""
+    print(f"\n{title}")
+    print(f"  {'':<34} {'webproxy':>9} {'pipeline':>9} {'beyond':>9}")
+    rows = [(name, mine(name), theirs(name)) for name in names]
+    rows.sort(key=lambda row: row[2] - row[1])
+    for name, a, b in rows:
+        print(f"  {name:<34} {a:>9.1f} {b:>9.1f} {a - b:>+9.1f}")
+
+
+def additive(title, webproxy, pipeline):
+    """A table whose rows add up: each of (counter, samples, µs) by name, the names
+    under 1% of both taken together so that the table stays readable."""
+    (w_counter, w_total, w_us), (p_counter, p_total, p_us) = webproxy, pipeline
+    names = sorted(set(w_counter) | set(p_counter))
+    big = [n for n in names if max(w_counter[n] / w_total, p_counter[n] / p_total) >= 0.01]
+    rest = "(the rest, each under 1%)"
+    small = [n for n in names if n not in big]
+    w_rest = sum(w_counter[n] for n in small)
+    p_rest = sum(p_counter[n] for n in small)
+    table(
+        title,
+        big + [rest],
+        lambda n: w_us * (w_rest if n == rest else w_counter[n]) / w_total,
+        lambda n: p_us * (p_rest if n == rest else p_counter[n]) / p_total,
+    )
+
+
+def main():
+    if len(sys.argv) != 5:
+        sys.exit(__doc__)
+    webproxy_path, webproxy_us, pipeline_path, pipeline_us = sys.argv[1:]
+    webproxy_us, pipeline_us = float(webproxy_us), float(pipeline_us)
+    w_total, w_crate, w_asker, w_work = summarize(webproxy_path)
+    p_total, p_crate, p_asker, p_work = summarize(pipeline_path)
+    print(
+        f"CPU per conversation at 256 outstanding, in µs: webproxy {webproxy_us:.1f} "
+        f"({w_total} samples), pipeline {pipeline_us:.1f} ({p_total} samples), "
+        f"beyond {webproxy_us - pipeline_us:+.1f}"
+    )
+    per = lambda counter, total, us: lambda name: us * counter[name] / total
+    additive(
+        "self time by crate, µs per conversation (adds up to the total):",
+        (w_crate, w_total, webproxy_us),
+        (p_crate, p_total, pipeline_us),
+    )
+    additive(
+        "by the code that asked for it, µs per conversation (adds up to the total):",
+        (w_asker, w_total, webproxy_us),
+        (p_asker, p_total, pipeline_us),
+    )
+    table(
+        "inclusive, by kind of work, µs per conversation (rows overlap; lower bounds):",
+        [name for name, _ in WORK],
+        per(w_work, w_total, webproxy_us),
+        per(p_work, p_total, pipeline_us),
+    )
 
 
 if __name__ == "__main__":
