@@ -27,7 +27,6 @@ use opentelemetry_sdk::resource::{EnvResourceDetector, ResourceDetector as _};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use tracing::{Event, Level, Subscriber};
-use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::filter::{FilterExt as _, Targets, filter_fn};
 use tracing_subscriber::fmt::format::Writer;
@@ -35,6 +34,7 @@ use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter}
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{EnvFilter, Registry};
 use webproxy_config::Redactor;
 
 /// Keeps telemetry alive; dropping it exports the spans still buffered.
@@ -235,7 +235,21 @@ pub(crate) fn init_service(
             .with_tracer(provider.tracer("webproxy"))
             .with_filter(spans)
     });
-    let registry = tracing_subscriber::registry().with(traces);
+    tracing_subscriber::registry()
+        .with(layers(traces.map(|traces| traces.boxed()), log, redactor))
+        .init();
+    Ok(TelemetryGuard { provider })
+}
+
+/// One of the service's subscriber layers.
+type ServiceLayer = Box<dyn tracing_subscriber::Layer<Registry> + Send + Sync>;
+
+/// The service's layers: the span exporter's, when there is one, and the log lines'.
+/// A list rather than an `Option` layer for the spans: an absent `Option` layer still
+/// enables every span, and the registry then builds, enters and closes the request and
+/// attempt spans of every conversation for nobody (issue 33's differential profile).
+fn layers(traces: Option<ServiceLayer>, log: &LogConfig, redactor: Redactor) -> Vec<ServiceLayer> {
+    let mut layers: Vec<ServiceLayer> = traces.into_iter().collect();
     // Colour codes only where a person reads them, never in a log file.
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(RedactingStderr { redactor })
@@ -246,19 +260,18 @@ pub(crate) fn init_service(
     let logs = filter(&log.level).and(filter_fn(|metadata| metadata.is_event()));
     if json(log.format) {
         let format = tracing_subscriber::fmt::format().json().flatten_event(true);
-        registry
-            .with(
-                fmt.json()
-                    .with_current_span(false)
-                    .with_span_list(false)
-                    .event_format(JsonWithTraceIds { inner: format })
-                    .with_filter(logs),
-            )
-            .init();
+        layers.push(
+            fmt.json()
+                .with_current_span(false)
+                .with_span_list(false)
+                .event_format(JsonWithTraceIds { inner: format })
+                .with_filter(logs)
+                .boxed(),
+        );
     } else {
-        registry.with(fmt.with_filter(logs)).init();
+        layers.push(fmt.with_filter(logs).boxed());
     }
-    Ok(TelemetryGuard { provider })
+    layers
 }
 
 /// A JSON event format whose lines start with `trace_id` and `span_id` when the event is
@@ -506,6 +519,38 @@ mod tests {
                 .clone(),
         )
         .expect("utf8")
+    }
+
+    #[test]
+    fn without_an_exporter_no_span_is_built_and_logs_still_are() {
+        let spans =
+            || tracing::info_span!(target: "webproxy_dispatcher::conversation::handle", "request");
+        for format in [LogFormat::Json, LogFormat::Text] {
+            let log = LogConfig {
+                format,
+                level: "info".into(),
+            };
+            let subscriber =
+                tracing_subscriber::registry().with(layers(None, &log, Redactor::default()));
+            tracing::subscriber::with_default(subscriber, || {
+                assert!(
+                    spans().is_disabled(),
+                    "{format:?}: a span was built for nobody"
+                );
+                assert!(tracing::event_enabled!(target: "webproxy_dispatcher", Level::INFO));
+            });
+            // With a layer that takes spans, the same span is built.
+            let traces = tracing_subscriber::fmt::layer()
+                .with_writer(std::io::sink)
+                .with_filter(Targets::new().with_target("webproxy_dispatcher", Level::INFO))
+                .boxed();
+            let subscriber = tracing_subscriber::registry().with(layers(
+                Some(traces),
+                &log,
+                Redactor::default(),
+            ));
+            tracing::subscriber::with_default(subscriber, || assert!(!spans().is_disabled()));
+        }
     }
 
     struct Capturing(RedactingStderr);
