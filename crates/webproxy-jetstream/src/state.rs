@@ -340,7 +340,10 @@ impl StateBucket {
         if let Some(store) = store.as_ref() {
             return Ok(store.clone());
         }
-        let opened = self.open().await?;
+        // Boxed: the lookup-or-make future is about 9 KB, and inline it would make this
+        // one, and every conversation's handler that awaits it, carry and move those
+        // bytes on every call though the handle is almost always kept already.
+        let opened = Box::pin(self.open()).await?;
         *store = Some(opened.clone());
         Ok(opened)
     }

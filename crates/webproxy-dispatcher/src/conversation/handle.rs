@@ -42,10 +42,13 @@ pub(crate) async fn handle(
         backoff_ms = field::Empty,
     );
     let parent = trace::extract(message.headers.as_ref());
+    // Boxed: inline, the delivery's future (kilobytes) would be copied at each of the
+    // wrappers it passes through (the span, the task-local context) and make this
+    // future, which the pull loop boxes and moves, twice its size (issue 33).
     trace::in_request(
         span,
         parent,
-        handle_delivery(shared, pool, message, liveness),
+        Box::pin(handle_delivery(shared, pool, message, liveness)),
     )
     .await;
 }

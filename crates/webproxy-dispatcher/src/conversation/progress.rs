@@ -217,7 +217,7 @@ impl Progress {
         F: Future<Output = Result<T, ProgressError>>,
     {
         let (bucket, health) = match &self.handle {
-            Handle::Operator(store) => return operation(kv::Store::clone(store)).await,
+            Handle::Operator(store) => return Box::pin(operation(kv::Store::clone(store))).await,
             Handle::Service { bucket, health } => (bucket, health),
         };
         let mut failures = 0u32;
@@ -227,7 +227,10 @@ impl Progress {
                 _ if crate::hooks::progress_outage() => {
                     Err(nats_error(key, "test hook: the progress bucket is out"))
                 }
-                Ok(store) => operation(store).await,
+                // Boxed: a key-value operation's future is kilobytes, which every
+                // handler that may await one (most never do) would otherwise carry and
+                // move (issue 33).
+                Ok(store) => Box::pin(operation(store)).await,
                 Err(e) => Err(nats_error(key, e)),
             };
             let error = match result {
