@@ -24,9 +24,11 @@ bench=$!
 trap 'kill "$bench" 2>/dev/null || true' EXIT
 
 # record NAME PROCESS: waits for the bench's second "measuring NAME at 256" (the first
-# is the warm-up), then records PROCESS (a path under the target dir) into NAME.data.
+# is the warm-up), then records PROCESS (a path under the target dir) into NAME.data
+# and, at once, the nats-server the line names into NAME-nats.data (no call graphs:
+# its self time by function is what the summary reads).
 record() {
-    local name="$1" process="$2" pid
+    local name="$1" process="$2" pid nats line
     for _ in $(seq 1200); do
         [[ "$(grep -c "measuring $name at 256 on pool default" "$log")" -ge 2 ]] && break
         kill -0 "$bench" 2>/dev/null || { cat "$log" >&2; exit 1; }
@@ -34,9 +36,15 @@ record() {
     done
     pid="$(pgrep -f "^$target/release/$process" | head -n1)"
     [[ -n "$pid" ]] || { echo "no $process process found" >&2; exit 1; }
+    line="$(grep "measuring $name at 256 on pool default" "$log" | tail -n1)"
+    nats="$(sed -E 's/.*\(nats-server ([0-9]+)\).*/\1/' <<<"$line")"
     sleep 1
+    perf record -F 499 -e cpu-clock -p "$nats" -o "$out/$name-nats.data" -- sleep "$seconds" >/dev/null 2>&1 &
+    local server=$!
     perf record -F 499 -e cpu-clock --call-graph dwarf,16384 -p "$pid" -o "$out/$name.data" -- sleep "$seconds" >&2
+    wait "$server"
     perf script -i "$out/$name.data" --no-inline -F comm,tid,ip,sym 2>/dev/null >"$out/$name.script"
+    perf script -i "$out/$name-nats.data" -F ip,sym 2>/dev/null >"$out/$name-nats.script"
 }
 record webproxy "webproxy serve"
 record pipeline "webproxy-pipeline"
@@ -46,3 +54,6 @@ grep -E "^(mode|webproxy|pipeline) " "$log" || true
 # The service CPU per conversation of each (the rows' `svc µs`), which the samples' shares divide.
 svc() { awk -v mode="$1" '$1 == mode && $2 == 256 { print $9; exit }' "$log"; }
 python3 scripts/profile_summary.py "$out/webproxy.script" "$(svc webproxy)" "$out/pipeline.script" "$(svc pipeline)"
+# And each one's nats-server: its CPU per conversation (the rows' `nats µs`) by function.
+nats() { awk -v mode="$1" '$1 == mode && $2 == 256 { print $10; exit }' "$log"; }
+python3 scripts/profile_summary.py --nats "$out/webproxy-nats.script" "$(nats webproxy)" "$out/pipeline-nats.script" "$(nats pipeline)"

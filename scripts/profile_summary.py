@@ -3,6 +3,7 @@
 webproxy's and the minimal pipeline's (issue 33's differential profile).
 
     profile_summary.py WEBPROXY.script WEBPROXY_US PIPELINE.script PIPELINE_US
+    profile_summary.py --nats WEBPROXY_NATS.script US PIPELINE_NATS.script US
 
 Each *_US is the process's CPU per conversation (the bench row's `svc µs`), which a
 group's share of the samples turns into µs per conversation. Two tables, each with
@@ -14,6 +15,10 @@ webproxy's µs, the pipeline's, and the difference, largest first:
 - inclusive, by kind of work (a sample counts for every kind one of its frames belongs
   to, so the rows overlap). Stacks are often cut short in deep async code, so
   inclusive figures are lower bounds.
+
+With --nats, the two recordings are of each one's nats-server (`perf script -F ip,sym`,
+no call graphs) and *_US its CPU per conversation (`nats µs`): self time by function,
+the largest differences first, and by kind (Go runtime, kernel, the server's own code).
 """
 
 import re
@@ -72,11 +77,18 @@ def crate(frame):
 GENERIC = {"allocator", "memcpy/memmove", "core", "alloc", "std", "hashbrown", "bytes", "tokio", "kernel, libc, unknown"}
 
 
+# Futures that wrap another: the wrapped future's body is often inlined into their
+# poll, so a sample whose innermost named frame is one of these is that body's work.
+WRAPPERS = r"Instrumented<T>|TrackedFuture<F>|TaskLocalFuture<T,F>|Timeout<T>|PollFn<F>|Pin<P> as core::future"
+
+
 def asker(stack):
     """The innermost frame's owner outside GENERIC: a webproxy crate's module, another
-    crate, or, when every frame is generic, the runtime itself (polling, parking,
-    waking)."""
+    crate, the body of a future inlined into a wrapper's poll, or, when every frame is
+    generic, the runtime itself (polling, parking, waking)."""
     for frame in stack:
+        if re.search(WRAPPERS, frame):
+            return "(future bodies inlined into a wrapper)"
         owner = crate(frame)
         if owner in GENERIC:
             continue
@@ -110,11 +122,11 @@ def summarize(path):
 def table(title, names, mine, theirs):
     """Rows of (name, webproxy µs, pipeline µs), printed with their difference."""
     print(f"\n{title}")
-    print(f"  {'':<34} {'webproxy':>9} {'pipeline':>9} {'beyond':>9}")
+    print(f"  {'':<40} {'webproxy':>9} {'pipeline':>9} {'beyond':>9}")
     rows = [(name, mine(name), theirs(name)) for name in names]
     rows.sort(key=lambda row: row[2] - row[1])
     for name, a, b in rows:
-        print(f"  {name:<34} {a:>9.1f} {b:>9.1f} {a - b:>+9.1f}")
+        print(f"  {name:<40} {a:>9.1f} {b:>9.1f} {a - b:>+9.1f}")
 
 
 def additive(title, webproxy, pipeline):
@@ -135,7 +147,57 @@ def additive(title, webproxy, pipeline):
     )
 
 
+def flat_samples(path):
+    """The sampled function of each line of `perf script -F ip,sym`."""
+    with open(path, errors="replace") as lines:
+        for line in lines:
+            parts = line.split(None, 1)
+            if parts:
+                yield re.sub(r"\+0x[0-9a-f]+$", "", parts[1].strip()) if len(parts) > 1 else "[unknown]"
+
+
+def nats_kind(function):
+    if function.startswith("runtime."):
+        return "Go runtime (scheduler, GC, memory)"
+    if "nats-server" in function:
+        return "nats-server's own code"
+    if function.startswith(("syscall.", "internal/poll.", "net.", "os.")):
+        return "Go syscalls and network"
+    if function.startswith("[unknown]"):
+        return "unknown"
+    if re.match(r"^[a-z_0-9]+$", function) or function.startswith("__"):
+        return "kernel"
+    return "other Go packages"
+
+
+def nats_main(webproxy_path, webproxy_us, pipeline_path, pipeline_us):
+    w = Counter(flat_samples(webproxy_path))
+    p = Counter(flat_samples(pipeline_path))
+    w_total, p_total = sum(w.values()), sum(p.values())
+    if not (w_total and p_total):
+        sys.exit("no nats-server samples")
+    print(
+        f"nats-server CPU per conversation at 256 outstanding, in µs: webproxy's "
+        f"{webproxy_us:.1f} ({w_total} samples), the pipeline's {pipeline_us:.1f} "
+        f"({p_total} samples), beyond {webproxy_us - pipeline_us:+.1f}"
+    )
+    kinds = lambda counter: Counter({k: sum(v for f, v in counter.items() if nats_kind(f) == k) for k in map(nats_kind, counter)})
+    additive("by kind, µs per conversation:", (kinds(w), w_total, webproxy_us), (kinds(p), p_total, pipeline_us))
+    names = set(w) | set(p)
+    diff = lambda n: webproxy_us * w[n] / w_total - pipeline_us * p[n] / p_total
+    largest = sorted(names, key=lambda n: -abs(diff(n)))[:20]
+    table(
+        "the 20 functions that differ most, µs per conversation:",
+        largest,
+        lambda n: webproxy_us * w[n] / w_total,
+        lambda n: pipeline_us * p[n] / p_total,
+    )
+
+
 def main():
+    if len(sys.argv) == 6 and sys.argv[1] == "--nats":
+        _, _, a, a_us, b, b_us = sys.argv
+        return nats_main(a, float(a_us), b, float(b_us))
     if len(sys.argv) != 5:
         sys.exit(__doc__)
     webproxy_path, webproxy_us, pipeline_path, pipeline_us = sys.argv[1:]

@@ -57,8 +57,9 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
     levels: Vec<usize>,
     /// Rounds: every level of every binary is measured once a round, the binaries
-    /// taking turns in an order that alternates from round to round.
-    #[arg(long, default_value_t = 1)]
+    /// taking turns in an order that alternates from round to round. Three by default:
+    /// issue 33's gates are read from the medians of at least three.
+    #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Another webproxy binary to measure beside this build, as NAME=PATH; repeatable.
     #[arg(long = "reference", value_parser = reference)]
@@ -206,9 +207,12 @@ impl Candidate {
         pool: &'static str,
         url: &Arc<str>,
     ) -> anyhow::Result<Sample> {
-        // `just profile` starts recording when it reads this.
-        eprintln!("measuring {} at {concurrency} on pool {pool}", self.name);
         let pid = self.nats_pid()?;
+        // `just profile` starts recording when it reads this, the server too.
+        eprintln!(
+            "measuring {} at {concurrency} on pool {pool} (nats-server {pid})",
+            self.name
+        );
         let service = Some(self.server.pid());
         let before = Counters::read(http, service, pid, &self.monitoring).await?;
         let figures = closed_loop(concurrency, duration, {
