@@ -108,10 +108,10 @@ pub(crate) fn print(gates: &[Gate], pipeline_vs_broker: Option<f64>) {
     }
     match pipeline_vs_broker {
         Some(r) if r >= PIPELINE_FLOOR => println!(
-            "  the pipeline reached {r:.2} of the broker-only loop's throughput at {HIGH} (>= {PIPELINE_FLOOR}): a fair measure"
+            "  the pipeline reached {r:.3} of the broker-only loop's throughput at {HIGH} (>= {PIPELINE_FLOOR}): a fair measure"
         ),
         Some(r) => println!(
-            "  the pipeline reached only {r:.2} of the broker-only loop's throughput at {HIGH} (< {PIPELINE_FLOOR}): too slow to measure webproxy by; the gates do not count"
+            "  the pipeline reached only {r:.3} of the broker-only loop's throughput at {HIGH} (< {PIPELINE_FLOOR}): too slow to measure webproxy by; the gates do not count"
         ),
         None => println!("  the pipeline or the broker-only loop was not measured at {HIGH}"),
     }

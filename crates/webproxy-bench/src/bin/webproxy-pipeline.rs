@@ -55,11 +55,31 @@ struct Envelope<'a> {
     metadata: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
+/// A header's value in the envelope and the reply: a string, or an array when repeated.
+#[derive(Deserialize, Serialize)]
 #[serde(untagged)]
 enum OneOrMany<'a> {
     One(&'a str),
     Many(Vec<&'a str>),
+}
+
+impl<'a> Default for OneOrMany<'a> {
+    fn default() -> Self {
+        OneOrMany::Many(Vec::new())
+    }
+}
+
+impl<'a> OneOrMany<'a> {
+    fn push(&mut self, value: &'a str) {
+        *self = match std::mem::take(self) {
+            OneOrMany::Many(values) if values.is_empty() => OneOrMany::One(value),
+            OneOrMany::One(first) => OneOrMany::Many(vec![first, value]),
+            OneOrMany::Many(mut values) => {
+                values.push(value);
+                OneOrMany::Many(values)
+            }
+        };
+    }
 }
 
 #[derive(Serialize)]
@@ -69,8 +89,9 @@ struct Reply<'a> {
     outcome: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<u16>,
+    /// A repeated header is an array.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    headers: BTreeMap<&'a str, &'a str>,
+    headers: BTreeMap<&'a str, OneOrMany<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     body: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -100,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         let consumer = provision(&js, &pool, limit).await?;
         let (js, nats, http) = (js.clone(), nats.clone(), http.clone());
         pools.push(tokio::spawn(async move {
-            let batch = usize::try_from(limit.clamp(1, 256)).unwrap_or(256);
+            let batch = usize::try_from(limit.clamp(1, 512)).unwrap_or(512);
             let mut messages = consumer
                 .stream()
                 .max_messages_per_batch(batch)
@@ -209,11 +230,7 @@ async fn converse(
     let response = match request.send().await {
         Ok(response) => {
             let status = response.status().as_u16();
-            let headers: Vec<(String, String)> = response
-                .headers()
-                .iter()
-                .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
-                .collect();
+            let headers = response.headers().clone();
             response.bytes().await.map(|body| (status, headers, body))
         }
         Err(e) => Err(e),
@@ -235,10 +252,11 @@ async fn converse(
     let payload = match &response {
         Ok((status, headers, body)) => {
             reply.status = Some(*status);
-            reply.headers = headers
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_str()))
-                .collect();
+            for (name, value) in headers {
+                if let Ok(value) = value.to_str() {
+                    reply.headers.entry(name.as_str()).or_default().push(value);
+                }
+            }
             match std::str::from_utf8(body) {
                 Ok(text) => reply.body = Some(text),
                 Err(_) => reply.body_base64 = Some(BASE64_STANDARD.encode(body)),
