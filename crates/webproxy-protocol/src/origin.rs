@@ -36,6 +36,12 @@ impl Origin {
     pub fn generation_key(&self, generation: u64) -> String {
         format!("{self}:{generation}")
     }
+
+    /// The message id of `generation`'s stored reply, `<STREAM>:<seq>:<generation>:reply`,
+    /// the same on every copy that carries one (the stored reply, a `reply_to` copy).
+    pub fn reply_msg_id(&self, generation: u64) -> String {
+        format!("{}:reply", self.generation_key(generation))
+    }
 }
 
 impl fmt::Display for Origin {

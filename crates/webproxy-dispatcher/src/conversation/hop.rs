@@ -261,12 +261,6 @@ pub(crate) fn due_msg_id(token: &str) -> String {
     format!("due:{token}")
 }
 
-/// The message id of a conversation's stored reply: `<STREAM>:<seq>:<generation>:reply`.
-/// The replies stream is the service's alone, so the id needs no secret.
-pub(crate) fn reply_msg_id(origin: &Origin, generation: u64) -> String {
-    format!("{}:reply", origin.generation_key(generation))
-}
-
 /// The message id of a conversation's dead letter: `<STREAM>:<seq>:<generation>:dead`.
 pub(crate) fn dead_msg_id(origin: &Origin, generation: u64) -> String {
     format!("{}:dead", origin.generation_key(generation))
@@ -462,7 +456,7 @@ mod tests {
     #[test]
     fn message_ids() {
         let origin = Origin::new("WEBPROXY_POOL_DEFAULT", 42);
-        assert_eq!(reply_msg_id(&origin, 1), "WEBPROXY_POOL_DEFAULT:42:1:reply");
+        assert_eq!(origin.reply_msg_id(1), "WEBPROXY_POOL_DEFAULT:42:1:reply");
         assert_eq!(dead_msg_id(&origin, 0), "WEBPROXY_POOL_DEFAULT:42:0:dead");
         assert_eq!(hop_msg_id(HopKind::Park, "ab"), "park:ab");
         assert_eq!(hop_msg_id(HopKind::Move, "ab"), "move:ab");

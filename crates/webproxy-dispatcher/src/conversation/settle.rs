@@ -19,7 +19,7 @@ use super::progress::{ProgressError, Record};
 use super::publish::{Outlet, PublishFailure, Stored, publish_live, publish_stored};
 use super::stored_reply::{Kept, store_once};
 use super::{Conversation, Underway};
-use crate::conversation::hop::{HopKind, HopState, hop_msg_id, new_token, reply_msg_id};
+use crate::conversation::hop::{HopKind, HopState, hop_msg_id, new_token};
 use crate::conversation::outbox::{EncodedReply, error_reply, minimal_reply};
 use crate::hooks;
 use crate::observability::trace;
@@ -300,7 +300,7 @@ async fn recopy(
 /// read the replies stream) then stores each generation's final reply once, however
 /// often a redelivery copies it again within its stream's duplicate window.
 fn reply_to_headers(mut headers: HeaderMap, origin: &Origin, generation: u64) -> HeaderMap {
-    headers.insert(header::MSG_ID, reply_msg_id(origin, generation).as_str());
+    headers.insert(header::MSG_ID, origin.reply_msg_id(generation).as_str());
     headers
 }
 
@@ -344,7 +344,9 @@ async fn store_ending(
             stored_headers.insert(header::REPLY_TO, reply_to);
         }
         let subject = outlet.subjects.stored_reply(id, conversation.origin());
-        let msg_id = reply_msg_id(conversation.origin(), conversation.generation());
+        let msg_id = conversation
+            .origin()
+            .reply_msg_id(conversation.generation());
         let stored = Stored {
             subject: &subject,
             msg_id: &msg_id,
@@ -481,7 +483,7 @@ mod tests {
         );
         assert_eq!(
             copy.get(header::MSG_ID).map(|v| v.as_str().to_string()),
-            Some(reply_msg_id(&origin, 0)),
+            Some(origin.reply_msg_id(0)),
             "the same id as the stored reply's, so every copy of it is one message"
         );
         // The rest of the copy is untouched.
