@@ -6,21 +6,25 @@
 //! `webproxy.reply.<id>`, ack. No rules, retries, logs or metrics: it sends exactly the
 //! NATS messages the contract requires, so what webproxy sends and spends beyond it is
 //! webproxy's own. The envelope's optional `reply_to`, `timeout_ms`, `deadline` and
-//! `body_base64` are not read: the bench sends none.
+//! `body_base64` are not read: the bench sends none. The names (subjects, streams,
+//! headers, message ids) are the protocol crate's, so they are webproxy's by
+//! construction; the work on them is this file's.
 //!
 //! `webproxy-pipeline --nats URL --pool default=512 --pool slot=1`
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, AckKind, consumer, context::PublishErrorKind, stream};
-use base64::prelude::*;
 use bytes::Bytes;
 use clap::Parser;
 use futures::StreamExt as _;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::value::RawValue;
+use webproxy_protocol::{
+    ErrorBody, ErrorCode, HeaderValue, Headers, Origin, Reply, ReplyBody, Subjects,
+    collect_headers, header, validate_id,
+};
 
 // As webproxy's binary: the allocator is no part of the difference measured.
 #[global_allocator]
@@ -43,65 +47,17 @@ fn pool(arg: &str) -> Result<(String, i64), String> {
     ))
 }
 
+/// The envelope's fields the call needs, read without webproxy's validation: the
+/// reply and the names are the protocol crate's own.
 #[derive(Deserialize)]
 struct Envelope<'a> {
     id: &'a str,
     method: &'a str,
     url: &'a str,
     #[serde(default)]
-    headers: BTreeMap<&'a str, OneOrMany<'a>>,
+    headers: Headers,
     body: Option<String>,
-    #[serde(borrow)]
-    metadata: Option<&'a RawValue>,
-}
-
-/// A header's value in the envelope and the reply: a string, or an array when repeated.
-#[derive(Deserialize, Serialize)]
-#[serde(untagged)]
-enum OneOrMany<'a> {
-    One(&'a str),
-    Many(Vec<&'a str>),
-}
-
-impl<'a> Default for OneOrMany<'a> {
-    fn default() -> Self {
-        OneOrMany::Many(Vec::new())
-    }
-}
-
-impl<'a> OneOrMany<'a> {
-    fn push(&mut self, value: &'a str) {
-        *self = match std::mem::take(self) {
-            OneOrMany::Many(values) if values.is_empty() => OneOrMany::One(value),
-            OneOrMany::One(first) => OneOrMany::Many(vec![first, value]),
-            OneOrMany::Many(mut values) => {
-                values.push(value);
-                OneOrMany::Many(values)
-            }
-        };
-    }
-}
-
-#[derive(Serialize)]
-struct Reply<'a> {
-    v: u8,
-    id: &'a str,
-    outcome: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    status: Option<u16>,
-    /// A repeated header is an array.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    headers: BTreeMap<&'a str, OneOrMany<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    body: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    body_base64: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<serde_json::Value>,
-    attempts: u32,
-    duration_ms: i128,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    metadata: Option<&'a RawValue>,
+    metadata: Option<Box<RawValue>>,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -111,6 +67,7 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let nats = async_nats::connect(&args.nats).await?;
     let js = jetstream::new(nats.clone());
+    let subjects = Subjects::new("webproxy")?;
     let http = reqwest::Client::builder()
         .no_proxy()
         .redirect(reqwest::redirect::Policy::none())
@@ -118,8 +75,8 @@ async fn main() -> anyhow::Result<()> {
         .build()?;
     let mut pools = Vec::new();
     for (pool, limit) in args.pools {
-        let consumer = provision(&js, &pool, limit).await?;
-        let (js, nats, http) = (js.clone(), nats.clone(), http.clone());
+        let consumer = provision(&js, &subjects, &pool, limit).await?;
+        let (js, nats, http, subjects) = (js.clone(), nats.clone(), http.clone(), subjects.clone());
         pools.push(tokio::spawn(async move {
             let batch = usize::try_from(limit.clamp(1, 512)).unwrap_or(512);
             let mut messages = consumer
@@ -129,10 +86,11 @@ async fn main() -> anyhow::Result<()> {
                 .await?;
             while let Some(message) = messages.next().await {
                 let message = message?;
-                let (js, nats, http) = (js.clone(), nats.clone(), http.clone());
+                let (js, nats, http, subjects) =
+                    (js.clone(), nats.clone(), http.clone(), subjects.clone());
                 tokio::spawn(async move {
                     // Left unacked: the server redelivers it.
-                    if let Err(e) = converse(&js, &nats, &http, message).await {
+                    if let Err(e) = converse(&js, &nats, &http, &subjects, message).await {
                         eprintln!("{e:#}");
                     }
                 });
@@ -150,25 +108,23 @@ async fn main() -> anyhow::Result<()> {
 /// The pool's streams and its work consumer, as webproxy names them.
 async fn provision(
     js: &jetstream::Context,
+    subjects: &Subjects,
     pool: &str,
     limit: i64,
 ) -> anyhow::Result<consumer::PullConsumer> {
-    let name = format!("WEBPROXY_POOL_{}", pool.to_ascii_uppercase());
+    let name = subjects.pool_stream(pool);
     let work = js
         .get_or_create_stream(stream::Config {
             name: name.clone(),
-            subjects: vec![
-                format!("webproxy.request.{pool}"),
-                format!("webproxy.request.{pool}.*"),
-            ],
+            subjects: vec![subjects.request(pool), subjects.caller_requests(pool)],
             retention: stream::RetentionPolicy::WorkQueue,
             duplicate_window: Duration::from_secs(120),
             ..Default::default()
         })
         .await?;
     js.get_or_create_stream(stream::Config {
-        name: format!("{name}_REPLIES"),
-        subjects: vec![format!("webproxy.reply.*.{name}.*")],
+        name: subjects.pool_replies_stream(&name),
+        subjects: vec![subjects.pool_replies_filter(&name)],
         max_age: Duration::from_secs(15 * 60),
         // As the bench's webproxy runs (the test fixture's 64 MiB).
         max_bytes: 64 << 20,
@@ -196,18 +152,15 @@ async fn converse(
     js: &jetstream::Context,
     nats: &async_nats::Client,
     http: &reqwest::Client,
+    subjects: &Subjects,
     message: jetstream::Message,
 ) -> anyhow::Result<()> {
     let info = message.info().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let (stream, seq, published) = (info.stream.to_owned(), info.stream_sequence, info.published);
+    let origin = Origin::new(info.stream, info.stream_sequence);
+    let published = info.published;
     let parsed = serde_json::from_slice::<Envelope>(&message.payload);
     // The id names subjects: only the protocol's characters.
-    let Some(envelope) = parsed.ok().filter(|e| {
-        (1..=128).contains(&e.id.len())
-            && e.id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    }) else {
+    let Some(mut envelope) = parsed.ok().filter(|e| validate_id(e.id).is_ok()) else {
         return message
             .ack_with(AckKind::Term)
             .await
@@ -217,86 +170,72 @@ async fn converse(
     let mut request = http.request(method, envelope.url);
     for (name, value) in &envelope.headers {
         let values = match value {
-            OneOrMany::One(v) => std::slice::from_ref(v),
-            OneOrMany::Many(vs) => vs.as_slice(),
+            HeaderValue::One(v) => std::slice::from_ref(v),
+            HeaderValue::Many(vs) => vs.as_slice(),
         };
         for v in values {
-            request = request.header(*name, *v);
+            request = request.header(name, v);
         }
     }
-    if let Some(body) = envelope.body.clone() {
+    if let Some(body) = envelope.body.take() {
         request = request.body(body);
     }
     let response = match request.send().await {
         Ok(response) => {
             let status = response.status().as_u16();
-            let headers = response.headers().clone();
+            let headers = collect_headers(
+                response
+                    .headers()
+                    .iter()
+                    .filter_map(|(n, v)| Some((n.as_str(), v.to_str().ok()?.to_owned()))),
+            );
             response.bytes().await.map(|body| (status, headers, body))
         }
         Err(e) => Err(e),
     };
-    let duration_ms = (time::OffsetDateTime::now_utc() - published).whole_milliseconds();
-    let mut reply = Reply {
-        v: 1,
-        id: envelope.id,
-        outcome: "response",
-        status: None,
-        headers: BTreeMap::new(),
-        body: None,
-        body_base64: None,
-        error: None,
-        attempts: 1,
-        duration_ms,
-        metadata: envelope.metadata,
-    };
-    let payload = match &response {
+    let elapsed = time::OffsetDateTime::now_utc() - published;
+    let duration_ms = u64::try_from(elapsed.whole_milliseconds()).unwrap_or(0);
+    let id = envelope.id.to_owned();
+    let reply = match response {
         Ok((status, headers, body)) => {
-            reply.status = Some(*status);
-            for (name, value) in headers {
-                if let Ok(value) = value.to_str() {
-                    reply.headers.entry(name.as_str()).or_default().push(value);
-                }
-            }
-            match std::str::from_utf8(body) {
-                Ok(text) => reply.body = Some(text),
-                Err(_) => reply.body_base64 = Some(BASE64_STANDARD.encode(body)),
-            }
-            serde_json::to_vec(&reply)?
+            let body = ReplyBody::encode(body.to_vec());
+            Reply::response(id, status, headers, body, 1, duration_ms, envelope.metadata)
         }
         Err(e) => {
-            reply.outcome = "error";
-            reply.error =
-                Some(serde_json::json!({"code": "transport_error", "message": e.to_string()}));
-            serde_json::to_vec(&reply)?
+            let error = ErrorBody {
+                code: ErrorCode::TransportError,
+                message: e.to_string(),
+                status: None,
+            };
+            Reply::error(id, error, 1, duration_ms, envelope.metadata)
         }
     };
-    let origin = format!("{stream}:{seq}");
+    let mut payload = Bytes::from(serde_json::to_vec(&reply)?);
     let mut headers = HeaderMap::new();
-    headers.insert("Webproxy-Outcome", reply.outcome);
-    headers.insert("Webproxy-Generation", "0");
-    headers.insert("Webproxy-Origin", origin.as_str());
-    let mut stored = headers.clone();
-    stored.insert("Nats-Msg-Id", format!("{origin}:0:reply").as_str());
-    stored.insert("Nats-Expected-Last-Subject-Sequence", "0");
-    let subject = format!("webproxy.reply.{}.{stream}.{seq}", envelope.id);
-    let mut payload = Bytes::from(payload);
-    match js
-        .publish_with_headers(subject.clone(), stored, payload.clone())
-        .await?
-        .await
-    {
-        Ok(_) => {}
-        // Another delivery of this message stored its reply first: send that one.
-        Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => {
-            let replies = js.get_stream(format!("{stream}_REPLIES")).await?;
-            payload = replies
-                .get_last_raw_message_by_subject(&subject)
-                .await?
-                .payload;
-        }
+    headers.insert(header::OUTCOME, reply.outcome.as_str());
+    headers.insert(header::GENERATION, "0");
+    headers.insert(header::ORIGIN, origin.to_string().as_str());
+    let subject = subjects.stored_reply(envelope.id, &origin);
+    let stored = jetstream::message::PublishMessage::build()
+        .payload(payload.clone())
+        .headers(headers.clone())
+        .message_id(origin.reply_msg_id(0))
+        .expected_last_subject_sequence(0);
+    let first = match js.send_publish(subject.clone(), stored).await?.await {
+        Ok(ack) => !ack.duplicate,
+        Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => false,
         Err(e) => return Err(e.into()),
+    };
+    // Another delivery of this message stored its reply first (refused, or a duplicate
+    // of its message id): send that one, never a second body.
+    if !first {
+        let replies = js.get_stream(subjects.replies_stream_of(&origin)).await?;
+        payload = replies
+            .get_last_raw_message_by_subject(&subject)
+            .await?
+            .payload;
     }
-    nats.publish_with_headers(format!("webproxy.reply.{}", envelope.id), headers, payload)
+    nats.publish_with_headers(subjects.reply(envelope.id), headers, payload)
         .await?;
     message.ack().await.map_err(|e| anyhow::anyhow!("{e}"))
 }
