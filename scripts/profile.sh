@@ -51,9 +51,8 @@ record pipeline "webproxy-pipeline"
 wait "$bench"
 trap - EXIT
 grep -E "^(mode|webproxy|pipeline) " "$log" || true
-# The service CPU per conversation of each (the rows' `svc µs`), which the samples' shares divide.
-svc() { awk -v mode="$1" '$1 == mode && $2 == 256 { print $9; exit }' "$log"; }
-python3 scripts/profile_summary.py "$out/webproxy.script" "$(svc webproxy)" "$out/pipeline.script" "$(svc pipeline)"
-# And each one's nats-server: its CPU per conversation (the rows' `nats µs`) by function.
-nats() { awk -v mode="$1" '$1 == mode && $2 == 256 { print $10; exit }' "$log"; }
-python3 scripts/profile_summary.py --nats "$out/webproxy-nats.script" "$(nats webproxy)" "$out/pipeline-nats.script" "$(nats pipeline)"
+# cost MODE FIELD: a figure of MODE's row at 256, which the samples' shares divide:
+# field 9 is the service's CPU per conversation (`svc µs`), 10 its nats-server's.
+cost() { awk -v mode="$1" -v field="$2" '$1 == mode && $2 == 256 { print $field; exit }' "$log"; }
+python3 scripts/profile_summary.py "$out/webproxy.script" "$(cost webproxy 9)" "$out/pipeline.script" "$(cost pipeline 9)"
+python3 scripts/profile_summary.py --nats "$out/webproxy-nats.script" "$(cost webproxy 10)" "$out/pipeline-nats.script" "$(cost pipeline 10)"

@@ -33,7 +33,7 @@ impl Gate {
 }
 
 /// The level the CPU and throughput gates read most: the one of the figures.
-const HIGH: usize = 256;
+pub(crate) const HIGH: usize = 256;
 
 fn at(measured: &Measured, concurrency: usize) -> Option<&LevelMedian> {
     measured

@@ -739,7 +739,7 @@ async fn main_section(args: &Args) -> anyhow::Result<()> {
     }
     // The pipeline is the second candidate.
     let gates = gates::gates(&binaries[0], &binaries[1]);
-    let high = args.levels.iter().position(|&level| level == 256);
+    let high = args.levels.iter().position(|&level| level == gates::HIGH);
     let pipeline_vs_broker = high.and_then(|i| {
         let broker = median(baselines.iter().map(|b| b.broker[i].figures.rps).collect());
         let pipeline = binaries[1].medians.get(i)?.rps;
