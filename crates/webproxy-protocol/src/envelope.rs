@@ -119,6 +119,11 @@ pub struct RequestEnvelope {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "crate::schema::metadata")]
     pub metadata: Option<Value>,
+    /// Opts in to a response body above the inline limit, stored and named by the
+    /// reply's `body_object`. Needs the request published with a `Nats-Msg-Id` of 128
+    /// random bits (see [`crate::capability_sha256`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub large_body: bool,
 }
 
 /// A validated request envelope.
@@ -137,6 +142,8 @@ pub struct Request {
     pub deadline: Option<OffsetDateTime>,
     /// Echoed verbatim in the reply.
     pub metadata: Option<Box<RawValue>>,
+    /// The caller accepts a stored body (`body_object`) above the inline limit.
+    pub large_body: bool,
 }
 
 /// Why a payload is not a valid request.
@@ -324,6 +331,16 @@ pub fn parse_request(
             ));
         }
     };
+    let large_body = match object.get("large_body") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(opt_in)) => *opt_in,
+        Some(other) => {
+            return Err(fail(
+                "large_body",
+                format!("must be a boolean, found {}", json_kind(other)),
+            ));
+        }
+    };
     Ok(Request {
         id,
         method,
@@ -334,6 +351,7 @@ pub fn parse_request(
         timeout,
         deadline,
         metadata,
+        large_body,
     })
 }
 
@@ -666,6 +684,29 @@ mod tests {
         assert_eq!(req.body, vec![0, 1, 255]);
         assert!(req.reply_to.is_none());
         assert!(req.metadata.is_none());
+    }
+
+    #[test]
+    fn large_body_is_an_opt_in_boolean() {
+        let plain = parse(r#"{"id":"a","method":"GET","url":"http://h/"}"#).expect("valid");
+        assert!(!plain.large_body);
+        let opted = parse(r#"{"id":"a","method":"GET","url":"http://h/","large_body":true}"#)
+            .expect("valid");
+        assert!(opted.large_body);
+        let (field, message, id, _) =
+            invalid_field(r#"{"id":"a","method":"GET","url":"http://h/","large_body":"yes"}"#);
+        assert_eq!(field, "large_body");
+        assert!(message.contains("boolean"), "{message}");
+        assert_eq!(id.as_deref(), Some("a"));
+        // Clients write it only when set, so an envelope without it is as before.
+        let envelope = RequestEnvelope {
+            id: "a".into(),
+            method: "GET".into(),
+            url: "http://h/".into(),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&envelope).expect("json");
+        assert!(!text.contains("large_body"), "{text}");
     }
 
     #[test]

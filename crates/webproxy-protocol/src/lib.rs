@@ -4,6 +4,7 @@
 //! Other teams' clients are written against these shapes, so every field name and
 //! every header name here is part of a published contract.
 
+mod capability;
 mod envelope;
 mod headers;
 mod name;
@@ -12,6 +13,7 @@ mod reply;
 pub mod schema;
 mod subjects;
 
+pub use capability::{capability_sha256, hex_sha256, is_capability};
 pub use envelope::{
     InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, canonical_url, parse_request,
     path_parameter,
@@ -20,7 +22,8 @@ pub use headers::{HeaderValue, Headers, collect_headers, is_hop_by_hop};
 pub use name::InvalidName;
 pub use origin::Origin;
 pub use reply::{
-    AttemptRecord, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody, excerpt, quote,
+    AttemptRecord, BodyObject, DeadLetter, ErrorBody, ErrorCode, Outcome, Reply, ReplyBody,
+    excerpt, quote,
 };
 pub use subjects::{
     CALLER_PLACEHOLDER, DEFAULT_REPLY_TO_ALLOW, SERVICE_INBOX, Subjects, subject_matches,
@@ -62,6 +65,9 @@ pub mod header {
     /// The service's own hop state (origin, generation, step, attempts, times), on its
     /// hop and retry subjects only. Ignored on a caller's request subject.
     pub const HOP: &str = "Webproxy-Hop";
+    /// On a stored body: the SHA-256 of the `Nats-Msg-Id` the request was published
+    /// with, the capability a caller shows to read it through the service.
+    pub const MSG_ID_SHA256: &str = "Webproxy-Msg-Id-Sha256";
     /// The prefix of every header the protocol defines: a caller's are ignored.
     pub const PREFIX: &str = "Webproxy-";
 }

@@ -111,6 +111,21 @@ impl ReplyBody {
     }
 }
 
+/// Where a response body too large to travel inline is stored: an object of a
+/// JetStream Object Store bucket, in the layout every Object Store client reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct BodyObject {
+    /// The Object Store bucket (the pool's body store; a moved conversation's is the
+    /// pool it ran in).
+    pub bucket: String,
+    /// The object's name in the bucket.
+    pub name: String,
+    /// The body's length in bytes.
+    pub size: u64,
+    /// `SHA-256=` and the body's SHA-256 in padded base64url, as Object Store writes it.
+    pub digest: String,
+}
+
 /// The final reply of a conversation.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct Reply {
@@ -127,6 +142,10 @@ pub struct Reply {
     pub headers: Option<Headers>,
     #[serde(flatten)]
     pub body: ReplyBody,
+    /// In place of `body`/`body_base64`: where a stored body is, for a request that
+    /// set `large_body` and got a body above the inline limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_object: Option<BodyObject>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,
     /// HTTP attempts started, a refused connection included.
@@ -158,6 +177,7 @@ impl Reply {
             status: Some(status),
             headers: Some(headers),
             body,
+            body_object: None,
             error: None,
             attempts,
             duration_ms,
@@ -180,6 +200,7 @@ impl Reply {
             status: None,
             headers: None,
             body: ReplyBody::default(),
+            body_object: None,
             error: Some(error),
             attempts,
             duration_ms,

@@ -384,6 +384,30 @@ impl Subjects {
         format!("{}_DEAD", self.pool_stream(pool))
     }
 
+    /// The Object Store bucket that keeps `pool`'s large bodies, `<pool stream>_BODIES`
+    /// (e.g. `WEBPROXY_POOL_DEFAULT_BODIES`), with its own `body_max_bytes`; its stream
+    /// is [`Subjects::object_stream`] of it.
+    pub fn pool_body_bucket(&self, pool: &str) -> String {
+        format!("{}_BODIES", self.pool_stream(pool))
+    }
+
+    /// The stream of Object Store bucket `bucket`, `OBJ_<bucket>`, as every Object
+    /// Store client names it.
+    pub fn object_stream(bucket: &str) -> String {
+        format!("OBJ_{bucket}")
+    }
+
+    /// The subject of `bucket`'s chunks of the object whose chunk token is `token`.
+    pub fn object_chunks(bucket: &str, token: &str) -> String {
+        format!("$O.{bucket}.C.{token}")
+    }
+
+    /// The subject of the metadata of `bucket`'s object `encoded_name` (its name in
+    /// padded base64url).
+    pub fn object_meta(bucket: &str, encoded_name: &str) -> String {
+        format!("$O.{bucket}.M.{encoded_name}")
+    }
+
     /// The subject the retired [`Subjects::replies_stream`] captures once layout 3
     /// took its subjects away: nothing publishes on it. Its only purpose is that the
     /// stream keeps a subject that overlaps no other stream's.
