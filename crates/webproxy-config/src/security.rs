@@ -19,6 +19,10 @@ use crate::secret_source::SecretSource;
 #[serde(deny_unknown_fields)]
 pub struct OutboundConfig {
     pub max_response_bytes: ByteLimit,
+    /// The largest body a request that set `large_body` may get, stored; absent from
+    /// documents older than large bodies.
+    #[serde(default = "default_max_large_body")]
+    pub max_large_body: u64,
     /// The address guard; see `crate::security`.
     pub allow_private_networks: bool,
     pub allow_cidrs: Vec<String>,
@@ -37,6 +41,11 @@ pub struct OutboundConfig {
     pub dns_max_concurrent: usize,
     /// DNS servers (`IP` or `IP:port`) asked instead of /etc/resolv.conf's.
     pub dns_servers: Vec<String>,
+}
+
+/// 64 MiB, as `config/default.toml` ships it.
+fn default_max_large_body() -> u64 {
+    64 << 20
 }
 
 impl OutboundConfig {
@@ -93,6 +102,8 @@ impl<'de> Deserialize<'de> for ByteLimit {
 pub struct Outbound {
     /// Resolved against the server's `max_payload` at start.
     pub max_response_bytes: ByteLimit,
+    /// The largest stored body of a request that set `large_body`.
+    pub max_large_body: u64,
     pub guard: AddressGuard,
     pub max_request_bytes: u64,
     pub max_headers: usize,
@@ -169,6 +180,7 @@ impl Outbound {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Outbound {
             max_response_bytes: config.max_response_bytes,
+            max_large_body: config.max_large_body,
             guard: AddressGuard {
                 allow_private_networks: config.allow_private_networks,
                 allow: parse_cidrs("outbound.allow_cidrs", &config.allow_cidrs)?,
@@ -364,6 +376,7 @@ mod tests {
     fn outbound(allow: &[&str], deny: &[&str]) -> OutboundConfig {
         OutboundConfig {
             max_response_bytes: ByteLimit::Auto,
+            max_large_body: default_max_large_body(),
             allow_private_networks: false,
             allow_cidrs: allow.iter().map(|s| s.to_string()).collect(),
             deny_cidrs: deny.iter().map(|s| s.to_string()).collect(),

@@ -25,12 +25,21 @@ pub struct StreamsConfig {
     #[serde(with = "humantime_serde")]
     pub dead_max_age: Duration,
     pub dead_max_bytes: i64,
+    /// Each pool's body store budget (its Object Store stream's `max_bytes`); absent
+    /// from documents older than large bodies.
+    #[serde(default = "default_body_max_bytes")]
+    pub body_max_bytes: i64,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
     /// The pool streams' duplicate window: a caller's publish retried with the same
     /// `Nats-Msg-Id` within it is stored once and gets the same origin.
     #[serde(with = "humantime_serde")]
     pub duplicate_window: Duration,
+}
+
+/// 1 GiB, as `config/default.toml` ships it.
+fn default_body_max_bytes() -> i64 {
+    1 << 30
 }
 
 impl StreamsConfig {

@@ -17,6 +17,7 @@ use async_nats::jetstream::{self, consumer, kv, stream};
 use thiserror::Error;
 use tracing::{error, info, warn};
 use webproxy_config::settings::{PoolConfig, Settings};
+use webproxy_protocol::Subjects;
 
 use crate::state::Bucket;
 

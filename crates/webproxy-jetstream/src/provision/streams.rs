@@ -161,6 +161,35 @@ pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream
     )
 }
 
+/// The stream of `pool`'s body store: an Object Store bucket's stream in the layout
+/// Object Store clients read (`OBJ_<bucket>`, chunks and metadata subjects), made by
+/// the service itself because `create_object_store` sets none of what it needs:
+/// `body_max_bytes` with discard new (a full store refuses a body, evicting none),
+/// rollups for the metadata, direct get for lookups by subject, and per-message TTLs
+/// (which, once allowed, a stream cannot drop) as every body's lifetime.
+pub fn pool_body_store_config(settings: &Settings, pool: &str) -> stream::Config {
+    let bucket = settings.subjects.pool_body_bucket(pool);
+    stream::Config {
+        name: Subjects::object_stream(&bucket),
+        description: Some(format!(
+            "webproxy pool {pool}: large bodies (Object Store bucket {bucket})"
+        )),
+        subjects: vec![
+            Subjects::object_chunks(&bucket, ">"),
+            Subjects::object_meta(&bucket, ">"),
+        ],
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        num_replicas: settings.streams.replicas,
+        max_bytes: settings.streams.body_max_bytes,
+        discard: stream::DiscardPolicy::New,
+        allow_rollup: true,
+        allow_direct: true,
+        allow_message_ttl: true,
+        ..Default::default()
+    }
+}
+
 /// A first sequence no earlier incarnation of a pool stream can have used: the current
 /// Unix time in microseconds, so origins never repeat across a `pools remove` and a
 /// re-add. ([`crate::clock::now`]: at start, before any skew is measured, this pod's.)
