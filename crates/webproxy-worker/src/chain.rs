@@ -17,7 +17,7 @@ use url::{Origin, Url};
 use webproxy_protocol::Method;
 
 use crate::redirect::{Redirect, is_content_header, redirect};
-use crate::{AttemptOutcome, AttemptRequest, FailureKind, TransportFailure, Worker};
+use crate::{AttemptOutcome, AttemptRequest, FailureKind, LargeBody, TransportFailure, Worker};
 
 /// What the worker must not know, given by the dispatcher: which legs the rules allow
 /// and with which headers, and which values are secret.
@@ -108,7 +108,19 @@ impl Worker {
         first: Leg,
         request: ChainRequest<'_>,
     ) -> Chain {
-        let mut chain = self.run(policy, first, request).await;
+        self.perform_large(policy, first, request, None).await
+    }
+
+    /// [`Worker::perform`] for a request that opted in to a stored body: the final
+    /// answer's body past the inline limit goes to `large`'s sink, up to its `max`.
+    pub async fn perform_large(
+        &self,
+        policy: &impl LegPolicy,
+        first: Leg,
+        request: ChainRequest<'_>,
+        large: Option<LargeBody<'_>>,
+    ) -> Chain {
+        let mut chain = self.run(policy, first, request, large).await;
         if let Some(message) = chain.outcome.message_mut()
             && let Cow::Owned(redacted) = policy.redact(message)
         {
@@ -117,7 +129,13 @@ impl Worker {
         chain
     }
 
-    async fn run(&self, policy: &impl LegPolicy, first: Leg, request: ChainRequest<'_>) -> Chain {
+    async fn run(
+        &self,
+        policy: &impl LegPolicy,
+        first: Leg,
+        request: ChainRequest<'_>,
+        mut large: Option<LargeBody<'_>>,
+    ) -> Chain {
         let timeout = request.timeout;
         let deadline = Instant::now() + timeout;
         let budget = first.follow_redirects;
@@ -153,13 +171,16 @@ impl Worker {
             let outcome = if remaining.is_zero() {
                 timed_out(timeout)
             } else {
-                self.attempt(AttemptRequest {
-                    method: method.as_str(),
-                    url: &url,
-                    headers: &headers,
-                    body: body.clone(),
-                    timeout: remaining,
-                })
+                self.attempt_leg(
+                    AttemptRequest {
+                        method: method.as_str(),
+                        url: &url,
+                        headers: &headers,
+                        body: body.clone(),
+                        timeout: remaining,
+                    },
+                    large.as_mut(),
+                )
                 .await
             };
             if !matches!(outcome, AttemptOutcome::Denied { .. }) {

@@ -11,6 +11,7 @@ mod chain;
 mod dns;
 /// The address guard's pure decision, public for the `guard_url` fuzz target.
 pub mod guard;
+mod large;
 mod redirect;
 mod resolve;
 
@@ -19,7 +20,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use thiserror::Error;
 use url::Url;
 use webproxy_protocol::AttemptRecord;
@@ -29,6 +30,8 @@ use crate::dns::{Dns, DnsError};
 pub use crate::dns::{DnsConfig, DnsFailure};
 use crate::guard::Denied;
 pub use crate::guard::GuardPolicy;
+use crate::large::{BodyError, BodyReader};
+pub use crate::large::{BodySink, LargeBody, STORED_BODY_PREFIX, SinkError, SinkFuture};
 use crate::resolve::GuardedResolver;
 
 /// Why the HTTP client could not be built.
@@ -147,10 +150,17 @@ pub struct TransportFailure {
 pub enum AttemptOutcome {
     Response(HttpResponse),
     Failed(TransportFailure),
-    /// The response body exceeded `max_response_bytes`.
+    /// The response body exceeded `max_response_bytes` (or, for a request that opted
+    /// in to a stored body, `max_large_body`): `limit`.
     TooLarge {
         status: u16,
         limit: usize,
+    },
+    /// The upstream answered, but its large body could not be stored (a full body
+    /// store): webproxy's failure, not the upstream's.
+    StoreFailed {
+        status: u16,
+        message: String,
     },
     /// The response's headers exceeded a limit; `status` is unknown when the HTTP
     /// parser refused them.
@@ -175,7 +185,8 @@ impl AttemptOutcome {
     pub fn status(&self) -> Option<u16> {
         match self {
             AttemptOutcome::Response(response) => Some(response.status),
-            AttemptOutcome::TooLarge { status, .. } => Some(*status),
+            AttemptOutcome::TooLarge { status, .. }
+            | AttemptOutcome::StoreFailed { status, .. } => Some(*status),
             AttemptOutcome::HeadersTooLarge { status, .. } => *status,
             AttemptOutcome::Failed(_)
             | AttemptOutcome::Denied { .. }
@@ -192,6 +203,7 @@ impl AttemptOutcome {
             AttemptOutcome::Invalid { message } => Some(format!("invalid: {message}")),
             AttemptOutcome::Response(_)
             | AttemptOutcome::TooLarge { .. }
+            | AttemptOutcome::StoreFailed { .. }
             | AttemptOutcome::HeadersTooLarge { .. } => None,
         }
     }
@@ -202,6 +214,7 @@ impl AttemptOutcome {
         match self {
             AttemptOutcome::Failed(failure) => Some(&mut failure.message),
             AttemptOutcome::HeadersTooLarge { message, .. }
+            | AttemptOutcome::StoreFailed { message, .. }
             | AttemptOutcome::Denied { message }
             | AttemptOutcome::Invalid { message } => Some(message),
             AttemptOutcome::Response(_) | AttemptOutcome::TooLarge { .. } => None,
@@ -292,8 +305,17 @@ impl Worker {
 
     /// Performs one attempt. Never panics on what the network sends.
     pub async fn attempt(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
+        self.attempt_leg(request, None).await
+    }
+
+    /// One attempt whose body may go to `large`'s sink past the inline limit.
+    pub(crate) async fn attempt_leg(
+        &self,
+        request: AttemptRequest<'_>,
+        large: Option<&mut LargeBody<'_>>,
+    ) -> AttemptOutcome {
         let timeout = request.timeout;
-        match tokio::time::timeout(timeout, self.attempt_inner(request)).await {
+        match tokio::time::timeout(timeout, self.attempt_inner(request, large)).await {
             Ok(outcome) => outcome,
             Err(_) => AttemptOutcome::Failed(TransportFailure {
                 kind: FailureKind::Timeout,
@@ -303,7 +325,11 @@ impl Worker {
         }
     }
 
-    async fn attempt_inner(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
+    async fn attempt_inner(
+        &self,
+        request: AttemptRequest<'_>,
+        large: Option<&mut LargeBody<'_>>,
+    ) -> AttemptOutcome {
         let started = Instant::now();
         if let Err(denied) = self.check_url(request.url) {
             return refused(&denied, request.url);
@@ -337,12 +363,16 @@ impl Worker {
                 message,
             };
         }
-        let limit = self.max_response_bytes;
+        let mut body = BodyReader::new(self.max_response_bytes, large, status);
+        let too_large = |limit: u64| AttemptOutcome::TooLarge {
+            status,
+            limit: usize::try_from(limit).unwrap_or(usize::MAX),
+        };
         if response
             .content_length()
-            .is_some_and(|len| len > limit as u64)
+            .is_some_and(|len| len > body.limit())
         {
-            return AttemptOutcome::TooLarge { status, limit };
+            return too_large(body.limit());
         }
         let headers = response
             .headers()
@@ -354,26 +384,32 @@ impl Worker {
                 )
             })
             .collect();
-        let mut body = BytesMut::new();
+        let store_failed = |error: SinkError| AttemptOutcome::StoreFailed {
+            status,
+            message: error.message,
+        };
         loop {
             match response.chunk().await {
-                Ok(Some(chunk)) => {
-                    if body.len() + chunk.len() > limit {
-                        return AttemptOutcome::TooLarge { status, limit };
-                    }
-                    body.extend_from_slice(&chunk);
-                }
+                Ok(Some(chunk)) => match body.push(chunk).await {
+                    Ok(()) => {}
+                    Err(BodyError::TooLarge { limit }) => return too_large(limit),
+                    Err(BodyError::Store(error)) => return store_failed(error),
+                },
                 Ok(None) => break,
                 Err(e) => {
                     return AttemptOutcome::Failed(classify(&e, request.timeout, started));
                 }
             }
         }
-        AttemptOutcome::Response(HttpResponse {
-            status,
-            headers,
-            body: body.freeze(),
-        })
+        match body.finish().await {
+            Ok(body) => AttemptOutcome::Response(HttpResponse {
+                status,
+                headers,
+                body,
+            }),
+            Err(BodyError::TooLarge { limit }) => too_large(limit),
+            Err(BodyError::Store(error)) => store_failed(error),
+        }
     }
 }
 
