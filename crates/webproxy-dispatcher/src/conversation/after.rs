@@ -14,7 +14,7 @@ use super::before::Go;
 use super::ending::Ending;
 use super::{Conversation, Revision, Underway};
 use crate::conversation::hop::millis;
-use crate::conversation::outbox::{error_reply, response_reply};
+use crate::conversation::outbox::{error_reply, response_reply, stored_response_reply};
 use crate::conversation::verdict::{AttemptContext, Verdict, pool_pause, verdict_for};
 use crate::observability::trace;
 use crate::pool::outcome::AttemptEnded;
@@ -36,6 +36,7 @@ pub(crate) async fn after_attempt(
         outcome,
         record,
         timeout,
+        stored,
     } = attempted;
     shared
         .pool_control
@@ -67,11 +68,16 @@ pub(crate) async fn after_attempt(
         now: clock::now(),
         deadline,
         jitter_unit: fastrand::f64() * 2.0 - 1.0,
+        large_body: request.large_body,
     };
     let max_payload = shared.outlet.max_payload;
     let reply = match verdict_for(outcome, &context) {
         Verdict::Respond(response) => {
-            response_reply(&conversation.context(underway, max_payload), &response)
+            let context = conversation.context(underway, max_payload);
+            match stored {
+                Some(object) => stored_response_reply(&context, &response, object),
+                None => response_reply(&context, &response),
+            }
         }
         Verdict::Fail(error) => error_reply(&conversation.context(underway, max_payload), error),
         Verdict::Retry { after, last } => {

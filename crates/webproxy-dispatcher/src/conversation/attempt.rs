@@ -1,21 +1,27 @@
 //! The attempt: one call of the upstream through the worker, lent the rules and the
-//! secrets (`egress`), made only by the server's current delivery.
+//! secrets (`egress`), made only by the server's current delivery; for a request that
+//! set `large_body`, with the body store's writer its body may go to (`body_store`).
 
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::AckKind;
 use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, debug, field, info_span};
 use webproxy_config::rules::RequestRule;
 use webproxy_jetstream::clock;
-use webproxy_protocol::{AttemptRecord, Request};
-use webproxy_worker::{AttemptOutcome, ChainRequest};
+use webproxy_jetstream::provision::pool_body_store_config;
+use webproxy_protocol::{AttemptRecord, BodyObject, Request};
+use webproxy_worker::{AttemptOutcome, ChainRequest, LargeBody};
 
 use super::before::Go;
+use super::body_store::{AttemptName, BodyWriter};
+use super::delivery::DeliveryInfo;
 use super::ending::Ending;
 use super::{Conversation, Revision, Underway};
 use crate::conversation::egress::RulePolicy;
 use crate::conversation::hop::millis;
+use crate::conversation::outbox::invalid_request;
 use crate::observability::trace;
 
 const STALE_BEFORE_ATTEMPT: &str =
@@ -25,12 +31,13 @@ const STALE_DURING_ATTEMPT: &str =
 
 /// Calls the upstream as `go` says, if this delivery is still the server's current one:
 /// what the call came to, or the ending of a delivery that went stale before or during
-/// it.
+/// it. A request that set `large_body` brings the `body` its answer may go to.
 pub(crate) async fn attempt(
     shared: &Revision,
     go: &Go<'_>,
     conversation: &Conversation<'_>,
     underway: &Underway<'_>,
+    body: Option<&mut BodyWriter>,
 ) -> Result<Attempted, Ending> {
     // Only the server's current delivery calls the upstream: a stale one's message may
     // already run in another handler, in the slot this one held. The margin between
@@ -45,7 +52,7 @@ pub(crate) async fn attempt(
     let timeout = attempt_timeout(go.request, go.rule);
     let number = underway.attempts.count() + 1;
     tokio::select! {
-        (outcome, record) = Box::pin(call(shared, go, timeout, conversation, number)) => Ok(Attempted { outcome, record, timeout }),
+        (outcome, record, stored) = Box::pin(call(shared, go, timeout, conversation, number, body)) => Ok(Attempted { outcome, record, timeout, stored }),
         () = liveness.stale() => Err(Ending::AwaitRedelivery {
             reason: STALE_DURING_ATTEMPT.into(),
         }),
@@ -60,14 +67,62 @@ pub(crate) struct Attempted {
     pub(crate) outcome: AttemptOutcome,
     pub(crate) record: Option<AttemptRecord>,
     pub(crate) timeout: Duration,
+    /// Where the response's body is stored, when it went to the body store.
+    pub(crate) stored: Option<BodyObject>,
 }
 
 /// How long an attempt of `request` under `rule` may take: the rule's timeout, or the
 /// caller's `timeout_ms` when that is shorter.
-fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
+pub(crate) fn attempt_timeout(request: &Request, rule: &RequestRule) -> Duration {
     request
         .timeout
         .map_or(rule.timeout, |t| t.min(rule.timeout))
+}
+
+/// The writer of this attempt's body, for a request that set `large_body`; none for one
+/// that did not. A request that set it without a capability is `invalid_request`.
+pub(crate) async fn body_writer(
+    shared: &Revision,
+    go: &Go<'_>,
+    info: &DeliveryInfo,
+    conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
+) -> Result<Option<BodyWriter>, Ending> {
+    if !go.request.large_body {
+        return Ok(None);
+    }
+    let outlet = &shared.outlet;
+    let Some(msg_id_sha256) = conversation.state.msg_id_sha256.clone() else {
+        let error = invalid_request(
+            "large_body",
+            "needs the request published with a Nats-Msg-Id of 128 random bits (32 or more hex digits, or a UUID), which is what reading the body later asks for",
+        );
+        return Err(Ending::error(
+            conversation,
+            underway,
+            error,
+            AckKind::Ack,
+            outlet.max_payload,
+        ));
+    };
+    let settings = &shared.settings;
+    let name = AttemptName {
+        conversation,
+        attempt: underway.attempts.count() + 1,
+        delivered: info.delivered,
+    };
+    let ttl = settings.streams.reply_max_age + attempt_timeout(go.request, go.rule);
+    Ok(Some(
+        BodyWriter::open(
+            &outlet.js,
+            outlet.body_stores.clone(),
+            pool_body_store_config(settings, conversation.pool),
+            name,
+            ttl,
+            msg_id_sha256,
+        )
+        .await,
+    ))
 }
 
 /// Runs one attempt (the delivery's progress task keeps the message meanwhile).
@@ -77,7 +132,8 @@ async fn call(
     timeout: Duration,
     conversation: &Conversation<'_>,
     number: u32,
-) -> (AttemptOutcome, Option<AttemptRecord>) {
+    mut body: Option<&mut BodyWriter>,
+) -> (AttemptOutcome, Option<AttemptRecord>, Option<BodyObject>) {
     let Go { request, rule, .. } = *go;
     let span = info_span!(
         "attempt",
@@ -131,11 +187,16 @@ async fn call(
         // Boxed, like the other large awaits here: the HTTP client's future is big,
         // and inline it would make every handler's state (moved on each spawn) big too.
         // The delivery's progress task keeps it meanwhile.
-        let chain = Box::pin(
-            shared
-                .worker
-                .perform(&policy, policy.leg_for(rule), chain_request),
-        )
+        let large = body.as_deref_mut().map(|sink| LargeBody {
+            max: shared.settings.cluster.outbound.max_large_body,
+            sink,
+        });
+        let chain = Box::pin(shared.worker.perform_large(
+            &policy,
+            policy.leg_for(rule),
+            chain_request,
+            large,
+        ))
         .await;
         // A destination refused before any connection was never attempted.
         let record = chain
@@ -145,11 +206,12 @@ async fn call(
     }
     .instrument(span.clone())
     .await;
+    let stored = body.and_then(|body| body.object().cloned());
     let Some(record) = record else {
         if let Some(failure) = outcome.failure() {
             span.record("failure", failure.as_str());
         }
-        return (outcome, None);
+        return (outcome, None, stored);
     };
     match (record.status, &record.failure) {
         (Some(status), _) => span.record("http.response.status_code", i64::from(status)),
@@ -163,5 +225,5 @@ async fn call(
         outcome.class(),
         Duration::from_millis(record.duration_ms),
     );
-    (outcome, Some(record))
+    (outcome, Some(record), stored)
 }

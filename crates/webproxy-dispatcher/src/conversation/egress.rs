@@ -100,6 +100,7 @@ mod tests {
         );
         let outbound = Outbound {
             max_response_bytes: webproxy_config::security::ByteLimit::Auto,
+            max_large_body: 0,
             guard: Default::default(),
             max_request_bytes: 1,
             max_headers: 1,

@@ -42,6 +42,12 @@ pub(crate) enum Ending {
 }
 
 impl Ending {
+    /// Whether this ending is a `response` reply (not an error): what a stored body
+    /// must end in to be kept.
+    pub(crate) fn is_response(&self) -> bool {
+        matches!(self, Ending::Reply { reply, .. } if reply.error.is_none())
+    }
+
     /// Park the request in `pool` as `next`, until it is due.
     pub(crate) fn park(next: HopState, pool: &str) -> Ending {
         Ending::Hop {

@@ -154,10 +154,19 @@ async fn conclude<'a>(
         Ok(go) => go,
         Err(ending) => return ending,
     };
-    match Box::pin(attempt(shared, &go, conversation, underway)).await {
+    let mut body =
+        match super::attempt::body_writer(shared, &go, info, conversation, underway).await {
+            Ok(body) => body,
+            Err(ending) => return ending,
+        };
+    let ending = match Box::pin(attempt(shared, &go, conversation, underway, body.as_mut())).await {
         Ok(attempted) => after_attempt(shared, &go, attempted, conversation, underway).await,
         Err(ending) => ending,
+    };
+    if let Some(body) = body {
+        body.keep_if(ending.is_response()).await;
     }
+    ending
 }
 
 const STALE_BEFORE_CLAIM: &str = "no confirmed progress within the ack wait while another delivery held the attempt claim: not attempted";

@@ -86,6 +86,11 @@ pub(crate) struct HopState {
     /// its `reply_to` is checked against that caller's reply space on every hop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) caller: Option<String>,
+    /// The SHA-256 of the caller's `Nats-Msg-Id`, when it was a capability
+    /// (`webproxy_protocol::capability_sha256`): what a caller shows to act on the
+    /// conversation later, kept through every hop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) msg_id_sha256: Option<String>,
 }
 
 mod origin_text {
@@ -127,6 +132,7 @@ impl HopState {
             due_ms: None,
             attempts: AttemptHistory::default(),
             caller: caller.map(str::to_owned),
+            msg_id_sha256: None,
         }
     }
 
@@ -221,8 +227,9 @@ impl HopState {
             first_published_ms,
             due_ms: None,
             attempts,
-            // Layout 1 had no caller names.
+            // Layout 1 had no caller names, nor capabilities.
             caller: None,
+            msg_id_sha256: None,
         };
         Ok((state, from_unix_ms(due)))
     }

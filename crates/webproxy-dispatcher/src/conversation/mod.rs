@@ -15,6 +15,7 @@ pub(crate) mod after;
 pub(crate) mod attempt;
 pub(crate) mod attempt_claim;
 pub(crate) mod before;
+pub(crate) mod body_store;
 pub(crate) mod dead_letter;
 pub(crate) mod delivery;
 pub(crate) mod egress;
@@ -80,12 +81,18 @@ impl<'a> Arrival<'a> {
         // The caller's name comes from the subject it published on, which NATS
         // permissions confine; never from anything it wrote.
         let request_caller = subjects.request_caller(pool, delivery.subject());
-        let own = HopState::first(
+        let mut own = HopState::first(
             Origin::new(info.stream.as_str(), info.seq),
             info.published,
             request_caller.flatten(),
         );
         let hop = request_caller.is_none();
+        if !hop {
+            own.msg_id_sha256 = delivery
+                .headers()
+                .and_then(|h| h.get(header::MSG_ID))
+                .and_then(|id| webproxy_protocol::capability_sha256(id.as_str()));
+        }
         let (state, error) = if hop {
             let header = delivery
                 .headers()

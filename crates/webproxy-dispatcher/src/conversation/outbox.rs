@@ -7,7 +7,8 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use sha2::{Digest as _, Sha256};
 use webproxy_protocol::{
-    DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers, excerpt,
+    BodyObject, DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers,
+    excerpt,
 };
 use webproxy_worker::HttpResponse;
 
@@ -111,6 +112,24 @@ pub(crate) fn minimal_reply(context: &ReplyContext<'_>, code: ErrorCode) -> Enco
 /// A response reply, or `response_too_large` without the body when the encoded reply
 /// would not fit in `max_payload`.
 pub(crate) fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse) -> EncodedReply {
+    reply_of(context, response, None)
+}
+
+/// The reply of a response whose body is `stored`: the reply names the object (the
+/// bytes in `response` are only the stored body's prefix).
+pub(crate) fn stored_response_reply(
+    context: &ReplyContext<'_>,
+    response: &HttpResponse,
+    stored: BodyObject,
+) -> EncodedReply {
+    reply_of(context, response, Some(stored))
+}
+
+fn reply_of(
+    context: &ReplyContext<'_>,
+    response: &HttpResponse,
+    stored: Option<BodyObject>,
+) -> EncodedReply {
     let max_payload = context.max_payload;
     let headers = collect_headers(
         response
@@ -118,15 +137,20 @@ pub(crate) fn response_reply(context: &ReplyContext<'_>, response: &HttpResponse
             .iter()
             .map(|(name, value)| (name.as_str(), value.clone())),
     );
-    let reply = Reply::response(
+    let body = match stored {
+        Some(_) => ReplyBody::default(),
+        None => ReplyBody::encode(response.body.to_vec()),
+    };
+    let mut reply = Reply::response(
         context.id.to_string(),
         response.status,
         headers,
-        ReplyBody::encode(response.body.to_vec()),
+        body,
         context.attempts,
         context.duration_ms,
         context.metadata.map(RawValue::to_owned),
     );
+    reply.body_object = stored;
     let payload = encode(&reply);
     if payload.len() + HEADER_ALLOWANCE > max_payload {
         let error = ErrorBody {
@@ -240,12 +264,18 @@ pub(crate) fn invalid_request(field: &str, message: &str) -> ErrorBody {
 /// How much of an upstream body an error message quotes.
 pub(crate) const BODY_EXCERPT_BYTES: usize = 256;
 
-/// The error for a response whose body exceeds `limit` bytes.
-pub(crate) fn too_large(status: u16, limit: usize) -> ErrorBody {
+/// The error for a response whose body exceeds `limit` bytes: `max_large_body` for a
+/// request that set `large_body`, else `max_response_bytes`.
+pub(crate) fn too_large(status: u16, limit: usize, large_body: bool) -> ErrorBody {
+    let key = if large_body {
+        "max_large_body"
+    } else {
+        "max_response_bytes"
+    };
     ErrorBody {
         code: ErrorCode::ResponseTooLarge,
         message: format!(
-            "the upstream answered {status} with a body larger than {limit} bytes ([outbound] max_response_bytes)"
+            "the upstream answered {status} with a body larger than {limit} bytes ([outbound] {key})"
         ),
         status: Some(status),
     }

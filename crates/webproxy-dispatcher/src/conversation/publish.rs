@@ -5,6 +5,8 @@
 
 use crate::pool::admission::Admissions;
 use std::sync::Arc;
+
+use crate::conversation::body_store::BodyStores;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -39,6 +41,8 @@ pub(crate) struct Outlet {
     pub(crate) progress: Progress,
     /// This instance's moves into pools, each counted against `max_waiting`.
     pub(crate) admissions: Arc<Admissions>,
+    /// The pools' body stores this instance has made or found.
+    pub(crate) body_stores: Arc<BodyStores>,
 }
 
 impl Outlet {
@@ -76,6 +80,7 @@ impl Outlet {
             redactor,
             progress,
             admissions: Arc::default(),
+            body_stores: Arc::default(),
         }
     }
 }

@@ -46,6 +46,8 @@ pub(crate) struct AttemptContext<'a> {
     pub(crate) deadline: Option<SystemTime>,
     /// Uniform in [-1, 1], for the rule's jitter.
     pub(crate) jitter_unit: f64,
+    /// The request set `large_body`: a body too large was over `max_large_body`.
+    pub(crate) large_body: bool,
 }
 
 /// The wait a 429 or 503 asks for with `Retry-After`.
@@ -97,7 +99,17 @@ pub(crate) fn verdict_for(outcome: AttemptOutcome, context: &AttemptContext<'_>)
                 }
             }
         }
-        AttemptOutcome::TooLarge { status, limit } => Verdict::Fail(too_large(status, limit)),
+        AttemptOutcome::TooLarge { status, limit } => {
+            Verdict::Fail(too_large(status, limit, context.large_body))
+        }
+        // The upstream's answer is lost to a full or failing body store: webproxy's
+        // failure, which retrying the upstream would not fix and the pool must not wait
+        // for.
+        AttemptOutcome::StoreFailed { status, message } => Verdict::Fail(ErrorBody {
+            code: ErrorCode::Internal,
+            message,
+            status: Some(status),
+        }),
         AttemptOutcome::Failed(failure) => {
             let description = format!("{} failure: {}", failure.kind, failure.message);
             if transport_failure_is_retryable(&failure, context) {
@@ -232,6 +244,7 @@ mod tests {
 
     fn context<'a>(rule: &'a RequestRule, method: Method, attempt: u32) -> AttemptContext<'a> {
         AttemptContext {
+            large_body: false,
             rule,
             method,
             has_idempotency_key: false,

@@ -25,6 +25,7 @@ pub(crate) fn is_failure(outcome: &AttemptOutcome, statuses: &[RangeInclusive<u1
         AttemptOutcome::Failed(_) => true,
         AttemptOutcome::Response(response) => statuses.iter().any(|r| r.contains(&response.status)),
         AttemptOutcome::TooLarge { .. }
+        | AttemptOutcome::StoreFailed { .. }
         | AttemptOutcome::HeadersTooLarge { .. }
         | AttemptOutcome::Denied { .. }
         | AttemptOutcome::Invalid { .. } => false,

@@ -1,0 +1,395 @@
+//! The pool's body store: where the response body of a request that set `large_body`
+//! goes once it outgrows the inline limit. A [`BodyWriter`] is the worker's sink for
+//! one attempt. It writes the chunks and the metadata itself, in the Object Store
+//! layout, since `ObjectStore::put` leaves partial chunks behind on failure and the
+//! service may not purge. It keeps the sequence of everything it stored, so a body
+//! that does not end in the reply (over `max_large_body`, a retry, an error verdict,
+//! a failure) is removed message by message (`STREAM.MSG.DELETE` needs no free space,
+//! where a purge or rollup in a full store would be refused). Every message carries a
+//! TTL (`reply_max_age` plus the attempt's timeout) as the backstop.
+//!
+//! Names are per attempt: the chunk token and the object name hold the origin, the
+//! generation, the attempt and the delivery, so a redelivery never writes over what
+//! an earlier delivery left, and first removes it ([`BodyWriter::open`]).
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::object_store::{ObjectInfo, ObjectOptions};
+use async_nats::jetstream::{self, stream};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE;
+use bytes::{Bytes, BytesMut};
+use sha2::{Digest as _, Sha256};
+use tracing::{debug, warn};
+use webproxy_protocol::{BodyObject, Subjects, header};
+use webproxy_worker::{BodySink, SinkError, SinkFuture};
+
+use super::Conversation;
+
+/// The Object Store's default chunk size, which its readers expect.
+pub(crate) const CHUNK_BYTES: usize = 128 * 1024;
+
+/// Chunks published and not yet confirmed at once: enough to keep the stream busy,
+/// few enough that an attempt holds at most this many chunks in the client's buffers.
+const WINDOW: usize = 8;
+
+/// The pools whose body store this instance has made or found: a store is made on a
+/// pool's first large body, so a pool that never has one reserves no disk. A store
+/// that fails a write is forgotten, so the next large body makes it again if it went.
+#[derive(Debug, Default)]
+pub(crate) struct BodyStores {
+    ready: Mutex<HashSet<String>>,
+}
+
+impl BodyStores {
+    fn is_ready(&self, bucket: &str) -> bool {
+        self.ready.lock().is_ok_and(|ready| ready.contains(bucket))
+    }
+
+    fn mark(&self, bucket: &str, ready: bool) {
+        if let Ok(mut set) = self.ready.lock() {
+            if ready {
+                set.insert(bucket.to_string());
+            } else {
+                set.remove(bucket);
+            }
+        }
+    }
+}
+
+/// Where one attempt's body goes, and what of it is stored so far.
+pub(crate) struct BodyWriter {
+    js: jetstream::Context,
+    stores: Arc<BodyStores>,
+    /// The store's stream, until the first write has made sure it exists.
+    config: Option<stream::Config>,
+    /// A write failed: the store may be gone.
+    failed: bool,
+    bucket: String,
+    name: String,
+    token: String,
+    /// `Nats-TTL` on every message.
+    ttl: Duration,
+    msg_id_sha256: String,
+    pending: BytesMut,
+    hasher: Sha256,
+    size: u64,
+    chunks: usize,
+    acks: VecDeque<PublishAckFuture>,
+    /// The sequence of every message stored, chunks and metadata: what
+    /// [`BodyWriter::discard`] deletes.
+    stored: Vec<u64>,
+    object: Option<BodyObject>,
+}
+
+/// What names one attempt's body: its origin, generation, attempt and delivery.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttemptName<'a> {
+    pub(crate) conversation: &'a Conversation<'a>,
+    pub(crate) attempt: u32,
+    pub(crate) delivered: u64,
+}
+
+impl AttemptName<'_> {
+    /// The chunk subject's token for `delivered`: `<STREAM>_<seq>_<gen>_<attempt>_<d>`.
+    fn token(&self, delivered: u64) -> String {
+        let origin = self.conversation.origin();
+        format!(
+            "{}_{}_{}_{}_{delivered}",
+            origin.stream,
+            origin.seq,
+            self.conversation.generation(),
+            self.attempt
+        )
+    }
+
+    /// The object's name for `delivered`: `<STREAM>:<seq>:<gen>:<attempt>:<d>`.
+    fn object_name(&self, delivered: u64) -> String {
+        let origin = self.conversation.origin();
+        format!(
+            "{origin}:{}:{}:{delivered}",
+            self.conversation.generation(),
+            self.attempt
+        )
+    }
+}
+
+/// Why a body store could not be opened or written.
+fn sink_error(what: &str, error: impl std::fmt::Display) -> SinkError {
+    let text = error.to_string();
+    let message = if text.to_ascii_lowercase().contains("maximum bytes") {
+        format!("body store full: {what}: {text}")
+    } else {
+        format!("body store: {what}: {text}")
+    };
+    SinkError { message }
+}
+
+impl BodyWriter {
+    /// A writer for `name`'s body in the store `config` describes, after removing
+    /// what earlier deliveries of the same attempt left. The store itself is made on
+    /// the first write, so a body that fits inline makes none.
+    pub(crate) async fn open(
+        js: &jetstream::Context,
+        stores: Arc<BodyStores>,
+        config: stream::Config,
+        name: AttemptName<'_>,
+        ttl: Duration,
+        msg_id_sha256: String,
+    ) -> BodyWriter {
+        let bucket = config
+            .name
+            .strip_prefix("OBJ_")
+            .unwrap_or(&config.name)
+            .to_string();
+        let writer = BodyWriter {
+            js: js.clone(),
+            stores,
+            config: Some(config),
+            failed: false,
+            token: name.token(name.delivered),
+            name: name.object_name(name.delivered),
+            bucket,
+            ttl,
+            msg_id_sha256,
+            pending: BytesMut::new(),
+            hasher: Sha256::new(),
+            size: 0,
+            chunks: 0,
+            acks: VecDeque::new(),
+            stored: Vec::new(),
+            object: None,
+        };
+        for earlier in 1..name.delivered {
+            writer
+                .remove_left(&name.token(earlier), &name.object_name(earlier))
+                .await;
+        }
+        writer
+    }
+
+    /// Makes the store if this instance has not seen it yet.
+    async fn ensure_store(&mut self) -> Result<(), SinkError> {
+        let Some(config) = self.config.take() else {
+            return Ok(());
+        };
+        if !self.stores.is_ready(&self.bucket) {
+            self.js
+                .get_or_create_stream(config)
+                .await
+                .map_err(|e| sink_error("cannot make the store", e))?;
+            self.stores.mark(&self.bucket, true);
+        }
+        Ok(())
+    }
+
+    /// The object this writer finished, once it has.
+    pub(crate) fn object(&self) -> Option<&BodyObject> {
+        self.object.as_ref()
+    }
+
+    fn ttl_headers(&self) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "Nats-TTL",
+            format!("{}s", self.ttl.as_secs().max(1)).as_str(),
+        );
+        headers
+    }
+
+    async fn publish(
+        &mut self,
+        subject: String,
+        headers: HeaderMap,
+        payload: Bytes,
+    ) -> Result<(), SinkError> {
+        let ack = self
+            .js
+            .publish_with_headers(subject, headers, payload)
+            .await
+            .map_err(|e| sink_error("cannot publish", e))?;
+        self.acks.push_back(ack);
+        while self.acks.len() >= WINDOW {
+            self.confirm_oldest().await?;
+        }
+        Ok(())
+    }
+
+    async fn confirm_oldest(&mut self) -> Result<(), SinkError> {
+        if let Some(ack) = self.acks.pop_front() {
+            let ack = ack.await.map_err(|e| sink_error("not stored", e))?;
+            self.stored.push(ack.sequence);
+        }
+        Ok(())
+    }
+
+    async fn publish_chunk(&mut self, chunk: Bytes) -> Result<(), SinkError> {
+        let subject = Subjects::object_chunks(&self.bucket, &self.token);
+        self.chunks += 1;
+        let headers = self.ttl_headers();
+        self.publish(subject, headers, chunk).await
+    }
+
+    /// Removes every message still stored under `token`'s chunks and `name`'s
+    /// metadata: what a delivery killed mid-stream left. Read by subject, deleted by
+    /// sequence; a failure leaves the rest to the TTL.
+    async fn remove_left(&self, token: &str, name: &str) {
+        let Ok(stream) = self
+            .js
+            .get_stream_no_info(Subjects::object_stream(&self.bucket))
+            .await
+        else {
+            return;
+        };
+        let chunks = Subjects::object_chunks(&self.bucket, token);
+        let mut next = 0;
+        let mut removed = 0u32;
+        while let Ok(message) = stream
+            .direct_get_next_for_subject(chunks.as_str(), Some(next))
+            .await
+        {
+            next = message.sequence + 1;
+            if stream.delete_message(message.sequence).await.is_err() {
+                return;
+            }
+            removed += 1;
+        }
+        let meta = Subjects::object_meta(&self.bucket, &URL_SAFE.encode(name));
+        if let Ok(message) = stream.direct_get_last_for_subject(meta).await
+            && stream.delete_message(message.sequence).await.is_ok()
+        {
+            removed += 1;
+        }
+        if removed > 0 {
+            debug!(bucket = %self.bucket, token, removed, "removed a body an earlier delivery left");
+        }
+    }
+
+    /// Removes everything this writer stored: its body does not end in a reply.
+    pub(crate) async fn discard(mut self) {
+        while let Some(ack) = self.acks.pop_front() {
+            if let Ok(ack) = ack.await {
+                self.stored.push(ack.sequence);
+            }
+        }
+        if self.stored.is_empty() {
+            return;
+        }
+        let stream = match self
+            .js
+            .get_stream_no_info(Subjects::object_stream(&self.bucket))
+            .await
+        {
+            Ok(stream) => stream,
+            Err(e) => {
+                warn!(bucket = %self.bucket, error = %e, "cannot remove a discarded body; its TTL will");
+                return;
+            }
+        };
+        for sequence in &self.stored {
+            if let Err(e) = stream.delete_message(*sequence).await {
+                warn!(bucket = %self.bucket, sequence, error = %e, "cannot remove a discarded body's message; its TTL will");
+            }
+        }
+    }
+
+    async fn finish_body(&mut self) -> Result<(), SinkError> {
+        if !self.pending.is_empty() {
+            let rest = std::mem::take(&mut self.pending).freeze();
+            self.publish_chunk(rest).await?;
+        }
+        while !self.acks.is_empty() {
+            self.confirm_oldest().await?;
+        }
+        let digest = format!(
+            "SHA-256={}",
+            URL_SAFE.encode(std::mem::take(&mut self.hasher).finalize())
+        );
+        let mut object_headers = HeaderMap::new();
+        object_headers.insert(header::MSG_ID_SHA256, self.msg_id_sha256.as_str());
+        let info = ObjectInfo {
+            name: self.name.clone(),
+            description: None,
+            metadata: Default::default(),
+            headers: Some(object_headers),
+            options: Some(ObjectOptions {
+                link: None,
+                max_chunk_size: Some(CHUNK_BYTES),
+            }),
+            bucket: self.bucket.clone(),
+            nuid: self.token.clone(),
+            size: usize::try_from(self.size).unwrap_or(usize::MAX),
+            chunks: self.chunks,
+            modified: Some(time::OffsetDateTime::from(webproxy_jetstream::clock::now())),
+            digest: Some(digest.clone()),
+            deleted: false,
+        };
+        let payload = serde_json::to_vec(&info).map_err(|e| sink_error("metadata", e))?;
+        let mut headers = self.ttl_headers();
+        headers.insert("Nats-Rollup", "sub");
+        let subject = Subjects::object_meta(&self.bucket, &URL_SAFE.encode(&self.name));
+        self.publish(subject, headers, Bytes::from(payload)).await?;
+        self.confirm_oldest().await?;
+        self.object = Some(BodyObject {
+            bucket: self.bucket.clone(),
+            name: self.name.clone(),
+            size: self.size,
+            digest,
+        });
+        Ok(())
+    }
+}
+
+impl BodyWriter {
+    async fn write_body(&mut self, bytes: Bytes) -> Result<(), SinkError> {
+        self.ensure_store().await?;
+        self.hasher.update(&bytes);
+        self.size += bytes.len() as u64;
+        self.pending.extend_from_slice(&bytes);
+        while self.pending.len() >= CHUNK_BYTES {
+            let chunk = self.pending.split_to(CHUNK_BYTES).freeze();
+            self.publish_chunk(chunk).await?;
+        }
+        Ok(())
+    }
+
+    fn noting_failure<T>(&mut self, result: Result<T, SinkError>) -> Result<T, SinkError> {
+        self.failed |= result.is_err();
+        result
+    }
+}
+
+impl BodySink for BodyWriter {
+    fn write(&mut self, bytes: Bytes) -> SinkFuture<'_, ()> {
+        Box::pin(async move {
+            let result = self.write_body(bytes).await;
+            self.noting_failure(result)
+        })
+    }
+
+    fn finish(&mut self) -> SinkFuture<'_, ()> {
+        Box::pin(async move {
+            let result = self.finish_body().await;
+            self.noting_failure(result)
+        })
+    }
+}
+
+impl BodyWriter {
+    /// Keeps the body when `named`, the ending being the reply that names it; else
+    /// removes what was stored of it.
+    pub(crate) async fn keep_if(self, named: bool) {
+        if named && self.object.is_some() {
+            return;
+        }
+        if self.failed {
+            // The store may be gone: the next body makes sure of it again.
+            self.stores.mark(&self.bucket, false);
+        }
+        self.discard().await;
+    }
+}

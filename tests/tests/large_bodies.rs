@@ -1,0 +1,330 @@
+//! Issue 34, point 1: a request that sets `large_body` (published with a random
+//! 128-bit `Nats-Msg-Id`) may get a body above the inline limit. It is streamed from the
+//! upstream into the pool's body store, and the reply names it (`body_object`), read
+//! here as any Object Store client reads it. A body over `max_large_body`, or one a
+//! full store refuses, leaves the store's bytes as they were; a request without the
+//! opt-in is answered as before.
+
+use async_nats::jetstream;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Path;
+use axum::routing::get;
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE;
+use futures::stream;
+use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncReadExt as _;
+use webproxy_client::{Request, new_msg_id};
+use webproxy_protocol::{ErrorCode, Outcome, Reply, RequestEnvelope, Subjects, header};
+use webproxy_tests::authorized::{Admin, Caller, SERVICE_USER, service_as};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message, path_rule};
+use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
+
+const MIB: usize = 1024 * 1024;
+
+/// Byte `i` of every body the upstream sends: not UTF-8 and not repeating, so a lost,
+/// doubled or reordered chunk changes the digest.
+fn byte(i: usize) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 13) as u8
+}
+
+fn body_of(len: usize) -> Vec<u8> {
+    (0..len).map(byte).collect()
+}
+
+/// `GET /large/{n}`: `n` bytes, chunked (no `Content-Length`), in 64 KiB pieces, so
+/// the size is learned only while it streams.
+fn large_routes() -> Router {
+    Router::new().route(
+        "/large/{n}",
+        get(|Path(n): Path<usize>| async move {
+            let pieces = (0..n.div_ceil(64 * 1024)).map(move |k| {
+                let piece: Vec<u8> = (k * 64 * 1024..((k + 1) * 64 * 1024).min(n))
+                    .map(byte)
+                    .collect();
+                Ok::<_, std::io::Error>(piece)
+            });
+            Body::from_stream(stream::iter(pieces))
+        }),
+    )
+}
+
+async fn harness(options: ServiceOptions) -> Harness {
+    Harness::start_with_options(Upstream::start_with(large_routes()).await, options, |up| {
+        path_rule("large", up, "/large/")
+    })
+    .await
+}
+
+fn large(url: &str) -> RequestEnvelope {
+    RequestEnvelope {
+        large_body: true,
+        ..envelope("GET", url)
+    }
+}
+
+/// Sends `envelope` with `msg_id` as its `Nats-Msg-Id` and waits for the reply.
+async fn send(h: &Harness, envelope: RequestEnvelope, msg_id: &str) -> Reply {
+    let request = Request::from_envelope(envelope)
+        .msg_id(msg_id)
+        .wait(REPLY_TIMEOUT);
+    h.client
+        .request(&request)
+        .await
+        .unwrap_or_else(|e| panic!("no reply: {e}\n{}", h.service.logs()))
+}
+
+/// The default pool's body store stream, as the server holds it now, if it exists.
+async fn store_bytes(js: &jetstream::Context) -> Option<u64> {
+    let name = Subjects::object_stream(&bodies_bucket());
+    let mut stream = js.get_stream(&name).await.ok()?;
+    Some(stream.info().await.expect("info").state.bytes)
+}
+
+fn bodies_bucket() -> String {
+    Subjects::new("webproxy")
+        .expect("prefix")
+        .pool_body_bucket("default")
+}
+
+fn digest_of(bytes: &[u8]) -> String {
+    format!("SHA-256={}", URL_SAFE.encode(Sha256::digest(bytes)))
+}
+
+/// 5 MiB and 40 MiB arrive whole: the reply names the object, its size and digest, and
+/// an Object Store client reads exactly the upstream's bytes, with the SHA-256 of the
+/// caller's message id in the object's headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_and_forty_mib_responses_arrive_whole_with_their_digest() {
+    let h = harness(ServiceOptions::default()).await;
+    let store =
+        h.js.clone()
+            .get_object_store(bodies_bucket())
+            .await
+            .err()
+            .map(|_| ());
+    assert_eq!(store, Some(()), "no body store before the first large body");
+    for size in [5 * MIB, 40 * MIB] {
+        let msg_id = new_msg_id().expect("msg id");
+        let reply = send(
+            &h,
+            large(&h.upstream.url(&format!("/large/{size}"))),
+            &msg_id,
+        )
+        .await;
+        assert_eq!(reply.outcome, Outcome::Response, "{reply:?}");
+        assert_eq!(reply.status, Some(200));
+        assert_eq!(reply.body.body, None);
+        assert_eq!(reply.body.body_base64, None);
+        let object = reply.body_object.expect("body_object");
+        let expected = body_of(size);
+        assert_eq!(object.bucket, bodies_bucket());
+        assert_eq!(object.size, size as u64);
+        assert_eq!(object.digest, digest_of(&expected));
+
+        let store =
+            h.js.get_object_store(&object.bucket)
+                .await
+                .expect("the body store is an Object Store");
+        let mut read = store.get(&object.name).await.expect("object");
+        let info = read.info().clone();
+        let mut bytes = Vec::with_capacity(size);
+        read.read_to_end(&mut bytes).await.expect("read whole");
+        assert!(bytes == expected, "{size} bytes read back differ");
+        assert_eq!(info.digest.as_deref(), Some(object.digest.as_str()));
+        let kept = info
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(header::MSG_ID_SHA256))
+            .map(|v| v.to_string());
+        assert_eq!(
+            kept,
+            Some(webproxy_protocol::hex_sha256(msg_id.as_bytes())),
+            "the object keeps the capability's hash"
+        );
+    }
+}
+
+/// A body over `max_large_body` ends `response_too_large`, naming the key, and what
+/// was streamed of it is removed: the store's bytes are as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_max_large_body_is_too_large_and_leaves_the_store_as_it_was() {
+    let h = harness(
+        ServiceOptions::default().env("WEBPROXY_OUTBOUND__MAX_LARGE_BODY", &(2 * MIB).to_string()),
+    )
+    .await;
+    let first = send(
+        &h,
+        large(&h.upstream.url(&format!("/large/{}", MIB))),
+        &new_msg_id().expect("msg id"),
+    )
+    .await;
+    assert!(first.body_object.is_some(), "{first:?}");
+    let before = store_bytes(&h.js).await.expect("the store exists");
+
+    let reply = send(
+        &h,
+        large(&h.upstream.url(&format!("/large/{}", 3 * MIB))),
+        &new_msg_id().expect("msg id"),
+    )
+    .await;
+    let error = reply.error.expect("an error reply");
+    assert_eq!(error.code, ErrorCode::ResponseTooLarge, "{error:?}");
+    assert!(
+        error.message.contains("max_large_body"),
+        "{}",
+        error.message
+    );
+    assert_eq!(
+        store_bytes(&h.js).await,
+        Some(before),
+        "no orphan chunk stays"
+    );
+}
+
+/// A full store ends the attempt `internal` ("body store full") without blocking the
+/// pool: what was stored of the body is removed, and the next body that fits is
+/// stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_store_refuses_a_body_clearly_and_the_pool_goes_on() {
+    let h = harness(
+        ServiceOptions::default().env("WEBPROXY_STREAMS__BODY_MAX_BYTES", &(4 * MIB).to_string()),
+    )
+    .await;
+    let fits = send(
+        &h,
+        large(&h.upstream.url(&format!("/large/{}", MIB))),
+        &new_msg_id().expect("msg id"),
+    )
+    .await;
+    assert!(fits.body_object.is_some(), "{fits:?}");
+    let before = store_bytes(&h.js).await.expect("the store exists");
+
+    let reply = send(
+        &h,
+        large(&h.upstream.url(&format!("/large/{}", 6 * MIB))),
+        &new_msg_id().expect("msg id"),
+    )
+    .await;
+    let error = reply.error.expect("an error reply");
+    assert_eq!(error.code, ErrorCode::Internal, "{error:?}");
+    assert!(
+        error.message.contains("body store full"),
+        "{}",
+        error.message
+    );
+    assert_eq!(error.status, Some(200));
+    assert_eq!(
+        store_bytes(&h.js).await,
+        Some(before),
+        "no orphan chunk stays"
+    );
+
+    let again = send(
+        &h,
+        large(&h.upstream.url(&format!("/large/{}", MIB))),
+        &new_msg_id().expect("msg id"),
+    )
+    .await;
+    assert!(again.body_object.is_some(), "{again:?}");
+}
+
+/// Without the opt-in a body above the inline limit is `response_too_large` as before,
+/// naming `max_response_bytes`, and no store is made; `large_body` with a guessable
+/// message id is `invalid_request`, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_opt_in_or_a_capability_nothing_is_stored() {
+    let h = harness(ServiceOptions::default()).await;
+    let url = h.upstream.url(&format!("/large/{}", MIB));
+    let reply = send(&h, envelope("GET", &url), &new_msg_id().expect("msg id")).await;
+    let error = reply.error.expect("an error reply");
+    assert_eq!(error.code, ErrorCode::ResponseTooLarge, "{error:?}");
+    assert!(
+        error.message.contains("max_response_bytes"),
+        "{}",
+        error.message
+    );
+
+    let reply = send(&h, large(&url), "order-42").await;
+    let error = reply.error.expect("an error reply");
+    assert_eq!(error.code, ErrorCode::InvalidRequest, "{error:?}");
+    assert!(error.message.contains("`large_body`"), "{}", error.message);
+    assert_eq!(reply.attempts, 0);
+
+    // A small body with the opt-in travels inline, as without it.
+    let small = send(
+        &h,
+        large(&h.upstream.url("/large/1000")),
+        &new_msg_id().expect("msg id"),
+    )
+    .await;
+    assert_eq!(small.body_object, None);
+    assert_eq!(
+        small.body.decode().expect("base64"),
+        body_of(1000),
+        "{small:?}"
+    );
+    assert_eq!(store_bytes(&h.js).await, None, "no store was made");
+}
+
+/// deploy/nats/authorization.conf as shipped: the service, as its own user, makes the
+/// pool's body store and writes a body into it; a caller in the callers' account gets
+/// the reply naming it, and webproxy's account reads it as any Object Store client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_permissions_let_the_service_store_a_large_body() {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start_with(large_routes()).await;
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
+        path_rule("large", &upstream, "/large/")
+    );
+    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let caller = Caller::connect(&nats, "caller_a").await;
+    let id = webproxy_client::new_id();
+    let size = 2 * MIB;
+    let envelope = serde_json::json!({
+        "id": id,
+        "method": "GET",
+        "url": upstream.url(&format!("/large/{size}")),
+        "reply_to": caller.reply_to(&id),
+        "large_body": true,
+    });
+    let mut inbox = caller
+        .nats
+        .subscribe(caller.reply_to(&id))
+        .await
+        .expect("subscribe");
+    caller.nats.flush().await.expect("flush");
+    caller
+        .publish(
+            "default",
+            &new_msg_id().expect("msg id"),
+            &async_nats::HeaderMap::new(),
+            envelope.to_string(),
+        )
+        .await;
+    let what = format!("the reply\n{}", service.logs());
+    let message = next_message(&mut inbox, REPLY_TIMEOUT, &what).await;
+    let reply: Reply = serde_json::from_slice(&message.payload).expect("reply JSON");
+    let object = reply
+        .body_object
+        .clone()
+        .unwrap_or_else(|| panic!("a stored body: {reply:?}\n{}", service.logs()));
+
+    let admin = Admin::connect(&nats).await;
+    let store = admin
+        .js
+        .get_object_store(&object.bucket)
+        .await
+        .expect("the body store");
+    let mut bytes = Vec::new();
+    store
+        .get(&object.name)
+        .await
+        .expect("object")
+        .read_to_end(&mut bytes)
+        .await
+        .expect("read");
+    assert!(bytes == body_of(size), "the bytes read back differ");
+}
