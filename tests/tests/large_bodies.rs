@@ -12,14 +12,14 @@ use axum::extract::Path;
 use axum::routing::get;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE;
-use futures::stream;
+use futures::{StreamExt as _, stream};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncReadExt as _;
 use webproxy_client::{Request, new_msg_id};
 use webproxy_protocol::{ErrorCode, Outcome, Reply, RequestEnvelope, Subjects, header};
 use webproxy_tests::authorized::{Admin, Caller, SERVICE_USER, service_as};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message, path_rule};
-use webproxy_tests::{NatsServer, Service, ServiceOptions, Upstream};
+use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, wait_for};
 
 const MIB: usize = 1024 * 1024;
 
@@ -318,6 +318,105 @@ async fn the_shipped_permissions_let_the_service_store_a_large_body() {
         .get_object_store(&object.bucket)
         .await
         .expect("the body store");
+    let mut bytes = Vec::new();
+    store
+        .get(&object.name)
+        .await
+        .expect("object")
+        .read_to_end(&mut bytes)
+        .await
+        .expect("read");
+    assert!(bytes == body_of(size), "the bytes read back differ");
+}
+
+/// A pod killed while it streams a body into the store: the redelivery, on another
+/// instance, first removes what the dead one left, so once it settles the store holds
+/// one object, the one its reply names, whole. `ack_wait` is 2 s so the redelivery
+/// comes soon; the waits are bounded by [`REPLY_TIMEOUT`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() {
+    let size = 6 * MIB;
+    let gate = Gate::new();
+    let held = gate.clone();
+    // `/stalling/{n}`: the first half at once, the rest once the gate opens.
+    let routes = Router::new().route(
+        "/stalling/{n}",
+        get(move |Path(n): Path<usize>| {
+            let gate = held.clone();
+            async move {
+                let half = n / 2;
+                let pieces = stream::iter([0usize, 1]).then(move |k| {
+                    let gate = gate.clone();
+                    async move {
+                        if k == 1 {
+                            gate.wait().await;
+                        }
+                        let range = if k == 0 { 0..half } else { half..n };
+                        Ok::<_, std::io::Error>(range.map(byte).collect::<Vec<u8>>())
+                    }
+                });
+                Body::from_stream(pieces)
+            }
+        }),
+    );
+    let nats = NatsServer::start();
+    let upstream = Upstream::start_with(routes).await;
+    let config = format!(
+        "[service]\nack_wait = \"2s\"\n\n{}",
+        path_rule("stalling", &upstream, "/stalling/")
+    );
+    let mut first = Service::start(&nats, &config).await;
+    let client = webproxy_client::Client::new(nats.client().await, "webproxy").expect("client");
+    let request = Request::from_envelope(large(&upstream.url(&format!("/stalling/{size}"))))
+        .msg_id(new_msg_id().expect("msg id"))
+        .wait(REPLY_TIMEOUT * 2);
+    let waiting = tokio::spawn(async move { client.request(&request).await });
+
+    let js = jetstream::new(nats.client().await);
+    wait_for(REPLY_TIMEOUT, "half the body stored", || async {
+        store_bytes(&js)
+            .await
+            .filter(|bytes| *bytes >= (size / 2) as u64)
+    })
+    .await;
+    first.kill();
+    let second = Service::start(&nats, &config).await;
+    gate.open();
+    let reply = waiting
+        .await
+        .expect("the waiting task")
+        .unwrap_or_else(|e| panic!("no reply: {e}\n{}", second.logs()));
+    let object = reply.body_object.expect("a stored body");
+    assert_eq!(object.size, size as u64);
+    assert_eq!(upstream.hits_for(&format!("/stalling/{size}")), 2);
+
+    let mut stream = js
+        .get_stream(Subjects::object_stream(&object.bucket))
+        .await
+        .expect("the store");
+    let mut subjects = stream
+        .info_with_subjects(format!("$O.{}.>", object.bucket))
+        .await
+        .expect("subjects");
+    let mut held = Vec::new();
+    while let Some(entry) = subjects.next().await {
+        held.push(entry.expect("a subject"));
+    }
+    let store = js.get_object_store(&object.bucket).await.expect("store");
+    let info = store.info(&object.name).await.expect("the named object");
+    held.sort();
+    let mut expected = vec![
+        (format!("$O.{}.C.{}", object.bucket, info.nuid), info.chunks),
+        (
+            format!("$O.{}.M.{}", object.bucket, URL_SAFE.encode(&object.name)),
+            1,
+        ),
+    ];
+    expected.sort();
+    assert_eq!(
+        held, expected,
+        "one object's chunks and metadata, nothing else"
+    );
     let mut bytes = Vec::new();
     store
         .get(&object.name)
