@@ -19,7 +19,7 @@ use webproxy_client::{Request, new_msg_id};
 use webproxy_protocol::{ErrorCode, Outcome, Reply, RequestEnvelope, Subjects, header};
 use webproxy_tests::authorized::{Admin, Caller, SERVICE_USER, service_as};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message, path_rule};
-use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, wait_for};
+use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, run_webproxy, wait_for};
 
 const MIB: usize = 1024 * 1024;
 
@@ -390,7 +390,7 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
     assert_eq!(object.size, size as u64);
     assert_eq!(upstream.hits_for(&format!("/stalling/{size}")), 2);
 
-    let mut stream = js
+    let stream = js
         .get_stream(Subjects::object_stream(&object.bucket))
         .await
         .expect("the store");
@@ -426,4 +426,74 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
         .await
         .expect("read");
     assert!(bytes == body_of(size), "the bytes read back differ");
+}
+
+/// The capability outlives a dead letter: the letter keeps the message id's SHA-256,
+/// and `dead replay` carries it into the replayed conversation, whose stored body asks
+/// for the same message id as the caller's first publish did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_conversations_body_keeps_the_callers_message_id() {
+    let size = 2 * MIB;
+    let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // `/flaky/{n}`: 400 the first time, `n` bytes from then on.
+    let routes = Router::new().route(
+        "/flaky/{n}",
+        get(move |Path(n): Path<usize>| {
+            let first = !failed.swap(true, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if first {
+                    (axum::http::StatusCode::BAD_REQUEST, Vec::new())
+                } else {
+                    (axum::http::StatusCode::OK, body_of(n))
+                }
+            }
+        }),
+    );
+    let h = Harness::start_with_options(
+        Upstream::start_with(routes).await,
+        ServiceOptions::default(),
+        |up| {
+            format!(
+                "{}\n[[response_rules]]\nstatus = \"400\"\naction = \"error\"\n",
+                path_rule("flaky", up, "/flaky/")
+            )
+        },
+    )
+    .await;
+    let msg_id = new_msg_id().expect("msg id");
+    let kept = webproxy_protocol::hex_sha256(msg_id.as_bytes());
+    let envelope = large(&h.upstream.url(&format!("/flaky/{size}")));
+    let id = envelope.id.clone();
+    let reply = send(&h, envelope, &msg_id).await;
+    assert_eq!(reply.error.map(|e| e.code), Some(ErrorCode::UpstreamError));
+    let letters = h.wait_dead_letters(1).await;
+    assert_eq!(letters[0].1.msg_id_sha256.as_deref(), Some(kept.as_str()));
+
+    let mut replies =
+        h.js.client()
+            .subscribe(h.subjects.reply(&id))
+            .await
+            .expect("subscribe");
+    h.js.client().flush().await.expect("flush");
+    let nats = h.nats.url();
+    let replayed = run_webproxy(&["dead", "replay", "--nats", &nats, "--yes"]).await;
+    assert!(replayed.status.success(), "{replayed:?}");
+    let message = next_message(&mut replies, REPLY_TIMEOUT, "the replay's reply").await;
+    let reply: Reply = serde_json::from_slice(&message.payload).expect("reply JSON");
+    let object = reply
+        .body_object
+        .clone()
+        .unwrap_or_else(|| panic!("a stored body: {reply:?}"));
+    let store = h.js.get_object_store(&object.bucket).await.expect("store");
+    let info = store.info(&object.name).await.expect("the named object");
+    let hash = info
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(header::MSG_ID_SHA256))
+        .map(|v| v.to_string());
+    assert_eq!(
+        hash,
+        Some(kept),
+        "the replay's body asks for the first message id"
+    );
 }

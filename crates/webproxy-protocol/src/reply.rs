@@ -241,6 +241,11 @@ pub struct DeadLetter {
     /// its `reply_to` is checked against the same caller's reply space.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub caller: Option<String>,
+    /// The SHA-256 (hex) of the `Nats-Msg-Id` the request was published with, when it
+    /// was a capability: a replay keeps it, so the replayed conversation's stored body
+    /// still asks for the caller's message id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub msg_id_sha256: Option<String>,
     pub error: ErrorBody,
     /// The original request, when the payload was a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -37,6 +37,7 @@ pub(crate) async fn store_dead_letter(
             id: conversation.id.as_deref(),
             origin: Some(conversation.origin()),
             caller: conversation.caller(),
+            msg_id_sha256: conversation.state.msg_id_sha256.as_deref(),
             generation: conversation.generation(),
             error: redacted,
             payload: &conversation.payload,

@@ -102,8 +102,7 @@ impl Outlet {
                     due_ms: None,
                     attempts: AttemptHistory::default(),
                     caller: letter.caller.clone(),
-                    // Dead letters keep no capability yet (issue 34, point 3).
-                    msg_id_sha256: None,
+                    msg_id_sha256: letter.msg_id_sha256.clone(),
                 },
                 taken_by: None,
             };
