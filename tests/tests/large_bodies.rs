@@ -16,7 +16,10 @@ use futures::{StreamExt as _, stream};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncReadExt as _;
 use webproxy_client::{Request, new_msg_id};
-use webproxy_protocol::{ErrorCode, Outcome, Reply, RequestEnvelope, Subjects, header};
+use webproxy_protocol::{
+    BodyGetCode, BodyGetRequest, ErrorCode, Origin, Outcome, Reply, RequestEnvelope, Subjects,
+    body_header, header,
+};
 use webproxy_tests::authorized::{Admin, Caller, SERVICE_USER, service_as};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message, path_rule};
 use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, run_webproxy, wait_for};
@@ -389,6 +392,15 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
     let object = reply.body_object.expect("a stored body");
     assert_eq!(object.size, size as u64);
     assert_eq!(upstream.hits_for(&format!("/stalling/{size}")), 2);
+    // The object's name starts with the conversation's origin.
+    let reply_origin: Origin = object
+        .name
+        .splitn(3, ':')
+        .take(2)
+        .collect::<Vec<_>>()
+        .join(":")
+        .parse()
+        .expect("an origin");
 
     let stream = js
         .get_stream(Subjects::object_stream(&object.bucket))
@@ -411,6 +423,7 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
             format!("$O.{}.M.{}", object.bucket, URL_SAFE.encode(&object.name)),
             1,
         ),
+        (Subjects::body_receipt(&object.bucket, &reply_origin), 1),
     ];
     expected.sort();
     assert_eq!(
@@ -495,5 +508,210 @@ async fn a_replayed_conversations_body_keeps_the_callers_message_id() {
         hash,
         Some(kept),
         "the replay's body asks for the first message id"
+    );
+}
+
+/// Reads a stored body through `<prefix>.body.get` as `client`, chunk by chunk: the
+/// bytes and the digest the answers name, or the code and payload of the first answer
+/// without a chunk.
+async fn body_get(
+    client: &async_nats::Client,
+    id: &str,
+    origin: &str,
+    msg_id: &str,
+) -> Result<(Vec<u8>, String), (BodyGetCode, bytes::Bytes)> {
+    let mut request = BodyGetRequest {
+        id: id.into(),
+        origin: origin.into(),
+        msg_id: msg_id.into(),
+        cursor: None,
+    };
+    let mut body = Vec::new();
+    loop {
+        let answer = client
+            .request(
+                "webproxy.body.get",
+                serde_json::to_vec(&request).expect("json").into(),
+            )
+            .await
+            .expect("an answer to body.get");
+        let headers = answer.headers.clone().unwrap_or_default();
+        if let Some(code) = headers.get(body_header::ERROR) {
+            let code: BodyGetCode =
+                serde_json::from_value(serde_json::Value::String(code.to_string()))
+                    .expect("a known code");
+            return Err((code, answer.payload));
+        }
+        let offset: usize = headers
+            .get(body_header::OFFSET)
+            .expect("an offset")
+            .as_str()
+            .parse()
+            .expect("a number");
+        assert_eq!(offset, body.len(), "chunks come in order");
+        body.extend_from_slice(&answer.payload);
+        match headers.get(body_header::CURSOR) {
+            Some(cursor) => request.cursor = Some(cursor.to_string()),
+            None => {
+                let digest = headers
+                    .get(body_header::DIGEST)
+                    .map(|v| v.to_string())
+                    .unwrap_or_default();
+                return Ok((body, digest));
+            }
+        }
+    }
+}
+
+/// The shipped permissions' scene for `body.get`: the service as its own user, the
+/// callers' reply spaces allowed, and the upstream's large routes under a rule whose
+/// timeout is 3 s (so a stored body lives `reply_max_age` + 3 s).
+async fn isolated_scene(env: &[(&str, &str)]) -> (NatsServer, Upstream, Service) {
+    let nats = NatsServer::start_authorized();
+    let upstream = Upstream::start_with(large_routes()).await;
+    let config = format!(
+        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}timeout = \"3s\"\n",
+        path_rule("large", &upstream, "/large/")
+    );
+    let options = env
+        .iter()
+        .fold(service_as(SERVICE_USER), |options, (name, value)| {
+            options.env(name, value)
+        });
+    let service = Service::start_with(&nats.url(), &config, options).await;
+    (nats, upstream, service)
+}
+
+/// `caller` asks for `size` bytes with `large_body`, published under `msg_id`, answered
+/// in its own reply space: the reply and the conversation's origin.
+async fn isolated_request(
+    caller: &Caller,
+    upstream: &Upstream,
+    service: &Service,
+    size: usize,
+    msg_id: &str,
+) -> (Reply, Origin, String) {
+    let id = webproxy_client::new_id();
+    let envelope = serde_json::json!({
+        "id": id,
+        "method": "GET",
+        "url": upstream.url(&format!("/large/{size}")),
+        "reply_to": caller.reply_to(&id),
+        "large_body": true,
+    });
+    let mut inbox = caller
+        .nats
+        .subscribe(caller.reply_to(&id))
+        .await
+        .expect("subscribe");
+    caller.nats.flush().await.expect("flush");
+    let ack = caller
+        .publish(
+            "default",
+            msg_id,
+            &async_nats::HeaderMap::new(),
+            envelope.to_string(),
+        )
+        .await;
+    let what = format!("the reply\n{}", service.logs());
+    let message = next_message(&mut inbox, REPLY_TIMEOUT, &what).await;
+    let reply: Reply = serde_json::from_slice(&message.payload).expect("reply JSON");
+    (reply, Origin::new(ack.stream.as_str(), ack.sequence), id)
+}
+
+/// Point 3: an isolated caller, which may not read the body store, reads its large body
+/// through `body.get` with its message id, whole and with its digest. Another caller
+/// without that message id gets exactly the answer an unknown origin gets, and a
+/// cursor changed by hand is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_caller_reads_its_body_through_body_get_and_no_other_can() {
+    let (nats, upstream, service) = isolated_scene(&[]).await;
+    let caller_a = Caller::connect(&nats, "caller_a").await;
+    let caller_b = Caller::connect(&nats, "caller_b").await;
+    let size = 3 * MIB;
+    let msg_id = new_msg_id().expect("msg id");
+    let (reply, origin, id) = isolated_request(&caller_a, &upstream, &service, size, &msg_id).await;
+    let object = reply.body_object.clone().expect("a stored body");
+
+    // The store itself is out of the caller's reach.
+    let direct = caller_a.js.get_object_store(&object.bucket).await;
+    assert!(
+        direct.is_err(),
+        "an isolated caller reads no store directly"
+    );
+
+    let (bytes, digest) = body_get(&caller_a.nats, &id, &origin.to_string(), &msg_id)
+        .await
+        .unwrap_or_else(|(code, payload)| panic!("{code:?}: {payload:?}\n{}", service.logs()));
+    assert!(
+        bytes == body_of(size),
+        "the bytes read through body.get differ"
+    );
+    assert_eq!(digest, object.digest);
+
+    let wrong = body_get(
+        &caller_b.nats,
+        &id,
+        &origin.to_string(),
+        &new_msg_id().expect("id"),
+    )
+    .await
+    .expect_err("another caller's message id opens nothing");
+    let unknown_origin = Origin::new(origin.stream.as_str(), origin.seq + 1000).to_string();
+    let unknown = body_get(&caller_b.nats, &id, &unknown_origin, &msg_id)
+        .await
+        .expect_err("an unknown origin");
+    assert_eq!(wrong.0, BodyGetCode::NotFound);
+    assert_eq!(
+        wrong, unknown,
+        "a wrong message id answers as an unknown origin does"
+    );
+
+    let tampered = BodyGetRequest {
+        id: id.clone(),
+        origin: origin.to_string(),
+        msg_id: String::new(),
+        cursor: Some("eyJiIjoiV0VCUFJPWFlfUE9PTF9ERUZBVUxUX0JPRElFUyJ9.00".into()),
+    };
+    let answer = caller_b
+        .nats
+        .request(
+            "webproxy.body.get",
+            serde_json::to_vec(&tampered).expect("json").into(),
+        )
+        .await
+        .expect("an answer");
+    let code = answer
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(body_header::ERROR))
+        .map(|v| v.to_string());
+    assert_eq!(code.as_deref(), Some("invalid_request"));
+}
+
+/// A body that has expired answers `expired`, distinct from `not_found`: its receipt
+/// outlives it (`dead_max_age`), so the service knows it was stored. `reply_max_age` is
+/// 1 s and the rule's timeout 3 s, so the body lives 4 s; the wait for `expired` is
+/// bounded by [`REPLY_TIMEOUT`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_body_answers_expired() {
+    let (nats, upstream, service) =
+        isolated_scene(&[("WEBPROXY_STREAMS__REPLY_MAX_AGE", "1s")]).await;
+    let caller = Caller::connect(&nats, "caller_a").await;
+    let msg_id = new_msg_id().expect("msg id");
+    let (reply, origin, id) = isolated_request(&caller, &upstream, &service, MIB, &msg_id).await;
+    assert!(reply.body_object.is_some(), "{reply:?}");
+    let origin = origin.to_string();
+    wait_for(REPLY_TIMEOUT, "the body to expire", || async {
+        match body_get(&caller.nats, &id, &origin, &msg_id).await {
+            Err((BodyGetCode::Expired, _)) => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+    let wrong = body_get(&caller.nats, &id, &origin, &new_msg_id().expect("id")).await;
+    assert!(
+        matches!(wrong, Err((BodyGetCode::NotFound, _))),
+        "without the message id even an expired body is not found"
     );
 }

@@ -9,6 +9,7 @@
 
 #![warn(unreachable_pub)]
 
+mod body_get;
 mod consuming;
 mod conversation;
 mod hooks;

@@ -4,6 +4,7 @@
 //! Other teams' clients are written against these shapes, so every field name and
 //! every header name here is part of a published contract.
 
+mod body_get;
 mod capability;
 mod envelope;
 mod headers;
@@ -13,6 +14,7 @@ mod reply;
 pub mod schema;
 mod subjects;
 
+pub use body_get::{BodyGetCode, BodyGetError, BodyGetRequest, body_header};
 pub use capability::{capability_sha256, hex_sha256, is_capability};
 pub use envelope::{
     InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, canonical_url, parse_request,

@@ -384,11 +384,33 @@ impl Subjects {
         format!("{}_DEAD", self.pool_stream(pool))
     }
 
+    /// Where callers ask the service for a stored body's chunks: `<prefix>.body.get`.
+    pub fn body_get(&self) -> String {
+        format!("{}.body.get", self.prefix)
+    }
+
+    /// The body store that keeps the receipts of conversations that started in
+    /// `pool_stream`: `<pool stream>_BODIES`, found from an origin alone.
+    pub fn body_bucket_of(pool_stream: &str) -> String {
+        format!("{pool_stream}_BODIES")
+    }
+
+    /// The subject of the receipt of the conversation `<stream>:<seq>` in `bucket`:
+    /// which body its latest generation stored, and the capability's hash.
+    pub fn body_receipt(bucket: &str, origin: &Origin) -> String {
+        format!("$O.{bucket}.R.{}.{}", origin.stream, origin.seq)
+    }
+
+    /// Every receipt subject of `bucket`.
+    pub fn body_receipts(bucket: &str) -> String {
+        format!("$O.{bucket}.R.>")
+    }
+
     /// The Object Store bucket that keeps `pool`'s large bodies, `<pool stream>_BODIES`
     /// (e.g. `WEBPROXY_POOL_DEFAULT_BODIES`), with its own `body_max_bytes`; its stream
     /// is [`Subjects::object_stream`] of it.
     pub fn pool_body_bucket(&self, pool: &str) -> String {
-        format!("{}_BODIES", self.pool_stream(pool))
+        Subjects::body_bucket_of(&self.pool_stream(pool))
     }
 
     /// The stream of Object Store bucket `bucket`, `OBJ_<bucket>`, as every Object

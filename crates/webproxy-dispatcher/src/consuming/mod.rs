@@ -160,13 +160,18 @@ impl Dispatcher {
             &served,
             shutdown.clone(),
         );
+        let body_get = crate::body_get::serve(
+            running.outlet.client.clone(),
+            running.settings.subjects.clone(),
+            shutdown.clone(),
+        );
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
         }
         health.set_provisioned();
         // Until the signal the pools follow the revisions; then the pool loops end.
-        tokio::join!(pools.follow(), owner, states, bucket_use, async {
+        tokio::join!(pools.follow(), owner, states, bucket_use, body_get, async {
             shutdown.cancelled().await;
             health.set_draining();
         });

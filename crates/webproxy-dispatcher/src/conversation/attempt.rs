@@ -10,12 +10,12 @@ use time::format_description::well_known::Rfc3339;
 use tracing::{Instrument as _, debug, field, info_span};
 use webproxy_config::rules::RequestRule;
 use webproxy_jetstream::clock;
-use webproxy_jetstream::provision::pool_body_store_config;
-use webproxy_protocol::{AttemptRecord, BodyObject, Request};
+use webproxy_jetstream::provision::{body_store_config, pool_body_store_config};
+use webproxy_protocol::{AttemptRecord, BodyObject, Request, Subjects};
 use webproxy_worker::{AttemptOutcome, ChainRequest, LargeBody};
 
 use super::before::Go;
-use super::body_store::{AttemptName, BodyWriter};
+use super::body_store::{AttemptName, BodyWriter, ReceiptPlan};
 use super::delivery::DeliveryInfo;
 use super::ending::Ending;
 use super::{Conversation, Revision, Underway};
@@ -120,6 +120,14 @@ pub(crate) async fn body_writer(
             name,
             ttl,
             msg_id_sha256,
+            ReceiptPlan {
+                config: body_store_config(
+                    settings,
+                    &Subjects::body_bucket_of(&conversation.origin().stream),
+                ),
+                id: go.request.id.clone(),
+                ttl: settings.streams.dead_max_age,
+            },
         )
         .await,
     ))

@@ -23,6 +23,7 @@ use async_nats::jetstream::{self, stream};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE;
 use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use tracing::{debug, warn};
 use webproxy_protocol::{BodyObject, Subjects, header};
@@ -50,6 +51,22 @@ impl BodyStores {
         self.ready.lock().is_ok_and(|ready| ready.contains(bucket))
     }
 
+    /// Makes the store `config` describes unless this instance has seen it already.
+    async fn ensure(
+        &self,
+        js: &jetstream::Context,
+        config: stream::Config,
+    ) -> Result<(), SinkError> {
+        let bucket = bucket_of(&config);
+        if !self.is_ready(&bucket) {
+            js.get_or_create_stream(config)
+                .await
+                .map_err(|e| sink_error("cannot make the store", e))?;
+            self.mark(&bucket, true);
+        }
+        Ok(())
+    }
+
     fn mark(&self, bucket: &str, ready: bool) {
         if let Ok(mut set) = self.ready.lock() {
             if ready {
@@ -60,6 +77,39 @@ impl BodyStores {
         }
     }
 }
+
+/// The bucket whose stream `config` is, `OBJ_<bucket>`.
+fn bucket_of(config: &stream::Config) -> String {
+    config
+        .name
+        .strip_prefix("OBJ_")
+        .unwrap_or(&config.name)
+        .to_string()
+}
+
+/// What a body store keeps of a conversation whose latest generation stored a body,
+/// on [`Subjects::body_receipt`] in the store of the pool it started in (found from
+/// its origin alone), for `dead_max_age`: that body, the envelope id, and the
+/// capability's hash. `body.get` reads it to check a caller's message id, and to tell
+/// a body that expired from one that never was.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Receipt {
+    pub(crate) id: String,
+    pub(crate) generation: u64,
+    pub(crate) msg_id_sha256: String,
+    pub(crate) object: BodyObject,
+}
+
+/// Where and for how long the receipt of a body goes.
+pub(crate) struct ReceiptPlan {
+    pub(crate) config: stream::Config,
+    pub(crate) id: String,
+    pub(crate) ttl: Duration,
+}
+
+/// The header of a stored body's metadata that holds the key its `body.get` cursors
+/// are signed with: random per object, readable only by those who may read the store.
+pub(crate) const CURSOR_KEY: &str = "Webproxy-Cursor-Key";
 
 /// Where one attempt's body goes, and what of it is stored so far.
 pub(crate) struct BodyWriter {
@@ -84,6 +134,11 @@ pub(crate) struct BodyWriter {
     /// [`BodyWriter::discard`] deletes.
     stored: Vec<u64>,
     object: Option<BodyObject>,
+    receipt: ReceiptPlan,
+    origin: webproxy_protocol::Origin,
+    generation: u64,
+    /// The receipt's sequence in its store, once stored.
+    receipt_stored: Option<u64>,
 }
 
 /// What names one attempt's body: its origin, generation, attempt and delivery.
@@ -118,6 +173,13 @@ impl AttemptName<'_> {
     }
 }
 
+/// A fresh cursor key: 32 random bytes, hex.
+fn cursor_key() -> Result<String, SinkError> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| sink_error("cannot draw a cursor key", e))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Why a body store could not be opened or written.
 fn sink_error(what: &str, error: impl std::fmt::Display) -> SinkError {
     let text = error.to_string();
@@ -140,13 +202,14 @@ impl BodyWriter {
         name: AttemptName<'_>,
         ttl: Duration,
         msg_id_sha256: String,
+        receipt: ReceiptPlan,
     ) -> BodyWriter {
-        let bucket = config
-            .name
-            .strip_prefix("OBJ_")
-            .unwrap_or(&config.name)
-            .to_string();
+        let bucket = bucket_of(&config);
         let writer = BodyWriter {
+            receipt,
+            origin: name.conversation.origin().clone(),
+            generation: name.conversation.generation(),
+            receipt_stored: None,
             js: js.clone(),
             stores,
             config: Some(config),
@@ -174,17 +237,10 @@ impl BodyWriter {
 
     /// Makes the store if this instance has not seen it yet.
     async fn ensure_store(&mut self) -> Result<(), SinkError> {
-        let Some(config) = self.config.take() else {
-            return Ok(());
-        };
-        if !self.stores.is_ready(&self.bucket) {
-            self.js
-                .get_or_create_stream(config)
-                .await
-                .map_err(|e| sink_error("cannot make the store", e))?;
-            self.stores.mark(&self.bucket, true);
+        match self.config.take() {
+            Some(config) => self.stores.ensure(&self.js, config).await,
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The object this writer finished, once it has.
@@ -276,6 +332,17 @@ impl BodyWriter {
                 self.stored.push(ack.sequence);
             }
         }
+        if let Some(sequence) = self.receipt_stored {
+            let receipts = bucket_of(&self.receipt.config);
+            if let Ok(stream) = self
+                .js
+                .get_stream_no_info(Subjects::object_stream(&receipts))
+                .await
+                && let Err(e) = stream.delete_message(sequence).await
+            {
+                warn!(bucket = %receipts, sequence, error = %e, "cannot remove a discarded body's receipt; its TTL will");
+            }
+        }
         if self.stored.is_empty() {
             return;
         }
@@ -311,6 +378,7 @@ impl BodyWriter {
         );
         let mut object_headers = HeaderMap::new();
         object_headers.insert(header::MSG_ID_SHA256, self.msg_id_sha256.as_str());
+        object_headers.insert(CURSOR_KEY, cursor_key()?.as_str());
         let info = ObjectInfo {
             name: self.name.clone(),
             description: None,
@@ -334,12 +402,48 @@ impl BodyWriter {
         let subject = Subjects::object_meta(&self.bucket, &URL_SAFE.encode(&self.name));
         self.publish(subject, headers, Bytes::from(payload)).await?;
         self.confirm_oldest().await?;
-        self.object = Some(BodyObject {
+        let object = BodyObject {
             bucket: self.bucket.clone(),
             name: self.name.clone(),
             size: self.size,
             digest,
-        });
+        };
+        self.store_receipt(&object).await?;
+        self.object = Some(object);
+        Ok(())
+    }
+
+    /// Stores the receipt of `object` in the store of the pool the conversation
+    /// started in, confirmed.
+    async fn store_receipt(&mut self, object: &BodyObject) -> Result<(), SinkError> {
+        let receipts = bucket_of(&self.receipt.config);
+        self.stores
+            .ensure(&self.js, self.receipt.config.clone())
+            .await?;
+        let receipt = Receipt {
+            id: self.receipt.id.clone(),
+            generation: self.generation,
+            msg_id_sha256: self.msg_id_sha256.clone(),
+            object: object.clone(),
+        };
+        let payload = serde_json::to_vec(&receipt).map_err(|e| sink_error("receipt", e))?;
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "Nats-TTL",
+            format!("{}s", self.receipt.ttl.as_secs().max(1)).as_str(),
+        );
+        let ack = self
+            .js
+            .publish_with_headers(
+                Subjects::body_receipt(&receipts, &self.origin),
+                headers,
+                Bytes::from(payload),
+            )
+            .await
+            .map_err(|e| sink_error("cannot publish the receipt", e))?
+            .await
+            .map_err(|e| sink_error("receipt not stored", e))?;
+        self.receipt_stored = Some(ack.sequence);
         Ok(())
     }
 }

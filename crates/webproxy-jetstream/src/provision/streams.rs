@@ -168,15 +168,21 @@ pub(crate) fn pool_dead_stream_config(settings: &Settings, pool: &str) -> stream
 /// rollups for the metadata, direct get for lookups by subject, and per-message TTLs
 /// (which, once allowed, a stream cannot drop) as every body's lifetime.
 pub fn pool_body_store_config(settings: &Settings, pool: &str) -> stream::Config {
-    let bucket = settings.subjects.pool_body_bucket(pool);
+    body_store_config(settings, &settings.subjects.pool_body_bucket(pool))
+}
+
+/// [`pool_body_store_config`] by the bucket's name, `<pool stream>_BODIES`, as an
+/// origin gives it: the store that keeps the receipts of that pool's conversations.
+pub fn body_store_config(settings: &Settings, bucket: &str) -> stream::Config {
     stream::Config {
-        name: Subjects::object_stream(&bucket),
+        name: Subjects::object_stream(bucket),
         description: Some(format!(
-            "webproxy pool {pool}: large bodies (Object Store bucket {bucket})"
+            "webproxy large bodies: Object Store bucket {bucket}, and the receipts of its pool's conversations"
         )),
         subjects: vec![
-            Subjects::object_chunks(&bucket, ">"),
-            Subjects::object_meta(&bucket, ">"),
+            Subjects::object_chunks(bucket, ">"),
+            Subjects::object_meta(bucket, ">"),
+            Subjects::body_receipts(bucket),
         ],
         retention: stream::RetentionPolicy::Limits,
         storage: stream::StorageType::File,
