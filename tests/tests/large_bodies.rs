@@ -759,3 +759,31 @@ async fn sixty_four_mib_read_through_body_get_within_fifteen_seconds_in_bounded_
         peak / MIB as u64
     );
 }
+
+/// The Rust client opts in with `Request::large_body` (which draws the message id it
+/// will ask for) and reads the stored body back with `Client::read_body`, checked
+/// against its size and digest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_opts_in_and_reads_the_stored_body() {
+    let h = harness(ServiceOptions::default()).await;
+    let size = 2 * MIB + 17;
+    let request = Request::new("GET", h.upstream.url(&format!("/large/{size}")))
+        .large_body()
+        .expect("a message id")
+        .wait(REPLY_TIMEOUT);
+    let msg_id = request.msg_id_set().expect("drawn").to_string();
+    let answer = h.client.request_answer(&request).await.expect("a reply");
+    assert!(answer.reply.body_object.is_some(), "{:?}", answer.reply);
+    let body = h
+        .client
+        .read_body(&answer.reply.id, &answer.origin, &msg_id)
+        .await
+        .expect("the body");
+    assert!(body == body_of(size), "the bytes differ");
+    let refused = h
+        .client
+        .read_body(&answer.reply.id, &answer.origin, &new_msg_id().expect("id"))
+        .await
+        .expect_err("another message id");
+    assert!(refused.to_string().contains("not_found"), "{refused}");
+}

@@ -63,8 +63,8 @@ use futures::StreamExt as _;
 use thiserror::Error;
 use tokio::time::Instant;
 use webproxy_protocol::{
-    InvalidName, ReplyBody, Subjects, header, validate_caller, validate_id, validate_pool_name,
-    validate_subject_literal,
+    BodyGetError, BodyGetRequest, InvalidName, ReplyBody, Subjects, body_header, header,
+    validate_caller, validate_id, validate_pool_name, validate_subject_literal,
 };
 
 pub use webproxy_protocol::{
@@ -136,6 +136,12 @@ pub enum Error {
     Lookup(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the reply is not a valid reply envelope: {0}")]
     Decode(#[source] serde_json::Error),
+    /// `body.get` answered without a chunk: `not_found` (or not this caller's),
+    /// `expired`, `busy`, ...
+    #[error("the stored body could not be read: {code}: {message}")]
+    Body { code: String, message: String },
+    #[error("cannot ask for the stored body: {0}")]
+    BodyRequest(#[source] async_nats::RequestError),
 }
 
 /// What a timeout says about the stored replies: looked up and absent, or not read
@@ -329,9 +335,22 @@ impl Request {
         self.wait
     }
 
-    /// The `Nats-Msg-Id` set with [`Request::msg_id`], if any.
+    /// The `Nats-Msg-Id` set with [`Request::msg_id`] (or drawn by
+    /// [`Request::large_body`]), if any.
     pub fn msg_id_set(&self) -> Option<&str> {
         self.msg_id.as_deref()
+    }
+
+    /// Opts in to a response body above the inline limit: the reply then names it
+    /// (`body_object`), for [`Client::read_body`]. Reading it asks for the request's
+    /// `Nats-Msg-Id`, so one is drawn now unless set ([`Request::msg_id_set`] gives
+    /// it); every call of this request is then the same conversation.
+    pub fn large_body(mut self) -> Result<Request, Error> {
+        self.envelope.large_body = true;
+        if self.msg_id.is_none() {
+            self.msg_id = Some(new_msg_id()?);
+        }
+        Ok(self)
     }
 }
 
@@ -595,6 +614,51 @@ impl Client {
         stored_reply(&self.js, &self.subjects, id, origin).await
     }
 
+    /// The stored body of the conversation `origin` with envelope id `id`, published
+    /// with `msg_id`, read whole through `<prefix>.body.get` (which isolated callers may
+    /// use too): chunk by chunk, in order, with its size and SHA-256 digest checked.
+    /// For a reply whose `body_object` is set.
+    pub async fn read_body(
+        &self,
+        id: &str,
+        origin: &Origin,
+        msg_id: &str,
+    ) -> Result<Vec<u8>, Error> {
+        check_id(id)?;
+        let mut request = BodyGetRequest {
+            id: id.to_string(),
+            origin: origin.to_string(),
+            msg_id: msg_id.to_string(),
+            cursor: None,
+        };
+        let mut body = Vec::new();
+        loop {
+            let payload = serde_json::to_vec(&request).map_err(Error::Encode)?;
+            let answer = self
+                .nats
+                .request(self.subjects.body_get(), payload.into())
+                .await
+                .map_err(Error::BodyRequest)?;
+            let headers = answer.headers.unwrap_or_default();
+            let text = |name: &str| headers.get(name).map(|v| v.as_str().to_string());
+            if let Some(code) = text(body_header::ERROR) {
+                let message = serde_json::from_slice::<BodyGetError>(&answer.payload)
+                    .map(|e| e.message)
+                    .unwrap_or_default();
+                return Err(Error::Body { code, message });
+            }
+            body.extend_from_slice(&answer.payload);
+            match text(body_header::CURSOR) {
+                Some(cursor) => request.cursor = Some(cursor),
+                None => {
+                    let size = text(body_header::SIZE).unwrap_or_default();
+                    let digest = text(body_header::DIGEST).unwrap_or_default();
+                    return checked(body, &size, &digest);
+                }
+            }
+        }
+    }
+
     /// The NATS connection.
     pub fn nats(&self) -> &async_nats::Client {
         &self.nats
@@ -632,6 +696,26 @@ impl Client {
             duplicate: ack.duplicate,
         })
     }
+}
+
+/// `body` if it has the `size` and `digest` (`SHA-256=<base64url>`) the answers named.
+fn checked(body: Vec<u8>, size: &str, digest: &str) -> Result<Vec<u8>, Error> {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let actual = format!(
+        "SHA-256={}",
+        base64::engine::general_purpose::URL_SAFE.encode(sha2::Sha256::digest(&body))
+    );
+    if size != body.len().to_string() || digest != actual {
+        return Err(Error::Body {
+            code: "digest".into(),
+            message: format!(
+                "read {} bytes with digest {actual}, the store says {size} bytes with {digest}",
+                body.len()
+            ),
+        });
+    }
+    Ok(body)
 }
 
 /// Publishes with `publish(msg_id)`, and again with the same id while JetStream
