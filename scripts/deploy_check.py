@@ -112,6 +112,8 @@ METRICS = {
     "webproxy_clock_skew_seconds": set(),
     "webproxy_state_bucket_bytes": {"bucket"},
     "webproxy_state_bucket_used_ratio": {"bucket"},
+    # Each pool's body store for large bodies (issue 34).
+    "webproxy_body_store_used_ratio": {"pool"},
     "webproxy_dns_lookup_failures_total": {"reason"},
     "webproxy_build_info": {"version"},
     # `webproxy gateway` (issue 21), on its own health listener.
@@ -142,6 +144,7 @@ CLUSTER_WIDE = {
     "webproxy_pool_effective_limit",
     "webproxy_state_bucket_bytes",
     "webproxy_state_bucket_used_ratio",
+    "webproxy_body_store_used_ratio",
 }
 # An aggregation up to the opening bracket of its argument: `max by (pool) (`.
 AGGREGATION = r"\b([a-z_]+)\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*$"

@@ -223,6 +223,16 @@ async fn a_full_store_refuses_a_body_clearly_and_the_pool_goes_on() {
         Some(before),
         "no orphan chunk stays"
     );
+    // The gauge shows the store's use, read every 5 s; the wait is bounded.
+    let series = "webproxy_body_store_used_ratio{pool=\"default\"}";
+    let expected = before as f64 / (4 * MIB) as f64;
+    wait_for(REPLY_TIMEOUT, "the body store's gauge", || async {
+        h.service
+            .metric(series)
+            .await
+            .filter(|ratio| (ratio - expected).abs() < 1e-6)
+    })
+    .await;
 
     let again = send(
         &h,

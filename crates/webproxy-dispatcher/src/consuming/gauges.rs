@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
-use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self, consumer::PullConsumer, context::GetStreamErrorKind};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
+use webproxy_protocol::Subjects;
 
 use crate::conversation::Revision;
 use crate::observability::gauges::GAUGE_REFRESH;
@@ -56,7 +57,35 @@ pub(crate) async fn refresh_gauges(
             }
             (Err(e), _) | (_, Err(e)) => debug!(pool, error = %e, "cannot refresh pool gauges"),
         }
+        refresh_body_store(&shared, &pool).await;
     }
+}
+
+/// The pool's body store's use, into its gauge: one `STREAM.INFO`; a store the server
+/// does not have holds nothing, and a reading that fails otherwise keeps the last.
+async fn refresh_body_store(shared: &Revision, pool: &str) {
+    let settings = &shared.settings;
+    let name = Subjects::object_stream(&settings.subjects.pool_body_bucket(pool));
+    let bound = settings.streams.body_max_bytes;
+    let used = match shared.outlet.js.get_stream(&name).await {
+        Ok(stream) => stream.cached_info().state.bytes,
+        Err(e)
+            if matches!(e.kind(), GetStreamErrorKind::JetStream(ref js)
+                if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            0
+        }
+        Err(e) => {
+            debug!(pool, error = %e, "cannot read the body store's use");
+            return;
+        }
+    };
+    let ratio = if bound > 0 {
+        used as f64 / bound as f64
+    } else {
+        0.0
+    };
+    shared.outlet.metrics.set_body_store_used(pool, ratio);
 }
 
 /// A consumer's info, as `get_info` reads it, and the server's time in it (`ts`) as a

@@ -117,6 +117,7 @@ pub(crate) struct Metrics {
     pool_consumers_owner: Gauge,
     clock_skew: Gauge<f64, AtomicU64>,
     pool_paused: Family<PoolLabels, Gauge>,
+    body_store_used_ratio: Family<PoolLabels, Gauge<f64, AtomicU64>>,
     gate_wait: HistogramFamily<PoolLabels>,
     rate_schedule_requests: Family<PoolLabels, Counter>,
     breaker_transitions: Family<TransitionLabels, Counter>,
@@ -233,6 +234,12 @@ impl Metrics {
             "1 while the pool's runtime state holds a pause in force (by hand, Retry-After), cluster-wide: every pod reports the same value, so aggregate with max, not sum",
             pool_paused.clone(),
         );
+        let body_store_used_ratio = Family::<PoolLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "body_store_used_ratio",
+            "The share of body_max_bytes the pool's body store (large bodies) holds, as last read (every 5 s; 0 while the pool has none); a full store ends that attempt internal and blocks nothing; cluster-wide: aggregate with max, not sum",
+            body_store_used_ratio.clone(),
+        );
         let gate_wait: HistogramFamily<PoolLabels> =
             Family::new_with_constructor(queue_wait_histogram);
         registry.register(
@@ -308,6 +315,7 @@ impl Metrics {
             pool_consumers_owner,
             clock_skew,
             pool_paused,
+            body_store_used_ratio,
             gate_wait,
             rate_schedule_requests,
             breaker_transitions,
@@ -366,6 +374,15 @@ impl Metrics {
                 pool: pool.to_string(),
             })
             .set(i64::from(paused));
+    }
+
+    /// The share of its `body_max_bytes` `pool`'s body store holds.
+    pub(crate) fn set_body_store_used(&self, pool: &str, ratio: f64) {
+        self.body_store_used_ratio
+            .get_or_create(&PoolLabels {
+                pool: pool.to_string(),
+            })
+            .set(ratio);
     }
 
     /// A message of `pool` waited `wait` at its pool's gate.
