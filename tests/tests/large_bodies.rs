@@ -91,6 +91,20 @@ fn bodies_bucket() -> String {
         .pool_body_bucket("default")
 }
 
+/// Reads `name` from `store` as any Object Store client does (which checks the digest)
+/// and compares it with the upstream's `size` bytes.
+async fn assert_reads_back(store: &jetstream::object_store::ObjectStore, name: &str, size: usize) {
+    let mut bytes = Vec::with_capacity(size);
+    store
+        .get(name)
+        .await
+        .expect("object")
+        .read_to_end(&mut bytes)
+        .await
+        .expect("read whole");
+    assert!(bytes == body_of(size), "the {size} bytes read back differ");
+}
+
 fn digest_of(bytes: &[u8]) -> String {
     format!("SHA-256={}", URL_SAFE.encode(Sha256::digest(bytes)))
 }
@@ -130,11 +144,8 @@ async fn five_and_forty_mib_responses_arrive_whole_with_their_digest() {
             h.js.get_object_store(&object.bucket)
                 .await
                 .expect("the body store is an Object Store");
-        let mut read = store.get(&object.name).await.expect("object");
-        let info = read.info().clone();
-        let mut bytes = Vec::with_capacity(size);
-        read.read_to_end(&mut bytes).await.expect("read whole");
-        assert!(bytes == expected, "{size} bytes read back differ");
+        assert_reads_back(&store, &object.name, size).await;
+        let info = store.info(&object.name).await.expect("the object's info");
         assert_eq!(info.digest.as_deref(), Some(object.digest.as_str()));
         let kept = info
             .headers
@@ -149,41 +160,54 @@ async fn five_and_forty_mib_responses_arrive_whole_with_their_digest() {
     }
 }
 
-/// A body over `max_large_body` ends `response_too_large`, naming the key, and what
-/// was streamed of it is removed: the store's bytes are as before.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_body_over_max_large_body_is_too_large_and_leaves_the_store_as_it_was() {
-    let h = harness(
-        ServiceOptions::default().env("WEBPROXY_OUTBOUND__MAX_LARGE_BODY", &(2 * MIB).to_string()),
-    )
-    .await;
-    let first = send(
+/// With the service's `env` set, a 1 MiB body is stored, then a `size` body is refused
+/// with `code` and a message naming `names`, and the store's bytes are as before it:
+/// no orphan chunk stays. The harness and the store's bytes.
+async fn refused_leaving_the_store_as_it_was(
+    env: (&str, &str),
+    size: usize,
+    code: ErrorCode,
+    names: &str,
+) -> (Harness, u64) {
+    let h = harness(ServiceOptions::default().env(env.0, env.1)).await;
+    let fits = send(
         &h,
-        large(&h.upstream.url(&format!("/large/{}", MIB))),
+        large(&h.upstream.url(&format!("/large/{MIB}"))),
         &new_msg_id().expect("msg id"),
     )
     .await;
-    assert!(first.body_object.is_some(), "{first:?}");
+    assert!(fits.body_object.is_some(), "{fits:?}");
     let before = store_bytes(&h.js).await.expect("the store exists");
-
     let reply = send(
         &h,
-        large(&h.upstream.url(&format!("/large/{}", 3 * MIB))),
+        large(&h.upstream.url(&format!("/large/{size}"))),
         &new_msg_id().expect("msg id"),
     )
     .await;
     let error = reply.error.expect("an error reply");
-    assert_eq!(error.code, ErrorCode::ResponseTooLarge, "{error:?}");
-    assert!(
-        error.message.contains("max_large_body"),
-        "{}",
-        error.message
-    );
+    assert_eq!(error.code, code, "{error:?}");
+    assert!(error.message.contains(names), "{}", error.message);
+    assert_eq!(error.status, Some(200));
     assert_eq!(
         store_bytes(&h.js).await,
         Some(before),
         "no orphan chunk stays"
     );
+    (h, before)
+}
+
+/// A body over `max_large_body` ends `response_too_large`, naming the key, and what
+/// was streamed of it is removed: the store's bytes are as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_max_large_body_is_too_large_and_leaves_the_store_as_it_was() {
+    let limit = (2 * MIB).to_string();
+    refused_leaving_the_store_as_it_was(
+        ("WEBPROXY_OUTBOUND__MAX_LARGE_BODY", &limit),
+        3 * MIB,
+        ErrorCode::ResponseTooLarge,
+        "max_large_body",
+    )
+    .await;
 }
 
 /// A full store ends the attempt `internal` ("body store full") without blocking the
@@ -191,38 +215,14 @@ async fn a_body_over_max_large_body_is_too_large_and_leaves_the_store_as_it_was(
 /// stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_store_refuses_a_body_clearly_and_the_pool_goes_on() {
-    let h = harness(
-        ServiceOptions::default().env("WEBPROXY_STREAMS__BODY_MAX_BYTES", &(4 * MIB).to_string()),
+    let bound = (4 * MIB).to_string();
+    let (h, before) = refused_leaving_the_store_as_it_was(
+        ("WEBPROXY_STREAMS__BODY_MAX_BYTES", &bound),
+        6 * MIB,
+        ErrorCode::Internal,
+        "body store full",
     )
     .await;
-    let fits = send(
-        &h,
-        large(&h.upstream.url(&format!("/large/{}", MIB))),
-        &new_msg_id().expect("msg id"),
-    )
-    .await;
-    assert!(fits.body_object.is_some(), "{fits:?}");
-    let before = store_bytes(&h.js).await.expect("the store exists");
-
-    let reply = send(
-        &h,
-        large(&h.upstream.url(&format!("/large/{}", 6 * MIB))),
-        &new_msg_id().expect("msg id"),
-    )
-    .await;
-    let error = reply.error.expect("an error reply");
-    assert_eq!(error.code, ErrorCode::Internal, "{error:?}");
-    assert!(
-        error.message.contains("body store full"),
-        "{}",
-        error.message
-    );
-    assert_eq!(error.status, Some(200));
-    assert_eq!(
-        store_bytes(&h.js).await,
-        Some(before),
-        "no orphan chunk stays"
-    );
     // The gauge shows the store's use, read every 5 s; the wait is bounded.
     let series = "webproxy_body_store_used_ratio{pool=\"default\"}";
     let expected = before as f64 / (4 * MIB) as f64;
@@ -286,40 +286,11 @@ async fn without_the_opt_in_or_a_capability_nothing_is_stored() {
 /// the reply naming it, and webproxy's account reads it as any Object Store client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_permissions_let_the_service_store_a_large_body() {
-    let nats = NatsServer::start_authorized();
-    let upstream = Upstream::start_with(large_routes()).await;
-    let config = format!(
-        "[streams]\nreply_to_allow = [\"callers.{{caller}}.replies.>\"]\n\n{}",
-        path_rule("large", &upstream, "/large/")
-    );
-    let service = Service::start_with(&nats.url(), &config, service_as(SERVICE_USER)).await;
+    let (nats, upstream, service) = isolated_scene(&[]).await;
     let caller = Caller::connect(&nats, "caller_a").await;
-    let id = webproxy_client::new_id();
     let size = 2 * MIB;
-    let envelope = serde_json::json!({
-        "id": id,
-        "method": "GET",
-        "url": upstream.url(&format!("/large/{size}")),
-        "reply_to": caller.reply_to(&id),
-        "large_body": true,
-    });
-    let mut inbox = caller
-        .nats
-        .subscribe(caller.reply_to(&id))
-        .await
-        .expect("subscribe");
-    caller.nats.flush().await.expect("flush");
-    caller
-        .publish(
-            "default",
-            &new_msg_id().expect("msg id"),
-            &async_nats::HeaderMap::new(),
-            envelope.to_string(),
-        )
-        .await;
-    let what = format!("the reply\n{}", service.logs());
-    let message = next_message(&mut inbox, REPLY_TIMEOUT, &what).await;
-    let reply: Reply = serde_json::from_slice(&message.payload).expect("reply JSON");
+    let msg_id = new_msg_id().expect("msg id");
+    let (reply, _, _) = isolated_request(&caller, &upstream, &service, size, &msg_id).await;
     let object = reply
         .body_object
         .clone()
@@ -331,15 +302,7 @@ async fn the_shipped_permissions_let_the_service_store_a_large_body() {
         .get_object_store(&object.bucket)
         .await
         .expect("the body store");
-    let mut bytes = Vec::new();
-    store
-        .get(&object.name)
-        .await
-        .expect("object")
-        .read_to_end(&mut bytes)
-        .await
-        .expect("read");
-    assert!(bytes == body_of(size), "the bytes read back differ");
+    assert_reads_back(&store, &object.name, size).await;
 }
 
 /// A pod killed while it streams a body into the store: the redelivery, on another
@@ -440,15 +403,7 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
         held, expected,
         "one object's chunks and metadata, nothing else"
     );
-    let mut bytes = Vec::new();
-    store
-        .get(&object.name)
-        .await
-        .expect("object")
-        .read_to_end(&mut bytes)
-        .await
-        .expect("read");
-    assert!(bytes == body_of(size), "the bytes read back differ");
+    assert_reads_back(&store, &object.name, size).await;
 }
 
 /// The capability outlives a dead letter: the letter keeps the message id's SHA-256,
@@ -521,55 +476,48 @@ async fn a_replayed_conversations_body_keeps_the_callers_message_id() {
     );
 }
 
-/// Reads a stored body through `<prefix>.body.get` as `client`, chunk by chunk: the
-/// bytes and the digest the answers name, or the code and payload of the first answer
-/// without a chunk.
+/// Reads a stored body through `<prefix>.body.get` as `client`: the first answer as it
+/// comes (the code and payload of one without a chunk), then the whole body as the
+/// Rust client reads it, chunk by chunk with its size and digest checked.
 async fn body_get(
     client: &async_nats::Client,
     id: &str,
     origin: &str,
     msg_id: &str,
-) -> Result<(Vec<u8>, String), (BodyGetCode, bytes::Bytes)> {
-    let mut request = BodyGetRequest {
+) -> Result<Vec<u8>, (BodyGetCode, bytes::Bytes)> {
+    let request = BodyGetRequest {
         id: id.into(),
         origin: origin.into(),
         msg_id: msg_id.into(),
         cursor: None,
     };
-    let mut body = Vec::new();
-    loop {
-        let answer = client
-            .request(
-                "webproxy.body.get",
-                serde_json::to_vec(&request).expect("json").into(),
-            )
-            .await
-            .expect("an answer to body.get");
-        let headers = answer.headers.clone().unwrap_or_default();
-        if let Some(code) = headers.get(body_header::ERROR) {
-            let code: BodyGetCode =
-                serde_json::from_value(serde_json::Value::String(code.to_string()))
-                    .expect("a known code");
-            return Err((code, answer.payload));
+    let answer = client
+        .request(
+            "webproxy.body.get",
+            serde_json::to_vec(&request).expect("json").into(),
+        )
+        .await
+        .expect("an answer to body.get");
+    if let Some(code) = answer
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(body_header::ERROR))
+    {
+        let code: BodyGetCode = serde_json::from_value(serde_json::Value::String(code.to_string()))
+            .expect("a known code");
+        return Err((code, answer.payload));
+    }
+    let reader = webproxy_client::Client::new(client.clone(), "webproxy").expect("client");
+    let origin: Origin = origin.parse().expect("an origin");
+    match reader.read_body(id, &origin, msg_id).await {
+        Ok(body) => Ok(body),
+        // It expired while it was read.
+        Err(webproxy_client::Error::Body { code, message }) => {
+            let code = serde_json::from_value(serde_json::Value::String(code))
+                .unwrap_or_else(|_| panic!("an unknown code: {message}"));
+            Err((code, bytes::Bytes::new()))
         }
-        let offset: usize = headers
-            .get(body_header::OFFSET)
-            .expect("an offset")
-            .as_str()
-            .parse()
-            .expect("a number");
-        assert_eq!(offset, body.len(), "chunks come in order");
-        body.extend_from_slice(&answer.payload);
-        match headers.get(body_header::CURSOR) {
-            Some(cursor) => request.cursor = Some(cursor.to_string()),
-            None => {
-                let digest = headers
-                    .get(body_header::DIGEST)
-                    .map(|v| v.to_string())
-                    .unwrap_or_default();
-                return Ok((body, digest));
-            }
-        }
+        Err(e) => panic!("the whole body, checked: {e}"),
     }
 }
 
@@ -650,14 +598,13 @@ async fn an_isolated_caller_reads_its_body_through_body_get_and_no_other_can() {
         "an isolated caller reads no store directly"
     );
 
-    let (bytes, digest) = body_get(&caller_a.nats, &id, &origin.to_string(), &msg_id)
+    let bytes = body_get(&caller_a.nats, &id, &origin.to_string(), &msg_id)
         .await
         .unwrap_or_else(|(code, payload)| panic!("{code:?}: {payload:?}\n{}", service.logs()));
     assert!(
         bytes == body_of(size),
         "the bytes read through body.get differ"
     );
-    assert_eq!(digest, object.digest);
 
     let wrong = body_get(
         &caller_b.nats,
@@ -746,10 +693,11 @@ async fn sixty_four_mib_read_through_body_get_within_fifteen_seconds_in_bounded_
         .await
         .unwrap_or_else(|e| panic!("no reply: {e}\n{}", h.service.logs()));
     let object = answer.reply.body_object.expect("a stored body");
+    assert_eq!(object.size, size as u64);
 
     let started = std::time::Instant::now();
     let nats = h.nats.client().await;
-    let (bytes, digest) = body_get(&nats, &id, &answer.origin.to_string(), &msg_id)
+    let bytes = body_get(&nats, &id, &answer.origin.to_string(), &msg_id)
         .await
         .unwrap_or_else(|(code, payload)| panic!("{code:?}: {payload:?}"));
     let took = started.elapsed();
@@ -757,7 +705,6 @@ async fn sixty_four_mib_read_through_body_get_within_fifteen_seconds_in_bounded_
         took < std::time::Duration::from_secs(15),
         "64 MiB through body.get took {took:?}"
     );
-    assert_eq!(digest, object.digest);
     assert!(
         bytes.len() == size && bytes == body_of(size),
         "the bytes differ"

@@ -63,8 +63,9 @@ use futures::StreamExt as _;
 use thiserror::Error;
 use tokio::time::Instant;
 use webproxy_protocol::{
-    BodyGetError, BodyGetRequest, InvalidName, ReplyBody, Subjects, body_header, header,
-    validate_caller, validate_id, validate_pool_name, validate_subject_literal,
+    BodyGetError, BodyGetRequest, BodyPutAnswer, BodyPutRequest, InvalidName, ReplyBody, Subjects,
+    UploadRef, body_header, header, validate_caller, validate_id, validate_pool_name,
+    validate_subject_literal,
 };
 
 pub use webproxy_protocol::{
@@ -339,6 +340,15 @@ impl Request {
     /// [`Request::large_body`]), if any.
     pub fn msg_id_set(&self) -> Option<&str> {
         self.msg_id.as_deref()
+    }
+
+    /// Sends the body uploaded as `upload` ([`Client::upload`]) in place of
+    /// `body`/`body_base64`.
+    pub fn body_upload(mut self, upload: UploadRef) -> Request {
+        self.envelope.body = None;
+        self.envelope.body_base64 = None;
+        self.envelope.body_object = Some(upload);
+        self
     }
 
     /// Opts in to a response body above the inline limit: the reply then names it
@@ -659,6 +669,65 @@ impl Client {
         }
     }
 
+    /// Uploads `body` for a request to `pool` through `<prefix>.body.put.<pool>` (under
+    /// this client's caller name, if it has one), in chunks that each fit a message,
+    /// resuming where the service says the upload ends. The result goes in the
+    /// envelope with [`Request::body_upload`]; an upload no envelope names is gone
+    /// after the service's `upload_max_age`.
+    pub async fn upload(&self, pool: &str, body: &[u8]) -> Result<UploadRef, Error> {
+        use base64::Engine as _;
+        use sha2::Digest as _;
+        validate_pool_name(pool).map_err(Error::InvalidPool)?;
+        let subject = match &self.caller {
+            None => self.subjects.body_put(pool),
+            Some(caller) => self.subjects.caller_body_put(pool, caller),
+        };
+        let name = new_msg_id()?;
+        let mut offset = 0usize;
+        while offset < body.len() {
+            let end = (offset + UPLOAD_CHUNK).min(body.len());
+            let put = BodyPutRequest {
+                upload: name.clone(),
+                offset: offset as u64,
+                data_base64: base64::engine::general_purpose::STANDARD.encode(&body[offset..end]),
+            };
+            let payload = serde_json::to_vec(&put).map_err(Error::Encode)?;
+            let answer = self
+                .nats
+                .request(subject.clone(), payload.into())
+                .await
+                .map_err(Error::BodyRequest)?;
+            let answer: BodyPutAnswer =
+                serde_json::from_slice(&answer.payload).map_err(Error::Decode)?;
+            match (answer.size, answer.error) {
+                (Some(size), None) => offset = size as usize,
+                // Where the upload really ends (a chunk stored by an earlier try).
+                (Some(size), Some(error)) if error.code == "offset" => offset = size as usize,
+                (_, Some(error)) => {
+                    return Err(Error::Body {
+                        code: error.code,
+                        message: error.message,
+                    });
+                }
+                (None, None) => {
+                    return Err(Error::Body {
+                        code: "internal".into(),
+                        message: "body.put answered neither a size nor an error".into(),
+                    });
+                }
+            }
+        }
+        let digest = format!(
+            "SHA-256={}",
+            base64::engine::general_purpose::URL_SAFE.encode(sha2::Sha256::digest(body))
+        );
+        Ok(UploadRef {
+            upload: name,
+            size: body.len() as u64,
+            digest,
+        })
+    }
+
     /// The NATS connection.
     pub fn nats(&self) -> &async_nats::Client {
         &self.nats
@@ -697,6 +766,10 @@ impl Client {
         })
     }
 }
+
+/// How much of a body one `body.put` request carries: 256 KiB, about 350 KB in base64,
+/// well within the default 1 MiB `max_payload`.
+const UPLOAD_CHUNK: usize = 256 * 1024;
 
 /// `body` if it has the `size` and `digest` (`SHA-256=<base64url>`) the answers named.
 fn checked(body: Vec<u8>, size: &str, digest: &str) -> Result<Vec<u8>, Error> {

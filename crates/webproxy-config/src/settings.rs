@@ -29,6 +29,12 @@ pub struct StreamsConfig {
     /// from documents older than large bodies.
     #[serde(default = "default_body_max_bytes")]
     pub body_max_bytes: i64,
+    /// Each pool's upload quota (its upload store's `max_bytes`).
+    #[serde(default = "default_body_max_bytes")]
+    pub upload_max_bytes: i64,
+    /// How long an upload no envelope has bound is kept.
+    #[serde(default = "default_upload_max_age", with = "humantime_serde")]
+    pub upload_max_age: Duration,
     /// Patterns a custom `reply_to` must match; empty allows any unreserved subject.
     pub reply_to_allow: Vec<String>,
     /// The pool streams' duplicate window: a caller's publish retried with the same
@@ -40,6 +46,11 @@ pub struct StreamsConfig {
 /// 1 GiB, as `config/default.toml` ships it.
 fn default_body_max_bytes() -> i64 {
     1 << 30
+}
+
+/// 1 h, as `config/default.toml` ships it.
+fn default_upload_max_age() -> Duration {
+    Duration::from_secs(3600)
 }
 
 impl StreamsConfig {

@@ -10,8 +10,10 @@
 #![warn(unreachable_pub)]
 
 mod body_get;
+mod body_put;
 mod consuming;
 mod conversation;
+mod core_requests;
 mod hooks;
 mod observability;
 mod pool;

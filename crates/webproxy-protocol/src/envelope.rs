@@ -124,6 +124,10 @@ pub struct RequestEnvelope {
     /// random bits (see [`crate::capability_sha256`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub large_body: bool,
+    /// An uploaded request body (`<prefix>.body.put.<pool>`) in place of `body` /
+    /// `body_base64`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_object: Option<crate::UploadRef>,
 }
 
 /// A validated request envelope.
@@ -144,6 +148,8 @@ pub struct Request {
     pub metadata: Option<Box<RawValue>>,
     /// The caller accepts a stored body (`body_object`) above the inline limit.
     pub large_body: bool,
+    /// The uploaded request body, when the envelope names one; `body` is then empty.
+    pub upload: Option<crate::UploadRef>,
 }
 
 /// Why a payload is not a valid request.
@@ -331,6 +337,38 @@ pub fn parse_request(
             ));
         }
     };
+    let upload = match object.get("body_object") {
+        None | Some(Value::Null) => None,
+        Some(value) => {
+            if !body.is_empty() || object.contains_key("body") || object.contains_key("body_base64")
+            {
+                return Err(fail(
+                    "body_object",
+                    "`body_object` and `body`/`body_base64` are mutually exclusive".into(),
+                ));
+            }
+            let upload: crate::UploadRef = serde_json::from_value(value.clone()).map_err(|e| {
+                fail(
+                    "body_object",
+                    format!("must be {{\"upload\", \"size\", \"digest\"}}: {e}"),
+                )
+            })?;
+            if !crate::is_upload_name(&upload.upload) {
+                return Err(fail(
+                    "body_object",
+                    "`upload` must be 32 lowercase hex digits, the name it was uploaded under"
+                        .into(),
+                ));
+            }
+            if !crate::is_digest(&upload.digest) {
+                return Err(fail(
+                    "body_object",
+                    "`digest` must be SHA-256= and the SHA-256 in padded base64url".into(),
+                ));
+            }
+            Some(upload)
+        }
+    };
     let large_body = match object.get("large_body") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(opt_in)) => *opt_in,
@@ -352,6 +390,7 @@ pub fn parse_request(
         deadline,
         metadata,
         large_body,
+        upload,
     })
 }
 
@@ -707,6 +746,41 @@ mod tests {
         };
         let text = serde_json::to_string(&envelope).expect("json");
         assert!(!text.contains("large_body"), "{text}");
+    }
+
+    #[test]
+    fn body_object_names_an_upload_in_place_of_a_body() {
+        let digest = "SHA-256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU=";
+        let upload = "0123456789abcdef0123456789abcdef";
+        let named = parse(&format!(
+            r#"{{"id":"a","method":"POST","url":"http://h/","body_object":{{"upload":"{upload}","size":7,"digest":"{digest}"}}}}"#
+        ))
+        .expect("valid");
+        let named = named.upload.expect("an upload");
+        assert_eq!((named.upload.as_str(), named.size), (upload, 7));
+        for (bad, says) in [
+            (
+                format!(
+                    r#""body":"x","body_object":{{"upload":"{upload}","size":7,"digest":"{digest}"}}"#
+                ),
+                "mutually exclusive",
+            ),
+            (
+                format!(r#""body_object":{{"upload":"../x","size":7,"digest":"{digest}"}}"#),
+                "32 lowercase hex",
+            ),
+            (
+                format!(r#""body_object":{{"upload":"{upload}","size":7,"digest":"md5"}}"#),
+                "SHA-256=",
+            ),
+            (r#""body_object":{"upload":1}"#.to_string(), "must be"),
+        ] {
+            let (field, message, _, _) = invalid_field(&format!(
+                r#"{{"id":"a","method":"POST","url":"http://h/",{bad}}}"#
+            ));
+            assert_eq!(field, "body_object", "{bad}");
+            assert!(message.contains(says), "{bad}: {message}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ mod origin;
 mod reply;
 pub mod schema;
 mod subjects;
+mod upload;
 
 pub use body_get::{BodyGetCode, BodyGetError, BodyGetRequest, body_header};
 pub use capability::{capability_sha256, hex_sha256, is_capability};
@@ -31,6 +32,9 @@ pub use subjects::{
     CALLER_PLACEHOLDER, DEFAULT_REPLY_TO_ALLOW, SERVICE_INBOX, Subjects, subject_matches,
     validate_caller, validate_id, validate_pool_name, validate_prefix, validate_subject_literal,
     validate_subject_pattern,
+};
+pub use upload::{
+    BodyPutAnswer, BodyPutError, BodyPutRequest, UploadRef, is_digest, is_upload_name,
 };
 
 /// The protocol version this crate speaks; replies carry it as `"v": 1`.

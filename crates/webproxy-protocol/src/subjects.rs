@@ -389,6 +389,54 @@ impl Subjects {
         format!("{}.body.get", self.prefix)
     }
 
+    /// Where callers upload a large request body for `pool`: `<prefix>.body.put.<pool>`.
+    pub fn body_put(&self, pool: &str) -> String {
+        format!("{}.body.put.{pool}", self.prefix)
+    }
+
+    /// A named caller's upload subject for `pool`: `<prefix>.body.put.<pool>.<caller>`.
+    pub fn caller_body_put(&self, pool: &str, caller: &str) -> String {
+        format!("{}.body.put.{pool}.{caller}", self.prefix)
+    }
+
+    /// Every upload subject, for the service's subscription.
+    pub fn body_put_filter(&self) -> String {
+        format!("{}.body.put.>", self.prefix)
+    }
+
+    /// The pool and caller an upload subject names; `None` for any other subject.
+    pub fn body_put_target<'s>(&self, subject: &'s str) -> Option<(&'s str, Option<&'s str>)> {
+        let rest = subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".body.put.")?;
+        let (pool, caller) = match rest.split_once('.') {
+            Some((pool, caller)) => (pool, Some(caller)),
+            None => (rest, None),
+        };
+        validate_pool_name(pool).ok()?;
+        if let Some(caller) = caller {
+            validate_caller(caller).ok()?;
+        }
+        Some((pool, caller))
+    }
+
+    /// The Object Store bucket of `pool`'s uploads, `<pool stream>_UPLOADS`, whose
+    /// stream's `max_bytes` is the pool's upload quota.
+    pub fn pool_upload_bucket(&self, pool: &str) -> String {
+        Subjects::upload_bucket_of(&self.pool_stream(pool))
+    }
+
+    /// The upload store of the pool whose work stream is `pool_stream`, as an origin
+    /// names it.
+    pub fn upload_bucket_of(pool_stream: &str) -> String {
+        format!("{pool_stream}_UPLOADS")
+    }
+
+    /// The chunk token of upload `name` in its store: `up_<name>`.
+    pub fn upload_token(name: &str) -> String {
+        format!("up_{name}")
+    }
+
     /// The body store that keeps the receipts of conversations that started in
     /// `pool_stream`: `<pool stream>_BODIES`, found from an origin alone.
     pub fn body_bucket_of(pool_stream: &str) -> String {

@@ -17,7 +17,9 @@ use url::{Origin, Url};
 use webproxy_protocol::Method;
 
 use crate::redirect::{Redirect, is_content_header, redirect};
-use crate::{AttemptOutcome, AttemptRequest, FailureKind, LargeBody, TransportFailure, Worker};
+use crate::{
+    AttemptOutcome, AttemptRequest, FailureKind, LargeBody, StreamedBody, TransportFailure, Worker,
+};
 
 /// What the worker must not know, given by the dispatcher: which legs the rules allow
 /// and with which headers, and which values are secret.
@@ -108,19 +110,22 @@ impl Worker {
         first: Leg,
         request: ChainRequest<'_>,
     ) -> Chain {
-        self.perform_large(policy, first, request, None).await
+        self.perform_large(policy, first, request, None, None).await
     }
 
     /// [`Worker::perform`] for a request that opted in to a stored body: the final
-    /// answer's body past the inline limit goes to `large`'s sink, up to its `max`.
+    /// answer's body past the inline limit goes to `large`'s sink, up to its `max`;
+    /// and for one whose body is `streamed` from storage (on the first leg only: a
+    /// redirect that would send the body again is not followed, its 3xx is the answer).
     pub async fn perform_large(
         &self,
         policy: &impl LegPolicy,
         first: Leg,
         request: ChainRequest<'_>,
         large: Option<LargeBody<'_>>,
+        streamed: Option<StreamedBody>,
     ) -> Chain {
-        let mut chain = self.run(policy, first, request, large).await;
+        let mut chain = self.run(policy, first, request, large, streamed).await;
         if let Some(message) = chain.outcome.message_mut()
             && let Cow::Owned(redacted) = policy.redact(message)
         {
@@ -135,7 +140,9 @@ impl Worker {
         first: Leg,
         request: ChainRequest<'_>,
         mut large: Option<LargeBody<'_>>,
+        mut streamed: Option<StreamedBody>,
     ) -> Chain {
+        let body_streamed = streamed.is_some();
         let timeout = request.timeout;
         let deadline = Instant::now() + timeout;
         let budget = first.follow_redirects;
@@ -180,6 +187,7 @@ impl Worker {
                         timeout: remaining,
                     },
                     large.as_mut(),
+                    streamed.take(),
                 )
                 .await
             };
@@ -191,6 +199,8 @@ impl Worker {
             };
             let next = match redirect(method, &url, response.status, response.header("location")) {
                 Redirect::None => None,
+                // A streamed body is sent once.
+                Redirect::Follow(next) if body_streamed && next.keep_body => None,
                 // Past the budget the 3xx itself is the answer.
                 _ if redirects >= budget => None,
                 Redirect::Refused(message) => {

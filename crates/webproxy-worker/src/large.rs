@@ -138,6 +138,32 @@ impl<'s, 'a> BodyReader<'s, 'a> {
     }
 }
 
+/// A request body read from storage as it is sent: its length, and its bytes in order
+/// from a channel its reader fills (an `Err` ends the send as a failure). Sent on the
+/// first leg only: a redirect that would send it again is the answer itself.
+pub struct StreamedBody {
+    pub len: u64,
+    pub chunks: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+}
+
+impl hyper::body::Body for StreamedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        self.chunks
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|chunk| chunk.map(hyper::body::Frame::data)))
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.len)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -31,7 +31,9 @@ pub use crate::dns::{DnsConfig, DnsFailure};
 use crate::guard::Denied;
 pub use crate::guard::GuardPolicy;
 use crate::large::{BodyError, BodyReader};
-pub use crate::large::{BodySink, LargeBody, STORED_BODY_PREFIX, SinkError, SinkFuture};
+pub use crate::large::{
+    BodySink, LargeBody, STORED_BODY_PREFIX, SinkError, SinkFuture, StreamedBody,
+};
 use crate::resolve::GuardedResolver;
 
 /// Why the HTTP client could not be built.
@@ -305,17 +307,19 @@ impl Worker {
 
     /// Performs one attempt. Never panics on what the network sends.
     pub async fn attempt(&self, request: AttemptRequest<'_>) -> AttemptOutcome {
-        self.attempt_leg(request, None).await
+        self.attempt_leg(request, None, None).await
     }
 
-    /// One attempt whose body may go to `large`'s sink past the inline limit.
+    /// One attempt whose body may go to `large`'s sink past the inline limit, and whose
+    /// request body is `streamed` rather than `request.body` when given.
     pub(crate) async fn attempt_leg(
         &self,
         request: AttemptRequest<'_>,
         large: Option<&mut LargeBody<'_>>,
+        streamed: Option<StreamedBody>,
     ) -> AttemptOutcome {
         let timeout = request.timeout;
-        match tokio::time::timeout(timeout, self.attempt_inner(request, large)).await {
+        match tokio::time::timeout(timeout, self.attempt_inner(request, large, streamed)).await {
             Ok(outcome) => outcome,
             Err(_) => AttemptOutcome::Failed(TransportFailure {
                 kind: FailureKind::Timeout,
@@ -329,6 +333,7 @@ impl Worker {
         &self,
         request: AttemptRequest<'_>,
         large: Option<&mut LargeBody<'_>>,
+        streamed: Option<StreamedBody>,
     ) -> AttemptOutcome {
         let started = Instant::now();
         if let Err(denied) = self.check_url(request.url) {
@@ -345,7 +350,9 @@ impl Worker {
         for (name, value) in request.headers {
             builder = builder.header(name.as_str(), value.as_str());
         }
-        if !request.body.is_empty() {
+        if let Some(streamed) = streamed {
+            builder = builder.body(reqwest::Body::wrap(streamed));
+        } else if !request.body.is_empty() {
             builder = builder.body(request.body);
         }
         let mut response = match builder.send().await {

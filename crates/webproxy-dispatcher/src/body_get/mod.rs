@@ -9,24 +9,20 @@
 
 mod cursor;
 
-use std::sync::Arc;
-
 use async_nats::jetstream::object_store::ObjectInfo;
 use async_nats::jetstream::{self, stream::DirectGetErrorKind};
 use async_nats::{HeaderMap, Message};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE;
 use bytes::Bytes;
-use futures::StreamExt as _;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
 use webproxy_protocol::{
     BodyGetCode, BodyGetError, BodyGetRequest, Origin, Subjects, body_header, hex_sha256,
     validate_id,
 };
 
 use crate::conversation::body_store::{CURSOR_KEY, Receipt};
+use crate::core_requests;
 use cursor::Cursor;
 
 /// `body.get` requests one instance answers at once.
@@ -41,49 +37,24 @@ pub(crate) async fn serve(
     subjects: Subjects,
     shutdown: CancellationToken,
 ) {
-    let subject = subjects.body_get();
-    let mut requests = match client
-        .queue_subscribe(subject.clone(), QUEUE_GROUP.to_string())
-        .await
-    {
-        Ok(requests) => requests,
-        Err(e) => {
-            warn!(subject, error = %e, "cannot answer body.get: the subscription failed");
-            return;
-        }
-    };
     let js = jetstream::new(client.clone());
-    let permits = Arc::new(Semaphore::new(MAX_CONCURRENT));
-    loop {
-        let request = tokio::select! {
-            request = requests.next() => request,
-            () = shutdown.cancelled() => break,
-        };
-        let Some(request) = request else { break };
-        let Some(reply_to) = request.reply.clone() else {
-            continue;
-        };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            let busy = refusal(
-                BodyGetCode::Busy,
-                "as many body.get requests as this instance answers at once are under way: ask again",
-            );
-            let _ = client.publish_with_headers(reply_to, busy.0, busy.1).await;
-            continue;
-        };
-        let client = client.clone();
-        let js = js.clone();
-        tokio::spawn(async move {
-            let (headers, payload) = answer(&js, &request).await;
-            if let Err(e) = client
-                .publish_with_headers(reply_to, headers, payload)
-                .await
-            {
-                debug!(error = %e, "cannot send a body.get answer");
-            }
-            drop(permit);
-        });
-    }
+    let busy = refusal(
+        BodyGetCode::Busy,
+        "as many body.get requests as this instance answers at once are under way: ask again",
+    );
+    core_requests::serve(
+        client,
+        subjects.body_get(),
+        QUEUE_GROUP,
+        MAX_CONCURRENT,
+        busy,
+        shutdown,
+        move |request| {
+            let js = js.clone();
+            async move { answer(&js, &request).await }
+        },
+    )
+    .await;
 }
 
 /// An answer without a chunk.

@@ -165,16 +165,25 @@ impl Dispatcher {
             running.settings.subjects.clone(),
             shutdown.clone(),
         );
+        let body_put = crate::body_put::serve(self.live.changes(), shutdown.clone());
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
         }
         health.set_provisioned();
         // Until the signal the pools follow the revisions; then the pool loops end.
-        tokio::join!(pools.follow(), owner, states, bucket_use, body_get, async {
-            shutdown.cancelled().await;
-            health.set_draining();
-        });
+        tokio::join!(
+            pools.follow(),
+            owner,
+            states,
+            bucket_use,
+            body_get,
+            body_put,
+            async {
+                shutdown.cancelled().await;
+                health.set_draining();
+            }
+        );
         attempts.close();
         let in_flight = attempts.len();
         info!(in_flight, grace = %human(grace), "draining");

@@ -18,6 +18,7 @@ use super::before::Go;
 use super::body_store::{AttemptName, BodyWriter, ReceiptPlan};
 use super::delivery::DeliveryInfo;
 use super::ending::Ending;
+use super::request_body::{self, StoredRequest};
 use super::{Conversation, Revision, Underway};
 use crate::conversation::egress::RulePolicy;
 use crate::conversation::hop::millis;
@@ -38,6 +39,7 @@ pub(crate) async fn attempt(
     conversation: &Conversation<'_>,
     underway: &Underway<'_>,
     body: Option<&mut BodyWriter>,
+    request_body: Option<&StoredRequest>,
 ) -> Result<Attempted, Ending> {
     // Only the server's current delivery calls the upstream: a stale one's message may
     // already run in another handler, in the slot this one held. The margin between
@@ -52,7 +54,7 @@ pub(crate) async fn attempt(
     let timeout = attempt_timeout(go.request, go.rule);
     let number = underway.attempts.count() + 1;
     tokio::select! {
-        (outcome, record, stored) = Box::pin(call(shared, go, timeout, conversation, number, body)) => Ok(Attempted { outcome, record, timeout, stored }),
+        (outcome, record, stored) = Box::pin(call(shared, go, timeout, conversation, number, body, request_body)) => Ok(Attempted { outcome, record, timeout, stored }),
         () = liveness.stale() => Err(Ending::AwaitRedelivery {
             reason: STALE_DURING_ATTEMPT.into(),
         }),
@@ -133,6 +135,51 @@ pub(crate) async fn body_writer(
     ))
 }
 
+/// The stored request body of a request whose envelope names an upload, bound to the
+/// conversation now if it is not yet; none for one that does not. A body larger than
+/// `max_large_body`, or one whose upload does not match the envelope, ends the
+/// conversation `invalid_request` before anything is sent.
+pub(crate) async fn bound_request_body(
+    shared: &Revision,
+    go: &Go<'_>,
+    conversation: &Conversation<'_>,
+    underway: &Underway<'_>,
+) -> Result<Option<StoredRequest>, Ending> {
+    let Some(upload) = &go.request.upload else {
+        return Ok(None);
+    };
+    let outlet = &shared.outlet;
+    let fail = |error| {
+        Ending::error(
+            conversation,
+            underway,
+            error,
+            AckKind::Ack,
+            outlet.max_payload,
+        )
+    };
+    let max = shared.settings.cluster.outbound.max_large_body;
+    if upload.size > max {
+        return Err(fail(invalid_request(
+            "body_object",
+            &format!(
+                "the uploaded body is {} bytes, more than [outbound] max_large_body = {max}",
+                upload.size
+            ),
+        )));
+    }
+    request_body::bind(
+        &outlet.js,
+        &outlet.body_stores,
+        &shared.settings,
+        conversation,
+        upload,
+    )
+    .await
+    .map(Some)
+    .map_err(fail)
+}
+
 /// Runs one attempt (the delivery's progress task keeps the message meanwhile).
 async fn call(
     shared: &Revision,
@@ -141,6 +188,7 @@ async fn call(
     conversation: &Conversation<'_>,
     number: u32,
     mut body: Option<&mut BodyWriter>,
+    request_body: Option<&StoredRequest>,
 ) -> (AttemptOutcome, Option<AttemptRecord>, Option<BodyObject>) {
     let Go { request, rule, .. } = *go;
     let span = info_span!(
@@ -199,11 +247,13 @@ async fn call(
             max: shared.settings.cluster.outbound.max_large_body,
             sink,
         });
+        let streamed = request_body.map(|stored| request_body::send(&shared.outlet.js, stored));
         let chain = Box::pin(shared.worker.perform_large(
             &policy,
             policy.leg_for(rule),
             chain_request,
             large,
+            streamed,
         ))
         .await;
         // A destination refused before any connection was never attempted.

@@ -52,7 +52,7 @@ impl BodyStores {
     }
 
     /// Makes the store `config` describes unless this instance has seen it already.
-    async fn ensure(
+    pub(crate) async fn ensure(
         &self,
         js: &jetstream::Context,
         config: stream::Config,
@@ -124,7 +124,8 @@ pub(crate) struct BodyWriter {
     token: String,
     /// `Nats-TTL` on every message.
     ttl: Duration,
-    msg_id_sha256: String,
+    /// Kept in the object's headers; a request body copied from an upload has none.
+    msg_id_sha256: Option<String>,
     pending: BytesMut,
     hasher: Sha256,
     size: u64,
@@ -134,7 +135,7 @@ pub(crate) struct BodyWriter {
     /// [`BodyWriter::discard`] deletes.
     stored: Vec<u64>,
     object: Option<BodyObject>,
-    receipt: ReceiptPlan,
+    receipt: Option<ReceiptPlan>,
     origin: webproxy_protocol::Origin,
     generation: u64,
     /// The receipt's sequence in its store, once stored.
@@ -204,21 +205,50 @@ impl BodyWriter {
         msg_id_sha256: String,
         receipt: ReceiptPlan,
     ) -> BodyWriter {
-        let bucket = bucket_of(&config);
-        let writer = BodyWriter {
-            receipt,
-            origin: name.conversation.origin().clone(),
-            generation: name.conversation.generation(),
+        let writer = BodyWriter::new(
+            js,
+            stores,
+            config,
+            (name.token(name.delivered), name.object_name(name.delivered)),
+            (
+                name.conversation.origin().clone(),
+                name.conversation.generation(),
+            ),
+            ttl,
+        )
+        .with_receipt(msg_id_sha256, receipt);
+        for earlier in 1..name.delivered {
+            writer
+                .remove_left(&name.token(earlier), &name.object_name(earlier))
+                .await;
+        }
+        writer
+    }
+
+    /// A writer of the object `token`/`name` of the conversation `origin` (its
+    /// `generation`) in the store `config` describes, each message living `ttl`.
+    pub(crate) fn new(
+        js: &jetstream::Context,
+        stores: Arc<BodyStores>,
+        config: stream::Config,
+        (token, name): (String, String),
+        (origin, generation): (webproxy_protocol::Origin, u64),
+        ttl: Duration,
+    ) -> BodyWriter {
+        BodyWriter {
+            receipt: None,
+            origin,
+            generation,
             receipt_stored: None,
             js: js.clone(),
             stores,
+            bucket: bucket_of(&config),
             config: Some(config),
             failed: false,
-            token: name.token(name.delivered),
-            name: name.object_name(name.delivered),
-            bucket,
+            token,
+            name,
             ttl,
-            msg_id_sha256,
+            msg_id_sha256: None,
             pending: BytesMut::new(),
             hasher: Sha256::new(),
             size: 0,
@@ -226,13 +256,14 @@ impl BodyWriter {
             acks: VecDeque::new(),
             stored: Vec::new(),
             object: None,
-        };
-        for earlier in 1..name.delivered {
-            writer
-                .remove_left(&name.token(earlier), &name.object_name(earlier))
-                .await;
         }
-        writer
+    }
+
+    /// Keeps `msg_id_sha256` in the object's headers and `receipt`'s receipt of it.
+    fn with_receipt(mut self, msg_id_sha256: String, receipt: ReceiptPlan) -> BodyWriter {
+        self.msg_id_sha256 = Some(msg_id_sha256);
+        self.receipt = Some(receipt);
+        self
     }
 
     /// Makes the store if this instance has not seen it yet.
@@ -290,39 +321,9 @@ impl BodyWriter {
         self.publish(subject, headers, chunk).await
     }
 
-    /// Removes every message still stored under `token`'s chunks and `name`'s
-    /// metadata: what a delivery killed mid-stream left. Read by subject, deleted by
-    /// sequence; a failure leaves the rest to the TTL.
+    /// Removes what a delivery killed mid-stream left under `token` and `name`.
     async fn remove_left(&self, token: &str, name: &str) {
-        let Ok(stream) = self
-            .js
-            .get_stream_no_info(Subjects::object_stream(&self.bucket))
-            .await
-        else {
-            return;
-        };
-        let chunks = Subjects::object_chunks(&self.bucket, token);
-        let mut next = 0;
-        let mut removed = 0u32;
-        while let Ok(message) = stream
-            .direct_get_next_for_subject(chunks.as_str(), Some(next))
-            .await
-        {
-            next = message.sequence + 1;
-            if stream.delete_message(message.sequence).await.is_err() {
-                return;
-            }
-            removed += 1;
-        }
-        let meta = Subjects::object_meta(&self.bucket, &URL_SAFE.encode(name));
-        if let Ok(message) = stream.direct_get_last_for_subject(meta).await
-            && stream.delete_message(message.sequence).await.is_ok()
-        {
-            removed += 1;
-        }
-        if removed > 0 {
-            debug!(bucket = %self.bucket, token, removed, "removed a body an earlier delivery left");
-        }
+        remove_object(&self.js, &self.bucket, token, name).await;
     }
 
     /// Removes everything this writer stored: its body does not end in a reply.
@@ -332,8 +333,8 @@ impl BodyWriter {
                 self.stored.push(ack.sequence);
             }
         }
-        if let Some(sequence) = self.receipt_stored {
-            let receipts = bucket_of(&self.receipt.config);
+        if let (Some(sequence), Some(plan)) = (self.receipt_stored, &self.receipt) {
+            let receipts = bucket_of(&plan.config);
             if let Ok(stream) = self
                 .js
                 .get_stream_no_info(Subjects::object_stream(&receipts))
@@ -377,7 +378,9 @@ impl BodyWriter {
             URL_SAFE.encode(std::mem::take(&mut self.hasher).finalize())
         );
         let mut object_headers = HeaderMap::new();
-        object_headers.insert(header::MSG_ID_SHA256, self.msg_id_sha256.as_str());
+        if let Some(hash) = &self.msg_id_sha256 {
+            object_headers.insert(header::MSG_ID_SHA256, hash.as_str());
+        }
         object_headers.insert(CURSOR_KEY, cursor_key()?.as_str());
         let info = ObjectInfo {
             name: self.name.clone(),
@@ -408,7 +411,9 @@ impl BodyWriter {
             size: self.size,
             digest,
         };
-        self.store_receipt(&object).await?;
+        if self.receipt.is_some() {
+            self.store_receipt(&object).await?;
+        }
         self.object = Some(object);
         Ok(())
     }
@@ -416,22 +421,21 @@ impl BodyWriter {
     /// Stores the receipt of `object` in the store of the pool the conversation
     /// started in, confirmed.
     async fn store_receipt(&mut self, object: &BodyObject) -> Result<(), SinkError> {
-        let receipts = bucket_of(&self.receipt.config);
-        self.stores
-            .ensure(&self.js, self.receipt.config.clone())
-            .await?;
+        let Some(plan) = &self.receipt else {
+            return Ok(());
+        };
+        let receipts = bucket_of(&plan.config);
+        let ttl = plan.ttl;
+        self.stores.ensure(&self.js, plan.config.clone()).await?;
         let receipt = Receipt {
-            id: self.receipt.id.clone(),
+            id: plan.id.clone(),
             generation: self.generation,
-            msg_id_sha256: self.msg_id_sha256.clone(),
+            msg_id_sha256: self.msg_id_sha256.clone().unwrap_or_default(),
             object: object.clone(),
         };
         let payload = serde_json::to_vec(&receipt).map_err(|e| sink_error("receipt", e))?;
         let mut headers = HeaderMap::new();
-        headers.insert(
-            "Nats-TTL",
-            format!("{}s", self.receipt.ttl.as_secs().max(1)).as_str(),
-        );
+        headers.insert("Nats-TTL", format!("{}s", ttl.as_secs().max(1)).as_str());
         let ack = self
             .js
             .publish_with_headers(
@@ -495,5 +499,36 @@ impl BodyWriter {
             self.stores.mark(&self.bucket, false);
         }
         self.discard().await;
+    }
+}
+
+/// Removes every message still stored under `bucket`'s chunks of `token` and the
+/// metadata of `name`: read by subject, deleted by sequence (no free space needed). A
+/// failure leaves the rest to their TTL.
+pub(crate) async fn remove_object(js: &jetstream::Context, bucket: &str, token: &str, name: &str) {
+    let Ok(stream) = js.get_stream_no_info(Subjects::object_stream(bucket)).await else {
+        return;
+    };
+    let chunks = Subjects::object_chunks(bucket, token);
+    let mut next = 0;
+    let mut removed = 0u32;
+    while let Ok(message) = stream
+        .direct_get_next_for_subject(chunks.as_str(), Some(next))
+        .await
+    {
+        next = message.sequence + 1;
+        if stream.delete_message(message.sequence).await.is_err() {
+            return;
+        }
+        removed += 1;
+    }
+    let meta = Subjects::object_meta(bucket, &URL_SAFE.encode(name));
+    if let Ok(message) = stream.direct_get_last_for_subject(meta).await
+        && stream.delete_message(message.sequence).await.is_ok()
+    {
+        removed += 1;
+    }
+    if removed > 0 {
+        debug!(bucket, token, removed, "removed a stored object's messages");
     }
 }

@@ -88,6 +88,8 @@ pub(crate) async fn handle_delivery<'a>(
     }
     // Held by a delivery made again while it works, and released once it is settled.
     let mut claim = None;
+    // The request body bound for the attempt, removed once a response is settled.
+    let mut request_body = None;
     let ending = match hop_error {
         Some(e) => {
             // Only the service writes hop state: a malformed one is a bug, answered and
@@ -107,6 +109,7 @@ pub(crate) async fn handle_delivery<'a>(
                 &conversation,
                 &parsed,
                 &mut underway,
+                &mut request_body,
             ));
             if info.delivered <= 1 {
                 concluded.await
@@ -126,6 +129,7 @@ pub(crate) async fn handle_delivery<'a>(
             }
         }
     };
+    let response = ending.is_response();
     let settled = settle(
         &shared.outlet,
         delivery,
@@ -134,6 +138,14 @@ pub(crate) async fn handle_delivery<'a>(
         ending,
     )
     .await;
+    // A bound request body is kept (for a replay) until a response is settled; one
+    // removed before could not be sent again by a redelivery.
+    if let Some(stored) = request_body
+        && response
+        && settled == Settled::Done
+    {
+        super::request_body::remove(&shared.outlet.js, &stored).await;
+    }
     if settled == Settled::Done
         && let Some(claim) = claim
     {
@@ -149,17 +161,32 @@ async fn conclude<'a>(
     conversation: &Conversation<'_>,
     parsed: &'a Result<Request, ParseError>,
     underway: &mut Underway<'a>,
+    request_body: &mut Option<super::request_body::StoredRequest>,
 ) -> Ending {
     let go = match before_attempt(shared, info, conversation, parsed, underway).await {
         Ok(go) => go,
         Err(ending) => return ending,
     };
+    *request_body =
+        match super::attempt::bound_request_body(shared, &go, conversation, underway).await {
+            Ok(stored) => stored,
+            Err(ending) => return ending,
+        };
     let mut body =
         match super::attempt::body_writer(shared, &go, info, conversation, underway).await {
             Ok(body) => body,
             Err(ending) => return ending,
         };
-    let ending = match Box::pin(attempt(shared, &go, conversation, underway, body.as_mut())).await {
+    let attempted = Box::pin(attempt(
+        shared,
+        &go,
+        conversation,
+        underway,
+        body.as_mut(),
+        request_body.as_ref(),
+    ))
+    .await;
+    let ending = match attempted {
         Ok(attempted) => after_attempt(shared, &go, attempted, conversation, underway).await,
         Err(ending) => ending,
     };

@@ -30,6 +30,7 @@ pub(crate) mod plan;
 pub(crate) mod progress;
 pub(crate) mod publish;
 pub(crate) mod replay;
+pub(crate) mod request_body;
 pub(crate) mod settle;
 pub(crate) mod stored_reply;
 #[cfg(test)]

@@ -174,20 +174,50 @@ pub fn pool_body_store_config(settings: &Settings, pool: &str) -> stream::Config
 /// [`pool_body_store_config`] by the bucket's name, `<pool stream>_BODIES`, as an
 /// origin gives it: the store that keeps the receipts of that pool's conversations.
 pub fn body_store_config(settings: &Settings, bucket: &str) -> stream::Config {
+    let mut config = object_store_config(
+        settings,
+        bucket,
+        settings.streams.body_max_bytes,
+        format!(
+            "webproxy large bodies: Object Store bucket {bucket}, and the receipts of its pool's conversations"
+        ),
+    );
+    config.subjects.push(Subjects::body_receipts(bucket));
+    config
+}
+
+/// The stream of `pool`'s upload store, `OBJ_<pool stream>_UPLOADS`: large request
+/// bodies callers upload, each chunk with a TTL of `upload_max_age` until an envelope
+/// binds it; `upload_max_bytes` is the pool's quota.
+pub fn upload_store_config(settings: &Settings, pool: &str) -> stream::Config {
+    let bucket = settings.subjects.pool_upload_bucket(pool);
+    object_store_config(
+        settings,
+        &bucket,
+        settings.streams.upload_max_bytes,
+        format!("webproxy pool {pool}: uploaded request bodies (Object Store bucket {bucket})"),
+    )
+}
+
+/// An Object Store bucket's stream as the service makes it: discard new at `max_bytes`,
+/// rollups, direct get and per-message TTLs.
+fn object_store_config(
+    settings: &Settings,
+    bucket: &str,
+    max_bytes: i64,
+    description: String,
+) -> stream::Config {
     stream::Config {
         name: Subjects::object_stream(bucket),
-        description: Some(format!(
-            "webproxy large bodies: Object Store bucket {bucket}, and the receipts of its pool's conversations"
-        )),
+        description: Some(description),
         subjects: vec![
             Subjects::object_chunks(bucket, ">"),
             Subjects::object_meta(bucket, ">"),
-            Subjects::body_receipts(bucket),
         ],
         retention: stream::RetentionPolicy::Limits,
         storage: stream::StorageType::File,
         num_replicas: settings.streams.replicas,
-        max_bytes: settings.streams.body_max_bytes,
+        max_bytes,
         discard: stream::DiscardPolicy::New,
         allow_rollup: true,
         allow_direct: true,
