@@ -17,6 +17,7 @@ WEBPROXY_BIN, else $CARGO_TARGET_DIR/debug/webproxy, else target/debug/webproxy.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -55,6 +56,13 @@ def webproxy_bin() -> Path:
     return path
 
 
+def large_body(size: int) -> bytes:
+    """`size` bytes that are not text: what `/bytes/<size>` answers, for the
+    large-body tests."""
+    pattern = hashlib.sha256(b"webproxy").digest() * 4096
+    return (pattern * (size // len(pattern) + 1))[:size]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +78,9 @@ def wait_until(timeout: float, what: str, check, on_timeout=lambda: "") -> None:
 
 
 class _Upstream(BaseHTTPRequestHandler):
-    """`/echo` answers JSON describing the request; `/delay/<ms>` answers its text
+    """`/echo` answers JSON describing the request (its body's length and SHA-256 too,
+    and the body itself up to 64 KiB);
+    `/bytes/<n>` answers `large_body(n)`; `/delay/<ms>` answers its text
     after `ms` milliseconds; `/_hits?path=<path>` (not counted) answers how many
     requests `<path>` has had; any other path answers its text."""
 
@@ -100,11 +110,17 @@ class _Upstream(BaseHTTPRequestHandler):
                     "method": self.command,
                     "path": self.path,
                     "headers": headers,
-                    "body": body.decode("utf-8", errors="replace"),
+                    # A large body is described by its length and hash alone, so the
+                    # echo fits a reply.
+                    "body": body.decode("utf-8", errors="replace") if len(body) <= 65536 else None,
                     "body_len": len(body),
+                    "body_sha256": hashlib.sha256(body).hexdigest(),
                 }
             ).encode()
             content_type = "application/json"
+        elif path.startswith("/bytes/") and path[len("/bytes/"):].isdigit():
+            payload = large_body(int(path[len("/bytes/"):]))
+            content_type = "application/octet-stream"
         else:
             payload = f"path {self.path}".encode()
             content_type = "text/plain"

@@ -37,6 +37,30 @@ export declare class ReplyTimeout extends WebproxyError {
 export declare class LookupFailed extends WebproxyError {}
 /** A reply that is not a valid reply envelope. */
 export declare class BadReply extends WebproxyError {}
+/**
+ * A stored body could not be read (body.get) or an upload was refused (body.put);
+ * `code` is the service's (`not_found`, `expired`, `quota`, ...).
+ */
+export declare class BodyError extends WebproxyError {
+  constructor(code: string, message: string);
+  readonly code: string;
+}
+
+/** Where a stored response body is (a reply's `body_object`). */
+export interface BodyObject {
+  bucket: string;
+  name: string;
+  size: number;
+  /** `SHA-256=` and the SHA-256 in padded base64url. */
+  digest: string;
+}
+
+/** An uploaded request body, as the envelope's `body_object` names it. */
+export interface UploadRef {
+  upload: string;
+  size: number;
+  digest: string;
+}
 
 /** An HTTP header's value: one string, or one per repetition of the header. */
 export type HeaderValues = string | string[];
@@ -69,6 +93,7 @@ export interface ReplyEnvelope {
   headers?: Record<string, HeaderValues>;
   body?: string;
   body_base64?: string;
+  body_object?: BodyObject;
   error?: ErrorInfo;
   attempts: number;
   duration_ms: number;
@@ -88,6 +113,8 @@ export interface RequestEnvelope {
   timeout_ms?: number;
   deadline?: string;
   metadata?: unknown;
+  large_body?: boolean;
+  body_object?: UploadRef;
 }
 
 /** The envelope's fields, as `buildEnvelope`, `request` and `submit` take them. */
@@ -107,6 +134,10 @@ export interface EnvelopeFields {
   deadline?: string;
   /** Any JSON, echoed in the reply. */
   metadata?: unknown;
+  /** Lets the reply name a stored body above the inline limit (`reply.bodyObject`). */
+  largeBody?: boolean;
+  /** An uploaded body (what `client.upload` returns), in place of `body`. */
+  bodyObject?: UploadRef;
 }
 
 export interface SubmitOptions extends EnvelopeFields {
@@ -143,9 +174,11 @@ export interface Submitted {
  * the conversation's origin, `<STREAM>:<seq>`.
  */
 export declare class Reply {
-  constructor(raw: ReplyEnvelope, origin?: string | null);
+  constructor(raw: ReplyEnvelope, origin?: string | null, msgId?: string | null);
   readonly raw: ReplyEnvelope;
   readonly origin: string | null;
+  /** The Nats-Msg-Id the request was published with: what reading its stored body asks for. */
+  msgId: string | null;
   get id(): string;
   get outcome(): "response" | "error";
   /** Whether this is the upstream's HTTP response rather than an error outcome. */
@@ -159,6 +192,8 @@ export declare class Reply {
   get error(): ErrorInfo | null;
   get attempts(): number;
   get metadata(): unknown;
+  /** Where a stored body is, for a request that set `largeBody`; else null. */
+  get bodyObject(): BodyObject | null;
 }
 
 /** A fresh envelope id; it need not be secret, and anyone may reuse it. */
@@ -199,4 +234,8 @@ export declare class Client {
   submit(method: string, url: string, options?: SubmitOptions): Promise<Submitted>;
   /** The stored final reply of the conversation `origin` with envelope id `id`, or null. */
   reply(id: string, origin: string): Promise<Reply | null>;
+  /** The stored body `reply` names, read whole through body.get and checked. */
+  readBody(reply: Reply): Promise<Buffer>;
+  /** Uploads `data` through body.put; pass the result as `bodyObject`. */
+  upload(data: Uint8Array, options?: { pool?: string }): Promise<UploadRef>;
 }

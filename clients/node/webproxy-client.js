@@ -6,7 +6,7 @@
 // outcome from a response. The wire protocol is in the repository's docs/protocol.md
 // and schema/request.schema.json. Its types are in webproxy-client.d.ts.
 
-import { randomBytes, randomUUID } from "node:crypto";
+import { createHash, randomBytes, randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import { JetStreamApiError, jetstream, jetstreamManager } from "@nats-io/jetstream";
 
@@ -77,13 +77,34 @@ export class LookupFailed extends WebproxyError {}
 export class BadReply extends WebproxyError {}
 
 /**
+ * A stored body could not be read (body.get) or an upload was refused (body.put);
+ * `code` is the service's (`not_found`, `expired`, `quota`, ...).
+ */
+export class BodyError extends WebproxyError {
+  constructor(code, message) {
+    super(`${code}: ${message}`);
+    this.code = code;
+  }
+}
+
+// How much of a body one body.put message carries: about 350 KB in base64, well within
+// the default 1 MiB max_payload.
+const UPLOAD_CHUNK = 256 * 1024;
+
+function digestOf(bytes) {
+  return `SHA-256=${createHash("sha256").update(bytes).digest("base64url")}=`;
+}
+
+/**
  * The final reply of a conversation; `raw` is the envelope as received and `origin`
  * the conversation's origin, `<STREAM>:<seq>`.
  */
 export class Reply {
-  constructor(raw, origin = null) {
+  constructor(raw, origin = null, msgId = null) {
     this.raw = raw;
     this.origin = origin;
+    /** The Nats-Msg-Id the request was published with: what reading its stored body asks for. */
+    this.msgId = msgId;
   }
   get id() {
     return this.raw.id;
@@ -120,6 +141,13 @@ export class Reply {
   }
   get metadata() {
     return this.raw.metadata;
+  }
+  /**
+   * Where a stored body is (`{bucket, name, size, digest}`), for a request that set
+   * `largeBody` and got one above the inline limit; read it with `client.readBody(reply)`.
+   */
+  get bodyObject() {
+    return this.raw.body_object ?? null;
   }
 }
 
@@ -190,7 +218,8 @@ function ownMsgId(msgId) {
  * left undefined are left out.
  */
 export function buildEnvelope(method, url, fields = {}) {
-  const { id, headers, body, replyTo, timeoutMs, deadline, metadata } = fields;
+  const { id, headers, body, replyTo, timeoutMs, deadline, metadata, largeBody, bodyObject } =
+    fields;
   const envelope = { v: 1, id: id ?? newId(), method, url };
   if (headers && Object.keys(headers).length > 0) {
     envelope.headers = headers;
@@ -206,6 +235,12 @@ export function buildEnvelope(method, url, fields = {}) {
       envelope[name] = value;
     }
   }
+  if (largeBody) {
+    envelope.large_body = true;
+  }
+  if (bodyObject !== undefined) {
+    envelope.body_object = bodyObject;
+  }
   return envelope;
 }
 
@@ -217,7 +252,7 @@ function check(pattern, what, value) {
   }
 }
 
-function decode(data, origin) {
+function decode(data, origin, msgId = null) {
   let raw;
   try {
     raw = JSON.parse(new TextDecoder().decode(data));
@@ -227,7 +262,7 @@ function decode(data, origin) {
   if (raw === null || typeof raw !== "object" || !["response", "error"].includes(raw.outcome)) {
     throw new BadReply("the reply is not a reply envelope");
   }
-  return new Reply(raw, origin);
+  return new Reply(raw, origin, msgId);
 }
 
 function isNoResponders(error) {
@@ -310,6 +345,7 @@ export class Client {
       if (ack.duplicate && lookups) {
         const stored = await this.reply(id, origin);
         if (stored) {
+          stored.msgId = publishId;
           return stored;
         }
       }
@@ -329,7 +365,7 @@ export class Client {
             break;
           }
           if (isOwnReply(result.value.headers, origin)) {
-            return decode(result.value.data, origin);
+            return decode(result.value.data, origin, publishId);
           }
           // Another conversation that uses the same id (or subject).
           next = messages.next();
@@ -340,6 +376,7 @@ export class Client {
           seenReconnects = this.#reconnects;
           const stored = await this.reply(id, origin);
           if (stored) {
+            stored.msgId = publishId;
             return stored;
           }
         }
@@ -351,6 +388,7 @@ export class Client {
       if (!stored) {
         throw new ReplyTimeout(id, waitMs, origin);
       }
+      stored.msgId = publishId;
       return stored;
     } finally {
       sub.unsubscribe();
@@ -390,6 +428,85 @@ export class Client {
       }
     }
     return null;
+  }
+
+  /**
+   * The stored body a reply names (`reply.bodyObject`), read whole through
+   * `<prefix>.body.get` (which callers without read access to the stores may use too)
+   * with the message id the request was published with, chunk by chunk, and checked
+   * against its size and digest. A Buffer.
+   */
+  async readBody(reply) {
+    if (!reply.origin || !reply.msgId) {
+      throw new InvalidRequest("readBody needs the reply of a request made with this client");
+    }
+    const request = { id: reply.id, origin: reply.origin, msg_id: reply.msgId };
+    const chunks = [];
+    let headers;
+    for (;;) {
+      let answer;
+      try {
+        answer = await this.#nc.request(`${this.#prefix}.body.get`, JSON.stringify(request), {
+          timeout: 10_000,
+        });
+      } catch (e) {
+        throw new BodyError("request", `body.get was not answered: ${e.message}`);
+      }
+      headers = answer.headers;
+      const code = headers?.get("Webproxy-Body-Error");
+      if (code) {
+        const message = JSON.parse(new TextDecoder().decode(answer.data) || "{}").message ?? "";
+        throw new BodyError(code, message);
+      }
+      chunks.push(Buffer.from(answer.data));
+      const cursor = headers?.get("Webproxy-Body-Cursor");
+      if (!cursor) {
+        break;
+      }
+      request.cursor = cursor;
+    }
+    const body = Buffer.concat(chunks);
+    const digest = digestOf(body);
+    if (
+      headers?.get("Webproxy-Body-Size") !== String(body.length) ||
+      headers?.get("Webproxy-Body-Digest") !== digest
+    ) {
+      throw new BodyError("digest", `read ${body.length} bytes with ${digest}; the store says otherwise`);
+    }
+    return body;
+  }
+
+  /**
+   * Uploads `data` for a request to `pool` through `<prefix>.body.put.<pool>` (under
+   * this client's caller name, if it has one), 256 KiB per message, resuming where the
+   * service says the upload ends. Pass the result as the envelope's `bodyObject`.
+   */
+  async upload(data, { pool = DEFAULT_POOL } = {}) {
+    check(POOL, "pool", pool);
+    const subject =
+      this.#caller === null ? `${this.#prefix}.body.put.${pool}` : `${this.#prefix}.body.put.${pool}.${this.#caller}`;
+    const bytes = Buffer.from(data);
+    const name = newMsgId();
+    let offset = 0;
+    while (offset < bytes.length) {
+      const put = {
+        upload: name,
+        offset,
+        data_base64: bytes.subarray(offset, offset + UPLOAD_CHUNK).toString("base64"),
+      };
+      let answer;
+      try {
+        answer = await this.#nc.request(subject, JSON.stringify(put), { timeout: 10_000 });
+      } catch (e) {
+        throw new BodyError("request", `body.put was not answered: ${e.message}`);
+      }
+      const answered = JSON.parse(new TextDecoder().decode(answer.data));
+      if (answered.error && !(answered.error.code === "offset" && answered.size !== undefined)) {
+        throw new BodyError(answered.error.code, answered.error.message);
+      }
+      offset = answered.size;
+    }
+    return { upload: name, size: bytes.length, digest: digestOf(bytes) };
   }
 
   /** The last message on `subject` in `stream`; null when there is none, or no such

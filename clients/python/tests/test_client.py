@@ -403,3 +403,35 @@ def test_no_such_pool(live):
             await client.submit("GET", live.url("/x"), pool="nope")
 
     run_live(live, test)
+
+
+def test_a_large_body_each_way(live):
+    """Issue 34: a response above the inline limit comes back stored, named by the
+    reply's body_object, and reads back whole through body.get with the request's
+    message id; a request body uploaded through body.put arrives upstream whole."""
+    import hashlib
+
+    from live_env import large_body
+
+    async def test(client: Client, nc):
+        size = 2_000_000
+        reply = await client.request(
+            "GET", live.url(f"/bytes/{size}"), large_body=True, wait=REPLY_WAIT
+        )
+        assert_valid_reply(reply)
+        assert reply.ok, reply.raw
+        assert reply.body_object is not None and reply.body_object["size"] == size
+        assert await client.read_body(reply) == large_body(size)
+
+        data = large_body(3_000_000)
+        uploaded = await client.upload(data)
+        assert uploaded["size"] == len(data)
+        echoed = await client.request(
+            "POST", live.url("/echo"), body_object=uploaded, wait=REPLY_WAIT
+        )
+        assert echoed.ok, echoed.raw
+        echo = json.loads(echoed.text)
+        assert echo["body_len"] == len(data)
+        assert echo["body_sha256"] == hashlib.sha256(data).hexdigest()
+
+    run_live(live, test)

@@ -121,7 +121,7 @@ pub struct RequestEnvelope {
     pub metadata: Option<Value>,
     /// Opts in to a response body above the inline limit, stored and named by the
     /// reply's `body_object`. Needs the request published with a `Nats-Msg-Id` of 128
-    /// random bits (see [`crate::capability_sha256`]).
+    /// random bits: 32 or more hex digits, or a UUID.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub large_body: bool,
     /// An uploaded request body (`<prefix>.body.put.<pool>`) in place of `body` /

@@ -45,8 +45,12 @@ pub fn request_schema() -> Schema {
     schema.insert(
         "not".into(),
         json!({
-            "description": "`body` and `body_base64` are mutually exclusive.",
-            "required": ["body", "body_base64"]
+            "description": "`body`, `body_base64` and `body_object` are mutually exclusive.",
+            "anyOf": [
+                {"required": ["body", "body_base64"]},
+                {"required": ["body", "body_object"]},
+                {"required": ["body_base64", "body_object"]}
+            ]
         }),
     );
     schema
@@ -64,7 +68,8 @@ pub fn reply_schema() -> Schema {
         "description".into(),
         json!(
             "The one final reply of a conversation, stored on <prefix>.reply.<id> and copied \
-             to the request's reply_to. A response carries status, headers and a body; an \
+             to the request's reply_to. A response carries status, headers and a body (or, \
+             for a request that set large_body, the body_object naming a stored body); an \
              error carries error."
         ),
     );
@@ -76,7 +81,11 @@ pub fn reply_schema() -> Schema {
         "then".into(),
         json!({
             "required": ["status", "headers"],
-            "oneOf": [{"required": ["body"]}, {"required": ["body_base64"]}]
+            "oneOf": [
+                {"required": ["body"]},
+                {"required": ["body_base64"]},
+                {"required": ["body_object"]}
+            ]
         }),
     );
     schema.insert("else".into(), json!({"required": ["error"]}));

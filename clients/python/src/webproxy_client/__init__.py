@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import re
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, TypedDict, Union
 
 import nats.errors
@@ -51,6 +52,7 @@ __all__ = [
     "ReplyTimeout",
     "LookupFailed",
     "BadReply",
+    "BodyError",
     "build_envelope",
     "new_id",
     "new_msg_id",
@@ -89,6 +91,9 @@ _STREAM_NOT_FOUND = 10059
 _IN_PROCESS = 10158
 _PUBLISH_TRIES = 10
 _PUBLISH_RETRY_DELAY = 0.05
+# How much of a body one body.put message carries: about 350 KB in base64, well within
+# the default 1 MiB max_payload.
+_UPLOAD_CHUNK = 256 * 1024
 
 HeaderValues = Union[str, Sequence[str]]
 # A request envelope as published: JSON, so its values are JSON values.
@@ -106,6 +111,8 @@ class EnvelopeFields(TypedDict, total=False):
     timeout_ms: Optional[int]
     deadline: Optional[str]
     metadata: Any
+    large_body: bool
+    body_object: Optional[Mapping[str, Any]]
 
 
 class WebproxyError(Exception):
@@ -157,6 +164,16 @@ class BadReply(WebproxyError):
     """A reply that is not a valid reply envelope."""
 
 
+class BodyError(WebproxyError):
+    """A stored body could not be read (``body.get``) or an upload was refused
+    (``body.put``); ``code`` is the service's (``not_found``, ``expired``, ``quota``,
+    ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
 @dataclass(frozen=True)
 class ErrorInfo:
     """An error outcome's details; ``code`` is one of the protocol's error codes."""
@@ -173,6 +190,9 @@ class Reply:
 
     raw: Mapping[str, Any]
     origin: Optional[str] = None
+    msg_id: Optional[str] = None
+    """The ``Nats-Msg-Id`` the request was published with: what reading its stored
+    body (``body_object``) asks for."""
 
     @property
     def id(self) -> str:
@@ -223,6 +243,14 @@ class Reply:
     def metadata(self) -> Any:
         return self.raw.get("metadata")
 
+    @property
+    def body_object(self) -> Optional[Mapping[str, Any]]:
+        """Where a stored body is (``bucket``, ``name``, ``size``, ``digest``), for a
+        request that set ``large_body`` and got one above the inline limit; read it
+        with ``client.read_body(reply)``."""
+        found: Optional[Mapping[str, Any]] = self.raw.get("body_object")
+        return found
+
 
 @dataclass(frozen=True)
 class Submitted:
@@ -261,9 +289,14 @@ def build_envelope(
     timeout_ms: Optional[int] = None,
     deadline: Optional[str] = None,
     metadata: Any = None,
+    large_body: bool = False,
+    body_object: Optional[Mapping[str, Any]] = None,
 ) -> Envelope:
     """The request envelope as it is published. ``body`` is sent as text when it is
-    a str and as base64 when it is bytes; optional fields left as None are left out."""
+    a str and as base64 when it is bytes; optional fields left as None are left out.
+    ``large_body`` lets the reply name a stored body above the inline limit;
+    ``body_object`` (what ``client.upload`` returns) names an uploaded body in place
+    of ``body``."""
     envelope: Envelope = {"v": 1, "id": new_id() if id is None else id, "method": method, "url": url}
     if headers:
         envelope["headers"] = {
@@ -281,6 +314,10 @@ def build_envelope(
         "metadata": metadata,
     }
     envelope.update({k: v for k, v in optional.items() if v is not None})
+    if large_body:
+        envelope["large_body"] = True
+    if body_object is not None:
+        envelope["body_object"] = dict(body_object)
     return envelope
 
 
@@ -291,14 +328,14 @@ def _check(pattern: "re.Pattern[str]", what: str, value: str) -> None:
         raise InvalidRequest(f"invalid {what} {value!r}: must match {pattern.pattern}")
 
 
-def _decode(payload: bytes, origin: Optional[str]) -> Reply:
+def _decode(payload: bytes, origin: Optional[str], msg_id: Optional[str] = None) -> Reply:
     try:
         raw = json.loads(payload)
     except ValueError as e:
         raise BadReply(f"the reply is not JSON: {e}") from e
     if not isinstance(raw, dict) or raw.get("outcome") not in ("response", "error"):
         raise BadReply(f"the reply is not a reply envelope: {payload[:200]!r}")
-    return Reply(raw, origin)
+    return Reply(raw, origin, msg_id)
 
 
 class Client:
@@ -368,27 +405,27 @@ class Client:
             if ack.duplicate and lookups:
                 stored = await self.reply(id, origin)
                 if stored is not None:
-                    return stored
+                    return replace(stored, msg_id=msg_id)
             while (remaining := wait_until - loop.time()) > 0:
                 try:
                     message = await sub.next_msg(timeout=min(remaining, _RECONNECT_CHECK))
                 except nats.errors.TimeoutError:
                     message = None
                 if message is not None and _is_own(message.headers, origin):
-                    return _decode(message.data, origin)
+                    return _decode(message.data, origin, msg_id)
                 # Subscriptions are replayed as part of reconnecting, so a reply
                 # published after this lookup reaches the subscription.
                 if lookups and self._nc.stats["reconnects"] != reconnects:
                     reconnects = self._nc.stats["reconnects"]
                     stored = await self.reply(id, origin)
                     if stored is not None:
-                        return stored
+                        return replace(stored, msg_id=msg_id)
             if not lookups:
                 raise ReplyTimeout(id, wait, origin, reply_to)
             stored = await self.reply(id, origin)
             if stored is None:
                 raise ReplyTimeout(id, wait, origin)
-            return stored
+            return replace(stored, msg_id=msg_id)
         finally:
             try:
                 await sub.unsubscribe()
@@ -434,6 +471,67 @@ class Client:
             if data is not None:
                 return _decode(data, origin)
         return None
+
+    async def read_body(self, reply: Reply) -> bytes:
+        """The stored body a reply names (``reply.body_object``), read whole through
+        ``<prefix>.body.get`` (which callers without read access to the stores may use
+        too) with the message id the request was published with, chunk by chunk, and
+        checked against its size and digest."""
+        if reply.origin is None or reply.msg_id is None:
+            raise InvalidRequest("read_body needs the reply of a request made with this client")
+        request: Dict[str, Any] = {"id": reply.id, "origin": reply.origin, "msg_id": reply.msg_id}
+        body = bytearray()
+        while True:
+            try:
+                answer = await self._nc.request(
+                    f"{self._prefix}.body.get", json.dumps(request).encode(), timeout=10
+                )
+            except nats.errors.Error as e:
+                raise BodyError("request", f"body.get was not answered: {e}") from e
+            headers = answer.headers or {}
+            if "Webproxy-Body-Error" in headers:
+                message = json.loads(answer.data or b"{}").get("message", "")
+                raise BodyError(headers["Webproxy-Body-Error"], message)
+            body += answer.data
+            cursor = headers.get("Webproxy-Body-Cursor")
+            if cursor is None:
+                break
+            request["cursor"] = cursor
+        digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(body).digest()).decode()
+        size = headers.get("Webproxy-Body-Size")
+        if size != str(len(body)) or headers.get("Webproxy-Body-Digest") != digest:
+            raise BodyError("digest", f"read {len(body)} bytes with {digest}; the store says otherwise")
+        return bytes(body)
+
+    async def upload(self, data: bytes, *, pool: str = DEFAULT_POOL) -> Dict[str, Any]:
+        """Uploads ``data`` for a request to ``pool`` through
+        ``<prefix>.body.put.<pool>`` (under this client's caller name, if it has one),
+        256 KiB per message, resuming where the service says the upload ends. Pass the
+        result as the envelope's ``body_object``."""
+        _check(_POOL, "pool", pool)
+        subject = f"{self._prefix}.body.put.{pool}"
+        if self._caller is not None:
+            subject = f"{subject}.{self._caller}"
+        name = new_msg_id()
+        offset = 0
+        while offset < len(data):
+            chunk = data[offset : offset + _UPLOAD_CHUNK]
+            put = {
+                "upload": name,
+                "offset": offset,
+                "data_base64": base64.b64encode(chunk).decode("ascii"),
+            }
+            try:
+                answer = await self._nc.request(subject, json.dumps(put).encode(), timeout=10)
+            except nats.errors.Error as e:
+                raise BodyError("request", f"body.put was not answered: {e}") from e
+            answered = json.loads(answer.data)
+            error = answered.get("error")
+            if error is not None and not (error["code"] == "offset" and "size" in answered):
+                raise BodyError(error["code"], error["message"])
+            offset = int(answered["size"])
+        digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        return {"upload": name, "size": len(data), "digest": digest}
 
     async def _last(self, stream: str, subject: str) -> Optional[bytes]:
         """The last message's data on ``subject`` in ``stream``; None when there is
