@@ -89,7 +89,7 @@ pub(crate) async fn body_writer(
     info: &DeliveryInfo,
     conversation: &Conversation<'_>,
     underway: &Underway<'_>,
-) -> Result<Option<BodyWriter>, Ending> {
+) -> Result<Option<Box<BodyWriter>>, Ending> {
     if !go.request.large_body {
         return Ok(None);
     }
@@ -114,7 +114,7 @@ pub(crate) async fn body_writer(
         delivered: info.delivered,
     };
     let ttl = settings.streams.reply_max_age + attempt_timeout(go.request, go.rule);
-    Ok(Some(
+    Ok(Some(Box::new(
         BodyWriter::open(
             &outlet.js,
             outlet.body_stores.clone(),
@@ -132,7 +132,7 @@ pub(crate) async fn body_writer(
             },
         )
         .await,
-    ))
+    )))
 }
 
 /// The stored request body of a request whose envelope names an upload, bound to the

@@ -144,7 +144,9 @@ pub(crate) async fn handle_delivery<'a>(
         && response
         && settled == Settled::Done
     {
-        super::request_body::remove(&shared.outlet.js, &stored).await;
+        // Boxed, as every large-body step here: inline, their futures would size every
+        // conversation's future, large bodies or not (issue 33).
+        Box::pin(super::request_body::remove(&shared.outlet.js, &stored)).await;
     }
     if settled == Settled::Done
         && let Some(claim) = claim
@@ -167,22 +169,35 @@ async fn conclude<'a>(
         Ok(go) => go,
         Err(ending) => return ending,
     };
-    *request_body =
-        match super::attempt::bound_request_body(shared, &go, conversation, underway).await {
-            Ok(stored) => stored,
-            Err(ending) => return ending,
-        };
-    let mut body =
-        match super::attempt::body_writer(shared, &go, info, conversation, underway).await {
-            Ok(body) => body,
-            Err(ending) => return ending,
-        };
+    *request_body = match Box::pin(super::attempt::bound_request_body(
+        shared,
+        &go,
+        conversation,
+        underway,
+    ))
+    .await
+    {
+        Ok(stored) => stored,
+        Err(ending) => return ending,
+    };
+    let mut body = match Box::pin(super::attempt::body_writer(
+        shared,
+        &go,
+        info,
+        conversation,
+        underway,
+    ))
+    .await
+    {
+        Ok(body) => body,
+        Err(ending) => return ending,
+    };
     let attempted = Box::pin(attempt(
         shared,
         &go,
         conversation,
         underway,
-        body.as_mut(),
+        body.as_deref_mut(),
         request_body.as_ref(),
     ))
     .await;
@@ -191,7 +206,7 @@ async fn conclude<'a>(
         Err(ending) => ending,
     };
     if let Some(body) = body {
-        body.keep_if(ending.is_response()).await;
+        Box::pin(body.keep_if(ending.is_response())).await;
     }
     ending
 }
