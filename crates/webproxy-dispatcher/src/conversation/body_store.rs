@@ -30,6 +30,7 @@ use webproxy_protocol::{BodyObject, Subjects, header};
 use webproxy_worker::{BodySink, SinkError, SinkFuture};
 
 use super::Conversation;
+use super::hop::new_token;
 
 /// The Object Store's default chunk size, which its readers expect.
 pub(crate) const CHUNK_BYTES: usize = 128 * 1024;
@@ -172,13 +173,6 @@ impl AttemptName<'_> {
             self.attempt
         )
     }
-}
-
-/// A fresh cursor key: 32 random bytes, hex.
-fn cursor_key() -> Result<String, SinkError> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| sink_error("cannot draw a cursor key", e))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Why a body store could not be opened or written.
@@ -381,7 +375,8 @@ impl BodyWriter {
         if let Some(hash) = &self.msg_id_sha256 {
             object_headers.insert(header::MSG_ID_SHA256, hash.as_str());
         }
-        object_headers.insert(CURSOR_KEY, cursor_key()?.as_str());
+        // 128 random bits, as a hop token: a key no caller can guess.
+        object_headers.insert(CURSOR_KEY, new_token().as_str());
         let info = ObjectInfo {
             name: self.name.clone(),
             description: None,

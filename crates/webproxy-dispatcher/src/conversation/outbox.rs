@@ -5,7 +5,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use serde_json::value::RawValue;
-use sha2::{Digest as _, Sha256};
+use webproxy_protocol::hex_sha256 as sha256_hex;
 use webproxy_protocol::{
     BodyObject, DeadLetter, ErrorBody, ErrorCode, Origin, Reply, ReplyBody, collect_headers,
     excerpt,
@@ -245,13 +245,6 @@ pub(crate) fn dead_letter(parts: LetterParts<'_>, max_payload: usize) -> Bytes {
 
 fn length(payload: &[u8]) -> u64 {
     u64::try_from(payload.len()).unwrap_or(u64::MAX)
-}
-
-fn sha256_hex(payload: &[u8]) -> String {
-    Sha256::digest(payload)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 /// `invalid_request` with a message naming the field.
