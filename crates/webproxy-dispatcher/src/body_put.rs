@@ -21,6 +21,7 @@ use webproxy_jetstream::provision::upload_store_config;
 use webproxy_protocol::{BodyPutAnswer, BodyPutError, BodyPutRequest, Subjects, is_upload_name};
 
 use crate::conversation::Revision;
+use crate::conversation::body_store::is_store_full;
 use crate::conversation::request_body::{UPLOAD_BOUND, UPLOAD_CALLER, UPLOAD_END, upload_ttl};
 use crate::core_requests;
 
@@ -210,7 +211,7 @@ async fn put(shared: &Revision, request: &Message) -> BodyPutAnswer {
             refusal.size = Some(now);
             refusal
         }
-        Err(e) if e.to_string().to_ascii_lowercase().contains("maximum bytes") => fail(
+        Err(e) if is_store_full(&e.to_string()) => fail(
             "quota",
             format!("pool {pool}'s upload store is full ([streams] upload_max_bytes)"),
         ),

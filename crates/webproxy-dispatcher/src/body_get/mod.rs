@@ -9,8 +9,8 @@
 
 mod cursor;
 
+use async_nats::jetstream;
 use async_nats::jetstream::object_store::ObjectInfo;
-use async_nats::jetstream::{self, stream::DirectGetErrorKind};
 use async_nats::{HeaderMap, Message};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE;
@@ -21,7 +21,7 @@ use webproxy_protocol::{
     validate_id,
 };
 
-use crate::conversation::body_store::{CURSOR_KEY, Receipt};
+use crate::conversation::body_store::{CURSOR_KEY, Receipt, found_nothing};
 use crate::core_requests;
 use cursor::Cursor;
 
@@ -100,15 +100,9 @@ async fn last_on(
         .map_err(|e| (BodyGetCode::Internal, format!("body store {bucket}: {e}")))?;
     match stream.direct_get_last_for_subject(subject).await {
         Ok(message) => Ok(Some(message)),
-        Err(e) if absent(&e) => Ok(None),
+        Err(e) if found_nothing(&e) => Ok(None),
         Err(e) => Err((BodyGetCode::Internal, format!("body store {bucket}: {e}"))),
     }
-}
-
-/// A direct get that found nothing: no message, or no such store.
-fn absent(error: &jetstream::stream::DirectGetError) -> bool {
-    matches!(error.kind(), DirectGetErrorKind::NotFound)
-        || error.to_string().contains("no responders")
 }
 
 /// The object `name` of `bucket` as its metadata says, if it is stored.
@@ -240,7 +234,7 @@ async fn read_chunk(
         .await
     {
         Ok(message) => message,
-        Err(e) if absent(&e) => return Err((BodyGetCode::Expired, EXPIRED.to_string())),
+        Err(e) if found_nothing(&e) => return Err((BodyGetCode::Expired, EXPIRED.to_string())),
         Err(e) => return Err((BodyGetCode::Internal, format!("body store: {e}"))),
     };
     let offset = at.offset + message.payload.len() as u64;

@@ -178,7 +178,7 @@ impl AttemptName<'_> {
 /// Why a body store could not be opened or written.
 fn sink_error(what: &str, error: impl std::fmt::Display) -> SinkError {
     let text = error.to_string();
-    let message = if text.to_ascii_lowercase().contains("maximum bytes") {
+    let message = if is_store_full(&text) {
         format!("body store full: {what}: {text}")
     } else {
         format!("body store: {what}: {text}")
@@ -526,4 +526,18 @@ pub(crate) async fn remove_object(js: &jetstream::Context, bucket: &str, token: 
     if removed > 0 {
         debug!(bucket, token, removed, "removed a stored object's messages");
     }
+}
+
+/// Whether a publish error says the store is full (`max_bytes` with discard new).
+pub(crate) fn is_store_full(error: &str) -> bool {
+    error.to_ascii_lowercase().contains("maximum bytes")
+}
+
+/// Whether a direct get found nothing: no such message, or no such store (a store is
+/// made on first use, so one never used answers "no responders").
+pub(crate) fn found_nothing(error: &jetstream::stream::DirectGetError) -> bool {
+    matches!(
+        error.kind(),
+        jetstream::stream::DirectGetErrorKind::NotFound
+    ) || error.to_string().contains("no responders")
 }

@@ -26,7 +26,7 @@ use webproxy_protocol::{ErrorBody, ErrorCode, Subjects, UploadRef};
 use webproxy_worker::{BodySink as _, StreamedBody};
 
 use super::Conversation;
-use super::body_store::{BodyStores, BodyWriter, remove_object};
+use super::body_store::{BodyStores, BodyWriter, found_nothing, remove_object};
 
 /// On an upload's chunk: the upload's size once this chunk is in.
 pub(crate) const UPLOAD_END: &str = "Webproxy-Upload-End";
@@ -101,8 +101,7 @@ async fn read_upload(
             .await
         {
             Ok(message) => message,
-            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => break,
-            Err(e) if e.to_string().contains("no responders") => break,
+            Err(e) if found_nothing(&e) => break,
             Err(e) => return Err(internal(format!("cannot read the upload: {e}"))),
         };
         next = message.sequence + 1;
