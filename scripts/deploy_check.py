@@ -641,6 +641,26 @@ def check_gateway_pools(config: dict, report: Report) -> None:
     )
 
 
+def check_gateway_bodies(config: dict, report: Report) -> None:
+    """The gateway user may upload request bodies (body.put) to exactly the pools of
+    its `large_bodies` routes, and ask for stored bodies (body.get) exactly when it has
+    such a route: a route that opts in fails here until authorization.conf agrees."""
+    routes = config.get("gateway", {}).get("routes", [])
+    large = {route.get("pool", "default") for route in routes if route.get("large_bodies")}
+    allow, _ = publish_permissions(GATEWAY_NATS_USER)
+    puts = {s.removeprefix("webproxy.body.put.") for s in allow if s.startswith("webproxy.body.put.")}
+    report.check(
+        puts == large and not may_publish(GATEWAY_NATS_USER, "webproxy.body.put.other"),
+        "authorization.conf's gateway user may upload bodies to exactly its large_bodies routes' pools",
+        f"large_bodies routes' pools: {sorted(large)}; body.put allowed: {sorted(puts)}",
+    )
+    report.check(
+        may_publish(GATEWAY_NATS_USER, "webproxy.body.get") == bool(large),
+        "authorization.conf's gateway user may ask for stored bodies exactly when a route has large_bodies",
+        f"large_bodies routes' pools: {sorted(large)}",
+    )
+
+
 def check_gateway_reply_reads(config: dict, report: Report) -> None:
     """The gateway user may read stored replies (STREAM.MSG.GET) from exactly the
     replies streams of the pools its routes name, and from the shared replies stream
@@ -691,6 +711,7 @@ def check_gateway(
     check_volumes("the gateway's Deployment", spec, configmap, secrets, report)
     check_gateway_pools(config, report)
     check_gateway_reply_reads(config, report)
+    check_gateway_bodies(config, report)
     check_gateway_stream_rights(config, report)
     command = container.get("command", [])
     report.check(

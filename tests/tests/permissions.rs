@@ -167,10 +167,12 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
         )
         .await;
 
-    // The gateway: one HTTP request through its route to `partner`. Refused: a
-    // request to a pool none of its routes names.
+    // The gateway: one HTTP request through its route to `partner`, and one whose body
+    // both ways is over the inline limit (uploaded with body.put, stored by the
+    // service, read back with body.get), as the shipped route sets `large_bodies`.
+    // Refused: a request, or an upload, to a pool none of its routes names.
     let route = format!(
-        "[[gateway.routes]]\npath = \"/partner\"\nupstream = \"{}\"\npool = \"{GATEWAY_POOL}\"\n",
+        "[[gateway.routes]]\npath = \"/partner\"\nupstream = \"{}\"\npool = \"{GATEWAY_POOL}\"\nlarge_bodies = true\n",
         scene.upstream.url("/")
     );
     let gateway = Gateway::start_with(&scene.nats, &route, service_as(GATEWAY_USER)).await;
@@ -186,13 +188,32 @@ async fn every_role_converses_and_is_refused_its_one_named_operation() {
         gateway.logs(),
         scene.service.logs()
     );
-    scene
-        .refused(
-            GATEWAY_USER,
-            "webproxy.request.default",
-            Some("_WEBPROXY_INBOX.test"),
-        )
-        .await;
+    let large = "a".repeat(1536 * 1024);
+    let echoed = http_client()
+        .post(gateway.url("/partner/echo"))
+        .body(large.clone())
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(
+        echoed.status(),
+        200,
+        "{}\n{}",
+        gateway.logs(),
+        scene.service.logs()
+    );
+    assert!(
+        echoed.content_length() > Some(large.len() as u64),
+        "a stored body, streamed with its length"
+    );
+    let echoed: Value =
+        serde_json::from_slice(&echoed.bytes().await.expect("the echo, whole")).expect("JSON");
+    assert_eq!(echoed["body_len"], large.len());
+    for subject in ["webproxy.request.default", "webproxy.body.put.default"] {
+        scene
+            .refused(GATEWAY_USER, subject, Some("_WEBPROXY_INBOX.test"))
+            .await;
+    }
     // The gateway's "not found" check: it reads its buckets' stream info, and a bucket
     // that is gone answers 10059, never a permissions violation.
     let (as_gateway, _) = connect_as(&scene.nats, GATEWAY_USER, Some("_WEBPROXY_INBOX.test")).await;

@@ -63,13 +63,15 @@ use futures::StreamExt as _;
 use thiserror::Error;
 use tokio::time::Instant;
 use webproxy_protocol::{
-    BodyGetError, BodyGetRequest, BodyPutAnswer, BodyPutRequest, InvalidName, ReplyBody, Subjects,
-    UploadRef, body_header, header, validate_caller, validate_id, validate_pool_name,
+    InvalidName, ReplyBody, Subjects, header, validate_caller, validate_id, validate_pool_name,
     validate_subject_literal,
 };
 
+mod body;
+
+pub use body::{BodyReader, Upload};
 pub use webproxy_protocol::{
-    ErrorBody, ErrorCode, HeaderValue, Headers, Origin, Outcome, Reply, RequestEnvelope,
+    ErrorBody, ErrorCode, HeaderValue, Headers, Origin, Outcome, Reply, RequestEnvelope, UploadRef,
 };
 
 /// The pool every deployment has.
@@ -624,110 +626,6 @@ impl Client {
         stored_reply(&self.js, &self.subjects, id, origin).await
     }
 
-    /// The stored body of the conversation `origin` with envelope id `id`, published
-    /// with `msg_id`, read whole through `<prefix>.body.get` (which isolated callers may
-    /// use too): chunk by chunk, in order, with its size and SHA-256 digest checked.
-    /// For a reply whose `body_object` is set.
-    pub async fn read_body(
-        &self,
-        id: &str,
-        origin: &Origin,
-        msg_id: &str,
-    ) -> Result<Vec<u8>, Error> {
-        check_id(id)?;
-        let mut request = BodyGetRequest {
-            id: id.to_string(),
-            origin: origin.to_string(),
-            msg_id: msg_id.to_string(),
-            cursor: None,
-        };
-        let mut body = Vec::new();
-        loop {
-            let payload = serde_json::to_vec(&request).map_err(Error::Encode)?;
-            let answer = self
-                .nats
-                .request(self.subjects.body_get(), payload.into())
-                .await
-                .map_err(Error::BodyRequest)?;
-            let headers = answer.headers.unwrap_or_default();
-            let text = |name: &str| headers.get(name).map(|v| v.as_str().to_string());
-            if let Some(code) = text(body_header::ERROR) {
-                let message = serde_json::from_slice::<BodyGetError>(&answer.payload)
-                    .map(|e| e.message)
-                    .unwrap_or_default();
-                return Err(Error::Body { code, message });
-            }
-            body.extend_from_slice(&answer.payload);
-            match text(body_header::CURSOR) {
-                Some(cursor) => request.cursor = Some(cursor),
-                None => {
-                    let size = text(body_header::SIZE).unwrap_or_default();
-                    let digest = text(body_header::DIGEST).unwrap_or_default();
-                    return checked(body, &size, &digest);
-                }
-            }
-        }
-    }
-
-    /// Uploads `body` for a request to `pool` through `<prefix>.body.put.<pool>` (under
-    /// this client's caller name, if it has one), in chunks that each fit a message,
-    /// resuming where the service says the upload ends. The result goes in the
-    /// envelope with [`Request::body_upload`]; an upload no envelope names is gone
-    /// after the service's `upload_max_age`.
-    pub async fn upload(&self, pool: &str, body: &[u8]) -> Result<UploadRef, Error> {
-        use base64::Engine as _;
-        use sha2::Digest as _;
-        validate_pool_name(pool).map_err(Error::InvalidPool)?;
-        let subject = match &self.caller {
-            None => self.subjects.body_put(pool),
-            Some(caller) => self.subjects.caller_body_put(pool, caller),
-        };
-        let name = new_msg_id()?;
-        let mut offset = 0usize;
-        while offset < body.len() {
-            let end = (offset + UPLOAD_CHUNK).min(body.len());
-            let put = BodyPutRequest {
-                upload: name.clone(),
-                offset: offset as u64,
-                data_base64: base64::engine::general_purpose::STANDARD.encode(&body[offset..end]),
-            };
-            let payload = serde_json::to_vec(&put).map_err(Error::Encode)?;
-            let answer = self
-                .nats
-                .request(subject.clone(), payload.into())
-                .await
-                .map_err(Error::BodyRequest)?;
-            let answer: BodyPutAnswer =
-                serde_json::from_slice(&answer.payload).map_err(Error::Decode)?;
-            match (answer.size, answer.error) {
-                (Some(size), None) => offset = size as usize,
-                // Where the upload really ends (a chunk stored by an earlier try).
-                (Some(size), Some(error)) if error.code == "offset" => offset = size as usize,
-                (_, Some(error)) => {
-                    return Err(Error::Body {
-                        code: error.code,
-                        message: error.message,
-                    });
-                }
-                (None, None) => {
-                    return Err(Error::Body {
-                        code: "internal".into(),
-                        message: "body.put answered neither a size nor an error".into(),
-                    });
-                }
-            }
-        }
-        let digest = format!(
-            "SHA-256={}",
-            base64::engine::general_purpose::URL_SAFE.encode(sha2::Sha256::digest(body))
-        );
-        Ok(UploadRef {
-            upload: name,
-            size: body.len() as u64,
-            digest,
-        })
-    }
-
     /// The NATS connection.
     pub fn nats(&self) -> &async_nats::Client {
         &self.nats
@@ -765,30 +663,6 @@ impl Client {
             duplicate: ack.duplicate,
         })
     }
-}
-
-/// How much of a body one `body.put` request carries: 256 KiB, about 350 KB in base64,
-/// well within the default 1 MiB `max_payload`.
-const UPLOAD_CHUNK: usize = 256 * 1024;
-
-/// `body` if it has the `size` and `digest` (`SHA-256=<base64url>`) the answers named.
-fn checked(body: Vec<u8>, size: &str, digest: &str) -> Result<Vec<u8>, Error> {
-    use base64::Engine as _;
-    use sha2::Digest as _;
-    let actual = format!(
-        "SHA-256={}",
-        base64::engine::general_purpose::URL_SAFE.encode(sha2::Sha256::digest(&body))
-    );
-    if size != body.len().to_string() || digest != actual {
-        return Err(Error::Body {
-            code: "digest".into(),
-            message: format!(
-                "read {} bytes with digest {actual}, the store says {size} bytes with {digest}",
-                body.len()
-            ),
-        });
-    }
-    Ok(body)
 }
 
 /// Publishes with `publish(msg_id)`, and again with the same id while JetStream

@@ -82,6 +82,11 @@ pub(crate) struct RouteConfig {
     /// Open to anyone who can connect, on purpose.
     #[serde(default)]
     pub(crate) anonymous: bool,
+    /// Bodies of any size up to `[outbound] max_large_body`, both ways: request bodies
+    /// over the inline limit are uploaded to the pool's upload store, and responses
+    /// over it are stored and streamed back from the pool's body store.
+    #[serde(default)]
+    pub(crate) large_bodies: bool,
 }
 
 fn default_pool() -> String {
@@ -99,6 +104,8 @@ pub(crate) struct Route {
     pub(crate) token: Option<SecretSource>,
     /// The token's header, lower case.
     pub(crate) token_header: String,
+    /// `large_bodies`: requests opt in to stored bodies both ways.
+    pub(crate) large_bodies: bool,
 }
 
 impl Route {
@@ -291,6 +298,7 @@ impl RouteConfig {
             pool: self.pool.clone(),
             token: self.token.clone(),
             token_header,
+            large_bodies: self.large_bodies,
         })
     }
 }

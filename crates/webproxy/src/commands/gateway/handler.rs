@@ -7,17 +7,19 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
+use axum::http::header::CONTENT_LENGTH;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::Response;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
-use webproxy_client::{Client, Error as ClientError, Request as Publish, RequestEnvelope};
+use webproxy_client::{Client, Error as ClientError, Origin, Request as Publish, RequestEnvelope};
 use webproxy_jetstream::backoff::Backoff;
 
+use super::body::{self, Limits, Received, StoredBody, Unread};
 use super::connections::Limit;
-use super::ids::{self, Binding, Fingerprint, Key};
+use super::ids::{self, Binding, BodyPart, Fingerprint, Key};
 use super::mapping::{self, Answer};
 use super::metrics::{NO_ROUTE, Telemetry};
 use super::store::{Record, Records};
@@ -59,6 +61,8 @@ pub(crate) struct Gateway {
     wait: Duration,
     idempotency_header: String,
     max_request_bytes: usize,
+    /// `[outbound] max_large_body`: the most a `large_bodies` route uploads.
+    max_large_body: u64,
     max_payload: usize,
     /// `body_idle_timeout`: the longest pause in a body being read.
     body_idle_timeout: Duration,
@@ -94,6 +98,7 @@ impl Gateway {
             idempotency_header: settings.gateway.idempotency_header.clone(),
             max_request_bytes: usize::try_from(settings.config.outbound.max_request_bytes())
                 .unwrap_or(usize::MAX),
+            max_large_body: settings.config.outbound.max_large_body,
             max_payload,
             body_idle_timeout: config.body_idle_timeout,
             permits: Arc::new(Semaphore::new(config.max_concurrent)),
@@ -113,10 +118,22 @@ pub(crate) fn router(gateway: Arc<Gateway>) -> Router {
 }
 
 /// An answer and the id it names (the conversation's, or a fresh one that names
-/// nothing when the request was refused before it was bound to its id).
+/// nothing when the request was refused before it was bound to its id), and where
+/// its body is stored when the reply names a stored one.
 struct Answered {
     id: String,
     answer: Answer,
+    stored: Option<StoredBody>,
+}
+
+impl Answered {
+    fn new(id: &str, answer: Answer) -> Answered {
+        Answered {
+            id: id.to_string(),
+            answer,
+            stored: None,
+        }
+    }
 }
 
 async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
@@ -152,14 +169,14 @@ async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Respon
         },
     };
     gateway.telemetry.count(&route, answered.answer.label);
-    respond(answered)
+    gateway.respond(answered)
 }
 
 /// A refusal before the request was published under its id (or found recorded
 /// under it): `Webproxy-Id` is a fresh one that names nothing published.
 fn refused(answer: Answer) -> Answered {
     let id = ids::random_id().unwrap_or_else(|_| format!("{}none", ids::PREFIX));
-    Answered { id, answer }
+    Answered::new(&id, answer)
 }
 
 impl Gateway {
@@ -312,16 +329,40 @@ impl Gateway {
         if self.permits.available_permits() == 0 {
             return refused(self.busy());
         }
-        let method = request.method().as_str().to_string();
-        let body = match read_body(
-            request.into_body(),
-            self.max_request_bytes,
-            self.body_idle_timeout,
-        )
-        .await
-        {
-            Ok(body) => body,
-            Err(unread) => return refused(self.unread(unread)),
+        let mut envelope = RequestEnvelope {
+            id: id.clone(),
+            method: request.method().as_str().to_string(),
+            url: url.to_string(),
+            headers: split.headers,
+            large_body: route.large_bodies,
+            deadline: split.deadline,
+            ..Default::default()
+        };
+        let limits = Limits {
+            inline: self.max_request_bytes,
+            large: route.large_bodies.then_some(self.max_large_body),
+            idle: self.body_idle_timeout,
+        };
+        let received =
+            match body::receive(request.into_body(), limits, &self.client, &route.pool).await {
+                Ok(received) => received,
+                Err(unread) => return refused(self.unread(unread)),
+            };
+        let received = match received {
+            Received::Whole(body) => {
+                envelope.body_base64 = mapping::body_base64(&body);
+                if !route.large_bodies || body.is_empty() || self.fits(&envelope).is_ok() {
+                    Received::Whole(body)
+                } else {
+                    // Whole, but its envelope would not fit a NATS message.
+                    envelope.body_base64 = None;
+                    match body::upload_whole(&self.client, &route.pool, &body).await {
+                        Ok(upload) => Received::Uploaded(upload),
+                        Err(unread) => return refused(self.unread(unread)),
+                    }
+                }
+            }
+            received => received,
         };
         // A request takes its place only with its whole body in hand, so a client that
         // stalls its body holds its connection but never one of max_concurrent.
@@ -330,34 +371,26 @@ impl Gateway {
         };
         self.telemetry.waiting().inc();
         let _waiting = scopeguard_dec(&self.telemetry);
+        let body = match &received {
+            Received::Whole(body) => BodyPart::Inline(body),
+            Received::Uploaded(upload) => BodyPart::Uploaded {
+                digest: &upload.digest,
+            },
+        };
         let request = key.as_ref().map(|key| {
             key.fingerprint(
-                &method,
-                url.as_str(),
-                &split.headers,
+                &envelope.method,
+                &envelope.url,
+                &envelope.headers,
                 &self.idempotency_header,
-                &body,
+                body,
             )
         });
-        let envelope = RequestEnvelope {
-            id: id.clone(),
-            method,
-            url: url.to_string(),
-            headers: split.headers,
-            body_base64: mapping::body_base64(&body),
-            deadline: split.deadline,
-            ..Default::default()
-        };
-        let size = serde_json::to_vec(&envelope).map_or(usize::MAX, |payload| payload.len());
-        if size + HEADER_ROOM > self.max_payload {
-            return refused(mapping::gateway_error(
-                413,
-                "too_large",
-                &format!(
-                    "the request's envelope would be {size} bytes, over the NATS server's max_payload of {}",
-                    self.max_payload
-                ),
-            ));
+        if let Received::Uploaded(upload) = received {
+            envelope.body_object = Some(upload);
+        }
+        if let Err(answer) = self.fits(&envelope) {
+            return refused(answer);
         }
         let msg_id = match (&key, &request) {
             (Some(key), Some(request)) => key.msg_id_for(&id, request),
@@ -368,7 +401,7 @@ impl Gateway {
         };
         let mut publish = Publish::from_envelope(envelope)
             .pool(route.pool.clone())
-            .msg_id(msg_id);
+            .msg_id(msg_id.clone());
         for (name, value) in split.trace {
             publish = publish.message_header(name, value);
         }
@@ -385,9 +418,31 @@ impl Gateway {
             .await;
         self.telemetry.waited(&route.path, started.elapsed());
         match conversed {
-            Ok(answer) => Answered { id, answer },
+            Ok((answer, origin)) => Answered {
+                stored: origin
+                    .filter(|_| route.large_bodies)
+                    .map(|origin| StoredBody { origin, msg_id }),
+                ..Answered::new(&id, answer)
+            },
             Err(refusal) => refused(refusal),
         }
+    }
+
+    /// Whether `envelope` fits a NATS message with room for its headers: if not, 413
+    /// naming its size.
+    fn fits(&self, envelope: &RequestEnvelope) -> Result<(), Answer> {
+        let size = serde_json::to_vec(envelope).map_or(usize::MAX, |payload| payload.len());
+        if size + HEADER_ROOM <= self.max_payload {
+            return Ok(());
+        }
+        Err(mapping::gateway_error(
+            413,
+            "too_large",
+            &format!(
+                "the request's envelope would be {size} bytes, over the NATS server's max_payload of {}",
+                self.max_payload
+            ),
+        ))
     }
 
     /// 503 `busy`: `max_concurrent` requests are waiting.
@@ -407,13 +462,10 @@ impl Gateway {
     /// The answer to a body that was not read whole.
     fn unread(&self, unread: Unread) -> Answer {
         match unread {
-            Unread::TooLarge => mapping::gateway_error(
+            Unread::TooLarge { key, limit } => mapping::gateway_error(
                 413,
                 "too_large",
-                &format!(
-                    "the body is over outbound.max_request_bytes = {}",
-                    self.max_request_bytes
-                ),
+                &format!("the body is over {key} = {limit}"),
             ),
             Unread::Stalled => {
                 self.telemetry.limited(Limit::BodyIdleTimeout);
@@ -433,6 +485,7 @@ impl Gateway {
                 "bad_request",
                 &format!("the body could not be read: {e}"),
             ),
+            Unread::Upload(e) => upload_failed(&e),
         }
     }
 
@@ -476,7 +529,7 @@ impl Gateway {
         request: Option<&Fingerprint>,
         publish: &Publish,
         respond_async: bool,
-    ) -> Result<Answer, Answer> {
+    ) -> Result<(Answer, Option<Origin>), Answer> {
         let known = match request {
             Some(request) => match self.records.get(id).await {
                 Ok(Some(record)) => {
@@ -497,14 +550,17 @@ impl Gateway {
             // A retry with the same key: the same conversation, never a second publish.
             Some(record) => match record.origin() {
                 Ok(origin) => (origin, true, true),
-                Err(e) => return Ok(unavailable(&e)),
+                Err(e) => return Ok((unavailable(&e), None)),
             },
             None => {
                 let (origin, duplicate) = match self.client.publish_request(publish).await {
                     Ok(published) => published,
                     Err(e) => return Err(publish_failed(&e)),
                 };
-                let record = Record::new(&route.path, identity, &origin, request);
+                let mut record = Record::new(&route.path, identity, &origin, request);
+                if route.large_bodies {
+                    record.msg_id = publish.msg_id_set().map(str::to_string);
+                }
                 match self.record(id, &record).await {
                     // A concurrent retry with the same key recorded first.
                     Ok(record) => match record.origin() {
@@ -525,7 +581,7 @@ impl Gateway {
                             let twin = recorded != origin;
                             (recorded, duplicate || twin, true)
                         }
-                        Err(e) => return Ok(unavailable(&e)),
+                        Err(e) => return Ok((unavailable(&e), None)),
                     },
                     Err(e) => {
                         // The conversation goes on (its reply and any dead letter
@@ -538,16 +594,17 @@ impl Gateway {
             }
         };
         if respond_async {
-            return Ok(mapping::settled(id, recorded, None));
+            return Ok((mapping::settled(id, recorded, None), Some(origin)));
         }
         let waited = tokio::select! {
             waited = watch.answer(id, &origin, stored_first, deadline) => waited,
             _ = self.give_up.cancelled() => Ok(None),
         };
-        Ok(match waited {
+        let answer = match waited {
             Ok(reply) => mapping::settled(id, recorded, reply.as_ref()),
             Err(e) => unavailable(&e),
-        })
+        };
+        Ok((answer, Some(origin)))
     }
 
     /// [`Records::create`], tried as [`RECORD_BACKOFF`] says: a bucket that cannot
@@ -581,33 +638,27 @@ impl Gateway {
         let not_found = || {
             (
                 NO_ROUTE.to_string(),
-                Answered {
-                    id: id.to_string(),
-                    answer: mapping::gateway_error(
+                Answered::new(
+                    id,
+                    mapping::gateway_error(
                         404,
                         "not_found",
                         "no conversation of this route and token has this id",
                     ),
-                },
+                ),
             )
         };
         if method != Method::GET && method != Method::HEAD {
             return (
                 NO_ROUTE.to_string(),
-                Answered {
-                    id: id.to_string(),
-                    answer: mapping::gateway_error(405, "method_not_allowed", "use GET"),
-                },
+                Answered::new(
+                    id,
+                    mapping::gateway_error(405, "method_not_allowed", "use GET"),
+                ),
             );
         }
         if let Err(answer) = self.poll_credentials(headers) {
-            return (
-                NO_ROUTE.to_string(),
-                Answered {
-                    id: id.to_string(),
-                    answer,
-                },
-            );
+            return (NO_ROUTE.to_string(), Answered::new(id, answer));
         }
         if !id.starts_with(ids::PREFIX) || webproxy_protocol::validate_id(id).is_err() {
             return not_found();
@@ -616,13 +667,7 @@ impl Gateway {
             Ok(Some(record)) => record,
             Ok(None) => return not_found(),
             Err(e) => {
-                return (
-                    NO_ROUTE.to_string(),
-                    Answered {
-                        id: id.to_string(),
-                        answer: unavailable(&e),
-                    },
-                );
+                return (NO_ROUTE.to_string(), Answered::new(id, unavailable(&e)));
             }
         };
         let Some(index) = self.routes.iter().position(|r| r.path == record.route) else {
@@ -634,39 +679,34 @@ impl Gateway {
         match self.authenticate(index, headers) {
             Ok(identity) if identity == record.identity => {}
             Err(answer) if answer.label == KEY_LOST_CODE => {
-                return (
-                    record.route,
-                    Answered {
-                        id: id.to_string(),
-                        answer,
-                    },
-                );
+                return (record.route, Answered::new(id, answer));
             }
             _ => return not_found(),
         }
-        let route = record.route.clone();
-        let answer = match record.origin() {
-            Err(e) => unavailable(&e),
-            Ok(origin) => match self.client.reply(id, &origin).await {
-                Ok(Some(reply)) => mapping::from_reply(&reply),
-                // 202, as a wait that runs out is answered, with a hint when to poll
-                // again: a 404 reads as final to HTTP clients.
-                Ok(None) => {
-                    let mut answer = mapping::pending(id);
-                    answer.label = mapping::PENDING;
-                    answer
-                        .headers
-                        .push(("retry-after".into(), RETRY_AFTER.into()));
-                    answer
-                }
-                Err(e) => unavailable(&e),
-            },
+        let origin = match record.origin() {
+            Ok(origin) => origin,
+            Err(e) => return (record.route, Answered::new(id, unavailable(&e))),
         };
+        let answer = match self.client.reply(id, &origin).await {
+            Ok(Some(reply)) => mapping::from_reply(&reply),
+            // 202, as a wait that runs out is answered, with a hint when to poll
+            // again: a 404 reads as final to HTTP clients.
+            Ok(None) => {
+                let mut answer = mapping::pending(id);
+                answer.label = mapping::PENDING;
+                answer
+                    .headers
+                    .push(("retry-after".into(), RETRY_AFTER.into()));
+                answer
+            }
+            Err(e) => unavailable(&e),
+        };
+        let stored = record.msg_id.map(|msg_id| StoredBody { origin, msg_id });
         (
-            route,
+            record.route,
             Answered {
-                id: id.to_string(),
-                answer,
+                stored,
+                ..Answered::new(id, answer)
             },
         )
     }
@@ -707,40 +747,6 @@ pub(crate) fn over_limit(limit: Limit) -> Response {
         ("connection".into(), "close".into()),
     ]);
     respond(refused(answer))
-}
-
-/// Why a body was not read whole.
-#[derive(Debug)]
-enum Unread {
-    /// Over `max_request_bytes`: read up to the limit, not refused by its
-    /// `Content-Length`, since an answer sent while a client still writes megabytes
-    /// is often lost to the reset of closing under them.
-    TooLarge,
-    /// No bytes for `body_idle_timeout`.
-    Stalled,
-    /// The connection failed or the framing was wrong.
-    Failed(axum::Error),
-}
-
-/// `body` whole, up to `limit` bytes, with no pause between its bytes longer than
-/// `idle`: a slow body that keeps coming is read to its end, one that stops is not
-/// waited for.
-async fn read_body(body: Body, limit: usize, idle: Duration) -> Result<Vec<u8>, Unread> {
-    use futures::StreamExt as _;
-    let mut read = Vec::new();
-    let mut chunks = body.into_data_stream();
-    loop {
-        let chunk = match tokio::time::timeout(idle, chunks.next()).await {
-            Err(_) => return Err(Unread::Stalled),
-            Ok(None) => return Ok(read),
-            Ok(Some(Err(e))) => return Err(Unread::Failed(e)),
-            Ok(Some(Ok(chunk))) => chunk,
-        };
-        if read.len() + chunk.len() > limit {
-            return Err(Unread::TooLarge);
-        }
-        read.extend_from_slice(&chunk);
-    }
 }
 
 /// Decrements the waiting gauge when dropped, however the request ends.
@@ -786,9 +792,59 @@ fn publish_failed(error: &ClientError) -> Answer {
     unavailable(error)
 }
 
+impl Gateway {
+    /// The HTTP response, with its stored body streamed from the store when the reply
+    /// names one (`Content-Length` is its size).
+    fn respond(&self, answered: Answered) -> Response {
+        let Some(size) = answered.answer.stored else {
+            return respond(answered);
+        };
+        let streamed = match &answered.stored {
+            Some(stored) => body::streamed(&self.client, &answered.id, stored)
+                .map_err(|e| e.to_string()),
+            None => Err("the reply names a stored body, but this request's message id was not kept to read it".into()),
+        };
+        match streamed {
+            Ok(streamed) => {
+                let mut response = respond(answered);
+                *response.body_mut() = streamed;
+                response
+                    .headers_mut()
+                    .insert(CONTENT_LENGTH, HeaderValue::from(size));
+                response
+            }
+            Err(message) => {
+                let mut answer = mapping::gateway_error(502, "body_unavailable", &message);
+                answer.attempts = answered.answer.attempts;
+                respond(Answered::new(&answered.id, answer))
+            }
+        }
+    }
+}
+
+/// An upload the pool's store refused: `busy` (every `body.put` slot taken) 503 with
+/// `Retry-After`, a full upload quota 507, a pool that does not exist 502.
+fn upload_failed(error: &ClientError) -> Answer {
+    let ClientError::Body { code, message } = error else {
+        return unavailable(error);
+    };
+    match code.as_str() {
+        "busy" => {
+            let mut answer = mapping::gateway_error(503, "busy", message);
+            answer
+                .headers
+                .push(("retry-after".into(), RETRY_AFTER.into()));
+            answer
+        }
+        "quota" => mapping::gateway_error(507, "upload_quota", message),
+        "unknown_pool" => mapping::gateway_error(502, "no_such_pool", message),
+        _ => unavailable(error),
+    }
+}
+
 /// The HTTP response, with `Webproxy-Id`, `Webproxy-Attempts` and
 /// `Webproxy-Outcome` on every answer.
-fn respond(Answered { id, answer }: Answered) -> Response {
+fn respond(Answered { id, answer, .. }: Answered) -> Response {
     let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut response = Response::new(Body::from(answer.body));
     *response.status_mut() = status;

@@ -85,7 +85,7 @@ impl Key {
         url: &str,
         headers: &Headers,
         key_header: &str,
-        body: &[u8],
+        body: BodyPart<'_>,
     ) -> Fingerprint {
         let mut fields: Vec<&[u8]> = vec![b"request-headers"];
         for (name, value) in headers.iter().filter(|(name, _)| *name != key_header) {
@@ -98,7 +98,10 @@ impl Key {
             method: part(&[b"request-method", method.as_bytes()]),
             url: part(&[b"request-url", url.as_bytes()]),
             headers: part(&fields),
-            body: part(&[b"request-body", body]),
+            body: match body {
+                BodyPart::Inline(body) => part(&[b"request-body", body]),
+                BodyPart::Uploaded { digest } => part(&[b"request-body-digest", digest.as_bytes()]),
+            },
         }
     }
 
@@ -110,6 +113,15 @@ impl Key {
             None => ANONYMOUS.into(),
         }
     }
+}
+
+/// A request's body as it travels: in the envelope, or uploaded (named by its digest,
+/// since the gateway never holds it whole). The same request always travels the same
+/// way, since which way is chosen by its size.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum BodyPart<'a> {
+    Inline(&'a [u8]),
+    Uploaded { digest: &'a str },
 }
 
 /// The parts of a keyed request, each an HMAC-SHA256 in hex ([`Key::fingerprint`]),
@@ -211,7 +223,13 @@ mod tests {
         ] {
             assert_ne!(id, other);
         }
-        let request = key.fingerprint("POST", "https://h/p", &Headers::new(), "k", b"b");
+        let request = key.fingerprint(
+            "POST",
+            "https://h/p",
+            &Headers::new(),
+            "k",
+            BodyPart::Inline(b"b"),
+        );
         assert_ne!(key.msg_id_for(&id, &request), id);
         assert_ne!(key.identity(Some("a")), key.identity(Some("b")));
         assert_eq!(key.identity(None), ANONYMOUS);
@@ -230,7 +248,7 @@ mod tests {
                 url,
                 &self::headers(headers),
                 "idempotency-key",
-                body,
+                BodyPart::Inline(body),
             )
         };
         let first = print("POST", "https://h/pay", &[("a", "1")], b"card=4242");
@@ -297,9 +315,28 @@ mod tests {
             "https://h/pay",
             &headers(&[("a", "1")]),
             "idempotency-key",
-            b"card=4242",
+            BodyPart::Inline(b"card=4242"),
         );
         assert_ne!(other_key.body, first.body, "keyed: a bare hash would match");
+        // An uploaded body is bound by its digest, never equal to an inline one's.
+        let uploaded = |digest| {
+            key.fingerprint(
+                "POST",
+                "https://h/pay",
+                &headers(&[("a", "1")]),
+                "idempotency-key",
+                BodyPart::Uploaded { digest },
+            )
+        };
+        assert_eq!(
+            binding(Some(&uploaded("SHA-256=a")), &uploaded("SHA-256=a")),
+            Binding::Same
+        );
+        assert_eq!(
+            binding(Some(&uploaded("SHA-256=a")), &uploaded("SHA-256=b")),
+            Binding::Differs("body")
+        );
+        assert_ne!(uploaded("card=4242").body, first.body);
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub(crate) struct Answer {
     pub(crate) status: u16,
     pub(crate) headers: Vec<(String, String)>,
     pub(crate) body: Vec<u8>,
+    /// The size of a stored body (a reply's `body_object`), which the gateway streams
+    /// from the store in place of `body`.
+    pub(crate) stored: Option<u64>,
     /// `Webproxy-Outcome`: `response`, `error` or `pending`.
     pub(crate) outcome: &'static str,
     /// The metrics label: `response`, the error code, or the gateway's own code.
@@ -129,11 +132,13 @@ pub(crate) fn from_reply(reply: &Reply) -> Answer {
                 .collect();
             // The service writes valid base64; a body that is not is answered as
             // the gateway's own error below rather than sent garbled.
+            let stored = reply.body_object.as_ref().map(|object| object.size);
             match reply.body.decode() {
                 Ok(body) => Answer {
                     status: reply.status.unwrap_or(502),
                     headers,
                     body,
+                    stored,
                     outcome: "response",
                     label: "response",
                     attempts: reply.attempts,
@@ -158,6 +163,7 @@ pub(crate) fn from_reply(reply: &Reply) -> Answer {
                 status: error_status(code, status),
                 headers: json_content(),
                 body: error_body(code.as_str(), message),
+                stored: None,
                 outcome: "error",
                 label: code.as_str(),
                 attempts: reply.attempts,
@@ -173,6 +179,7 @@ pub(crate) fn gateway_error(status: u16, code: &'static str, message: &str) -> A
         status,
         headers: json_content(),
         body: error_body(code, message),
+        stored: None,
         outcome: "error",
         label: code,
         attempts: 0,
@@ -190,6 +197,7 @@ pub(crate) fn pending(id: &str) -> Answer {
         body: json!({"id": id, "location": location})
             .to_string()
             .into_bytes(),
+        stored: None,
         outcome: PENDING,
         label: "accepted",
         attempts: 0,
@@ -380,5 +388,28 @@ mod tests {
                 ("set-cookie".into(), "b=2".into()),
             ]
         );
+    }
+
+    #[test]
+    fn a_stored_body_is_answered_by_its_size_in_place_of_a_body() {
+        let mut reply = Reply::response(
+            "gw-1".into(),
+            200,
+            Headers::new(),
+            ReplyBody::default(),
+            1,
+            1,
+            None,
+        );
+        assert_eq!(from_reply(&reply).stored, None);
+        reply.body_object = Some(webproxy_protocol::BodyObject {
+            bucket: "b".into(),
+            name: "n".into(),
+            size: 5_000_000,
+            digest: "SHA-256=x".into(),
+        });
+        let answer = from_reply(&reply);
+        assert_eq!((answer.status, answer.stored), (200, Some(5_000_000)));
+        assert!(answer.body.is_empty());
     }
 }

@@ -5,6 +5,7 @@
 //! `/_webproxy/replies/<id>`. State lives in NATS only (the ids' records and the
 //! shared key), so any number of gateways run behind one Kubernetes Service.
 
+mod body;
 mod connections;
 mod handler;
 mod ids;

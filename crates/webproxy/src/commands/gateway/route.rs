@@ -76,6 +76,7 @@ mod tests {
             pool: "default".into(),
             token: None,
             token_header: "proxy-authorization".into(),
+            large_bodies: false,
         }
     }
 

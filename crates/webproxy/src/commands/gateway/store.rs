@@ -33,6 +33,11 @@ pub(crate) struct Record {
     /// random id, and in records written before gateways kept it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) request: Option<Fingerprint>,
+    /// The `Nats-Msg-Id` of a request of a `large_bodies` route: the capability
+    /// `body.get` asks for, so a poll can stream a stored body too. Absent for other
+    /// routes' requests (older gateways ignore it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) msg_id: Option<String>,
 }
 
 impl Record {
@@ -47,6 +52,7 @@ impl Record {
             identity: identity.into(),
             origin: origin.to_string(),
             request: request.cloned(),
+            msg_id: None,
         }
     }
 
@@ -387,7 +393,7 @@ mod tests {
             "https://h/",
             &webproxy_protocol::Headers::new(),
             "idempotency-key",
-            b"",
+            ids::BodyPart::Inline(b""),
         );
         let keyed = Record::new(
             "/a",
