@@ -30,8 +30,8 @@ pub use silent_dns::SilentDns;
 pub use tls::TestCa;
 pub use webproxy_testkit::{
     ALLOW_PRIVATE_NETWORKS, Gate, Gateway, NATS_CLI_VARS, NatsServer, Service, ServiceOptions,
-    Upstream, closed_port, default_routes, fails_once_routes, free_port, http_client, run_webproxy,
-    wait_for, wait_until, webproxy_bin,
+    Upstream, closed_port, default_routes, fails_once_routes, free_port, http_client, large_body,
+    large_body_byte, large_routes, run_webproxy, wait_for, wait_until, webproxy_bin,
 };
 pub use webproxy_testkit::{adaptive, process, recovery};
 

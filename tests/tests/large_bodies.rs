@@ -22,36 +22,12 @@ use webproxy_protocol::{
 };
 use webproxy_tests::authorized::{Admin, Caller, SERVICE_USER, service_as};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message, path_rule};
-use webproxy_tests::{Gate, NatsServer, Service, ServiceOptions, Upstream, run_webproxy, wait_for};
+use webproxy_tests::{
+    Gate, NatsServer, Service, ServiceOptions, Upstream, large_body, large_body_byte, large_routes,
+    run_webproxy, wait_for,
+};
 
 const MIB: usize = 1024 * 1024;
-
-/// Byte `i` of every body the upstream sends: not UTF-8 and not repeating, so a lost,
-/// doubled or reordered chunk changes the digest.
-fn byte(i: usize) -> u8 {
-    (i.wrapping_mul(2_654_435_761) >> 13) as u8
-}
-
-fn body_of(len: usize) -> Vec<u8> {
-    (0..len).map(byte).collect()
-}
-
-/// `GET /large/{n}`: `n` bytes, chunked (no `Content-Length`), in 64 KiB pieces, so
-/// the size is learned only while it streams.
-fn large_routes() -> Router {
-    Router::new().route(
-        "/large/{n}",
-        get(|Path(n): Path<usize>| async move {
-            let pieces = (0..n.div_ceil(64 * 1024)).map(move |k| {
-                let piece: Vec<u8> = (k * 64 * 1024..((k + 1) * 64 * 1024).min(n))
-                    .map(byte)
-                    .collect();
-                Ok::<_, std::io::Error>(piece)
-            });
-            Body::from_stream(stream::iter(pieces))
-        }),
-    )
-}
 
 async fn harness(options: ServiceOptions) -> Harness {
     Harness::start_with_options(Upstream::start_with(large_routes()).await, options, |up| {
@@ -102,7 +78,10 @@ async fn assert_reads_back(store: &jetstream::object_store::ObjectStore, name: &
         .read_to_end(&mut bytes)
         .await
         .expect("read whole");
-    assert!(bytes == body_of(size), "the {size} bytes read back differ");
+    assert!(
+        bytes == large_body(size),
+        "the {size} bytes read back differ"
+    );
 }
 
 fn digest_of(bytes: &[u8]) -> String {
@@ -135,7 +114,7 @@ async fn five_and_forty_mib_responses_arrive_whole_with_their_digest() {
         assert_eq!(reply.body.body, None);
         assert_eq!(reply.body.body_base64, None);
         let object = reply.body_object.expect("body_object");
-        let expected = body_of(size);
+        let expected = large_body(size);
         assert_eq!(object.bucket, bodies_bucket());
         assert_eq!(object.size, size as u64);
         assert_eq!(object.digest, digest_of(&expected));
@@ -275,7 +254,7 @@ async fn without_the_opt_in_or_a_capability_nothing_is_stored() {
     assert_eq!(small.body_object, None);
     assert_eq!(
         small.body.decode().expect("base64"),
-        body_of(1000),
+        large_body(1000),
         "{small:?}"
     );
     assert_eq!(store_bytes(&h.js).await, None, "no store was made");
@@ -328,7 +307,7 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
                             gate.wait().await;
                         }
                         let range = if k == 0 { 0..half } else { half..n };
-                        Ok::<_, std::io::Error>(range.map(byte).collect::<Vec<u8>>())
+                        Ok::<_, std::io::Error>(range.map(large_body_byte).collect::<Vec<u8>>())
                     }
                 });
                 Body::from_stream(pieces)
@@ -422,7 +401,7 @@ async fn a_replayed_conversations_body_keeps_the_callers_message_id() {
                 if first {
                     (axum::http::StatusCode::BAD_REQUEST, Vec::new())
                 } else {
-                    (axum::http::StatusCode::OK, body_of(n))
+                    (axum::http::StatusCode::OK, large_body(n))
                 }
             }
         }),
@@ -602,7 +581,7 @@ async fn an_isolated_caller_reads_its_body_through_body_get_and_no_other_can() {
         .await
         .unwrap_or_else(|(code, payload)| panic!("{code:?}: {payload:?}\n{}", service.logs()));
     assert!(
-        bytes == body_of(size),
+        bytes == large_body(size),
         "the bytes read through body.get differ"
     );
 
@@ -706,7 +685,7 @@ async fn sixty_four_mib_read_through_body_get_within_fifteen_seconds_in_bounded_
         "64 MiB through body.get took {took:?}"
     );
     assert!(
-        bytes.len() == size && bytes == body_of(size),
+        bytes.len() == size && bytes == large_body(size),
         "the bytes differ"
     );
     let peak = webproxy_tests::process::peak_rss(h.service.pid()).expect("the service runs");
@@ -736,7 +715,7 @@ async fn the_rust_client_opts_in_and_reads_the_stored_body() {
         .read_body(&answer.reply.id, &answer.origin, &msg_id)
         .await
         .expect("the body");
-    assert!(body == body_of(size), "the bytes differ");
+    assert!(body == large_body(size), "the bytes differ");
     let refused = h
         .client
         .read_body(&answer.reply.id, &answer.origin, &new_msg_id().expect("id"))

@@ -34,7 +34,9 @@ pub use nats::NatsServer;
 pub use service::{
     ALLOW_PRIVATE_NETWORKS, NATS_CLI_VARS, Service, ServiceOptions, run_webproxy, webproxy_bin,
 };
-pub use upstream::{Gate, Upstream, default_routes, fails_once_routes};
+pub use upstream::{
+    Gate, Upstream, default_routes, fails_once_routes, large_body, large_body_byte, large_routes,
+};
 pub use wait::{closed_port, free_port, wait_for, wait_until};
 
 /// A reqwest client for talking to fixtures: no proxy, so a developer's

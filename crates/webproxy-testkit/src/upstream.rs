@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, Request, State};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -283,6 +283,37 @@ async fn fails_once(
     } else {
         (StatusCode::OK, "ok").into_response()
     }
+}
+
+/// Byte `i` of every body [`large_routes`] sends (and of a test's own routes that
+/// stream it differently): not UTF-8 and not repeating, so a lost, doubled or
+/// reordered chunk changes the digest.
+pub fn large_body_byte(i: usize) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 13) as u8
+}
+
+/// The `len` bytes `GET /large/{len}` sends, to compare what was stored with.
+pub fn large_body(len: usize) -> Vec<u8> {
+    (0..len).map(large_body_byte).collect()
+}
+
+/// `GET /large/{n}`: `n` bytes ([`large_body`]), chunked (no `Content-Length`), in
+/// 64 KiB pieces made as they are sent, so the size is learned only while it streams
+/// and the upstream never holds a whole body (the bench sends 64 of 50 MiB at once).
+pub fn large_routes() -> Router {
+    const PIECE: usize = 64 * 1024;
+    Router::new().route(
+        "/large/{n}",
+        get(|Path(n): Path<usize>| async move {
+            let pieces = (0..n.div_ceil(PIECE)).map(move |k| {
+                let piece: Vec<u8> = (k * PIECE..((k + 1) * PIECE).min(n))
+                    .map(large_body_byte)
+                    .collect();
+                Ok::<_, std::io::Error>(piece)
+            });
+            Body::from_stream(futures::stream::iter(pieces))
+        }),
+    )
 }
 
 /// The default routes (see [`Upstream::start`]), to extend or to serve elsewhere.
