@@ -2,11 +2,14 @@
 //! `<prefix>.body.get` ([`BodyReader`]) and a request body written through
 //! `<prefix>.body.put.<pool>` ([`Upload`]), so neither is ever held whole.
 
+use std::time::Duration;
+
 use base64::Engine as _;
 use bytes::Bytes;
 use sha2::Digest as _;
 use webproxy_protocol::{
-    BodyGetError, BodyGetRequest, BodyPutAnswer, BodyPutRequest, Origin, UploadRef, body_header,
+    BodyGetCode, BodyGetError, BodyGetRequest, BodyPutAnswer, BodyPutRequest, Origin, UploadRef,
+    body_header,
 };
 
 use crate::{Client, Error, check_id, new_msg_id, validate_pool_name};
@@ -14,6 +17,37 @@ use crate::{Client, Error, check_id, new_msg_id, validate_pool_name};
 /// How much of a body one `body.put` request carries: 256 KiB, about 350 KB in base64,
 /// well within the default 1 MiB `max_payload`.
 const UPLOAD_CHUNK: usize = 256 * 1024;
+
+/// How many times in all a request answered `busy` (the service's instances answer a
+/// fixed number at once, a caller's share of them fewer) is sent, the pause before
+/// the second, doubling after: 50 ms to 800 ms, 1.55 s in all.
+const BUSY_TRIES: u32 = 6;
+const BUSY_PAUSE: Duration = Duration::from_millis(50);
+
+/// Sends `payload` to `subject` and waits for the answer, again while `busy(answer)`
+/// says the service was busy, up to [`BUSY_TRIES`] times.
+async fn request(
+    nats: &async_nats::Client,
+    subject: &str,
+    payload: Bytes,
+    busy: impl Fn(&async_nats::Message) -> bool,
+) -> Result<async_nats::Message, Error> {
+    let mut pause = BUSY_PAUSE;
+    for _ in 1..BUSY_TRIES {
+        let answer = nats
+            .request(subject.to_string(), payload.clone())
+            .await
+            .map_err(Error::BodyRequest)?;
+        if !busy(&answer) {
+            return Ok(answer);
+        }
+        tokio::time::sleep(pause).await;
+        pause *= 2;
+    }
+    nats.request(subject.to_string(), payload)
+        .await
+        .map_err(Error::BodyRequest)
+}
 
 /// A stored body being read through `body.get`, one answer at a time. The size and
 /// digest the service names are checked before the last chunk is handed out, so a
@@ -43,11 +77,14 @@ impl BodyReader {
             return Ok(None);
         }
         let payload = serde_json::to_vec(&self.request).map_err(Error::Encode)?;
-        let answer = self
-            .nats
-            .request(self.subject.clone(), payload.into())
-            .await
-            .map_err(Error::BodyRequest)?;
+        let answer = request(&self.nats, &self.subject, payload.into(), |answer| {
+            answer
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(body_header::ERROR))
+                .is_some_and(|code| code.as_str() == BodyGetCode::Busy.as_str())
+        })
+        .await?;
         let headers = answer.headers.unwrap_or_default();
         let text = |name: &str| headers.get(name).map(|v| v.as_str().to_string());
         if let Some(code) = text(body_header::ERROR) {
@@ -142,11 +179,11 @@ impl Upload {
             data_base64: base64::engine::general_purpose::STANDARD.encode(&self.pending),
         };
         let payload = serde_json::to_vec(&put).map_err(Error::Encode)?;
-        let answer = self
-            .nats
-            .request(self.subject.clone(), payload.into())
-            .await
-            .map_err(Error::BodyRequest)?;
+        let answer = request(&self.nats, &self.subject, payload.into(), |answer| {
+            serde_json::from_slice::<BodyPutAnswer>(&answer.payload)
+                .is_ok_and(|answer| answer.error.is_some_and(|e| e.code == "busy"))
+        })
+        .await?;
         let answer: BodyPutAnswer =
             serde_json::from_slice(&answer.payload).map_err(Error::Decode)?;
         match (answer.size, answer.error) {

@@ -28,6 +28,10 @@ use crate::core_requests;
 /// `body.put` requests one instance answers at once.
 const MAX_CONCURRENT: usize = 32;
 
+/// Of those, what one caller name may hold (callers of no name share one), so one
+/// caller's uploads leave the others at least half.
+const MAX_PER_CALLER: usize = MAX_CONCURRENT / 2;
+
 const QUEUE_GROUP: &str = "webproxy-body-put";
 
 /// Answers `body.put` requests under the running revision until `shutdown`.
@@ -38,13 +42,25 @@ pub(crate) async fn serve(revisions: watch::Receiver<Arc<Revision>>, shutdown: C
         "busy",
         "as many uploads as this instance takes at once are under way: send the chunk again".into(),
     );
+    let subjects = current.settings.subjects.clone();
+    let requests = core_requests::Requests {
+        subject: subjects.body_put_filter(),
+        group: QUEUE_GROUP,
+        max_concurrent: MAX_CONCURRENT,
+        max_per_key: MAX_PER_CALLER,
+        busy: encoded(&busy),
+    };
     core_requests::serve(
         current.outlet.client.clone(),
-        current.settings.subjects.body_put_filter(),
-        QUEUE_GROUP,
-        MAX_CONCURRENT,
-        encoded(&busy),
+        requests,
         shutdown,
+        move |request| {
+            let target = subjects.body_put_target(request.subject.as_str());
+            target
+                .and_then(|(_, caller)| caller)
+                .unwrap_or_default()
+                .to_string()
+        },
         move |request| {
             let shared = revisions.borrow().clone();
             async move { encoded(&put(&shared, &request).await) }

@@ -28,6 +28,10 @@ use cursor::Cursor;
 /// `body.get` requests one instance answers at once.
 pub(crate) const MAX_CONCURRENT: usize = 32;
 
+/// Of those, what the bodies of one pool may hold, so one pool's readers leave the
+/// others at least half.
+const MAX_PER_POOL: usize = MAX_CONCURRENT / 2;
+
 /// The queue group instances share, so each request is answered once.
 const QUEUE_GROUP: &str = "webproxy-body-get";
 
@@ -42,19 +46,28 @@ pub(crate) async fn serve(
         BodyGetCode::Busy,
         "as many body.get requests as this instance answers at once are under way: ask again",
     );
-    core_requests::serve(
-        client,
-        subjects.body_get(),
-        QUEUE_GROUP,
-        MAX_CONCURRENT,
+    let requests = core_requests::Requests {
+        subject: subjects.body_get(),
+        group: QUEUE_GROUP,
+        max_concurrent: MAX_CONCURRENT,
+        max_per_key: MAX_PER_POOL,
         busy,
-        shutdown,
-        move |request| {
-            let js = js.clone();
-            async move { answer(&js, &request).await }
-        },
-    )
+    };
+    core_requests::serve(client, requests, shutdown, pool_stream_of, move |request| {
+        let js = js.clone();
+        async move { answer(&js, &request).await }
+    })
     .await;
+}
+
+/// The pool stream a request's conversation started in: the share it is counted in.
+/// A request names no caller (the subject is one for all, and an imported request's
+/// reply subject is the server's), so the share is the pool's, as the stores are.
+fn pool_stream_of(request: &Message) -> String {
+    serde_json::from_slice::<BodyGetRequest>(&request.payload)
+        .ok()
+        .and_then(|request| Some(request.origin.split_once(':')?.0.to_string()))
+        .unwrap_or_default()
 }
 
 /// An answer without a chunk.
