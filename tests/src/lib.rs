@@ -1,10 +1,10 @@
 //! webproxy's integration tests' fixtures: those the bench shares come from
 //! `webproxy-testkit` (a private nats-server per test, the `webproxy serve` binary as a
 //! subprocess, an in-process HTTP upstream, bounded waits) and are re-exported here at
-//! the paths the tests use; the rest (a caller's side of the protocol, a nats-server
-//! cluster, a TCP relay, a test CA, the deploy file's users, a Secret volume, a DNS
-//! server that never answers, config pushes and `webproxy pools`' output) live in this
-//! package.
+//! the paths the tests use; the rest (a caller's side of the protocol, a pool's body
+//! store as the tests read it, a nats-server cluster, a TCP relay, a test CA, the
+//! deploy file's users, a Secret volume, a DNS server that never answers, config
+//! pushes and `webproxy pools`' output) live in this package.
 //!
 //! Nothing here is shared between tests (ports, store dirs and config files are
 //! all per-fixture), so tests can run in parallel. Everything listens on and
@@ -14,6 +14,7 @@
 //! the spawned binary the fault-injection hooks; the bench does not depend on it.
 
 pub mod authorized;
+pub mod bodies;
 pub mod caller;
 mod cluster;
 pub mod pools;

@@ -10,17 +10,16 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::Path;
 use axum::routing::get;
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE;
 use futures::{StreamExt as _, stream};
-use sha2::{Digest as _, Sha256};
-use tokio::io::AsyncReadExt as _;
 use webproxy_client::{Request, new_msg_id};
 use webproxy_protocol::{
     BodyGetCode, BodyGetRequest, ErrorCode, Origin, Outcome, Reply, RequestEnvelope, Subjects,
     body_header, header,
 };
 use webproxy_tests::authorized::{Admin, Caller, SERVICE_USER, service_as};
+use webproxy_tests::bodies::{
+    assert_reads_back, digest_of, origin_of, store_subjects, subjects_of,
+};
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, envelope, next_message, path_rule};
 use webproxy_tests::{
     Gate, NatsServer, Service, ServiceOptions, Upstream, large_body, large_body_byte, large_routes,
@@ -65,27 +64,6 @@ fn bodies_bucket() -> String {
     Subjects::new("webproxy")
         .expect("prefix")
         .pool_body_bucket("default")
-}
-
-/// Reads `name` from `store` as any Object Store client does (which checks the digest)
-/// and compares it with the upstream's `size` bytes.
-async fn assert_reads_back(store: &jetstream::object_store::ObjectStore, name: &str, size: usize) {
-    let mut bytes = Vec::with_capacity(size);
-    store
-        .get(name)
-        .await
-        .expect("object")
-        .read_to_end(&mut bytes)
-        .await
-        .expect("read whole");
-    assert!(
-        bytes == large_body(size),
-        "the {size} bytes read back differ"
-    );
-}
-
-fn digest_of(bytes: &[u8]) -> String {
-    format!("SHA-256={}", URL_SAFE.encode(Sha256::digest(bytes)))
 }
 
 /// 5 MiB and 40 MiB arrive whole: the reply names the object, its size and digest, and
@@ -344,40 +322,13 @@ async fn a_redelivered_large_response_leaves_one_object_which_the_reply_names() 
     let object = reply.body_object.expect("a stored body");
     assert_eq!(object.size, size as u64);
     assert_eq!(upstream.hits_for(&format!("/stalling/{size}")), 2);
-    // The object's name starts with the conversation's origin.
-    let reply_origin: Origin = object
-        .name
-        .splitn(3, ':')
-        .take(2)
-        .collect::<Vec<_>>()
-        .join(":")
-        .parse()
-        .expect("an origin");
+    let reply_origin = origin_of(&object).expect("an object name starts with its origin");
 
-    let stream = js
-        .get_stream(Subjects::object_stream(&object.bucket))
+    let held = store_subjects(&js, &object.bucket)
         .await
-        .expect("the store");
-    let mut subjects = stream
-        .info_with_subjects(format!("$O.{}.>", object.bucket))
-        .await
-        .expect("subjects");
-    let mut held = Vec::new();
-    while let Some(entry) = subjects.next().await {
-        held.push(entry.expect("a subject"));
-    }
+        .expect("the store's subjects");
     let store = js.get_object_store(&object.bucket).await.expect("store");
-    let info = store.info(&object.name).await.expect("the named object");
-    held.sort();
-    let mut expected = vec![
-        (format!("$O.{}.C.{}", object.bucket, info.nuid), info.chunks),
-        (
-            format!("$O.{}.M.{}", object.bucket, URL_SAFE.encode(&object.name)),
-            1,
-        ),
-        (Subjects::body_receipt(&object.bucket, &reply_origin), 1),
-    ];
-    expected.sort();
+    let expected = subjects_of(&store, &[(&reply_origin, &object)]).await;
     assert_eq!(
         held, expected,
         "one object's chunks and metadata, nothing else"
