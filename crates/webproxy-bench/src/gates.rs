@@ -1,6 +1,7 @@
 //! Issue 33's gates: webproxy's medians against the minimal pipeline's (`pipeline.rs`),
 //! measured in the same rounds. The bench prints each ratio and whether it meets its
-//! bound on every run, so that a later change shows it did not regress.
+//! bound on every run, so that a later change shows it did not regress. The
+//! large-bodies section (`large_bodies.rs`) states its bound on RSS as a [`Gate`] too.
 
 use serde::Serialize;
 
@@ -86,6 +87,19 @@ pub(crate) fn gates(webproxy: &Measured, pipeline: &Measured) -> Vec<Gate> {
     ]
 }
 
+/// Prints one gate's line: its name, its value, its bound and whether it is met.
+pub(crate) fn print_gate(gate: &Gate) {
+    let bound = match gate.bound {
+        Bound::AtLeast(b) => format!(">= {b:.2}"),
+        Bound::AtMost(b) => format!("<= {b:.2}"),
+    };
+    let value = gate
+        .value
+        .map_or("not measured".into(), |v| format!("{v:.2}"));
+    let verdict = if gate.met() { "met" } else { "NOT MET" };
+    println!("  {:<58} {value:>12} {bound:>8}  {verdict}", gate.name);
+}
+
 /// The pipeline's throughput at [`HIGH`] ÷ the broker-only loop's: below
 /// [`PIPELINE_FLOOR`], the pipeline is too slow to be the measure of webproxy.
 pub(crate) const PIPELINE_FLOOR: f64 = 0.5;
@@ -96,15 +110,7 @@ pub(crate) fn print(gates: &[Gate], pipeline_vs_broker: Option<f64>) {
     println!();
     println!("gates against the minimal pipeline (issue 33; medians of the rounds):");
     for gate in gates {
-        let bound = match gate.bound {
-            Bound::AtLeast(b) => format!(">= {b:.2}"),
-            Bound::AtMost(b) => format!("<= {b:.2}"),
-        };
-        let value = gate
-            .value
-            .map_or("not measured".into(), |v| format!("{v:.2}"));
-        let verdict = if gate.met() { "met" } else { "NOT MET" };
-        println!("  {:<58} {value:>12} {bound:>8}  {verdict}", gate.name);
+        print_gate(gate);
     }
     match pipeline_vs_broker {
         Some(r) if r >= PIPELINE_FLOOR => println!(

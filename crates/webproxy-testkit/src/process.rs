@@ -1,6 +1,7 @@
 //! What a child process has cost so far, read from `/proc` (Linux only): its CPU time,
-//! its peak resident memory and its threads. The bench divides the first two by the
-//! conversations served; tests bound them.
+//! its peak resident memory and its threads, and its resident memory now. The bench
+//! divides the first two by the conversations served, and samples the last; tests
+//! bound them.
 
 use std::fs;
 use std::process::Command;
@@ -29,10 +30,21 @@ pub fn cpu_time(pid: u32) -> Duration {
 /// Process `pid`'s peak resident set so far, in bytes (`VmHWM` in
 /// `/proc/<pid>/status`); `None` once it exited.
 pub fn peak_rss(pid: u32) -> Option<u64> {
+    status_bytes(pid, "VmHWM:")
+}
+
+/// Process `pid`'s resident set now, in bytes (`VmRSS` in `/proc/<pid>/status`);
+/// `None` once it exited. Sampled, it shows when a peak came.
+pub fn rss(pid: u32) -> Option<u64> {
+    status_bytes(pid, "VmRSS:")
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`field` with its colon), in bytes.
+fn status_bytes(pid: u32, field: &str) -> Option<u64> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: u64 = status
         .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .find_map(|line| line.strip_prefix(field))?
         .trim()
         .trim_end_matches("kB")
         .trim()
