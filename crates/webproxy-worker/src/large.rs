@@ -112,7 +112,9 @@ impl<'s, 'a> BodyReader<'s, 'a> {
                 limit: self.limit(),
             });
         }
-        self.prefix = head.slice(..head.len().min(STORED_BODY_PREFIX));
+        // A copy: a slice would keep the whole inline buffer (up to the inline limit)
+        // alive for as long as the body streams.
+        self.prefix = Bytes::copy_from_slice(&head[..head.len().min(STORED_BODY_PREFIX)]);
         self.streamed = Some(total);
         self.write(head).await?;
         self.write(chunk).await
