@@ -448,14 +448,28 @@ impl BodyWriter {
 }
 
 impl BodyWriter {
-    async fn write_body(&mut self, bytes: Bytes) -> Result<(), SinkError> {
+    async fn write_body(&mut self, mut bytes: Bytes) -> Result<(), SinkError> {
         self.ensure_store().await?;
         self.hasher.update(&bytes);
         self.size += bytes.len() as u64;
-        self.pending.extend_from_slice(&bytes);
-        while self.pending.len() >= CHUNK_BYTES {
-            let chunk = self.pending.split_to(CHUNK_BYTES).freeze();
-            self.publish_chunk(chunk).await?;
+        // `pending` lives as long as the attempt, so it never grows past a chunk: whole
+        // chunks of a large write (the inline head) go out as slices of it.
+        while !bytes.is_empty() {
+            if self.pending.is_empty() && bytes.len() >= CHUNK_BYTES {
+                let chunk = bytes.split_to(CHUNK_BYTES);
+                self.publish_chunk(chunk).await?;
+                continue;
+            }
+            if self.pending.is_empty() {
+                // One allocation a chunk, rather than doubling up to one.
+                self.pending.reserve(CHUNK_BYTES);
+            }
+            let take = (CHUNK_BYTES - self.pending.len()).min(bytes.len());
+            self.pending.extend_from_slice(&bytes.split_to(take));
+            if self.pending.len() == CHUNK_BYTES {
+                let chunk = self.pending.split().freeze();
+                self.publish_chunk(chunk).await?;
+            }
         }
         Ok(())
     }
