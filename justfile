@@ -214,7 +214,7 @@ fmt:
 lint:
     cargo clippy --workspace --all-targets -- -D warnings
 
-# Measure webproxy (release build) against direct HTTP calls, a broker-only loop and the minimal pipeline (3 rounds); prints a table, issue 33's gates against the pipeline, and writes target/bench/latest.json. Its sections (main, adaptive, progress-bound) run in turn; `--only progress-bound` or `--skip adaptive,progress-bound` picks among them.
+# Measure webproxy (release build) against direct HTTP calls, a broker-only loop and the minimal pipeline (3 rounds); prints a table, issue 33's gates against the pipeline, and writes target/bench/latest.json. Its sections (main, adaptive, progress-bound, large-bodies) run in turn; `--only progress-bound` or `--skip adaptive,progress-bound` picks among them. large-bodies fails the recipe when webproxy's RSS goes over 200 MiB with 64 × 50 MiB bodies in flight (issue 34).
 bench *args:
     cargo build --release -p webproxy -p webproxy-bench
     {{ _nats_path }}; target="$(bash scripts/target-dir.sh)"; "$target/release/webproxy-bench" {{ args }}

@@ -19,7 +19,7 @@ log="$out/bench.log"
 # One round at 256: the warm-up measures each server once (2 s), then the broker-only
 # loop and direct calls run, then webproxy and the pipeline in turn, each long enough
 # for its recording.
-"$target/release/webproxy-bench" --rounds 1 --levels 256 --duration "$((seconds + 4))s" --skip adaptive,progress-bound --json "$out/bench.json" >"$log" 2>&1 &
+"$target/release/webproxy-bench" --rounds 1 --levels 256 --duration "$((seconds + 4))s" --only main --json "$out/bench.json" >"$log" 2>&1 &
 bench=$!
 trap 'kill "$bench" 2>/dev/null || true' EXIT
 
