@@ -99,6 +99,9 @@ pub async fn wait_answered(
 ) -> Vec<Stored> {
     let mut stored = Vec::with_capacity(conversations.len());
     for conversation in conversations {
+        // The last stored reply seen, for the failure's message: an unexpected ending
+        // says why.
+        let mut last = None;
         let found = tokio::time::timeout(ANSWERED, async {
             loop {
                 if let Ok(Some(message)) = client
@@ -121,6 +124,7 @@ pub async fn wait_answered(
                     if answered(&reply) {
                         return reply;
                     }
+                    last = Some(reply.json);
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -129,9 +133,10 @@ pub async fn wait_answered(
         match found {
             Ok(reply) => stored.push(reply),
             Err(_) => panic!(
-                "conversation {} ({}) not answered as expected within {ANSWERED:?}\n{}",
+                "conversation {} ({}) not answered as expected within {ANSWERED:?}; its stored reply: {}\n{}",
                 conversation.id,
                 conversation.origin,
+                last.map_or_else(|| "none".to_string(), |reply| reply.to_string()),
                 logs()
             ),
         }
