@@ -158,14 +158,19 @@ impl Cell {
         }
     }
 
-    /// The request [`Cell::submit`] sends.
+    /// The request [`Cell::submit`] sends; [`Feature::Large`]'s opts in to a stored
+    /// body, with the random message id that reading it asks for.
     pub fn request(&self, pool: &str, path: &str) -> Request {
         let envelope: RequestEnvelope = envelope("GET", &self.upstream.url(path));
         let reply_to = format!("{REPLY_TO}.{}", envelope.id);
-        Request::from_envelope(envelope)
+        let request = Request::from_envelope(envelope)
             .pool(pool)
             .reply_to(reply_to)
-            .wait(REQUEST_WAIT)
+            .wait(REQUEST_WAIT);
+        match self.feature {
+            Feature::Large => request.large_body().expect("a random message id"),
+            _ => request,
+        }
     }
 
     /// `webproxy ARGS --nats URLS`'s standard output, or its failure.

@@ -40,6 +40,22 @@ pub enum Feature {
     /// redelivered attempt, a second body) is the service's, which the gateway must
     /// not turn into a second answer.
     Gateway,
+    /// Large response bodies (issue 34): each request sets `large_body`, published with
+    /// a capability `Nats-Msg-Id`, and its upstream streams a few MiB slowly
+    /// (`/large/{n}`, [`crate::upstream::LARGE_STREAMS`]), so the fault comes while
+    /// bodies stream into the pool's body store; the load waits until instance 0, the
+    /// one the stalled row stops, has one under way. After the fault each reply must
+    /// name a body that reads back whole with its digest, each conversation must have
+    /// one stored reply, and once what the fault left behind has settled the store
+    /// must hold exactly the bodies the replies name: no orphan chunk, metadata or
+    /// receipt (`large.rs`).
+    Large,
+}
+
+/// The length of [`Feature::Large`]'s `n`th body: a few MiB, each conversation's a
+/// different length, so that a reply naming another conversation's body shows.
+pub fn large_size(n: usize) -> usize {
+    3 * 1024 * 1024 + n * 4099
 }
 
 /// The rate of [`Feature::Rate`]'s pool, per second, and its burst.
@@ -59,7 +75,7 @@ impl Feature {
     /// How many conversations the load sends.
     pub fn count(self) -> usize {
         match self {
-            Feature::Paused | Feature::Breaker | Feature::Parked => 8,
+            Feature::Paused | Feature::Breaker | Feature::Parked | Feature::Large => 8,
             Feature::Replay => 6,
             _ => 12,
         }
@@ -73,6 +89,7 @@ impl Feature {
             Feature::Breaker | Feature::Replay => format!("/mend/{n}"),
             Feature::Parked => format!("/flaky/{n}"),
             Feature::Gateway => format!("/slow/{n}"),
+            Feature::Large => format!("/large/{}", large_size(n)),
             _ => "/delay/400".into(),
         }
     }
@@ -96,6 +113,9 @@ impl Feature {
             Feature::Config => &["CONFIG"],
             // Its key's loss is `gateway_state.rs`'s (the key is never made again).
             Feature::Gateway => &["GATEWAY"],
+            // Its body store holds the bodies themselves, not state: the deleted row
+            // does not run it (tests/fault_matrix.toml says why).
+            Feature::Large => &[],
         }
     }
 
@@ -127,9 +147,12 @@ impl Feature {
         )
     }
 
-    /// Whether a stored reply is the one the conversation should end with.
+    /// Whether a stored reply is the one the conversation should end with; for
+    /// [`Feature::Large`], one that names a stored body.
     pub fn answered(self, reply: &Stored) -> bool {
         let generation = if self == Feature::Replay { "1" } else { "0" };
-        reply.generation == generation && reply.status == Some(200)
+        reply.generation == generation
+            && reply.status == Some(200)
+            && (self != Feature::Large || reply.json["body_object"].is_object())
     }
 }

@@ -4,9 +4,9 @@
 //! answered; one distinct body per generation on `reply.<id>` and the `reply_to`, equal
 //! to the stored one; no unsuperseded dead letter for a conversation answered with a
 //! response; what the feature must still hold of them, such as the gateway's
-//! idempotency records; the feature working again within its stated time; the pool's
-//! limits never exceeded). Real `webproxy serve` (and `webproxy gateway`) processes
-//! against real nats-servers.
+//! idempotency records or the large bodies' store; the feature working again within
+//! its stated time; the pool's limits never exceeded). Real `webproxy serve` (and
+//! `webproxy gateway`) processes against real nats-servers.
 //!
 //! The cells are `#[ignore]`d: `just test-faults` runs them (several at once), so `just
 //! test` does not run them twice. A cell takes 10 to 40 s: nats-servers (three for the
@@ -17,6 +17,7 @@ mod cell;
 mod fault;
 mod feature;
 mod inject;
+mod large;
 mod observe;
 mod scene;
 mod upstream;
@@ -138,4 +139,10 @@ cells! {
     clock_replay: Clock, Replay;
     clock_config: Clock, Config;
     clock_gateway: Clock, Gateway;
+    restart_large: Restart, Large;
+    leader_large: Leader, Large;
+    api_down_large: ApiDown, Large;
+    stalled_large: Stalled, Large;
+    pushed_large: Pushed, Large;
+    clock_large: Clock, Large;
 }

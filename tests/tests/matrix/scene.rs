@@ -1,6 +1,6 @@
 //! What each feature does in a running cell: its load, what lets its conversations go
-//! after the fault, what must still hold of them (the gateway's records), how it is
-//! shown to work again, and the check of its limits.
+//! after the fault, what must still hold of them (the gateway's records, the large
+//! bodies: `large.rs`), how it is shown to work again, and the check of its limits.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,6 +16,7 @@ use webproxy_tests::{run_webproxy, wait_for, wait_until};
 use crate::cell::Cell;
 use crate::fault::Fault;
 use crate::feature::{ACK_WAIT, BURST, Feature, POOL, RATE};
+use crate::large;
 use crate::observe::{ANSWERED, Stored, wait_answered};
 use crate::upstream::slow_body;
 
@@ -97,6 +98,12 @@ impl Feature {
                 )
                 .await;
                 cell.upstream.mend(true);
+            }
+            Feature::Large => {
+                wait_until(ANSWERED, "instance 0 with a body under way", || {
+                    large::under_way(cell)
+                })
+                .await;
             }
             _ => {
                 wait_until(ANSWERED, "the load under way", || async {
@@ -189,49 +196,13 @@ impl Feature {
     }
 
     /// What must still hold of the load's answered conversations after the fault: for
-    /// [`Feature::Gateway`], the record of each: the gateway's API gives the stored
-    /// reply, and the request repeated with its key is answered with the same id and
-    /// reply and calls the upstream no more.
+    /// [`Feature::Gateway`], the record of each; for [`Feature::Large`], each body
+    /// whole and the body store holding nothing else ([`large::kept`]).
     pub async fn kept(self, cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
-        if self != Feature::Gateway {
-            return;
-        }
-        for (n, (conversation, stored)) in conversations.iter().zip(stored).enumerate() {
-            let expected = Keyed {
-                status: 200,
-                id: conversation.id.clone(),
-                body: slow_body(&n.to_string()),
-            };
-            assert_eq!(
-                stored.json["body"].as_str(),
-                Some(expected.body.as_str()),
-                "the stored reply of request {n}"
-            );
-            let calls = cell.upstream.hits_for(&self.path(n));
-            let api = cell.gateway_reply(&conversation.id).await;
-            let api = match api {
-                Some(response) => keyed_of(response).await,
-                None => None,
-            };
-            assert_eq!(
-                api.as_ref().map(|a| (a.status, a.body.as_str())),
-                Some((200, expected.body.as_str())),
-                "/_webproxy/replies/{} after the fault\n{}",
-                conversation.id,
-                cell.logs()
-            );
-            let repeated = keyed_answer(cell, n, false).await;
-            assert_eq!(
-                repeated.as_ref(),
-                Some(&expected),
-                "request {n} repeated with its key after the fault\n{}",
-                cell.logs()
-            );
-            assert_eq!(
-                cell.upstream.hits_for(&self.path(n)),
-                calls,
-                "request {n} repeated with its key called the upstream again"
-            );
+        match self {
+            Feature::Gateway => records_kept(cell, conversations, stored).await,
+            Feature::Large => large::kept(cell, conversations, stored).await,
+            _ => {}
         }
     }
 
@@ -330,6 +301,13 @@ impl Feature {
                 let fresh = fresh(cell, &self.path(0)).await;
                 answered_200(cell, &[fresh]).await;
             }
+            Feature::Large => {
+                // A body of its own length, one past the load's.
+                let n = self.count();
+                let fresh = fresh(cell, &self.path(n)).await;
+                let stored = answered_200(cell, std::slice::from_ref(&fresh)).await;
+                large::assert_whole(cell, n, &fresh, &stored[0]).await;
+            }
         }
     }
 
@@ -395,6 +373,49 @@ async fn keyed_of(response: reqwest::Response) -> Option<Keyed> {
         .to_string();
     let body = response.text().await.ok()?;
     Some(Keyed { status, id, body })
+}
+
+/// What must still hold of the gateway's records after the fault: for each, the
+/// gateway's API gives the stored reply, and the request repeated with its key is
+/// answered with the same id and reply and calls the upstream no more.
+async fn records_kept(cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
+    for (n, (conversation, stored)) in conversations.iter().zip(stored).enumerate() {
+        let expected = Keyed {
+            status: 200,
+            id: conversation.id.clone(),
+            body: slow_body(&n.to_string()),
+        };
+        assert_eq!(
+            stored.json["body"].as_str(),
+            Some(expected.body.as_str()),
+            "the stored reply of request {n}"
+        );
+        let calls = cell.upstream.hits_for(&Feature::Gateway.path(n));
+        let api = cell.gateway_reply(&conversation.id).await;
+        let api = match api {
+            Some(response) => keyed_of(response).await,
+            None => None,
+        };
+        assert_eq!(
+            api.as_ref().map(|a| (a.status, a.body.as_str())),
+            Some((200, expected.body.as_str())),
+            "/_webproxy/replies/{} after the fault\n{}",
+            conversation.id,
+            cell.logs()
+        );
+        let repeated = keyed_answer(cell, n, false).await;
+        assert_eq!(
+            repeated.as_ref(),
+            Some(&expected),
+            "request {n} repeated with its key after the fault\n{}",
+            cell.logs()
+        );
+        assert_eq!(
+            cell.upstream.hits_for(&Feature::Gateway.path(n)),
+            calls,
+            "request {n} repeated with its key called the upstream again"
+        );
+    }
 }
 
 /// The gateway load's `n`th request, sent with `Prefer: respond-async` until it is

@@ -1,4 +1,4 @@
-//! The cell's upstream: the fixture's default routes and two of the matrix's own.
+//! The cell's upstream: the fixture's default routes and the matrix's own.
 
 use std::collections::HashSet;
 use std::ops::Deref;
@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::get;
-use webproxy_tests::{Upstream, default_routes};
+use futures::StreamExt as _;
+use webproxy_tests::{Upstream, default_routes, large_body};
 
 /// How long `/slow/{key}` takes: long enough that a load of a dozen is still at the
 /// upstream when the fault comes.
@@ -21,11 +23,21 @@ pub fn slow_body(key: &str) -> String {
     format!("slow {key}")
 }
 
+/// The pieces `/large/{n}` sends its body in.
+const LARGE_PIECE: usize = 64 * 1024;
+
+/// The pause before each piece of `/large/{n}` but the first: 48 pieces of a 3 MiB
+/// body take about 2 s, so that a fault comes while bodies stream and a pod stopped
+/// then is most likely mid-stream, not in the milliseconds before or after it.
+pub const LARGE_STREAMS: Duration = Duration::from_millis(40);
+
 /// The cell's upstream: the fixture's default routes, plus
 /// - `/flaky/{key}`: 503 the first time a key is asked for, 200 after;
 /// - `/mend/{key}`: 503 while broken, 200 once mended;
 /// - `/slow/{key}`: 200 after [`SLOW`], its body naming the key (so that a reply
-///   shows which request it answers).
+///   shows which request it answers);
+/// - `/large/{n}`: 200, the `n` bytes of [`large_body`], chunked (no
+///   `Content-Length`) in 64 KiB pieces [`LARGE_STREAMS`] apart.
 pub struct MatrixUpstream {
     upstream: Upstream,
     mended: Arc<AtomicBool>,
@@ -48,6 +60,7 @@ impl MatrixUpstream {
             .route("/flaky/{key}", get(flaky))
             .route("/mend/{key}", get(mend))
             .route("/slow/{key}", get(slow))
+            .route("/large/{n}", get(large))
             .with_state(routes);
         MatrixUpstream {
             upstream: Upstream::start_with(default_routes().merge(router)).await,
@@ -94,4 +107,18 @@ async fn mend(State(routes): State<Routes>) -> (StatusCode, &'static str) {
 async fn slow(Path(key): Path<String>) -> String {
     tokio::time::sleep(SLOW).await;
     slow_body(&key)
+}
+
+async fn large(Path(n): Path<usize>) -> Body {
+    let body = Bytes::from(large_body(n));
+    let pieces = futures::stream::iter(0..n.div_ceil(LARGE_PIECE)).then(move |k| {
+        let piece = body.slice(k * LARGE_PIECE..((k + 1) * LARGE_PIECE).min(n));
+        async move {
+            if k > 0 {
+                tokio::time::sleep(LARGE_STREAMS).await;
+            }
+            Ok::<_, std::io::Error>(piece)
+        }
+    });
+    Body::from_stream(pieces)
 }
