@@ -15,6 +15,9 @@ pub type SinkFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, SinkError>> +
 #[error("{message}")]
 pub struct SinkError {
     pub message: String,
+    /// The store is full: another try would be refused the same way. Any other
+    /// failure (the store unreachable or not yet answering) may pass.
+    pub full: bool,
 }
 
 /// Where a large body goes. A sink belongs to one attempt; what it has kept of a body
@@ -187,6 +190,7 @@ mod tests {
                 {
                     return Err(SinkError {
                         message: "body store full".into(),
+                        full: true,
                     });
                 }
                 self.bytes.extend_from_slice(&bytes);

@@ -158,11 +158,13 @@ pub enum AttemptOutcome {
         status: u16,
         limit: usize,
     },
-    /// The upstream answered, but its large body could not be stored (a full body
-    /// store): webproxy's failure, not the upstream's.
+    /// The upstream answered, but its large body could not be stored: webproxy's
+    /// failure, not the upstream's. `full`: the body store is full, so another try
+    /// would fail alike.
     StoreFailed {
         status: u16,
         message: String,
+        full: bool,
     },
     /// The response's headers exceeded a limit; `status` is unknown when the HTTP
     /// parser refused them.
@@ -394,6 +396,7 @@ impl Worker {
         let store_failed = |error: SinkError| AttemptOutcome::StoreFailed {
             status,
             message: error.message,
+            full: error.full,
         };
         loop {
             match response.chunk().await {

@@ -80,6 +80,8 @@ pub(crate) async fn after_attempt(
             }
         }
         Verdict::Fail(error) => error_reply(&conversation.context(underway, max_payload), error),
+        // Settle says so, with the reason.
+        Verdict::Redeliver { reason } => return Ending::AwaitRedelivery { reason },
         Verdict::Retry { after, last } => {
             debug!(id = %conversation.raw_id, pool = conversation.pool, after_ms = millis(after), last = %last.description, "parking for a retry");
             Span::current().record("backoff_ms", trace::as_i64(millis(after)));

@@ -26,6 +26,7 @@ use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use tracing::{debug, warn};
+use webproxy_jetstream::backoff::Backoff;
 use webproxy_protocol::{BodyObject, Subjects, header};
 use webproxy_worker::{BodySink, SinkError, SinkFuture};
 
@@ -60,9 +61,25 @@ impl BodyStores {
     ) -> Result<(), SinkError> {
         let bucket = bucket_of(&config);
         if !self.is_ready(&bucket) {
-            js.get_or_create_stream(config)
+            let mut stream = js
+                .get_or_create_stream(config)
                 .await
                 .map_err(|e| sink_error("cannot make the store", e))?;
+            // A replicated stream just made has no leader for a moment, and a publish
+            // to it then finds no responders: wait for one, within LEADER_WAIT.
+            let mut failures = 0;
+            loop {
+                let led = stream.info().await.is_ok_and(|info| {
+                    info.cluster
+                        .as_ref()
+                        .is_none_or(|cluster| cluster.leader.is_some())
+                });
+                failures += 1;
+                match (led, LEADER_WAIT.after(failures)) {
+                    (false, Some(pause)) => tokio::time::sleep(pause).await,
+                    _ => break,
+                }
+            }
             self.mark(&bucket, true);
         }
         Ok(())
@@ -78,6 +95,12 @@ impl BodyStores {
         }
     }
 }
+
+/// How long a store's first use on an instance waits for its stream to have a leader:
+/// 50 ms doubling to 800 ms, 2.35 s in all (a 3-node cluster elects one within a
+/// second or two).
+const LEADER_WAIT: Backoff =
+    Backoff::doubling(Duration::from_millis(50), Duration::from_millis(800)).tries(7);
 
 /// The bucket whose stream `config` is, `OBJ_<bucket>`.
 fn bucket_of(config: &stream::Config) -> String {
@@ -178,12 +201,13 @@ impl AttemptName<'_> {
 /// Why a body store could not be opened or written.
 fn sink_error(what: &str, error: impl std::fmt::Display) -> SinkError {
     let text = error.to_string();
-    let message = if is_store_full(&text) {
+    let full = is_store_full(&text);
+    let message = if full {
         format!("body store full: {what}: {text}")
     } else {
         format!("body store: {what}: {text}")
     };
-    SinkError { message }
+    SinkError { message, full }
 }
 
 impl BodyWriter {

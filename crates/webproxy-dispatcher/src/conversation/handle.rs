@@ -88,8 +88,7 @@ pub(crate) async fn handle_delivery<'a>(
     }
     // Held by a delivery made again while it works, and released once it is settled.
     let mut claim = None;
-    // The request body bound for the attempt, removed once a response is settled.
-    let mut request_body = None;
+    let mut bodies = Bodies::default();
     let ending = match hop_error {
         Some(e) => {
             // Only the service writes hop state: a malformed one is a bug, answered and
@@ -109,7 +108,7 @@ pub(crate) async fn handle_delivery<'a>(
                 &conversation,
                 &parsed,
                 &mut underway,
-                &mut request_body,
+                &mut bodies,
             ));
             if info.delivered <= 1 {
                 concluded.await
@@ -130,6 +129,11 @@ pub(crate) async fn handle_delivery<'a>(
         }
     };
     let response = ending.is_response();
+    // A body no response names is gone before the ending is stored, so whoever the
+    // ending reaches finds the store as it was.
+    if !response && let Some(body) = bodies.response.take() {
+        Box::pin(body.keep_if(false)).await;
+    }
     let settled = settle(
         &shared.outlet,
         delivery,
@@ -140,13 +144,18 @@ pub(crate) async fn handle_delivery<'a>(
     .await;
     // A bound request body is kept (for a replay) until a response is settled; one
     // removed before could not be sent again by a redelivery.
-    if let Some(stored) = request_body
+    if let Some(stored) = bodies.request
         && response
         && settled == Settled::Done
     {
         // Boxed, as every large-body step here: inline, their futures would size every
         // conversation's future, large bodies or not (issue 33).
         Box::pin(super::request_body::remove(&shared.outlet.js, &stored)).await;
+    }
+    // A response's body is kept unless settle found another delivery's reply stored
+    // first (this delivery was stalled past its ack wait): only settle can tell.
+    if let Some(body) = bodies.response {
+        Box::pin(body.keep_if(!underway.superseded)).await;
     }
     if settled == Settled::Done
         && let Some(claim) = claim
@@ -156,6 +165,15 @@ pub(crate) async fn handle_delivery<'a>(
     settled
 }
 
+/// What a delivery stored of its bodies, dealt with once it is settled.
+#[derive(Default)]
+struct Bodies {
+    /// The request body bound for the attempt, removed once a response is settled.
+    request: Option<super::request_body::StoredRequest>,
+    /// Where the response's body went, kept only if the stored reply names it.
+    response: Option<Box<super::body_store::BodyWriter>>,
+}
+
 /// Before the attempt, the attempt, after it: the delivery's ending.
 async fn conclude<'a>(
     shared: &'a Revision,
@@ -163,13 +181,13 @@ async fn conclude<'a>(
     conversation: &Conversation<'_>,
     parsed: &'a Result<Request, ParseError>,
     underway: &mut Underway<'a>,
-    request_body: &mut Option<super::request_body::StoredRequest>,
+    bodies: &mut Bodies,
 ) -> Ending {
     let go = match before_attempt(shared, info, conversation, parsed, underway).await {
         Ok(go) => go,
         Err(ending) => return ending,
     };
-    *request_body = match Box::pin(super::attempt::bound_request_body(
+    bodies.request = match Box::pin(super::attempt::bound_request_body(
         shared,
         &go,
         conversation,
@@ -180,7 +198,7 @@ async fn conclude<'a>(
         Ok(stored) => stored,
         Err(ending) => return ending,
     };
-    let mut body = match Box::pin(super::attempt::body_writer(
+    bodies.response = match Box::pin(super::attempt::body_writer(
         shared,
         &go,
         info,
@@ -197,18 +215,14 @@ async fn conclude<'a>(
         &go,
         conversation,
         underway,
-        body.as_deref_mut(),
-        request_body.as_ref(),
+        bodies.response.as_deref_mut(),
+        bodies.request.as_ref(),
     ))
     .await;
-    let ending = match attempted {
+    match attempted {
         Ok(attempted) => after_attempt(shared, &go, attempted, conversation, underway).await,
         Err(ending) => ending,
-    };
-    if let Some(body) = body {
-        Box::pin(body.keep_if(ending.is_response())).await;
     }
-    ending
 }
 
 const STALE_BEFORE_CLAIM: &str = "no confirmed progress within the ack wait while another delivery held the attempt claim: not attempted";

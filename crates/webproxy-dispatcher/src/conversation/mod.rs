@@ -141,6 +141,9 @@ pub(crate) struct Underway<'a> {
     /// The revision of the conversation's progress record, once one is known to exist.
     pub(crate) record: Option<u64>,
     pub(crate) attempts: AttemptHistory,
+    /// Settle found this generation's reply stored by another delivery first: this
+    /// delivery's ending, and any body it stored, went nowhere.
+    pub(crate) superseded: bool,
 }
 
 impl<'r> Underway<'r> {
@@ -150,6 +153,7 @@ impl<'r> Underway<'r> {
             rule: "none",
             record: None,
             attempts: arrival.state.attempts.clone(),
+            superseded: false,
         }
     }
 }

@@ -34,7 +34,12 @@ pub(crate) async fn settle(
 ) -> Settled {
     let stored = match ending {
         Ending::Reply { reply, ack } => {
-            reply_or_minimal(outlet, conversation, underway, &reply, ack).await
+            reply_or_minimal(outlet, conversation, underway, &reply, ack)
+                .await
+                .map(|(ack, kept)| {
+                    underway.superseded = kept == Some(false);
+                    ack
+                })
         }
         Ending::Hop {
             kind,
@@ -78,16 +83,17 @@ pub(crate) async fn settle(
 type Outcome = Result<Option<AckKind>, String>;
 
 /// A reply ending: the reply stored and sent, or, when it or its dead letter does not
-/// fit `max_payload`, a minimal reply in its place, which always fits.
+/// fit `max_payload`, a minimal reply in its place, which always fits; and whether the
+/// reply stored is this one (`None` for the minimal one).
 async fn reply_or_minimal(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
     underway: &Underway<'_>,
     reply: &EncodedReply,
     ack: AckKind,
-) -> Outcome {
+) -> Result<(Option<AckKind>, Option<bool>), String> {
     match store_reply(outlet, conversation, underway, reply).await {
-        Ok(()) => Ok(Some(ack)),
+        Ok(ours) => Ok((Some(ack), Some(ours))),
         Err(PublishFailure::TooLarge { subject }) => {
             error!(
                 subject,
@@ -99,22 +105,25 @@ async fn reply_or_minimal(
             store_reply(outlet, conversation, underway, &minimal)
                 .await
                 .map_err(|e| e.to_string())?;
-            Ok(Some(ack))
+            Ok((Some(ack), None))
         }
         Err(e) => Err(e.to_string()),
     }
 }
 
-/// Stores a reply (its dead letter first) and sends its live copies: this delivery's,
-/// or the one another delivery stored for this generation first.
+/// Stores a reply (its dead letter first) and sends its live copies: this delivery's
+/// (`true`), or the one another delivery stored for this generation first.
 async fn store_reply(
     outlet: &Outlet,
     conversation: &Conversation<'_>,
     underway: &Underway<'_>,
     reply: &EncodedReply,
-) -> Result<(), PublishFailure> {
+) -> Result<bool, PublishFailure> {
     match store_ending(outlet, conversation, underway, reply).await? {
-        Kept::Ours => finished(outlet, conversation, underway, reply).await,
+        Kept::Ours => {
+            finished(outlet, conversation, underway, reply).await;
+            Ok(true)
+        }
         Kept::Theirs(theirs) => {
             forget_record(outlet, conversation, underway).await;
             info!(
@@ -124,9 +133,9 @@ async fn store_reply(
                 generation = theirs.generation,
                 "another delivery stored this conversation's reply first; sent that one, not this delivery's"
             );
+            Ok(false)
         }
     }
-    Ok(())
 }
 
 /// A hop ending: the next hop recorded in the progress record, then published. Another

@@ -23,6 +23,10 @@ pub(crate) enum Verdict {
     /// Attempt again after `after`; `last` describes the failure for the final error if
     /// the retries run out later.
     Retry { after: Duration, last: LastFailure },
+    /// Leave the delivery for the server to redeliver: webproxy lost the answer to a
+    /// passing failure of its own (a body store not answering), and the redelivery,
+    /// counted against `max_deliver`, asks again.
+    Redeliver { reason: String },
 }
 
 /// The failure that made an attempt retryable.
@@ -102,14 +106,29 @@ pub(crate) fn verdict_for(outcome: AttemptOutcome, context: &AttemptContext<'_>)
         AttemptOutcome::TooLarge { status, limit } => {
             Verdict::Fail(too_large(status, limit, context.large_body))
         }
-        // The upstream's answer is lost to a full or failing body store: webproxy's
-        // failure, which retrying the upstream would not fix and the pool must not wait
-        // for.
-        AttemptOutcome::StoreFailed { status, message } => Verdict::Fail(ErrorBody {
-            code: ErrorCode::Internal,
+        // The upstream's answer is lost to a body store that did not answer for a
+        // moment (a new store without a leader yet, a restart): a redelivery asks again,
+        // as after a crash, when the request may be repeated. A full store is not
+        // passing, and a call that may not be repeated is not made twice: both are
+        // webproxy's failure, which the pool must not wait for.
+        AttemptOutcome::StoreFailed {
+            status,
             message,
-            status: Some(status),
-        }),
+            full,
+        } => {
+            if !full && may_repeat(context) {
+                return Verdict::Redeliver {
+                    reason: format!(
+                        "{message}: the upstream's answer was lost; left for redelivery"
+                    ),
+                };
+            }
+            Verdict::Fail(ErrorBody {
+                code: ErrorCode::Internal,
+                message,
+                status: Some(status),
+            })
+        }
         AttemptOutcome::Failed(failure) => {
             let description = format!("{} failure: {}", failure.kind, failure.message);
             if transport_failure_is_retryable(&failure, context) {
@@ -164,13 +183,19 @@ fn transport_failure_is_retryable(
     match failure.kind {
         FailureKind::Connect | FailureKind::Dns => true,
         FailureKind::Timeout | FailureKind::Reset => {
-            !failure.may_have_reached_upstream
-                || context.method.is_idempotent()
-                || context.rule.retry_non_idempotent
-                || context.has_idempotency_key
+            !failure.may_have_reached_upstream || may_repeat(context)
         }
         FailureKind::Tls | FailureKind::Other => false,
     }
+}
+
+/// Whether a request that reached the upstream may be sent again: its method is
+/// idempotent, the upstream can absorb a repeat (an idempotency key), or the rule says
+/// so.
+fn may_repeat(context: &AttemptContext<'_>) -> bool {
+    context.method.is_idempotent()
+        || context.rule.retry_non_idempotent
+        || context.has_idempotency_key
 }
 
 fn retry_or_give_up(
@@ -502,6 +527,38 @@ mod tests {
                 assert_eq!(e.status, Some(200));
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_body_store_not_answering_is_redelivered_when_the_call_may_be_repeated() {
+        let rule = rule_with(3, &[]);
+        let judged = |full, method, key| {
+            let mut c = context(&rule, method, 1);
+            c.has_idempotency_key = key;
+            let outcome = AttemptOutcome::StoreFailed {
+                status: 200,
+                message: "body store: not stored: no responders".into(),
+                full,
+            };
+            verdict_for(outcome, &c)
+        };
+        for (method, key) in [(Method::Get, false), (Method::Post, true)] {
+            match judged(false, method, key) {
+                Verdict::Redeliver { reason } => {
+                    assert!(reason.contains("no responders"), "{reason}");
+                }
+                other => panic!("{method}: {other:?}"),
+            }
+        }
+        // A full store, or a call that may not be made twice: internal, at once.
+        for (full, method) in [(true, Method::Get), (false, Method::Post)] {
+            match judged(full, method, false) {
+                Verdict::Fail(e) => {
+                    assert_eq!((e.code, e.status), (ErrorCode::Internal, Some(200)));
+                }
+                other => panic!("{method}: {other:?}"),
+            }
         }
     }
 }
