@@ -168,8 +168,17 @@ async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Respon
             }
         },
     };
+    // The stored body is opened first, so the count is of the answer sent.
+    let (answered, streamed) = gateway.open_stored_body(answered);
     gateway.telemetry.count(&route, answered.answer.label);
-    gateway.respond(answered)
+    let mut response = respond(answered);
+    if let Some((body, size)) = streamed {
+        *response.body_mut() = body;
+        response
+            .headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from(size));
+    }
+    response
 }
 
 /// A refusal before the request was published under its id (or found recorded
@@ -348,21 +357,24 @@ impl Gateway {
                 Ok(received) => received,
                 Err(unread) => return refused(self.unread(unread)),
             };
-        let received = match received {
+        // Whether the envelope fits, once known: an inline body's is judged here, an
+        // uploaded one's once the envelope names the upload.
+        let (received, fitted) = match received {
             Received::Whole(body) => {
                 envelope.body_base64 = mapping::body_base64(&body);
-                if !route.large_bodies || body.is_empty() || self.fits(&envelope).is_ok() {
-                    Received::Whole(body)
-                } else {
+                match self.fits(&envelope) {
                     // Whole, but its envelope would not fit a NATS message.
-                    envelope.body_base64 = None;
-                    match body::upload_whole(&self.client, &route.pool, &body).await {
-                        Ok(upload) => Received::Uploaded(upload),
-                        Err(unread) => return refused(self.unread(unread)),
+                    Err(_) if route.large_bodies && !body.is_empty() => {
+                        envelope.body_base64 = None;
+                        match body::upload_whole(&self.client, &route.pool, &body).await {
+                            Ok(upload) => (Received::Uploaded(upload), None),
+                            Err(unread) => return refused(self.unread(unread)),
+                        }
                     }
+                    fitted => (Received::Whole(body), Some(fitted)),
                 }
             }
-            received => received,
+            uploaded => (uploaded, None),
         };
         // A request takes its place only with its whole body in hand, so a client that
         // stalls its body holds its connection but never one of max_concurrent.
@@ -389,7 +401,7 @@ impl Gateway {
         if let Received::Uploaded(upload) = received {
             envelope.body_object = Some(upload);
         }
-        if let Err(answer) = self.fits(&envelope) {
+        if let Err(answer) = fitted.unwrap_or_else(|| self.fits(&envelope)) {
             return refused(answer);
         }
         let msg_id = match (&key, &request) {
@@ -448,15 +460,11 @@ impl Gateway {
     /// 503 `busy`: `max_concurrent` requests are waiting.
     fn busy(&self) -> Answer {
         self.telemetry.limited(Limit::MaxConcurrent);
-        let mut answer = mapping::gateway_error(
+        retry_later(mapping::gateway_error(
             503,
             "busy",
             "the gateway has max_concurrent requests waiting",
-        );
-        answer
-            .headers
-            .push(("retry-after".into(), RETRY_AFTER.into()));
-        answer
+        ))
     }
 
     /// The answer to a body that was not read whole.
@@ -694,10 +702,7 @@ impl Gateway {
             Ok(None) => {
                 let mut answer = mapping::pending(id);
                 answer.label = mapping::PENDING;
-                answer
-                    .headers
-                    .push(("retry-after".into(), RETRY_AFTER.into()));
-                answer
+                retry_later(answer)
             }
             Err(e) => unavailable(&e),
         };
@@ -734,18 +739,15 @@ pub(crate) fn over_limit(limit: Limit) -> Response {
         Limit::MaxConnectionsPerSource => "this client's address has",
         _ => "the gateway has",
     };
-    let mut answer = mapping::gateway_error(
+    let mut answer = retry_later(mapping::gateway_error(
         503,
         limit.key(),
         &format!(
             "{whose} gateway.{} connections open; try again later",
             limit.key()
         ),
-    );
-    answer.headers.extend([
-        ("retry-after".into(), RETRY_AFTER.into()),
-        ("connection".into(), "close".into()),
-    ]);
+    ));
+    answer.headers.push(("connection".into(), "close".into()));
     respond(refused(answer))
 }
 
@@ -765,26 +767,33 @@ fn no_randomness() -> Answer {
     )
 }
 
-/// NATS could not be reached or refused: 503, try again.
-fn unavailable(error: &dyn std::fmt::Display) -> Answer {
-    warn!(error = %error, "gateway request failed on NATS");
-    let mut answer = mapping::gateway_error(503, "unavailable", &error.to_string());
+/// `answer` with `Retry-After`: when to try again (a 503, a poll's 202).
+fn retry_later(mut answer: Answer) -> Answer {
     answer
         .headers
         .push(("retry-after".into(), RETRY_AFTER.into()));
     answer
 }
 
+/// NATS could not be reached or refused: 503, try again.
+fn unavailable(error: &dyn std::fmt::Display) -> Answer {
+    warn!(error = %error, "gateway request failed on NATS");
+    retry_later(mapping::gateway_error(
+        503,
+        "unavailable",
+        &error.to_string(),
+    ))
+}
+
 /// A publish JetStream refused: a full queue (`max_waiting`) is 503 with
 /// `Retry-After`, a pool that does not exist 502.
 fn publish_failed(error: &ClientError) -> Answer {
     if error.is_queue_full() {
-        let mut answer =
-            mapping::gateway_error(503, "queue_full", "the pool's queue is full (max_waiting)");
-        answer
-            .headers
-            .push(("retry-after".into(), RETRY_AFTER.into()));
-        return answer;
+        return retry_later(mapping::gateway_error(
+            503,
+            "queue_full",
+            "the pool's queue is full (max_waiting)",
+        ));
     }
     if let ClientError::NoSuchPool { .. } = error {
         return mapping::gateway_error(502, "no_such_pool", &error.to_string());
@@ -793,11 +802,12 @@ fn publish_failed(error: &ClientError) -> Answer {
 }
 
 impl Gateway {
-    /// The HTTP response, with its stored body streamed from the store when the reply
-    /// names one (`Content-Length` is its size).
-    fn respond(&self, answered: Answered) -> Response {
+    /// The stream of the stored body a reply names, and its size (the answer's
+    /// `Content-Length`); or, when it cannot be opened, `502 body_unavailable` in the
+    /// answer's place.
+    fn open_stored_body(&self, answered: Answered) -> (Answered, Option<(Body, u64)>) {
         let Some(size) = answered.answer.stored else {
-            return respond(answered);
+            return (answered, None);
         };
         let streamed = match &answered.stored {
             Some(stored) => body::streamed(&self.client, &answered.id, stored)
@@ -805,18 +815,11 @@ impl Gateway {
             None => Err("the reply names a stored body, but this request's message id was not kept to read it".into()),
         };
         match streamed {
-            Ok(streamed) => {
-                let mut response = respond(answered);
-                *response.body_mut() = streamed;
-                response
-                    .headers_mut()
-                    .insert(CONTENT_LENGTH, HeaderValue::from(size));
-                response
-            }
+            Ok(body) => (answered, Some((body, size))),
             Err(message) => {
                 let mut answer = mapping::gateway_error(502, "body_unavailable", &message);
                 answer.attempts = answered.answer.attempts;
-                respond(Answered::new(&answered.id, answer))
+                (Answered::new(&answered.id, answer), None)
             }
         }
     }
@@ -829,13 +832,7 @@ fn upload_failed(error: &ClientError) -> Answer {
         return unavailable(error);
     };
     match code.as_str() {
-        "busy" => {
-            let mut answer = mapping::gateway_error(503, "busy", message);
-            answer
-                .headers
-                .push(("retry-after".into(), RETRY_AFTER.into()));
-            answer
-        }
+        "busy" => retry_later(mapping::gateway_error(503, "busy", message)),
         "quota" => mapping::gateway_error(507, "upload_quota", message),
         "unknown_pool" => mapping::gateway_error(502, "no_such_pool", message),
         _ => unavailable(error),
