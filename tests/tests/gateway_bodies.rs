@@ -136,6 +136,18 @@ impl Scene {
     }
 }
 
+/// Asserts `response` is `status` with a body that names `what`.
+async fn assert_refused(
+    scene: &Scene,
+    response: reqwest::Response,
+    status: StatusCode,
+    what: &str,
+) {
+    assert_eq!(response.status(), status, "{}", scene.logs());
+    let text = response.text().await.expect("body");
+    assert!(text.contains(what), "{text}");
+}
+
 /// Asserts `response` is 200 with exactly `expected` as its body and its length in
 /// `Content-Length`.
 async fn assert_whole(scene: &Scene, response: reqwest::Response, expected: &[u8]) {
@@ -183,14 +195,10 @@ async fn large_responses_stream_back_whole_waited_for_or_polled() {
     assert_whole(&scene, polled, &large_body(5 * MIB)).await;
     // Without large_bodies: as before.
     let plain = scene.get(&format!("/plain/large/{}", 5 * MIB)).await;
-    assert_eq!(plain.status(), StatusCode::BAD_GATEWAY, "{}", scene.logs());
-    let text = plain.text().await.expect("body");
-    assert!(text.contains("response_too_large"), "{text}");
+    assert_refused(&scene, plain, StatusCode::BAD_GATEWAY, "response_too_large").await;
     // Over max_large_body, through the large route: too large, not cut short.
     let over = scene.get(&format!("/big/large/{}", 42 * MIB)).await;
-    assert_eq!(over.status(), StatusCode::BAD_GATEWAY, "{}", scene.logs());
-    let text = over.text().await.expect("body");
-    assert!(text.contains("max_large_body"), "{text}");
+    assert_refused(&scene, over, StatusCode::BAD_GATEWAY, "max_large_body").await;
 }
 
 /// A 10 MiB request body arrives upstream whole, sent with `Content-Length` and sent
@@ -218,21 +226,19 @@ async fn large_request_bodies_stream_upstream_whole_with_a_length_or_chunked() {
     );
 
     let over = scene.post("/big/sink", large_body(42 * MIB).into()).await;
-    assert_eq!(
-        over.status(),
+    assert_refused(
+        &scene,
+        over,
         StatusCode::PAYLOAD_TOO_LARGE,
-        "{}",
-        scene.logs()
-    );
-    let text = over.text().await.expect("body");
-    assert!(text.contains("outbound.max_large_body"), "{text}");
+        "outbound.max_large_body",
+    )
+    .await;
     let plain = scene.post("/plain/sink", large_body(2 * MIB).into()).await;
-    assert_eq!(
-        plain.status(),
+    assert_refused(
+        &scene,
+        plain,
         StatusCode::PAYLOAD_TOO_LARGE,
-        "{}",
-        scene.logs()
-    );
-    let text = plain.text().await.expect("body");
-    assert!(text.contains("outbound.max_request_bytes"), "{text}");
+        "outbound.max_request_bytes",
+    )
+    .await;
 }

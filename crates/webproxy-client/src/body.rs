@@ -33,20 +33,19 @@ async fn request(
     busy: impl Fn(&async_nats::Message) -> bool,
 ) -> Result<async_nats::Message, Error> {
     let mut pause = BUSY_PAUSE;
-    for _ in 1..BUSY_TRIES {
+    let mut tries = 1;
+    loop {
         let answer = nats
             .request(subject.to_string(), payload.clone())
             .await
             .map_err(Error::BodyRequest)?;
-        if !busy(&answer) {
+        if tries == BUSY_TRIES || !busy(&answer) {
             return Ok(answer);
         }
+        tries += 1;
         tokio::time::sleep(pause).await;
         pause *= 2;
     }
-    nats.request(subject.to_string(), payload)
-        .await
-        .map_err(Error::BodyRequest)
 }
 
 /// A stored body being read through `body.get`, one answer at a time. The size and
