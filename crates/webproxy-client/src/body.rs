@@ -26,19 +26,16 @@ const BUSY_PAUSE: Duration = Duration::from_millis(50);
 
 /// Sends `payload` to `subject` and waits for the answer, again while `busy(answer)`
 /// says the service was busy, up to [`BUSY_TRIES`] times.
-async fn request(
+pub(crate) async fn ask_while_busy(
     nats: &async_nats::Client,
     subject: &str,
     payload: Bytes,
     busy: impl Fn(&async_nats::Message) -> bool,
-) -> Result<async_nats::Message, Error> {
+) -> Result<async_nats::Message, async_nats::RequestError> {
     let mut pause = BUSY_PAUSE;
     let mut tries = 1;
     loop {
-        let answer = nats
-            .request(subject.to_string(), payload.clone())
-            .await
-            .map_err(Error::BodyRequest)?;
+        let answer = nats.request(subject.to_string(), payload.clone()).await?;
         if tries == BUSY_TRIES || !busy(&answer) {
             return Ok(answer);
         }
@@ -76,14 +73,15 @@ impl BodyReader {
             return Ok(None);
         }
         let payload = serde_json::to_vec(&self.request).map_err(Error::Encode)?;
-        let answer = request(&self.nats, &self.subject, payload.into(), |answer| {
+        let answer = ask_while_busy(&self.nats, &self.subject, payload.into(), |answer| {
             answer
                 .headers
                 .as_ref()
                 .and_then(|h| h.get(body_header::ERROR))
                 .is_some_and(|code| code.as_str() == BodyGetCode::Busy.as_str())
         })
-        .await?;
+        .await
+        .map_err(Error::BodyRequest)?;
         let headers = answer.headers.unwrap_or_default();
         let text = |name: &str| headers.get(name).map(|v| v.as_str().to_string());
         if let Some(code) = text(body_header::ERROR) {
@@ -178,11 +176,12 @@ impl Upload {
             data_base64: base64::engine::general_purpose::STANDARD.encode(&self.pending),
         };
         let payload = serde_json::to_vec(&put).map_err(Error::Encode)?;
-        let answer = request(&self.nats, &self.subject, payload.into(), |answer| {
+        let answer = ask_while_busy(&self.nats, &self.subject, payload.into(), |answer| {
             serde_json::from_slice::<BodyPutAnswer>(&answer.payload)
                 .is_ok_and(|answer| answer.error.is_some_and(|e| e.code == "busy"))
         })
-        .await?;
+        .await
+        .map_err(Error::BodyRequest)?;
         let answer: BodyPutAnswer =
             serde_json::from_slice(&answer.payload).map_err(Error::Decode)?;
         match (answer.size, answer.error) {

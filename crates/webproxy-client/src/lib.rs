@@ -68,10 +68,12 @@ use webproxy_protocol::{
 };
 
 mod body;
+mod cancel;
 
 pub use body::{BodyReader, Upload};
 pub use webproxy_protocol::{
-    ErrorBody, ErrorCode, HeaderValue, Headers, Origin, Outcome, Reply, RequestEnvelope, UploadRef,
+    CancelState, ErrorBody, ErrorCode, HeaderValue, Headers, Origin, Outcome, Reply,
+    RequestEnvelope, UploadRef,
 };
 
 /// The pool every deployment has.
@@ -145,6 +147,11 @@ pub enum Error {
     Body { code: String, message: String },
     #[error("cannot ask for the stored body: {0}")]
     BodyRequest(#[source] async_nats::RequestError),
+    /// The cancel was not taken: `busy`, `internal` or `invalid_request`.
+    #[error("the cancel was not taken: {code}: {message}")]
+    Cancel { code: String, message: String },
+    #[error("cannot send the cancel: {0}")]
+    CancelRequest(#[source] async_nats::RequestError),
 }
 
 /// What a timeout says about the stored replies: looked up and absent, or not read
@@ -383,11 +390,14 @@ pub struct Client {
 }
 
 /// A request JetStream has stored: its envelope id and its conversation's origin,
-/// which together name its stored reply ([`Client::reply`]).
+/// which together name its stored reply ([`Client::reply`]), and the `Nats-Msg-Id` it
+/// was published with, the capability [`Client::cancel`] and [`Client::read_body`]
+/// show.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Submitted {
     pub id: String,
     pub origin: Origin,
+    pub msg_id: String,
 }
 
 /// A final reply and the origin of the conversation it answers.
@@ -478,6 +488,8 @@ struct Stored {
     /// The same `Nats-Msg-Id` was already stored within the duplicate window: the
     /// earlier publish of this conversation may have been answered already.
     duplicate: bool,
+    /// The `Nats-Msg-Id` it was published with.
+    msg_id: String,
 }
 
 impl Client {
@@ -550,7 +562,9 @@ impl Client {
             None => self.watch_subject(self.subjects.reply(id), true).await?,
         };
         let deadline = Instant::now() + request.wait;
-        let Stored { origin, duplicate } = self.publish(request).await?;
+        let Stored {
+            origin, duplicate, ..
+        } = self.publish(request).await?;
         match watch.answer(id, &origin, duplicate, deadline).await? {
             Some(reply) => Ok(Answer { origin, reply }),
             None => Err(Error::Timeout {
@@ -601,6 +615,7 @@ impl Client {
         Ok(Submitted {
             id: request.envelope.id.clone(),
             origin: stored.origin,
+            msg_id: stored.msg_id,
         })
     }
 
@@ -661,6 +676,7 @@ impl Client {
         Ok(Stored {
             origin: Origin::new(ack.stream, ack.sequence),
             duplicate: ack.duplicate,
+            msg_id,
         })
     }
 }

@@ -5,6 +5,7 @@
 //! every header name here is part of a published contract.
 
 mod body_get;
+mod cancel;
 mod capability;
 mod envelope;
 mod headers;
@@ -16,6 +17,9 @@ mod subjects;
 mod upload;
 
 pub use body_get::{BodyGetCode, BodyGetError, BodyGetRequest, body_header};
+pub use cancel::{
+    AdminCancelRequest, CancelAnswer, CancelError, CancelErrorCode, CancelRequest, CancelState,
+};
 pub use capability::{capability_sha256, hex_sha256, is_capability};
 pub use envelope::{
     InvalidEnvelope, Method, ParseError, Request, RequestEnvelope, canonical_url, parse_request,
@@ -71,8 +75,9 @@ pub mod header {
     /// The service's own hop state (origin, generation, step, attempts, times), on its
     /// hop and retry subjects only. Ignored on a caller's request subject.
     pub const HOP: &str = "Webproxy-Hop";
-    /// On a stored body: the SHA-256 of the `Nats-Msg-Id` the request was published
-    /// with, the capability a caller shows to read it through the service.
+    /// On a stored body and a stored reply: the SHA-256 of the `Nats-Msg-Id` the
+    /// request was published with, the capability a caller shows to read the body
+    /// through the service or to cancel the conversation.
     pub const MSG_ID_SHA256: &str = "Webproxy-Msg-Id-Sha256";
     /// The prefix of every header the protocol defines: a caller's are ignored.
     pub const PREFIX: &str = "Webproxy-";

@@ -41,6 +41,8 @@ pub enum ErrorCode {
     ResponseTooLarge,
     /// The pool a rule moved the request to already holds `max_waiting` requests.
     QueueFull,
+    /// Taken back by a cancel before it finished; an attempt in flight was dropped.
+    Cancelled,
     Internal,
 }
 
@@ -55,6 +57,7 @@ impl ErrorCode {
             ErrorCode::TransportError => "transport_error",
             ErrorCode::ResponseTooLarge => "response_too_large",
             ErrorCode::QueueFull => "queue_full",
+            ErrorCode::Cancelled => "cancelled",
             ErrorCode::Internal => "internal",
         }
     }

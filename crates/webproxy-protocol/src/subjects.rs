@@ -389,6 +389,17 @@ impl Subjects {
         format!("{}.body.get", self.prefix)
     }
 
+    /// Where callers take a request back: `<prefix>.cancel`.
+    pub fn cancel(&self) -> String {
+        format!("{}.cancel", self.prefix)
+    }
+
+    /// Where operators cancel by origin alone: `<prefix>.admin.cancel`, which only the
+    /// operator role may publish.
+    pub fn admin_cancel(&self) -> String {
+        format!("{}.admin.cancel", self.prefix)
+    }
+
     /// Where callers upload a large request body for `pool`: `<prefix>.body.put.<pool>`.
     pub fn body_put(&self, pool: &str) -> String {
         format!("{}.body.put.{pool}", self.prefix)
@@ -494,6 +505,11 @@ impl Subjects {
     /// The KV bucket of progress records (conversations that parked or moved).
     pub fn progress_bucket(&self) -> String {
         format!("{}_PROGRESS", self.stream_prefix)
+    }
+
+    /// The KV bucket of recorded cancels, keyed `<STREAM>.<seq>.<generation>`.
+    pub fn cancel_bucket(&self) -> String {
+        format!("{}_CANCELS", self.stream_prefix)
     }
 
     /// The KV bucket that holds the cluster part of the configuration, with history,

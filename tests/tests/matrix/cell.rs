@@ -290,6 +290,7 @@ impl Cell {
         Some(Submitted {
             id: id.to_string(),
             origin,
+            msg_id: record["msg_id"].as_str().unwrap_or_default().to_string(),
         })
     }
 

@@ -113,9 +113,14 @@ pub(crate) fn error_status(code: ErrorCode, status: Option<u16>) -> u16 {
         ErrorCode::UpstreamError | ErrorCode::TransportError | ErrorCode::ResponseTooLarge => 502,
         ErrorCode::RetriesExhausted => status.filter(|s| (100..=999).contains(s)).unwrap_or(502),
         ErrorCode::QueueFull => 503,
+        // What Google's APIs and nginx answer a request its client took back with.
+        ErrorCode::Cancelled => CANCELLED_STATUS,
         ErrorCode::Internal => 500,
     }
 }
+
+/// The status of a `cancelled` outcome: 499, "client closed request".
+pub(crate) const CANCELLED_STATUS: u16 = 499;
 
 /// A reply, answered as the original request is: a response with the upstream's
 /// status, headers (less hop-by-hop ones) and body; an error with its status and
@@ -295,6 +300,12 @@ mod tests {
         let plain = split(&headers(&[("prefer", "return=minimal")]), "x").expect("split");
         assert!(!plain.respond_async);
         assert!(plain.headers.contains_key("prefer"));
+    }
+
+    #[test]
+    fn a_cancelled_conversation_is_499() {
+        assert_eq!(error_status(ErrorCode::Cancelled, None), 499);
+        assert_eq!(error_status(ErrorCode::Cancelled, Some(200)), 499);
     }
 
     #[test]
