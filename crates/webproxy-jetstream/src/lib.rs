@@ -12,6 +12,7 @@
 pub mod backoff;
 pub mod clock;
 pub mod config_store;
+pub mod follow;
 pub mod instances;
 pub mod provision;
 pub mod state;

@@ -36,6 +36,8 @@ pub enum Bucket {
     Gateway,
     /// The gateway's shared HMAC key.
     GatewayKey,
+    /// Recorded cancels, until their generation settles.
+    Cancels,
 }
 
 /// How a bucket is kept.
@@ -79,7 +81,7 @@ pub const PROGRESS_MARKER_TTL: Duration = Duration::from_secs(60);
 
 impl Bucket {
     /// Every bucket, for the gauges and the docs' table.
-    pub const ALL: [Bucket; 7] = [
+    pub const ALL: [Bucket; 8] = [
         Bucket::Progress,
         Bucket::Config,
         Bucket::Instances,
@@ -87,6 +89,7 @@ impl Bucket {
         Bucket::Rate,
         Bucket::Gateway,
         Bucket::GatewayKey,
+        Bucket::Cancels,
     ];
 
     /// The label of the bucket in metrics and messages: its name without the prefix.
@@ -99,6 +102,7 @@ impl Bucket {
             Bucket::Rate => "rate",
             Bucket::Gateway => "gateway",
             Bucket::GatewayKey => "gateway_key",
+            Bucket::Cancels => "cancels",
         }
     }
 
@@ -192,6 +196,22 @@ impl Bucket {
                     MIB,
                     None,
                     false,
+                ),
+                // A cancel is recorded only for a conversation that is under way, once
+                // per generation, and removed when that generation settles: at most
+                // one small record (under 200 bytes) per live conversation, so 64 MiB
+                // holds over 300k. One left by a race goes with the dead letters. A
+                // lost bucket loses the cancels not yet acted on (their callers were
+                // told `recorded`); it is made again at the next cancel.
+                Bucket::Cancels => (
+                    subjects.cancel_bucket(),
+                    "webproxy cancels: conversations to end at their next delivery",
+                    file,
+                    1,
+                    streams.dead_max_age,
+                    64 * MIB,
+                    Some(PROGRESS_MARKER_TTL),
+                    true,
                 ),
             };
         BucketSpec {

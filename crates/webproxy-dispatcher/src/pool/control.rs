@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use futures::StreamExt as _;
 use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -28,6 +27,7 @@ use crate::pool::breaker::Phase;
 use crate::pool::rate::Schedule;
 use crate::pool::state::{Extend, PoolState};
 use webproxy_jetstream::clock;
+use webproxy_jetstream::follow::{Follower, follow};
 use webproxy_jetstream::provision::pool_state_bucket_config;
 use webproxy_jetstream::state::{Bucket, StateBucket};
 
@@ -154,135 +154,21 @@ impl PoolControl {
     /// Keeps [`PoolControl::states`] in step with the bucket until `shutdown`; a watch that is
     /// lost is made again (it starts with every key's latest value).
     pub(crate) async fn follow_states(&self, settings: &Settings, shutdown: CancellationToken) {
-        let mut failures = 0u32;
-        loop {
-            if failures > 0
-                && !webproxy_jetstream::backoff::PULL_BACKOFF
-                    .wait(failures, &shutdown)
-                    .await
-            {
-                return;
-            }
-            let watched = async {
-                let store = self
-                    .js
-                    .create_or_update_key_value(pool_state_bucket_config(settings))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                // Read before the watch starts: every later write reaches the watch.
-                let written_before = store
-                    .stream
-                    .get_info()
-                    .await
-                    .map_or(0, |info| info.state.last_sequence);
-                let watch = store
-                    .watch_with_history(">")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                // An empty bucket sends no history to say it is read.
-                let empty = store
-                    .status()
-                    .await
-                    .is_ok_and(|status| status.values() == 0);
-                Ok::<_, String>((watch, empty, store, written_before))
-            };
-            let (mut entries, empty, store, written_before) = tokio::select! {
-                watched = watched => match watched {
-                    Ok(watched) => watched,
-                    Err(e) => {
-                        warn!(bucket = self.state_bucket, error = %e, "cannot watch the pools' runtime state; retrying");
-                        failures = failures.saturating_add(1);
-                        continue;
-                    }
-                },
-                _ = shutdown.cancelled() => return,
-            };
-            // A watch starts with every key's latest value: a state this instance
-            // knew whose key is no longer there (the bucket lost and made again, a
-            // purge) is forgotten once the history is read, so that a breaker left
-            // half-open in a lost bucket does not stay half-open here for ever.
-            let mut history: Option<HashSet<String>> = Some(HashSet::new());
-            if empty {
-                self.forget_states(|_| false);
-                history = None;
-                self.set_loaded();
-            }
-            // The watch is checked against the bucket now and then: after a stream
-            // leader moved, a watch was seen to go on without an error yet without the
-            // writes that followed (a resume among them, which left a pool paused here
-            // for good). One that stays behind the bucket's last write for two checks
-            // is made again.
-            let mut last_seen = written_before;
-            let mut behind_checks = 0u32;
-            let mut check =
-                tokio::time::interval_at(tokio::time::Instant::now() + WATCH_CHECK, WATCH_CHECK);
-            loop {
-                let entry = tokio::select! {
-                    entry = entries.next() => entry,
-                    _ = check.tick() => {
-                        let last = store.stream.get_info().await.map(|info| info.state.last_sequence);
-                        behind_checks = match last {
-                            Ok(last) if last > last_seen => behind_checks + 1,
-                            _ => 0,
-                        };
-                        if behind_checks >= 2 {
-                            warn!(bucket = self.state_bucket, last_seen, "the watch of the pools' runtime state fell behind the bucket; watching again");
-                            break;
-                        }
-                        continue;
-                    }
-                    _ = shutdown.cancelled() => return,
-                };
-                let entry = match entry {
-                    Some(Ok(entry)) => entry,
-                    Some(Err(e)) => {
-                        warn!(error = %e, "the watch of the pools' runtime state was lost; watching again");
-                        failures = 1;
-                        break;
-                    }
-                    None => {
-                        failures = 1;
-                        break;
-                    }
-                };
-                let state = if entry.operation == kv::Operation::Put {
-                    match PoolState::from_json(&entry.value) {
-                        Ok(state) => Some(state),
-                        Err(e) => {
-                            warn!(pool = entry.key, error = %e, "the pool's runtime state cannot be read; taken as none");
-                            None
-                        }
-                    }
-                } else {
-                    None
-                };
-                let now = webproxy_jetstream::clock::now_utc();
-                let mut lifted = false;
-                self.states.send_modify(|states| {
-                    let states = Arc::make_mut(states);
-                    let paused_after = state.as_ref().and_then(|s| s.paused_until(now));
-                    let before = match state {
-                        Some(state) => states.insert(entry.key.clone(), state),
-                        None => states.remove(&entry.key),
-                    };
-                    lifted = paused_after.is_none()
-                        && before.is_some_and(|b| b.paused_until(now).is_some());
-                });
-                if lifted {
-                    self.note_lifted_pauses([entry.key.clone()]);
-                }
-                last_seen = last_seen.max(entry.revision);
-                if let Some(seen) = history.as_mut() {
-                    seen.insert(entry.key.clone());
-                }
-                if entry.seen_current {
-                    if let Some(seen) = history.take() {
-                        self.forget_states(|pool| seen.contains(pool));
-                    }
-                    self.set_loaded();
-                }
-            }
-        }
+        let open = || async {
+            self.js
+                .create_or_update_key_value(pool_state_bucket_config(settings))
+                .await
+                .map_err(|e| e.to_string())
+        };
+        let mut follower = StatesFollower { control: self };
+        follow(
+            &self.state_bucket,
+            open,
+            WATCH_CHECK,
+            &mut follower,
+            &shutdown,
+        )
+        .await;
     }
 
     /// Waits until `pool` may make an attempt: not paused, and under a `rate`, at a
@@ -437,3 +323,47 @@ pub(crate) async fn pool_state_changed(states: &mut watch::Receiver<PoolStates>,
 
 /// How often the pool-state watch is checked against the bucket's last write.
 const WATCH_CHECK: Duration = Duration::from_secs(5);
+
+/// The pools' runtime state as the watch brings it.
+struct StatesFollower<'a> {
+    control: &'a PoolControl,
+}
+
+impl Follower for StatesFollower<'_> {
+    fn apply(&mut self, entry: &kv::Entry) {
+        let state = if entry.operation == kv::Operation::Put {
+            match PoolState::from_json(&entry.value) {
+                Ok(state) => Some(state),
+                Err(e) => {
+                    warn!(pool = entry.key, error = %e, "the pool's runtime state cannot be read; taken as none");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let now = webproxy_jetstream::clock::now_utc();
+        let mut lifted = false;
+        self.control.states.send_modify(|states| {
+            let states = Arc::make_mut(states);
+            let paused_after = state.as_ref().and_then(|s| s.paused_until(now));
+            let before = match state {
+                Some(state) => states.insert(entry.key.clone(), state),
+                None => states.remove(&entry.key),
+            };
+            lifted =
+                paused_after.is_none() && before.is_some_and(|b| b.paused_until(now).is_some());
+        });
+        if lifted {
+            self.control.note_lifted_pauses([entry.key.clone()]);
+        }
+    }
+
+    /// A state this instance knew whose key is no longer there (the bucket lost and
+    /// made again, a purge) is forgotten once the history is read, so that a breaker
+    /// left half-open in a lost bucket does not stay half-open here for ever.
+    fn history_read(&mut self, seen: HashSet<String>) {
+        self.control.forget_states(|pool| seen.contains(pool));
+        self.control.set_loaded();
+    }
+}
