@@ -11,6 +11,7 @@
 
 mod body_get;
 mod body_put;
+mod cancel;
 mod consuming;
 mod conversation;
 mod core_requests;

@@ -28,6 +28,7 @@ use webproxy_config::settings::{Settings, jetstream_request_timeout};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
+use crate::cancel::Cancels;
 use crate::conversation::pacing::AckWaitPacing;
 use crate::conversation::progress::Progress;
 use crate::conversation::publish::Outlet;
@@ -38,7 +39,7 @@ use gauges::timed_info;
 use revisions::{Pools, keep_dropped_pools};
 use start::{Provisioned, worker_for};
 use webproxy_jetstream::provision::PoolConsumers;
-use webproxy_jetstream::state::Bucket;
+use webproxy_jetstream::state::{Bucket, StateBucket};
 
 /// Consumes every pool of this instance until told to stop.
 pub struct Dispatcher {
@@ -71,6 +72,10 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
+        outlet.cancels = Arc::new(Cancels::new(StateBucket::new(
+            outlet.js.clone(),
+            Bucket::Cancels.spec(&settings.subjects, &settings.streams),
+        )));
         let pool_control = Arc::new(crate::pool::control::PoolControl::new(
             outlet.js.clone(),
             outlet.metrics.clone(),
@@ -166,6 +171,15 @@ impl Dispatcher {
             shutdown.clone(),
         );
         let body_put = crate::body_put::serve(self.live.changes(), shutdown.clone());
+        let cancels = running.outlet.cancels.clone();
+        let follow_cancels = cancels.follow(shutdown.clone());
+        let answer_cancels = crate::cancel::answer::serve(
+            crate::cancel::answer::Answerer {
+                outlet: running.outlet.clone(),
+                cancels: cancels.clone(),
+            },
+            shutdown.clone(),
+        );
         let mut pools = Pools::new(self.live, attempts.clone(), shutdown.clone());
         for consumers in self.pools {
             pools.serve(consumers);
@@ -179,6 +193,8 @@ impl Dispatcher {
             bucket_use,
             body_get,
             body_put,
+            follow_cancels,
+            answer_cancels,
             async {
                 shutdown.cancelled().await;
                 health.set_draining();

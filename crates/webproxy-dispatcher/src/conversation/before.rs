@@ -77,6 +77,7 @@ pub(crate) async fn before_attempt<'a>(
         now: clock::now(),
         since: conversation.state.first_published(),
         first_attempt: underway.attempts.is_empty(),
+        cancelled: underway.cancelled(info.delivered > 1),
     };
     let max_payload = outlet.max_payload;
     let planned = plan(&input);
@@ -181,6 +182,10 @@ async fn gate<'a>(
         if let Some(error) = expired(input, request, rule, clock::now()) {
             return Err(refused(conversation, underway, error, max_payload));
         }
+    }
+    // A cancel recorded while the message waited at the gate ends it there.
+    if let Some(error) = underway.cancelled(input.delivered > 1) {
+        return Err(refused(conversation, underway, error, max_payload));
     }
     if let Pass::Park(until) = pass {
         // Caught by an open breaker: parked as a recorded retry hop, due when its pause

@@ -5,8 +5,10 @@
 //! the resulting [`Ending`].
 
 use async_nats::jetstream::{self, AckKind};
-use tracing::{Span, field, info_span, warn};
-use webproxy_protocol::{ParseError, Request, parse_request};
+use time::format_description::well_known::Rfc3339;
+use tracing::{Span, field, info, info_span, warn};
+use webproxy_jetstream::clock;
+use webproxy_protocol::{AttemptRecord, ParseError, Request, parse_request};
 
 use super::after::after_attempt;
 use super::attempt::attempt;
@@ -14,9 +16,11 @@ use super::attempt_claim;
 use super::before::before_attempt;
 use super::delivery::{Delivery, DeliveryInfo};
 use super::ending::{Ending, Settled};
+use super::hop::millis;
 use super::liveness::Liveness;
 use super::settle::{internal, settle};
 use super::{Arrival, Conversation, Revision, Underway};
+use crate::cancel::{By, cancelled_error};
 use crate::observability::trace;
 
 /// Handles one message inside a span whose parent is the caller's trace context, so
@@ -79,6 +83,13 @@ pub(crate) async fn handle_delivery<'a>(
     );
     let mut underway = Underway::new(&arrival);
     let conversation = Conversation::new(arrival, delivery.payload().clone(), &parsed, liveness);
+    // From memory: a cancel recorded before, or one recorded while this delivery runs.
+    underway.cancel = Some(
+        shared
+            .outlet
+            .cancels
+            .watch(conversation.origin(), conversation.generation()),
+    );
     let span = Span::current();
     span.record("origin", conversation.origin().to_string().as_str());
     span.record("generation", trace::as_i64(conversation.generation()));
@@ -210,19 +221,63 @@ async fn conclude<'a>(
         Ok(body) => body,
         Err(ending) => return ending,
     };
-    let attempted = Box::pin(attempt(
-        shared,
-        &go,
-        conversation,
-        underway,
-        bodies.response.as_deref_mut(),
-        bodies.request.as_ref(),
-    ))
-    .await;
+    let cancelled = underway
+        .cancel
+        .as_ref()
+        .map(|watch| watch.token())
+        .unwrap_or_default();
+    let started = (clock::now_utc(), std::time::Instant::now());
+    // A cancel recorded now drops the call: the HTTP request goes with its future.
+    let attempted = tokio::select! {
+        attempted = Box::pin(attempt(
+            shared,
+            &go,
+            conversation,
+            underway,
+            bodies.response.as_deref_mut(),
+            bodies.request.as_ref(),
+        )) => Some(attempted),
+        () = cancelled.cancelled() => None,
+    };
     match attempted {
-        Ok(attempted) => after_attempt(shared, &go, attempted, conversation, underway).await,
-        Err(ending) => ending,
+        Some(Ok(attempted)) => after_attempt(shared, &go, attempted, conversation, underway).await,
+        Some(Err(ending)) => ending,
+        None => dropped_in_flight(shared, conversation, underway, started),
     }
 }
+
+/// The ending of an attempt a cancel dropped in flight: answered `cancelled`, with the
+/// dropped attempt among the attempts, since the upstream may have acted on it.
+fn dropped_in_flight(
+    shared: &Revision,
+    conversation: &Conversation<'_>,
+    underway: &mut Underway<'_>,
+    (at, started): (time::OffsetDateTime, std::time::Instant),
+) -> Ending {
+    let by = underway
+        .cancel
+        .as_ref()
+        .and_then(|watch| watch.by())
+        .unwrap_or(By::Operator);
+    underway.attempts.push(AttemptRecord {
+        at: at.format(&Rfc3339).unwrap_or_default(),
+        status: None,
+        failure: Some(DROPPED.to_string()),
+        duration_ms: millis(started.elapsed()),
+    });
+    underway.cancelled_in_flight = true;
+    info!(id = %conversation.raw_id, pool = conversation.pool, origin = %conversation.origin(), "cancelled in flight: the attempt was dropped");
+    let error = cancelled_error(by, underway.attempts.count(), true, false);
+    Ending::error(
+        conversation,
+        underway,
+        error,
+        AckKind::Ack,
+        shared.outlet.max_payload,
+    )
+}
+
+/// The failure an attempt dropped by a cancel is recorded with.
+const DROPPED: &str = "cancelled: the attempt was dropped in flight";
 
 const STALE_BEFORE_CLAIM: &str = "no confirmed progress within the ack wait while another delivery held the attempt claim: not attempted";

@@ -144,9 +144,27 @@ pub(crate) struct Underway<'a> {
     /// Settle found this generation's reply stored by another delivery first: this
     /// delivery's ending, and any body it stored, went nowhere.
     pub(crate) superseded: bool,
+    /// The conversation's cancel as this instance knows it, watched while the
+    /// delivery runs (none for an operator's one-off ending).
+    pub(crate) cancel: Option<crate::cancel::CancelWatch>,
+    /// A cancel dropped this delivery's attempt in flight.
+    pub(crate) cancelled_in_flight: bool,
 }
 
 impl<'r> Underway<'r> {
+    /// The error of a cancel recorded for this conversation, if one is, for an ending
+    /// without an attempt by this delivery (`redelivered`: the server delivered it
+    /// before, and an attempt then may not be recorded).
+    pub(crate) fn cancelled(&self, redelivered: bool) -> Option<webproxy_protocol::ErrorBody> {
+        let by = self.cancel.as_ref()?.by()?;
+        Some(crate::cancel::cancelled_error(
+            by,
+            self.attempts.count(),
+            false,
+            redelivered,
+        ))
+    }
+
     /// Nothing done yet: no rule, no record, the attempts `arrival` came with.
     pub(crate) fn new(arrival: &Arrival<'_>) -> Underway<'r> {
         Underway {
@@ -154,6 +172,8 @@ impl<'r> Underway<'r> {
             record: None,
             attempts: arrival.state.attempts.clone(),
             superseded: false,
+            cancel: None,
+            cancelled_in_flight: false,
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Every decision before an attempt, made by pure code: the plan for one delivery
-//! (poison, a payload that is no request, admission by the rules, the request limits,
+//! (a recorded cancel, poison, a payload that is no request, admission by the rules, the request limits,
 //! expiry, and a move to the rule's pool, in that order), which `before` carries out;
 //! and which rule a request goes under, `admit` for the request as the caller sent it,
 //! `target` for it and every redirect leg (an accepting rule's origin and path
@@ -36,6 +36,8 @@ pub(crate) struct PlanInput<'r, 'd> {
     pub(crate) since: SystemTime,
     /// No attempt has been made yet in this generation.
     pub(crate) first_attempt: bool,
+    /// The error of a cancel recorded for the conversation, if there is one.
+    pub(crate) cancelled: Option<ErrorBody>,
 }
 
 /// What happens to the delivery.
@@ -72,6 +74,13 @@ pub(crate) fn max_envelope_bytes(max_payload: usize) -> usize {
 
 /// Decides what happens to a delivery.
 pub(crate) fn plan<'r>(input: &PlanInput<'r, '_>) -> Plan<'r> {
+    // The caller took it back: nothing else is asked of it.
+    if let Some(error) = &input.cancelled {
+        return Plan::Reject {
+            error: error.clone(),
+            rule: None,
+        };
+    }
     let max_deliver = input.settings.cluster.max_deliver;
     if input.delivered > u64::from(max_deliver) {
         return Plan::Poison(ErrorBody {

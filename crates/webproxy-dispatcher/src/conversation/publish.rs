@@ -3,6 +3,7 @@
 //! other failure is retried a few times and then given up, so that the message is left
 //! for redelivery (where `max_deliver` applies) instead of holding its slot forever.
 
+use crate::cancel::Cancels;
 use crate::pool::admission::Admissions;
 use std::sync::Arc;
 
@@ -43,6 +44,8 @@ pub(crate) struct Outlet {
     pub(crate) admissions: Arc<Admissions>,
     /// The pools' body stores this instance has made or found.
     pub(crate) body_stores: Arc<BodyStores>,
+    /// The cancels this instance follows (none for an operator command's).
+    pub(crate) cancels: Arc<Cancels>,
 }
 
 impl Outlet {
@@ -81,6 +84,7 @@ impl Outlet {
             progress,
             admissions: Arc::default(),
             body_stores: Arc::default(),
+            cancels: Arc::default(),
         }
     }
 }

@@ -349,6 +349,10 @@ async fn store_ending(
     if let Some(id) = conversation.id.as_deref() {
         let mut stored_headers = headers.clone();
         stored_headers.insert(header::STEP, conversation.state.step.to_string().as_str());
+        // What a caller's cancel shows is checked against, once it is finished.
+        if let Some(hash) = &conversation.state.msg_id_sha256 {
+            stored_headers.insert(header::MSG_ID_SHA256, hash.as_str());
+        }
         if let Some(reply_to) = conversation.reply_to.as_deref() {
             stored_headers.insert(header::REPLY_TO, reply_to);
         }
@@ -437,6 +441,19 @@ async fn finished(
     outlet
         .metrics
         .request_finished(conversation.pool, underway.rule, code);
+    if reply.error.as_ref().map(|e| e.code) == Some(ErrorCode::Cancelled) {
+        let state = match (
+            underway.cancelled_in_flight,
+            conversation.state.attempts.is_empty(),
+        ) {
+            (true, _) => "in_flight",
+            (false, true) => "waiting",
+            (false, false) => "parked",
+        };
+        outlet
+            .metrics
+            .conversation_cancelled(conversation.pool, state);
+    }
     info!(
         id = %conversation.raw_id,
         pool = conversation.pool,
@@ -449,8 +466,12 @@ async fn finished(
     );
 }
 
-/// Deletes the progress record of a conversation that settled, if it has one.
+/// Deletes the progress record of a conversation that settled, if it has one, and the
+/// cancel of its generation, if this delivery saw one.
 async fn forget_record(outlet: &Outlet, conversation: &Conversation<'_>, underway: &Underway<'_>) {
+    if let Some(watch) = &underway.cancel {
+        outlet.cancels.forget(watch).await;
+    }
     if underway.record.is_some()
         && let Err(e) = outlet
             .progress

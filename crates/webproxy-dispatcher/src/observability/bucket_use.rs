@@ -20,11 +20,12 @@ use webproxy_jetstream::state::{Bucket, BucketUse, StateBucket};
 /// The buckets `serve` uses whatever its configuration source. The configuration
 /// bucket is added in kv mode (`Dispatcher::gauge_bucket`); the gateway's buckets are
 /// its own process's.
-pub(crate) const SERVED: [Bucket; 4] = [
+pub(crate) const SERVED: [Bucket; 5] = [
     Bucket::Progress,
     Bucket::Instances,
     Bucket::PoolState,
     Bucket::Rate,
+    Bucket::Cancels,
 ];
 
 /// Makes a bucket the server confirmed gone again, with the spec's settings (the

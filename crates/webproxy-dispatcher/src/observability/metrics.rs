@@ -74,6 +74,12 @@ struct DnsLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CancelledLabels {
+    pool: String,
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
 }
@@ -125,6 +131,7 @@ pub(crate) struct Metrics {
     state_bucket_bytes: Family<BucketLabels, Gauge>,
     state_bucket_used_ratio: Family<BucketLabels, Gauge<f64, AtomicU64>>,
     dns_lookup_failures: Family<DnsLabels, Counter>,
+    conversations_cancelled: Family<CancelledLabels, Counter>,
 }
 
 impl Metrics {
@@ -289,6 +296,12 @@ impl Metrics {
             "Host name lookups that failed on this instance, by reason: timeout (no answer within [outbound] dns_timeout), busy (every slot of dns_max_concurrent was taken and none freed in time) or error (the servers answered with an error, such as no such name, or could not be reached)",
             dns_lookup_failures.clone(),
         );
+        let conversations_cancelled = Family::default();
+        registry.register(
+            "conversations_cancelled",
+            "Conversations a cancel ended, by pool and what they were doing: waiting (no attempt yet), parked (waiting for a retry) or in_flight (the attempt was dropped)",
+            conversations_cancelled.clone(),
+        );
         let build_info: Family<BuildLabels, Gauge> = Family::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -323,6 +336,7 @@ impl Metrics {
             state_bucket_bytes,
             state_bucket_used_ratio,
             dns_lookup_failures,
+            conversations_cancelled,
         }
     }
 
@@ -470,6 +484,16 @@ impl Metrics {
                 pool: pool.to_string(),
             })
             .observe(wait.as_secs_f64());
+    }
+
+    /// A cancel ended a conversation of `pool` that was `state`.
+    pub(crate) fn conversation_cancelled(&self, pool: &str, state: &'static str) {
+        self.conversations_cancelled
+            .get_or_create(&CancelledLabels {
+                pool: pool.to_string(),
+                state,
+            })
+            .inc();
     }
 
     pub(crate) fn dead_letter(&self, pool: &str, code: &'static str) {

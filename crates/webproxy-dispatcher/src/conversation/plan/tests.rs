@@ -55,6 +55,7 @@ fn input<'a>(
         now,
         since: now - Duration::from_secs(1),
         first_attempt: true,
+        cancelled: None,
     }
 }
 
@@ -385,4 +386,16 @@ mod rules {
             Admission::Attempt(r) if r.name == "target"
         ));
     }
+}
+
+#[test]
+fn a_recorded_cancel_ends_the_delivery_before_anything_else_is_asked() {
+    let settings = settings();
+    let parsed = parsed(GET_A);
+    let cancel = crate::cancel::cancelled_error(crate::cancel::By::Caller, 0, false, false);
+    let mut cancelled = input(&settings, &parsed, "default");
+    cancelled.cancelled = Some(cancel.clone());
+    // Past max_deliver too: the cancel, not poison, answers it.
+    cancelled.delivered = 1000;
+    assert_eq!(rejected(plan(&cancelled)), cancel);
 }
