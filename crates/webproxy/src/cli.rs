@@ -1,5 +1,5 @@
 //! The command line: `serve`, `gateway`, `check-config`, `send` and the operator commands
-//! (`pools`, `dead`, `config`, `gateway key`).
+//! (`pools`, `dead`, `cancel`, `config`, `gateway key`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use webproxy_config::Redactor;
 
+use crate::commands::cancel::{self, CancelArgs};
 use crate::commands::config::ConfigCommand;
 use crate::commands::dead;
 use crate::commands::gateway;
@@ -95,6 +96,11 @@ enum Command {
         #[command(subcommand)]
         command: DeadCommand,
     },
+    /// Cancel a conversation by its origin alone, as an operator: an attempt in flight
+    /// is dropped, and its reply (and dead letter) says `cancelled`. Waits up to 5 s for
+    /// a webproxy instance's answer and prints it: `recorded`, `finished` (it has its
+    /// final reply already, which stays; exit 0 both) or `unknown` (exit 5).
+    Cancel(CancelArgs),
     /// The cluster part of the configuration in the KV bucket <PREFIX>_CONFIG, which
     /// instances with [config] source = "kv" run on.
     Config {
@@ -312,6 +318,7 @@ async fn run_tool(command: Command) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Cancel(args) => cancel::run(args).await,
         Command::Config { command } => {
             crate::commands::config::run(command).await?;
             Ok(ExitCode::SUCCESS)

@@ -46,7 +46,8 @@ pub(crate) struct Selection {
     pub(crate) since: Option<OffsetDateTime>,
     /// Only letters with this error code (invalid_request, denied, expired,
     /// upstream_error, retries_exhausted, transport_error, response_too_large,
-    /// internal). Repeat it, or separate codes with commas, for several.
+    /// queue_full, cancelled, internal). Repeat it, or separate codes with commas, for
+    /// several.
     #[arg(long, value_name = "CODE", value_delimiter = ',', value_parser = parse_code)]
     pub(crate) code: Vec<ErrorCode>,
     /// Only this conversation's: the request's `id`.
@@ -438,6 +439,10 @@ pub(crate) struct ReplayArgs {
     /// the same request would most likely fail the same way again.
     #[arg(long)]
     pub(crate) include_denied: bool,
+    /// Replay `cancelled` letters too. They are skipped otherwise: someone took the
+    /// request back on purpose (`webproxy cancel`, or its caller).
+    #[arg(long)]
+    pub(crate) include_cancelled: bool,
     /// Print what would be replayed, and replay nothing. Needs no confirmation.
     #[arg(long)]
     pub(crate) dry_run: bool,
@@ -466,20 +471,45 @@ impl ReplayArgs {
     }
 }
 
-/// The codes `dead replay` skips unless `--include-denied`: the caller's mistakes and
-/// the rules' refusals, which a replay would most likely only repeat.
-fn excluded_by_default(code: ErrorCode) -> bool {
-    matches!(code, ErrorCode::Denied | ErrorCode::InvalidRequest)
+/// `dead replay`'s `--include-*` flags, each of which replays codes it skips by
+/// default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Included {
+    denied: bool,
+    cancelled: bool,
 }
 
-/// Refuses `--code denied` (or `invalid_request`) without `--include-denied`, which
-/// would select letters only to skip every one of them.
-fn check_codes(codes: &[ErrorCode], include_denied: bool) -> anyhow::Result<()> {
-    if let Some(code) = codes
+impl Included {
+    /// The flag that would replay letters of `code`, when these flags leave them
+    /// skipped: the caller's mistakes and the rules' refusals (`--include-denied`),
+    /// which a replay would most likely only repeat, and conversations someone took
+    /// back (`--include-cancelled`), which a replay would undo.
+    fn missing(self, code: ErrorCode) -> Option<&'static str> {
+        let (flag, given) = match code {
+            ErrorCode::Denied | ErrorCode::InvalidRequest => ("--include-denied", self.denied),
+            ErrorCode::Cancelled => ("--include-cancelled", self.cancelled),
+            _ => return None,
+        };
+        (!given).then_some(flag)
+    }
+}
+
+/// Refuses `--code denied` (or `invalid_request`, or `cancelled`) without the flag
+/// that includes it, which would select letters only to skip every one of them.
+fn check_codes(
+    codes: &[ErrorCode],
+    include_denied: bool,
+    include_cancelled: bool,
+) -> anyhow::Result<()> {
+    let included = Included {
+        denied: include_denied,
+        cancelled: include_cancelled,
+    };
+    if let Some((code, flag)) = codes
         .iter()
-        .find(|code| !include_denied && excluded_by_default(**code))
+        .find_map(|code| included.missing(*code).map(|flag| (code, flag)))
     {
-        bail!("--code {code} selects letters that replay skips unless --include-denied is given");
+        bail!("--code {code} selects letters that replay skips unless {flag} is given");
     }
     Ok(())
 }
@@ -501,7 +531,11 @@ impl fmt::Display for Skip {
             ),
             Skip::BadOrigin(e) => write!(f, "malformed origin: {e}"),
             Skip::Truncated => f.write_str("the letter does not hold the whole request"),
-            Skip::Excluded(code) => write!(f, "{code} (--include-denied replays it)"),
+            // With no flag given, the flag that replays a skipped code.
+            Skip::Excluded(code) => match Included::default().missing(*code) {
+                Some(flag) => write!(f, "{code} ({flag} replays it)"),
+                None => write!(f, "{code}"),
+            },
         }
     }
 }
@@ -534,16 +568,19 @@ enum Action {
 /// The first pass over the selected letters: each conversation's newest letter.
 #[derive(Debug, Default)]
 struct Plan {
-    include_denied: bool,
+    included: Included,
     newest: HashMap<Origin, Newest>,
     /// Letters without a usable origin: skipped whatever else holds.
     unoriginated: u64,
 }
 
 impl Plan {
-    fn new(include_denied: bool) -> Plan {
+    fn new(include_denied: bool, include_cancelled: bool) -> Plan {
         Plan {
-            include_denied,
+            included: Included {
+                denied: include_denied,
+                cancelled: include_cancelled,
+            },
             ..Plan::default()
         }
     }
@@ -560,7 +597,7 @@ impl Plan {
 
     /// Why `letter` would be skipped as its conversation's newest, if it would.
     fn skip(&self, letter: &DeadLetter) -> Option<Skip> {
-        if !self.include_denied && excluded_by_default(letter.error.code) {
+        if self.included.missing(letter.error.code).is_some() {
             Some(Skip::Excluded(letter.error.code))
         } else if letter.whole_request().is_none() {
             Some(Skip::Truncated)
@@ -707,10 +744,10 @@ impl fmt::Display for Reported<'_> {
 /// replays (or, with --dry-run, prints) each, as it is read.
 pub(crate) async fn replay(nats: &NatsArgs, args: &ReplayArgs) -> anyhow::Result<()> {
     let selection = &args.selection;
-    check_codes(&selection.code, args.include_denied)?;
+    check_codes(&selection.code, args.include_denied, args.include_cancelled)?;
     let client = connect(nats).await?;
     let dead = DeadStreams::open(&client, selection).await?;
-    let mut plan = Plan::new(args.include_denied);
+    let mut plan = Plan::new(args.include_denied, args.include_cancelled);
     let matched = dead
         .for_each(selection, async |stored| {
             plan.add(&stored);
@@ -944,12 +981,12 @@ mod tests {
 
     #[test]
     fn replay_refuses_an_excluded_code_without_include_denied() {
-        let error = check_codes(&[ErrorCode::Expired, ErrorCode::Denied], false)
+        let error = check_codes(&[ErrorCode::Expired, ErrorCode::Denied], false, false)
             .expect_err("denied without --include-denied");
         assert!(error.to_string().contains("--include-denied"), "{error}");
-        assert!(check_codes(&[ErrorCode::InvalidRequest], false).is_err());
-        assert!(check_codes(&[ErrorCode::Denied], true).is_ok());
-        assert!(check_codes(&[ErrorCode::Expired], false).is_ok());
+        assert!(check_codes(&[ErrorCode::InvalidRequest], false, false).is_err());
+        assert!(check_codes(&[ErrorCode::Denied], true, false).is_ok());
+        assert!(check_codes(&[ErrorCode::Expired], false, false).is_ok());
     }
 
     #[test]
@@ -959,7 +996,7 @@ mod tests {
             stored(2, letter("b", ErrorCode::Expired, Some("S:2"), 0)),
             stored(3, letter("a", ErrorCode::UpstreamError, Some("S:1"), 1)),
         ];
-        let mut plan = Plan::new(false);
+        let mut plan = Plan::new(false, false);
         letters.iter().for_each(|l| plan.add(l));
         assert_eq!(plan.to_replay(), 2);
         let actions: Vec<Action> = letters.iter().map(|l| plan.action(l)).collect();
@@ -999,7 +1036,7 @@ mod tests {
                 letter("a", ErrorCode::Internal, Some("S:1"), 1),
             ),
         ];
-        let mut plan = Plan::new(false);
+        let mut plan = Plan::new(false, false);
         letters.iter().for_each(|l| plan.add(l));
         assert_eq!(plan.to_replay(), 2);
         assert_eq!(plan.action(&letters[0]), Action::Superseded);
@@ -1052,7 +1089,7 @@ mod tests {
             stored(2, letter("b", ErrorCode::InvalidRequest, Some("S:2"), 0)),
             stored(3, letter("c", ErrorCode::Internal, Some("S:3"), 0)),
         ];
-        let mut plan = Plan::new(false);
+        let mut plan = Plan::new(false, false);
         letters.iter().for_each(|l| plan.add(l));
         assert_eq!((plan.to_replay(), plan.to_skip()), (1, 2));
         assert_eq!(
@@ -1063,9 +1100,64 @@ mod tests {
             plan.action(&letters[1]),
             Action::Skip(Skip::Excluded(ErrorCode::InvalidRequest))
         );
-        let mut included = Plan::new(true);
+        let mut included = Plan::new(true, false);
         letters.iter().for_each(|l| included.add(l));
         assert_eq!(included.to_replay(), 3);
+    }
+
+    #[test]
+    fn cancelled_letters_are_skipped_unless_included_and_the_reason_names_the_flag() {
+        let letters = [
+            stored(1, letter("a", ErrorCode::Cancelled, Some("S:1"), 0)),
+            stored(2, letter("b", ErrorCode::Denied, Some("S:2"), 0)),
+            stored(3, letter("c", ErrorCode::Internal, Some("S:3"), 0)),
+        ];
+        let plan_of = |include_denied, include_cancelled| {
+            let mut plan = Plan::new(include_denied, include_cancelled);
+            letters.iter().for_each(|l| plan.add(l));
+            plan
+        };
+        let plan = plan_of(false, false);
+        assert_eq!((plan.to_replay(), plan.to_skip()), (1, 2));
+        let cancelled = plan.action(&letters[0]);
+        assert_eq!(
+            cancelled,
+            Action::Skip(Skip::Excluded(ErrorCode::Cancelled))
+        );
+        let Action::Skip(skip) = cancelled else {
+            panic!("cancelled is skipped");
+        };
+        assert_eq!(
+            skip.to_string(),
+            "cancelled (--include-cancelled replays it)"
+        );
+        let Action::Skip(skip) = plan.action(&letters[1]) else {
+            panic!("denied is skipped");
+        };
+        assert_eq!(skip.to_string(), "denied (--include-denied replays it)");
+        // Each flag includes its own codes only.
+        let plan = plan_of(false, true);
+        assert!(matches!(plan.action(&letters[0]), Action::Replay { .. }));
+        assert!(matches!(plan.action(&letters[1]), Action::Skip(_)));
+        let plan = plan_of(true, false);
+        assert!(matches!(plan.action(&letters[0]), Action::Skip(_)));
+        assert!(matches!(plan.action(&letters[1]), Action::Replay { .. }));
+        assert_eq!(plan_of(true, true).to_replay(), 3);
+    }
+
+    #[test]
+    fn replay_refuses_code_cancelled_without_include_cancelled() {
+        let error = check_codes(&[ErrorCode::Cancelled], false, false)
+            .expect_err("cancelled without --include-cancelled");
+        assert!(error.to_string().contains("--include-cancelled"), "{error}");
+        let error = check_codes(&[ErrorCode::Cancelled], true, false)
+            .expect_err("--include-denied does not include cancelled");
+        assert!(error.to_string().contains("--include-cancelled"), "{error}");
+        let error = check_codes(&[ErrorCode::Cancelled, ErrorCode::Denied], false, true)
+            .expect_err("--include-cancelled does not include denied");
+        assert!(error.to_string().contains("--include-denied"), "{error}");
+        assert!(check_codes(&[ErrorCode::Cancelled], false, true).is_ok());
+        assert!(check_codes(&[ErrorCode::Cancelled, ErrorCode::Denied], true, true).is_ok());
     }
 
     #[test]
@@ -1077,7 +1169,7 @@ mod tests {
             stored(2, letter("b", ErrorCode::Internal, None, 0)),
             stored(3, letter("c", ErrorCode::Internal, Some("no-sequence"), 0)),
         ];
-        let mut plan = Plan::new(true);
+        let mut plan = Plan::new(true, false);
         letters.iter().for_each(|l| plan.add(l));
         assert_eq!(plan.to_replay(), 0);
         assert_eq!(plan.to_skip(), 3);
@@ -1091,7 +1183,7 @@ mod tests {
 
     #[test]
     fn a_letter_stored_after_the_first_pass_is_not_replayed() {
-        let mut plan = Plan::new(false);
+        let mut plan = Plan::new(false, false);
         plan.add(&stored(1, letter("a", ErrorCode::Internal, Some("S:1"), 0)));
         let later = stored(9, letter("a", ErrorCode::Internal, Some("S:1"), 1));
         assert_eq!(plan.action(&later), Action::Superseded);
@@ -1107,6 +1199,7 @@ mod tests {
                 ..Selection::default()
             },
             include_denied: false,
+            include_cancelled: false,
             dry_run,
             yes,
             json: false,

@@ -1,8 +1,9 @@
 //! The commands, one module each (`cli.rs` dispatches to them): `serve` (with
 //! `serve_follow`, its live configuration and heartbeat), `gateway`, `send`, `pools`,
-//! `dead` and `config`; `operator` is what the commands that talk to a running
+//! `dead`, `cancel` and `config`; `operator` is what the commands that talk to a running
 //! deployment share.
 
+pub(crate) mod cancel;
 pub(crate) mod config;
 pub(crate) mod dead;
 pub(crate) mod gateway;
