@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -81,26 +82,39 @@ class _Upstream(BaseHTTPRequestHandler):
     """`/echo` answers JSON describing the request (its body's length and SHA-256 too,
     and the body itself up to 64 KiB);
     `/bytes/<n>` answers `large_body(n)`; `/delay/<ms>` answers its text
-    after `ms` milliseconds; `/_hits?path=<path>` (not counted) answers how many
-    requests `<path>` has had; any other path answers its text."""
+    after `ms` milliseconds; `/hold/<ms>` too, unless the caller hangs up first (a
+    dropped attempt), which it counts; `/_hits?path=<path>` and `/_dropped?path=<path>`
+    (not counted) answer how many requests `<path>` has had, and how many of them were
+    dropped while held; any other path answers its text."""
 
     hits: Counter = Counter()
+    dropped: Counter = Counter()
     hits_lock = threading.Lock()
 
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length)
         path = self.path.split("?")[0]
-        if path == "/_hits":
+        if path in ("/_hits", "/_dropped"):
             query = urllib.parse.parse_qs(self.path.partition("?")[2])
+            counts = self.hits if path == "/_hits" else self.dropped
             with self.hits_lock:
-                count = self.hits[query.get("path", [""])[0]]
+                count = counts[query.get("path", [""])[0]]
             self._send(str(count).encode(), "text/plain")
             return
         with self.hits_lock:
             self.hits[path] += 1
         if path.startswith("/delay/") and path[len("/delay/"):].isdigit():
             time.sleep(min(int(path[len("/delay/"):]), 10_000) / 1000)
+        if path.startswith("/hold/") and path[len("/hold/"):].isdigit():
+            # The request is read whole and nothing is pipelined, so the connection
+            # turns readable only when the caller closes it.
+            held = min(int(path[len("/hold/"):]), 10_000) / 1000
+            if select.select([self.connection], [], [], held)[0]:
+                with self.hits_lock:
+                    self.dropped[path] += 1
+                self.close_connection = True
+                return
         if path == "/echo":
             headers: dict = {}
             for name, value in self.headers.items():
@@ -186,7 +200,7 @@ class LiveEnv:
 
     def start(self) -> None:
         # Counts of this environment's upstream only.
-        self._handler = type("Upstream", (_Upstream,), {"hits": Counter()})
+        self._handler = type("Upstream", (_Upstream,), {"hits": Counter(), "dropped": Counter()})
         self._upstream = ThreadingHTTPServer(("127.0.0.1", 0), self._handler)
         threading.Thread(target=self._upstream.serve_forever, daemon=True).start()
         self.upstream_url = f"http://127.0.0.1:{self._upstream.server_address[1]}"
@@ -201,6 +215,11 @@ class LiveEnv:
         """How many requests the upstream has had on `path` (no query string)."""
         with _Upstream.hits_lock:
             return self._handler.hits[path]
+
+    def dropped(self, path: str) -> int:
+        """How many requests to `/hold/<ms>` paths the caller hung up on while held."""
+        with _Upstream.hits_lock:
+            return self._handler.dropped[path]
 
     def describe(self) -> dict:
         described = {

@@ -10,6 +10,10 @@ export declare const DEFAULT_POOL: "default";
 export declare const DEFAULT_WAIT_MS: number;
 export declare const PUBLISH_TRIES: number;
 export declare const PUBLISH_RETRY_DELAY_MS: number;
+/** How many times in all a cancel answered `busy` is sent. */
+export declare const BUSY_TRIES: number;
+/** The pause before a cancel's second try, doubling after. */
+export declare const BUSY_PAUSE_MS: number;
 
 /** Talking to webproxy failed. An error *outcome* is not one: it is a Reply. */
 export declare class WebproxyError extends Error {
@@ -46,6 +50,24 @@ export declare class BodyError extends WebproxyError {
   readonly code: string;
 }
 
+/**
+ * A cancel got no state: the service answered an error (`invalid_request`, `busy`
+ * still after the tries, or `internal`: nothing was recorded, ask again), or `request`
+ * when it could not be asked.
+ */
+export declare class CancelError extends WebproxyError {
+  constructor(code: string, message: string, options?: ErrorOptions);
+  readonly code: string;
+}
+
+/**
+ * What became of a cancel: `recorded` (its next delivery ends it; its reply says
+ * `cancelled`, or is the response of an attempt that finished first), `finished` (it
+ * has its final reply, unchanged) or `unknown` (no such conversation, or not the
+ * message id it was published with).
+ */
+export type CancelState = "recorded" | "finished" | "unknown";
+
 /** Where a stored response body is (a reply's `body_object`). */
 export interface BodyObject {
   bucket: string;
@@ -75,7 +97,8 @@ export type ErrorCode =
   | "transport_error"
   | "response_too_large"
   | "queue_full"
-  | "internal";
+  | "internal"
+  | "cancelled";
 
 /** An error outcome's details. */
 export interface ErrorInfo {
@@ -163,10 +186,21 @@ export interface ClientOptions {
   caller?: string | null;
 }
 
-/** A request JetStream has stored; `origin` is `<STREAM>:<seq>`. */
+/**
+ * A request JetStream has stored; `origin` is `<STREAM>:<seq>`, `msgId` the
+ * Nats-Msg-Id it was published with (the capability `cancel` shows).
+ */
 export interface Submitted {
   id: string;
   origin: string;
+  msgId: string;
+}
+
+/** What names a conversation to cancel: a `Submitted`, a `Reply`, or the three by hand. */
+export interface CancelTarget {
+  id: string;
+  origin: string | null;
+  msgId: string | null;
 }
 
 /**
@@ -232,6 +266,13 @@ export declare class Client {
   request(method: string, url: string, options?: RequestOptions): Promise<Reply>;
   /** Publishes a request and resolves once JetStream has stored it. */
   submit(method: string, url: string, options?: SubmitOptions): Promise<Submitted>;
+  /**
+   * Takes back the conversation `{id, origin, msgId}` names (what `submit` returns):
+   * `"recorded"`, `"finished"` or `"unknown"`. An answer `busy` is asked again;
+   * another error rejects with a CancelError, a missing or invalid field with an
+   * InvalidRequest.
+   */
+  cancel(conversation: CancelTarget): Promise<CancelState>;
   /** The stored final reply of the conversation `origin` with envelope id `id`, or null. */
   reply(id: string, origin: string): Promise<Reply | null>;
   /** The stored body `reply` names, read whole through body.get and checked. */

@@ -36,6 +36,14 @@ export const PUBLISH_RETRY_DELAY_MS = 50;
 // when a live reply can have been missed.
 const RECONNECT_CHECK_MS = 250;
 const TICK = Symbol("tick");
+// How many times in all a cancel answered `busy` is sent (the service answers a fixed
+// number at once), and the pause before the second, doubling after: 50 ms to 800 ms,
+// 1.55 s in all, as the Rust client does.
+export const BUSY_TRIES = 6;
+export const BUSY_PAUSE_MS = 50;
+// How long one cancel (or body) request waits for its answer.
+const ANSWER_TIMEOUT_MS = 10_000;
+const CANCEL_STATES = ["recorded", "finished", "unknown"];
 
 /** Talking to webproxy failed. An error *outcome* is not one: it is a Reply. */
 export class WebproxyError extends Error {
@@ -83,6 +91,18 @@ export class BadReply extends WebproxyError {}
 export class BodyError extends WebproxyError {
   constructor(code, message) {
     super(`${code}: ${message}`);
+    this.code = code;
+  }
+}
+
+/**
+ * A cancel got no state: the service answered an error (`invalid_request`, `busy`
+ * still after the tries, or `internal`: nothing was recorded, ask again), or `request`
+ * when it could not be asked. Nothing is said of the conversation.
+ */
+export class CancelError extends WebproxyError {
+  constructor(code, message, options) {
+    super(`${code}: ${message}`, options);
     this.code = code;
   }
 }
@@ -396,14 +416,61 @@ export class Client {
   }
 
   /**
-   * Publishes a request and returns `{id, origin}` once JetStream has stored it;
-   * read the reply later with `reply(id, origin)`.
+   * Publishes a request and returns `{id, origin, msgId}` once JetStream has stored
+   * it; read the reply later with `reply(id, origin)`, take it back with
+   * `cancel(submitted)`. `msgId` is the Nats-Msg-Id it was published with: the
+   * capability to cancel it, for its publisher alone.
    */
   async submit(method, url, { pool = DEFAULT_POOL, msgId, ...fields } = {}) {
     const envelope = buildEnvelope(method, url, fields);
     check(ID, "id", envelope.id);
-    const ack = await this.#publish(envelope, pool, ownMsgId(msgId));
-    return { id: envelope.id, origin: originOf(ack) };
+    const publishId = ownMsgId(msgId);
+    const ack = await this.#publish(envelope, pool, publishId);
+    return { id: envelope.id, origin: originOf(ack), msgId: publishId };
+  }
+
+  /**
+   * Takes back the conversation `{id, origin, msgId}` names (what `submit` returns,
+   * or a Reply), through `<prefix>.cancel`; the message id is the capability, so only
+   * its publisher can. Resolves to `"recorded"`: its next delivery ends it and an
+   * attempt in flight is dropped; its reply says `cancelled` (or is the response of an
+   * attempt that finished first), and it still arrives as its reply. `"finished"`: it
+   * has its final reply, unchanged. `"unknown"`: no such conversation, or not this
+   * message id. An answer `busy` is asked again (6 tries in all, 50 ms apart,
+   * doubling); any other error rejects with a CancelError.
+   */
+  async cancel({ id, origin, msgId } = {}) {
+    check(ID, "id", id);
+    check(ORIGIN, "origin", origin);
+    check(MSG_ID, "msgId", msgId);
+    const payload = JSON.stringify({ id, origin, msg_id: msgId });
+    for (let attempt = 1, pauseMs = BUSY_PAUSE_MS; ; attempt++, pauseMs *= 2) {
+      let answer;
+      try {
+        answer = await this.#nc.request(`${this.#prefix}.cancel`, payload, {
+          timeout: ANSWER_TIMEOUT_MS,
+        });
+      } catch (e) {
+        throw new CancelError("request", `cancel was not answered: ${e.message}`, { cause: e });
+      }
+      let answered;
+      try {
+        answered = JSON.parse(new TextDecoder().decode(answer.data));
+      } catch (e) {
+        throw new CancelError("internal", `the cancel answer is not JSON: ${e.message}`, { cause: e });
+      }
+      if (CANCEL_STATES.includes(answered?.cancel)) {
+        return answered.cancel;
+      }
+      const error = answered?.error;
+      if (error === null || typeof error !== "object") {
+        throw new CancelError("internal", "the cancel answer has neither a state nor an error");
+      }
+      if (error.code !== "busy" || attempt === BUSY_TRIES) {
+        throw new CancelError(String(error.code), String(error.message ?? ""));
+      }
+      await sleep(pauseMs);
+    }
   }
 
   /**
@@ -447,7 +514,7 @@ export class Client {
       let answer;
       try {
         answer = await this.#nc.request(`${this.#prefix}.body.get`, JSON.stringify(request), {
-          timeout: 10_000,
+          timeout: ANSWER_TIMEOUT_MS,
         });
       } catch (e) {
         throw new BodyError("request", `body.get was not answered: ${e.message}`);
@@ -496,7 +563,7 @@ export class Client {
       };
       let answer;
       try {
-        answer = await this.#nc.request(subject, JSON.stringify(put), { timeout: 10_000 });
+        answer = await this.#nc.request(subject, JSON.stringify(put), { timeout: ANSWER_TIMEOUT_MS });
       } catch (e) {
         throw new BodyError("request", `body.put was not answered: ${e.message}`);
       }

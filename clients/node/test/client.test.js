@@ -1,8 +1,9 @@
 // webproxy-client against the published schema and a live webproxy on a real
 // nats-server (started by clients/live_env.py): what it sends, a response, a denied
-// request, an error outcome, a reply fetched after it was stored, and conversations
-// that share an envelope id: each gets its own reply, live and stored, also after a
-// reconnect.
+// request, an error outcome, a reply fetched after it was stored, conversations that
+// share an envelope id: each gets its own reply, live and stored, also after a
+// reconnect, and cancels: of a conversation in flight, with a wrong message id, of a
+// finished one.
 
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
@@ -178,6 +179,19 @@ describe("against a live webproxy", () => {
   // How many requests the upstream has had on `path`.
   const hits = async (path) =>
     Number(await (await fetch(url(`/_hits?path=${encodeURIComponent(path)}`))).text());
+  // How many requests to a `/hold/<ms>` path the caller hung up on while held.
+  const dropped = async (path) =>
+    Number(await (await fetch(url(`/_dropped?path=${encodeURIComponent(path)}`))).text());
+  // The conversation's stored reply, once there is one (within REPLY_WAIT_MS).
+  const storedReply = async ({ id, origin }) => {
+    for (const start = Date.now(); Date.now() - start < REPLY_WAIT_MS; await sleep(20)) {
+      const stored = await client.reply(id, origin);
+      if (stored) {
+        return stored;
+      }
+    }
+    throw new Error(`no reply to ${id} (origin ${origin}) stored within ${REPLY_WAIT_MS} ms`);
+  };
   const storedReplies = async () => {
     const jsm = await jetstreamManager(nc);
     return (await jsm.streams.info("WEBPROXY_POOL_DEFAULT_REPLIES")).state.messages;
@@ -373,6 +387,54 @@ describe("against a live webproxy", () => {
     const echo = JSON.parse(echoed.text);
     assert.equal(echo.body_len, data.length);
     assert.equal(echo.body_sha256, createHash("sha256").update(data).digest("hex"));
+  });
+
+  // Issue 35: a conversation whose upstream holds the request is cancelled by its
+  // publisher: the cancel is recorded, the upstream sees the HTTP request dropped long
+  // before it would answer, and the one reply says cancelled, with the attempt made.
+  test("a cancel drops the attempt in flight", TEST_TIMEOUT, async () => {
+    const submitted = await client.submit("GET", url("/hold/10000"));
+    published.push(submitted.id);
+    assert.match(submitted.msgId, HEX32);
+    await waitUntil("the upstream call", async () => (await hits("/hold/10000")) === 1);
+    assert.equal(await client.cancel(submitted), "recorded");
+    // Within REPLY_WAIT_MS, under the 10 s the upstream holds it: not waited for.
+    await waitUntil("the held request dropped", async () => (await dropped("/hold/10000")) === 1);
+    const reply = await storedReply(submitted);
+    assertValid(validReply, reply.raw);
+    assert.equal(reply.ok, false, JSON.stringify(reply.raw));
+    assert.equal(reply.error?.code, "cancelled", JSON.stringify(reply.raw));
+    assert.equal(reply.attempts, 1);
+    // Its one reply stands: a second cancel finds it finished.
+    assert.equal(await client.cancel(submitted), "finished");
+    assert.equal(await hits("/hold/10000"), 1);
+  });
+
+  // The message id is the capability: anyone else's cancel of a conversation in
+  // flight, or of an origin that names none, answers unknown, and the conversation goes
+  // on to its response.
+  test("a cancel with another msg id is unknown and changes nothing", TEST_TIMEOUT, async () => {
+    const submitted = await client.submit("GET", url("/delay/2000"));
+    published.push(submitted.id);
+    await waitUntil("the upstream call", async () => (await hits("/delay/2000")) === 1);
+    assert.equal(await client.cancel({ ...submitted, msgId: newMsgId() }), "unknown");
+    assert.equal(await client.cancel({ ...submitted, origin: "WEBPROXY_POOL_DEFAULT:1" }), "unknown");
+    const reply = await storedReply(submitted);
+    assert.deepEqual([reply.status, reply.text], [200, "path /delay/2000"], JSON.stringify(reply.raw));
+  });
+
+  test("a cancel of a finished conversation leaves its reply", TEST_TIMEOUT, async () => {
+    const submitted = await client.submit("GET", url("/finished"));
+    published.push(submitted.id);
+    const stored = await storedReply(submitted);
+    assert.equal(await client.cancel(submitted), "finished");
+    const later = await client.reply(submitted.id, submitted.origin);
+    assert.deepEqual(later.raw, stored.raw);
+    assert.equal(later.text, "path /finished");
+    // What request returns names its conversation too.
+    const reply = await client.request("GET", url("/finished"), { waitMs: REPLY_WAIT_MS });
+    published.push(reply.id);
+    assert.equal(await client.cancel(reply), "finished");
   });
 
   test("errors are typed", TEST_TIMEOUT, async () => {

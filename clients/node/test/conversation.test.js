@@ -1,7 +1,8 @@
 // webproxy-client's side of a conversation against a fake NATS connection, no server:
 // the random Nats-Msg-Id, retrying a publish that is still in process, the origin from
-// the publish ack, ignoring live replies of other conversations, and reading exactly
-// the conversation's own stored subject.
+// the publish ack, ignoring live replies of other conversations, reading exactly the
+// conversation's own stored subject, and a cancel: what it sends, and asking again
+// while the service is busy.
 
 import assert from "node:assert/strict";
 import { describe, test } from "node:test";
@@ -10,10 +11,13 @@ import { JetStreamApiError } from "@nats-io/jetstream";
 import { headers as natsHeaders } from "@nats-io/transport-node";
 
 import {
+  BUSY_TRIES,
+  CancelError,
   Client,
   InvalidRequest,
   PUBLISH_TRIES,
   PublishFailed,
+  Reply,
   ReplyTimeout,
   isOwnReply,
   newMsgId,
@@ -84,8 +88,11 @@ class FakeNats {
   sub = new FakeSub();
   #statusWaiters = [];
 
-  constructor(answers, { onPublish = () => {}, stored = {} } = {}) {
+  constructor(answers, { onPublish = () => {}, stored = {}, cancels = [] } = {}) {
     this.answers = [...answers];
+    // What successive cancels get: an answer, or an Error to throw.
+    this.cancels = [...cancels];
+    this.cancelled = [];
     this.onPublish = onPublish;
     this.stored = stored;
   }
@@ -116,6 +123,14 @@ class FakeNats {
       const answer = this.answers.shift();
       if (!answer.error) {
         this.onPublish(this);
+      }
+      return { data: encode(answer) };
+    }
+    if (subject.endsWith(".cancel")) {
+      this.cancelled.push({ subject, request: JSON.parse(data), at: performance.now() });
+      const answer = this.cancels.shift();
+      if (answer instanceof Error) {
+        throw answer;
       }
       return { data: encode(answer) };
     }
@@ -292,12 +307,83 @@ describe("a conversation against a fake connection", () => {
     assert.deepEqual(fake.lookedUp, [STORED]);
   });
 
-  test("submit returns the id and origin", TEST_TIMEOUT, async () => {
-    const fake = new FakeNats([ack()]);
-    assert.deepEqual(await new Client(fake).submit("GET", "http://h/", { id: "order-42" }), {
+  test("submit returns the id, origin and msg id", TEST_TIMEOUT, async () => {
+    const fake = new FakeNats([ack(), ack()]);
+    const submitted = await new Client(fake).submit("GET", "http://h/", { id: "order-42" });
+    assert.deepEqual(submitted, { id: "order-42", origin: ORIGIN, msgId: fake.published[0].msgId });
+    assert.match(submitted.msgId, HEX32);
+    const msgId = "f".repeat(32);
+    assert.deepEqual(await new Client(fake).submit("GET", "http://h/", { id: "order-42", msgId }), {
       id: "order-42",
       origin: ORIGIN,
+      msgId,
     });
+  });
+
+  const MSG_ID = "f".repeat(32);
+  const SENT = { id: "order-42", origin: ORIGIN, msg_id: MSG_ID };
+
+  test("a cancel sends the id, origin and msg id and resolves to the state", TEST_TIMEOUT, async () => {
+    for (const state of ["recorded", "finished", "unknown"]) {
+      const fake = new FakeNats([], { cancels: [{ cancel: state }, { cancel: state }] });
+      const client = new Client(fake, { prefix: "acme.webproxy" });
+      assert.equal(await client.cancel({ id: "order-42", origin: ORIGIN, msgId: MSG_ID }), state);
+      // A Reply of a request made with the client names its conversation too.
+      const reply = new Reply(JSON.parse(new TextDecoder().decode(replyPayload(200))), ORIGIN, MSG_ID);
+      assert.equal(await client.cancel(reply), state);
+      assert.deepEqual(
+        fake.cancelled.map(({ subject, request }) => [subject, request]),
+        [["acme.webproxy.cancel", SENT], ["acme.webproxy.cancel", SENT]],
+      );
+    }
+  });
+
+  test("a cancel is checked before it is sent", TEST_TIMEOUT, async () => {
+    const fake = new FakeNats([]);
+    const client = new Client(fake);
+    for (const bad of [
+      { id: "a.b", origin: ORIGIN, msgId: MSG_ID },
+      { id: "order-42", origin: "S:0", msgId: MSG_ID },
+      { id: "order-42", origin: ORIGIN, msgId: "a b" },
+      { id: "order-42", origin: ORIGIN, msgId: null },
+      { id: "order-42", origin: ORIGIN },
+      new Reply(JSON.parse(new TextDecoder().decode(replyPayload(200))), ORIGIN),
+    ]) {
+      await assert.rejects(client.cancel(bad), InvalidRequest, JSON.stringify(bad));
+    }
+    await assert.rejects(client.cancel(), InvalidRequest);
+    assert.deepEqual(fake.cancelled, []);
+  });
+
+  test("a busy cancel is asked again with doubling pauses", TEST_TIMEOUT, async () => {
+    const busy = { error: { code: "busy", message: "too many cancels at once" } };
+    const fake = new FakeNats([], { cancels: [busy, busy, busy, { cancel: "recorded" }] });
+    const target = { id: "order-42", origin: ORIGIN, msgId: MSG_ID };
+    assert.equal(await new Client(fake).cancel(target), "recorded");
+    const times = fake.cancelled.map((c) => c.at);
+    const pauses = times.slice(1).map((t, i) => t - times[i]);
+    assert.equal(pauses.length, 3);
+    // Timers may fire a millisecond early.
+    [50, 100, 200].forEach((least, i) => assert.ok(pauses[i] >= least - 2, String(pauses)));
+
+    // BUSY_TRIES in all, then the busy answer is the error.
+    const tired = new FakeNats([], { cancels: Array.from({ length: BUSY_TRIES }, () => busy) });
+    await assert.rejects(
+      new Client(tired).cancel(target),
+      (e) => e instanceof CancelError && e.code === "busy" && e.message === "busy: too many cancels at once",
+    );
+    assert.equal(tired.cancelled.length, 6);
+  });
+
+  test("other cancel errors reject at once", TEST_TIMEOUT, async () => {
+    const target = { id: "order-42", origin: ORIGIN, msgId: MSG_ID };
+    for (const code of ["internal", "invalid_request"]) {
+      const fake = new FakeNats([], { cancels: [{ error: { code, message: "no" } }] });
+      await assert.rejects(new Client(fake).cancel(target), (e) => e instanceof CancelError && e.code === code);
+      assert.equal(fake.cancelled.length, 1);
+    }
+    const unanswered = new FakeNats([], { cancels: [new Error("no responders")] });
+    await assert.rejects(new Client(unanswered).cancel(target), (e) => e instanceof CancelError && e.code === "request");
   });
 
   test("a stored reply is looked up only by a valid origin", TEST_TIMEOUT, async () => {

@@ -5,6 +5,8 @@
 
 import { connect } from "@nats-io/transport-node";
 import {
+  CancelError,
+  type CancelState,
   Client,
   type ErrorInfo,
   InvalidRequest,
@@ -55,7 +57,22 @@ export async function submitTo(client: Client, replyTo: string): Promise<string>
   return `${submitted.id} ${submitted.origin} ${envelope.reply_to ?? ""}`;
 }
 
-export function misuses(client: Client, reply: Reply): void {
+export async function takeBack(client: Client, url: string): Promise<string> {
+  const submitted: Submitted = await client.submit("GET", url);
+  const msgId: string = submitted.msgId;
+  try {
+    const state: CancelState = await client.cancel(submitted);
+    const byHand: CancelState = await client.cancel({ id: submitted.id, origin: submitted.origin, msgId });
+    return `${state} ${byHand}`;
+  } catch (e) {
+    if (e instanceof CancelError) {
+      return e.code;
+    }
+    throw e;
+  }
+}
+
+export async function misuses(client: Client, reply: Reply): Promise<void> {
   // @ts-expect-error status is a number or null, not a string
   const status: string = reply.status;
   // @ts-expect-error waitMs is a number
@@ -64,5 +81,10 @@ export function misuses(client: Client, reply: Reply): void {
   void client.submit("GET", "http://h/", { reply_to: "app.r.1" });
   // @ts-expect-error a Client needs a NATS connection
   void new Client();
+  // @ts-expect-error cancel needs the message id too
+  void client.cancel({ id: "x", origin: "S:1" });
+  // @ts-expect-error a cancel state is one of three strings
+  const state: "cancelled" = await client.cancel(reply);
   void status;
+  void state;
 }

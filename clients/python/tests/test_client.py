@@ -1,7 +1,8 @@
 """webproxy_client against the published schema and a live webproxy on a real
 nats-server (see clients/live_env.py): what it sends, a response, a denied request,
-an error outcome, a reply fetched after it was stored, and conversations that share
-an envelope id: each gets its own reply, live and stored, also after a reconnect."""
+an error outcome, a reply fetched after it was stored, conversations that share
+an envelope id: each gets its own reply, live and stored, also after a reconnect,
+and cancels: of a conversation in flight, with a wrong message id, of a finished one."""
 
 from __future__ import annotations
 
@@ -433,5 +434,85 @@ def test_a_large_body_each_way(live):
         echo = json.loads(echoed.text)
         assert echo["body_len"] == len(data)
         assert echo["body_sha256"] == hashlib.sha256(data).hexdigest()
+
+    run_live(live, test)
+
+
+async def stored_reply(client: Client, submitted: webproxy_client.Submitted):
+    """The conversation's stored reply, once there is one (within REPLY_WAIT)."""
+    for _ in range(int(REPLY_WAIT / 0.02)):
+        stored = await client.reply(submitted.id, submitted.origin)
+        if stored is not None:
+            return stored
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no reply to {submitted} stored within {REPLY_WAIT}s")
+
+
+def test_a_cancel_drops_the_attempt_in_flight(live):
+    """Issue 35: a conversation whose upstream holds the request is cancelled by its
+    publisher: the cancel is recorded, the upstream sees the HTTP request dropped long
+    before it would answer, and the one reply says cancelled, with the attempt made."""
+
+    async def test(client: Client, nc):
+        submitted = await client.submit("GET", live.url("/hold/10000"))
+        assert submitted.msg_id is not None and HEX32.fullmatch(submitted.msg_id)
+
+        async def called():
+            return live.hits("/hold/10000") == 1
+
+        await wait_until("the upstream call", called)
+        assert await client.cancel(submitted) == "recorded"
+
+        async def dropped():
+            return live.dropped("/hold/10000") == 1
+
+        # Within REPLY_WAIT, under the 10 s the upstream holds it: not waited for.
+        await wait_until("the held request dropped", dropped)
+        reply = await stored_reply(client, submitted)
+        assert_valid_reply(reply)
+        assert not reply.ok, reply.raw
+        assert reply.error is not None and reply.error.code == "cancelled", reply.raw
+        assert reply.attempts == 1
+        # Its one reply stands: a second cancel finds it finished.
+        assert await client.cancel(submitted) == "finished"
+        assert live.hits("/hold/10000") == 1
+
+    run_live(live, test)
+
+
+def test_a_cancel_with_another_msg_id_is_unknown_and_changes_nothing(live):
+    """The message id is the capability: anyone else's cancel of a conversation in
+    flight, or of an origin that names none, answers unknown, and the conversation
+    goes on to its response."""
+
+    async def test(client: Client, nc):
+        submitted = await client.submit("GET", live.url("/delay/2000"))
+
+        async def called():
+            return live.hits("/delay/2000") == 1
+
+        await wait_until("the upstream call", called)
+        assert submitted.msg_id is not None
+        guessed = webproxy_client.new_msg_id()
+        assert await client.cancel(submitted.id, submitted.origin, guessed) == "unknown"
+        assert await client.cancel(submitted.id, "WEBPROXY_POOL_DEFAULT:1", submitted.msg_id) == "unknown"
+        reply = await stored_reply(client, submitted)
+        assert (reply.status, reply.text) == (200, "path /delay/2000"), reply.raw
+
+    run_live(live, test)
+
+
+def test_a_cancel_of_a_finished_conversation_leaves_its_reply(live):
+    async def test(client: Client, nc):
+        submitted = await client.submit("GET", live.url("/finished"))
+        before = await stored_reply(client, submitted)
+        assert await client.cancel(submitted) == "finished"
+        after = await client.reply(submitted.id, submitted.origin)
+        assert after is not None and after.raw == before.raw
+        assert after.text == "path /finished"
+
+        # What request returns names its conversation too.
+        reply = await client.request("GET", live.url("/finished"), wait=REPLY_WAIT)
+        assert await client.cancel(reply) == "finished"
 
     run_live(live, test)

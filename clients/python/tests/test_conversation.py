@@ -1,7 +1,8 @@
 """webproxy_client's side of a conversation against a fake NATS connection, no server:
 the random Nats-Msg-Id, retrying a publish that is still in process, the origin from
-the publish ack, ignoring live replies of other conversations, and reading exactly
-the conversation's own stored subject."""
+the publish ack, ignoring live replies of other conversations, reading exactly
+the conversation's own stored subject, and a cancel: what it sends, and asking
+again while the service is busy."""
 
 from __future__ import annotations
 
@@ -58,8 +59,11 @@ class FakeNats:
     publishes get (an ack or an exception); `on_publish(fake)` runs after each
     successful one; `stored` maps subjects to stored reply messages."""
 
-    def __init__(self, answers, on_publish=lambda fake: None, stored=None):
+    def __init__(self, answers, on_publish=lambda fake: None, stored=None, requests=()):
         self.answers = list(answers)
+        # What successive core requests get: a JSON answer or an exception.
+        self.request_answers = list(requests)
+        self.requested: list[tuple[str, dict, float]] = []
         self.on_publish = on_publish
         self.stored = stored or {}
         self.subscribed: list[str] = []
@@ -84,6 +88,13 @@ class FakeNats:
             raise answer
         self.on_publish(self)
         return answer
+
+    async def request(self, subject, payload, timeout):
+        self.requested.append((subject, json.loads(payload), asyncio.get_running_loop().time()))
+        answer = self.request_answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return Message(json.dumps(answer).encode())
 
     async def get_last_msg(self, stream, subject):
         if stream == "WEBPROXY_REPLIES":
@@ -244,10 +255,76 @@ def test_a_timeout_reads_the_stored_subject_and_names_the_origin():
     assert fake.looked_up == [STORED]
 
 
-def test_submit_returns_the_id_and_origin():
-    fake = FakeNats([ack()])
+def test_submit_returns_the_id_origin_and_msg_id():
+    fake = FakeNats([ack(), ack()])
     submitted = run(Client(fake).submit("GET", "http://h/", id="order-42"))
-    assert submitted == webproxy_client.Submitted("order-42", ORIGIN)
+    assert (submitted.id, submitted.origin) == ("order-42", ORIGIN)
+    assert submitted.msg_id == fake.published[0][1]["Nats-Msg-Id"]
+    assert HEX32.fullmatch(submitted.msg_id)
+    again = run(Client(fake).submit("GET", "http://h/", id="order-42", msg_id="f" * 32))
+    assert again == webproxy_client.Submitted("order-42", ORIGIN, "f" * 32)
+    # Made by hand as before the message id was there: still a Submitted.
+    assert webproxy_client.Submitted("order-42", ORIGIN).msg_id is None
+
+
+def test_a_cancel_sends_the_id_origin_and_msg_id_and_answers_the_state():
+    for state in ("recorded", "finished", "unknown"):
+        fake = FakeNats([], requests=[{"cancel": state}, {"cancel": state}])
+        client = Client(fake, prefix="acme.webproxy")
+        submitted = webproxy_client.Submitted("order-42", ORIGIN, "f" * 32)
+        assert run(client.cancel(submitted)) == state
+        assert run(client.cancel("order-42", ORIGIN, "f" * 32)) == state
+        sent = {"id": "order-42", "origin": ORIGIN, "msg_id": "f" * 32}
+        assert [(s, r) for s, r, _ in fake.requested] == [("acme.webproxy.cancel", sent)] * 2
+
+
+def test_a_cancel_is_checked_before_it_is_sent():
+    fake = FakeNats([])
+    client = Client(fake)
+    for bad in (
+        ("a.b", ORIGIN, "f" * 32),
+        ("order-42", "S:0", "f" * 32),
+        ("order-42", ORIGIN, "a b"),
+        ("order-42", ORIGIN, ""),
+    ):
+        with pytest.raises(webproxy_client.InvalidRequest):
+            run(client.cancel(*bad))
+    with pytest.raises(webproxy_client.InvalidRequest):
+        run(client.cancel(webproxy_client.Submitted("order-42", ORIGIN)))
+    with pytest.raises(webproxy_client.InvalidRequest):
+        run(client.cancel("order-42", ORIGIN))
+    assert fake.requested == []
+
+
+def test_a_busy_cancel_is_asked_again_with_doubling_pauses():
+    busy = {"error": {"code": "busy", "message": "too many cancels at once"}}
+    fake = FakeNats([], requests=[busy, busy, busy, {"cancel": "recorded"}])
+    assert run(Client(fake).cancel("order-42", ORIGIN, "f" * 32)) == "recorded"
+    times = [t for _, _, t in fake.requested]
+    pauses = [later - earlier for earlier, later in zip(times, times[1:])]
+    assert len(pauses) == 3
+    for pause, least in zip(pauses, (0.05, 0.1, 0.2)):
+        assert pause >= least * 0.9, pauses
+
+    # Six tries in all, then the busy answer is the error.
+    fake = FakeNats([], requests=[busy] * 6)
+    with pytest.raises(webproxy_client.CancelError) as error:
+        run(Client(fake).cancel("order-42", ORIGIN, "f" * 32))
+    assert (error.value.code, error.value.message) == ("busy", "too many cancels at once")
+    assert len(fake.requested) == 6
+
+
+def test_other_cancel_errors_are_raised_at_once():
+    for code in ("internal", "invalid_request"):
+        fake = FakeNats([], requests=[{"error": {"code": code, "message": "no"}}])
+        with pytest.raises(webproxy_client.CancelError) as error:
+            run(Client(fake).cancel("order-42", ORIGIN, "f" * 32))
+        assert (error.value.code, error.value.message) == (code, "no")
+        assert len(fake.requested) == 1
+    fake = FakeNats([], requests=[nats.errors.NoRespondersError()])
+    with pytest.raises(webproxy_client.CancelError) as error:
+        run(Client(fake).cancel("order-42", ORIGIN, "f" * 32))
+    assert error.value.code == "request"
 
 
 def test_a_stored_reply_is_looked_up_only_by_a_valid_origin():

@@ -21,6 +21,9 @@ def f(reply: Reply) -> str:
 
 async def g(client: Client) -> None:
     await client.request("GET", "http://h/", reply_too="app.r.1")
+
+async def h(client: Client) -> None:
+    await client.cancel("order-42", "WEBPROXY_POOL_DEFAULT:1")
 '''
 
 
@@ -52,3 +55,5 @@ def test_a_typed_caller_passes_mypy_strict_and_a_misuse_does_not(tmp_path: Path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert 'Unsupported operand types for + ("int" and "str")' in result.stdout, result.stdout
     assert 'Unexpected keyword argument "reply_too"' in result.stdout, result.stdout
+    # A cancel takes a Submitted (or Reply), or all three of id, origin and msg_id.
+    assert 'No overload variant of "cancel"' in result.stdout, result.stdout

@@ -9,7 +9,15 @@ from typing import Optional
 import nats
 
 import webproxy_client
-from webproxy_client import Client, ErrorInfo, Reply, ReplyTimeout, Submitted
+from webproxy_client import (
+    CancelError,
+    CancelState,
+    Client,
+    ErrorInfo,
+    Reply,
+    ReplyTimeout,
+    Submitted,
+)
 
 
 async def fetch(url: str) -> tuple[int, str]:
@@ -42,3 +50,16 @@ async def submit(client: Client, reply_to: str) -> str:
         "GET", "http://127.0.0.1/", reply_to=reply_to, msg_id=webproxy_client.new_msg_id()
     )
     return f"{submitted.id} {submitted.origin}"
+
+
+async def take_back(client: Client, url: str) -> str:
+    submitted = await client.submit("GET", url)
+    msg_id: Optional[str] = submitted.msg_id
+    try:
+        state: CancelState = await client.cancel(submitted)
+        if msg_id is not None:
+            by_hand: CancelState = await client.cancel(submitted.id, submitted.origin, msg_id)
+            return f"{state} {by_hand}"
+        return state
+    except CancelError as e:
+        return e.code
