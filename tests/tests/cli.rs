@@ -1,10 +1,11 @@
-//! The command line as users run it: `webproxy send` against a live service, and
-//! `webproxy check-config` on good and bad files.
+//! The command line as users run it: `webproxy send` and `webproxy cancel` against a
+//! live service, and `webproxy check-config` on good and bad files.
 
 use std::process::Output;
 
 use serde_json::Value;
-use webproxy_tests::caller::{Harness, accept_rule};
+use webproxy_protocol::{ErrorCode, Outcome};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, to};
 use webproxy_tests::run_webproxy as webproxy;
 
 fn stdout_json(output: &Output) -> Value {
@@ -44,6 +45,10 @@ mod exit {
     pub const NO_SUCH_POOL: i32 = 5;
     pub const UNREACHABLE: i32 = 6;
 }
+
+/// `cancel`'s exit code for an `unknown` answer, as docs/cli.md ("`cancel`") documents
+/// it (`recorded` and `finished` exit 0).
+const CANCEL_UNKNOWN: i32 = 5;
 
 /// An origin of the default pool's stream, `WEBPROXY_POOL_DEFAULT:<seq>`, in `text`.
 fn origin_in(text: &str) -> Option<&str> {
@@ -232,6 +237,95 @@ async fn send_tells_unreachable_nats_and_jetstream_from_a_missing_pool() {
     let failure = one_json_object(&output);
     assert_eq!(failure["failure"], "jetstream_unavailable", "{failure}");
     assert_eq!(failure["exit_code"], exit::UNREACHABLE, "{failure}");
+}
+
+/// Issue 35: `webproxy cancel` against a live service. A conversation whose attempt is
+/// in flight is `recorded`, its attempt is dropped and its reply says `cancelled`; once
+/// answered it is `finished`. An origin of the pool's stream that no conversation has
+/// (pool streams start at Unix microseconds, so sequence 1 is never one) is `unknown`,
+/// with its own exit code.
+#[tokio::test]
+async fn cancel_ends_an_in_flight_conversation_and_tells_an_unknown_origin() {
+    // A 60 s attempt timeout: the attempt at /hang ends by the cancel, or not in time.
+    let h = Harness::start(|up| format!("{}timeout = \"60s\"\n", accept_rule("local", up))).await;
+    let nats = h.nats.url();
+    let submitted = h
+        .client
+        .submit(&to("default", &envelope("GET", &h.upstream.url("/hang"))))
+        .await
+        .expect("submit");
+    webproxy_tests::wait_until(REPLY_TIMEOUT, "the attempt at the upstream", || async {
+        h.upstream.hits_for("/hang") == 1
+    })
+    .await;
+    let origin = submitted.origin.to_string();
+
+    let output = webproxy(&["cancel", "--nats", &nats, "--origin", &origin]).await;
+    assert!(output.status.success(), "{output:?}\n{}", h.service.logs());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "recorded\n",
+        "{output:?}"
+    );
+    let reply = webproxy_tests::wait_for(REPLY_TIMEOUT, "the cancelled reply", || async {
+        h.client
+            .reply(&submitted.id, &submitted.origin)
+            .await
+            .ok()
+            .flatten()
+    })
+    .await;
+    assert_eq!(reply.outcome, Outcome::Error, "{reply:?}");
+    assert_eq!(
+        reply.error.as_ref().map(|e| e.code),
+        Some(ErrorCode::Cancelled),
+        "{reply:?}"
+    );
+
+    let output = webproxy(&["cancel", "--nats", &nats, "--origin", &origin, "--json"]).await;
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(
+        one_json_object(&output),
+        serde_json::json!({"cancel": "finished"})
+    );
+
+    let made_up = format!("{}:1", submitted.origin.stream);
+    let output = webproxy(&["cancel", "--nats", &nats, "--origin", &made_up]).await;
+    assert_eq!(output.status.code(), Some(CANCEL_UNKNOWN), "{output:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "unknown\n",
+        "{output:?}"
+    );
+    let output = webproxy(&["cancel", "--nats", &nats, "--origin", &made_up, "--json"]).await;
+    assert_eq!(output.status.code(), Some(CANCEL_UNKNOWN), "{output:?}");
+    assert_eq!(
+        one_json_object(&output),
+        serde_json::json!({"cancel": "unknown"})
+    );
+}
+
+/// With no service running, `cancel` says so rather than waiting or answering
+/// `unknown`: nothing answers its subject.
+#[tokio::test]
+async fn cancel_without_a_service_says_none_answers() {
+    let nats = webproxy_tests::NatsServer::start();
+    let output = webproxy(&[
+        "cancel",
+        "--nats",
+        &nats.url(),
+        "--origin",
+        "WEBPROXY_POOL_DEFAULT:1",
+    ])
+    .await;
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(output.stdout.is_empty(), "{output:?}");
+    assert!(
+        stderr(&output).contains(
+            "no webproxy instance answers webproxy.admin.cancel: is the service running?"
+        ),
+        "{output:?}"
+    );
 }
 
 async fn check_config(text: &str) -> Output {
