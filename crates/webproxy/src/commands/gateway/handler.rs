@@ -1,5 +1,6 @@
 //! One HTTP request through the gateway: route, token, limits, envelope, publish,
-//! record, wait, answer; and `GET /_webproxy/replies/<id>`.
+//! record, wait, answer; `GET /_webproxy/replies/<id>`, and its `DELETE`, which
+//! cancels the conversation.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -142,7 +143,7 @@ async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Respon
         Some(id) => {
             let id = id.to_string();
             gateway
-                .stored(&id, request.method(), request.headers())
+                .replies(&id, request.method(), request.headers())
                 .await
         }
         None => match route::find(&gateway.routes, &path) {
@@ -263,11 +264,12 @@ impl Gateway {
         }
     }
 
-    /// The credentials of a poll (`/_webproxy/replies/<id>`), judged before its id is
-    /// looked up so that the answer says nothing of whether the id exists: a poll
-    /// that presents the token of some route (or any poll, while some route takes
-    /// none) goes on to the lookup; any other is refused as a request without its
-    /// token is, 407 (401 when every route takes its token in a header of its own).
+    /// The credentials of a poll or a cancel (`/_webproxy/replies/<id>`), judged
+    /// before its id is looked up so that the answer says nothing of whether the id
+    /// exists: one that presents the token of some route (or any, while some route
+    /// takes none) goes on to the lookup; any other is refused as a request without
+    /// its token is, 407 (401 when every route takes its token in a header of its
+    /// own).
     fn poll_credentials(&self, headers: &HeaderMap) -> Result<(), Answer> {
         let tokens = self.tokens();
         let mut proxy_credential = false;
@@ -289,7 +291,7 @@ impl Gateway {
         }
         Err(unauthorized(
             proxy_credential,
-            "a poll needs the token of the route whose request minted the id",
+            "a poll or a cancel needs the token of the route whose request minted the id",
         ))
     }
 
@@ -566,9 +568,9 @@ impl Gateway {
                     Err(e) => return Err(publish_failed(&e)),
                 };
                 let mut record = Record::new(&route.path, identity, &origin, request);
-                if route.large_bodies {
-                    record.msg_id = publish.msg_id_set().map(str::to_string);
-                }
+                // For every route: a poll reads a stored body with it, a DELETE
+                // cancels with it.
+                record.msg_id = publish.msg_id_set().map(str::to_string);
                 match self.record(id, &record).await {
                     // A concurrent retry with the same key recorded first.
                     Ok(record) => match record.origin() {
@@ -638,48 +640,48 @@ impl Gateway {
         }
     }
 
-    /// `GET /_webproxy/replies/<id>`: the reply of an id this gateway's route minted
-    /// for the same token identity, as the original request would have been
-    /// answered; 202 with `Retry-After` while there is no reply yet; 407 without the
-    /// token of any route ([`Gateway::poll_credentials`]); 404 for any other id.
-    async fn stored(&self, id: &str, method: &Method, headers: &HeaderMap) -> (String, Answered) {
-        let not_found = || {
-            (
-                NO_ROUTE.to_string(),
-                Answered::new(
-                    id,
-                    mapping::gateway_error(
-                        404,
-                        "not_found",
-                        "no conversation of this route and token has this id",
-                    ),
-                ),
-            )
-        };
-        if method != Method::GET && method != Method::HEAD {
-            return (
-                NO_ROUTE.to_string(),
-                Answered::new(
-                    id,
-                    mapping::gateway_error(405, "method_not_allowed", "use GET"),
-                ),
-            );
+    /// `/_webproxy/replies/<id>`: `GET` (or `HEAD`) polls for the reply, `DELETE`
+    /// cancels the conversation; any other method is 405.
+    async fn replies(&self, id: &str, method: &Method, headers: &HeaderMap) -> Counted {
+        match *method {
+            Method::GET | Method::HEAD => self.stored(id, headers).await,
+            Method::DELETE => self.cancel(id, headers).await,
+            _ => {
+                let mut answer = mapping::gateway_error(
+                    405,
+                    "method_not_allowed",
+                    "use GET to poll or DELETE to cancel",
+                );
+                answer
+                    .headers
+                    .push(("allow".into(), "GET, HEAD, DELETE".into()));
+                (NO_ROUTE.to_string(), Answered::new(id, answer))
+            }
         }
+    }
+
+    /// The record of `id` and its origin, when the id was minted by a route of this
+    /// gateway for the token identity `headers` present: what a poll and a cancel
+    /// alike may act on. Otherwise the answer: 407 without the token of any route
+    /// ([`Gateway::poll_credentials`]), `key_lost` while the key is lost, 503 when
+    /// the bucket cannot be read, and for any other id [`unknown_id`], so nothing
+    /// says that the id exists.
+    async fn own_record(&self, id: &str, headers: &HeaderMap) -> Result<(Record, Origin), Counted> {
         if let Err(answer) = self.poll_credentials(headers) {
-            return (NO_ROUTE.to_string(), Answered::new(id, answer));
+            return Err((NO_ROUTE.to_string(), Answered::new(id, answer)));
         }
         if !id.starts_with(ids::PREFIX) || webproxy_protocol::validate_id(id).is_err() {
-            return not_found();
+            return Err(unknown_id(id));
         }
         let record = match self.records.get(id).await {
             Ok(Some(record)) => record,
-            Ok(None) => return not_found(),
+            Ok(None) => return Err(unknown_id(id)),
             Err(e) => {
-                return (NO_ROUTE.to_string(), Answered::new(id, unavailable(&e)));
+                return Err((NO_ROUTE.to_string(), Answered::new(id, unavailable(&e))));
             }
         };
         let Some(index) = self.routes.iter().position(|r| r.path == record.route) else {
-            return not_found();
+            return Err(unknown_id(id));
         };
         // Another route's token reads as an unknown id: nothing says the id exists. A
         // right one while the key is lost gets the key's refusal: the record's identity
@@ -687,13 +689,23 @@ impl Gateway {
         match self.authenticate(index, headers) {
             Ok(identity) if identity == record.identity => {}
             Err(answer) if answer.label == KEY_LOST_CODE => {
-                return (record.route, Answered::new(id, answer));
+                return Err((record.route, Answered::new(id, answer)));
             }
-            _ => return not_found(),
+            _ => return Err(unknown_id(id)),
         }
-        let origin = match record.origin() {
-            Ok(origin) => origin,
-            Err(e) => return (record.route, Answered::new(id, unavailable(&e))),
+        match record.origin() {
+            Ok(origin) => Ok((record, origin)),
+            Err(e) => Err((record.route, Answered::new(id, unavailable(&e)))),
+        }
+    }
+
+    /// `GET /_webproxy/replies/<id>`: the reply of an id this gateway's route minted
+    /// for the same token identity ([`Gateway::own_record`]), as the original request
+    /// would have been answered; 202 with `Retry-After` while there is no reply yet.
+    async fn stored(&self, id: &str, headers: &HeaderMap) -> Counted {
+        let (record, origin) = match self.own_record(id, headers).await {
+            Ok(owned) => owned,
+            Err(counted) => return counted,
         };
         let answer = match self.client.reply(id, &origin).await {
             Ok(Some(reply)) => mapping::from_reply(&reply),
@@ -715,6 +727,60 @@ impl Gateway {
             },
         )
     }
+
+    /// `DELETE /_webproxy/replies/<id>`: cancels the conversation of an id this
+    /// gateway's route minted for the same token identity ([`Gateway::own_record`]),
+    /// with the message id it was published with. `recorded` is 202 and `finished`
+    /// 200 ([`mapping::cancel_taken`]); `unknown`, and a record from a gateway that
+    /// kept no message id for it, are answered as an unknown id; a service `busy` past
+    /// the client's retries is 503 with `Retry-After`; any other failure 502.
+    async fn cancel(&self, id: &str, headers: &HeaderMap) -> Counted {
+        let (record, origin) = match self.own_record(id, headers).await {
+            Ok(owned) => owned,
+            Err(counted) => return counted,
+        };
+        // Older gateways kept the message id only for `large_bodies` routes: without
+        // it the service could not tell this caller from anyone who knows the origin.
+        let Some(msg_id) = record.msg_id.as_deref() else {
+            return unknown_id(id);
+        };
+        let answer = match self.client.cancel(id, &origin, msg_id).await {
+            Ok(state) => match mapping::cancel_taken(id, state) {
+                Some(answer) => {
+                    info!(id, %origin, cancel = state.as_str(), "cancel taken");
+                    answer
+                }
+                None => return unknown_id(id),
+            },
+            Err(ClientError::Cancel { code, message }) if code == "busy" => {
+                retry_later(mapping::gateway_error(503, "busy", &message))
+            }
+            Err(e) => {
+                warn!(id, %origin, error = %e, "a cancel failed");
+                mapping::gateway_error(502, "cancel_failed", &e.to_string())
+            }
+        };
+        (record.route, Answered::new(id, answer))
+    }
+}
+
+/// An answer and the route it is counted under.
+type Counted = (String, Answered);
+
+/// The answer to an id this route and token do not have, whether or not it exists:
+/// 404 `not_found`, counted under no route.
+fn unknown_id(id: &str) -> Counted {
+    (
+        NO_ROUTE.to_string(),
+        Answered::new(
+            id,
+            mapping::gateway_error(
+                404,
+                "not_found",
+                "no conversation of this route and token has this id",
+            ),
+        ),
+    )
 }
 
 /// The refusal of a missing or wrong token: 407 with `Proxy-Authenticate` for a token

@@ -6,7 +6,9 @@ use axum::http::HeaderMap;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::json;
-use webproxy_protocol::{ErrorCode, Headers, Outcome, Reply, collect_headers, is_hop_by_hop};
+use webproxy_protocol::{
+    CancelState, ErrorCode, Headers, Outcome, Reply, collect_headers, is_hop_by_hop,
+};
 
 /// The caller's deadline, an RFC 3339 date-time; it becomes the envelope's `deadline`.
 pub(crate) const DEADLINE: &str = "webproxy-deadline";
@@ -226,6 +228,35 @@ pub(crate) fn settled(id: &str, recorded: bool, reply: Option<&Reply>) -> Answer
     }
 }
 
+/// `Webproxy-Outcome` of a `DELETE /_webproxy/replies/<id>` the service took: the
+/// body says what became of the cancel, and the conversation's own outcome is read
+/// at `Location`.
+pub(crate) const CANCEL: &str = "cancel";
+
+/// The answer to a cancel the service took, with `Location` where the conversation's
+/// reply is read: `recorded` is 202 (the reply, `cancelled` or the response of an
+/// attempt that finished first, is yet to come), `finished` 200 (the reply stands as
+/// it was). `None` for `unknown`, which is answered as an id the gateway does not
+/// have.
+pub(crate) fn cancel_taken(id: &str, state: CancelState) -> Option<Answer> {
+    let (status, label) = match state {
+        CancelState::Recorded => (202, "cancel_recorded"),
+        CancelState::Finished => (200, "cancel_finished"),
+        CancelState::Unknown => return None,
+    };
+    let mut headers = json_content();
+    headers.push(("location".into(), format!("{}{id}", super::REPLIES_PATH)));
+    Some(Answer {
+        status,
+        headers,
+        body: json!({"cancel": state.as_str()}).to_string().into_bytes(),
+        stored: None,
+        outcome: CANCEL,
+        label,
+        attempts: 0,
+    })
+}
+
 fn json_content() -> Vec<(String, String)> {
     vec![("content-type".into(), "application/json".into())]
 }
@@ -306,6 +337,25 @@ mod tests {
     fn a_cancelled_conversation_is_499() {
         assert_eq!(error_status(ErrorCode::Cancelled, None), 499);
         assert_eq!(error_status(ErrorCode::Cancelled, Some(200)), 499);
+    }
+
+    #[test]
+    fn a_cancel_taken_is_202_recorded_or_200_finished_and_unknown_is_left_to_the_caller() {
+        for (state, status, body) in [
+            (CancelState::Recorded, 202, r#"{"cancel":"recorded"}"#),
+            (CancelState::Finished, 200, r#"{"cancel":"finished"}"#),
+        ] {
+            let answer = cancel_taken("gw-1", state).expect("taken");
+            assert_eq!(answer.status, status);
+            assert_eq!(answer.body, body.as_bytes());
+            assert_eq!(answer.outcome, CANCEL);
+            assert!(
+                answer
+                    .headers
+                    .contains(&("location".into(), "/_webproxy/replies/gw-1".into()))
+            );
+        }
+        assert_eq!(cancel_taken("gw-1", CancelState::Unknown), None);
     }
 
     #[test]

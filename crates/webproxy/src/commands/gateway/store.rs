@@ -1,8 +1,8 @@
 //! The gateway's two KV buckets, declared with the service's in the dispatcher's
 //! `state.rs` and reached through its `StateBucket`: `<PREFIX>_GATEWAY_KEY`, the shared
 //! HMAC key when `[gateway] key` is unset, and `<PREFIX>_GATEWAY`, each minted id's
-//! route, token identity and origin (and a keyed id's request fingerprint), kept for
-//! `reply_max_age`. The records bucket is
+//! route, token identity, origin and message id (and a keyed id's request
+//! fingerprint), kept for `reply_max_age`. The records bucket is
 //! made again when the server confirms it gone; the key bucket never is, and the key is
 //! made by a gateway only on a deployment's first start (neither bucket there), else
 //! only by `webproxy gateway key rotate` or `restore`. Only gateways and operators
@@ -33,9 +33,11 @@ pub(crate) struct Record {
     /// random id, and in records written before gateways kept it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) request: Option<Fingerprint>,
-    /// The `Nats-Msg-Id` of a request of a `large_bodies` route: the capability
-    /// `body.get` asks for, so a poll can stream a stored body too. Absent for other
-    /// routes' requests (older gateways ignore it).
+    /// The request's `Nats-Msg-Id`: the capability `body.get` and `cancel` ask for,
+    /// so a poll can stream a stored body and a `DELETE` can take the request back.
+    /// Kept for every request (only gateways and operators read this bucket); absent
+    /// in records written by gateways that kept it only for `large_bodies` routes, or
+    /// not at all (older gateways ignore it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) msg_id: Option<String>,
 }
