@@ -226,6 +226,16 @@ async fn conclude<'a>(
         .as_ref()
         .map(|watch| watch.token())
         .unwrap_or_default();
+    // Recorded while the bodies were made ready: no attempt yet, none made.
+    if let Some(error) = underway.cancelled(info.delivered > 1) {
+        return Ending::error(
+            conversation,
+            underway,
+            error,
+            AckKind::Ack,
+            shared.outlet.max_payload,
+        );
+    }
     let started = (clock::now_utc(), std::time::Instant::now());
     // A cancel recorded now drops the call: the HTTP request goes with its future.
     let attempted = tokio::select! {

@@ -1,5 +1,5 @@
 //! What the commands that talk to a running deployment share (`send`, `pools`,
-//! `dead`, `config`): their NATS options, connecting, reading a stream to its end, and an outlet
+//! `dead`, `cancel`, `config`): their NATS options, connecting, reading a stream to its end, and an outlet
 //! into the dispatcher's own settle and replay code.
 
 use std::ops::ControlFlow;
