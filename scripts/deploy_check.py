@@ -52,9 +52,13 @@ SET_FILE = r"--set-file 'configMap.merge.data.authorization\.conf=deploy/nats/au
 GATEWAY = KUBE / "gateway"
 GATEWAY_KINDS = ["Deployment", "Service", "NetworkPolicy", "ConfigMap"]
 GATEWAY_CONTAINER = "webproxy-gateway"
-# deploy/nats/authorization.conf's users for the gateway and the service.
+# deploy/nats/authorization.conf's users for the gateway, the service and the operators,
+# and its two accounts.
 GATEWAY_NATS_USER = "gateway"
 SERVICE_NATS_USER = "webproxy"
+OPERATOR_NATS_USER = "operator"
+SERVICE_ACCOUNT = "WEBPROXY"
+CALLERS_ACCOUNT = "CALLERS"
 SCHEMAS = DEPLOY / "schemas"
 
 # The oldest Kubernetes the base supports (PodDisruptionBudget's
@@ -98,6 +102,9 @@ METRICS = {
     "webproxy_pool_parked": {"pool"},
     "webproxy_pool_max_in_flight": {"pool"},
     "webproxy_dead_letters_total": {"pool", "code"},
+    # Conversations a cancel ended (issue 35), by where it found them: waiting,
+    # parked or in_flight.
+    "webproxy_conversations_cancelled_total": {"pool", "state"},
     "webproxy_consumer_recreations_total": {"pool"},
     "webproxy_nats_connected": set(),
     "webproxy_config_revision": set(),
@@ -367,6 +374,7 @@ def check_deployment_agrees(
     env = pod_environment("the Deployment", container, secrets, report)
     check_nats_user("the service", env, SERVICE_NATS_USER, nats_passwords, report)
     check_service_stream_rights(config, report)
+    check_cancel_rights(config, report)
     check_volumes("the Deployment", spec, configmap, secrets, report)
     checked = check_config(webproxy, "the ConfigMap's webproxy.toml", text, report, env)
 
@@ -542,6 +550,69 @@ def publish_permissions(user: str) -> tuple[list[str], list[str]]:
     return allow, deny
 
 
+def subscribe_permissions(user: str) -> tuple[list[str], list[str]]:
+    """The subjects `user` may subscribe to (allow) and may not (deny) in
+    authorization.conf."""
+    block = user_block(user)
+    subscribe = re.search(r"subscribe:\s*\{(.*?)\}", block, re.S)
+    body = subscribe.group(1) if subscribe else ""
+    lists = {kind: re.search(rf"{kind}:\s*\[(.*?)\]", body, re.S) for kind in ("allow", "deny")}
+    allow, deny = (re.findall(r'"([^"]+)"', m.group(1)) if m else [] for m in lists.values())
+    return allow, deny
+
+
+def unrestricted(user: str) -> bool:
+    """Whether authorization.conf gives `user` no permissions block: it may then publish
+    and subscribe to anything in its account."""
+    return "permissions:" not in user_block(user)
+
+
+def may_subscribe(user: str, subject: str) -> bool:
+    """Whether authorization.conf lets `user` subscribe to `subject` (a deny wins)."""
+    if unrestricted(user):
+        return True
+    allow, deny = subscribe_permissions(user)
+    return any(subject_matches(p, subject) for p in allow) and not any(subject_matches(p, subject) for p in deny)
+
+
+def answers_imported_requests(user: str) -> bool:
+    """Whether `user` may answer requests it received whatever their reply subject
+    (`allow_responses`): the only way to answer a request imported from another
+    account, whose reply subject the server makes up."""
+    return re.search(r"\ballow_responses:\s*true\b", user_block(user)) is not None
+
+
+def account_block(account: str) -> str:
+    """authorization.conf's block of `account`, without comments, up to the next
+    account (accounts open two spaces in, `NAME: {`)."""
+    text = authorization_text()
+    starts = [(m.group(1), m.start()) for m in re.finditer(r"^  ([A-Z][A-Z0-9_]*):\s*\{", text, re.M)]
+    for i, (name, start) in enumerate(starts):
+        if name == account:
+            return text[start : starts[i + 1][1]] if i + 1 < len(starts) else text[start:]
+    return ""
+
+
+def account_users(account: str) -> set[str]:
+    """The users of `account` in authorization.conf."""
+    return set(re.findall(r"\buser:\s*([A-Za-z0-9_-]+)", account_block(account)))
+
+
+def account_imports(account: str) -> list[tuple[str, str, str]]:
+    """What `account` imports: (service or stream, from which account, subject)."""
+    return re.findall(
+        r"\{\s*(service|stream):\s*\{\s*account:\s*([A-Za-z0-9_]+)\s*,\s*subject:\s*\"([^\"]+)\"", account_block(account)
+    )
+
+
+def account_exports(account: str) -> list[tuple[str, str, set[str]]]:
+    """What `account` exports: (service or stream, subject, the accounts it may go to)."""
+    found = re.findall(
+        r"\{\s*(service|stream):\s*\"([^\"]+)\"\s*,\s*accounts:\s*\[([^\]]*)\]", account_block(account)
+    )
+    return [(kind, subject, set(re.findall(r"[A-Za-z0-9_]+", accounts))) for kind, subject, accounts in found]
+
+
 def subject_matches(pattern: str, subject: str) -> bool:
     """Whether a NATS subject pattern matches a subject, token by token: `*` is one
     whole token, `>` the rest."""
@@ -580,7 +651,7 @@ def stream_names(config: dict) -> dict[str, str | set[str]]:
         "pool_replies": {f"{upper}_POOL_{pool}_REPLIES" for pool in pools},
         "pool_dead": {f"{upper}_POOL_{pool}_DEAD" for pool in pools},
         "fences": {f"{upper}_FENCE_REPLIES"} | {f"{upper}_FENCE_POOL_{pool}" for pool in pools},
-        "service_buckets": {f"KV_{upper}_{b}" for b in ("PROGRESS", "CONFIG", "INSTANCES", "POOL_STATE", "RATE")},
+        "service_buckets": {f"KV_{upper}_{b}" for b in ("PROGRESS", "CONFIG", "INSTANCES", "POOL_STATE", "RATE", "CANCELS")},
         "gateway_buckets": {f"KV_{upper}_{b}" for b in ("GATEWAY", "GATEWAY_KEY")},
     }
 
@@ -610,6 +681,68 @@ def check_service_stream_rights(config: dict, report: Report) -> None:
             n for n in names["service_buckets"] | names["fences"] if not may_publish(SERVICE_NATS_USER, f"$JS.API.STREAM.{verb}.{n}")
         )
         report.check(not missing, f"authorization.conf's service user may STREAM.{verb} its buckets and fences", f"missing: {missing}")
+
+
+def check_cancel_rights(config: dict, report: Report) -> None:
+    """Who may send and answer cancels (issue 35). A caller's cancel carries the
+    message id it published with, its capability; an operator's, on admin.cancel, the
+    origin alone, so the subject is the only check (core NATS carries no sender
+    identity). The callers' account imports `<prefix>.cancel` alone, as a service
+    (one answer per request), and nothing that reaches admin.cancel; every caller may
+    publish the first and is refused the second; the gateway (its DELETE) publishes
+    cancel; in webproxy's account only the operator user may publish admin.cancel; the
+    service alone subscribes to either, in any account (a subscriber would read the
+    callers' message ids), and answers requests from the callers' account
+    (`allow_responses`)."""
+    prefix = config.get("streams", {}).get("prefix", "webproxy")
+    cancel, admin_cancel = f"{prefix}.cancel", f"{prefix}.admin.cancel"
+    imports = account_imports(CALLERS_ACCOUNT)
+    reaching = sorted(f"{kind} {subject}" for kind, source, subject in imports if subject_matches(subject, cancel))
+    report.check(
+        reaching == [f"service {cancel}"]
+        and (("service", SERVICE_ACCOUNT, cancel) in imports),
+        f"authorization.conf's {CALLERS_ACCOUNT} imports {cancel} alone, as a service of {SERVICE_ACCOUNT}",
+        f"imports that reach it: {reaching}",
+    )
+    exports = account_exports(SERVICE_ACCOUNT)
+    report.check(
+        any(kind == "service" and subject == cancel and CALLERS_ACCOUNT in accounts for kind, subject, accounts in exports),
+        f"authorization.conf's {SERVICE_ACCOUNT} exports {cancel} to {CALLERS_ACCOUNT} as a service",
+        f"exports: {exports}",
+    )
+    leaks = sorted(
+        {f"import {subject}" for _, _, subject in imports if subject_matches(subject, admin_cancel)}
+        | {f"export {subject}" for _, subject, _ in exports if subject_matches(subject, admin_cancel)}
+    )
+    report.check(not leaks, f"authorization.conf neither exports nor imports {admin_cancel}", f"{leaks}")
+    callers = sorted(account_users(CALLERS_ACCOUNT))
+    report.check(bool(callers), f"authorization.conf's {CALLERS_ACCOUNT} has caller users")
+    unable = [user for user in callers if unrestricted(user) or not may_publish(user, cancel)]
+    report.check(not unable, f"every caller user may publish {cancel}", f"unable: {unable}")
+    able = [user for user in callers if unrestricted(user) or may_publish(user, admin_cancel)]
+    report.check(not able, f"no caller user may publish {admin_cancel}", f"able: {able}")
+    report.check(
+        may_publish(GATEWAY_NATS_USER, cancel),
+        f"authorization.conf's gateway user may publish {cancel} (its DELETE /_webproxy/replies/<id>)",
+    )
+    operators = sorted(user for user in account_users(SERVICE_ACCOUNT) if unrestricted(user) or may_publish(user, admin_cancel))
+    report.check(
+        operators == [OPERATOR_NATS_USER],
+        f"in {SERVICE_ACCOUNT}, exactly authorization.conf's operator user may publish {admin_cancel}",
+        f"able: {operators}",
+    )
+    users = account_users(SERVICE_ACCOUNT) | account_users(CALLERS_ACCOUNT)
+    for subject in (cancel, admin_cancel):
+        subscribers = sorted(user for user in users if may_subscribe(user, subject))
+        report.check(
+            subscribers == [SERVICE_NATS_USER],
+            f"exactly authorization.conf's service user may subscribe to {subject}",
+            f"subscribers: {subscribers}",
+        )
+    report.check(
+        answers_imported_requests(SERVICE_NATS_USER),
+        "authorization.conf's service user answers requests imported from the callers' account (allow_responses)",
+    )
 
 
 def check_gateway_stream_rights(config: dict, report: Report) -> None:

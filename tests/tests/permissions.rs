@@ -2,7 +2,9 @@
 //! the service, the operator, the HTTP gateway and an isolated caller each hold one
 //! conversation with what the file allows them, and each is refused one named
 //! operation, which the server must report as a permissions violation. Widening any of
-//! those permissions fails this test.
+//! those permissions fails this test. Cancels (issue 35) cross exactly where the file
+//! lets them: callers and the gateway on `webproxy.cancel`, the operator alone on
+//! `webproxy.admin.cancel`, each answered by the service.
 
 use std::time::Duration;
 
@@ -10,13 +12,15 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::{self, ErrorCode, context::GetStreamErrorKind, stream};
 use serde_json::{Value, json};
-use webproxy_client::new_id;
-use webproxy_protocol::{Reply, header};
+use webproxy_client::{Client, Request, new_id};
+use webproxy_protocol::{
+    AdminCancelRequest, CancelAnswer, CancelErrorCode, CancelRequest, CancelState, Reply, header,
+};
 use webproxy_tests::authorized::{
     Admin, Caller, GATEWAY_USER, OPERATOR_USER, Origin, SERVICE_USER, as_operator, connect_as,
     header as header_of, origin_of, service_as, stored_msg_id, violation,
 };
-use webproxy_tests::caller::{REPLY_TIMEOUT, path_rule};
+use webproxy_tests::caller::{REPLY_TIMEOUT, next_message, path_rule};
 use webproxy_tests::{Gateway, NatsServer, Service, Upstream, http_client, wait_for};
 
 /// The pool deploy/kubernetes/gateway/webproxy.toml's route names, the one pool the
@@ -422,4 +426,157 @@ async fn the_operators_pools_remove_answers_an_isolated_caller_into_its_stream()
         Some(stored_msg_id(&origin, 0, "reply").as_str())
     );
     assert_eq!(scene.upstream.hits_for("/echo"), 0);
+}
+
+/// Where callers take a request back (issue 35): `webproxy.cancel`, imported into the
+/// callers' account alone, with the message id as the capability.
+const CANCEL: &str = "webproxy.cancel";
+
+/// Where operators cancel by origin alone: only the file's operator user may publish it.
+const ADMIN_CANCEL: &str = "webproxy.admin.cancel";
+
+/// An origin of the pool `partner` that names no conversation: a pool stream's first
+/// sequence is a time in microseconds, so sequence 1 was never stored.
+const MADE_UP_ORIGIN: &str = "WEBPROXY_POOL_PARTNER:1";
+
+/// Issue 35: cancels cross exactly where the file lets them. A caller of the callers'
+/// account sends its cancels on the imported `webproxy.cancel` and the service answers
+/// (`unknown` for an origin that names nothing, `recorded` for its own request in
+/// flight, whose reply then says `cancelled`); the caller is refused
+/// `webproxy.admin.cancel` and subscribing to the cancels of others. The operator user
+/// cancels by origin on `webproxy.admin.cancel` and gets an answer; the gateway user
+/// sends a cancel on `webproxy.cancel` and gets one, and is refused the operator's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancels_reach_the_service_exactly_where_the_file_lets_them() {
+    cancels_on(NatsServer::start_authorized()).await;
+}
+
+/// The cancel test of [`cancels_reach_the_service_exactly_where_the_file_lets_them`] on
+/// `nats`: a server with the file's users, as shipped or (by hand) altered.
+async fn cancels_on(nats: NatsServer) {
+    let scene = Scene::start_on(nats).await;
+
+    // The isolated caller, as a client: a cancel of an origin that names nothing is
+    // answered, through the import, on its own inbox.
+    let caller = Caller::connect(&scene.nats, "caller_a").await;
+    let client = Client::new(caller.nats.clone(), "webproxy")
+        .and_then(|c| c.with_caller(&caller.name))
+        .expect("a client as caller_a");
+    let made_up = MADE_UP_ORIGIN.parse().expect("an origin");
+    let unknown = client
+        .cancel(&new_id(), &made_up, &new_id())
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "caller_a's cancel of nothing: {e}\n{}",
+                scene.service.logs()
+            )
+        });
+    assert_eq!(unknown, CancelState::Unknown);
+
+    // Its own request, held at the upstream: recorded, the attempt dropped, and the
+    // reply copied to its reply space says so.
+    let id = new_id();
+    let reply_to = caller.reply_to(&id);
+    let mut replies = caller
+        .nats
+        .subscribe(reply_to.clone())
+        .await
+        .expect("subscribe to the reply_to");
+    caller.nats.flush().await.expect("flush");
+    let request = Request::new("GET", scene.upstream.url("/hang"))
+        .id(&id)
+        .pool(GATEWAY_POOL)
+        .reply_to(&reply_to);
+    let submitted = client
+        .submit(&request)
+        .await
+        .expect("caller_a's request stored");
+    let what = format!("the attempt at the upstream\n{}", scene.service.logs());
+    wait_for(REPLY_TIMEOUT, &what, || async {
+        (scene.upstream.hits_for("/hang") == 1).then_some(())
+    })
+    .await;
+    let recorded = client
+        .cancel(&submitted.id, &submitted.origin, &submitted.msg_id)
+        .await
+        .unwrap_or_else(|e| panic!("caller_a's cancel: {e}\n{}", scene.service.logs()));
+    assert_eq!(recorded, CancelState::Recorded);
+    let what = format!("the cancelled reply\n{}", scene.service.logs());
+    let reply = next_message(&mut replies, REPLY_TIMEOUT, &what).await;
+    let reply: Reply = serde_json::from_slice(&reply.payload).expect("reply JSON");
+    assert_eq!(
+        reply.error.as_ref().map(|e| e.code),
+        Some(webproxy_protocol::ErrorCode::Cancelled),
+        "{reply:?}"
+    );
+    assert_eq!(reply.attempts, 1, "{reply:?}");
+    assert_eq!(scene.upstream.hits_for("/hang"), 1, "no second attempt");
+
+    // Refused: the caller cancelling by origin alone, and listening to others' cancels
+    // (their message ids are their capabilities).
+    scene
+        .refused("caller_a", ADMIN_CANCEL, Some("callers.a._INBOX"))
+        .await;
+    let (as_caller_b, mut errors) =
+        connect_as(&scene.nats, "caller_b", Some("callers.b._INBOX")).await;
+    let _listening = as_caller_b
+        .subscribe(CANCEL.to_owned())
+        .await
+        .expect("subscribe");
+    as_caller_b.flush().await.expect("flush");
+    violation(&mut errors, CANCEL, REPLY_TIMEOUT).await;
+
+    // The operator: a cancel by origin alone, answered; the caller's conversation has
+    // its final reply.
+    let (as_operator, _) = connect_as(&scene.nats, OPERATOR_USER, None).await;
+    let admin = AdminCancelRequest {
+        origin: submitted.origin.to_string(),
+    };
+    let admin = serde_json::to_vec(&admin).expect("JSON");
+    let answer = ask_cancel(&scene, &as_operator, ADMIN_CANCEL, admin).await;
+    assert_eq!(answer, CancelAnswer::state(CancelState::Finished));
+
+    // The gateway (its DELETE): a cancel on webproxy.cancel, answered on its inbox with
+    // the very bytes of an unknown origin. Refused: the operator's cancel.
+    let (as_gateway, _) = connect_as(&scene.nats, GATEWAY_USER, Some("_WEBPROXY_INBOX.test")).await;
+    let cancel = CancelRequest {
+        id: new_id(),
+        origin: MADE_UP_ORIGIN.to_owned(),
+        msg_id: new_id(),
+    };
+    let cancel = serde_json::to_vec(&cancel).expect("JSON");
+    let answer = ask_cancel(&scene, &as_gateway, CANCEL, cancel).await;
+    assert_eq!(
+        answer.encode(),
+        CancelAnswer::state(CancelState::Unknown).encode()
+    );
+    scene
+        .refused(GATEWAY_USER, ADMIN_CANCEL, Some("_WEBPROXY_INBOX.test"))
+        .await;
+}
+
+/// Sends the cancel `payload` on `subject` over `nats` and returns the service's
+/// answer, asked again while it is `busy`. No responders (nothing of the service's
+/// reachable on `subject`) fails at once.
+async fn ask_cancel(
+    scene: &Scene,
+    nats: &async_nats::Client,
+    subject: &str,
+    payload: Vec<u8>,
+) -> CancelAnswer {
+    let what = format!("an answer on {subject}\n{}", scene.service.logs());
+    wait_for(REPLY_TIMEOUT, &what, || async {
+        let answer = nats
+            .request(subject.to_owned(), payload.clone().into())
+            .await
+            .unwrap_or_else(|e| panic!("a request on {subject}: {e}\n{}", scene.service.logs()));
+        let answer: CancelAnswer = serde_json::from_slice(&answer.payload).expect("an answer");
+        let busy = answer
+            .error
+            .as_ref()
+            .is_some_and(|e| e.code == CancelErrorCode::Busy);
+        (!busy).then_some(answer)
+    })
+    .await
 }
