@@ -732,14 +732,18 @@ async fn the_pools_limit_holds_while_cancels_land() {
 /// starts once the attempt is at the upstream. A's connection to NATS is then cut, so
 /// that A cannot learn of the cancel and end the conversation itself (and the cancel
 /// is answered by B, the only instance the server still knows), and A is killed as
-/// soon as the cancel is recorded. The message comes back to B once `ack_wait` (2 s)
+/// soon as the cancel is recorded. The message comes back to B once `ack_wait` (5 s)
 /// has passed since A's last progress ack; 30 s allows for that on a loaded machine.
+/// `ack_wait` is 5 s, not less, so that the cancel is recorded before the redelivery
+/// reaches B even when the first ask went to A's dying subscription and timed out
+/// (2 s): a redelivery that came first would rightly attempt, and be dropped by the
+/// cancel in flight, which is another test's case.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_killed_right_after_a_cancel_leaves_the_redelivery_to_end_it() {
     let nats = NatsServer::start();
     let upstream = Upstream::start().await;
     let config = format!(
-        "[service]\nack_wait = \"2s\"\n\n{}",
+        "[service]\nack_wait = \"5s\"\n\n{}",
         config(&upstream, 1, "max_retries = 2\nretry_delay = \"100ms\"")
     );
     let relay = Relay::start(SocketAddr::from((Ipv4Addr::LOCALHOST, nats.port()))).await;

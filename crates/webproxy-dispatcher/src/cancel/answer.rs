@@ -1,10 +1,14 @@
 //! `<prefix>.cancel` and `<prefix>.admin.cancel`: a cancel looked up and recorded.
-//! Every cancel makes the same three lookups, each by a literal subject when the
-//! caller names the id: the conversation's stored reply, the progress record of the
-//! generation after it, and the request message in its pool stream. The pure
-//! [`decide`] reads them: a conversation under way is recorded at its current
-//! generation, one with its final reply is `finished`, and anything else, a message id
-//! that is not the publisher's included, is `unknown`, byte for byte.
+//! Every cancel makes the same four lookups, each by a literal subject when the caller
+//! names the id: the conversation's stored reply (for its generation), the request
+//! message in its pool stream, the progress record of the generation after the reply,
+//! and the stored reply again. They are made in the order a conversation leaves its
+//! states (the message is acked only after a park's record or the reply is stored, a
+//! record is purged only after the reply is stored), so a conversation that moves on
+//! while it is looked up is still found in one of them. The pure [`decide`] reads
+//! them: a conversation under way is recorded at its current generation, one with its
+//! final reply is `finished`, and anything else, a message id that is not the
+//! publisher's included, is `unknown`, byte for byte.
 
 use std::time::Duration;
 
@@ -108,8 +112,10 @@ fn invalid(message: impl Into<String>) -> CancelAnswer {
 /// What the lookups found of a conversation.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct Found {
-    /// The stored reply's generation and the message-id hash it carries.
+    /// The stored reply's generation and the message-id hash it carries, read first.
     pub(crate) reply: Option<(u64, Option<String>)>,
+    /// The stored reply read last: one the conversation stored while it was looked up.
+    pub(crate) reply_after: Option<(u64, Option<String>)>,
     /// The progress record of the generation after the stored reply's (or of 0), with
     /// its hash: a parked, moved or replayed conversation.
     pub(crate) record: Option<Option<String>>,
@@ -153,6 +159,16 @@ pub(crate) fn decide(found: &Found, asker: Asker<'_>) -> Decision {
         }),
     };
     let next = found.next_generation();
+    // Finished while it was looked up: what the record or the message said is past.
+    if let Some((generation, kept)) = &found.reply_after
+        && *generation >= next
+    {
+        return if shown(kept) {
+            Decision::Finished
+        } else {
+            Decision::Unknown
+        };
+    }
     if let Some(kept) = &found.record {
         return if shown(kept) {
             Decision::Record { generation: next }
@@ -249,35 +265,48 @@ impl Answerer {
         }
     }
 
-    /// The three lookups, made whatever each finds.
+    /// The four lookups, made whatever each finds, in the order a conversation leaves
+    /// its states.
     async fn look_up(&self, origin: &Origin, id: Option<&str>) -> Result<Found, String> {
-        let outlet = &self.outlet;
-        let reply = match id {
-            Some(id) => {
-                let subject = outlet.subjects.stored_reply(id, origin);
-                stored_reply::answering(outlet, &subject, origin, 0)
-                    .await
-                    .map_err(|e| format!("stored reply: {e}"))?
-                    .map(|reply| (reply.generation, kept_hash(reply.message.headers.as_ref())))
-            }
-            None => self.any_stored_reply(origin).await?,
-        };
+        let reply = self.stored_reply(origin, id).await?;
+        let message = self.request_message(origin).await?;
         let found = Found {
             reply,
+            message,
             ..Found::default()
         };
-        let record = outlet
+        let record = self
+            .outlet
             .progress
             .load(origin, found.next_generation())
             .await
             .map_err(|e| e.to_string())?
             .map(|(record, _)| record.hop.msg_id_sha256);
-        let message = self.request_message(origin).await?;
+        let reply_after = self.stored_reply(origin, id).await?;
         Ok(Found {
             record,
-            message,
+            reply_after,
             ..found
         })
+    }
+
+    /// The conversation's stored reply: on its literal subject when the id is known.
+    async fn stored_reply(
+        &self,
+        origin: &Origin,
+        id: Option<&str>,
+    ) -> Result<Option<(u64, Option<String>)>, String> {
+        let outlet = &self.outlet;
+        match id {
+            Some(id) => {
+                let subject = outlet.subjects.stored_reply(id, origin);
+                Ok(stored_reply::answering(outlet, &subject, origin, 0)
+                    .await
+                    .map_err(|e| format!("stored reply: {e}"))?
+                    .map(|reply| (reply.generation, kept_hash(reply.message.headers.as_ref()))))
+            }
+            None => self.any_stored_reply(origin).await,
+        }
     }
 
     /// The stored reply of `origin` whatever its id (an operator names none): the one
@@ -296,6 +325,7 @@ impl Answerer {
         let subject = match stream.get_first_raw_message_by_subject(&wildcard, 0).await {
             Ok(message) => message.subject.to_string(),
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+            Err(e) if stored_reply::stream_missing(&e) => return Ok(None),
             Err(e) => return Err(format!("stored reply: {e}")),
         };
         Ok(stored_reply::answering(outlet, &subject, origin, 0)
@@ -319,6 +349,8 @@ impl Answerer {
                     .and_then(|id| capability_sha256(id.as_str())),
             )),
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            // An origin of no pool stream names no conversation.
+            Err(e) if stored_reply::stream_missing(&e) => Ok(None),
             Err(e) => Err(format!("pool stream: {e}")),
         }
     }
@@ -382,7 +414,7 @@ mod tests {
         let replayed = Found {
             reply: Some((2, kept())),
             record: Some(kept()),
-            message: None,
+            ..Found::default()
         };
         assert_eq!(
             decide(&replayed, CALLER),
@@ -395,12 +427,42 @@ mod tests {
     fn a_stored_reply_is_finished_even_before_its_message_is_acked() {
         let settling = Found {
             reply: Some((0, kept())),
-            record: None,
             message: Some(kept()),
+            ..Found::default()
         };
         assert_eq!(decide(&settling, CALLER), Decision::Finished);
         assert_eq!(decide(&settling, STRANGER), Decision::Unknown);
         assert_eq!(decide(&settling, Asker::Operator), Decision::Finished);
+    }
+
+    #[test]
+    fn a_conversation_that_finished_while_looked_up_is_finished() {
+        // Acked before the message lookup, its record purged before the record lookup:
+        // only the second read of the stored reply finds it.
+        let gone = Found {
+            reply_after: Some((0, kept())),
+            ..Found::default()
+        };
+        assert_eq!(decide(&gone, CALLER), Decision::Finished);
+        assert_eq!(decide(&gone, STRANGER), Decision::Unknown);
+        // Parked when looked up, finished by the last read.
+        let settled = Found {
+            record: Some(kept()),
+            reply_after: Some((0, kept())),
+            ..Found::default()
+        };
+        assert_eq!(decide(&settled, CALLER), Decision::Finished);
+        // A replay under way is not finished by the reply of the generation before.
+        let replaying = Found {
+            reply: Some((0, kept())),
+            record: Some(kept()),
+            reply_after: Some((0, kept())),
+            ..Found::default()
+        };
+        assert_eq!(
+            decide(&replaying, CALLER),
+            Decision::Record { generation: 1 }
+        );
     }
 
     #[test]

@@ -48,7 +48,7 @@ async fn last_in(
 }
 
 /// The stream read does not exist (err_code 10059).
-fn stream_missing(e: &LastRawMessageError) -> bool {
+pub(crate) fn stream_missing(e: &LastRawMessageError) -> bool {
     matches!(e.kind(), LastRawMessageErrorKind::JetStream(ref js)
         if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
 }
