@@ -29,7 +29,7 @@ use webproxy_protocol::{
 };
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
 use webproxy_tests::{
-    Gate, NatsServer, Relay, Service, Upstream, default_routes, http_client, wait_for, wait_until,
+    Gate, NatsServer, Relay, Service, Upstream, default_routes, wait_for, wait_until,
 };
 
 /// The answer to a cancel of an unknown origin, which a wrong message id must get
@@ -158,33 +158,35 @@ async fn stored_count(js: &jetstream::Context, subjects: &Subjects, submitted: &
     count
 }
 
-/// `webproxy_conversations_cancelled_total` for the default pool and `state`, as
-/// `service` exposes it now (labels in whatever order it writes them).
-async fn cancelled_total(service: &Service, state: &str) -> Option<f64> {
-    let text = http_client()
-        .get(format!("{}/metrics", service.health_url()))
-        .timeout(Duration::from_secs(1))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    let state = format!("state=\"{state}\"");
-    text.lines()
-        .filter(|line| line.starts_with("webproxy_conversations_cancelled_total{"))
-        .find(|line| line.contains("pool=\"default\"") && line.contains(&state))
-        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
-}
-
-/// Waits until the metric counts `count` cancels of conversations in `state`.
+/// Waits until the metric counts `count` cancels of the default pool's conversations in
+/// `state`.
 async fn assert_cancelled_total(service: &Service, state: &str, count: f64) {
+    let series =
+        format!("webproxy_conversations_cancelled_total{{pool=\"default\",state=\"{state}\"}}");
     wait_until(
         Duration::from_secs(10),
-        &format!("webproxy_conversations_cancelled_total{{state=\"{state}\"}} = {count}"),
-        || async { cancelled_total(service, state).await == Some(count) },
+        &format!("{series} = {count}"),
+        || async { service.metric(&series).await == Some(count) },
     )
     .await;
+}
+
+/// A gated pool of one slot whose slot the first request holds at the upstream, and a
+/// second request waiting behind it: that one, to be cancelled.
+async fn one_waiting(h: &Harness) -> (Submitted, Submitted) {
+    let first = submit(h, "/gated/0").await;
+    wait_until(
+        REPLY_TIMEOUT,
+        "the first request to hold the slot",
+        || async { h.upstream.hits_for("/gated/0") == 1 },
+    )
+    .await;
+    let waiting = submit(h, "/echo").await;
+    wait_until(REPLY_TIMEOUT, "the second request to wait", || async {
+        h.pool_consumer("default").await.num_pending == 1
+    })
+    .await;
+    (first, waiting)
 }
 
 /// The request to cancel waits behind a busy pool of one slot; it is answered
@@ -193,18 +195,7 @@ async fn assert_cancelled_total(service: &Service, state: &str, count: f64) {
 async fn a_waiting_conversation_is_cancelled_without_an_attempt() {
     let gate = Gate::new();
     let h = Harness::start_with_upstream(gated_upstream(&gate).await, |up| config(up, 1, "")).await;
-    let first = submit(&h, "/gated/0").await;
-    wait_until(
-        REPLY_TIMEOUT,
-        "the first request to hold the slot",
-        || async { h.upstream.hits_for("/gated/0") == 1 },
-    )
-    .await;
-    let waiting = submit(&h, "/echo").await;
-    wait_until(REPLY_TIMEOUT, "the second request to wait", || async {
-        h.pool_consumer("default").await.num_pending == 1
-    })
-    .await;
+    let (first, waiting) = one_waiting(&h).await;
 
     assert_eq!(cancel(&h, &waiting).await, CancelState::Recorded);
     gate.pass(1);
@@ -831,18 +822,7 @@ async fn cancel_until_answered(
 async fn an_operator_cancels_by_origin_alone() {
     let gate = Gate::new();
     let h = Harness::start_with_upstream(gated_upstream(&gate).await, |up| config(up, 1, "")).await;
-    let first = submit(&h, "/gated/0").await;
-    wait_until(
-        REPLY_TIMEOUT,
-        "the first request to hold the slot",
-        || async { h.upstream.hits_for("/gated/0") == 1 },
-    )
-    .await;
-    let waiting = submit(&h, "/echo").await;
-    wait_until(REPLY_TIMEOUT, "the second request to wait", || async {
-        h.pool_consumer("default").await.num_pending == 1
-    })
-    .await;
+    let (first, waiting) = one_waiting(&h).await;
 
     let request = AdminCancelRequest {
         origin: waiting.origin.to_string(),
