@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use webproxy_client::{Client, Request};
 use webproxy_tests::caller::accept_rule;
+use webproxy_tests::gateway_routes::{token_options, token_routes};
 use webproxy_tests::{
     Gate, Gateway, NatsServer, SecretVolume, Service, ServiceOptions, TestCa, Upstream,
     default_routes, http_client, run_webproxy, wait_for, wait_until, webproxy_bin,
@@ -554,21 +555,6 @@ async fn a_wait_that_runs_out_and_respond_async_give_202_then_the_reply() {
     let answer = reply_at(&scene.gateway.url(&location), &[]).await;
     assert_eq!(answer.status(), 200);
     assert_eq!(header(&answer, "x-custom"), "one");
-}
-
-/// Two token routes to the upstream: `/a` (token in `Proxy-Authorization`) and `/b`
-/// (token in `X-Gateway-Token`), their tokens from the environment.
-fn token_routes(upstream: &str) -> String {
-    format!(
-        "[[gateway.routes]]\npath = \"/a\"\nupstream = \"{upstream}\"\ntoken = {{ env = \"GW_TOKEN_A\" }}\n\n\
-         [[gateway.routes]]\npath = \"/b\"\nupstream = \"{upstream}\"\ntoken = {{ env = \"GW_TOKEN_B\" }}\ntoken_header = \"X-Gateway-Token\"\n"
-    )
-}
-
-fn token_options() -> ServiceOptions {
-    ServiceOptions::default()
-        .env("GW_TOKEN_A", "alpha-secret")
-        .env("GW_TOKEN_B", "beta-secret")
 }
 
 /// Tokens: a missing or wrong token is 407 (401 for a route's own header) and

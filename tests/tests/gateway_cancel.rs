@@ -13,6 +13,7 @@ use async_nats::jetstream;
 use reqwest::{RequestBuilder, Response};
 use serde_json::Value;
 use webproxy_tests::caller::accept_rule;
+use webproxy_tests::gateway_routes::{token_options, token_routes};
 use webproxy_tests::{
     Gate, Gateway, NatsServer, Service, ServiceOptions, Upstream, default_routes, http_client,
     wait_for, wait_until,
@@ -116,21 +117,6 @@ fn with(mut request: RequestBuilder, headers: &[(&str, &str)]) -> RequestBuilder
 /// One open route `/svc`.
 fn open_route(upstream: &str) -> String {
     format!("[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{upstream}\"\n")
-}
-
-/// Two token routes: `/a` (token in `Proxy-Authorization`) and `/b` (token in
-/// `X-Gateway-Token`).
-fn token_routes(upstream: &str) -> String {
-    format!(
-        "[[gateway.routes]]\npath = \"/a\"\nupstream = \"{upstream}\"\ntoken = {{ env = \"GW_TOKEN_A\" }}\n\n\
-         [[gateway.routes]]\npath = \"/b\"\nupstream = \"{upstream}\"\ntoken = {{ env = \"GW_TOKEN_B\" }}\ntoken_header = \"X-Gateway-Token\"\n"
-    )
-}
-
-fn token_options() -> ServiceOptions {
-    ServiceOptions::default()
-        .env("GW_TOKEN_A", "alpha-secret")
-        .env("GW_TOKEN_B", "beta-secret")
 }
 
 fn header<'a>(response: &'a Response, name: &str) -> &'a str {
