@@ -171,6 +171,34 @@ async fn assert_cancelled_total(service: &Service, state: &str, count: f64) {
     .await;
 }
 
+/// A request to `/status/503` whose first attempt was made and whose retry is parked
+/// (the pool holds no delivery of it, the retry consumer one).
+async fn one_parked(h: &Harness) -> Submitted {
+    let parked = submit(h, "/status/503").await;
+    let pool =
+        h.js.get_stream(h.subjects.pool_stream("default"))
+            .await
+            .expect("the pool stream");
+    wait_until(
+        REPLY_TIMEOUT,
+        "the first attempt's retry to be parked",
+        || async {
+            let work = pool
+                .consumer_info(h.subjects.pool_consumer("default"))
+                .await;
+            let retry = pool
+                .consumer_info(h.subjects.retry_consumer("default"))
+                .await;
+            matches!((work, retry), (Ok(w), Ok(r))
+            if h.upstream.hits_for("/status/503") == 1
+                && w.num_ack_pending == 0
+                && r.num_pending + r.num_ack_pending as u64 == 1)
+        },
+    )
+    .await;
+    parked
+}
+
 /// A gated pool of one slot whose slot the first request holds at the upstream, and a
 /// second request waiting behind it: that one, to be cancelled.
 async fn one_waiting(h: &Harness) -> (Submitted, Submitted) {
@@ -221,28 +249,7 @@ async fn a_parked_conversation_is_cancelled_when_its_retry_comes_due() {
         )
     })
     .await;
-    let parked = submit(&h, "/status/503").await;
-    let pool =
-        h.js.get_stream(h.subjects.pool_stream("default"))
-            .await
-            .expect("the pool stream");
-    wait_until(
-        REPLY_TIMEOUT,
-        "the first attempt's retry to be parked",
-        || async {
-            let work = pool
-                .consumer_info(h.subjects.pool_consumer("default"))
-                .await;
-            let retry = pool
-                .consumer_info(h.subjects.retry_consumer("default"))
-                .await;
-            matches!((work, retry), (Ok(w), Ok(r))
-            if h.upstream.hits_for("/status/503") == 1
-                && w.num_ack_pending == 0
-                && r.num_pending + r.num_ack_pending as u64 == 1)
-        },
-    )
-    .await;
+    let parked = one_parked(&h).await;
     assert!(
         h.client
             .reply(&parked.id, &parked.origin)
@@ -407,24 +414,7 @@ async fn a_wrong_msg_id_answers_as_an_unknown_origin_in_every_state() {
         .expect("stored");
     assert_eq!(wrong(&finished).await, as_unknown, "finished");
 
-    let parked = submit(&h, "/status/503").await;
-    let pool =
-        h.js.get_stream(h.subjects.pool_stream("default"))
-            .await
-            .expect("the pool stream");
-    wait_until(REPLY_TIMEOUT, "the retry to be parked", || async {
-        let work = pool
-            .consumer_info(h.subjects.pool_consumer("default"))
-            .await;
-        let retry = pool
-            .consumer_info(h.subjects.retry_consumer("default"))
-            .await;
-        matches!((work, retry), (Ok(w), Ok(r))
-            if h.upstream.hits_for("/status/503") == 1
-                && w.num_ack_pending == 0
-                && r.num_pending + r.num_ack_pending as u64 == 1)
-    })
-    .await;
+    let parked = one_parked(&h).await;
     assert_eq!(wrong(&parked).await, as_unknown, "parked");
 
     let in_flight = submit(&h, "/gated/0").await;
