@@ -24,8 +24,8 @@ use futures::StreamExt as _;
 use tokio::sync::mpsc;
 use webproxy_client::{Client, Submitted, new_msg_id};
 use webproxy_protocol::{
-    AdminCancelRequest, CancelAnswer, CancelRequest, CancelState, DeadLetter, ErrorCode, Outcome,
-    Reply, Subjects,
+    AdminCancelRequest, CancelAnswer, CancelRequest, CancelState, DeadLetter, ErrorCode, Origin,
+    Outcome, Reply, Subjects,
 };
 use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
 use webproxy_tests::{
@@ -235,6 +235,54 @@ async fn a_waiting_conversation_is_cancelled_without_an_attempt() {
     assert!(letter.attempts.is_empty(), "{letter:?}");
     assert_eq!(h.upstream.hits_for("/echo"), 0, "the upstream saw it");
     assert_cancelled_total(&h.service, "waiting", 1.0).await;
+}
+
+/// The cancel records in the bucket, as keys: what a caller's cancels have spent.
+async fn cancel_records(h: &Harness) -> Vec<String> {
+    let Ok(bucket) = h.js.get_key_value(h.subjects.cancel_bucket()).await else {
+        return Vec::new();
+    };
+    match bucket.keys().await {
+        Ok(keys) => keys.filter_map(|key| async { key.ok() }).collect().await,
+        Err(_) => Vec::new(),
+    }
+}
+
+/// What one caller can spend on cancel records: one per conversation under way whose
+/// message id it shows, however often it asks, none for a wrong message id or an
+/// unknown origin, and none left once the conversation settles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_records_are_one_per_conversation_under_way_and_go_when_it_settles() {
+    let gate = Gate::new();
+    let h = Harness::start_with_upstream(gated_upstream(&gate).await, |up| config(up, 1, "")).await;
+    let (first, waiting) = one_waiting(&h).await;
+
+    for _ in 0..5 {
+        assert_eq!(cancel(&h, &waiting).await, CancelState::Recorded);
+    }
+    let stranger = Submitted {
+        msg_id: "0123456789abcdef0123456789abcdef".into(),
+        ..first.clone()
+    };
+    assert_eq!(cancel(&h, &stranger).await, CancelState::Unknown);
+    let nowhere = Submitted {
+        origin: Origin::new(first.origin.stream.clone(), 1),
+        ..first.clone()
+    };
+    assert_eq!(cancel(&h, &nowhere).await, CancelState::Unknown);
+    assert_eq!(
+        cancel_records(&h).await,
+        [waiting.origin.record_key(0)],
+        "one record, the waiting conversation's"
+    );
+
+    gate.pass(1);
+    assert_eq!(reply_of(&h, &first, REPLY_TIMEOUT).await.status, Some(200));
+    assert_cancelled(&reply_of(&h, &waiting, REPLY_TIMEOUT).await, 0);
+    wait_until(REPLY_TIMEOUT, "no cancel record once settled", || async {
+        cancel_records(&h).await.is_empty()
+    })
+    .await;
 }
 
 /// A conversation parked for its retry is answered `cancelled` when the retry comes
