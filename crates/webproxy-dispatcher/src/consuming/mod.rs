@@ -28,7 +28,7 @@ use webproxy_config::settings::{Settings, jetstream_request_timeout};
 use webproxy_worker::Worker;
 
 use crate::Instruments;
-use crate::cancel::Cancels;
+use crate::conversation::cancels::Cancels;
 use crate::conversation::pacing::AckWaitPacing;
 use crate::conversation::progress::Progress;
 use crate::conversation::publish::Outlet;
@@ -173,8 +173,8 @@ impl Dispatcher {
         let body_put = crate::body_put::serve(self.live.changes(), shutdown.clone());
         let cancels = running.outlet.cancels.clone();
         let follow_cancels = cancels.follow(shutdown.clone());
-        let answer_cancels = crate::cancel::answer::serve(
-            crate::cancel::answer::Answerer {
+        let answer_cancels = crate::cancel::serve(
+            crate::cancel::Answerer {
                 outlet: running.outlet.clone(),
                 cancels: cancels.clone(),
             },

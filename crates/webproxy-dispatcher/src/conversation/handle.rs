@@ -20,7 +20,7 @@ use super::hop::millis;
 use super::liveness::Liveness;
 use super::settle::{internal, settle};
 use super::{Arrival, Conversation, Revision, Underway};
-use crate::cancel::{By, cancelled_error};
+use crate::conversation::cancels::{By, cancelled_error};
 use crate::observability::trace;
 
 /// Handles one message inside a span whose parent is the caller's trace context, so

@@ -16,6 +16,7 @@ pub(crate) mod attempt;
 pub(crate) mod attempt_claim;
 pub(crate) mod before;
 pub(crate) mod body_store;
+pub(crate) mod cancels;
 pub(crate) mod dead_letter;
 pub(crate) mod delivery;
 pub(crate) mod egress;
@@ -146,7 +147,7 @@ pub(crate) struct Underway<'a> {
     pub(crate) superseded: bool,
     /// The conversation's cancel as this instance knows it, watched while the
     /// delivery runs (none for an operator's one-off ending).
-    pub(crate) cancel: Option<crate::cancel::CancelWatch>,
+    pub(crate) cancel: Option<crate::conversation::cancels::CancelWatch>,
     /// A cancel dropped this delivery's attempt in flight.
     pub(crate) cancelled_in_flight: bool,
 }
@@ -157,7 +158,7 @@ impl<'r> Underway<'r> {
     /// before, and an attempt then may not be recorded).
     pub(crate) fn cancelled(&self, redelivered: bool) -> Option<webproxy_protocol::ErrorBody> {
         let by = self.cancel.as_ref()?.by()?;
-        Some(crate::cancel::cancelled_error(
+        Some(crate::conversation::cancels::cancelled_error(
             by,
             self.attempts.count(),
             false,

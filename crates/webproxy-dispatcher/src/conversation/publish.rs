@@ -3,7 +3,7 @@
 //! other failure is retried a few times and then given up, so that the message is left
 //! for redelivery (where `max_deliver` applies) instead of holding its slot forever.
 
-use crate::cancel::Cancels;
+use crate::conversation::cancels::Cancels;
 use crate::pool::admission::Admissions;
 use std::sync::Arc;
 

@@ -392,7 +392,12 @@ mod rules {
 fn a_recorded_cancel_ends_the_delivery_before_anything_else_is_asked() {
     let settings = settings();
     let parsed = parsed(GET_A);
-    let cancel = crate::cancel::cancelled_error(crate::cancel::By::Caller, 0, false, false);
+    let cancel = crate::conversation::cancels::cancelled_error(
+        crate::conversation::cancels::By::Caller,
+        0,
+        false,
+        false,
+    );
     let mut cancelled = input(&settings, &parsed, "default");
     cancelled.cancelled = Some(cancel.clone());
     // Past max_deliver too: the cancel, not poison, answers it.

@@ -22,7 +22,7 @@ use webproxy_protocol::{
     capability_sha256, header, validate_id,
 };
 
-use super::{By, Cancels};
+use crate::conversation::cancels::{By, Cancels};
 use crate::conversation::publish::Outlet;
 use crate::conversation::stored_reply;
 use crate::core_requests;
@@ -226,7 +226,7 @@ impl Answerer {
         let answer = self
             .cancel(&origin, None, Asker::Operator, By::Operator)
             .await;
-        info!(%origin, answer = ?answer.cancel, "an operator's cancel");
+        info!(%origin, answer = answer.cancel.map_or("error", |state| state.as_str()), "an operator's cancel");
         answer
     }
 

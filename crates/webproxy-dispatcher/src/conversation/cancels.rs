@@ -1,13 +1,11 @@
-//! Cancels: conversations a caller or an operator took back. [`answer`] answers
-//! `<prefix>.cancel` and `<prefix>.admin.cancel` and records a cancel in the cancels
-//! bucket, keyed `<STREAM>.<seq>.<generation>`, before it says `recorded`. Every
-//! instance follows the bucket into memory ([`Cancels`]): a delivery looks its
-//! conversation up there when it starts (no lookup per delivery, no NATS operation)
-//! and is woken if a cancel comes while it runs, so the next delivery of a cancelled
-//! conversation, or the one in flight, ends it. Settle removes the record of the
-//! generation it ends.
-
-pub(crate) mod answer;
+//! The cancels a delivery asks about: conversations a caller or an operator took back.
+//! `crate::cancel` answers `<prefix>.cancel` and `<prefix>.admin.cancel` and records a
+//! cancel in the cancels bucket, keyed `<STREAM>.<seq>.<generation>`, before it says
+//! `recorded`. Every instance follows the bucket into memory ([`Cancels`]): a delivery
+//! looks its conversation up there when it starts (no lookup per delivery, no NATS
+//! operation) and is woken if a cancel comes while it runs, so the next delivery of a
+//! cancelled conversation, or the one in flight, ends it. Settle removes the record of
+//! the generation it ends.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
