@@ -50,6 +50,20 @@ pub enum Feature {
     /// must hold exactly the bodies the replies name: no orphan chunk, metadata or
     /// receipt (`large.rs`).
     Large,
+    /// Cancels (issue 35), recorded just before the fault. The upstream holds every
+    /// call (`/hold/{n}`): the first [`Feature::max_in_flight`] conversations are in
+    /// flight, the rest wait behind the limit, and instance 0 (the one the stalled row
+    /// stops) holds one of those in flight. Half of them are cancelled through
+    /// `Client::cancel`, each answered `recorded`: every one in flight, so the stalled
+    /// pod is stopped right after a cancel of an attempt it holds, and one waiting.
+    /// The fault comes right after the last answer, racing the instances that act on
+    /// the cancels; once it is over and the cancelled attempts are dropped, the
+    /// upstream lets the rest through. After it each conversation must have one stored
+    /// reply, `cancelled` for a cancelled one (held at the upstream, none could finish
+    /// first) and the response for the rest; a cancelled one called the upstream at
+    /// most once, or never if it was waiting; and once every instance is idle the
+    /// cancels bucket must hold no record of the load (`cancel.rs`).
+    Cancel,
 }
 
 /// The length of [`Feature::Large`]'s `n`th body: a few MiB, each conversation's a
@@ -75,7 +89,11 @@ impl Feature {
     /// How many conversations the load sends.
     pub fn count(self) -> usize {
         match self {
-            Feature::Paused | Feature::Breaker | Feature::Parked | Feature::Large => 8,
+            Feature::Paused
+            | Feature::Breaker
+            | Feature::Parked
+            | Feature::Large
+            | Feature::Cancel => 8,
             Feature::Replay => 6,
             _ => 12,
         }
@@ -90,6 +108,7 @@ impl Feature {
             Feature::Parked => format!("/flaky/{n}"),
             Feature::Gateway => format!("/slow/{n}"),
             Feature::Large => format!("/large/{}", large_size(n)),
+            Feature::Cancel => format!("/hold/{n}"),
             _ => "/delay/400".into(),
         }
     }
@@ -116,6 +135,10 @@ impl Feature {
             // Its body store holds the bodies themselves, not state: the deleted row
             // does not run it (tests/fault_matrix.toml says why).
             Feature::Large => &[],
+            // Deleted right after the cancels were recorded: those not yet acted on
+            // are lost, as `webproxy-jetstream`'s `state.rs` says a lost bucket loses
+            // them (`cancel.rs` asserts what still holds).
+            Feature::Cancel => &["CANCELS"],
         }
     }
 
@@ -138,6 +161,9 @@ impl Feature {
             Feature::Replay => {
                 "max_retries = 0\n[[request_rules.response_rules]]\nstatus = \"503\"\naction = \"error\"\n"
             }
+            // The load is held at the upstream through the fault and its recovery (a
+            // minute at most): an attempt that timed out would park and call again.
+            Feature::Cancel => "timeout = \"5m\"\n",
             _ => "",
         };
         format!(
@@ -148,11 +174,13 @@ impl Feature {
     }
 
     /// Whether a stored reply is the one the conversation should end with; for
-    /// [`Feature::Large`], one that names a stored body.
+    /// [`Feature::Large`], one that names a stored body; for [`Feature::Cancel`],
+    /// `cancelled` as well (which conversation ends which way is `cancel.rs`'s).
     pub fn answered(self, reply: &Stored) -> bool {
         let generation = if self == Feature::Replay { "1" } else { "0" };
+        let cancelled = self == Feature::Cancel && reply.json["error"]["code"] == "cancelled";
         reply.generation == generation
-            && reply.status == Some(200)
+            && (reply.status == Some(200) || cancelled)
             && (self != Feature::Large || reply.json["body_object"].is_object())
     }
 }

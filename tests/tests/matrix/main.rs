@@ -4,8 +4,9 @@
 //! answered; one distinct body per generation on `reply.<id>` and the `reply_to`, equal
 //! to the stored one; no unsuperseded dead letter for a conversation answered with a
 //! response; what the feature must still hold of them, such as the gateway's
-//! idempotency records or the large bodies' store; the feature working again within
-//! its stated time; the pool's limits never exceeded). Real `webproxy serve` (and
+//! idempotency records, the large bodies' store or the cancels' endings and bucket;
+//! the feature working again within its stated time; the pool's limits never
+//! exceeded). Real `webproxy serve` (and
 //! `webproxy gateway`) processes against real nats-servers.
 //!
 //! The cells are `#[ignore]`d: `just test-faults` runs them (several at once), so `just
@@ -13,6 +14,7 @@
 //! cluster rows) and two service processes start, a fault lasts seconds, and the
 //! checks wait for every answer.
 
+mod cancel;
 mod cell;
 mod fault;
 mod feature;
@@ -145,4 +147,11 @@ cells! {
     stalled_large: Stalled, Large;
     pushed_large: Pushed, Large;
     clock_large: Clock, Large;
+    restart_cancel: Restart, Cancel;
+    leader_cancel: Leader, Cancel;
+    deleted_cancel: Deleted, Cancel;
+    api_down_cancel: ApiDown, Cancel;
+    stalled_cancel: Stalled, Cancel;
+    pushed_cancel: Pushed, Cancel;
+    clock_cancel: Clock, Cancel;
 }

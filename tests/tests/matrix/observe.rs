@@ -214,6 +214,35 @@ pub async fn assert_no_letter_for_a_response(
     }
 }
 
+/// Every dead letter not marked superseded, read until JetStream answers (within
+/// [`ANSWERED`]).
+pub async fn standing_letters(js: &jetstream::Context) -> Vec<DeadLetter> {
+    wait_for(ANSWERED, "the dead letters", || dead_letters(js)).await
+}
+
+/// How many stored replies `conversation` has, every generation's, on its own subject
+/// in its pool's replies stream.
+pub async fn stored_replies(
+    client: &Client,
+    js: &jetstream::Context,
+    conversation: &Submitted,
+) -> usize {
+    let subjects = client.subjects();
+    let stream = js
+        .get_stream(subjects.replies_stream_of(&conversation.origin))
+        .await
+        .expect("the pool's replies stream");
+    let mut counts = stream
+        .info_with_subjects(subjects.stored_reply(&conversation.id, &conversation.origin))
+        .await
+        .expect("the replies stream's subjects");
+    let mut replies = 0;
+    while let Some(entry) = counts.next().await {
+        replies += entry.expect("a subject").1;
+    }
+    replies
+}
+
 /// Every dead letter not marked superseded; `None` while JetStream cannot answer.
 async fn dead_letters(js: &jetstream::Context) -> Option<Vec<DeadLetter>> {
     let mut letters = Vec::new();

@@ -1,6 +1,7 @@
 //! What each feature does in a running cell: its load, what lets its conversations go
 //! after the fault, what must still hold of them (the gateway's records, the large
-//! bodies: `large.rs`), how it is shown to work again, and the check of its limits.
+//! bodies: `large.rs`, the cancels: `cancel.rs`), how it is shown to work again, and
+//! the check of its limits.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,9 +17,9 @@ use webproxy_tests::{run_webproxy, wait_for, wait_until};
 use crate::cell::Cell;
 use crate::fault::Fault;
 use crate::feature::{ACK_WAIT, BURST, Feature, POOL, RATE};
-use crate::large;
 use crate::observe::{ANSWERED, Stored, wait_answered};
 use crate::upstream::slow_body;
+use crate::{cancel, large};
 
 /// How long a feature may take to show it works again once its conversations are
 /// answered: a fresh conversation, a breaker's open-and-close, a push. Generous for a
@@ -105,6 +106,12 @@ impl Feature {
                 })
                 .await;
             }
+            Feature::Cancel => {
+                wait_until(ANSWERED, "the load held, instance 0 holding some", || {
+                    cancel::under_way(cell)
+                })
+                .await;
+            }
             _ => {
                 wait_until(ANSWERED, "the load under way", || async {
                     cell.upstream.hits() >= 3
@@ -119,9 +126,14 @@ impl Feature {
     /// for [`Feature::Gateway`], each request of the load sent again with its key and
     /// held by the gateway, which joins it to the recorded conversation; it returns
     /// once each is held or answered already, so that the fault comes while the
-    /// gateway holds those still going.
+    /// gateway holds those still going. For [`Feature::Cancel`], the cancels: the
+    /// fault follows the last one's answer.
     pub async fn during(self, cell: &Cell, conversations: &[Submitted]) -> During {
         match self {
+            Feature::Cancel => {
+                cancel::cancel(cell, conversations).await;
+                During::Nothing
+            }
             Feature::Replay => {
                 let urls = cell.nats.urls();
                 During::Replay(tokio::spawn(async move {
@@ -178,6 +190,7 @@ impl Feature {
                 retry_command(cell, &["pools", "resume", POOL]).await;
             }
             Feature::Breaker => cell.upstream.mend(true),
+            Feature::Cancel => cancel::let_go(cell).await,
             Feature::Gateway => {
                 if let During::Held(held) = during {
                     held_answers(cell, held).await;
@@ -197,11 +210,13 @@ impl Feature {
 
     /// What must still hold of the load's answered conversations after the fault: for
     /// [`Feature::Gateway`], the record of each; for [`Feature::Large`], each body
-    /// whole and the body store holding nothing else ([`large::kept`]).
+    /// whole and the body store holding nothing else ([`large::kept`]); for
+    /// [`Feature::Cancel`], each ending and the cancels bucket ([`cancel::kept`]).
     pub async fn kept(self, cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
         match self {
             Feature::Gateway => records_kept(cell, conversations, stored).await,
             Feature::Large => large::kept(cell, conversations, stored).await,
+            Feature::Cancel => cancel::kept(cell, conversations, stored).await,
             _ => {}
         }
     }
@@ -307,6 +322,12 @@ impl Feature {
                 let fresh = fresh(cell, &self.path(n)).await;
                 let stored = answered_200(cell, std::slice::from_ref(&fresh)).await;
                 large::assert_whole(cell, n, &fresh, &stored[0]).await;
+            }
+            Feature::Cancel => {
+                // Released: a conversation not cancelled is answered at once.
+                let fresh = fresh(cell, "/hold/again").await;
+                answered_200(cell, &[fresh]).await;
+                cancel::works_again(cell, WORKS_AGAIN).await;
             }
         }
     }
