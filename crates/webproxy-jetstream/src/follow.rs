@@ -24,6 +24,9 @@ pub trait Follower {
     fn history_read(&mut self, seen: HashSet<String>);
     /// Called at every check of the watch against the bucket.
     fn tick(&mut self) {}
+    /// The watch could not be made, or was lost or fell behind: until the next
+    /// `history_read`, what is kept may miss writes.
+    fn lost(&mut self) {}
 }
 
 /// Follows the bucket `open` opens (named `label` in logs) into `follower` until
@@ -67,6 +70,7 @@ pub async fn follow<O, F>(
                 Ok(watched) => watched,
                 Err(e) => {
                     warn!(bucket = label, error = %e, "cannot watch the bucket; retrying");
+                    follower.lost();
                     failures = failures.saturating_add(1);
                     continue;
                 }
@@ -96,6 +100,7 @@ pub async fn follow<O, F>(
                     };
                     if behind_checks >= 2 {
                         warn!(bucket = label, last_seen, "the watch fell behind the bucket; watching again");
+                        follower.lost();
                         break;
                     }
                     continue;
@@ -106,10 +111,12 @@ pub async fn follow<O, F>(
                 Some(Ok(entry)) => entry,
                 Some(Err(e)) => {
                     warn!(bucket = label, error = %e, "the watch was lost; watching again");
+                    follower.lost();
                     failures = 1;
                     break;
                 }
                 None => {
+                    follower.lost();
                     failures = 1;
                     break;
                 }

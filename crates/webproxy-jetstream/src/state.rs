@@ -56,6 +56,13 @@ pub struct BucketSpec {
     /// per-message TTLs. A delete or purge always leaves a marker: without a TTL it
     /// stays for `max_age`.
     pub marker_ttl: Option<Duration>,
+    /// Whether the bucket is made allowing per-message TTLs, with the server marking a
+    /// value its age limit removes, so that a watch learns of it and no open updates
+    /// the stream afterwards (an update racing a deletion left nats-server 2.15 with a
+    /// stream that answers its info and never acks a write, about 1 in 1000 races,
+    /// which no "not found" ever mends). The cancels' only: the progress bucket adds no
+    /// markers of its own (its records age out silently) and gets its TTLs by update.
+    pub age_markers: bool,
     /// Whether the handle creates the bucket when the server confirms it gone. The
     /// cluster document and the gateway key are never made again behind the
     /// operators' back: a new empty document or a new key would change what every
@@ -215,6 +222,7 @@ impl Bucket {
                 ),
             };
         BucketSpec {
+            age_markers: self == Bucket::Cancels,
             name,
             description,
             storage,
@@ -239,6 +247,7 @@ impl BucketSpec {
             max_bytes: self.max_bytes,
             storage: self.storage,
             num_replicas: self.replicas,
+            limit_markers: self.marker_ttl.filter(|_| self.age_markers),
             ..Default::default()
         }
     }

@@ -8,6 +8,7 @@
 //! the generation it ends.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -32,21 +33,23 @@ pub(crate) enum By {
 /// What the bucket keeps of a cancel.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub(crate) struct Recorded {
-    pub(crate) by: By,
+    pub(crate) by: Option<By>,
 }
 
-/// The error a cancelled conversation is answered and dead-lettered with. `attempts`
-/// were made before (one of them dropped in flight when `in_flight`); a delivery made
-/// again (`redelivered`) may follow one whose attempt was never recorded.
+/// The error a cancelled conversation is answered and dead-lettered with, cancelled
+/// `by` whom when this instance knows. `attempts` were made before (one of them
+/// dropped in flight when `in_flight`); a delivery made again (`redelivered`) may
+/// follow one whose attempt was never recorded.
 pub(crate) fn cancelled_error(
-    by: By,
+    by: Option<By>,
     attempts: u32,
     in_flight: bool,
     redelivered: bool,
 ) -> ErrorBody {
     let who = match by {
-        By::Caller => "the caller",
-        By::Operator => "an operator",
+        Some(By::Caller) => " by the caller",
+        Some(By::Operator) => " by an operator",
+        None => "",
     };
     let what = match (attempts, in_flight) {
         (_, true) => format!(
@@ -63,7 +66,7 @@ pub(crate) fn cancelled_error(
     };
     ErrorBody {
         code: ErrorCode::Cancelled,
-        message: format!("cancelled by {who} {what}"),
+        message: format!("cancelled{who} {what}"),
         status: None,
     }
 }
@@ -75,13 +78,34 @@ pub(crate) struct Cancels {
     /// The service's bucket; none for an operator command's outlet, which follows none.
     bucket: Option<StateBucket>,
     known: Mutex<Known>,
+    /// The watch has read the bucket's history and is not known to be lost since:
+    /// while it is not, a delivery asks the bucket itself (`Cancels::catch_up`).
+    synced: AtomicBool,
 }
+
+/// A cancel this instance knows of.
+#[derive(Debug, Clone, Copy)]
+struct KnownCancel {
+    /// Who cancelled, when the record said (an ended one seen only as its removal
+    /// does not).
+    by: Option<By>,
+    /// When it was written, or seen removed: the bucket's age limit removes a record
+    /// without telling the watch, and an ended one is kept [`ENDED_KEPT`].
+    at: SystemTime,
+    /// Its generation settled (the record was removed): any delivery of it still to
+    /// come is one that lagged (a pod stalled with it unread) and ends it too.
+    ended: bool,
+}
+
+/// How long a cancel whose generation settled is kept in memory: a delivery of that
+/// generation read by a pod that stalled for less than this still ends cancelled
+/// rather than calling the upstream.
+const ENDED_KEPT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Default)]
 struct Known {
-    /// Recorded cancels by key, with when they were written (the bucket's age limit
-    /// removes a record without telling the watch).
-    recorded: HashMap<String, (Recorded, SystemTime)>,
+    /// Recorded cancels by key.
+    recorded: HashMap<String, KnownCancel>,
     /// Deliveries under way by key: the token wakes them, the count is how many
     /// hold it.
     watching: HashMap<String, (CancellationToken, usize)>,
@@ -93,6 +117,7 @@ impl Cancels {
         Cancels {
             bucket: Some(bucket),
             known: Mutex::default(),
+            synced: AtomicBool::new(false),
         }
     }
 
@@ -129,7 +154,7 @@ impl Cancels {
             return Err("no cancels bucket".into());
         };
         let store = bucket.store().await.map_err(|e| e.to_string())?;
-        let value = serde_json::to_vec(&Recorded { by }).unwrap_or_default();
+        let value = serde_json::to_vec(&Recorded { by: Some(by) }).unwrap_or_default();
         let key = origin.record_key(generation);
         if let Err(e) = store.put(&key, value.into()).await {
             bucket.reopen().await;
@@ -180,19 +205,50 @@ impl Cancels {
         }
     }
 
-    fn apply(&self, key: &str, recorded: Option<(Recorded, SystemTime)>) {
+    /// A key's record as the bucket now has it: `Some` a cancel recorded, `None` one
+    /// removed when its generation settled (only settle removes one). Either way a
+    /// delivery of that generation under way is woken: a removed one was answered by
+    /// another delivery.
+    fn apply(&self, key: &str, recorded: Option<Recorded>, at: SystemTime) {
         let mut known = self.known();
-        match recorded {
-            Some(recorded) => {
-                if let Some((token, _)) = known.watching.get(key) {
-                    debug!(key, "a delivery under way is cancelled");
-                    token.cancel();
-                }
-                known.recorded.insert(key.to_string(), recorded);
+        if let Some((token, _)) = known.watching.get(key) {
+            debug!(key, "a delivery under way is cancelled");
+            token.cancel();
+        }
+        let by = match recorded {
+            Some(recorded) => recorded.by,
+            None => known.recorded.get(key).and_then(|k| k.by),
+        };
+        let ended = recorded.is_none();
+        known
+            .recorded
+            .insert(key.to_string(), KnownCancel { by, at, ended });
+    }
+
+    /// Before a delivery while the watch is not in step with the bucket (starting, or
+    /// lost): reads `origin`'s `generation` from the bucket itself, so a cancel the
+    /// watch has not brought is not missed. A read that fails goes on without it (the
+    /// watch brings the cancel once it is back, and wakes the delivery then).
+    pub(crate) async fn catch_up(&self, origin: &Origin, generation: u64) {
+        if self.synced.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(bucket) = &self.bucket else { return };
+        let key = origin.record_key(generation);
+        let read = async {
+            let store = bucket.store().await.map_err(|e| e.to_string())?;
+            store.entry(&key).await.map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(CATCH_UP_WITHIN, read).await {
+            Ok(Ok(Some(entry))) => {
+                let recorded = (entry.operation == kv::Operation::Put).then(|| read_record(&entry));
+                self.apply(&key, recorded, SystemTime::from(entry.created));
             }
-            None => {
-                known.recorded.remove(key);
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                debug!(key, error = %e, "cannot read a cancel while the watch is behind")
             }
+            Err(_) => debug!(key, "no answer reading a cancel while the watch is behind"),
         }
     }
 }
@@ -200,6 +256,15 @@ impl Cancels {
 /// How often the cancels' watch is checked against the bucket's last write (and old
 /// records are let go).
 const WATCH_CHECK: Duration = Duration::from_secs(5);
+
+/// The longest a delivery waits for [`Cancels::catch_up`].
+const CATCH_UP_WITHIN: Duration = Duration::from_secs(1);
+
+/// A record as the service writes it; one it cannot read is still a cancel (the key is
+/// what counts), by whom unknown.
+fn read_record(entry: &kv::Entry) -> Recorded {
+    serde_json::from_slice(&entry.value).unwrap_or(Recorded { by: None })
+}
 
 /// The cancels as the watch brings them.
 struct CancelsFollower<'a> {
@@ -209,29 +274,36 @@ struct CancelsFollower<'a> {
 
 impl Follower for CancelsFollower<'_> {
     fn apply(&mut self, entry: &kv::Entry) {
-        let recorded = (entry.operation == kv::Operation::Put).then(|| {
-            // Only the service writes the bucket; a record it cannot read is still a
-            // cancel (the key is what counts), taken as the operator's.
-            let recorded =
-                serde_json::from_slice(&entry.value).unwrap_or(Recorded { by: By::Operator });
-            (recorded, SystemTime::from(entry.created))
-        });
-        self.cancels.apply(&entry.key, recorded);
+        let recorded = (entry.operation == kv::Operation::Put).then(|| read_record(entry));
+        self.cancels
+            .apply(&entry.key, recorded, SystemTime::from(entry.created));
     }
 
+    /// A recorded cancel the bucket no longer has is gone (a lost bucket); an ended one
+    /// is kept its while, being a fact about a generation that is over.
     fn history_read(&mut self, seen: HashSet<String>) {
         self.cancels
             .known()
             .recorded
-            .retain(|key, _| seen.contains(key));
+            .retain(|key, known| known.ended || seen.contains(key));
+        self.cancels.synced.store(true, Ordering::Release);
     }
 
     fn tick(&mut self) {
         let now = SystemTime::now();
         let max_age = self.max_age;
-        self.cancels.known().recorded.retain(|_, (_, written)| {
-            max_age.is_zero() || now.duration_since(*written).unwrap_or_default() < max_age
+        self.cancels.known().recorded.retain(|_, known| {
+            let age = now.duration_since(known.at).unwrap_or_default();
+            if known.ended {
+                age < ENDED_KEPT
+            } else {
+                max_age.is_zero() || age < max_age
+            }
         });
+    }
+
+    fn lost(&mut self) {
+        self.cancels.synced.store(false, Ordering::Release);
     }
 }
 
@@ -245,18 +317,14 @@ pub(crate) struct CancelWatch {
 }
 
 impl CancelWatch {
-    /// Who cancelled, once a cancel is recorded.
-    pub(crate) fn by(&self) -> Option<By> {
+    /// Whether a cancel is recorded (or its generation ended after one), and who
+    /// cancelled when this instance knows: `None` while there is none.
+    pub(crate) fn by(&self) -> Option<Option<By>> {
         if !self.token.is_cancelled() {
             return None;
         }
         let known = self.cancels.known();
-        Some(
-            known
-                .recorded
-                .get(&self.key)
-                .map_or(By::Operator, |(r, _)| r.by),
-        )
+        Some(known.recorded.get(&self.key).and_then(|k| k.by))
     }
 
     /// Whether a cancel was recorded while this delivery ran (or before).
@@ -290,6 +358,13 @@ mod tests {
         Origin::new("WEBPROXY_POOL_DEFAULT", 1_733_025_600_000_123)
     }
 
+    fn follower(cancels: &Cancels) -> CancelsFollower<'_> {
+        CancelsFollower {
+            cancels,
+            max_age: Duration::from_secs(3600),
+        }
+    }
+
     #[test]
     fn a_cancel_wakes_the_delivery_of_its_generation_only() {
         let cancels = Arc::new(Cancels::default());
@@ -297,9 +372,12 @@ mod tests {
         let earlier = cancels.watch(&origin(), 0);
         assert!(!current.is_cancelled());
         let key = origin().record_key(1);
-        cancels.apply(&key, Some((Recorded { by: By::Caller }, SystemTime::now())));
+        let by = Recorded {
+            by: Some(By::Caller),
+        };
+        cancels.apply(&key, Some(by), SystemTime::now());
         assert!(current.is_cancelled(), "the delivery under way is woken");
-        assert_eq!(current.by(), Some(By::Caller));
+        assert_eq!(current.by(), Some(Some(By::Caller)));
         assert!(!earlier.is_cancelled(), "another generation is not");
         let next = cancels.watch(&origin(), 1);
         assert!(next.is_cancelled(), "a later delivery finds it at once");
@@ -308,35 +386,76 @@ mod tests {
             cancels.known().watching.is_empty(),
             "nothing is kept without a delivery"
         );
-        cancels.apply(&key, None);
+        // Settled by another delivery: one that lagged still ends, and knows by whom.
+        cancels.apply(&key, None, SystemTime::now());
+        let lagging = cancels.watch(&origin(), 1);
+        assert_eq!(lagging.by(), Some(Some(By::Caller)));
+        drop(lagging);
+        // Kept a while, not for ever.
+        if let Some(known) = cancels.known().recorded.get_mut(&key) {
+            known.at -= ENDED_KEPT;
+        }
+        follower(&cancels).tick();
         assert!(
             !cancels.watch(&origin(), 1).is_cancelled(),
-            "a removed record cancels nothing"
+            "an old ended cancel is let go"
+        );
+    }
+
+    #[test]
+    fn a_lost_bucket_forgets_its_recorded_cancels_but_not_the_ended_ones() {
+        let cancels = Arc::new(Cancels::default());
+        let recorded = origin().record_key(0);
+        let ended = origin().record_key(1);
+        let by = Some(Recorded { by: None });
+        cancels.apply(&recorded, by, SystemTime::now());
+        cancels.apply(&ended, None, SystemTime::now());
+        follower(&cancels).history_read(HashSet::new());
+        assert!(!cancels.watch(&origin(), 0).is_cancelled());
+        assert_eq!(cancels.watch(&origin(), 1).by(), Some(None));
+    }
+
+    #[test]
+    fn a_delivery_asks_the_bucket_only_while_the_watch_is_behind() {
+        let cancels = Cancels::default();
+        let mut follower = follower(&cancels);
+        assert!(
+            !cancels.synced.load(Ordering::Acquire),
+            "not before the history is read"
+        );
+        follower.history_read(HashSet::new());
+        assert!(cancels.synced.load(Ordering::Acquire));
+        follower.lost();
+        assert!(
+            !cancels.synced.load(Ordering::Acquire),
+            "nor once the watch is lost"
         );
     }
 
     #[test]
     fn the_error_says_who_cancelled_and_whether_the_upstream_may_have_acted() {
-        let waiting = cancelled_error(By::Caller, 0, false, false);
+        let waiting = cancelled_error(Some(By::Caller), 0, false, false);
         assert_eq!(waiting.code, ErrorCode::Cancelled);
         assert_eq!(
             waiting.message,
             "cancelled by the caller before any attempt"
         );
-        let parked = cancelled_error(By::Operator, 2, false, false);
+        let parked = cancelled_error(Some(By::Operator), 2, false, false);
         assert!(
             parked
                 .message
                 .starts_with("cancelled by an operator while waiting")
         );
         assert!(parked.message.contains("2 attempt(s)"));
-        let in_flight = cancelled_error(By::Caller, 1, true, false);
+        let in_flight = cancelled_error(Some(By::Caller), 1, true, false);
         assert!(
             in_flight.message.contains("dropped"),
             "{}",
             in_flight.message
         );
-        let redelivered = cancelled_error(By::Caller, 0, false, true);
+        let redelivered = cancelled_error(Some(By::Caller), 0, false, true);
         assert!(redelivered.message.contains("may have called the upstream"));
+        let unknown = cancelled_error(None, 0, false, false);
+        assert_eq!(unknown.message, "cancelled before any attempt");
     }
 }

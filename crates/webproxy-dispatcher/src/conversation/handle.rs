@@ -20,7 +20,7 @@ use super::hop::millis;
 use super::liveness::Liveness;
 use super::settle::{internal, settle};
 use super::{Arrival, Conversation, Revision, Underway};
-use crate::conversation::cancels::{By, cancelled_error};
+use crate::conversation::cancels::cancelled_error;
 use crate::observability::trace;
 
 /// Handles one message inside a span whose parent is the caller's trace context, so
@@ -83,7 +83,13 @@ pub(crate) async fn handle_delivery<'a>(
     );
     let mut underway = Underway::new(&arrival);
     let conversation = Conversation::new(arrival, delivery.payload().clone(), &parsed, liveness);
-    // From memory: a cancel recorded before, or one recorded while this delivery runs.
+    // From memory: a cancel recorded before, or one recorded while this delivery runs
+    // (and from the bucket itself while the watch is not in step with it).
+    shared
+        .outlet
+        .cancels
+        .catch_up(conversation.origin(), conversation.generation())
+        .await;
     underway.cancel = Some(
         shared
             .outlet
@@ -268,7 +274,7 @@ fn dropped_in_flight(
         .cancel
         .as_ref()
         .and_then(|watch| watch.by())
-        .unwrap_or(By::Operator);
+        .flatten();
     underway.attempts.push(AttemptRecord {
         at: at.format(&Rfc3339).unwrap_or_default(),
         status: None,

@@ -393,7 +393,7 @@ fn a_recorded_cancel_ends_the_delivery_before_anything_else_is_asked() {
     let settings = settings();
     let parsed = parsed(GET_A);
     let cancel = crate::conversation::cancels::cancelled_error(
-        crate::conversation::cancels::By::Caller,
+        Some(crate::conversation::cancels::By::Caller),
         0,
         false,
         false,
