@@ -81,7 +81,12 @@ pub(crate) struct Cancels {
     /// The watch has read the bucket's history and is not known to be lost since:
     /// while it is not, a delivery asks the bucket itself (`Cancels::catch_up`).
     synced: AtomicBool,
+    /// Records of settled generations whose removal failed, to try again.
+    unremoved: Mutex<Vec<String>>,
 }
+
+/// The most records whose removal failed that are kept to try again.
+const MAX_UNREMOVED: usize = 10_000;
 
 /// A cancel this instance knows of.
 #[derive(Debug, Clone, Copy)]
@@ -118,6 +123,7 @@ impl Cancels {
             bucket: Some(bucket),
             known: Mutex::default(),
             synced: AtomicBool::new(false),
+            unremoved: Mutex::default(),
         }
     }
 
@@ -126,6 +132,8 @@ impl Cancels {
     }
 
     /// Follows the bucket until `shutdown`.
+    /// Follows the bucket until `shutdown`, and removes again the records whose
+    /// removal failed.
     pub(crate) async fn follow(self: &Arc<Self>, shutdown: CancellationToken) {
         let Some(bucket) = &self.bucket else { return };
         let open = || async { bucket.store().await.map_err(|e| e.to_string()) };
@@ -133,14 +141,33 @@ impl Cancels {
             cancels: self,
             max_age: bucket.spec().max_age,
         };
-        follow(
+        let watched = follow(
             &bucket.spec().name,
             open,
             WATCH_CHECK,
             &mut follower,
             &shutdown,
-        )
-        .await;
+        );
+        let removed_again = async {
+            let mut rounds = tokio::time::interval(WATCH_CHECK);
+            loop {
+                tokio::select! {
+                    _ = rounds.tick() => {}
+                    () = shutdown.cancelled() => return,
+                }
+                let keys = std::mem::take(&mut *self.unremoved());
+                for key in keys {
+                    self.remove(&key).await;
+                }
+            }
+        };
+        tokio::join!(watched, removed_again);
+    }
+
+    fn unremoved(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.unremoved
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Records a cancel of `origin`'s `generation`, stored once this returns `Ok`.
@@ -188,20 +215,30 @@ impl Cancels {
     /// cannot be removed goes with the bucket's age limit; it can cancel nothing, since
     /// its generation is over.
     pub(crate) async fn forget(&self, watch: &CancelWatch) {
-        if !watch.is_cancelled() {
-            return;
+        if watch.is_cancelled() {
+            self.remove(&watch.key).await;
         }
+    }
+
+    /// Purges `key`'s record; one that cannot be purged now is tried again at the next
+    /// round of [`Cancels::follow`] (at most [`MAX_UNREMOVED`] are kept for that; past
+    /// them, and on a restart, a record goes with the bucket's age limit).
+    async fn remove(&self, key: &str) {
         let Some(bucket) = &self.bucket else { return };
         let purged = match bucket.store().await {
             Ok(store) => store
-                .purge_with_ttl(&watch.key, PROGRESS_MARKER_TTL)
+                .purge_with_ttl(key, PROGRESS_MARKER_TTL)
                 .await
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         if let Err(e) = purged {
             bucket.reopen().await;
-            warn!(key = watch.key, error = %e, "cannot remove the cancel of a settled conversation; it ages out");
+            warn!(key, error = %e, "cannot remove the cancel of a settled conversation; trying again");
+            let mut unremoved = self.unremoved();
+            if unremoved.len() < MAX_UNREMOVED {
+                unremoved.push(key.to_string());
+            }
         }
     }
 
