@@ -117,7 +117,7 @@ test-upgrade:
     cargo build --workspace --bins
     WEBPROXY_OLD_BINARY="$old_bin" WEBPROXY_LAYOUT2_BINARY="$layout2_bin" cargo test -p webproxy-tests --test upgrade -- --ignored
 
-# Issue 29's fault matrix: checks that docs/guarantees.md reproduces tests/fault_matrix.toml's table, runs every test the matrix names against real nats-servers and binaries (the matrix binary's 73 cells, two at a time: about 8 minutes warm), then prints the table.
+# Issue 29's fault matrix: checks that docs/guarantees.md reproduces tests/fault_matrix.toml's table, runs every test the matrix names against real nats-servers and binaries (the matrix binary's 80 cells, two at a time: about 9 minutes warm), then prints the table.
 test-faults:
     cargo build --workspace --bins
     python3 scripts/fault_matrix.py --check
