@@ -12,8 +12,8 @@
 
 use std::time::Duration;
 
+use async_nats::HeaderMap;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
-use async_nats::{HeaderMap, Message};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -74,7 +74,7 @@ pub(crate) async fn serve(answerer: Answerer, shutdown: CancellationToken) {
             client.clone(),
             callers,
             shutdown.clone(),
-            pool_stream_of,
+            core_requests::origin_stream,
             move |request| {
                 let answerer = caller_answers.clone();
                 async move { answer_of(&answerer.caller(&request.payload).await) }
@@ -95,14 +95,6 @@ pub(crate) async fn serve(answerer: Answerer, shutdown: CancellationToken) {
 
 fn answer_of(answer: &CancelAnswer) -> core_requests::Answer {
     (HeaderMap::new(), Bytes::from(answer.encode()))
-}
-
-/// The pool stream a cancel names: the share it is counted in.
-fn pool_stream_of(request: &Message) -> String {
-    serde_json::from_slice::<CancelRequest>(&request.payload)
-        .ok()
-        .and_then(|request| Some(request.origin.split_once(':')?.0.to_string()))
-        .unwrap_or_default()
 }
 
 fn invalid(message: impl Into<String>) -> CancelAnswer {

@@ -98,6 +98,20 @@ pub(crate) async fn serve<K, H, F>(
     }
 }
 
+/// The pool stream of the `origin` a request's JSON names (`body.get`, `cancel`): the
+/// share it is counted in, since such a request names no caller. Empty for a request
+/// that names none, which shares one key with the rest of them.
+pub(crate) fn origin_stream(request: &Message) -> String {
+    #[derive(serde::Deserialize)]
+    struct Names {
+        origin: String,
+    }
+    serde_json::from_slice::<Names>(&request.payload)
+        .ok()
+        .and_then(|names| Some(names.origin.split_once(':')?.0.to_string()))
+        .unwrap_or_default()
+}
+
 /// How many requests each key holds, each at most `max`. A key is kept only while it
 /// holds one, so there are never more keys than requests under way.
 #[derive(Debug)]
@@ -155,6 +169,24 @@ impl Drop for Share {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_is_counted_in_the_pool_stream_of_the_origin_it_names() {
+        let request = |payload: &str| Message {
+            subject: "webproxy.cancel".into(),
+            reply: None,
+            payload: Bytes::from(payload.to_string()),
+            headers: None,
+            status: None,
+            description: None,
+            length: payload.len(),
+        };
+        let named = r#"{"id":"a","origin":"WEBPROXY_POOL_A:17","msg_id":"m"}"#;
+        assert_eq!(origin_stream(&request(named)), "WEBPROXY_POOL_A");
+        for unnamed in ["", "{}", r#"{"origin":"no-sequence"}"#, "[1]"] {
+            assert_eq!(origin_stream(&request(unnamed)), "", "{unnamed}");
+        }
+    }
 
     #[test]
     fn one_key_holds_at_most_its_share_and_gives_it_back() {

@@ -53,21 +53,14 @@ pub(crate) async fn serve(
         max_per_key: MAX_PER_POOL,
         busy,
     };
-    core_requests::serve(client, requests, shutdown, pool_stream_of, move |request| {
+    // A request names no caller (the subject is one for all, and an imported request's
+    // reply subject is the server's), so the share is the pool's, as the stores are.
+    let key = core_requests::origin_stream;
+    core_requests::serve(client, requests, shutdown, key, move |request| {
         let js = js.clone();
         async move { answer(&js, &request).await }
     })
     .await;
-}
-
-/// The pool stream a request's conversation started in: the share it is counted in.
-/// A request names no caller (the subject is one for all, and an imported request's
-/// reply subject is the server's), so the share is the pool's, as the stores are.
-fn pool_stream_of(request: &Message) -> String {
-    serde_json::from_slice::<BodyGetRequest>(&request.payload)
-        .ok()
-        .and_then(|request| Some(request.origin.split_once(':')?.0.to_string()))
-        .unwrap_or_default()
 }
 
 /// An answer without a chunk.
