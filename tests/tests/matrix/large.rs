@@ -15,7 +15,7 @@ use webproxy_tests::{large_body, wait_until};
 use crate::cell::Cell;
 use crate::fault::Fault;
 use crate::feature::{POOL, large_size};
-use crate::observe::Stored;
+use crate::observe::{self, Stored};
 
 /// How long the deliveries may take to settle once every conversation is answered,
 /// and the body store then to hold only what the replies name: a pod the stalled row
@@ -87,27 +87,6 @@ pub async fn assert_whole(
     object
 }
 
-/// How many stored replies the conversation has, on its own subject in its pool's
-/// replies stream.
-async fn stored_replies(cell: &Cell, conversation: &Submitted) -> usize {
-    use futures::StreamExt as _;
-    let subjects = cell.client.subjects();
-    let stream = cell
-        .js
-        .get_stream(subjects.replies_stream_of(&conversation.origin))
-        .await
-        .expect("the pool's replies stream");
-    let mut counts = stream
-        .info_with_subjects(subjects.stored_reply(&conversation.id, &conversation.origin))
-        .await
-        .expect("the replies stream's subjects");
-    let mut replies = 0;
-    while let Some(entry) = counts.next().await {
-        replies += entry.expect("a subject").1;
-    }
-    replies
-}
-
 /// What must hold of the load's bodies after the fault: each conversation has one
 /// stored reply, which names its body, whole; and once the deliveries the fault left
 /// behind have settled (every instance idle, within [`SETTLED`]), the store holds
@@ -119,7 +98,7 @@ pub async fn kept(cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
     let mut objects = Vec::with_capacity(conversations.len());
     for (n, (conversation, stored)) in conversations.iter().zip(stored).enumerate() {
         assert_eq!(
-            stored_replies(cell, conversation).await,
+            observe::stored_replies(&cell.client, &cell.js, conversation).await,
             1,
             "conversation {n} ({}): stored replies",
             conversation.origin
