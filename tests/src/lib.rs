@@ -17,7 +17,7 @@ pub mod authorized;
 pub mod bodies;
 pub mod caller;
 mod cluster;
-pub mod gateway_routes;
+pub mod gateway_answers;
 pub mod pools;
 pub mod rate;
 mod relay;

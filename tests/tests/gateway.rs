@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use webproxy_client::{Client, Request};
 use webproxy_tests::caller::accept_rule;
-use webproxy_tests::gateway_routes::{token_options, token_routes};
+use webproxy_tests::gateway_answers::{header, token_options, token_routes};
 use webproxy_tests::{
     Gate, Gateway, NatsServer, SecretVolume, Service, ServiceOptions, TestCa, Upstream,
     default_routes, http_client, run_webproxy, wait_for, wait_until, webproxy_bin,
@@ -221,15 +221,6 @@ async fn accepted(request: reqwest::RequestBuilder) -> String {
 /// `GET url`, answered.
 async fn fetch(url: &str) -> Response {
     http_client().get(url).send().await.expect("gateway")
-}
-
-fn header<'a>(response: &'a Response, name: &str) -> &'a str {
-    response
-        .headers()
-        .get(name)
-        .unwrap_or_else(|| panic!("no {name} header"))
-        .to_str()
-        .expect("text")
 }
 
 /// Round trips: a GET and a SOAP-style POST answer exactly what the upstream answers

@@ -13,7 +13,7 @@ use async_nats::jetstream;
 use reqwest::{RequestBuilder, Response};
 use serde_json::Value;
 use webproxy_tests::caller::accept_rule;
-use webproxy_tests::gateway_routes::{token_options, token_routes};
+use webproxy_tests::gateway_answers::{header, token_options, token_routes};
 use webproxy_tests::{
     Gate, Gateway, NatsServer, Service, ServiceOptions, Upstream, default_routes, http_client,
     wait_for, wait_until,
@@ -117,15 +117,6 @@ fn with(mut request: RequestBuilder, headers: &[(&str, &str)]) -> RequestBuilder
 /// One open route `/svc`.
 fn open_route(upstream: &str) -> String {
     format!("[[gateway.routes]]\npath = \"/svc\"\nupstream = \"{upstream}\"\n")
-}
-
-fn header<'a>(response: &'a Response, name: &str) -> &'a str {
-    response
-        .headers()
-        .get(name)
-        .unwrap_or_else(|| panic!("no {name} header"))
-        .to_str()
-        .expect("text")
 }
 
 /// Status, headers (less `Date` and `Content-Length`, and `Webproxy-Id`, which names

@@ -1,4 +1,6 @@
-//! Gateway route tables the gateway tests share.
+//! What the gateway tests share: route tables and reading an answer's headers.
+
+use reqwest::Response;
 
 use crate::ServiceOptions;
 
@@ -17,4 +19,14 @@ pub fn token_options() -> ServiceOptions {
     ServiceOptions::default()
         .env("GW_TOKEN_A", "alpha-secret")
         .env("GW_TOKEN_B", "beta-secret")
+}
+
+/// The text of `response`'s header `name`, which it must have.
+pub fn header<'a>(response: &'a Response, name: &str) -> &'a str {
+    response
+        .headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .expect("text")
 }
