@@ -151,34 +151,28 @@ pub(crate) fn decide(found: &Found, asker: Asker<'_>) -> Decision {
         }),
     };
     let next = found.next_generation();
-    // Finished while it was looked up: what the record or the message said is past.
-    if let Some((generation, kept)) = &found.reply_after
-        && *generation >= next
-    {
-        return if shown(kept) {
-            Decision::Finished
-        } else {
-            Decision::Unknown
-        };
-    }
-    if let Some(kept) = &found.record {
-        return if shown(kept) {
-            Decision::Record { generation: next }
-        } else {
-            Decision::Unknown
-        };
-    }
-    if next == 0
-        && let Some(kept) = &found.message
-    {
-        return if shown(kept) {
-            Decision::Record { generation: 0 }
-        } else {
-            Decision::Unknown
-        };
-    }
-    match &found.reply {
-        Some((_, kept)) if shown(kept) => Decision::Finished,
+    // The lookup that says where the conversation stands, and the hash kept there.
+    let standing = match found {
+        // Finished while it was looked up: what the record or the message said is past.
+        Found {
+            reply_after: Some((generation, kept)),
+            ..
+        } if *generation >= next => Some((kept, Decision::Finished)),
+        Found {
+            record: Some(kept), ..
+        } => Some((kept, Decision::Record { generation: next })),
+        Found {
+            message: Some(kept),
+            ..
+        } if next == 0 => Some((kept, Decision::Record { generation: 0 })),
+        Found {
+            reply: Some((_, kept)),
+            ..
+        } => Some((kept, Decision::Finished)),
+        _ => None,
+    };
+    match standing {
+        Some((kept, decision)) if shown(kept) => decision,
         _ => Decision::Unknown,
     }
 }
@@ -202,8 +196,7 @@ impl Answerer {
         let asker = Asker::Caller {
             msg_id_sha256: &hash,
         };
-        self.cancel(&origin, Some(&request.id), asker, By::Caller)
-            .await
+        self.cancel(&origin, Some(&request.id), asker).await
     }
 
     async fn operator(&self, payload: &[u8]) -> CancelAnswer {
@@ -215,21 +208,17 @@ impl Answerer {
             Ok(origin) => origin,
             Err(answer) => return answer,
         };
-        let answer = self
-            .cancel(&origin, None, Asker::Operator, By::Operator)
-            .await;
+        let answer = self.cancel(&origin, None, Asker::Operator).await;
         info!(%origin, answer = answer.cancel.map_or("error", |state| state.as_str()), "an operator's cancel");
         answer
     }
 
     /// Looks `origin` up and records the cancel when it is under way.
-    async fn cancel(
-        &self,
-        origin: &Origin,
-        id: Option<&str>,
-        asker: Asker<'_>,
-        by: By,
-    ) -> CancelAnswer {
+    async fn cancel(&self, origin: &Origin, id: Option<&str>, asker: Asker<'_>) -> CancelAnswer {
+        let by = match asker {
+            Asker::Caller { .. } => By::Caller,
+            Asker::Operator => By::Operator,
+        };
         let done = async {
             let found = self.look_up(origin, id).await?;
             match decide(&found, asker) {
@@ -282,31 +271,30 @@ impl Answerer {
         })
     }
 
-    /// The conversation's stored reply: on its literal subject when the id is known.
+    /// The conversation's stored reply, its generation and the hash it keeps: on its
+    /// literal subject when the id is known; else (an operator names none) on the one
+    /// subject of the origin, found by a wildcard.
     async fn stored_reply(
         &self,
         origin: &Origin,
         id: Option<&str>,
     ) -> Result<Option<(u64, Option<String>)>, String> {
         let outlet = &self.outlet;
-        match id {
-            Some(id) => {
-                let subject = outlet.subjects.stored_reply(id, origin);
-                Ok(stored_reply::answering(outlet, &subject, origin, 0)
-                    .await
-                    .map_err(|e| format!("stored reply: {e}"))?
-                    .map(|reply| (reply.generation, kept_hash(reply.message.headers.as_ref()))))
-            }
-            None => self.any_stored_reply(origin).await,
-        }
+        let subject = match id {
+            Some(id) => outlet.subjects.stored_reply(id, origin),
+            None => match self.reply_subject(origin).await? {
+                Some(subject) => subject,
+                None => return Ok(None),
+            },
+        };
+        Ok(stored_reply::answering(outlet, &subject, origin, 0)
+            .await
+            .map_err(|e| format!("stored reply: {e}"))?
+            .map(|reply| (reply.generation, kept_hash(reply.message.headers.as_ref()))))
     }
 
-    /// The stored reply of `origin` whatever its id (an operator names none): the one
-    /// subject of the origin, found by a wildcard, then read as a caller's would be.
-    async fn any_stored_reply(
-        &self,
-        origin: &Origin,
-    ) -> Result<Option<(u64, Option<String>)>, String> {
+    /// The subject `origin`'s reply is stored on, whatever its id, if one is stored.
+    async fn reply_subject(&self, origin: &Origin) -> Result<Option<String>, String> {
         let outlet = &self.outlet;
         let stream = outlet
             .js
@@ -314,16 +302,12 @@ impl Answerer {
             .await
             .map_err(|e| format!("replies stream: {e}"))?;
         let wildcard = outlet.subjects.stored_reply("*", origin);
-        let subject = match stream.get_first_raw_message_by_subject(&wildcard, 0).await {
-            Ok(message) => message.subject.to_string(),
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
-            Err(e) if stored_reply::stream_missing(&e) => return Ok(None),
-            Err(e) => return Err(format!("stored reply: {e}")),
-        };
-        Ok(stored_reply::answering(outlet, &subject, origin, 0)
-            .await
-            .map_err(|e| format!("stored reply: {e}"))?
-            .map(|reply| (reply.generation, kept_hash(reply.message.headers.as_ref()))))
+        match stream.get_first_raw_message_by_subject(&wildcard, 0).await {
+            Ok(message) => Ok(Some(message.subject.to_string())),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) if stored_reply::stream_missing(&e) => Ok(None),
+            Err(e) => Err(format!("stored reply: {e}")),
+        }
     }
 
     /// The request message at `origin`, while it is in its pool stream (a work queue:

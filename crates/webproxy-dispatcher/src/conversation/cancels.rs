@@ -121,9 +121,7 @@ impl Cancels {
     pub(crate) fn new(bucket: StateBucket) -> Cancels {
         Cancels {
             bucket: Some(bucket),
-            known: Mutex::default(),
-            synced: AtomicBool::new(false),
-            unremoved: Mutex::default(),
+            ..Cancels::default()
         }
     }
 
