@@ -44,7 +44,8 @@ pub enum Feature {
     /// a capability `Nats-Msg-Id`, and its upstream streams a few MiB slowly
     /// (`/large/{n}`, [`crate::upstream::LARGE_STREAMS`]), so the fault comes while
     /// bodies stream into the pool's body store; the load waits until instance 0, the
-    /// one the stalled row stops, has one under way. After the fault each reply must
+    /// one the stalled row stops, has one under way, sending another round of the load
+    /// if one is answered first (`large::load`). After the fault each reply must
     /// name a body that reads back whole with its digest, each conversation must have
     /// one stored reply, and once what the fault left behind has settled the store
     /// must hold exactly the bodies the replies name: no orphan chunk, metadata or

@@ -10,12 +10,19 @@ use webproxy_protocol::{BodyObject, Origin};
 use webproxy_tests::bodies::{
     assert_reads_back, delivery_of, digest_of, store_subjects, subjects_of,
 };
-use webproxy_tests::{large_body, wait_until};
+use webproxy_tests::{large_body, wait_for, wait_until};
 
 use crate::cell::Cell;
 use crate::fault::Fault;
-use crate::feature::{POOL, large_size};
-use crate::observe::{self, Stored};
+use crate::feature::{Feature, POOL, large_size};
+use crate::observe::{self, ANSWERED, Stored};
+
+/// How many rounds of [`Feature::count`] conversations the load may send before
+/// instance 0 has had a body under way. Nothing steers a delivery to a pod: the other
+/// one can take every conversation of a round (it pulled first, and each of its acks
+/// frees the slot it pulls into next), and a round is answered within seconds. One
+/// round is enough nearly always; four all missing instance 0 means it takes nothing.
+const ROUNDS: usize = 4;
 
 /// How long the deliveries may take to settle once every conversation is answered,
 /// and the body store then to hold only what the replies name: a pod the stalled row
@@ -36,6 +43,52 @@ fn in_flight() -> String {
 
 fn bucket(cell: &Cell) -> String {
     cell.client.subjects().pool_body_bucket(POOL)
+}
+
+/// Sends the load, a round of conversations at a time, and returns all of them once
+/// the load is [`under_way`]: a round answered before that is followed by another.
+pub async fn load(cell: &Cell) -> Vec<Submitted> {
+    let feature = Feature::Large;
+    let mut conversations = Vec::new();
+    for round in 1..=ROUNDS {
+        let first = conversations.len();
+        for n in first..first + feature.count() {
+            conversations.push(cell.submit(feature.sent_to(), &feature.path(n)).await);
+        }
+        let round_conversations = &conversations[first..];
+        let hit = wait_for(
+            ANSWERED,
+            "instance 0 with a body under way, or the round answered",
+            || async {
+                if under_way(cell).await {
+                    return Some(true);
+                }
+                answered(cell, round_conversations).await.then_some(false)
+            },
+        )
+        .await;
+        if hit {
+            return conversations;
+        }
+        println!(
+            "round {round}: its {} conversations were answered before instance 0 had a body under way",
+            feature.count()
+        );
+    }
+    panic!(
+        "instance 0 had no body under way in {ROUNDS} rounds of the load\n{}",
+        cell.logs()
+    );
+}
+
+/// Whether each of `conversations` has its reply stored.
+async fn answered(cell: &Cell, conversations: &[Submitted]) -> bool {
+    for conversation in conversations {
+        if observe::stored_replies(&cell.client, &cell.js, conversation).await == 0 {
+            return false;
+        }
+    }
+    true
 }
 
 /// Whether the load is where the fault should hit it: the body store holds some of a

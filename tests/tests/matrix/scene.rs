@@ -74,6 +74,9 @@ impl Feature {
             Feature::Breaker | Feature::Replay => cell.upstream.mend(false),
             _ => {}
         }
+        if self == Feature::Large {
+            return large::load(cell).await;
+        }
         let mut conversations = Vec::new();
         for n in 0..self.count() {
             conversations.push(match self {
@@ -99,12 +102,6 @@ impl Feature {
                 )
                 .await;
                 cell.upstream.mend(true);
-            }
-            Feature::Large => {
-                wait_until(ANSWERED, "instance 0 with a body under way", || {
-                    large::under_way(cell)
-                })
-                .await;
             }
             Feature::Cancel => {
                 wait_until(ANSWERED, "the load held, instance 0 holding some", || {
