@@ -36,9 +36,9 @@ export const PUBLISH_RETRY_DELAY_MS = 50;
 // when a live reply can have been missed.
 const RECONNECT_CHECK_MS = 250;
 const TICK = Symbol("tick");
-// How many times in all a cancel answered `busy` is sent (the service answers a fixed
-// number at once), and the pause before the second, doubling after: 50 ms to 800 ms,
-// 1.55 s in all, as the Rust client does.
+// How many times in all a cancel, body.get or body.put answered `busy` is sent (the
+// service answers a fixed number at once), and the pause before the second, doubling
+// after: 50 ms to 800 ms, 1.55 s in all, as the Rust client does.
 export const BUSY_TRIES = 6;
 export const BUSY_PAUSE_MS = 50;
 // How long one cancel (or body) request waits for its answer.
@@ -113,6 +113,20 @@ const UPLOAD_CHUNK = 256 * 1024;
 
 function digestOf(bytes) {
   return `SHA-256=${createHash("sha256").update(bytes).digest("base64url")}=`;
+}
+
+/** Whether a JSON answer (cancel, body.put) is the error `busy`. */
+function busyInJson(answer) {
+  try {
+    return JSON.parse(new TextDecoder().decode(answer.data))?.error?.code === "busy";
+  } catch {
+    return false;
+  }
+}
+
+/** Whether a body.get answer is the error `busy` (its errors are headers). */
+function busyInHeader(answer) {
+  return answer.headers?.get("Webproxy-Body-Error") === "busy";
 }
 
 /**
@@ -444,33 +458,26 @@ export class Client {
     check(ORIGIN, "origin", origin);
     check(MSG_ID, "msgId", msgId);
     const payload = JSON.stringify({ id, origin, msg_id: msgId });
-    for (let attempt = 1, pauseMs = BUSY_PAUSE_MS; ; attempt++, pauseMs *= 2) {
-      let answer;
-      try {
-        answer = await this.#nc.request(`${this.#prefix}.cancel`, payload, {
-          timeout: ANSWER_TIMEOUT_MS,
-        });
-      } catch (e) {
-        throw new CancelError("request", `cancel was not answered: ${e.message}`, { cause: e });
-      }
-      let answered;
-      try {
-        answered = JSON.parse(new TextDecoder().decode(answer.data));
-      } catch (e) {
-        throw new CancelError("internal", `the cancel answer is not JSON: ${e.message}`, { cause: e });
-      }
-      if (CANCEL_STATES.includes(answered?.cancel)) {
-        return answered.cancel;
-      }
-      const error = answered?.error;
-      if (error === null || typeof error !== "object") {
-        throw new CancelError("internal", "the cancel answer has neither a state nor an error");
-      }
-      if (error.code !== "busy" || attempt === BUSY_TRIES) {
-        throw new CancelError(String(error.code), String(error.message ?? ""));
-      }
-      await sleep(pauseMs);
+    let answer;
+    try {
+      answer = await this.#askWhileBusy(`${this.#prefix}.cancel`, payload, busyInJson);
+    } catch (e) {
+      throw new CancelError("request", `cancel was not answered: ${e.message}`, { cause: e });
     }
+    let answered;
+    try {
+      answered = JSON.parse(new TextDecoder().decode(answer.data));
+    } catch (e) {
+      throw new CancelError("internal", `the cancel answer is not JSON: ${e.message}`, { cause: e });
+    }
+    if (CANCEL_STATES.includes(answered?.cancel)) {
+      return answered.cancel;
+    }
+    const error = answered?.error;
+    if (error === null || typeof error !== "object") {
+      throw new CancelError("internal", "the cancel answer has neither a state nor an error");
+    }
+    throw new CancelError(String(error.code), String(error.message ?? ""));
   }
 
   /**
@@ -501,7 +508,8 @@ export class Client {
    * The stored body a reply names (`reply.bodyObject`), read whole through
    * `<prefix>.body.get` (which callers without read access to the stores may use too)
    * with the message id the request was published with, chunk by chunk, and checked
-   * against its size and digest. A Buffer.
+   * against its size and digest. A Buffer. A chunk answered `busy` is asked again, as
+   * a cancel is.
    */
   async readBody(reply) {
     if (!reply.origin || !reply.msgId) {
@@ -513,9 +521,7 @@ export class Client {
     for (;;) {
       let answer;
       try {
-        answer = await this.#nc.request(`${this.#prefix}.body.get`, JSON.stringify(request), {
-          timeout: ANSWER_TIMEOUT_MS,
-        });
+        answer = await this.#askWhileBusy(`${this.#prefix}.body.get`, JSON.stringify(request), busyInHeader);
       } catch (e) {
         throw new BodyError("request", `body.get was not answered: ${e.message}`);
       }
@@ -546,7 +552,8 @@ export class Client {
   /**
    * Uploads `data` for a request to `pool` through `<prefix>.body.put.<pool>` (under
    * this client's caller name, if it has one), 256 KiB per message, resuming where the
-   * service says the upload ends. Pass the result as the envelope's `bodyObject`.
+   * service says the upload ends; a piece answered `busy` is sent again, as a cancel
+   * is. Pass the result as the envelope's `bodyObject`.
    */
   async upload(data, { pool = DEFAULT_POOL } = {}) {
     check(POOL, "pool", pool);
@@ -563,7 +570,7 @@ export class Client {
       };
       let answer;
       try {
-        answer = await this.#nc.request(subject, JSON.stringify(put), { timeout: ANSWER_TIMEOUT_MS });
+        answer = await this.#askWhileBusy(subject, JSON.stringify(put), busyInJson);
       } catch (e) {
         throw new BodyError("request", `body.put was not answered: ${e.message}`);
       }
@@ -574,6 +581,19 @@ export class Client {
       offset = answered.size;
     }
     return { upload: name, size: bytes.length, digest: digestOf(bytes) };
+  }
+
+  /** Sends `payload` to `subject` and resolves to the answer, asking again while
+   * `busy(answer)` says the service was busy, up to BUSY_TRIES times in all, with
+   * doubling pauses; the last answer is the result, busy or not. */
+  async #askWhileBusy(subject, payload, busy) {
+    for (let attempt = 1, pauseMs = BUSY_PAUSE_MS; ; attempt++, pauseMs *= 2) {
+      const answer = await this.#nc.request(subject, payload, { timeout: ANSWER_TIMEOUT_MS });
+      if (attempt === BUSY_TRIES || !busy(answer)) {
+        return answer;
+      }
+      await sleep(pauseMs);
+    }
   }
 
   /** The last message on `subject` in `stream`; null when there is none, or no such

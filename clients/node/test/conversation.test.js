@@ -2,9 +2,10 @@
 // the random Nats-Msg-Id, retrying a publish that is still in process, the origin from
 // the publish ack, ignoring live replies of other conversations, reading exactly the
 // conversation's own stored subject, and a cancel: what it sends, and asking again
-// while the service is busy.
+// while the service is busy, as body.get and body.put do.
 
 import assert from "node:assert/strict";
+import { createHash } from "node:crypto";
 import { describe, test } from "node:test";
 
 import { JetStreamApiError } from "@nats-io/jetstream";
@@ -12,6 +13,7 @@ import { headers as natsHeaders } from "@nats-io/transport-node";
 
 import {
   BUSY_TRIES,
+  BodyError,
   CancelError,
   Client,
   InvalidRequest,
@@ -88,11 +90,14 @@ class FakeNats {
   sub = new FakeSub();
   #statusWaiters = [];
 
-  constructor(answers, { onPublish = () => {}, stored = {}, cancels = [] } = {}) {
+  constructor(answers, { onPublish = () => {}, stored = {}, cancels = [], bodies = [] } = {}) {
     this.answers = [...answers];
     // What successive cancels get: an answer, or an Error to throw.
     this.cancels = [...cancels];
     this.cancelled = [];
+    // What successive body.get and body.put requests get: a whole message.
+    this.bodies = [...bodies];
+    this.bodyRequests = [];
     this.onPublish = onPublish;
     this.stored = stored;
   }
@@ -133,6 +138,10 @@ class FakeNats {
         throw answer;
       }
       return { data: encode(answer) };
+    }
+    if (subject.includes(".body.")) {
+      this.bodyRequests.push({ subject, request: JSON.parse(data) });
+      return this.bodies.shift();
     }
     if (subject === "$JS.API.INFO") {
       return { data: encode({}) };
@@ -373,6 +382,35 @@ describe("a conversation against a fake connection", () => {
       (e) => e instanceof CancelError && e.code === "busy" && e.message === "busy: too many cancels at once",
     );
     assert.equal(tired.cancelled.length, 6);
+  });
+
+  test("busy body requests are asked again, and the last busy is the error", TEST_TIMEOUT, async () => {
+    const body = Buffer.from("a stored body");
+    const digest = `SHA-256=${createHash("sha256").update(body).digest("base64url")}=`;
+    const busyGet = () => {
+      const h = natsHeaders();
+      h.set("Webproxy-Body-Error", "busy");
+      return { data: encode({ message: "too many body reads at once" }), headers: h };
+    };
+    const whole = natsHeaders();
+    whole.set("Webproxy-Body-Size", String(body.length));
+    whole.set("Webproxy-Body-Digest", digest);
+    const reply = new Reply({ id: "order-42", outcome: "response" }, ORIGIN, MSG_ID);
+    const read = new FakeNats([], { bodies: [busyGet(), busyGet(), { data: body, headers: whole }] });
+    assert.deepEqual(await new Client(read).readBody(reply), body);
+    assert.deepEqual(read.bodyRequests.map((r) => r.subject), Array(3).fill("webproxy.body.get"));
+    const tiredRead = new FakeNats([], { bodies: Array.from({ length: BUSY_TRIES }, busyGet) });
+    await assert.rejects(new Client(tiredRead).readBody(reply), (e) => e instanceof BodyError && e.code === "busy");
+    assert.equal(tiredRead.bodyRequests.length, 6);
+
+    const busyPut = () => ({ data: encode({ error: { code: "busy", message: "too many uploads at once" } }) });
+    const put = new FakeNats([], { bodies: [busyPut(), { data: encode({ size: body.length }) }] });
+    const uploaded = await new Client(put).upload(body);
+    assert.deepEqual([uploaded.size, uploaded.digest], [body.length, digest]);
+    assert.deepEqual(put.bodyRequests.map((r) => r.request.offset), [0, 0]);
+    const tiredPut = new FakeNats([], { bodies: Array.from({ length: BUSY_TRIES }, busyPut) });
+    await assert.rejects(new Client(tiredPut).upload(body), (e) => e instanceof BodyError && e.code === "busy");
+    assert.equal(tiredPut.bodyRequests.length, 6);
   });
 
   test("other cancel errors reject at once", TEST_TIMEOUT, async () => {

@@ -2,11 +2,13 @@
 the random Nats-Msg-Id, retrying a publish that is still in process, the origin from
 the publish ack, ignoring live replies of other conversations, reading exactly
 the conversation's own stored subject, and a cancel: what it sends, and asking
-again while the service is busy."""
+again while the service is busy, as body.get and body.put do."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import re
 
@@ -94,6 +96,8 @@ class FakeNats:
         answer = self.request_answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
+        if isinstance(answer, Message):
+            return answer
         return Message(json.dumps(answer).encode())
 
     async def get_last_msg(self, stream, subject):
@@ -311,6 +315,33 @@ def test_a_busy_cancel_is_asked_again_with_doubling_pauses():
     with pytest.raises(webproxy_client.CancelError) as error:
         run(Client(fake).cancel("order-42", ORIGIN, "f" * 32))
     assert (error.value.code, error.value.message) == ("busy", "too many cancels at once")
+    assert len(fake.requested) == 6
+
+
+def test_busy_body_requests_are_asked_again_and_the_last_busy_is_the_error():
+    body = b"a stored body"
+    digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(body).digest()).decode()
+    busy_get = Message(b'{"message": "too many body reads at once"}', {"Webproxy-Body-Error": "busy"})
+    whole = Message(body, {"Webproxy-Body-Size": str(len(body)), "Webproxy-Body-Digest": digest})
+    reply = webproxy_client.Reply({"id": "order-42", "outcome": "response"}, ORIGIN, "f" * 32)
+    fake = FakeNats([], requests=[busy_get, busy_get, whole])
+    assert run(Client(fake).read_body(reply)) == body
+    assert [subject for subject, _, _ in fake.requested] == ["webproxy.body.get"] * 3
+    fake = FakeNats([], requests=[busy_get] * 6)
+    with pytest.raises(webproxy_client.BodyError) as error:
+        run(Client(fake).read_body(reply))
+    assert error.value.code == "busy"
+    assert len(fake.requested) == 6
+
+    busy_put = {"error": {"code": "busy", "message": "too many uploads at once"}}
+    fake = FakeNats([], requests=[busy_put, {"size": len(body)}])
+    uploaded = run(Client(fake).upload(body))
+    assert (uploaded["size"], uploaded["digest"]) == (len(body), digest)
+    assert [r["offset"] for _, r, _ in fake.requested] == [0, 0]
+    fake = FakeNats([], requests=[busy_put] * 6)
+    with pytest.raises(webproxy_client.BodyError) as error:
+        run(Client(fake).upload(body))
+    assert error.value.code == "busy"
     assert len(fake.requested) == 6
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import (
     TYPE_CHECKING,
     Any,
+    Callable,
     Dict,
     Literal,
     Mapping,
@@ -44,6 +45,7 @@ from typing import (
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -109,9 +111,9 @@ _PUBLISH_RETRY_DELAY = 0.05
 # How much of a body one body.put message carries: about 350 KB in base64, well within
 # the default 1 MiB max_payload.
 _UPLOAD_CHUNK = 256 * 1024
-# How many times in all a cancel answered ``busy`` is sent (the service answers a
-# fixed number at once), and the pause before the second, doubling after: 50 ms to
-# 800 ms, 1.55 s in all, as the Rust client does.
+# How many times in all a cancel, body.get or body.put answered ``busy`` is sent (the
+# service answers a fixed number at once), and the pause before the second, doubling
+# after: 50 ms to 800 ms, 1.55 s in all, as the Rust client does.
 _BUSY_TRIES = 6
 _BUSY_PAUSE = 0.05
 # How long one cancel (or body) request waits for its answer.
@@ -535,34 +537,25 @@ class Client:
         _check(_ORIGIN, "origin", origin)
         _check(_MSG_ID, "msg_id", msg_id)
         payload = json.dumps({"id": id, "origin": origin, "msg_id": msg_id}).encode()
-        pause = _BUSY_PAUSE
-        for attempt in range(1, _BUSY_TRIES + 1):
-            try:
-                answer = await self._nc.request(
-                    f"{self._prefix}.cancel", payload, timeout=_ANSWER_TIMEOUT
-                )
-            except nats.errors.Error as e:
-                raise CancelError("request", f"cancel was not answered: {e}") from e
-            try:
-                answered = json.loads(answer.data)
-            except ValueError as e:
-                raise CancelError("internal", f"the cancel answer is not JSON: {e}") from e
-            state = answered.get("cancel") if isinstance(answered, dict) else None
-            if state in _CANCEL_STATES:
-                found: CancelState = state
-                return found
-            error = answered.get("error") if isinstance(answered, dict) else None
-            if not isinstance(error, dict):
-                raise CancelError(
-                    "internal",
-                    f"the cancel answer has neither a state nor an error: {answer.data[:200]!r}",
-                )
-            code, message = str(error.get("code")), str(error.get("message", ""))
-            if code != "busy" or attempt == _BUSY_TRIES:
-                raise CancelError(code, message)
-            await asyncio.sleep(pause)
-            pause *= 2
-        raise AssertionError("unreachable: the last try returns or raises")
+        try:
+            answer = await self._ask_while_busy(f"{self._prefix}.cancel", payload, _busy_in_json)
+        except nats.errors.Error as e:
+            raise CancelError("request", f"cancel was not answered: {e}") from e
+        try:
+            answered = json.loads(answer.data)
+        except ValueError as e:
+            raise CancelError("internal", f"the cancel answer is not JSON: {e}") from e
+        state = answered.get("cancel") if isinstance(answered, dict) else None
+        if state in _CANCEL_STATES:
+            found: CancelState = state
+            return found
+        error = answered.get("error") if isinstance(answered, dict) else None
+        if not isinstance(error, dict):
+            raise CancelError(
+                "internal",
+                f"the cancel answer has neither a state nor an error: {answer.data[:200]!r}",
+            )
+        raise CancelError(str(error.get("code")), str(error.get("message", "")))
 
     async def reply(self, id: str, origin: str) -> Optional[Reply]:
         """The stored final reply of the conversation ``origin`` with envelope id
@@ -588,17 +581,16 @@ class Client:
         """The stored body a reply names (``reply.body_object``), read whole through
         ``<prefix>.body.get`` (which callers without read access to the stores may use
         too) with the message id the request was published with, chunk by chunk, and
-        checked against its size and digest."""
+        checked against its size and digest. A chunk answered ``busy`` is asked again,
+        as a cancel is."""
         if reply.origin is None or reply.msg_id is None:
             raise InvalidRequest("read_body needs the reply of a request made with this client")
         request: Dict[str, Any] = {"id": reply.id, "origin": reply.origin, "msg_id": reply.msg_id}
         body = bytearray()
         while True:
             try:
-                answer = await self._nc.request(
-                    f"{self._prefix}.body.get",
-                    json.dumps(request).encode(),
-                    timeout=_ANSWER_TIMEOUT,
+                answer = await self._ask_while_busy(
+                    f"{self._prefix}.body.get", json.dumps(request).encode(), _busy_in_header
                 )
             except nats.errors.Error as e:
                 raise BodyError("request", f"body.get was not answered: {e}") from e
@@ -620,8 +612,9 @@ class Client:
     async def upload(self, data: bytes, *, pool: str = DEFAULT_POOL) -> Dict[str, Any]:
         """Uploads ``data`` for a request to ``pool`` through
         ``<prefix>.body.put.<pool>`` (under this client's caller name, if it has one),
-        256 KiB per message, resuming where the service says the upload ends. Pass the
-        result as the envelope's ``body_object``."""
+        256 KiB per message, resuming where the service says the upload ends; a piece
+        answered ``busy`` is sent again, as a cancel is. Pass the result as the
+        envelope's ``body_object``."""
         _check(_POOL, "pool", pool)
         subject = f"{self._prefix}.body.put.{pool}"
         if self._caller is not None:
@@ -636,9 +629,7 @@ class Client:
                 "data_base64": base64.b64encode(chunk).decode("ascii"),
             }
             try:
-                answer = await self._nc.request(
-                    subject, json.dumps(put).encode(), timeout=_ANSWER_TIMEOUT
-                )
+                answer = await self._ask_while_busy(subject, json.dumps(put).encode(), _busy_in_json)
             except nats.errors.Error as e:
                 raise BodyError("request", f"body.put was not answered: {e}") from e
             answered = json.loads(answer.data)
@@ -648,6 +639,21 @@ class Client:
             offset = int(answered["size"])
         digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
         return {"upload": name, "size": len(data), "digest": digest}
+
+    async def _ask_while_busy(
+        self, subject: str, payload: bytes, busy: Callable[[Msg], bool]
+    ) -> Msg:
+        """Sends ``payload`` to ``subject`` and returns the answer, asking again while
+        ``busy(answer)`` says the service was busy, up to ``_BUSY_TRIES`` times in
+        all, with doubling pauses; the last answer is returned busy or not."""
+        pause = _BUSY_PAUSE
+        for _ in range(1, _BUSY_TRIES):
+            answer = await self._nc.request(subject, payload, timeout=_ANSWER_TIMEOUT)
+            if not busy(answer):
+                return answer
+            await asyncio.sleep(pause)
+            pause *= 2
+        return await self._nc.request(subject, payload, timeout=_ANSWER_TIMEOUT)
 
     async def _last(self, stream: str, subject: str) -> Optional[bytes]:
         """The last message's data on ``subject`` in ``stream``; None when there is
@@ -683,6 +689,21 @@ class Client:
             except nats.errors.Error as e:
                 raise PublishFailed(f"the request was not stored: {e}") from e
         raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _busy_in_json(answer: Msg) -> bool:
+    """Whether a JSON answer (cancel, body.put) is the error ``busy``."""
+    try:
+        answered = json.loads(answer.data)
+    except ValueError:
+        return False
+    error = answered.get("error") if isinstance(answered, dict) else None
+    return isinstance(error, dict) and error.get("code") == "busy"
+
+
+def _busy_in_header(answer: Msg) -> bool:
+    """Whether a body.get answer is the error ``busy`` (its errors are headers)."""
+    return (answer.headers or {}).get("Webproxy-Body-Error") == "busy"
 
 
 def _live_subject(prefix: str, id: str, reply_to: Optional[str]) -> str:
