@@ -4,7 +4,8 @@
 //! operation, which the server must report as a permissions violation. Widening any of
 //! those permissions fails this test. Cancels (issue 35) cross exactly where the file
 //! lets them: callers and the gateway on `webproxy.cancel`, the operator alone on
-//! `webproxy.admin.cancel`, each answered by the service.
+//! `webproxy.admin.cancel`, each answered by the service; a service denied one of
+//! them is not ready and says so.
 
 use std::time::Duration;
 
@@ -17,8 +18,8 @@ use webproxy_protocol::{
     AdminCancelRequest, CancelAnswer, CancelErrorCode, CancelRequest, CancelState, Reply, header,
 };
 use webproxy_tests::authorized::{
-    Admin, Caller, GATEWAY_USER, OPERATOR_USER, Origin, SERVICE_USER, as_operator, connect_as,
-    header as header_of, origin_of, service_as, stored_msg_id, violation,
+    AUTHORIZATION, Admin, Caller, GATEWAY_USER, OPERATOR_USER, Origin, SERVICE_USER, as_operator,
+    connect_as, header as header_of, origin_of, service_as, stored_msg_id, violation,
 };
 use webproxy_tests::caller::{REPLY_TIMEOUT, next_message, path_rule};
 use webproxy_tests::{Gateway, NatsServer, Service, Upstream, http_client, wait_for};
@@ -579,4 +580,34 @@ async fn ask_cancel(
         (!busy).then_some(answer)
     })
     .await
+}
+
+/// How long a service denied a subscription may take to say so on `/readyz`: it
+/// connects, subscribes, and the server's refusal comes back within a round trip;
+/// generous for a loaded machine.
+const REFUSAL_SHOWN: Duration = Duration::from_secs(30);
+
+/// A service user the file denies `webproxy.cancel` (the line taken out of its
+/// subscribe list) starts, yet nothing of it answers cancels: callers would get only
+/// "no responders". It is not ready, and `/readyz` names the refused subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_denied_a_subject_it_answers_on_is_not_ready_and_names_it() {
+    let granted = "\"webproxy.body.put.>\",\n              \"webproxy.cancel\",\n";
+    assert_eq!(
+        AUTHORIZATION.matches(granted).count(),
+        1,
+        "the service's subscribe list in deploy/nats/authorization.conf"
+    );
+    let nats = NatsServer::start_authorized_from(
+        &AUTHORIZATION.replace(granted, "\"webproxy.body.put.>\",\n"),
+    );
+    let service = Service::spawn(&nats.url(), "", service_as(SERVICE_USER));
+    let readiness = service
+        .not_ready_naming(REFUSAL_SHOWN, "subscribing to webproxy.cancel")
+        .await;
+    assert!(
+        readiness.contains("authorization.conf"),
+        "/readyz says where to allow it: {readiness}\n{}",
+        service.logs()
+    );
 }

@@ -40,8 +40,14 @@ impl NatsServer {
     /// [`CALLERS_ADMIN`] in the callers' account, who may publish and subscribe to
     /// anything there.
     pub fn start_authorized() -> NatsServer {
+        NatsServer::start_authorized_from(AUTHORIZATION)
+    }
+
+    /// Like [`NatsServer::start_authorized`], with `authorization` (the file changed by
+    /// a test) instead of the file.
+    pub fn start_authorized_from(authorization: &str) -> NatsServer {
         let with_admins = with_user(
-            &with_user(AUTHORIZATION, SERVICE_ACCOUNT, ADMIN),
+            &with_user(authorization, SERVICE_ACCOUNT, ADMIN),
             CALLERS_ACCOUNT,
             CALLERS_ADMIN,
         );

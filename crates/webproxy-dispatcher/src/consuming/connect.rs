@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_nats::connection;
-use tracing::debug;
+use tracing::{debug, error};
 
 use crate::Instruments;
 use webproxy_jetstream::backoff::Backoff;
@@ -38,6 +38,15 @@ pub async fn connect(
                 match event {
                     async_nats::Event::Connected => events.set_nats_connected(true),
                     async_nats::Event::Disconnected => events.set_nats_connected(false),
+                    async_nats::Event::ServerError(async_nats::ServerError::Other(error)) => {
+                        match denied_subscription(&error) {
+                            Some(subject) => {
+                                error!(subject, %error, "NATS refused a subscription: not ready");
+                                events.set_subscription_denied(subject);
+                            }
+                            None => debug!(%error, "nats server error"),
+                        }
+                    }
                     other => debug!(event = %other, "nats event"),
                 }
             }
@@ -46,6 +55,18 @@ pub async fn connect(
         .await?;
     health.set_nats_connected(client.connection_state() == connection::State::Connected);
     Ok(client)
+}
+
+/// The subject a server error refuses a subscription to: the server's
+/// `Permissions Violation for Subscription to "webproxy.cancel"` (and ` using queue
+/// "q"` for a queue subscription); `None` for any other error.
+fn denied_subscription(error: &str) -> Option<&str> {
+    const REFUSED: &str = "permissions violation for subscription to \"";
+    let rest = error
+        .get(..REFUSED.len())
+        .filter(|head| head.eq_ignore_ascii_case(REFUSED))
+        .map(|_| &error[REFUSED.len()..])?;
+    rest.split_once('"').map(|(subject, _)| subject)
 }
 
 /// How often the connection is pinged: a fifth of `ack_wait`, at most 10 s.
@@ -72,6 +93,29 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_refused_subscription_names_its_subject_and_nothing_else_does() {
+        assert_eq!(
+            denied_subscription(r#"Permissions Violation for Subscription to "webproxy.cancel""#),
+            Some("webproxy.cancel")
+        );
+        assert_eq!(
+            denied_subscription(
+                r#"Permissions Violation for Subscription to "webproxy.body.put.>" using queue "webproxy""#
+            ),
+            Some("webproxy.body.put.>")
+        );
+        for other in [
+            r#"Permissions Violation for Publish to "webproxy.reply.x""#,
+            "Permissions Violation for Subscription to ",
+            r#"Permissions Violation for Subscription to "unterminated"#,
+            "maximum payload violation",
+            "",
+        ] {
+            assert_eq!(denied_subscription(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::watch;
 
+/// The prefix of a denied subscription's entry among what keeps the instance stuck.
+const DENIED_SUBSCRIPTION: &str = "denied subscription ";
+
 /// Flags the dispatcher sets and the health listener reads.
 #[derive(Debug)]
 pub(crate) struct Health {
@@ -49,8 +52,31 @@ impl Health {
     pub(crate) fn set_nats_connected(&self, connected: bool) {
         let was = self.nats_connected.swap(connected, Ordering::Relaxed);
         if connected && !was {
+            // The new connection sends every subscription again, and the server
+            // refuses again whatever it still denies.
+            self.forget_denied_subscriptions();
             self.connections.send_modify(|n| *n += 1);
         }
+    }
+
+    /// The server refused this connection's subscription to `subject`: what is sent
+    /// there (cancels, body requests) reaches no one here, yet nothing else would
+    /// show it but its callers' "no responders". Not ready, and `/readyz` says why,
+    /// until a new connection subscribes again.
+    pub(crate) fn set_subscription_denied(&self, subject: &str) {
+        self.set_stuck(
+            &format!("{DENIED_SUBSCRIPTION}{subject}"),
+            Some(format!(
+                "NATS permissions deny this service's user subscribing to {subject}, so nothing here answers what is sent there: allow it (deploy/nats/authorization.conf) and restart the instance"
+            )),
+        );
+    }
+
+    fn forget_denied_subscriptions(&self) {
+        self.stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|what, _| !what.starts_with(DENIED_SUBSCRIPTION));
     }
 
     /// Changes each time the connection is made again.
@@ -178,6 +204,26 @@ mod tests {
         health.set_nats_connected(true);
         health.set_draining();
         assert!(!health.is_ready());
+    }
+
+    #[test]
+    fn a_denied_subscription_is_not_ready_until_a_new_connection() {
+        let health = Health::new();
+        health.set_nats_connected(true);
+        health.set_provisioned();
+        health.set_subscription_denied("webproxy.cancel");
+        assert!(!health.is_ready());
+        let [reason] = &health.stuck()[..] else {
+            panic!("one reason: {:?}", health.stuck())
+        };
+        assert!(
+            reason.contains("subscribing to webproxy.cancel"),
+            "{reason}"
+        );
+        health.set_stuck("rate.p", Some("pool p: unreachable".into()));
+        health.set_nats_connected(false);
+        health.set_nats_connected(true);
+        assert_eq!(health.stuck(), ["pool p: unreachable"]);
     }
 
     #[test]
