@@ -39,7 +39,7 @@ use gauges::timed_info;
 use revisions::{Pools, keep_dropped_pools};
 use start::{Provisioned, worker_for};
 use webproxy_jetstream::provision::PoolConsumers;
-use webproxy_jetstream::state::{Bucket, StateBucket};
+use webproxy_jetstream::state::Bucket;
 
 /// Consumes every pool of this instance until told to stop.
 pub struct Dispatcher {
@@ -72,10 +72,7 @@ impl Dispatcher {
         outlet
             .js
             .set_timeout(jetstream_request_timeout(settings.cluster.ack_wait));
-        outlet.cancels = Arc::new(Cancels::new(StateBucket::new(
-            outlet.js.clone(),
-            Bucket::Cancels.spec(&settings.subjects, &settings.streams),
-        )));
+        outlet.cancels = Arc::new(Cancels::new(provisioned.cancels));
         let pool_control = Arc::new(crate::pool::control::PoolControl::new(
             outlet.js.clone(),
             outlet.metrics.clone(),

@@ -163,10 +163,29 @@ fn effective_max_response_bytes(
     }
 }
 
-/// What provisioning made: the pools' consumers and the progress bucket.
+/// What provisioning made: the pools' consumers, and the progress and cancels buckets.
 pub(crate) struct Provisioned {
     pub(crate) pools: Vec<PoolConsumers>,
     pub(crate) progress: StateBucket,
+    pub(crate) cancels: StateBucket,
+}
+
+/// The state bucket `bucket`, made (or brought to its declared bound) now: an instance
+/// is ready only once the buckets its deliveries use exist.
+async fn open_state(
+    js: &jetstream::Context,
+    settings: &Settings,
+    bucket: Bucket,
+) -> Result<StateBucket, ProvisionError> {
+    let state = StateBucket::new(
+        js.clone(),
+        bucket.spec(&settings.subjects, &settings.streams),
+    );
+    state
+        .store()
+        .await
+        .map_err(|e| provision_error(format!("bucket {}", state.spec().name), e))?;
+    Ok(state)
 }
 
 /// Creates or updates every stream, bucket and consumer of this instance's config.
@@ -190,14 +209,8 @@ pub(crate) async fn provision(
         provision_endings(js, settings, pool).await?;
     }
     make_fence(js, replies_fence_config(settings)).await?;
-    let progress = StateBucket::new(
-        js.clone(),
-        Bucket::Progress.spec(&settings.subjects, &settings.streams),
-    );
-    progress
-        .store()
-        .await
-        .map_err(|e| provision_error(format!("bucket {}", progress.spec().name), e))?;
+    let progress = open_state(js, settings, Bucket::Progress).await?;
+    let cancels = open_state(js, settings, Bucket::Cancels).await?;
     let bucket = pool_state_bucket_config(settings);
     let bucket_name = bucket.bucket.clone();
     js.create_or_update_key_value(bucket)
@@ -210,6 +223,7 @@ pub(crate) async fn provision(
     Ok(Provisioned {
         pools: consumers,
         progress,
+        cancels,
     })
 }
 

@@ -129,7 +129,6 @@ impl Cancels {
         self.known.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Follows the bucket until `shutdown`.
     /// Follows the bucket until `shutdown`, and removes again the records whose
     /// removal failed.
     pub(crate) async fn follow(self: &Arc<Self>, shutdown: CancellationToken) {
