@@ -7,7 +7,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use webproxy_client::{Answer, Client, Request, new_id};
-use webproxy_protocol::{DeadLetter, Reply, RequestEnvelope, Subjects};
+use webproxy_protocol::{DeadLetter, Origin, Reply, RequestEnvelope, Subjects};
 
 use crate::{NatsServer, Service, ServiceOptions, Upstream, wait_for};
 
@@ -16,6 +16,18 @@ pub use webproxy_testkit::rules::{accept_rule, origin_rule, path_rule};
 /// How long a test waits for a reply that should come at once; generous for a loaded
 /// 2-core CI machine.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The stored reply of the conversation `id` of `origin`, once `client` reads it; a
+/// lookup that fails is asked again, as one that finds none yet. Panics if `within`
+/// passes first.
+pub async fn stored_reply(client: &Client, id: &str, origin: &Origin, within: Duration) -> Reply {
+    wait_for(
+        within,
+        &format!("the stored reply of {id} ({origin})"),
+        || async { client.reply(id, origin).await.ok().flatten() },
+    )
+    .await
+}
 
 /// A request envelope with a fresh id.
 pub fn envelope(method: &str, url: &str) -> RequestEnvelope {

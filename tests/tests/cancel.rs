@@ -27,7 +27,9 @@ use webproxy_protocol::{
     AdminCancelRequest, CancelAnswer, CancelRequest, CancelState, DeadLetter, ErrorCode, Origin,
     Outcome, Reply, Subjects,
 };
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
+use webproxy_tests::caller::{
+    Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message, stored_reply, to,
+};
 use webproxy_tests::{
     Gate, NatsServer, Relay, Service, Upstream, default_routes, wait_for, wait_until,
 };
@@ -815,14 +817,7 @@ async fn an_instance_killed_right_after_a_cancel_leaves_the_redelivery_to_end_it
         b.logs()
     );
     let js = jetstream::new(observer.clone());
-    let stored = wait_for(REPLY_TIMEOUT, "the stored reply", || async {
-        client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .ok()
-            .flatten()
-    })
-    .await;
+    let stored = stored_reply(&client, &submitted.id, &submitted.origin, REPLY_TIMEOUT).await;
     assert_eq!(stored.error.map(|e| e.code), Some(ErrorCode::Cancelled));
     assert_eq!(stored_count(&js, &subjects, &submitted).await, 1);
     assert_eq!(upstream.hits_for("/hang"), 1, "B called the upstream again");

@@ -5,7 +5,7 @@ use std::process::Output;
 
 use serde_json::Value;
 use webproxy_protocol::{ErrorCode, Outcome};
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, to};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, stored_reply, to};
 use webproxy_tests::run_webproxy as webproxy;
 
 fn stdout_json(output: &Output) -> Value {
@@ -267,14 +267,7 @@ async fn cancel_ends_an_in_flight_conversation_and_tells_an_unknown_origin() {
         "recorded\n",
         "{output:?}"
     );
-    let reply = webproxy_tests::wait_for(REPLY_TIMEOUT, "the cancelled reply", || async {
-        h.client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .ok()
-            .flatten()
-    })
-    .await;
+    let reply = stored_reply(&h.client, &submitted.id, &submitted.origin, REPLY_TIMEOUT).await;
     assert_eq!(reply.outcome, Outcome::Error, "{reply:?}");
     assert_eq!(
         reply.error.as_ref().map(|e| e.code),

@@ -10,7 +10,7 @@ use async_nats::HeaderMap;
 use serde_json::{Value, json};
 use webproxy_client::{Client, Error, ErrorCode, Origin, Outcome, Request, new_id, new_msg_id};
 use webproxy_protocol::header;
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule};
+use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, stored_reply};
 use webproxy_tests::{Relay, free_port, wait_for, wait_until};
 
 /// Longer than any test may take, so that a request that returns at all returned
@@ -84,13 +84,7 @@ async fn submitted_reply_is_fetched_once_stored() {
     let submitted = h.client.submit(&request).await.expect("submit");
     assert_eq!(submitted.id, request.envelope().id);
     assert_eq!(submitted.origin.stream, "WEBPROXY_POOL_DEFAULT");
-    let stored = wait_for(REPLY_TIMEOUT, "the stored reply", || async {
-        h.client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .expect("lookup")
-    })
-    .await;
+    let stored = stored_reply(&h.client, &submitted.id, &submitted.origin, REPLY_TIMEOUT).await;
     assert_eq!(stored.id, submitted.id);
     assert_eq!(stored.outcome, Outcome::Response);
     assert_eq!(stored.body.body.as_deref(), Some("multi"));
@@ -132,13 +126,7 @@ async fn publishing_the_same_message_again_returns_its_stored_reply() {
     let h = Harness::start(|up| accept_rule("local", up)).await;
     let first = Request::new("GET", h.upstream.url("/echo")).msg_id(new_msg_id().expect("id"));
     let submitted = h.client.submit(&first).await.expect("submit");
-    wait_for(REPLY_TIMEOUT, "the stored reply", || async {
-        h.client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .expect("lookup")
-    })
-    .await;
+    stored_reply(&h.client, &submitted.id, &submitted.origin, REPLY_TIMEOUT).await;
 
     let again = first.wait(LONG_WAIT);
     let answer = tokio::time::timeout(REPLY_TIMEOUT, h.client.request_answer(&again))

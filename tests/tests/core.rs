@@ -6,8 +6,10 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use webproxy_client::{Error as ClientError, Request};
 use webproxy_protocol::{ErrorCode, HeaderValue, Outcome, Reply, header};
-use webproxy_tests::caller::{Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message};
-use webproxy_tests::{NatsServer, Service, http_client, wait_for, wait_until};
+use webproxy_tests::caller::{
+    Harness, REPLY_TIMEOUT, accept_rule, envelope, next_message, stored_reply,
+};
+use webproxy_tests::{NatsServer, Service, http_client, wait_until};
 
 fn echo_of(reply: &Reply) -> Value {
     assert_eq!(reply.outcome, Outcome::Response, "{reply:?}");
@@ -138,12 +140,12 @@ async fn reply_is_stored_with_outcome_header_and_copied_to_reply_to() {
     );
 
     // A live subscriber can see the reply a moment before the stream has stored it.
-    let stored = wait_for(Duration::from_secs(10), "the stored reply", || async {
-        h.client
-            .reply(&request.id, &answer.origin)
-            .await
-            .expect("lookup")
-    })
+    let stored = stored_reply(
+        &h.client,
+        &request.id,
+        &answer.origin,
+        Duration::from_secs(10),
+    )
     .await;
     assert_eq!(stored.id, request.id);
     assert_eq!(stored.status, Some(200));

@@ -10,9 +10,9 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
-use webproxy_client::{Client, Submitted};
-use webproxy_protocol::{Reply, Subjects};
-use webproxy_tests::caller::{Harness, accept_rule, envelope, to};
+use webproxy_client::Client;
+use webproxy_protocol::Subjects;
+use webproxy_tests::caller::{Harness, accept_rule, envelope, stored_reply, to};
 use webproxy_tests::recovery::{Killed, Load, OUTAGE, restart_under_load};
 use webproxy_tests::{
     Gate, NatsServer, Relay, Service, Upstream, default_routes, run_webproxy, wait_for, wait_until,
@@ -42,17 +42,6 @@ async fn pool_consumer(js: &jetstream::Context, pool: &str) -> Option<consumer::
         .consumer_info(subjects.pool_consumer(pool))
         .await
         .ok()
-}
-
-async fn stored_reply(client: &Client, submitted: &Submitted) -> Reply {
-    wait_for(ANSWER, "a stored reply", || async {
-        client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .ok()
-            .flatten()
-    })
-    .await
 }
 
 /// Runs issue 14's scenario (`restart_under_load`: 100 conversations waiting on pool
@@ -349,7 +338,7 @@ async fn a_stalled_delivery_does_not_ack_and_the_limit_holds() {
         .expect("the first request's task")
         .unwrap_or_else(|e| panic!("no answer for the first request: {e}\n{}", b.logs()));
     assert_eq!(reply.status, Some(200), "{reply:?}");
-    let reply = stored_reply(&client, &second).await;
+    let reply = stored_reply(&client, &second.id, &second.origin, ANSWER).await;
     assert_eq!(reply.status, Some(200), "{reply:?}");
     let started = upstream.hit_times("/echo");
     assert_eq!(started.len(), 1, "the second request ran {started:?}");
@@ -451,7 +440,7 @@ async fn a_message_waiting_for_a_permit_is_kept_not_redelivered() {
         "deliveries of 3 messages: {info:?}"
     );
     for submitted in &submitted {
-        let reply = stored_reply(&h.client, submitted).await;
+        let reply = stored_reply(&h.client, &submitted.id, &submitted.origin, ANSWER).await;
         assert_eq!(reply.status, Some(200), "{reply:?}");
     }
     for path in paths {

@@ -21,9 +21,9 @@ use bytes::Bytes;
 use futures::StreamExt as _;
 use webproxy_client::Client;
 use webproxy_protocol::Reply;
-use webproxy_tests::caller::{accept_rule, envelope, to};
+use webproxy_tests::caller::{accept_rule, envelope, stored_reply, to};
 use webproxy_tests::{
-    Gate, NatsCluster, NatsServer, Relay, Service, Upstream, run_webproxy, wait_for, wait_until,
+    Gate, NatsCluster, NatsServer, Relay, Service, Upstream, run_webproxy, wait_until,
 };
 
 /// How long a step of these tests may take, faults included: a redelivery takes one
@@ -127,14 +127,7 @@ async fn a_stalled_pod_wakes_after_another_answered(
     })
     .await;
     gate.pass(1);
-    let stored = wait_for(STEP, "B's stored reply", || async {
-        client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .ok()
-            .flatten()
-    })
-    .await;
+    let stored = stored_reply(&client, &submitted.id, &submitted.origin, STEP).await;
     wait_until(STEP, "B's live reply", || async {
         !live.lock().expect("live replies").is_empty()
     })

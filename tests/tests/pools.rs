@@ -5,9 +5,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use webproxy_client::{Client, Error as ClientError, Submitted};
+use webproxy_client::{Client, Error as ClientError};
 use webproxy_protocol::{ErrorCode, Outcome, Reply};
-use webproxy_tests::caller::{REPLY_TIMEOUT, accept_rule, envelope, next_message, to};
+use webproxy_tests::caller::{
+    REPLY_TIMEOUT, accept_rule, envelope, next_message, stored_reply, to,
+};
 use webproxy_tests::pools::{kv_config, push_config};
 use webproxy_tests::run_webproxy as webproxy;
 use webproxy_tests::{
@@ -480,7 +482,7 @@ async fn changing_the_limit_updates_the_consumer_in_place() {
         second.logs()
     );
     for submitted in &submitted {
-        let reply = wait_for_reply(&client, submitted).await;
+        let reply = stored_reply(&client, &submitted.id, &submitted.origin, REPLY_TIMEOUT).await;
         assert_eq!(reply.status, Some(200));
     }
 }
@@ -566,16 +568,6 @@ async fn an_owner_that_lost_its_lease_writes_no_consumer() {
         "{}",
         service.logs()
     );
-}
-
-async fn wait_for_reply(client: &Client, submitted: &Submitted) -> Reply {
-    webproxy_tests::wait_for(REPLY_TIMEOUT, "a stored reply", || async {
-        client
-            .reply(&submitted.id, &submitted.origin)
-            .await
-            .expect("lookup")
-    })
-    .await
 }
 
 /// Issue 31: `pools pause`, `resume` and `remove` refuse a pool whose stream does not
