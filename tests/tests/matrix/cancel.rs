@@ -65,19 +65,14 @@ fn key(n: usize) -> String {
     n.to_string()
 }
 
-/// The series of the deliveries an instance handles now in the cell's pool.
-fn in_flight_series() -> String {
-    format!("webproxy_in_flight{{pool=\"{POOL}\"}}")
-}
-
 /// Whether the load is where the cancels should hit it: exactly the first
 /// `max_in_flight` conversations held at the upstream, the rest waiting, and instance
 /// 0 (the one the stalled row stops) holding one of them.
 pub async fn under_way(cell: &Cell) -> bool {
     let held = (0..in_flight_at_cancel()).all(|n| cell.upstream.holding(&key(n)) == 1)
         && cell.upstream.holding_any() == in_flight_at_cancel();
-    held && cell.services[0]
-        .metric(&in_flight_series())
+    held && cell
+        .in_flight(0)
         .await
         .is_some_and(|in_flight| in_flight >= 1.0)
 }
@@ -201,17 +196,7 @@ pub async fn kept(cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
 
     // Idle: every delivery the fault left behind is settled (a woken pod's stale one
     // included), so no settle is still to remove a record.
-    wait_until(IDLE, "every instance idle", || async {
-        let mut idle = true;
-        for service in &cell.services {
-            idle &= service
-                .metric(&in_flight_series())
-                .await
-                .is_some_and(|in_flight| in_flight == 0.0);
-        }
-        idle
-    })
-    .await;
+    cell.wait_idle(IDLE).await;
     let load: BTreeSet<String> = conversations
         .iter()
         .map(|conversation| conversation.origin.record_key(0))

@@ -294,6 +294,28 @@ impl Cell {
         })
     }
 
+    /// How many deliveries instance `n` handles now in the cell's pool; `None` while its
+    /// metrics do not answer.
+    pub async fn in_flight(&self, n: usize) -> Option<f64> {
+        self.services[n]
+            .metric(&format!("webproxy_in_flight{{pool=\"{POOL}\"}}"))
+            .await
+    }
+
+    /// Waits until no instance handles a delivery in the cell's pool, a woken pod's
+    /// stale one included: every settle the fault left behind is done. Panics if
+    /// `within` passes first.
+    pub async fn wait_idle(&self, within: Duration) {
+        wait_until(within, "every instance idle", || async {
+            let mut idle = true;
+            for n in 0..self.services.len() {
+                idle &= self.in_flight(n).await == Some(0.0);
+            }
+            idle
+        })
+        .await;
+    }
+
     /// Every instance's log (and the gateway's), for a failure's message.
     pub fn logs(&self) -> String {
         self.services

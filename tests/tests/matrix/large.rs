@@ -10,7 +10,7 @@ use webproxy_protocol::{BodyObject, Origin};
 use webproxy_tests::bodies::{
     assert_reads_back, delivery_of, digest_of, store_subjects, subjects_of,
 };
-use webproxy_tests::{large_body, wait_for, wait_until};
+use webproxy_tests::{large_body, wait_for};
 
 use crate::cell::Cell;
 use crate::fault::Fault;
@@ -35,11 +35,6 @@ const SETTLED: Duration = Duration::from_secs(30);
 
 /// The pause between two reads of the store while it settles.
 const SETTLE_POLL: Duration = Duration::from_millis(200);
-
-/// The series of the deliveries an instance handles now in the cell's pool.
-fn in_flight() -> String {
-    format!("webproxy_in_flight{{pool=\"{POOL}\"}}")
-}
 
 fn bucket(cell: &Cell) -> String {
     cell.client.subjects().pool_body_bucket(POOL)
@@ -100,8 +95,8 @@ pub async fn under_way(cell: &Cell) -> bool {
         .is_some_and(|held| !held.is_empty());
     // Asked last: the fault follows this answer within milliseconds.
     storing
-        && cell.services[0]
-            .metric(&in_flight())
+        && cell
+            .in_flight(0)
             .await
             .is_some_and(|in_flight| in_flight >= 1.0)
 }
@@ -188,17 +183,7 @@ pub async fn kept(cell: &Cell, conversations: &[Submitted], stored: &[Stored]) {
     let started = Instant::now();
     // Settled: no instance handles a delivery any more (a woken pod's stale one
     // included), so nothing writes to the store or removes from it.
-    wait_until(SETTLED, "every instance idle", || async {
-        let mut idle = true;
-        for service in &cell.services {
-            idle &= service
-                .metric(&in_flight())
-                .await
-                .is_some_and(|in_flight| in_flight == 0.0);
-        }
-        idle
-    })
-    .await;
+    cell.wait_idle(SETTLED).await;
     let mut held = None;
     let settled = tokio::time::timeout(SETTLED, async {
         loop {
