@@ -102,6 +102,37 @@ impl BodyStores {
 const LEADER_WAIT: Backoff =
     Backoff::doubling(Duration::from_millis(50), Duration::from_millis(800)).tries(7);
 
+/// How a discarded body's deletes that failed are tried again: 8 more tries, 1 s
+/// doubling to 8 s apart, 47 s in all, well past a cluster's leader election.
+const DISCARD_RETRY: Backoff =
+    Backoff::doubling(Duration::from_secs(1), Duration::from_secs(8)).tries(9);
+
+/// Deletes `sequences` from `bucket`'s stream; returns those whose delete could not
+/// reach the stream (no answer, or no stream handle), to be tried again. A JetStream
+/// error (the message gone already) is an answer: nothing to try again.
+async fn remove_messages(js: &jetstream::Context, bucket: &str, sequences: Vec<u64>) -> Vec<u64> {
+    if sequences.is_empty() {
+        return sequences;
+    }
+    let stream = match js.get_stream_no_info(Subjects::object_stream(bucket)).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            debug!(bucket, error = %e, "cannot reach a discarded body's stream");
+            return sequences;
+        }
+    };
+    let mut left = Vec::new();
+    for sequence in sequences {
+        if let Err(e) = stream.delete_message(sequence).await {
+            debug!(bucket, sequence, error = %e, "cannot remove a discarded body's message");
+            if !matches!(e.kind(), stream::DeleteMessageErrorKind::JetStream(_)) {
+                left.push(sequence);
+            }
+        }
+    }
+    left
+}
+
 /// The bucket whose stream `config` is, `OBJ_<bucket>`.
 fn bucket_of(config: &stream::Config) -> String {
     config
@@ -362,25 +393,29 @@ impl BodyWriter {
                 warn!(bucket = %receipts, sequence, error = %e, "cannot remove a discarded body's receipt; its TTL will");
             }
         }
-        if self.stored.is_empty() {
+        let left = remove_messages(&self.js, &self.bucket, std::mem::take(&mut self.stored)).await;
+        if left.is_empty() {
             return;
         }
-        let stream = match self
-            .js
-            .get_stream_no_info(Subjects::object_stream(&self.bucket))
-            .await
-        {
-            Ok(stream) => stream,
-            Err(e) => {
-                warn!(bucket = %self.bucket, error = %e, "cannot remove a discarded body; its TTL will");
-                return;
+        // A delete that timed out (the stream electing its leader again, say) is tried
+        // again in the background, so that a leader change leaves no orphan until the
+        // TTL; bounded by DISCARD_RETRY's tries, one task per discard.
+        let js = self.js.clone();
+        let bucket = self.bucket.clone();
+        tokio::spawn(async move {
+            let mut left = left;
+            let mut failures = 1;
+            while let Some(pause) = DISCARD_RETRY.after(failures) {
+                tokio::time::sleep(pause).await;
+                left = remove_messages(&js, &bucket, left).await;
+                if left.is_empty() {
+                    debug!(bucket = %bucket, failures, "removed a discarded body's messages on a later try");
+                    return;
+                }
+                failures += 1;
             }
-        };
-        for sequence in &self.stored {
-            if let Err(e) = stream.delete_message(*sequence).await {
-                warn!(bucket = %self.bucket, sequence, error = %e, "cannot remove a discarded body's message; its TTL will");
-            }
-        }
+            warn!(bucket = %bucket, left = left.len(), "cannot remove a discarded body's messages; their TTL will");
+        });
     }
 
     async fn finish_body(&mut self) -> Result<(), SinkError> {
